@@ -1,0 +1,50 @@
+# gptpar: `make install`, `make test`, `make demo`; cluster targets live in jobs/Makefile.launch.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+GPTPAR := $(VENV)/bin/gptpar
+# The CPU build on this machine's disk; on a cluster, PyPI's torch wheel for Linux is the CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+RUNS ?= runs
+FIGURES ?= figures
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint bench bench-dp bench-pp bench-analysis figures config-reference clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
+	$(PY) -c "import torch, transformers, datasets, submitit, gptpar"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: bench-dp bench-pp bench-analysis
+
+bench-dp: install
+	$(PY) bench/bench_dp.py
+
+bench-pp: install
+	$(PY) bench/bench_pp.py
+
+bench-analysis: install
+	$(PY) bench/bench_analysis.py
+
+figures: install
+	$(GPTPAR) report $(RUNS) --out $(FIGURES)
+
+config-reference: install
+	$(GPTPAR) config reference
+
+clean:
+	rm -rf $(RUNS) $(FIGURES) .pytest_cache
+
+-include jobs/Makefile.launch

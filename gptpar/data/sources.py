@@ -1,0 +1,134 @@
+"""Where training text comes from: each `data.source` resolves to text (or, for synthetic, tokens)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+import urllib.request
+from collections.abc import Iterable
+from pathlib import Path
+
+from gptpar.config import DataConfig
+from gptpar.errors import GptparError
+from gptpar.hub import hub_reachable
+
+TINYSHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt")
+TINYSHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+TINYSHAKESPEARE_FILE = "tinyshakespeare.txt"
+DOWNLOAD_TIMEOUT_S = 10.0
+
+
+def data_dir(cfg: DataConfig) -> Path:
+    """`data.dir`, else $GPTPAR_DATA_DIR, else ~/.cache/gptpar: shared by every run on the machine."""
+    chosen = cfg.dir or os.environ.get("GPTPAR_DATA_DIR") or Path.home() / ".cache" / "gptpar"
+    path = Path(chosen).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def cache_dir(cfg: DataConfig) -> Path:
+    """Tokenizer and token caches: inside the data directory, unless it is read-only (a shared copy)."""
+    base = data_dir(cfg)
+    if not os.access(base, os.W_OK):
+        base = Path.home() / ".cache" / "gptpar"
+    path = base / "cache"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _truncate(texts: Iterable[str], max_chars: int) -> str:
+    """Join documents (newline-separated) until `max_chars` characters; 0 means everything."""
+    parts, total = [], 0
+    for text in texts:
+        if max_chars and total + len(text) >= max_chars:
+            parts.append(text[: max_chars - total])
+            break
+        parts.append(text)
+        total += len(text) + 1
+    return "\n".join(parts)
+
+
+def stdlib_text(max_chars: int) -> str:
+    """The interpreter's own standard library: a corpus every machine has, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py")
+                   if "site-packages" not in p.parts and "dist-packages" not in p.parts)
+    return _truncate((p.read_text(encoding="utf-8", errors="replace") for p in files), max_chars)
+
+
+def tinyshakespeare_path(cfg: DataConfig) -> Path:
+    """The cached corpus, downloaded and checked once; nothing is fetched when it is present."""
+    target = data_dir(cfg) / TINYSHAKESPEARE_FILE
+    if target.is_file():
+        if sha256_of(target) != TINYSHAKESPEARE_SHA256:
+            raise GptparError(f"{target} does not have the expected sha256 {TINYSHAKESPEARE_SHA256}; "
+                              "delete it or replace it with the real corpus")
+        return target
+    partial = target.with_suffix(f".part{os.getpid()}")
+    try:
+        with urllib.request.urlopen(TINYSHAKESPEARE_URL, timeout=DOWNLOAD_TIMEOUT_S) as response:
+            partial.write_bytes(response.read())
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise GptparError(
+            f"data.source=tinyshakespeare: cannot download {TINYSHAKESPEARE_URL} ({exc.__class__.__name__}); "
+            f"copy the file to {target} or point GPTPAR_DATA_DIR (or data.dir) at a folder holding "
+            f"{TINYSHAKESPEARE_FILE}") from None
+    if sha256_of(partial) != TINYSHAKESPEARE_SHA256:
+        partial.unlink()
+        raise GptparError(f"downloaded {TINYSHAKESPEARE_URL} but its sha256 does not match; not cached")
+    os.replace(partial, target)
+    return target
+
+
+def text_files(paths: list[str], max_chars: int) -> str:
+    """Local text files through `datasets`' text builder (each file one document)."""
+    import datasets
+
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise GptparError(f"data.source=text: no such file: {missing[0]}")
+    ds = datasets.load_dataset("text", data_files=paths, split="train", sample_by="document")
+    return _truncate(ds["text"], max_chars)
+
+
+def hf_text(spec: str, cfg: DataConfig) -> str:
+    """A hub dataset's `text` column; with `data.streaming` only the needed rows are read."""
+    import datasets
+
+    name, _, config = spec.partition(":")
+    reachable = hub_reachable(cfg.hub_timeout_s)
+    try:
+        ds = datasets.load_dataset(name, config or None, split="train", streaming=cfg.streaming)
+    except Exception as exc:
+        where = "reachable" if reachable else "unreachable (and the dataset is not in the local cache)"
+        raise GptparError(f"data.source=hf:{spec}: cannot load the dataset; the Hugging Face hub is "
+                          f"{where}: {str(exc).splitlines()[0][:200]}") from None
+    if "text" not in (ds.column_names or []):
+        raise GptparError(f"data.source=hf:{spec}: the dataset has no 'text' column "
+                          f"(columns: {ds.column_names})")
+    return _truncate((row["text"] for row in ds), cfg.max_chars)
+
+
+def load_text(cfg: DataConfig) -> str:
+    source = cfg.source
+    if source == "stdlib":
+        return stdlib_text(cfg.max_chars)
+    if source == "tinyshakespeare":
+        return _truncate([tinyshakespeare_path(cfg).read_text(encoding="utf-8")], cfg.max_chars)
+    if source.startswith("text:"):
+        return text_files([p for p in source[5:].split(",") if p], cfg.max_chars)
+    if source.startswith("hf:"):
+        return hf_text(source[3:], cfg)
+    raise GptparError(f"data.source: {source!r} is not allowed; use stdlib, tinyshakespeare, synthetic, "
+                      "text:PATH[,PATH...] or hf:NAME[:CONFIG]")

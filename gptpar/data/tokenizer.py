@@ -1,0 +1,86 @@
+"""Tokenizers: GPT-2's BPE from the hub when it can be had, else one trained here, or raw bytes."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from gptpar.atomic import atomic_write_text
+from gptpar.config import DataConfig
+from gptpar.errors import GptparError
+from gptpar.hub import hub_reachable
+
+
+class Encoder(Protocol):
+    def __call__(self, text: str) -> np.ndarray: ...
+
+
+@dataclass
+class Tokenizer:
+    name: str  # identifies the vocabulary in cache keys
+    vocab_size: int
+    encode: Encoder
+
+
+def bytes_tokenizer() -> Tokenizer:
+    def encode(text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+    return Tokenizer("bytes", 256, encode)
+
+
+def _from_hf_tokenizer(name: str, hf_tokenizer) -> Tokenizer:
+    def encode(text: str) -> np.ndarray:
+        # Encode line batches: the Rust tokenizer parallelises them and never sees a huge string.
+        lines = text.splitlines(keepends=True)
+        ids = hf_tokenizer.encode_batch(lines) if lines else []
+        return np.fromiter((i for enc in ids for i in enc.ids), dtype=np.int32)
+    return Tokenizer(name, hf_tokenizer.get_vocab_size(), encode)
+
+
+def gpt2_tokenizer(timeout_s: float) -> Tokenizer | None:
+    """GPT-2's own BPE from the hub (or its local cache); None when neither has it."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from huggingface_hub import hf_hub_download
+
+    try:
+        path = hf_hub_download("gpt2", "tokenizer.json", local_files_only=not hub_reachable(timeout_s))
+        return _from_hf_tokenizer("gpt2", HFTokenizer.from_file(path))
+    except Exception:
+        return None
+
+
+def trained_bpe(train_text: str, vocab_size: int, cache_dir: Path) -> Tokenizer:
+    """A byte-level BPE trained on the training split, cached by corpus hash and vocabulary size."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    digest = hashlib.sha256(train_text.encode("utf-8", errors="replace")).hexdigest()[:16]
+    path = cache_dir / f"bpe-{digest}-{vocab_size}.json"
+    if path.is_file():
+        return _from_hf_tokenizer(f"bpe-{digest}-{vocab_size}", HFTokenizer.from_file(str(path)))
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(train_text.splitlines(keepends=True), trainer=trainer)
+    atomic_write_text(path, tok.to_str())
+    return _from_hf_tokenizer(f"bpe-{digest}-{vocab_size}", tok)
+
+
+def get_tokenizer(cfg: DataConfig, train_text: str, cache_dir: Path) -> Tokenizer:
+    if cfg.tokenizer == "bytes":
+        return bytes_tokenizer()
+    if cfg.tokenizer in ("auto", "gpt2"):
+        tok = gpt2_tokenizer(cfg.hub_timeout_s)
+        if tok is not None:
+            return tok
+        if cfg.tokenizer == "gpt2":
+            raise GptparError("data.tokenizer=gpt2: GPT-2's tokenizer is neither reachable on the hub nor "
+                              "cached (HF_HOME); use data.tokenizer=bpe or bytes")
+    return trained_bpe(train_text, cfg.vocab_size, cache_dir)
