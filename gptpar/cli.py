@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from gptpar.config import load_config, reference_markdown, to_yaml
 from gptpar.errors import GptparError
@@ -15,8 +16,8 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _split_config_arg(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """The optional YAML path and the overrides: a first argument with '=' is an override."""
-    if args.config and "=" in args.config:
+    """The optional YAML path and the overrides: a first argument with '=' that is no file is an override."""
+    if args.config and "=" in args.config and not Path(args.config).is_file():
         return None, [args.config, *args.overrides]
     return args.config, list(args.overrides)
 

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from gptpar.errors import GptparError
+from gptpar.presets import PRESETS
 
 
 class ConfigError(GptparError):
@@ -30,9 +31,8 @@ def opt(default: Any, help: str, choices: tuple | None = None, min: float | None
 
 @dataclass
 class ModelConfig:
-    preset: str = opt("gpt2-tiny", "Named GPT-2 shape (see gptpar.model.PRESETS).",
-                      choices=("gpt2-tiny", "gpt2-mini", "gpt2-wide", "gpt2", "gpt2-medium",
-                               "gpt2-large", "gpt2-xl"))
+    preset: str = opt("gpt2-tiny", "Named GPT-2 shape (gptpar/presets.py).",
+                      choices=tuple(PRESETS))
     n_layer: int = opt(0, "Transformer blocks; 0 keeps the preset's.", min=0)
     n_embd: int = opt(0, "Hidden width; 0 keeps the preset's.", min=0)
     n_head: int = opt(0, "Attention heads; 0 keeps the preset's.", min=0)
@@ -100,7 +100,7 @@ class ParallelConfig:
 
 @dataclass
 class LaunchConfig:
-    profile: str = opt("local", "Cluster profile (jobs/profiles/NAME.yaml).")
+    profile: str = opt("local", "Cluster profile: a name in gptpar/launch/profiles/ or a path to a .yaml file.")
     cluster: str = opt("auto", "auto: SLURM when reachable, else local processes.",
                        choices=("auto", "slurm", "local"))
     partition: str = opt("", "SLURM partition; empty uses the profile's default.")
@@ -215,18 +215,22 @@ def apply_dict(cfg: Config, data: Any, origin: str = "config") -> Config:
     return cfg
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """Split `section.key=value`; the value is read as YAML so `1e-3`, `true` and lists work."""
+def parse_override(text: str) -> tuple[str, str]:
+    """Split `section.key=value`; the value stays text and is converted by the field's type."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ConfigError(f"override {text!r} is not of the form section.key=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    if isinstance(value, (dict, list)) or value is None:
-        value = raw
+    key, value = text.split("=", 1)
     return key.strip(), value
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML without base-60 numbers, so `time: 01:00:00` stays the text it looks like."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if not regexp.match("1:00")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -234,7 +238,7 @@ def read_yaml(path: str | Path) -> Any:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from gptpar.preemption import install_preemption_handler, preemption_requested, requeue_current_job
 
 from gptpar.checkpoint import load_checkpoint, save_checkpoint
 from gptpar.config import Config, TrainConfig, config_from_dict, to_yaml, validate
@@ -33,6 +32,7 @@ from gptpar.logs import SCHEMA_VERSION, RankLogger, rank_log_path
 from gptpar.model import build_model, lm_loss
 from gptpar.parallel import make_grad_sync
 from gptpar.pipeline import build_parallel_model
+from gptpar.preemption import install_preemption_handler, preemption_requested, requeue_current_job
 
 
 def learning_rate(step: int, t: TrainConfig, total_steps: int) -> float:
@@ -84,10 +84,14 @@ def git_commit() -> str:
         return "unknown"
 
 
+SLURM_FIELDS = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
+                "array_task_id": "SLURM_ARRAY_TASK_ID", "job_nodelist": "SLURM_JOB_NODELIST",
+                "node": "SLURMD_NODENAME", "node_id": "SLURM_NODEID", "restart_count": "SLURM_RESTART_COUNT",
+                "job_name": "SLURM_JOB_NAME", "partition": "SLURM_JOB_PARTITION"}
+
+
 def slurm_fields() -> dict[str, str]:
-    keys = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_JOB_NODELIST",
-            "SLURM_RESTART_COUNT", "SLURM_JOB_NAME", "SLURM_JOB_PARTITION")
-    return {k.removeprefix("SLURM_").lower(): os.environ[k] for k in keys if k in os.environ}
+    return {key: os.environ[var] for key, var in SLURM_FIELDS.items() if var in os.environ}
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -234,7 +238,7 @@ class Trainer:
         params = [p for p in self.net.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else math.inf)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.zero_grad()
         return total, float(grad_norm)
 
     @torch.no_grad()
@@ -288,7 +292,7 @@ class Trainer:
                     self.log.log("step", step=self.step, epoch=epoch, loss=loss,
                                  lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, tokens=tokens,
                                  step_time_s=step_time, tokens_per_s=tokens / step_time, data_time_s=data_time,
-                                 peak_mem_bytes=peak_memory_bytes(info.device))
+                                 peak_mem_bytes=peak_memory_bytes(info.device), bubble=self.net.bubble)
                     progress.update(self.step, loss, tokens / step_time)
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                         val = self.evaluate()
@@ -313,8 +317,11 @@ class Trainer:
             progress.close()
         self.log.log("final", status=status, step=self.step, loss=loss)
         self.log.close()
-        if status == "requeued" and info.rank == 0:
-            requeue_current_job()
+        if status == "requeued":
+            if info.world_size > 1:
+                dist.barrier()  # every rank's final record is on disk before SLURM kills the job
+            if info.rank == 0:
+                requeue_current_job()
         return {"status": status, "step": self.step, "loss": loss, "run_dir": str(self.run_dir)}
 
 

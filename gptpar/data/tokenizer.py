@@ -43,9 +43,8 @@ def _from_hf_tokenizer(name: str, hf_tokenizer) -> Tokenizer:
 
 def gpt2_tokenizer(timeout_s: float) -> Tokenizer | None:
     """GPT-2's own BPE from the hub (or its local cache); None when neither has it."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     from huggingface_hub import hf_hub_download
+    from tokenizers import Tokenizer as HFTokenizer
 
     try:
         path = hf_hub_download("gpt2", "tokenizer.json", local_files_only=not hub_reachable(timeout_s))

@@ -1,0 +1,1 @@
+"""Turn the per-rank JSONL logs under runs/ into a summary table and scaling figures."""

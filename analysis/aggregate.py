@@ -1,0 +1,242 @@
+"""Per-run metrics (time, throughput, loss, MFU) and per-sweep speedup and scaling efficiency.
+
+Definitions (they are repeated in the summary's footnotes):
+- epoch time: each rank's epoch `training_time_s`, averaged over ranks;
+- tokens/s: each data-parallel replica's tokens/s, summed over replicas; a replica's pipeline
+  stages are counted once (only the last stage is read);
+- job tokens/s: all kept tokens of all replicas over the slowest rank's summed step time;
+- warm-up: the first `warmup_epochs` epochs are dropped when more epochs remain, otherwise the
+  first `warmup_steps` steps; mean and sample std are over kept epochs, else over kept steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from analysis.mfu import device_label, mfu
+from analysis.reader import RankLog, RunLog
+
+GPU_KEYS = ("parallel.dp", "parallel.devices", "launch.gpus", "launch.nodes")
+PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks")
+# Keys that never define a sweep axis: bookkeeping, scheduling, and repeat seeds.
+NON_AXIS_PREFIXES = ("log.", "launch.")
+NON_AXIS_KEYS = ("data.dir", "train.seed", *GPU_KEYS, *PIPELINE_KEYS)
+
+
+@dataclass
+class RunMetrics:
+    run: str  # path relative to the runs dir
+    run_id: str
+    sweep: str
+    status: str
+    detail: str
+    params: dict[str, Any]  # the flattened resolved config, "section.key" -> value
+    dp: int = 1
+    pp_mode: str = "single"
+    chunks: int = 1
+    devices: int = 1  # devices per data-parallel replica (pipeline stages)
+    gpus: int = 1
+    basis: str = ""
+    epoch_time: tuple[float | None, float | None] = (None, None)
+    step_time: tuple[float | None, float | None] = (None, None)
+    tokens_per_s: tuple[float | None, float | None] = (None, None)
+    job_tokens_per_s: float | None = None
+    final_loss: float | None = None
+    val_loss: float | None = None
+    loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    val_curve: list[tuple[int, float]] = field(default_factory=list)
+    bubble_theory: float | None = None
+    bubble_measured: float | None = None
+    device: str = ""  # device name matched against the peak-FLOPs table
+    precision: str = "fp32"
+    mfu: float | None = None
+    mfu_note: str = ""
+    speedup: float | None = None
+    efficiency: float | None = None
+    baseline: str = ""
+    warnings: list[str] = field(default_factory=list)
+
+
+def flatten(config: dict[str, Any]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
+def mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def _replicas(ranks: list[RankLog]) -> list[int]:
+    """Indices of one rank per data-parallel replica: its last pipeline stage, which has the loss."""
+    last = max(log.header["coords"].get("pp", 0) for log in ranks)
+    chosen: dict[Any, int] = {}
+    for i, log in enumerate(ranks):
+        coords = log.header["coords"]
+        if coords.get("pp", last) == last:
+            chosen.setdefault(coords.get("dp", log.rank), i)
+    return list(chosen.values())
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
+    p = m.params
+    m.dp = int(p.get("parallel.dp", 1))
+    m.pp_mode = str(p.get("parallel.pp_mode", "single"))
+    m.chunks = int(p.get("parallel.chunks", 1)) if m.pp_mode == "pipeline_parallel" else 1
+    pp_size = int(header["sizes"].get("pp", 1))
+    listed = [d for d in str(p.get("parallel.devices", "")).split(",") if d.strip()]
+    if m.pp_mode == "single":
+        m.devices = 1
+    elif pp_size > 1 or listed:
+        m.devices = pp_size if pp_size > 1 else len(listed)
+    else:  # empty devices: every visible GPU, else one CPU
+        m.devices = int(p.get("launch.gpus", 1)) if str(header["device"]).startswith("cuda") else 1
+    m.gpus = m.dp * m.devices
+    if m.pp_mode != "single":
+        m.bubble_theory = (m.devices - 1) / (m.chunks + m.devices - 1)
+
+
+def _warmup(m: RunMetrics, ranks: list[RankLog], warmup_epochs: int, warmup_steps: int
+            ) -> tuple[list[int], set[int]]:
+    """(kept epochs, kept step numbers): epochs are the basis when any remain after the warm-up,
+    and then the kept steps are those of the kept epochs; else the first steps are dropped."""
+    epochs = sorted(set.intersection(*(set(log.epochs) for log in ranks)))
+    if len(epochs) > warmup_epochs:
+        kept = epochs[warmup_epochs:]
+        m.basis = f"epochs {kept[0]}-{kept[-1]} of {len(epochs)}" if len(kept) > 1 else f"epoch {kept[0]}"
+        m.epoch_time = mean_std([statistics.fmean(log.epochs[e]["training_time_s"] for log in ranks)
+                                 for e in kept])
+        kept_set = set(kept)
+        return kept, {s for log in ranks for s, r in log.steps.items() if r["epoch"] in kept_set}
+    if len(epochs) == 1:
+        m.epoch_time = (statistics.fmean(log.epochs[epochs[0]]["training_time_s"] for log in ranks), None)
+    numbers = sorted(set().union(*(log.steps for log in ranks)))
+    if len(numbers) <= warmup_steps:
+        m.warnings.append(f"{m.run}: only {len(numbers)} step(s); no warm-up steps dropped")
+        warmup_steps = 0
+    kept_steps = numbers[warmup_steps:]
+    if kept_steps:
+        m.basis = f"steps {kept_steps[0]}-{kept_steps[-1]} of {len(numbers)}"
+    return [], set(kept_steps)
+
+
+def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int = 5) -> RunMetrics:
+    m = RunMetrics(rel, run.run_id, run.sweep, run.status, run.detail, flatten(run.config),
+                   warnings=list(run.warnings))
+    ranks = run.ranks
+    if not ranks:
+        return m
+    header = ranks[0].header
+    _shape(m, header)
+    replicas = _replicas(ranks)
+    kept_epochs, kept_steps = _warmup(m, ranks, warmup_epochs, warmup_steps)
+    kept = [{s: r for s, r in log.steps.items() if s in kept_steps} for log in ranks]
+    kept_replicas = [kept[i] for i in replicas]
+    if kept_epochs:
+        m.tokens_per_s = mean_std([sum(ranks[i].epochs[e]["tokens_per_s"] for i in replicas)
+                                   for e in kept_epochs])
+    else:
+        in_all = sorted(set.intersection(*(set(k) for k in kept_replicas)))
+        m.tokens_per_s = mean_std([sum(k[s]["tokens_per_s"] for k in kept_replicas) for s in in_all])
+    common = sorted(set.intersection(*(set(k) for k in kept)))
+    m.step_time = mean_std([sum(k[s]["step_time_s"] for k in kept) / len(kept) for s in common])
+    wall = max(sum(r["step_time_s"] for r in k.values()) for k in kept)
+    tokens = sum(r["tokens"] for k in kept_replicas for r in k.values())
+    m.job_tokens_per_s = tokens / wall if wall > 0 else None
+    bubbles = [r["bubble"] for k in kept_replicas for r in k.values() if _finite(r.get("bubble"))]
+    m.bubble_measured = statistics.fmean(bubbles) if bubbles else None
+
+    replica_logs = [ranks[i] for i in replicas]
+    m.loss_curve = _mean_curve([{s: r["loss"] for s, r in log.steps.items()} for log in replica_logs])
+    m.val_curve = _mean_curve([{s: r["val_loss"] for s, r in log.evals.items()} for log in replica_logs])
+    m.final_loss = m.loss_curve[-1][1] if m.loss_curve else None
+    if m.val_curve:
+        m.val_loss = m.val_curve[-1][1]
+    else:
+        last = [log.epochs[max(log.epochs)]["val_loss"] for log in replica_logs if log.epochs]
+        finite = [v for v in last if _finite(v)]
+        m.val_loss = statistics.fmean(finite) if finite else None
+    m.device, m.precision = device_label(header, m.params)
+    return m
+
+
+def apply_mfu(runs: list[RunMetrics]) -> None:
+    """Kept out of run_metrics: the model shapes import torch, which worker processes should not."""
+    for r in runs:
+        if r.device:
+            r.mfu, r.mfu_note = mfu(r.tokens_per_s[0], r.gpus, r.device, r.precision, r.params)
+
+
+def _mean_curve(series: list[dict[int, Any]]) -> list[tuple[int, float]]:
+    """Per step, the mean of the finite values over replicas (a stage without a loss logs none)."""
+    values: dict[int, list[float]] = {}
+    for one in series:
+        for step, value in one.items():
+            if value is not None and math.isfinite(value):
+                values.setdefault(step, []).append(value)
+    return [(step, sum(v) / len(v)) for step, v in sorted(values.items())]
+
+
+def sweep_axes(runs: list[RunMetrics]) -> list[str]:
+    """Config keys whose values differ within a sweep, other than GPU count and pipeline keys."""
+    keys = sorted(set().union(*(r.params for r in runs))) if runs else []
+    return [k for k in keys if not k.startswith(NON_AXIS_PREFIXES) and k not in NON_AXIS_KEYS
+            and len({repr(r.params.get(k)) for r in runs}) > 1]
+
+
+def group_top_level(runs: list[RunMetrics]) -> None:
+    """Sweeps of the runs not in a sweep folder: "top-level", split by their common config
+    (ignoring the keys sweeps vary) when the top-level runs differ in it."""
+    top = [r for r in runs if not r.sweep]
+    for r in top:
+        r.sweep = "top-level"
+
+    def key(r: RunMetrics) -> tuple:
+        return tuple(sorted((k, repr(v)) for k, v in r.params.items()
+                            if not k.startswith(("log.", "launch.", "parallel."))))
+
+    groups: dict[tuple, list[RunMetrics]] = {}
+    for r in top:
+        if r.params:  # a corrupt run may have no config
+            groups.setdefault(key(r), []).append(r)
+    if len(groups) < 2:
+        return
+    differing = sweep_axes([r for members in groups.values() for r in members])
+    for members in groups.values():
+        label = ",".join(f"{k.split('.')[-1]}={members[0].params.get(k)}" for k in differing)
+        for r in members:
+            r.sweep = f"top-level[{label}]"
+
+
+def _closest(run: RunMetrics, candidates: list[RunMetrics], axes: list[str]) -> RunMetrics:
+    return max(candidates, key=lambda c: sum(c.params.get(k) == run.params.get(k) for k in axes))
+
+
+def apply_speedups(runs: list[RunMetrics]) -> None:
+    """Speedup of summed tokens/s over the sweep's baseline: the 1-GPU run, or for a pipeline run
+    the model-parallel run on the same devices; efficiency = speedup / (GPUs / baseline GPUs)."""
+    sweeps: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        if r.tokens_per_s[0]:
+            sweeps.setdefault(r.sweep, []).append(r)
+    for members in sweeps.values():
+        axes = sweep_axes(members)
+        single = [r for r in members if r.pp_mode == "single" and r.gpus == 1]
+        for r in members:
+            mp = [c for c in members if c.pp_mode == "model_parallel" and c.dp == r.dp
+                  and c.devices == r.devices]
+            candidates = mp if r.pp_mode == "pipeline_parallel" and mp else single
+            if not candidates:
+                continue
+            base = _closest(r, candidates, axes)
+            r.baseline = base.run_id
+            r.speedup = r.tokens_per_s[0] / base.tokens_per_s[0]
+            r.efficiency = r.speedup / (r.gpus / base.gpus)

@@ -1,0 +1,212 @@
+"""Scaling, pipeline, loss and sweep-axis figures, one consistent style, PNG via the Agg backend.
+
+A figure without data is skipped with a message: an empty plot in a report reads as a result.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from analysis.aggregate import RunMetrics, sweep_axes  # noqa: E402
+
+STYLE = {
+    "figure.figsize": (6.4, 4.4), "figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3,
+    "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8, "lines.markersize": 5,
+}
+MAX_LEGEND = 12
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_.")[:100] or "top-level"
+
+
+def _series(runs: list[RunMetrics]) -> dict[str, list[RunMetrics]]:
+    """Runs grouped into lines by sweep and by the keys the sweep varies besides the GPU count."""
+    by_sweep: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        by_sweep.setdefault(r.sweep, []).append(r)
+    series: dict[str, list[RunMetrics]] = {}
+    for sweep, members in sorted(by_sweep.items()):
+        axes = sweep_axes(members)
+        for r in members:
+            label = ", ".join(f"{k.split('.')[-1]}={r.params.get(k)}" for k in axes)
+            series.setdefault(f"{sweep} {label}".strip() if len(by_sweep) > 1 or not label else label, []).append(r)
+    return series
+
+
+def _errorbar(ax: plt.Axes, xs: list, pairs: list[tuple[float | None, float | None]], **style) -> str | None:
+    """Mean ± std points, leaving out runs without the value; the line's colour, if drawn."""
+    points = [(x, mean, std or 0.0) for x, (mean, std) in zip(xs, pairs, strict=True) if mean is not None]
+    if not points:
+        return None
+    x, y, err = (list(column) for column in zip(*points, strict=True))
+    return ax.errorbar(x, y, yerr=err, marker="o", capsize=3, **style)[0].get_color()
+
+
+def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def _save(fig: plt.Figure, path: Path, written: list[Path]) -> None:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    written.append(path)
+
+
+def _legend(ax: plt.Axes) -> None:
+    if 0 < len(ax.get_legend_handles_labels()[0]) <= MAX_LEGEND:
+        ax.legend()
+
+
+def _scaling(runs: list[RunMetrics], path: Path, written: list[Path], metric: str) -> bool:
+    """Training time (metric "time") or summed tokens/s ("tokens") against the GPU count."""
+    def value(r: RunMetrics) -> tuple[float | None, float | None]:
+        return r.epoch_time if metric == "time" else r.tokens_per_s
+
+    data = [r for r in runs if r.pp_mode == "single" and value(r)[0] is not None]
+    if not data:
+        return False
+    fig, ax = plt.subplots()
+    for label, members in _series(data).items():
+        members = sorted(members, key=lambda r: r.gpus)
+        xs = [r.gpus for r in members]
+        _errorbar(ax, xs, [value(r) for r in members], label=label or None)
+    if metric == "tokens":  # per sweep, linear from its run on the fewest GPUs
+        for sweep in sorted({r.sweep for r in data}):
+            members = [r for r in data if r.sweep == sweep]
+            base = min(members, key=lambda r: (r.gpus, r.run))
+            xs = sorted({r.gpus for r in members})
+            ax.plot(xs, [base.tokens_per_s[0] * x / base.gpus for x in xs], linestyle="--", color="grey",
+                    alpha=0.7, label=f"ideal ({sweep}, from {base.run_id})")
+    ax.set_xlabel("GPUs (data-parallel ranks × devices per replica)")
+    ax.set_xticks(sorted({r.gpus for r in data}))
+    if metric == "time":
+        ax.set_ylabel("training time per epoch (s)")
+        ax.set_title("Training time vs GPU count")
+    else:
+        ax.set_ylabel("throughput (tokens/s, summed over DP ranks)")
+        ax.set_title("Throughput vs GPU count (dashed: ideal linear scaling)")
+    _legend(ax)
+    _save(fig, path, written)
+    return True
+
+
+def _pipeline(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
+    """Model parallel (horizontal lines) against pipeline parallel per chunk count."""
+    data = [r for r in runs if r.pp_mode in ("model_parallel", "pipeline_parallel")]
+    if not data:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
+    panels = (("epoch_time", "training time per epoch (s)"),
+              ("tokens_per_s", "throughput (tokens/s, summed over DP)"))
+    groups: dict[tuple[str, int, int], list[RunMetrics]] = {}
+    for r in data:
+        groups.setdefault((r.sweep, r.devices, r.dp), []).append(r)
+    chunks = sorted({r.chunks for r in data if r.pp_mode == "pipeline_parallel"}) or [1]
+    for (sweep, p, dp), members in sorted(groups.items()):
+        name = f"{sweep} p={p}" + (f" dp={dp}" if dp > 1 else "")
+        pipe = sorted((r for r in members if r.pp_mode == "pipeline_parallel"), key=lambda r: r.chunks)
+        model = [r for r in members if r.pp_mode == "model_parallel"]
+        for ax, (attr, _) in zip(axes, panels, strict=False):
+            color = _errorbar(ax, [r.chunks for r in pipe], [getattr(r, attr) for r in pipe],
+                              label=f"pipeline {name}")
+            for r in model:
+                if getattr(r, attr)[0] is not None:
+                    ax.axhline(getattr(r, attr)[0], linestyle="--", color=color,
+                               label=f"model parallel {name}")
+        if pipe:
+            ms = [r.chunks for r in pipe]
+            theory_line = axes[2].plot(ms, [r.bubble_theory for r in pipe], linestyle="--",
+                                       label=f"theory (p-1)/(m+p-1), {name}")
+            measured = [(r.chunks, r.bubble_measured) for r in pipe if r.bubble_measured is not None]
+            if measured:
+                axes[2].plot(*_xy(measured), marker="o", linestyle="none",
+                             color=theory_line[0].get_color(), label=f"measured {name}")
+    for ax, (_, ylabel) in zip(axes, panels, strict=False):
+        ax.set_ylabel(ylabel)
+    axes[2].set_ylabel("bubble fraction of step time")
+    axes[2].set_ylim(0, 1)
+    for ax in axes:
+        ax.set_xlabel("micro-batches per batch (chunks m)")
+        ax.set_xticks(chunks)
+        _legend(ax)
+    fig.suptitle("Model parallel (dashed lines) vs pipeline parallel")
+    _save(fig, path, written)
+    return True
+
+
+def _losses(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
+    """One figure per sweep: training loss per step, validation loss as markers."""
+    by_sweep: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        if r.loss_curve:
+            by_sweep.setdefault(r.sweep, []).append(r)
+    for sweep, members in sorted(by_sweep.items()):
+        fig, ax = plt.subplots()
+        for r in members:
+            line = ax.plot(*_xy(r.loss_curve), linewidth=1, label=r.run_id)
+            if r.val_curve:
+                ax.plot(*_xy(r.val_curve), marker="s", linestyle="none", color=line[0].get_color())
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss (nats/token; squares: validation)")
+        ax.set_title(f"Loss curves: {sweep}")
+        _legend(ax)
+        _save(fig, out_dir / f"loss_{_slug(sweep)}.png", written)
+    return bool(by_sweep)
+
+
+def _axes(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
+    """Throughput against each swept key other than the GPU count, one line per sweep and GPU count."""
+    by_sweep: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        if r.tokens_per_s[0] is not None:
+            by_sweep.setdefault(r.sweep, []).append(r)
+    per_axis: dict[str, list[tuple[str, RunMetrics]]] = {}
+    for sweep, members in by_sweep.items():
+        for key in sweep_axes(members):
+            per_axis.setdefault(key, []).extend((sweep, r) for r in members)
+    for key, pairs in sorted(per_axis.items()):
+        values = sorted({r.params.get(key) for _, r in pairs}, key=lambda v: (isinstance(v, str), v))
+        numeric = all(isinstance(v, (int, float)) for v in values)
+        lines: dict[str, list[RunMetrics]] = {}
+        for sweep, r in pairs:
+            lines.setdefault(f"{sweep} GPUs={r.gpus}" + (f" {r.pp_mode}" if r.pp_mode != "single" else ""),
+                             []).append(r)
+        fig, ax = plt.subplots()
+        for label, members in sorted(lines.items()):
+            members = sorted(members, key=lambda r: values.index(r.params.get(key)))
+            xs = [r.params.get(key) if numeric else values.index(r.params.get(key)) for r in members]
+            _errorbar(ax, xs, [r.tokens_per_s for r in members], label=label)
+        if not numeric:
+            ax.set_xticks(range(len(values)), [str(v) for v in values])
+        ax.set_xlabel(key)
+        ax.set_ylabel("throughput (tokens/s, summed over DP)")
+        ax.set_title(f"Throughput vs {key}")
+        _legend(ax)
+        _save(fig, out_dir / f"throughput_vs_{_slug(key.split('.')[-1])}.png", written)
+    return bool(per_axis)
+
+
+def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], None] = print) -> list[Path]:
+    """Write every figure that has data; name each skipped one through `say`."""
+    written: list[Path] = []
+    with plt.rc_context(STYLE):
+        if not _scaling(runs, out_dir / "time_vs_gpus.png", written, "time"):
+            say("figure time_vs_gpus.png skipped: no single-mode run with an epoch time")
+        if not _scaling(runs, out_dir / "throughput_vs_gpus.png", written, "tokens"):
+            say("figure throughput_vs_gpus.png skipped: no single-mode run with a throughput")
+        if not _pipeline(runs, out_dir / "pipeline_vs_model_parallel.png", written):
+            say("figure pipeline_vs_model_parallel.png skipped: no model- or pipeline-parallel run")
+        if not _losses(runs, out_dir, written):
+            say("figure loss_*.png skipped: no run logged a loss")
+        if not _axes(runs, out_dir, written):
+            say("figure throughput_vs_<axis>.png skipped: no sweep varies a key other than the GPU count")
+    return written

@@ -1,0 +1,125 @@
+"""`gptpar report`: every run under a runs folder into summary.csv, summary.md and figures.
+
+Runs are read and reduced one at a time (in worker processes when there are many), so only
+their small metrics, never their raw records, are held together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+from analysis.aggregate import RunMetrics, apply_mfu, apply_speedups, group_top_level, run_metrics
+from analysis.figures import make_figures
+from analysis.reader import find_runs, read_run
+from analysis.summary import markdown, write_csv
+from gptpar.errors import GptparError
+
+PARALLEL_FROM = 16  # below this many runs, worker start-up costs more than it saves
+
+
+@dataclass
+class ReportResult:
+    runs: list[RunMetrics]  # every run found, in path order
+    shown: list[RunMetrics]  # the runs in the table and figures
+    summary_csv: Path
+    summary_md: Path
+    figures: list[Path]
+    skipped: list[str] = field(default_factory=list)  # why figures were not written
+
+
+def _analyse(run_dir: Path, runs_dir: Path, now: float, warmup_epochs: int, warmup_steps: int) -> RunMetrics:
+    run = read_run(run_dir, runs_dir, now)
+    return run_metrics(run, run_dir.relative_to(runs_dir).as_posix(), warmup_epochs, warmup_steps)
+
+
+def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int = 5,
+                 now: float | None = None, workers: int | None = None) -> list[RunMetrics]:
+    """Metrics of every run under runs_dir, with top-level runs grouped into sweeps."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        raise GptparError(f"runs directory {str(runs_dir)!r} does not exist")
+    dirs = find_runs(runs_dir)
+    if not dirs:
+        raise GptparError(f"no run folders (with rank*.jsonl files) under {str(runs_dir)!r}")
+    work = partial(_analyse, runs_dir=runs_dir, now=time.time() if now is None else now,
+                   warmup_epochs=warmup_epochs, warmup_steps=warmup_steps)
+    if workers is None:
+        workers = (os.cpu_count() or 1) if len(dirs) >= PARALLEL_FROM else 1
+    if workers > 1:
+        methods = multiprocessing.get_all_start_methods()
+        context = multiprocessing.get_context("fork" if "fork" in methods else None)
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            metrics = list(pool.map(work, dirs, chunksize=max(1, len(dirs) // (8 * workers))))
+    else:
+        metrics = [work(d) for d in dirs]
+    group_top_level(metrics)
+    apply_mfu(metrics)
+    return metrics
+
+
+def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmup_epochs: int = 1,
+           warmup_steps: int = 5, include_incomplete: bool = False, now: float | None = None,
+           workers: int | None = None) -> ReportResult:
+    runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers)
+    for r in runs:
+        for warning in r.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        if r.status == "corrupt":
+            print(f"warning: run {r.run} is corrupt and left out: {r.detail}", file=sys.stderr)
+    shown = [r for r in runs if r.status == "completed" or (include_incomplete and r.status != "corrupt")]
+    apply_speedups(shown)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    warmup = (f"the first {warmup_epochs} epoch(s) of runs with more epochs than that, "
+              f"else the first {warmup_steps} step(s)")
+    result = ReportResult(runs, shown, out / "summary.csv", out / "summary.md", [])
+    write_csv(runs, result.summary_csv)
+    result.summary_md.write_text(markdown(runs, shown, Path(runs_dir), warmup), encoding="utf-8")
+    result.figures = make_figures(shown, out, say=result.skipped.append)
+    return result
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gptpar report", description=__doc__.splitlines()[0])
+    parser.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
+    parser.add_argument("--out", default="figures", help="output folder (default: figures)")
+    parser.add_argument("--warmup-epochs", type=_non_negative, default=1,
+                        help="leading epochs dropped when more remain (default: 1)")
+    parser.add_argument("--warmup-steps", type=_non_negative, default=5,
+                        help="leading steps dropped from a run with too few epochs (default: 5)")
+    parser.add_argument("--include-incomplete", action="store_true",
+                        help="also tabulate and plot running, requeued and failed runs")
+    args = parser.parse_args(argv)
+    try:
+        result = report(args.runs_dir, args.out, args.warmup_epochs, args.warmup_steps,
+                        args.include_incomplete)
+    except GptparError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for message in result.skipped:
+        print(message)
+    completed = sum(r.status == "completed" for r in result.runs)
+    print(f"{len(result.runs)} run(s), {completed} completed; {len(result.shown)} in the table")
+    print(f"summary: {result.summary_md} and {result.summary_csv}")
+    print(f"figures: {len(result.figures)} in {Path(args.out)}/" +
+          "".join(f"\n  {p.name}" for p in result.figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""summary.csv (every run, raw numbers) and summary.md (a table ready to paste into a report)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from analysis.aggregate import RunMetrics
+
+CSV_COLUMNS = (
+    "sweep", "run", "run_id", "status", "detail", "dp", "pp_mode", "chunks", "devices_per_replica", "gpus",
+    "basis", "epoch_time_s_mean", "epoch_time_s_std", "step_time_s_mean", "step_time_s_std",
+    "tokens_per_s_mean", "tokens_per_s_std", "job_tokens_per_s", "speedup", "efficiency", "baseline",
+    "mfu", "mfu_note", "bubble_theory", "bubble_measured", "final_loss", "val_loss",
+)
+
+FOOTNOTES = (
+    "**epoch time**: each rank's per-epoch `training_time_s`, averaged over ranks; mean ± sample std "
+    "over the kept epochs (a single-epoch run shows its one epoch, no std).",
+    "**tokens/s (sum over DP)**: each data-parallel replica's tokens/s, summed over replicas (the "
+    "pipeline stages of a replica counted once); mean ± sample std over the kept epochs, or over the "
+    "kept steps of a single-epoch run.",
+    "**job tokens/s**: all tokens of the kept steps, over all replicas, divided by the slowest rank's "
+    "summed step time over those steps.",
+    "**speedup**: summed tokens/s over the baseline run's (the sweep's 1-GPU run; for a pipeline run, "
+    "the model-parallel run on the same devices); **efficiency** = speedup / (GPUs / baseline GPUs).",
+    "**MFU**: (6N + 12·L·H·Q·T) FLOPs per token × summed tokens/s / (GPUs × dense peak), N the "
+    "non-embedding parameters; fp32 peak unless the log names another precision.",
+)
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    return "" if value is None else f"{value:.{digits}g}"
+
+
+def write_csv(runs: list[RunMetrics], path: Path) -> None:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(CSV_COLUMNS)
+        for r in runs:
+            writer.writerow([
+                r.sweep, r.run, r.run_id, r.status, r.detail, r.dp, r.pp_mode, r.chunks, r.devices, r.gpus,
+                r.basis, _num(r.epoch_time[0], 6), _num(r.epoch_time[1], 6), _num(r.step_time[0], 6),
+                _num(r.step_time[1], 6), _num(r.tokens_per_s[0], 8), _num(r.tokens_per_s[1], 6),
+                _num(r.job_tokens_per_s, 8), _num(r.speedup, 6), _num(r.efficiency, 6), r.baseline,
+                _num(r.mfu, 6), r.mfu_note, _num(r.bubble_theory, 6), _num(r.bubble_measured, 6),
+                _num(r.final_loss, 6), _num(r.val_loss, 6),
+            ])
+
+
+def _pm(pair: tuple[float | None, float | None], fmt: str) -> str:
+    mean, std = pair
+    if mean is None:
+        return "–"
+    return f"{mean:{fmt}}" if std is None else f"{mean:{fmt}} ± {std:{fmt}}"
+
+
+def _row(r: RunMetrics) -> str:
+    name = r.run_id if r.status == "completed" else f"{r.run_id} ({r.status})"
+    speedup = "–" if r.speedup is None else f"{r.speedup:.2f}× vs {r.baseline}"
+    efficiency = "–" if r.efficiency is None else f"{r.efficiency:.0%}"
+    mfu = r.mfu_note if r.mfu is None else f"{r.mfu:.1%}"
+    cells = [
+        r.sweep, name, str(r.dp), r.pp_mode, str(r.chunks) if r.pp_mode == "pipeline_parallel" else "–",
+        str(r.gpus), _pm(r.epoch_time, ".2f"), _pm(r.tokens_per_s, ",.0f"),
+        "–" if r.job_tokens_per_s is None else f"{r.job_tokens_per_s:,.0f}", speedup, efficiency, mfu,
+        "–" if r.final_loss is None else f"{r.final_loss:.3f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, warmup: str) -> str:
+    counts: dict[str, int] = {}
+    for r in runs:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    lines = [
+        "# Training runs", "",
+        f"Runs under `{runs_dir}`: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
+        f"Warm-up dropped: {warmup}.", "",
+        "| sweep | run | dp | pp_mode | chunks | GPUs | epoch time (s) | tokens/s (sum over DP) "
+        "| job tokens/s | speedup | efficiency | MFU | final loss |",
+        "|" + "---|" * 13,
+        *(_row(r) for r in shown), "",
+        *(f"{i}. {note}" for i, note in enumerate(FOOTNOTES, 1)),
+    ]
+    pipelines = [r for r in shown if r.bubble_theory is not None]
+    if pipelines:
+        lines += ["", "## Pipeline bubble", "",
+                  "| run | mode | devices p | chunks m | theoretical (p-1)/(m+p-1) | measured |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r.run_id} | {r.pp_mode} | {r.devices} | {r.chunks} | {r.bubble_theory:.3f} | "
+                  f"{'–' if r.bubble_measured is None else f'{r.bubble_measured:.3f}'} |" for r in pipelines]
+    others = [r for r in runs if r.status != "completed"]
+    if others:
+        lines += ["", "## Incomplete, failed or corrupt runs", "", "| run | status | detail |", "|---|---|---|"]
+        lines += [f"| {r.run} | {r.status} | {r.detail.replace('|', '/')} |" for r in others]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,1 @@
+"""SLURM launch layer: cluster profiles, rendered sbatch scripts, submission, status and sweeps."""

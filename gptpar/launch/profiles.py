@@ -1,0 +1,151 @@
+"""Cluster profiles (YAML data in profiles/) resolved with `launch.*` overrides into a JobSpec.
+
+Limits are checked here, before anything is submitted, so a request a site would reject (or
+queue forever) fails at once with the limit named.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gptpar.config import Config
+from gptpar.errors import GptparError
+
+PROFILE_DIR = Path(__file__).with_name("profiles")
+GPU_REQUESTS = ("gpus", "gpus_per_node", "gres")
+# Values written into #SBATCH lines: a comment line cannot be shell-quoted, so only plain tokens pass.
+SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:,+@-]*")
+TIME = re.compile(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything the sbatch header needs, already validated against the profile."""
+
+    kind: str
+    profile: str
+    partition: str
+    nodes: int
+    gpus_per_node: int
+    tasks_per_node: int
+    cpus_per_task: int
+    time: str
+    account: str
+    qos: str
+    constraint: str
+    gpu_directive: str
+    signal_s: int
+    setup: tuple[str, ...]
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def load_profile(name: str) -> dict[str, Any]:
+    """A shipped profile by name, or any profile file by path (a name ending in .yaml)."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise GptparError(f"launch.profile: no profile {name!r}; shipped: {', '.join(profile_names())} "
+                          "(or a path to a .yaml file)")
+    data = yaml.safe_load(path.read_text()) or {}
+    if data.get("gpu_request", "gres") not in GPU_REQUESTS:
+        raise GptparError(f"{path}: gpu_request must be one of {', '.join(GPU_REQUESTS)}")
+    return data
+
+
+def normal_time(text: str) -> str:
+    """YAML reads an unquoted 01:00:00 as the sexagesimal integer 3600: turn it back into HH:MM:SS."""
+    if text.isdigit():
+        seconds = int(text)
+        return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    return text
+
+
+def time_seconds(text: str, key: str = "launch.time") -> int:
+    match = TIME.fullmatch(text)
+    if not match:
+        raise GptparError(f"{key}: {text!r} is not a walltime of the form HH:MM:SS or D-HH:MM:SS")
+    days, hours, minutes, seconds = (int(g or 0) for g in match.groups())
+    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def _token(key: str, value: str) -> str:
+    if not SAFE_TOKEN.fullmatch(value):
+        raise GptparError(f"{key}: {value!r} may hold only letters, digits and _ . : , + @ -")
+    return value
+
+
+def _gpu_directive(request: str, gpu_type: str, gpus_per_node: int, nodes: int) -> str:
+    if gpus_per_node == 0:
+        return ""
+    typed = f"{gpu_type}:" if gpu_type else ""
+    if request == "gpus":
+        return f"--gpus={typed}{gpus_per_node * nodes}"
+    if request == "gpus_per_node":
+        return f"--gpus-per-node={typed}{gpus_per_node}"
+    return f"--gres=gpu:{typed}{gpus_per_node}"
+
+
+def _check_limits(name: str, prof: dict[str, Any], spec: JobSpec) -> None:
+    partitions = prof.get("partitions") or {}
+    if partitions and spec.partition not in partitions:
+        raise GptparError(f"launch.partition: {spec.partition!r} is not a partition of profile {name}; "
+                          f"choose one of: {', '.join(repr(p) for p in partitions)}")
+    part = partitions.get(spec.partition) or {}
+    where = f"profile {name} partition {spec.partition or '(default)'}"
+    max_gpus = part.get("max_gpus_per_node")
+    if max_gpus is not None and spec.gpus_per_node > max_gpus:
+        raise GptparError(f"launch.gpus={spec.gpus_per_node} exceeds the limit of {max_gpus} GPUs per node "
+                          f"on {where}")
+    if part.get("whole_nodes") and spec.gpus_per_node != part["gpus_per_node"]:
+        raise GptparError(f"launch.gpus={spec.gpus_per_node}: {where} allocates whole nodes; "
+                          f"use launch.gpus={part['gpus_per_node']} (or a shared partition)")
+    max_nodes = part.get("max_nodes")
+    if max_nodes is not None and spec.nodes > max_nodes:
+        raise GptparError(f"launch.nodes={spec.nodes} exceeds the limit of {max_nodes} node(s) on {where}")
+    max_cpg = prof.get("max_cpus_per_gpu") or 0
+    cpus = spec.cpus_per_task * spec.tasks_per_node
+    if max_cpg and spec.gpus_per_node and cpus > max_cpg * spec.gpus_per_node:
+        raise GptparError(f"launch.cpus_per_task={spec.cpus_per_task} asks {cpus} CPUs per node for "
+                          f"{spec.gpus_per_node} GPU(s); {where} allows at most {max_cpg} CPUs per GPU")
+    if prof.get("max_time") and time_seconds(spec.time) > time_seconds(prof["max_time"], "max_time"):
+        raise GptparError(f"launch.time={spec.time} exceeds the walltime limit {prof['max_time']} of {where}")
+
+
+def resolve(cfg: Config, kind: str) -> JobSpec:
+    """The job shape of a `dp` or `pp` job: profile defaults, overridden by every set launch.* key."""
+    launch = cfg.launch
+    prof = load_profile(launch.profile)
+    gpus = launch.gpus
+    if kind == "pp" and launch.nodes != 1:
+        raise GptparError(f"launch.nodes={launch.nodes}: a pipeline job runs as one process on one node")
+    tasks = max(gpus, 1) if kind == "dp" else 1
+    cpus = launch.cpus_per_task or max(1, int(prof.get("cpus_per_gpu", 1)) * max(gpus, 1) // tasks)
+    walltime = normal_time(launch.time)
+    time_seconds(walltime)
+    spec = JobSpec(
+        kind=kind,
+        profile=Path(launch.profile).stem,
+        partition=_token("launch.partition", launch.partition or str(prof.get("partition") or "")),
+        nodes=launch.nodes,
+        gpus_per_node=gpus,
+        tasks_per_node=tasks,
+        cpus_per_task=cpus,
+        time=walltime,
+        account=_token("launch.account", launch.account or str(prof.get("account") or "")),
+        qos=_token("launch.qos", launch.qos or str(prof.get("qos") or "")),
+        constraint=_token("launch.constraint", launch.constraint or str(prof.get("constraint") or "")),
+        gpu_directive=_gpu_directive(prof.get("gpu_request", "gres"),
+                                     _token("launch.gpu_type", launch.gpu_type or str(prof.get("gpu_type") or "")),
+                                     gpus, launch.nodes),
+        signal_s=launch.signal_s,
+        setup=tuple(str(line) for line in prof.get("setup") or ()),
+    )
+    _check_limits(Path(launch.profile).stem, prof, spec)
+    return spec

@@ -1,0 +1,45 @@
+"""The gradient-sync interface every data-parallel strategy implements (see data_parallel.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def broadcast_state(model: nn.Module, src: int = 0) -> None:
+    """Copy rank src's parameters and buffers to every rank, as DDP does when it wraps a model."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src)
+
+
+class GradSync:
+    """No communication: the world-size-1 case and the interface of the real strategies.
+
+    `module` is what to call for the forward pass, `model` the unwrapped model (optimizer,
+    checkpoints). `comm_wait_s` accumulates the seconds finish() spent waiting on communication
+    (None when the strategy cannot tell, as for DDP whose waits happen inside backward).
+    """
+
+    name = "none"
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.module: nn.Module = model
+        self.comm_wait_s: float | None = 0.0
+
+    @contextlib.contextmanager
+    def accumulating(self, is_last_micro_step: bool) -> Iterator[None]:
+        """Wrap forward+backward of one micro-step; only the last one may communicate."""
+        yield
+
+    def finish(self) -> None:
+        """After the last micro-step's backward: make .grad the average over ranks."""
+
+    def zero_grad(self) -> None:
+        """Reset gradients after the optimizer step (use instead of optimizer.zero_grad())."""
+        self.model.zero_grad(set_to_none=True)

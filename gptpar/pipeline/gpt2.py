@@ -1,0 +1,222 @@
+"""GPT-2 cut into stages on devices, run whole (`single`), layer-split (`model_parallel`) or as a
+GPipe pipeline (`pipeline_parallel`).
+
+The stages wrap the original model's submodules, so its parameters stay the same objects and
+`model.state_dict()` of the original GPT2LMHeadModel remains the checkpoint format.
+
+Tied LM head: GPT-2 shares one matrix between `wte` (first device) and `lm_head` (last device).
+When both land on the same device (one device, or e.g. `cpu,cpu`) the head keeps that very
+Parameter and the tie holds exactly. When the devices differ the head is *untied on purpose*:
+it gets its own Parameter, a copy of `wte` on the last device, and `config.tie_word_embeddings`
+is set to False so transformers never re-ties it. Logits are unchanged at that moment; from then
+on the two matrices train separately (each gets only its own gradient). Copying the matrix
+across devices on every step to keep the tie would cost a vocab x width transfer each way.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+from transformers import GPT2LMHeadModel
+
+from gptpar.config import ParallelConfig
+from gptpar.errors import GptparError
+from gptpar.pipeline.pipe import ModelParallel, Pipe, micro_batch_size
+
+# Attention implementations that apply the causal mask themselves when given no mask.
+_IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def resolve_devices(spec: str) -> list[torch.device]:
+    """`parallel.devices` as torch devices; empty means every visible GPU, else one CPU."""
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    names = [name.strip() for name in spec.split(",") if name.strip()]
+    if not names:
+        return [torch.device("cuda", i) for i in range(visible)] or [torch.device("cpu")]
+    devices = []
+    for name in names:
+        try:
+            dev = torch.device(name)
+        except RuntimeError:
+            raise GptparError(f"parallel.devices={spec!r}: {name!r} is not a device; "
+                              "use cpu or cuda:N") from None
+        if dev.type == "cpu":
+            devices.append(torch.device("cpu"))
+        elif dev.type == "cuda":
+            index = dev.index or 0
+            if index >= visible:
+                raise GptparError(f"parallel.devices={spec!r}: cuda:{index} is not visible "
+                                  f"({visible} GPU{'s' if visible != 1 else ''} visible)")
+            devices.append(torch.device("cuda", index))
+        else:
+            raise GptparError(f"parallel.devices={spec!r}: {name!r} is not supported; use cpu or cuda:N")
+    return devices
+
+
+def stage_sizes(weights: list[int], n_stages: int, first: int = 0, last: int = 0) -> list[int]:
+    """Contiguous blocks per stage (at least one each) minimising the heaviest stage's load.
+
+    `first` and `last` are fixed loads of the first and last stage (embeddings, head).
+    Among equally good cuts, earlier stages get more blocks: the last stage carries the LM head.
+    """
+    n_blocks = len(weights)
+    prefix = [0, *itertools.accumulate(weights)]
+    inf = float("inf")
+    # best[s][k]: lowest possible heaviest load when the first s stages hold the first k blocks.
+    best = [[inf] * (n_blocks + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n_blocks + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0
+    for s in range(1, n_stages + 1):
+        fixed = (first if s == 1 else 0) + (last if s == n_stages else 0)
+        for k in range(s, n_blocks - (n_stages - s) + 1):
+            for a in range(k - 1, s - 2, -1):
+                load = max(best[s - 1][a], prefix[k] - prefix[a] + fixed)
+                if load < best[s][k]:
+                    best[s][k], cut[s][k] = load, a
+    sizes, k = [], n_blocks
+    for s in range(n_stages, 0, -1):
+        sizes.append(k - cut[s][k])
+        k = cut[s][k]
+    return sizes[::-1]
+
+
+def _even_sizes(n_blocks: int, n_stages: int) -> list[int]:
+    base, extra = divmod(n_blocks, n_stages)
+    return [base + (i < extra) for i in range(n_stages)]
+
+
+class Embedding(nn.Module):
+    """Token plus position embeddings, then dropout, as GPT2Model does it."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)
+        return self.drop(self.wte(input_ids) + self.wpe(positions))
+
+
+def causal_mask(hidden: torch.Tensor) -> torch.Tensor:
+    """Additive (1, 1, T, T) mask hiding future positions, for attention that needs it explicit."""
+    t = hidden.size(1)
+    future = torch.ones(t, t, dtype=torch.bool, device=hidden.device).triu(1)
+    mask = torch.zeros(t, t, dtype=hidden.dtype, device=hidden.device)
+    return mask.masked_fill(future, torch.finfo(hidden.dtype).min)[None, None]
+
+
+class Block(nn.Module):
+    """A GPT2Block that carries hidden states only, whatever the transformers version returns."""
+
+    def __init__(self, block: nn.Module, implicit_causal: bool) -> None:
+        super().__init__()
+        self.block, self.implicit_causal = block, implicit_causal
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        mask = None if self.implicit_causal else causal_mask(hidden)
+        out = self.block(hidden, attention_mask=mask)
+        return out[0] if isinstance(out, tuple) else out
+
+
+class Head(nn.Module):
+    """Final layer norm and LM head."""
+
+    def __init__(self, ln_f: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(hidden))
+
+
+def untie_lm_head(model: GPT2LMHeadModel) -> None:
+    """Give the LM head its own copy of the embedding matrix (see the module docstring)."""
+    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+
+
+def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: str
+                ) -> tuple[nn.Sequential, list[int]]:
+    """The model as [Embedding, Block..., Head] placed on `devices`, and children per stage."""
+    tr = model.transformer
+    blocks, n = list(tr.h), len(devices)
+    if n > len(blocks):
+        raise GptparError(f"parallel.devices lists {n} stages but the model has only {len(blocks)} "
+                          "transformer blocks; list at most that many devices")
+    untie = devices[0] != devices[-1]
+    if balance == "params":
+        numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        first = sum(p.numel() for p in (*tr.wte.parameters(), *tr.wpe.parameters()))
+        last = sum(p.numel() for p in tr.ln_f.parameters()) + (model.lm_head.weight.numel() if untie else 0)
+        sizes = stage_sizes(numel, n, first, last)
+    else:
+        sizes = _even_sizes(len(blocks), n)
+    implicit = model.config._attn_implementation in _IMPLICIT_CAUSAL
+    children: list[nn.Module] = [Embedding(tr.wte, tr.wpe, tr.drop).to(devices[0])]
+    starts = [0, *itertools.accumulate(sizes)]
+    for dev, (a, b) in zip(devices, itertools.pairwise(starts), strict=True):
+        children += [Block(block.to(dev), implicit) for block in blocks[a:b]]
+    if untie:  # before moving the head, which would otherwise move wte's shared Parameter too
+        untie_lm_head(model)
+    children.append(Head(tr.ln_f, model.lm_head).to(devices[-1]))
+    per_stage = list(sizes)
+    per_stage[0] += 1
+    per_stage[-1] += 1
+    return nn.Sequential(*children), per_stage
+
+
+class ParallelGPT2(nn.Module):
+    """`forward(input_ids) -> logits` in the configured `parallel.pp_mode`.
+
+    Inputs go to `input_device`; logits come back on `output_device`. `single` runs on the first
+    listed device.
+    """
+
+    def __init__(self, model: GPT2LMHeadModel, pcfg: ParallelConfig) -> None:
+        super().__init__()
+        devices = resolve_devices(pcfg.devices)
+        self.mode, self.chunks = pcfg.pp_mode, pcfg.chunks
+        if self.mode == "single":
+            self.model = model.to(devices[0])
+            self.input_device = self.output_device = devices[0]
+            return
+        seq, per_stage = gpt2_stages(model, devices, pcfg.balance)
+        if self.mode == "pipeline_parallel":
+            self.runner: nn.Module = Pipe(seq, split_size=1, balance=per_stage)
+        else:
+            self.runner = ModelParallel(seq, balance=per_stage)
+        self.input_device, self.output_device = devices[0], devices[-1]
+
+    @property
+    def bubble(self) -> float | None:
+        """Mean idle share of the pipeline workers in the last forward (None outside pipeline mode)."""
+        stats = getattr(self.runner, "stats", None) if self.mode == "pipeline_parallel" else None
+        return sum(stats.bubble) / len(stats.bubble) if stats else None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.mode == "single":
+            return self.model(input_ids.to(self.input_device)).logits
+        if self.mode == "pipeline_parallel":
+            return self.runner(input_ids, split_size=micro_batch_size(input_ids.size(0), self.chunks))
+        return self.runner(input_ids)
+
+
+def build_parallel_model(model: GPT2LMHeadModel, pcfg: ParallelConfig) -> ParallelGPT2:
+    return ParallelGPT2(model, pcfg)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """Look through wrappers such as DistributedDataParallel."""
+    while not hasattr(module, "input_device") and hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def input_device(module: nn.Module) -> torch.device:
+    return _unwrap(module).input_device
+
+
+def output_device(module: nn.Module) -> torch.device:
+    return _unwrap(module).output_device

@@ -1,0 +1,295 @@
+"""GPipe in one process: an nn.Sequential cut into partitions, one worker thread per partition.
+
+Each partition owns a thread, so partitions overlap even when they share a device (CPU included):
+torch releases the GIL inside its ops. Micro-batch i reaches partition j through a future, so the
+GPipe clock schedule (`clock_cycles`) fixes the order in which tasks are queued while no clock waits
+for a global barrier. Autograd records the graph across the threads; backward runs in the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gptpar.errors import GptparError
+
+
+class PipeError(RuntimeError):
+    """A partition failed; `__cause__` is the exception raised inside the worker."""
+
+
+class WithDevice(nn.Module):
+    """Pins a module without parameters (or with parameters already there) to a device."""
+
+    def __init__(self, module: nn.Module, device: torch.device | str) -> None:
+        super().__init__()
+        self.module = module
+        self.device = torch.device(device)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def _tensor_devices(module: nn.Module) -> set[torch.device]:
+    return {t.device for t in (*module.parameters(), *module.buffers())}
+
+
+def _device_of(index: int, module: nn.Module) -> torch.device | None:
+    """The device a child runs on, or None when it has no tensors and no WithDevice."""
+    devices = _tensor_devices(module)
+    if isinstance(module, WithDevice):
+        if devices - {module.device}:
+            raise GptparError(f"child {index} is WithDevice({module.device}) but holds tensors on "
+                              f"{', '.join(sorted(map(str, devices)))}")
+        return module.device
+    if len(devices) > 1:
+        raise GptparError(f"child {index} ({type(module).__name__}) has parameters on several devices "
+                          f"({', '.join(sorted(map(str, devices)))}); move it to one device")
+    return next(iter(devices), None)
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, WithDevice) else module
+
+
+def split_module(seq: nn.Sequential, balance: list[int] | None = None
+                 ) -> tuple[list[nn.Sequential], list[torch.device]]:
+    """Partitions of consecutive children and their devices.
+
+    Without `balance`, a new partition starts wherever the device changes; a child without tensors
+    or WithDevice joins the current partition. With `balance` (children per partition, as in
+    torchgpipe), partitions may share a device: that is how two CPU stages are made.
+    """
+    children = list(seq.children())
+    if not children:
+        raise ValueError("cannot split an empty nn.Sequential")
+    devices = [_device_of(i, child) for i, child in enumerate(children)]
+    if balance is None:
+        groups: list[list[int]] = []
+        current: torch.device | None = None
+        for i, dev in enumerate(devices):
+            if groups and (dev is None or dev == current or current is None):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+            current = dev if dev is not None else current
+    else:
+        if any(b < 1 for b in balance) or sum(balance) != len(children):
+            raise ValueError(f"balance {balance} must be positive and sum to {len(children)} children")
+        bounds = [0, *itertools.accumulate(balance)]
+        groups = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+    partitions, part_devices = [], []
+    for group in groups:
+        found = {devices[i] for i in group} - {None}
+        if len(found) > 1:
+            raise GptparError(f"partition of children {group[0]}..{group[-1]} spans devices "
+                              f"{', '.join(sorted(map(str, found)))}; one partition runs on one device")
+        dev = found.pop() if found else (part_devices[-1] if part_devices else torch.device("cpu"))
+        partitions.append(nn.Sequential(*(_unwrap(children[i]) for i in group)))
+        part_devices.append(dev)
+    return partitions, part_devices
+
+
+_split_module = split_module
+
+
+def clock_cycles(num_batches: int, num_partitions: int) -> Iterator[list[tuple[int, int]]]:
+    """GPipe forward schedule: clock k runs micro-batch i on partition k - i, for every valid pair."""
+    for k in range(num_batches + num_partitions - 1):
+        yield [(i, k - i) for i in range(max(0, k - num_partitions + 1), min(k + 1, num_batches))]
+
+
+@dataclass(frozen=True)
+class PipeStats:
+    """Timing of the last forward, taken inside the workers (host clock; on CUDA it shows launch
+    time, not kernel time)."""
+
+    busy_s: tuple[float, ...]  # seconds each worker spent running its partition
+    span_s: float  # first task start to last task end
+
+    @property
+    def bubble(self) -> tuple[float, ...]:
+        """Idle share of each worker over the span."""
+        return tuple(1.0 - b / self.span_s if self.span_s > 0 else 0.0 for b in self.busy_s)
+
+
+def _serve(tasks: queue.SimpleQueue) -> None:
+    """Worker loop; holds no reference to the Pipe so the Pipe can be collected."""
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        fn, future = item
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: B036 - handed to the caller, which re-raises it
+            future.set_exception(exc)
+        del fn, future, item
+
+
+def _stop(workers: list[tuple[threading.Thread, queue.SimpleQueue]]) -> None:
+    for _, tasks in workers:
+        tasks.put(None)
+    for thread, _ in workers:
+        if thread is not threading.current_thread():
+            thread.join()
+    workers.clear()
+
+
+def _stream_context(stream) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _receive(x: torch.Tensor, ready, device: torch.device, stream) -> torch.Tensor:
+    """Move a micro-batch to a partition's device; on CUDA, order it after its producer's event."""
+    if stream is None:
+        return x.to(device)
+    if ready is not None:
+        stream.wait_event(ready)
+    if x.is_cuda:
+        # Keep the source alive until the copy (src's current stream) and the consumer are done.
+        x.record_stream(torch.cuda.current_stream(x.device))
+    moved = x.to(device, non_blocking=True)
+    if moved.is_cuda:
+        moved.record_stream(stream)
+    return moved
+
+
+def _record(stream):
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class Pipe(nn.Module):
+    """GPipe over `module`'s partitions: the batch is cut into micro-batches of `split_size` rows.
+
+    Partitions come from `split_module(module, balance)`. The output is concatenated in input
+    order on the last partition's device. `stats` holds the timing of the last forward.
+    """
+
+    def __init__(self, module: nn.Sequential, split_size: int, balance: list[int] | None = None) -> None:
+        super().__init__()
+        if split_size < 1:
+            raise ValueError(f"split_size must be >= 1, got {split_size}")
+        self.split_size = split_size
+        partitions, self.devices = split_module(module, balance)
+        self.partitions = nn.ModuleList(partitions)
+        self.stats: PipeStats | None = None
+        self._workers: list[tuple[threading.Thread, queue.SimpleQueue]] = []
+        self._streams: list = []
+        self._finalizer: weakref.finalize | None = None
+
+    def _start(self) -> None:
+        if self._workers:
+            return
+        use_cuda = torch.cuda.is_available()
+        self._streams = [torch.cuda.Stream(device=d) if use_cuda and d.type == "cuda" else None
+                         for d in self.devices]
+        for j in range(len(self.partitions)):
+            tasks: queue.SimpleQueue = queue.SimpleQueue()
+            thread = threading.Thread(target=_serve, args=(tasks,), name=f"gptpar-pipe-{j}", daemon=True)
+            thread.start()
+            self._workers.append((thread, tasks))
+        # Runs on close(), on garbage collection and at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _stop, self._workers)
+
+    def close(self) -> None:
+        """Stop the worker threads; a later forward starts new ones."""
+        finalizer = self.__dict__.get("_finalizer")
+        if finalizer is not None:
+            finalizer()  # idempotent; empties self._workers in place
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _submit(self, j: int, fn: Callable) -> Future:
+        future: Future = Future()
+        self._workers[j][1].put((fn, future))
+        return future
+
+    def forward(self, x: torch.Tensor, split_size: int | None = None) -> torch.Tensor:
+        self._start()
+        micro = x.split(split_size or self.split_size)
+        m, n = len(micro), len(self.partitions)
+        grad_enabled = torch.is_grad_enabled()
+        times: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        # On CUDA the first partition must see the caller's pending work on the input.
+        first_ready = None
+        if x.is_cuda and self._streams[0] is not None:
+            first_ready = _record(torch.cuda.current_stream(x.device))
+
+        def stage(i: int, j: int, upstream: Future | None) -> tuple[torch.Tensor, object]:
+            inp, ready = upstream.result() if upstream is not None else (micro[i], first_ready)
+            start = time.perf_counter()
+            stream = self._streams[j]
+            with torch.set_grad_enabled(grad_enabled), _stream_context(stream):
+                out = self.partitions[j](_receive(inp, ready, self.devices[j], stream))
+                done = _record(stream)
+            times[j].append((start, time.perf_counter()))
+            return out, done
+
+        futures: list[list[Future]] = [[None] * n for _ in range(m)]  # type: ignore[list-item]
+        for clock in clock_cycles(m, n):
+            for i, j in clock:
+                upstream = futures[i][j - 1] if j else None
+                futures[i][j] = self._submit(j, lambda i=i, j=j, up=upstream: stage(i, j, up))
+        self._raise_first_failure(futures)
+        outputs = [f.result() for f in (row[-1] for row in futures)]
+        spans = [t for ts in times for t in ts]
+        self.stats = PipeStats(tuple(sum(b - a for a, b in ts) for ts in times),
+                               max(b for _, b in spans) - min(a for a, _ in spans))
+        if self._streams[-1] is not None:
+            caller = torch.cuda.current_stream(self.devices[-1])
+            for out, done in outputs:
+                caller.wait_event(done)
+                out.record_stream(caller)
+        return torch.cat([out for out, _ in outputs])
+
+    @staticmethod
+    def _raise_first_failure(futures: list[list[Future]]) -> None:
+        """Wait for every task, then re-raise the earliest failure in schedule order.
+
+        A failed task's downstream tasks re-raise the same exception object, so the first one
+        found in clock order is where it happened.
+        """
+        failures = {(i, j): f.exception() for i, row in enumerate(futures) for j, f in enumerate(row)}
+        m, n = len(futures), len(futures[0])
+        for clock in clock_cycles(m, n):
+            for i, j in clock:
+                exc = failures[(i, j)]
+                if exc is not None:
+                    raise PipeError(f"pipeline partition {j} failed on micro-batch {i}: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+
+
+class ModelParallel(nn.Module):
+    """The same partitions as Pipe, but the whole batch visits them one after another."""
+
+    def __init__(self, module: nn.Sequential, balance: list[int] | None = None) -> None:
+        super().__init__()
+        partitions, self.devices = split_module(module, balance)
+        self.partitions = nn.ModuleList(partitions)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part, device in zip(self.partitions, self.devices, strict=True):
+            x = part(x.to(device, non_blocking=True))
+        return x
+
+
+def micro_batch_size(batch: int, chunks: int) -> int:
+    """Rows per micro-batch so that a batch makes at most `chunks` micro-batches."""
+    return max(1, math.ceil(batch / chunks))

@@ -1,0 +1,89 @@
+"""Build synthetic run folders with real RankLogger files, so analysis tests know every answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gptpar.config import Config
+from gptpar.logs import RankLogger
+
+T0 = 1_700_000_000.0  # the clock of every synthetic record; tests pass `now` relative to it
+
+
+def config(name: str = "run", dp: int = 1, pp_mode: str = "single", chunks: int = 4, devices: str = "",
+           **overrides: Any) -> dict[str, Any]:
+    """A resolved config dict; overrides are "section.key" -> value."""
+    cfg = Config().to_dict()
+    cfg["log"]["name"] = name
+    cfg["parallel"].update(dp=dp, pp_mode=pp_mode, chunks=chunks, devices=devices)
+    for dotted, value in overrides.items():
+        section, key = dotted.split(".")
+        cfg[section][key] = value
+    return cfg
+
+
+class Rank:
+    """One rank's log file; every record gets the next tick of a fake clock."""
+
+    def __init__(self, run_dir: Path, rank: int, cfg: dict[str, Any], coords: dict[str, int] | None = None,
+                 sizes: dict[str, int] | None = None, device: str = "cpu", **header: Any):
+        self.logger = RankLogger(run_dir, rank)
+        self.path = self.logger.path
+        self.rank, self.cfg, self.device, self.extra = rank, cfg, device, header
+        self.coords = coords or {"dp": rank, "pp": 0}
+        self.sizes = sizes or {"dp": cfg["parallel"]["dp"], "pp": 1}
+        self.clock = T0
+
+    def _log(self, kind: str, **fields: Any) -> None:
+        self.clock += 1.0
+        self.logger.log(kind, time=self.clock, **fields)
+
+    def header(self, restart: int = 0) -> Rank:
+        self._log("header", schema_version=1, run_id=self.path.parent.name, config=self.cfg, rank=self.rank,
+                  world_size=self.sizes["dp"] * self.sizes["pp"], coords=self.coords, sizes=self.sizes,
+                  restart=restart, host="testhost", device=self.device, torch_version="2", transformers_version="5",
+                  git_commit="abc", slurm={}, start_time=self.clock, **self.extra)
+        return self
+
+    def step(self, step: int, epoch: int = 1, step_time_s: float = 1.0, tokens: int = 100,
+             tokens_per_s: float | None = None, loss: float | None = 3.0, **extra: Any) -> Rank:
+        rate = tokens / step_time_s if tokens_per_s is None else tokens_per_s
+        self._log("step", step=step, epoch=epoch, loss=loss, lr=1e-3, grad_norm=1.0, tokens=tokens,
+                  step_time_s=step_time_s, tokens_per_s=rate, data_time_s=0.0, peak_mem_bytes=0, **extra)
+        return self
+
+    def eval(self, step: int, val_loss: float, epoch: int = 1) -> Rank:
+        self._log("eval", step=step, epoch=epoch, val_loss=val_loss)
+        return self
+
+    def epoch(self, epoch: int, training_time_s: float, tokens_per_s: float, steps: int = 1,
+              val_loss: float = 2.0) -> Rank:
+        self._log("epoch", epoch=epoch, training_time_s=training_time_s, tokens_per_s=tokens_per_s,
+                  val_loss=val_loss, steps=steps)
+        return self
+
+    def final(self, status: str = "completed", step: int = 0) -> Rank:
+        self._log("final", status=status, step=step)
+        self.logger.close()
+        return self
+
+
+def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | None = None,
+           epochs: int = 2, steps_per_epoch: int = 2, status: str = "completed", **cfg: Any) -> list[Rank]:
+    """A completed data-parallel run, one rank per entry of tokens_per_s: in every epoch rank r
+    reports tokens_per_s[r] and epoch_times[r]; steps take 1 s and carry 100 tokens."""
+    dp = len(tokens_per_s)
+    times = epoch_times or [10.0] * dp
+    ranks = [Rank(run_dir, r, config(name=run_dir.name, dp=dp, **cfg)).header() for r in range(dp)]
+    step = 0
+    for e in range(1, epochs + 1):
+        for _ in range(steps_per_epoch):
+            step += 1
+            for rank in ranks:
+                rank.step(step, e, loss=4.0 - 0.1 * step)
+        for r, rank in enumerate(ranks):
+            rank.epoch(e, times[r], tokens_per_s[r], steps=steps_per_epoch)
+    for rank in ranks:
+        rank.final(status, step)
+    return ranks

@@ -1,0 +1,153 @@
+"""End to end on the real local SLURM cluster (make cluster-up NODES=2 GPUS_PER_NODE=2).
+
+Every job is submitted at once by a module fixture and checked on its outputs: SLURM/run state,
+a log from every rank, the requeue continuing without a lost or repeated step, and figures.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gptpar.launch.cluster import clean_env, slurm_reachable
+from gptpar.launch.runs import read_job_record, read_records, run_state
+
+pytestmark = [pytest.mark.slurm,
+              pytest.mark.skipif(not slurm_reachable(), reason="no SLURM cluster answers sinfo (make cluster-up)")]
+
+REPO = Path(__file__).resolve().parents[1]
+GPTPAR = str(REPO / ".venv" / "bin" / "gptpar")
+TINY = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.tokenizer=bytes", "data.seq_len=32",
+        "data.synthetic_tokens=20000", "train.batch_size=8", "train.max_steps=3", "train.eval_every=0",
+        "train.eval_batches=1", "train.threads=1", "launch.time=00:05:00"]
+REQUEUE_STEPS = 60  # below the 70-step epoch of the 20000-token synthetic corpus
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(cmd, cwd=cwd, env=env or clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def _wait(run_dir: Path, timeout_s: float = 300) -> str:
+    """Poll the run's state until it leaves pending/running (bounded: a stuck job fails the test)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = run_state(run_dir)
+        if state not in ("pending", "running"):
+            return state
+        time.sleep(1)
+    raise AssertionError(f"{run_dir} still {run_state(run_dir)} after {timeout_s} s")
+
+
+def _ranks(run_dir: Path) -> list[int]:
+    return sorted(int(p.stem.removeprefix("rank")) for p in run_dir.glob("rank*.jsonl"))
+
+
+def _final(run_dir: Path, rank: int = 0) -> dict:
+    return [r for r in read_records(run_dir / f"rank{rank}.jsonl") if r["kind"] == "final"][-1]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Submit every scenario up front, so the cluster runs them side by side."""
+    work = tmp_path_factory.mktemp("slurm-e2e", numbered=True)
+    runs = work / "runs"
+    common = [*TINY, f"log.runs_dir={runs}"]
+    _run(["make", "-f", str(REPO / "jobs" / "Makefile.launch"), "submit-dp", "GPUS=2", f"VENV={REPO / '.venv'}",
+          f"ARGS={' '.join([*common, 'log.run_id=dp2'])}"], REPO)
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU",
+          "log.run_id=dp_2nodes"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, f"train.max_steps={REQUEUE_STEPS}",
+          "train.checkpoint_every=0", "log.run_id=requeue"], work)
+    env = {**clean_env(), "VENV": str(REPO / ".venv"), "OVERRIDES": " ".join([*common, "log.run_id=pp"])}
+    _run(["sbatch", "--parsable", str(REPO / "jobs" / "pp.sbatch")], work, env)
+    _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(runs)], work)
+    return work
+
+
+def test_requeue_continues_without_lost_or_repeated_steps(work: Path) -> None:
+    """First, so the signal lands while the job is still training."""
+    run = work / "runs" / "requeue"
+    job_id = read_job_record(run)["job_id"]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(r["kind"] == "step" for r in read_records(run / "rank0.jsonl")):
+        time.sleep(0.2)
+    # The same USR2 that --signal=USR2@N sends to every task before the time limit, sent now.
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env=clean_env())
+    while time.monotonic() < deadline:
+        info = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                              env=clean_env()).stdout
+        if "JobState=PENDING" in info and "Restarts=1" in info:
+            break
+        time.sleep(0.5)
+    # SLURM holds a requeued job for ~2 minutes (BeginTime); release it so the test stays short.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, env=clean_env())
+    assert _wait(run) == "completed"
+    records = read_records(run / "rank0.jsonl")
+    headers = [r for r in records if r["kind"] == "header"]
+    finals = [(r["status"], r["step"]) for r in records if r["kind"] == "final"]
+    assert [h["restart"] for h in headers] == [0, 1]
+    assert [f[0] for f in finals] == ["requeued", "completed"]
+    assert 0 < finals[0][1] < REQUEUE_STEPS == finals[1][1]  # stopped mid-run, finished after restart
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, REQUEUE_STEPS + 1))  # none lost, none repeated
+
+
+def test_make_submit_dp_two_gpus(work: Path) -> None:
+    run = work / "runs" / "dp2"
+    assert _wait(run) == "completed"
+    assert _ranks(run) == [0, 1]
+    assert all(_final(run, r)["status"] == "completed" for r in (0, 1))
+    assert (run / "job" / "submit.sbatch").is_file() and list((run / "job").glob("slurm-*.out"))
+
+
+def test_sbatch_pp_script(work: Path) -> None:
+    run = work / "runs" / "pp"
+    deadline = time.monotonic() + 300
+    while not (run / "rank0.jsonl").is_file() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _wait(run) == "completed"
+    header = read_records(run / "rank0.jsonl")[0]
+    assert header["config"]["parallel"]["pp_mode"] == "pipeline_parallel" and header["world_size"] == 1
+    assert list(work.glob("gptpar-pp-*.out"))  # the script's own -o %x-%j.out
+
+
+def test_two_node_data_parallel(work: Path) -> None:
+    run = work / "runs" / "dp_2nodes"
+    assert _wait(run) == "completed"
+    assert _ranks(run) == [0, 1, 2, 3]
+    nodelists = {read_records(run / f"rank{r}.jsonl")[0]["slurm"]["job_nodelist"] for r in range(4)}
+    assert nodelists == {"node[1-2]"}  # one job spanning both nodes
+
+
+def test_small_sweep_and_rerun_skips_done_points(work: Path) -> None:
+    sweep = work / "runs" / "ci_small"
+    points = sorted(p for p in sweep.iterdir() if p.name != "_jobs")
+    assert len(points) == 4
+    assert [_wait(p) for p in points] == ["completed"] * 4
+    assert len({read_job_record(p)["job_id"].split("_")[0] for p in points}) == 1  # one job array
+    out = _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(work / "runs")], work)
+    assert "4 skipped" in out and "0 to run" in out
+
+
+def test_figures_from_the_runs(work: Path) -> None:
+    if not (REPO / "analysis" / "report.py").is_file():
+        pytest.skip("analysis/report.py is not there yet")
+    for run in ("dp2", "pp", "dp_2nodes"):
+        _wait(work / "runs" / run)
+    out = work / "figures"
+    _run([GPTPAR, "report", str(work / "runs"), "--out", str(out)], work)
+    assert list(out.glob("*.png")) or list(out.glob("*.pdf"))
+
+
+def test_no_stray_jobs_left(work: Path) -> None:
+    if shutil.which("squeue") is None:
+        pytest.skip("no squeue")
+    mine = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, env=clean_env()).stdout
+    assert str(work) not in mine and os.path.isdir(work)

@@ -1,0 +1,41 @@
+"""`gptpar train parallel.dp=2` end to end: spawned ranks, shared run folder, same model as one process."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from gptpar.checkpoint import load_checkpoint
+
+COMMON = ["model.n_layer=2", "data.seq_len=32", "data.source=synthetic", "data.vocab_size=300",
+          "train.batch_size=8", "train.max_steps=3", "train.eval_every=0", "train.threads=1", "log.progress=none"]
+
+
+def _train(runs, run_id: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gptpar.cli", "train", *COMMON, f"log.runs_dir={runs}",
+                           f"log.run_id={run_id}", *extra], capture_output=True, text=True, timeout=300)
+
+
+def test_dp2_trains_the_same_model_as_one_process(tmp_path):
+    single = _train(tmp_path, "single")
+    dp = _train(tmp_path, "dp", "parallel.dp=2", "parallel.dp_sync=bucketed")
+    assert single.returncode == 0, single.stderr
+    assert dp.returncode == 0, dp.stderr
+    for rank in (0, 1):
+        records = [json.loads(line) for line in (tmp_path / "dp" / f"rank{rank}.jsonl").read_text().splitlines()]
+        header = records[0]
+        assert (header["rank"], header["world_size"], header["launcher"]) == (rank, 2, "spawn")
+        steps = [r for r in records if r["kind"] == "step"]
+        assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] == 4 * 32 for r in steps)
+        assert records[-1]["status"] == "completed"
+    a, b = load_checkpoint(tmp_path / "single")["model"], load_checkpoint(tmp_path / "dp")["model"]
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_batch_that_does_not_divide_is_refused_before_spawning(tmp_path):
+    out = _train(tmp_path, "bad", "parallel.dp=3")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("gptpar: error: train.batch_size=8 does not divide by "
+                                  "parallel.dp*train.grad_accum=3*1; use a multiple of 3")
