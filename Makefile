@@ -8,8 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 RUNS ?= runs
 FIGURES ?= figures
 STAMP := $(VENV)/.installed
+# `make demo CLUSTER=slurm` runs the same demo as SLURM jobs on a cluster (e.g. `make cluster-up`).
+CLUSTER ?= local
+DEMO_RUNS ?= $(RUNS)/demo
+DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install test lint bench bench-dp bench-pp bench-analysis figures config-reference clean
+.PHONY: install test lint demo bench bench-dp bench-pp bench-analysis figures config-reference clean
 
 install: $(STAMP)
 
@@ -20,6 +24,11 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -c "import torch, transformers, datasets, submitit, gptpar"
 	touch $(STAMP)
+
+demo: install
+	$(GPTPAR) sweep sweeps/demo_dp.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait
+	$(GPTPAR) sweep sweeps/demo_pp.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait
+	$(GPTPAR) report $(DEMO_RUNS) --out $(DEMO_FIGURES)
 
 test: install
 	$(PY) -m pytest -q

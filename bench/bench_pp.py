@@ -42,11 +42,11 @@ STAGES = 2
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt2-wide")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
-    ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--chunks", default="1,2,4,8", help="micro-batch counts to compare")
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
     return ap.parse_args()
 
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from gptpar.config import load_config, reference_markdown, to_yaml
+from gptpar.config import load_config, reference_markdown, split_config_args, to_yaml
 from gptpar.errors import GptparError
 
 
@@ -15,17 +14,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
 
 
-def _split_config_arg(args: argparse.Namespace) -> tuple[str | None, list[str]]:
-    """The optional YAML path and the overrides: a first argument with '=' that is no file is an override."""
-    if args.config and "=" in args.config and not Path(args.config).is_file():
-        return None, [args.config, *args.overrides]
-    return args.config, list(args.overrides)
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from gptpar.trainer import run_training
 
-    path, overrides = _split_config_arg(args)
+    path, overrides = split_config_args([args.config, *args.overrides] if args.config else [])
     result = run_training(load_config(path, overrides))
     return 0 if result["status"] in ("completed", "requeued") else 1
 
@@ -34,7 +26,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.action == "reference":
         print(reference_markdown())
         return 0
-    path, overrides = _split_config_arg(args)
+    path, overrides = split_config_args([args.config, *args.overrides] if args.config else [])
     print(to_yaml(load_config(path, overrides)), end="")
     return 0
 

@@ -233,6 +233,14 @@ _Loader.yaml_implicit_resolvers = {
 }
 
 
+def split_config_args(words: typing.Sequence[str]) -> tuple[str | None, list[str]]:
+    """The optional YAML path and the overrides: a first word with '=' that is no file is an override."""
+    words = list(words)
+    if words and ("=" not in words[0] or Path(words[0]).is_file()):
+        return words[0], words[1:]
+    return None, words
+
+
 def read_yaml(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():

@@ -6,7 +6,7 @@ import argparse
 from collections import defaultdict
 from pathlib import Path
 
-from gptpar.config import load_config
+from gptpar.config import load_config, split_config_args
 from gptpar.errors import GptparError
 from gptpar.launch.runs import STATES, find_runs, job_dir, last_step, run_state
 from gptpar.logs import rank_log_path
@@ -28,8 +28,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     unknown = [w for w in words if w.startswith("-")]
     if unknown:
         raise GptparError(f"submit: unknown option {unknown[0]!r}; options: --gpus N, --nodes M, --dry-run")
-    path = words.pop(0) if words and "=" not in words[0] else None
-    overrides = words
+    path, overrides = split_config_args(words)
     if opts.gpus is not None:
         overrides.append(f"launch.gpus={opts.gpus}")
     if opts.nodes is not None:
@@ -40,7 +39,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def cmd_sweep(args: argparse.Namespace) -> int:
     from gptpar.launch.sweep import run_sweep
 
-    return run_sweep(args.file, dry_run=args.dry_run, runs_dir=args.runs_dir or "")
+    return run_sweep(args.file, dry_run=args.dry_run, runs_dir=args.runs_dir or "", overrides=args.overrides,
+                     wait=args.wait)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -90,7 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("sweep", help="submit every point of a sweep file not yet done")
     p.add_argument("file")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every point's base")
     p.add_argument("--dry-run", action="store_true", help="print the points and scripts only")
+    p.add_argument("--wait", action="store_true", help="on SLURM, return once every point has finished")
     p.add_argument("--runs-dir", help="override log.runs_dir of the sweep's points")
     p.set_defaults(handler=cmd_sweep)
 

@@ -9,6 +9,8 @@ array, limited to launch.max_concurrent tasks at a time.
 from __future__ import annotations
 
 import itertools
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,18 +56,20 @@ def expand(path: str | Path) -> tuple[str, str, list[tuple[str, list[str]]]]:
     return name, kind, points
 
 
-def build_points(path: str | Path, runs_dir: str = "") -> tuple[str, str, list[Point]]:
-    """Resolved, validated configs of every point (errors name the point)."""
+def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] = ()
+                 ) -> tuple[str, str, list[Point]]:
+    """Resolved, validated configs of every point: base, then `overrides`, then the point's axes."""
     path = Path(path)
     name, kind, expanded = expand(path)
     data = read_yaml(path)
     base_path = (path.parent / data["config"]) if data.get("config") else None
     points = []
-    for point_name, overrides in expanded:
+    for point_name, point_overrides in expanded:
         try:
             cfg = load_config(base_path)
             apply_dict(cfg, data.get("base"), origin=str(path))
-            apply_dict(cfg, _nest(overrides), origin=f"{path} point {point_name}")
+            apply_dict(cfg, _nest(list(overrides)), origin="command line")
+            apply_dict(cfg, _nest(point_overrides), origin=f"{path} point {point_name}")
             shape(cfg, kind)
         except ConfigError as exc:
             raise GptparError(f"{path}: point {point_name}: {exc}") from None
@@ -84,8 +88,18 @@ def _nest(overrides: list[str]) -> dict[str, dict[str, Any]]:
     return tree
 
 
-def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "") -> int:
-    name, kind, points = build_points(path, runs_dir)
+def wait_for(points: Sequence[Point], poll_s: float = 5.0) -> list[str]:
+    """Block until no point is pending or running (states come from SLURM, then the logs)."""
+    while True:
+        states = [run_state(p.run_dir) for p in points]
+        if not any(s in ("pending", "running") for s in states):
+            return states
+        time.sleep(poll_s)
+
+
+def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "", overrides: Sequence[str] = (),
+              wait: bool = False) -> int:
+    name, kind, points = build_points(path, runs_dir, overrides)
     todo = [p for p in points if not p.run_dir.exists() or run_state(p.run_dir) not in
             ("completed", "pending", "running")]
     skipped = len(points) - len(todo)
@@ -108,4 +122,8 @@ def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "") -> in
                 status = run_local(point, spec, script_for([point], spec, name, job_dir(point.run_dir)))
                 failures += status not in ("completed", "requeued")
                 print(f"{point.run_dir.name}: {status}")
+    if wait and where == "slurm":
+        states = wait_for(points)
+        failures = sum(s != "completed" for s in states)
+        print(f"sweep {name}: " + ", ".join(f"{p.run_dir.name} {s}" for p, s in zip(points, states, strict=True)))
     return 1 if failures else 0
