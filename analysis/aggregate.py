@@ -185,11 +185,20 @@ def _mean_curve(series: list[dict[int, Any]]) -> list[tuple[int, float]]:
     return [(step, sum(v) / len(v)) for step, v in sorted(values.items())]
 
 
+def follows_gpus(runs: list[RunMetrics], key: str) -> bool:
+    """A key zipped with the GPU count (the global batch of a weak-scaling sweep) is no axis of its own."""
+    by_gpus: dict[int, set[str]] = {}
+    for r in runs:
+        by_gpus.setdefault(r.gpus, set()).add(repr(r.params.get(key)))
+    return len(by_gpus) > 1 and all(len(values) == 1 for values in by_gpus.values())
+
+
 def sweep_axes(runs: list[RunMetrics]) -> list[str]:
-    """Config keys whose values differ within a sweep, other than GPU count and pipeline keys."""
+    """Config keys whose values differ within a sweep, other than GPU count, keys that follow it,
+    and pipeline keys."""
     keys = sorted(set().union(*(r.params for r in runs))) if runs else []
     return [k for k in keys if not k.startswith(NON_AXIS_PREFIXES) and k not in NON_AXIS_KEYS
-            and len({repr(r.params.get(k)) for r in runs}) > 1]
+            and len({repr(r.params.get(k)) for r in runs}) > 1 and not follows_gpus(runs, k)]
 
 
 def group_top_level(runs: list[RunMetrics]) -> None:

@@ -195,8 +195,16 @@ def _axes(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
     return bool(per_axis)
 
 
+OWN_FIGURES = ("time_vs_gpus.png", "throughput_vs_*.png", "pipeline_vs_model_parallel.png", "loss_*.png")
+
+
 def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], None] = print) -> list[Path]:
-    """Write every figure that has data; name each skipped one through `say`."""
+    """Write every figure that has data; name each skipped one through `say`.
+
+    Figures of an earlier report in `out_dir` are removed first, so none outlives its data."""
+    for pattern in OWN_FIGURES:
+        for stale in out_dir.glob(pattern):
+            stale.unlink()
     written: list[Path] = []
     with plt.rc_context(STYLE):
         if not _scaling(runs, out_dir / "time_vs_gpus.png", written, "time"):

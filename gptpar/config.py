@@ -285,6 +285,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.chunks={p.chunks} exceeds the per-rank micro-batch of "
             f"{t.batch_size // per_step} sequences")
+    if p.pp_mode != "single" and p.dp > 1:
+        raise ConfigError(f"parallel.pp_mode={p.pp_mode} drives its stages from one process and cannot be "
+                          f"combined with parallel.dp={p.dp} yet; use parallel.dp=1 or parallel.pp_mode=single")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
 

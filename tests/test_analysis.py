@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shutil
 import struct
 from pathlib import Path
 
@@ -270,3 +271,31 @@ def test_missing_or_empty_runs_dir_is_a_user_error(tmp_path: Path, capsys: pytes
         report(tmp_path / "nope", tmp_path / "out")
     assert main([str(tmp_path)]) == 2
     assert "no run folders" in capsys.readouterr().err
+
+
+def test_a_batch_zipped_with_the_gpu_count_is_not_a_sweep_axis() -> None:
+    from analysis.aggregate import sweep_axes
+
+    def run(gpus: int, batch: int, sync: str) -> RunMetrics:
+        params = {"train.batch_size": batch, "parallel.dp_sync": sync}
+        return RunMetrics(run=f"r{gpus}{sync}", run_id="x", sweep="s", status="completed", detail="",
+                          params=params, gpus=gpus)
+
+    weak = [run(1, 16, "ddp"), run(2, 32, "ddp"), run(4, 64, "ddp")]
+    assert sweep_axes(weak) == []  # one weak-scaling series, not three batch sizes
+    mixed = [*weak, run(2, 32, "naive")]
+    assert sweep_axes(mixed) == ["parallel.dp_sync"]
+    strong = [run(1, 64, "ddp"), run(2, 64, "ddp"), run(2, 32, "ddp")]
+    assert sweep_axes(strong) == ["train.batch_size"]
+
+
+def test_a_second_report_removes_figures_that_lost_their_data(tmp_path: Path) -> None:
+    sweep_set(tmp_path / "runs")
+    out = tmp_path / "figs"
+    report(tmp_path / "runs", out, now=LATER)
+    assert (out / "throughput_vs_dp_sync.png").is_file()
+    (out / "notes.png").write_bytes(b"the user's own file")
+    shutil.rmtree(tmp_path / "runs" / "dpscale" / "dp2-naive")
+    report(tmp_path / "runs", out, now=LATER)
+    assert not (out / "throughput_vs_dp_sync.png").exists()
+    assert (out / "notes.png").read_bytes() == b"the user's own file"

@@ -45,6 +45,11 @@ def test_cross_key_checks():
         load_config(None, ["train.batch_size=4", "parallel.pp_mode=pipeline_parallel", "parallel.chunks=8"])
 
 
+def test_pipeline_modes_refuse_data_parallel_ranks():
+    with pytest.raises(ConfigError, match="parallel.pp_mode=pipeline_parallel drives its stages from one process"):
+        load_config(None, ["parallel.pp_mode=pipeline_parallel", "parallel.dp=2"])
+
+
 def test_bad_yaml_names_file_and_line(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text("train:\n  lr: [1, 2\n")
