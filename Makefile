@@ -1,5 +1,6 @@
 # gptpar: `make install`, `make test`, `make demo`; cluster targets live in jobs/Makefile.launch.
 SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 VENV ?= .venv
 PY := $(VENV)/bin/python
 GPTPAR := $(VENV)/bin/gptpar
@@ -8,6 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 RUNS ?= runs
 FIGURES ?= figures
 STAMP := $(VENV)/.installed
+# pip warns about every local wheel folder it does not find; its real errors still fail the target.
+QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location" || true; }
 # `make demo CLUSTER=slurm` runs the same demo as SLURM jobs on a cluster (e.g. `make cluster-up`).
 CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
@@ -19,10 +22,10 @@ install: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -c "import torch, transformers, datasets, submitit, gptpar"
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) $(QUIET_PIP)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt $(QUIET_PIP)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . $(QUIET_PIP)
+	$(PY) -c "import torch, transformers, datasets, tokenizers, submitit, orjson, matplotlib, gptpar, analysis"
 	touch $(STAMP)
 
 demo: install
@@ -50,8 +53,9 @@ bench-analysis: install
 figures: install
 	$(GPTPAR) report $(RUNS) --out $(FIGURES)
 
+# Rewrite the README's config reference from the config classes (tests/test_readme.py checks it).
 config-reference: install
-	$(GPTPAR) config reference
+	$(PY) -c "import pathlib, gptpar.config as c; p = pathlib.Path('README.md'); p.write_text(c.readme_with_reference(p.read_text()))"
 
 clean:
 	rm -rf $(RUNS) $(FIGURES) .pytest_cache

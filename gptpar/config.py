@@ -307,3 +307,13 @@ def reference_markdown() -> str:
             lines.append(f"| `{section.name}.{f.name}` | `{default}` | {meta['help']}{extra} |")
     return "\n".join(lines)
 
+
+
+REFERENCE_START, REFERENCE_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def readme_with_reference(readme: str) -> str:
+    """The README text with the generated reference between its two markers."""
+    head, _, rest = readme.partition(REFERENCE_START)
+    _, _, tail = rest.partition(REFERENCE_END)
+    return f"{head}{REFERENCE_START}\n{reference_markdown()}\n{REFERENCE_END}{tail}"

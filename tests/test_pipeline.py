@@ -72,19 +72,56 @@ def test_balance_cuts_partitions_on_one_device_and_rejects_mixed_ones() -> None:
         split_module(mlp(), balance=[2, 2])
 
 
+def grads_of(loss: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`.grad` after `loss.backward()`: the pipe's backward only completes through backward()."""
+    for t in tensors:
+        t.grad = None
+    loss.backward()
+    return [t.grad.clone() for t in tensors]
+
+
 @pytest.mark.parametrize("batch", [1, 5, 8, 13])
 @pytest.mark.parametrize("split", [1, 2, 3, 8, 20])
 def test_pipe_output_and_gradients_equal_sequential(batch: int, split: int) -> None:
     seq = mlp()
     pipe = Pipe(seq, split, balance=[2, 2, 1])
-    x = torch.randn(batch, 6, requires_grad=True)
-    out = pipe(x)
-    torch.testing.assert_close(out, seq(x), rtol=1e-5, atol=1e-6)
-    want = torch.autograd.grad(seq(x).square().sum(), [x, *seq.parameters()])
-    got = torch.autograd.grad(out.square().sum(), [x, *seq.parameters()])
+    base = torch.randn(batch, 6, requires_grad=True)
+    scale = torch.randn(6, requires_grad=True)
+    leaves = [base, scale, *seq.parameters()]
+    # The input comes from a graph shared by all micro-batches: it must be backpropagated once.
+    want = grads_of(seq(base * scale).square().sum(), leaves)
+    out = pipe(base * scale)
+    torch.testing.assert_close(out, seq(base * scale), rtol=1e-5, atol=1e-6)
+    got = grads_of(out.square().sum(), leaves)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     assert len(pipe.stats.busy_s) == 3 and all(0.0 <= b <= 1.0 for b in pipe.stats.bubble)
+    pipe.close()
+
+
+def test_parameter_shared_by_first_and_last_partition_gets_both_gradients() -> None:
+    """Its two shares accumulate from different threads (two graph tasks), like GPT-2's tied head."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(4, 4), nn.Linear(4, 4)
+    last.weight = first.weight
+    seq = nn.Sequential(first, nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), last)
+    x = torch.randn(16, 4)
+    want = grads_of(seq(x).square().sum(), list(seq.parameters()))
+    pipe = Pipe(seq, 1, balance=[2, 2, 1])
+    for _ in range(3):  # 16 micro-batches, repeated: a lost update would show up
+        got = grads_of(pipe(x).square().sum(), list(seq.parameters()))
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    pipe.close()
+
+
+def test_input_gradient_through_autograd_grad() -> None:
+    seq = mlp()
+    x = torch.randn(5, 6, requires_grad=True)
+    (want,) = torch.autograd.grad(seq(x).sum(), [x])
+    pipe = Pipe(seq, 2, balance=[3, 2])
+    (got,) = torch.autograd.grad(pipe(x).sum(), [x])
+    torch.testing.assert_close(got, want)
     pipe.close()
 
 

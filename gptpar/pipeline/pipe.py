@@ -3,7 +3,21 @@
 Each partition owns a thread, so partitions overlap even when they share a device (CPU included):
 torch releases the GIL inside its ops. Micro-batch i reaches partition j through a future, so the
 GPipe clock schedule (`clock_cycles`) fixes the order in which tasks are queued while no clock waits
-for a global barrier. Autograd records the graph across the threads; backward runs in the caller.
+for a global barrier.
+
+Backward overlaps too. With autograd recording, the graph is cut at every partition boundary: the
+caller's `backward()` runs only the last partition (in the caller's thread), and reaching a
+boundary hands the gradient to the worker of the partition before it, which runs that partition's
+backward as its own graph task (torch runs backward calls from different threads concurrently).
+So partition j-1's backward of micro-batch i runs while partition j handles micro-batch i-1.
+An `_Anchor` node in the caller's graph, reached only after every last-partition micro-batch,
+waits for all worker backwards, re-raises their first failure and passes the input's gradient on,
+so `backward()` returns with every `.grad` complete.
+
+Limits of the cut graph: `torch.autograd.grad` reaches only the last partition's parameters and the
+input (earlier partitions still accumulate into `.grad`), a pipelined forward can be backpropagated
+once, and a parameter used by two partitions (a tied embedding on one device) accumulates once per
+graph task, so its `register_post_accumulate_grad_hook` fires more than once per backward.
 """
 
 from __future__ import annotations
@@ -174,6 +188,117 @@ def _record(stream):
     return event
 
 
+class _Backward:
+    """The worker half of one pipelined forward's backward: runs partition backwards where their
+    forwards ran, counts them, and keeps the first failure and the input's gradient for `_Anchor`.
+
+    Holds the Pipe's worker list, not the Pipe, so a graph outliving its Pipe keeps no threads
+    alive; once the workers are stopped the partition backwards run in the thread that reaches them.
+    """
+
+    def __init__(self, workers: list[tuple[threading.Thread, queue.SimpleQueue]], streams: list,
+                 micro: tuple[torch.Tensor, ...]) -> None:
+        self.workers, self.streams, self.micro = workers, streams, micro
+        self.inputs: list[torch.Tensor | None] = [None] * len(micro)  # partition 0's cut inputs
+        self.done: list = []  # CUDA events marking finished partition backwards
+        self.failure: tuple[int, int, BaseException] | None = None
+        self.pending = 0
+        self.idle = threading.Condition()
+
+    def cut(self, i: int, j: int, inp: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """Partition j's input for micro-batch i, detached from the graph that produced it."""
+        if j == 0:
+            leaf = inp.detach().requires_grad_(inp.requires_grad)
+            self.inputs[i] = leaf
+            return leaf
+        if not inp.requires_grad:
+            return inp
+        return _Gate.apply(inp.detach(), token, (self, i, j - 1, inp))
+
+    def hand_over(self, i: int, j: int, out: torch.Tensor, grad: torch.Tensor) -> None:
+        """Queue partition j's backward of micro-batch i on its worker."""
+        ready = None
+        if grad.is_cuda:  # grad comes from the stream of the node that reached the boundary
+            ready = _record(torch.cuda.current_stream(grad.device))
+            grad.record_stream(self.streams[j])
+        with self.idle:
+            self.pending += 1
+        future: Future = Future()
+        future.add_done_callback(lambda f: self._finished(i, j, f))
+        if self.workers:
+            self.workers[j][1].put((lambda: self._run(j, out, grad, ready), future))
+            return
+        try:
+            future.set_result(self._run(j, out, grad, ready))
+        except BaseException as exc:  # noqa: B036 - reported through _finished like a worker's
+            future.set_exception(exc)
+
+    def _run(self, j: int, out: torch.Tensor, grad: torch.Tensor, ready) -> None:
+        stream = self.streams[j]
+        with _stream_context(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            torch.autograd.backward(out, grad)  # reaching partition j's boundary hands over j-1
+            event = _record(stream)
+        if event is not None:
+            with self.idle:
+                self.done.append(event)
+
+    def _finished(self, i: int, j: int, future: Future) -> None:
+        with self.idle:
+            exc = future.exception()
+            if exc is not None and self.failure is None:
+                self.failure = (i, j, exc)
+            self.pending -= 1
+            self.idle.notify_all()
+
+    def wait(self) -> torch.Tensor | None:
+        """Block until every partition backward is done; the input's gradient, if it needs one."""
+        with self.idle:
+            self.idle.wait_for(lambda: self.pending == 0)
+        if self.failure is not None:
+            i, j, exc = self.failure
+            raise PipeError(f"pipeline partition {j} failed in backward on micro-batch {i}: "
+                            f"{type(exc).__name__}: {exc}") from exc
+        for event in self.done:
+            torch.cuda.current_stream(event.device).wait_event(event)
+        if not self.micro[0].requires_grad:
+            return None
+        grads = [leaf.grad if leaf is not None and leaf.grad is not None else torch.zeros_like(mb)
+                 for leaf, mb in zip(self.inputs, self.micro, strict=True)]
+        return torch.cat(grads)
+
+
+class _Gate(torch.autograd.Function):
+    """Identity at a partition boundary whose backward hands the gradient to the partition before."""
+
+    @staticmethod
+    def forward(ctx, inp: torch.Tensor, token: torch.Tensor, link: tuple) -> torch.Tensor:
+        ctx.link, ctx.token_device = link, token.device
+        return inp
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.link is None:
+            raise RuntimeError("a pipelined forward can be backpropagated once; run the forward again")
+        (state, i, j, out), ctx.link = ctx.link, None
+        state.hand_over(i, j, out, grad)
+        return None, torch.zeros(0, device=ctx.token_device), None
+
+
+class _Anchor(torch.autograd.Function):
+    """Feeds the token of the last partition's gates; its backward runs after all of them."""
+
+    @staticmethod
+    def forward(ctx, source: torch.Tensor, state: _Backward) -> torch.Tensor:
+        ctx.state = state
+        return source.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        return ctx.state.wait(), None
+
+
 class Pipe(nn.Module):
     """GPipe over `module`'s partitions: the batch is cut into micro-batches of `split_size` rows.
 
@@ -232,11 +357,20 @@ class Pipe(nn.Module):
         if x.is_cuda and self._streams[0] is not None:
             first_ready = _record(torch.cuda.current_stream(x.device))
 
+        backward = tokens = None
+        if grad_enabled and n > 1:
+            backward = _Backward(self._workers, self._streams, micro)
+            inner = torch.empty(0, requires_grad=True)  # gates of inner partitions need a token too
+            anchor = _Anchor.apply(x if x.requires_grad else torch.empty(0, requires_grad=True), backward)
+            tokens = [inner] * (n - 1) + [anchor]
+
         def stage(i: int, j: int, upstream: Future | None) -> tuple[torch.Tensor, object]:
             inp, ready = upstream.result() if upstream is not None else (micro[i], first_ready)
             start = time.perf_counter()
             stream = self._streams[j]
             with torch.set_grad_enabled(grad_enabled), _stream_context(stream):
+                if backward is not None:
+                    inp = backward.cut(i, j, inp, tokens[j])
                 out = self.partitions[j](_receive(inp, ready, self.devices[j], stream))
                 done = _record(stream)
             times[j].append((start, time.perf_counter()))

@@ -1,0 +1,91 @@
+"""The README stays true: its config reference is generated, and every command it shows is run
+by CI, by a test, or here (or is marked as needing a real GPU cluster)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+from conftest import REPO
+
+from gptpar.config import readme_with_reference
+from gptpar.logs import SCHEMA
+
+README = (REPO / "README.md").read_text()
+CI = (REPO / ".ci" / "run").read_text()
+SLURM_TESTS = (REPO / "tests" / "test_slurm.py").read_text()
+
+# Commands that .ci/run itself runs.
+BY_CI = ["make demo", "make test", "make figures", "make cluster-up NODES=2 GPUS_PER_NODE=2", "make cluster-status",
+         "make cluster-down", "make install"]
+# Commands tests/test_slurm.py runs against the local cluster (the string it must contain).
+BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"', "sbatch jobs/pp.sbatch": '"pp.sbatch"',
+                  ".venv/bin/gptpar sweep sweeps/ci_small.yaml": '"ci_small.yaml"'}
+# Commands this test runs as written, from a scratch folder.
+RUN_HERE = [
+    ".venv/bin/gptpar train train.max_steps=20",
+    ".venv/bin/gptpar train parallel.dp=2 parallel.dp_sync=ddp train.max_steps=20",
+    ".venv/bin/gptpar train parallel.pp_mode=pipeline_parallel parallel.devices=cpu,cpu parallel.chunks=4 "
+    "train.max_steps=5",
+    ".venv/bin/gptpar config show parallel.dp=2",
+    ".venv/bin/gptpar status",
+    ".venv/bin/gptpar submit dp --gpus 2 --dry-run",
+]
+# Commands that need a real GPU cluster (an account, CUDA wheels, environment modules).
+CLUSTER_ONLY = [
+    "module load anaconda3",
+    'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
+    'make submit-dp GPUS=2 ARGS="launch.profile=bridges2 launch.account=abc123"',
+]
+
+
+def readme_commands() -> list[str]:
+    """Every command line of the README's bash blocks, comments stripped."""
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_every_readme_command_is_accounted_for():
+    known = {*BY_CI, *BY_SLURM_TESTS, *RUN_HERE, *CLUSTER_ONLY}
+    unaccounted = [c for c in readme_commands() if c not in known]
+    assert not unaccounted, f"README commands run by nothing: {unaccounted}"
+    stale = sorted(known - set(readme_commands()))
+    assert not stale, f"commands listed here but gone from the README: {stale}"
+
+
+def test_ci_and_slurm_tests_run_their_commands():
+    for command in BY_CI:
+        assert re.search(rf"^{re.escape(command)}$", CI, flags=re.M), f".ci/run does not run {command!r}"
+    for command, needle in BY_SLURM_TESTS.items():
+        assert needle in SLURM_TESTS, command
+
+
+def test_config_reference_is_current():
+    assert readme_with_reference(README) == README, "run `make config-reference` and commit README.md"
+
+
+def test_log_schema_section_names_every_field():
+    section = README.split("## Log schema")[1].split("\n## ")[0]
+    for kind, fields in SCHEMA.items():
+        assert f"`{kind}`" in section
+        for name in fields:
+            assert f"`{name}`" in section, (kind, name)
+
+
+@pytest.mark.parametrize("command", RUN_HERE)
+def test_readme_command_runs(command, tmp_path):
+    argv = shlex.split(command)
+    argv[0] = str(REPO / argv[0])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    if "status" in argv:
+        (tmp_path / "runs").mkdir()
+    out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if argv[1] == "train":
+        assert list((tmp_path / "runs").glob("*/rank0.jsonl")), "no run folder written"
+    if "--dry-run" in argv:
+        assert out.stdout.startswith("#!/bin/bash") and "srun" in out.stdout
