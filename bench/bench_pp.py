@@ -10,13 +10,15 @@ Setup (and why):
 - `gpt2-wide` (4 blocks of width 768) with a 256-symbol vocabulary, so the blocks, not the LM head
   or Python overhead, dominate and the two stages are balanced (2 blocks each).
 - "fwd" is the forward of a training step (autograd recording on), "fwd+bwd" adds lm_loss and
-  backward (no optimizer step: it is identical in every mode). Backward runs in the calling thread
-  (torch's CPU autograd engine), so in part 1 the pipeline only speeds up the forward share.
+  backward (no optimizer step: it is identical in every mode). Pipe's backward is pipelined too:
+  the calling thread runs the last stage's backward micro-batch by micro-batch and hands each
+  boundary gradient to the first stage's worker, so the stages' backwards overlap like their
+  forwards (model parallelism runs its whole backward in the calling thread).
 - Modes are interleaved round-robin each repetition so background load hits all of them alike;
   warm-up repetitions are dropped and the median is reported.
-- Bubble: idle share of each Pipe worker over the forward's span, from timestamps the workers take
-  (`Pipe.stats`), averaged over workers; theory is (p-1)/(m+p-1). Ideal speedup over model
-  parallelism is m*p/(m+p-1).
+- Bubble (forward only): idle share of each Pipe worker over the forward's span, from timestamps
+  the workers take (`Pipe.stats`), averaged over workers; theory is (p-1)/(m+p-1). Ideal speedup
+  over model parallelism is m*p/(m+p-1).
 """
 
 from __future__ import annotations

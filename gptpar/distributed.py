@@ -13,9 +13,12 @@ forever for N-1 ranks that nobody started.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,7 +36,10 @@ PORT_BASE, PORT_SPAN = 20000, 20000  # SLURM-derived ports stay in 20000..39999 
 
 
 @dataclass(frozen=True)
-class RankInfo:
+class Layout:
+    """Where this process sits, as read from the environment (before backend/device are chosen)."""
+
+    launcher: str  # torchrun | slurm | spawn | single
     rank: int
     world_size: int
     local_rank: int
@@ -41,27 +47,18 @@ class RankInfo:
     node_rank: int | None
     master_addr: str
     master_port: int
+
+
+@dataclass(frozen=True)
+class RankInfo(Layout):
+    """The layout plus what was chosen for it: the collective backend and this rank's device."""
+
     backend: str
     device: torch.device
-    launcher: str  # torchrun | slurm | spawn | single
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where this process sits, as read from the environment (before backend/device are chosen)."""
-
-    launcher: str
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int | None
-    master_addr: str
-    master_port: int
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -203,9 +200,7 @@ def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None)
     gpu_count = torch.cuda.device_count()
     backend = choose_backend(pcfg.backend, gpu_count)
     device = choose_device(backend, layout, gpu_count)
-    info = RankInfo(layout.rank, layout.world_size, layout.local_rank, layout.local_world_size,
-                    layout.node_rank, layout.master_addr, layout.master_port, backend, device,
-                    layout.launcher)
+    info = RankInfo(**dataclasses.asdict(layout), backend=backend, device=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if layout.world_size == 1 or dist.is_initialized():
@@ -249,15 +244,23 @@ def free_port() -> int:
 
 
 def _spawned_rank(index: int, fn: Callable[..., Any], world_size: int, port: int,
-                  pcfg: ParallelConfig, args: tuple) -> None:
-    """Entry point of one spawned rank: torchrun-like env, process group, then fn."""
+                  pcfg: ParallelConfig, args: tuple, failures: Any) -> None:
+    """Entry point of one spawned rank: torchrun-like env, process group, then fn.
+
+    A failure is also reported with its time on `failures`: when one rank raises, its peers fail
+    soon after with "connection closed", and the earliest failure is the one worth naming.
+    """
     os.environ.update({
         "RANK": str(index), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(index),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         SPAWN_MARKER: "1",
     })
-    info = init_distributed(pcfg)
-    fn(info, *args)
+    try:
+        info = init_distributed(pcfg)
+        fn(info, *args)
+    except BaseException as exc:
+        failures.put((time.time(), index, f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        raise
     # Only on success: destroying a group with a failed peer can block, and the process exits anyway.
     destroy_distributed()
 
@@ -270,19 +273,18 @@ def spawn_local(fn: Callable[..., Any], world_size: int, *args: Any,
     terminated and a GptparError naming that rank and its exception is raised here.
     """
     pcfg = pcfg or ParallelConfig(dp=world_size)
-    context = mp.start_processes(_spawned_rank, args=(fn, world_size, free_port(), pcfg, args),
+    failures = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(_spawned_rank, args=(fn, world_size, free_port(), pcfg, args, failures),
                                  nprocs=world_size, join=False, start_method="spawn")
     try:
         while not context.join():
             pass
     except mp.ProcessRaisedException as exc:
-        raise GptparError(f"rank {exc.error_index} failed: {_last_line(str(exc))}") from None
+        reported = [(math.inf, exc.error_index, str(exc).strip().splitlines()[-1])]
+        while not failures.empty():
+            reported.append(failures.get())
+        _, rank, message = min(reported)
+        raise GptparError(f"rank {rank} failed: {message}") from None
     except mp.ProcessExitedException as exc:
         raise GptparError(f"rank {exc.error_index} died: {exc}") from None
-
-
-def _last_line(trace: str) -> str:
-    """The `ExcType: message` line closing a formatted traceback."""
-    lines = [line for line in trace.strip().splitlines() if line.strip()]
-    return lines[-1].strip() if lines else trace
 

@@ -225,3 +225,77 @@ def test_model_parallel_equals_sequential() -> None:
     seq = mlp()
     x = torch.randn(5, 6)
     torch.testing.assert_close(ModelParallel(seq, balance=[2, 3])(x), seq(x))
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity whose backward calls `action(first_row)` in whichever thread runs it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, action) -> torch.Tensor:
+        ctx.row, ctx.action = int(x[0, 0]), action
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.action(ctx.row)
+        return grad, None
+
+
+class OnBackward(nn.Module):
+    def __init__(self, action) -> None:
+        super().__init__()
+        self.action = action
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _OnBackward.apply(x, self.action)
+
+
+def test_partition_backwards_overlap() -> None:
+    """Partition 1's backward of micro-batch 0 and partition 0's of micro-batch 1 meet at a barrier:
+    run one after the other, the first to arrive times out and the backward fails."""
+    barrier = threading.Barrier(2, timeout=30)
+    threads: dict[tuple[int, int], str] = {}
+
+    def at(stage: int):
+        def action(row: int) -> None:
+            threads[(stage, row)] = threading.current_thread().name
+            if (stage, row) in ((1, 0), (0, 1)):
+                barrier.wait()
+        return action
+
+    pipe = Pipe(nn.Sequential(OnBackward(at(0)), OnBackward(at(1))), 1, balance=[1, 1])
+    x = torch.arange(2.0)[:, None].requires_grad_()
+    pipe(x).sum().backward()
+    assert x.grad.flatten().tolist() == [1.0, 1.0]
+    main = threading.current_thread().name
+    assert threads == {(1, 0): main, (1, 1): main, (0, 0): "gptpar-pipe-0", (0, 1): "gptpar-pipe-0"}
+    pipe.close()
+
+
+def test_exception_in_a_worker_backward_reaches_the_callers_backward_chained() -> None:
+    def fail(row: int) -> None:
+        if row == 2:  # first row of micro-batch 1
+            raise ValueError("bad gradient for row 2")
+
+    seq = nn.Sequential(OnBackward(fail), nn.Linear(1, 1), nn.Linear(1, 1))
+    pipe = Pipe(seq, 2, balance=[2, 1])
+    out = pipe(torch.arange(6.0)[:, None].requires_grad_())
+    with pytest.raises(PipeError, match="partition 0 failed in backward on micro-batch 1") as info:
+        out.sum().backward()
+    assert isinstance(info.value.__cause__, ValueError)
+    assert str(info.value.__cause__) == "bad gradient for row 2"
+    x = torch.arange(3.0)[:, None] * 10  # rows 0, 10, 20: nothing fails, the pipe is still usable
+    want = grads_of(seq(x.requires_grad_()).sum(), [x, seq[1].weight])
+    got = grads_of(pipe(x).sum(), [x, seq[1].weight])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    pipe.close()
+
+
+def test_second_backward_through_one_forward_is_refused() -> None:
+    pipe = Pipe(mlp(), 2, balance=[3, 2])
+    loss = pipe(torch.randn(4, 6)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backpropagated once"):
+        loss.backward()
+    pipe.close()
