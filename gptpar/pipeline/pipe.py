@@ -303,7 +303,9 @@ class Pipe(nn.Module):
     """GPipe over `module`'s partitions: the batch is cut into micro-batches of `split_size` rows.
 
     Partitions come from `split_module(module, balance)`. The output is concatenated in input
-    order on the last partition's device. `stats` holds the timing of the last forward.
+    order on the last partition's device. `stats` holds the timing of the last forward. With
+    autograd recording, `backward()` through the output is pipelined across the partitions too
+    (see the module docstring for how, and for its limits).
     """
 
     def __init__(self, module: nn.Sequential, split_size: int, balance: list[int] | None = None) -> None:
