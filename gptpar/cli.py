@@ -15,6 +15,9 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from gptpar.preemption import install_preemption_handler
+
+    install_preemption_handler()  # before torch is imported: a job's USR2 may come early
     from gptpar.trainer import run_training
 
     path, overrides = split_config_args([args.config, *args.overrides] if args.config else [])

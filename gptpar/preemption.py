@@ -28,10 +28,15 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 
 
 def install_preemption_handler(signum: int = signal.SIGUSR2) -> None:
-    """Make `signum` (USR2) request a graceful stop instead of killing the process."""
+    """Make `signum` (USR2) request a graceful stop instead of killing the process.
+
+    The CLI installs it before the slow imports and the trainer again (replacing submitit's
+    handler); a second install keeps a request that arrived in between.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signum) is _on_signal:
+        return
     _requested.clear()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signum, _on_signal)
+    signal.signal(signum, _on_signal)
 
 
 def preemption_requested() -> bool:

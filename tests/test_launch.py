@@ -193,11 +193,15 @@ def test_scontrol_one_line_parsing() -> None:
 
 
 def test_usr2_sets_the_preemption_flag_only() -> None:
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
     preemption.install_preemption_handler()
     assert not preemption.preemption_requested()
     os.kill(os.getpid(), signal.SIGUSR2)
     assert preemption.preemption_requested()
     assert preemption.requeue_current_job() is False  # outside SLURM there is nothing to requeue
-    preemption.install_preemption_handler()
+    preemption.install_preemption_handler()  # the trainer installs again after the CLI did
+    assert preemption.preemption_requested()  # an early signal is not lost
+    signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+    preemption.install_preemption_handler()  # a fresh install starts with no request
     assert not preemption.preemption_requested()
     signal.signal(signal.SIGUSR2, signal.SIG_DFL)

@@ -45,6 +45,12 @@ def _wait(run_dir: Path, timeout_s: float = 300) -> str:
     raise AssertionError(f"{run_dir} still {run_state(run_dir)} after {timeout_s} s")
 
 
+def _release(job_id: str) -> None:
+    """SLURM holds a requeued job for ~2 minutes (BeginTime); start it sooner so the test stays short,
+    but not at once: a restart before the node has cleaned up is killed ("Job credential revoked")."""
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], check=True, env=clean_env())
+
+
 def _ranks(run_dir: Path) -> list[int]:
     return sorted(int(p.stem.removeprefix("rank")) for p in run_dir.glob("rank*.jsonl"))
 
@@ -86,8 +92,7 @@ def test_requeue_continues_without_lost_or_repeated_steps(work: Path) -> None:
         if "JobState=PENDING" in info and "Restarts=1" in info:
             break
         time.sleep(0.5)
-    # SLURM holds a requeued job for ~2 minutes (BeginTime); release it so the test stays short.
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, env=clean_env())
+    _release(job_id)
     assert _wait(run) == "completed"
     records = read_records(run / "rank0.jsonl")
     headers = [r for r in records if r["kind"] == "header"]
@@ -151,3 +156,30 @@ def test_no_stray_jobs_left(work: Path) -> None:
         pytest.skip("no squeue")
     mine = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, env=clean_env()).stdout
     assert str(work) not in mine and os.path.isdir(work)
+
+
+def test_real_time_limit_signal_requeues_until_done(tmp_path: Path) -> None:
+    """A real 1-minute limit: SLURM sends USR2 launch.signal_s before it, the trainer checkpoints
+    and requeues, and the job goes round until training is done, every step logged exactly once."""
+    steps = 250  # longer than one segment's ~20 s of training between start and signal
+    run = tmp_path / "runs" / "limit"
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, "data.seq_len=64", "train.batch_size=16",
+          "train.epochs=1000", f"train.max_steps={steps}", "launch.time=00:01:00", "launch.signal_s=40",
+          f"log.runs_dir={tmp_path / 'runs'}", "log.run_id=limit"], tmp_path)
+    job_id = read_job_record(run)["job_id"]
+    deadline, released = time.monotonic() + 600, 0
+    while time.monotonic() < deadline and run_state(run) in ("pending", "running"):
+        info = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                              env=clean_env()).stdout
+        restarts = int(info.split("Restarts=")[1].split()[0]) if "Restarts=" in info else 0
+        if "JobState=PENDING" in info and restarts > released:
+            _release(job_id)
+            released = restarts
+        time.sleep(1)
+    assert run_state(run) == "completed"
+    records = read_records(run / "rank0.jsonl")
+    restarts = [r["restart"] for r in records if r["kind"] == "header"]
+    finals = [r["status"] for r in records if r["kind"] == "final"]
+    assert len(restarts) >= 2 and restarts == list(range(len(restarts)))
+    assert finals == ["requeued"] * (len(restarts) - 1) + ["completed"]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, steps + 1))

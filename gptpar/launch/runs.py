@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,17 @@ def _from_logs(run_dir: Path, records: list[dict[str, Any]], job_known: bool) ->
     return "failed"
 
 
+REQUEUE_GRACE_S = 60.0
+
+
+def _requeue_in_flight(records: list[dict[str, Any]]) -> bool:
+    """The log says "requeued" a moment before SLURM shows the job pending again; past the grace
+    period a requeue that never happened is a failure, not something to wait for."""
+    last = records[-1] if records else {}
+    return (last.get("kind") == "final" and last.get("status") == "requeued"
+            and time.time() - float(last.get("time", 0)) < REQUEUE_GRACE_S)
+
+
 def run_state(run_dir: str | Path) -> str:
     """One of STATES."""
     run_dir = Path(run_dir)
@@ -88,6 +100,8 @@ def run_state(run_dir: str | Path) -> str:
         state = slurm_state(job["job_id"])
         if state in ("pending", "running", "timeout", "oom", "failed"):
             return state
+        if _requeue_in_flight(records):
+            return "pending"
     elif job.get("cluster") == "local" and _pid_alive(job.get("job_id", "")):
         return "running"
     return _from_logs(run_dir, records, job_known=bool(job))
