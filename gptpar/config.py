@@ -7,6 +7,7 @@ error messages and the README's config reference all come from this one file.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -227,10 +228,18 @@ class _Loader(yaml.SafeLoader):
     """YAML without base-60 numbers, so `time: 01:00:00` stays the text it looks like."""
 
 
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if not regexp.match("1:00")]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag not in _NUMBER_TAGS]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+# YAML 1.1's integers and floats, less their base-60 forms.
+_Loader.add_implicit_resolver(
+    _NUMBER_TAGS[0], re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
+_Loader.add_implicit_resolver(
+    _NUMBER_TAGS[1], re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+                                r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
 
 
 def split_config_args(words: typing.Sequence[str]) -> tuple[str | None, list[str]]:

@@ -17,6 +17,15 @@ def test_defaults_yaml_then_overrides(tmp_path):
     assert cfg.train.epochs == 1  # untouched default
 
 
+def test_yaml_times_stay_text_and_numbers_stay_numbers(tmp_path):
+    from gptpar.config import read_yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text("launch:\n  time: 01:00:00\n  gpus: 2\ntrain:\n  lr: 0.5\n")
+    assert read_yaml(path) == {"launch": {"time": "01:00:00", "gpus": 2}, "train": {"lr": 0.5}}
+    assert load_config(path, ["launch.time=02:00:00"]).launch.time == "02:00:00"
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(None, ["train.lr=0.01", "log.name=x"])
     assert config_from_dict(yaml.safe_load(to_yaml(cfg))) == cfg

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from gptpar.config import Config
+from gptpar.config import Config, read_yaml
 from gptpar.errors import GptparError
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -53,18 +51,10 @@ def load_profile(name: str) -> dict[str, Any]:
     if not path.is_file():
         raise GptparError(f"launch.profile: no profile {name!r}; shipped: {', '.join(profile_names())} "
                           "(or a path to a .yaml file)")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_yaml(path) or {}
     if data.get("gpu_request", "gres") not in GPU_REQUESTS:
         raise GptparError(f"{path}: gpu_request must be one of {', '.join(GPU_REQUESTS)}")
     return data
-
-
-def normal_time(text: str) -> str:
-    """YAML reads an unquoted 01:00:00 as the sexagesimal integer 3600: turn it back into HH:MM:SS."""
-    if text.isdigit():
-        seconds = int(text)
-        return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-    return text
 
 
 def time_seconds(text: str, key: str = "launch.time") -> int:
@@ -127,7 +117,7 @@ def resolve(cfg: Config, kind: str) -> JobSpec:
         raise GptparError(f"launch.nodes={launch.nodes}: a pipeline job runs as one process on one node")
     tasks = max(gpus, 1) if kind == "dp" else 1
     cpus = launch.cpus_per_task or max(1, int(prof.get("cpus_per_gpu", 1)) * max(gpus, 1) // tasks)
-    walltime = normal_time(launch.time)
+    walltime = launch.time
     time_seconds(walltime)
     spec = JobSpec(
         kind=kind,
