@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from analysis.mfu import device_label, mfu
-from analysis.reader import RankLog, RunLog
+from gptpar.run.logfile import RankLog
+from gptpar.run.state import RunLog
 
 GPU_KEYS = ("parallel.dp", "parallel.devices", "launch.gpus", "launch.nodes")
 PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks")
@@ -87,21 +88,28 @@ def _finite(value: Any) -> bool:
 
 
 def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
+    """Devices of the run from its header: the grid's sizes (dp x pp x tp ranks) times the devices each
+    rank drives (one, or the stages of a one-process pipeline). Schema-1 logs, which lack
+    stage_devices, fall back to the config's device list."""
     p = m.params
-    m.dp = int(p.get("parallel.dp", 1))
+    sizes = header["sizes"]
+    m.dp = int(sizes.get("dp", p.get("parallel.dp", 1)))
     m.pp_mode = str(p.get("parallel.pp_mode", "single"))
     m.chunks = int(p.get("parallel.chunks", 1)) if m.pp_mode == "pipeline_parallel" else 1
-    pp_size = int(header["sizes"].get("pp", 1))
-    listed = [d for d in str(p.get("parallel.devices", "")).split(",") if d.strip()]
-    if m.pp_mode == "single":
-        m.devices = 1
-    elif pp_size > 1 or listed:
-        m.devices = pp_size if pp_size > 1 else len(listed)
-    else:  # empty devices: every visible GPU, else one CPU
-        m.devices = int(p.get("launch.gpus", 1)) if str(header["device"]).startswith("cuda") else 1
+    per_rank = len(header["stage_devices"]) if "stage_devices" in header else _schema1_devices(m, header)
+    m.devices = int(sizes.get("pp", 1)) * int(sizes.get("tp", 1)) * per_rank
     m.gpus = m.dp * m.devices
     if m.pp_mode != "single":
         m.bubble_theory = (m.devices - 1) / (m.chunks + m.devices - 1)
+
+
+def _schema1_devices(m: RunMetrics, header: dict[str, Any]) -> int:
+    if m.pp_mode == "single":
+        return 1
+    listed = [d for d in str(m.params.get("parallel.devices", "")).split(",") if d.strip()]
+    if listed:
+        return len(listed)
+    return int(m.params.get("launch.gpus", 1)) if str(header["device"]).startswith("cuda") else 1  # every GPU
 
 
 def _warmup(m: RunMetrics, ranks: list[RankLog], warmup_epochs: int, warmup_steps: int
@@ -129,7 +137,7 @@ def _warmup(m: RunMetrics, ranks: list[RankLog], warmup_epochs: int, warmup_step
 
 
 def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int = 5) -> RunMetrics:
-    m = RunMetrics(rel, run.run_id, run.sweep, run.status, run.detail, flatten(run.config),
+    m = RunMetrics(rel, run.run_id, run.sweep, run.state, run.detail, flatten(run.config),
                    warnings=list(run.warnings))
     ranks = run.ranks
     if not ranks:
@@ -169,7 +177,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
 
 
 def apply_mfu(runs: list[RunMetrics]) -> None:
-    """Kept out of run_metrics: the model shapes import torch, which worker processes should not."""
+    """MFU of every run, from its tokens/s, device count, device peak and model shape."""
     for r in runs:
         if r.device:
             r.mfu, r.mfu_note = mfu(r.tokens_per_s[0], r.gpus, r.device, r.precision, r.params)

@@ -5,7 +5,6 @@ A figure without data is skipped with a message: an empty plot in a report reads
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,16 +14,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from analysis.aggregate import RunMetrics, sweep_axes  # noqa: E402
+from gptpar.run.names import slug
 
 STYLE = {
     "figure.figsize": (6.4, 4.4), "figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3,
     "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8, "lines.markersize": 5,
 }
 MAX_LEGEND = 12
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_.")[:100] or "top-level"
 
 
 def _series(runs: list[RunMetrics]) -> dict[str, list[RunMetrics]]:
@@ -159,7 +155,7 @@ def _losses(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
         ax.set_ylabel("loss (nats/token; squares: validation)")
         ax.set_title(f"Loss curves: {sweep}")
         _legend(ax)
-        _save(fig, out_dir / f"loss_{_slug(sweep)}.png", written)
+        _save(fig, out_dir / f"loss_{slug(sweep or 'top-level')}.png", written)
     return bool(by_sweep)
 
 
@@ -191,7 +187,7 @@ def _axes(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
         ax.set_ylabel("throughput (tokens/s, summed over DP)")
         ax.set_title(f"Throughput vs {key}")
         _legend(ax)
-        _save(fig, out_dir / f"throughput_vs_{_slug(key.split('.')[-1])}.png", written)
+        _save(fig, out_dir / f"throughput_vs_{slug(key.split('.')[-1])}.png", written)
     return bool(per_axis)
 
 

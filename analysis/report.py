@@ -6,7 +6,6 @@ their small metrics, never their raw records, are held together.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
 import sys
@@ -18,9 +17,10 @@ from pathlib import Path
 
 from analysis.aggregate import RunMetrics, apply_mfu, apply_speedups, group_top_level, run_metrics
 from analysis.figures import make_figures
-from analysis.reader import find_runs, read_run
 from analysis.summary import markdown, write_csv
 from gptpar.errors import GptparError
+from gptpar.run.folder import RunFolder, find_runs
+from gptpar.run.state import read_run
 
 PARALLEL_FROM = 16  # below this many runs, worker start-up costs more than it saves
 
@@ -35,9 +35,9 @@ class ReportResult:
     skipped: list[str] = field(default_factory=list)  # why figures were not written
 
 
-def _analyse(run_dir: Path, runs_dir: Path, now: float, warmup_epochs: int, warmup_steps: int) -> RunMetrics:
-    run = read_run(run_dir, runs_dir, now)
-    return run_metrics(run, run_dir.relative_to(runs_dir).as_posix(), warmup_epochs, warmup_steps)
+def _analyse(folder: RunFolder, runs_dir: Path, now: float, warmup_epochs: int, warmup_steps: int) -> RunMetrics:
+    run = read_run(folder, runs_dir, now=now)
+    return run_metrics(run, folder.path.relative_to(runs_dir).as_posix(), warmup_epochs, warmup_steps)
 
 
 def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int = 5,
@@ -48,7 +48,7 @@ def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int
         raise GptparError(f"runs directory {str(runs_dir)!r} does not exist")
     dirs = find_runs(runs_dir)
     if not dirs:
-        raise GptparError(f"no run folders (with rank*.jsonl files) under {str(runs_dir)!r}")
+        raise GptparError(f"no run folders (with config.yaml or rank*.jsonl files) under {str(runs_dir)!r}")
     work = partial(_analyse, runs_dir=runs_dir, now=time.time() if now is None else now,
                    warmup_epochs=warmup_epochs, warmup_steps=warmup_steps)
     if workers is None:
@@ -74,7 +74,8 @@ def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmu
             print(f"warning: {warning}", file=sys.stderr)
         if r.status == "corrupt":
             print(f"warning: run {r.run} is corrupt and left out: {r.detail}", file=sys.stderr)
-    shown = [r for r in runs if r.status == "completed" or (include_incomplete and r.status != "corrupt")]
+    shown = [r for r in runs if r.status in ("completed", "diverged")
+             or (include_incomplete and r.status != "corrupt")]
     apply_speedups(shown)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,41 +86,3 @@ def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmu
     result.summary_md.write_text(markdown(runs, shown, Path(runs_dir), warmup), encoding="utf-8")
     result.figures = make_figures(shown, out, say=result.skipped.append)
     return result
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text}")
-    return value
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gptpar report", description=__doc__.splitlines()[0])
-    parser.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
-    parser.add_argument("--out", default="figures", help="output folder (default: figures)")
-    parser.add_argument("--warmup-epochs", type=_non_negative, default=1,
-                        help="leading epochs dropped when more remain (default: 1)")
-    parser.add_argument("--warmup-steps", type=_non_negative, default=5,
-                        help="leading steps dropped from a run with too few epochs (default: 5)")
-    parser.add_argument("--include-incomplete", action="store_true",
-                        help="also tabulate and plot running, requeued and failed runs")
-    args = parser.parse_args(argv)
-    try:
-        result = report(args.runs_dir, args.out, args.warmup_epochs, args.warmup_steps,
-                        args.include_incomplete)
-    except GptparError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    for message in result.skipped:
-        print(message)
-    completed = sum(r.status == "completed" for r in result.runs)
-    print(f"{len(result.runs)} run(s), {completed} completed; {len(result.shown)} in the table")
-    print(f"summary: {result.summary_md} and {result.summary_csv}")
-    print(f"figures: {len(result.figures)} in {Path(args.out)}/" +
-          "".join(f"\n  {p.name}" for p in result.figures))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

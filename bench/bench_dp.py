@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from gptpar.config import ModelConfig, ParallelConfig
-from gptpar.distributed import RankInfo, spawn_local
 from gptpar.model import build_model, count_params, lm_loss
-from gptpar.parallel import GradSync, make_grad_sync
+from gptpar.parallel.data_parallel import GradSync, make_grad_sync
+from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.spawn import spawn_local
 
 MODES = ("local", "naive", "bucketed", "ddp")
 
@@ -104,7 +105,7 @@ def rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
         model = make_model(args)
         pcfg = ParallelConfig(dp=info.world_size, dp_sync="bucketed" if mode == "local" else mode,
                               bucket_mb=args.bucket_mb)
-        runs[mode] = (make_grad_sync(model, pcfg, info), torch.optim.AdamW(model.parameters(), lr=1e-4))
+        runs[mode] = (make_grad_sync(model, pcfg, dist.group.WORLD), torch.optim.AdamW(model.parameters(), lr=1e-4))
     samples: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
     for r in range(args.rounds):
         for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:

@@ -1,70 +1,256 @@
-"""`gptpar`: train, show the config, submit jobs and sweeps, watch them, and report on them."""
+"""`gptpar`: train GPT-2, show the config, submit jobs and sweeps, watch them, and report on them.
+
+Every subcommand is defined here, with one error format: `gptpar: error: <one line>` and exit code 2
+for bad input. Heavy modules (torch, the trainer, matplotlib) are imported by the commands that need
+them, so `gptpar status` and `gptpar submit --dry-run` answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
+from typing import NoReturn
 
-from gptpar.config import load_config, reference_markdown, split_config_args, to_yaml
+from gptpar import __version__
+from gptpar.config import load_config, reference_markdown, split_config_args, to_yaml, world_size
 from gptpar.errors import GptparError
 
+CONFIG_ARGS = "[CONFIG.yaml] [section.key=value ...]"
 
-def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="YAML config file (optional)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+
+class Parser(argparse.ArgumentParser):
+    """argparse with gptpar's error format, for bad options as for bad values."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"gptpar: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _config(args: argparse.Namespace):
+    path, overrides = split_config_args(args.words)
+    return load_config(path, overrides)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gptpar.preemption import install_preemption_handler
+    from gptpar.train.preemption import install_preemption_handler
 
     install_preemption_handler()  # before torch is imported: a job's USR2 may come early
-    from gptpar.trainer import run_training
+    from gptpar.parallel.env import layout_from_env
 
-    path, overrides = split_config_args([args.config, *args.overrides] if args.config else [])
-    result = run_training(load_config(path, overrides))
-    return 0 if result["status"] in ("completed", "requeued") else 1
+    cfg = _config(args)
+    if layout_from_env(os.environ).launcher != "single":  # one rank of a job that srun/torchrun/gptpar started
+        from gptpar.train.trainer import run_rank
+
+        return 0 if run_rank(cfg)["status"] in ("completed", "diverged", "requeued") else 1
+    from gptpar.launch.plan import plan_run
+
+    point = plan_run(cfg)  # no launcher: this process is the submitter
+    ranks = world_size(point.cfg)
+    if ranks == 1:
+        from gptpar.train.trainer import run_rank
+
+        return 0 if run_rank(point.cfg)["status"] in ("completed", "diverged", "requeued") else 1
+    from gptpar.launch.local import run_ranks
+    from gptpar.run.state import read_run
+
+    print(f"gptpar: {ranks} ranks as local processes on this machine: {point.folder.path}", flush=True)
+    run_ranks(point, ranks)
+    run = read_run(point.folder)
+    print(f"gptpar: run {run.state}" + (f": {run.detail}" if run.detail else ""), flush=True)
+    return 0 if run.state in ("completed", "diverged", "pending") else 1
 
 
 def cmd_config(args: argparse.Namespace) -> int:
     if args.action == "reference":
         print(reference_markdown())
         return 0
-    path, overrides = split_config_args([args.config, *args.overrides] if args.config else [])
-    print(to_yaml(load_config(path, overrides)), end="")
+    print(to_yaml(_config(args)), end="")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from gptpar.launch.submit import submit
+
+    overrides = list(args.words)
+    if args.gpus is not None:
+        overrides.append(f"launch.gpus={args.gpus}")
+    if args.nodes is not None:
+        overrides.append(f"launch.nodes={args.nodes}")
+    path, overrides = split_config_args(overrides)
+    return submit(load_config(path, overrides), args.kind, dry_run=args.dry_run)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from gptpar.launch.sweep import run_sweep
+
+    return run_sweep(args.file, dry_run=args.dry_run, runs_dir=args.runs_dir or "", overrides=args.overrides,
+                     wait=args.wait)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gptpar.launch.backend import scheduler_state
+    from gptpar.run.folder import find_runs
+    from gptpar.run.state import STATES, last_step, read_run
+
+    root = Path(args.runs_dir)
+    if not root.is_dir():
+        raise GptparError(f"runs folder {str(root)!r} does not exist")
+    runs = [read_run(folder, root, scheduler_state(folder)) for folder in find_runs(root)]
+    for state in STATES:
+        for run in (r for r in runs if r.state == state):
+            detail = f"  {run.detail}" if run.detail and state != "completed" else ""
+            print(f"{state:<10} {run.folder.path.relative_to(root).as_posix():<50} step {last_step(run)}{detail}")
+    counts = ", ".join(f"{sum(r.state == s for r in runs)} {s}" for s in STATES if any(r.state == s for r in runs))
+    print(f"{len(runs)} run(s): {counts or 'none'}")
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from gptpar.launch.backend import scheduler_state
+    from gptpar.run.folder import RunFolder
+    from gptpar.run.state import read_run
+
+    path = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
+    if not path.is_dir():
+        raise GptparError(f"run {args.run!r} not found (as a path or under {args.runs_dir})")
+    folder = RunFolder(path)
+    files = sorted(p for p in folder.job_dir.glob("*") if p.suffix in (".out", ".err") and p.stat().st_size)
+    for file in [*files, folder.rank_log(0)]:
+        if file.is_file():
+            print(f"==> {file} <==")
+            print("\n".join(file.read_text(errors="replace").splitlines()[-args.lines:]))
+    run = read_run(folder, scheduler=scheduler_state(folder))
+    print(f"state: {run.state}" + (f" ({run.detail})" if run.detail else ""))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from analysis.report import main as report_main
+    from analysis.report import report
 
-    return report_main(args.report_args)
+    result = report(args.runs_dir, args.out, args.warmup_epochs, args.warmup_steps, args.include_incomplete)
+    for message in result.skipped:
+        print(message)
+    completed = sum(r.status == "completed" for r in result.runs)
+    print(f"{len(result.runs)} run(s), {completed} completed; {len(result.shown)} in the table")
+    print(f"summary: {result.summary_md} and {result.summary_csv}")
+    print(f"figures: {len(result.figures)} in {Path(args.out)}/" + "".join(f"\n  {p.name}" for p in result.figures))
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from gptpar.train.checkpoint import export_checkpoint
+
+    run = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
+    if not run.is_dir():
+        raise GptparError(f"run {args.run!r} not found (as a path or under {args.runs_dir})")
+    out = Path(args.out or run / "checkpoint.pt")
+    print(f"wrote {export_checkpoint(run, out)}")
+    return 0
+
+
+def _non_negative(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return int(text)
+
+
+def _add(sub: argparse._SubParsersAction, name: str, help: str, examples: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help, epilog=f"examples:\n{examples}",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gptpar", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="gptpar", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"gptpar {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
-    train = sub.add_parser("train", help="train GPT-2 (spawns parallel.dp local ranks outside SLURM/torchrun)")
-    _add_config_args(train)
-    train.set_defaults(handler=cmd_train)
+    p = _add(sub, "train", "train GPT-2 here: one process, or parallel.dp local ranks (a rank of the job "
+             "when started by srun or torchrun)",
+             "  gptpar train train.max_steps=20\n"
+             "  gptpar train my.yaml parallel.dp=2 parallel.dp_sync=ddp\n"
+             "  torchrun --nproc-per-node=2 -m gptpar train parallel.dp=2")
+    p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
+    p.set_defaults(handler=cmd_train)
 
-    config = sub.add_parser("config", help="print the resolved config, or the reference of every key")
-    config.add_argument("action", choices=("show", "reference"))
-    _add_config_args(config)
-    config.set_defaults(handler=cmd_config)
+    p = _add(sub, "config", "print the resolved config, or the reference of every key",
+             "  gptpar config show parallel.dp=2\n  gptpar config reference")
+    p.add_argument("action", choices=("show", "reference"))
+    p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
+    p.set_defaults(handler=cmd_config)
 
-    report = sub.add_parser("report", help="turn runs/ into figures/ and a summary table", add_help=False)
-    report.add_argument("report_args", nargs=argparse.REMAINDER)
-    report.set_defaults(handler=cmd_report)
+    p = _add(sub, "submit", "submit one run as a job: data-parallel (dp) or the one-process pipeline (pp); "
+             "on SLURM when it answers, else as local processes",
+             "  gptpar submit dp --gpus 2 --dry-run\n"
+             "  gptpar submit dp --gpus 4 --nodes 2 launch.profile=bridges2 launch.account=abc123\n"
+             "  gptpar submit pp --gpus 2 parallel.chunks=8")
+    p.add_argument("kind", choices=("dp", "pp"))
+    p.add_argument("--gpus", type=_non_negative, help="GPUs per node (launch.gpus); dp runs one rank per GPU")
+    p.add_argument("--nodes", type=_non_negative, help="nodes (launch.nodes)")
+    p.add_argument("--dry-run", action="store_true", help="print the job script and submit nothing")
+    p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
+    p.set_defaults(handler=cmd_submit)
 
-    from gptpar.launch.commands import register
+    p = _add(sub, "sweep", "submit every point of a sweep file that is not done or queued yet",
+             "  gptpar sweep sweeps/dp_scaling.yaml\n  gptpar sweep sweeps/ci_small.yaml --dry-run\n"
+             "  gptpar sweep sweeps/demo_dp.yaml launch.cluster=local --runs-dir runs/demo --wait")
+    p.add_argument("file", help="sweep YAML: name, kind, config, base, grid, zip")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every point's base")
+    p.add_argument("--dry-run", action="store_true", help="print the points and job scripts only")
+    p.add_argument("--wait", action="store_true", help="on SLURM, return once every point has finished")
+    p.add_argument("--runs-dir", help="override log.runs_dir of the sweep's points")
+    p.set_defaults(handler=cmd_sweep)
 
-    register(sub)
+    p = _add(sub, "status", "list runs by state (pending, running, completed, failed, ...), asking SLURM "
+             "about their jobs", "  gptpar status\n  gptpar status runs/demo")
+    p.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
+    p.set_defaults(handler=cmd_status)
+
+    p = _add(sub, "logs", "tail a run's job output, its ranks' errors and its rank-0 log, and say its state",
+             "  gptpar logs dp2\n  gptpar logs runs/demo/demo_dp/parallel.dp=2 -n 50")
+    p.add_argument("run", help="run folder, or its name under --runs-dir")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("-n", "--lines", type=_non_negative, default=20)
+    p.set_defaults(handler=cmd_logs)
+
+    p = _add(sub, "report", "turn a runs folder into summary.csv, summary.md and figures",
+             "  gptpar report\n  gptpar report runs/demo --out figures/demo --include-incomplete")
+    p.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
+    p.add_argument("--out", default="figures", help="output folder (default: figures)")
+    p.add_argument("--warmup-epochs", type=_non_negative, default=1,
+                   help="leading epochs dropped when more remain (default: 1)")
+    p.add_argument("--warmup-steps", type=_non_negative, default=5,
+                   help="leading steps dropped from a run with too few epochs (default: 5)")
+    p.add_argument("--include-incomplete", action="store_true",
+                   help="also tabulate and plot running, requeued and failed runs")
+    p.set_defaults(handler=cmd_report)
+
+    p = _add(sub, "checkpoint", "export a run's checkpoint (torch.distributed.checkpoint, sharded-ready) as "
+             "one plain torch.save file", "  gptpar checkpoint export dp2\n"
+             "  gptpar checkpoint export runs/dp2 --out dp2.pt")
+    p.add_argument("action", choices=("export",))
+    p.add_argument("run", help="run folder, or its name under --runs-dir")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--out", help="file to write (default: RUN/checkpoint.pt)")
+    p.set_defaults(handler=cmd_checkpoint)
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Options may stand anywhere among the config words (`submit dp my.yaml --gpus 2 train.lr=1e-3`):
+    argparse leaves positionals after an option unmatched, so they are appended to the words here."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    dest = next((d for d in ("words", "overrides") if hasattr(args, d)), None)
+    if extra and (dest is None or any(word.startswith("-") for word in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        setattr(args, dest, [*getattr(args, dest), *extra])
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.handler(args)
     except GptparError as exc:

@@ -7,6 +7,9 @@ error messages and the README's config reference all come from this one file.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import math
 import re
 import typing
 from dataclasses import dataclass, field
@@ -30,40 +33,46 @@ def opt(default: Any, help: str, choices: tuple | None = None, min: float | None
     return field(default=default, metadata=meta)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     preset: str = opt("gpt2-tiny", "Named GPT-2 shape (gptpar/presets.py).",
                       choices=tuple(PRESETS))
-    n_layer: int = opt(0, "Transformer blocks; 0 keeps the preset's.", min=0)
-    n_embd: int = opt(0, "Hidden width; 0 keeps the preset's.", min=0)
-    n_head: int = opt(0, "Attention heads; 0 keeps the preset's.", min=0)
-    n_positions: int = opt(0, "Context length of the position table; 0 keeps the preset's.", min=0)
+    n_layer: int = opt(0, "Transformer blocks; 0 keeps the preset's.", min=0, max=4096)
+    n_embd: int = opt(0, "Hidden width; 0 keeps the preset's.", min=0, max=65_536)
+    n_head: int = opt(0, "Attention heads; 0 keeps the preset's.", min=0, max=4096)
+    n_positions: int = opt(0, "Context length of the position table; 0 keeps the preset's.", min=0,
+                           max=1_048_576)
     dropout: float = opt(0.0, "Dropout on embeddings, attention and residuals.", min=0.0, max=1.0)
     init: str = opt("random", "random: seeded random weights; pretrained: hub weights (needs the hub).",
                     choices=("random", "pretrained"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     source: str = opt("stdlib", "stdlib | tinyshakespeare | synthetic | text:PATH[,PATH...] | "
                       "hf:NAME[:CONFIG].")
     tokenizer: str = opt("auto", "auto: GPT-2 BPE from the hub, else a BPE trained on the corpus; "
                          "gpt2; bpe; bytes (256 symbols).", choices=("auto", "gpt2", "bpe", "bytes"))
-    vocab_size: int = opt(4096, "Vocabulary of a trained BPE (and of synthetic data).", min=257)
-    seq_len: int = opt(128, "Tokens per example; a block holds seq_len + 1 tokens.", min=2)
+    vocab_size: int = opt(4096, "Vocabulary of a trained BPE (and of synthetic data).", min=257,
+                          max=16_777_216)
+    seq_len: int = opt(128, "Tokens per example; a block holds seq_len + 1 tokens.", min=2,
+                       max=1_048_576)
     val_fraction: float = opt(0.1, "Share of the corpus held out for validation.", min=0.0, max=0.5)
     max_chars: int = opt(2_000_000, "Characters of text read from the corpus; 0 reads all.", min=0)
-    synthetic_tokens: int = opt(1_000_000, "Corpus length of the synthetic source.", min=1000)
+    synthetic_tokens: int = opt(1_000_000, "Corpus length of the synthetic source.", min=1000,
+                                max=4_294_967_296)
     dir: str = opt("", "Data and cache directory; empty uses $GPTPAR_DATA_DIR or ~/.cache/gptpar.")
     streaming: bool = opt(False, "Stream hf: datasets instead of downloading them whole.")
-    hub_timeout_s: float = opt(3.0, "Seconds to wait when probing the Hugging Face hub.", min=0.1)
+    hub_timeout_s: float = opt(3.0, "Seconds to wait when probing the Hugging Face hub.", min=0.1,
+                               max=600.0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
-    batch_size: int = opt(16, "Global batch (sequences per optimizer step, over all DP ranks).", min=1)
-    grad_accum: int = opt(1, "Micro-steps per optimizer step.", min=1)
-    epochs: int = opt(1, "Passes over the training split.", min=1)
+    batch_size: int = opt(16, "Global batch (sequences per optimizer step, over all DP ranks).", min=1,
+                          max=16_777_216)
+    grad_accum: int = opt(1, "Micro-steps per optimizer step.", min=1, max=65_536)
+    epochs: int = opt(1, "Passes over the training split.", min=1, max=1_000_000)
     max_steps: int = opt(0, "Stop after this many optimizer steps; 0 runs all epochs.", min=0)
     lr: float = opt(6e-4, "Peak learning rate.", min=0.0)
     min_lr: float = opt(6e-5, "Learning rate at the end of the cosine decay.", min=0.0)
@@ -74,32 +83,36 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "Gradient-norm clip; 0 disables it.", min=0.0)
     eval_every: int = opt(50, "Evaluate every N steps (and at each epoch end); 0 only at epoch end.",
                           min=0)
-    eval_batches: int = opt(8, "Validation batches per evaluation.", min=1)
+    eval_batches: int = opt(8, "Validation batches per evaluation.", min=1, max=1_000_000)
     seed: int = opt(1337, "Seed of weights, data order and dropout.")
     checkpoint_every: int = opt(0, "Save a checkpoint every N steps; 0 only at the end and on signal.",
                                 min=0)
-    threads: int = opt(0, "torch intra-op threads per rank; 0 leaves torch's default.", min=0)
+    threads: int = opt(0, "torch intra-op threads per rank; 0 leaves torch's default.", min=0,
+                       max=4096)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = opt(1, "Data-parallel ranks (spawned locally when not under SLURM or torchrun).", min=1)
+    dp: int = opt(1, "Data-parallel ranks (spawned locally when not under SLURM or torchrun).", min=1,
+                  max=65_536)
     dp_sync: str = opt("bucketed", "Gradient sync: naive (all-reduce per parameter), bucketed "
                        "(overlapped flat buckets), ddp (torch DDP).", choices=("naive", "bucketed", "ddp"))
-    bucket_mb: float = opt(25.0, "Bucket size of the bucketed reducer, in MB.", min=0.001)
+    bucket_mb: float = opt(25.0, "Bucket size of the bucketed reducer, in MB.", min=0.001,
+                           max=1_048_576.0)
     backend: str = opt("auto", "auto: nccl when CUDA is visible, else gloo.",
                        choices=("auto", "gloo", "nccl"))
-    timeout_s: float = opt(120.0, "Seconds before a dead or hung rank fails the job.", min=1.0)
+    timeout_s: float = opt(120.0, "Seconds before a dead or hung rank fails the job.", min=1.0,
+                           max=2_592_000.0)
     pp_mode: str = opt("single", "single | model_parallel (layers split over devices) | "
                        "pipeline_parallel (GPipe micro-batches).",
                        choices=("single", "model_parallel", "pipeline_parallel"))
-    chunks: int = opt(4, "Micro-batches per batch in pipeline_parallel mode.", min=1)
+    chunks: int = opt(4, "Micro-batches per batch in pipeline_parallel mode.", min=1, max=65_536)
     devices: str = opt("", "Comma-separated devices of the model/pipeline stages, e.g. cuda:0,cuda:1 "
                        "or cpu,cpu; empty uses every visible GPU, else one CPU.")
     balance: str = opt("layers", "How blocks are spread over devices.", choices=("layers", "params"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchConfig:
     profile: str = opt("local", "Cluster profile: a name in gptpar/launch/profiles/ or a path to a .yaml file.")
     cluster: str = opt("auto", "auto: SLURM when reachable, else local processes.",
@@ -109,17 +122,17 @@ class LaunchConfig:
     qos: str = opt("", "SLURM QOS (-q).")
     constraint: str = opt("", "SLURM constraint (-C).")
     gpu_type: str = opt("", "GPU type, e.g. v100-32; empty uses the profile's.")
-    gpus: int = opt(1, "GPUs per node (one task per GPU for DP).", min=0)
-    nodes: int = opt(1, "Nodes.", min=1)
-    cpus_per_task: int = opt(0, "CPUs per task; 0 uses the profile's default.", min=0)
+    gpus: int = opt(1, "GPUs per node (one task per GPU for DP).", min=0, max=256)
+    nodes: int = opt(1, "Nodes.", min=1, max=65_536)
+    cpus_per_task: int = opt(0, "CPUs per task; 0 uses the profile's default.", min=0, max=4096)
     time: str = opt("00:30:00", "Walltime, HH:MM:SS or D-HH:MM:SS.")
     signal_s: int = opt(120, "Seconds before the time limit at which USR2 asks for checkpoint+requeue.",
-                        min=0)
-    max_concurrent: int = opt(4, "Concurrent array tasks of a sweep.", min=1)
+                        min=0, max=2_592_000)
+    max_concurrent: int = opt(4, "Concurrent array tasks of a sweep.", min=1, max=65_536)
     venv: str = opt("", "Virtualenv activated in job scripts; empty uses this checkout's .venv.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     runs_dir: str = opt("runs", "Where run folders are written.")
     run_id: str = opt("", "Run folder name; empty derives NAME-<timestamp>.")
@@ -129,7 +142,7 @@ class LogConfig:
                         choices=("auto", "bar", "lines", "none"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -149,6 +162,21 @@ def _section_class(name: str) -> type:
     return typing.get_type_hints(Config)[name]
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _shown(value: Any, limit: int = 40) -> str:
+    """A value as an error message quotes it: its repr, shortened so the message stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _allowed(meta: typing.Mapping[str, Any], kind: str) -> str:
+    """What a numeric field accepts, e.g. 'a finite number >= 0.0 and <= 1.0'."""
+    bounds = [f"{op} {meta[k]}" for op, k in ((">=", "min"), ("<=", "max")) if meta.get(k) is not None]
+    return " and ".join([f"{kind} {bounds[0]}", *bounds[1:]]) if bounds else kind
+
+
 def _coerce(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
     """Convert a YAML or command-line value to the field's type and check its constraints."""
     meta = f.metadata
@@ -162,18 +190,30 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
             try:
                 value = int(value.replace("_", ""))
             except ValueError:
-                raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+                raise ConfigError(f"{key}: expected an integer, got {_shown(value)}") from None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {_shown(value)}")
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ConfigError(f"{key}: {_shown(value)} does not fit in a 64-bit integer; "
+                              f"expected {_allowed(meta, 'an integer')}")
     elif hint is float:
         if isinstance(value, str):
             try:
                 value = float(value)
             except ValueError:
-                raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+                raise ConfigError(f"{key}: expected a number, got {_shown(value)}") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
-        value = float(value)
+            raise ConfigError(f"{key}: expected a number, got {_shown(value)}")
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond a float's range
+            raise ConfigError(f"{key}: {_shown(value)} is not finite as a number; "
+                              f"expected {_allowed(meta, 'a finite number')}") from None
+        # NaN compares false with everything, so it would pass every range check below.
+        if math.isnan(value):
+            raise ConfigError(f"{key}: nan is not a number; expected {_allowed(meta, 'a finite number')}")
+        if math.isinf(value):
+            raise ConfigError(f"{key}: {value} is not finite; expected {_allowed(meta, 'a finite number')}")
     elif hint is str:
         if value is None:
             value = ""
@@ -189,7 +229,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
     return value
 
 
-def _set(cfg: Config, dotted: str, value: Any) -> None:
+def _set(cfg: Config, dotted: str, value: Any) -> Config:
+    """A copy of cfg with one key changed (configs are frozen: a resolved config is never mutated)."""
     section_name, _, key = dotted.partition(".")
     if section_name not in SECTIONS:
         raise ConfigError(f"unknown section {section_name!r} in {dotted!r}; sections: {', '.join(SECTIONS)}")
@@ -198,10 +239,12 @@ def _set(cfg: Config, dotted: str, value: Any) -> None:
     if key not in fields:
         raise ConfigError(f"unknown key {dotted!r}; {section_name} keys: {', '.join(fields)}")
     hint = typing.get_type_hints(type(section))[key]
-    setattr(section, key, _coerce(dotted, value, fields[key], hint))
+    changed = dataclasses.replace(section, **{key: _coerce(dotted, value, fields[key], hint)})
+    return dataclasses.replace(cfg, **{section_name: changed})
 
 
 def apply_dict(cfg: Config, data: Any, origin: str = "config") -> Config:
+    """A copy of cfg with a {section: {key: value}} mapping applied (not yet validated as a whole)."""
     if data is None:
         return cfg
     if not isinstance(data, dict):
@@ -212,7 +255,16 @@ def apply_dict(cfg: Config, data: Any, origin: str = "config") -> Config:
         if not isinstance(values, dict):
             raise ConfigError(f"{origin}: section {section_name!r} must be a mapping of keys")
         for key, value in values.items():
-            _set(cfg, f"{section_name}.{key}", value)
+            cfg = _set(cfg, f"{section_name}.{key}", value)
+    return cfg
+
+
+def updated(cfg: Config, changes: dict[str, Any]) -> Config:
+    """A validated copy of cfg with `section.key` values changed: how the submit and rank sides
+    resolve a config (job shape, run folder, world size) without mutating the one they were given."""
+    for dotted, value in changes.items():
+        cfg = _set(cfg, dotted, value)
+    validate(cfg)
     return cfg
 
 
@@ -255,7 +307,12 @@ def read_yaml(path: str | Path) -> Any:
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        return yaml.load(path.read_text(), Loader=_Loader)
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                          "save the config file as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
@@ -265,12 +322,10 @@ def read_yaml(path: str | Path) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
     """Defaults, then the YAML file, then the overrides, each validated as it is applied."""
-    cfg = Config()
-    if path:
-        apply_dict(cfg, read_yaml(path), origin=str(path))
+    cfg = apply_dict(Config(), read_yaml(path), origin=str(path)) if path else Config()
     for text in overrides:
         key, value = parse_override(text)
-        _set(cfg, key, value)
+        cfg = _set(cfg, key, value)
     validate(cfg)
     return cfg
 
@@ -299,10 +354,48 @@ def validate(cfg: Config) -> None:
                           f"combined with parallel.dp={p.dp} yet; use parallel.dp=1 or parallel.pp_mode=single")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
+    if p.pp_mode == "single" and p.devices.strip() and p.dp > 1:
+        raise ConfigError(f"parallel.devices={p.devices!r} places the stages of one process; with parallel.dp="
+                          f"{p.dp} each rank uses its own device: leave parallel.devices empty")
 
 
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_digest(cfg: Config) -> str:
+    """A short hash of the resolved config: a run folder belongs to exactly one config."""
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# The rank grid's dimensions, slowest- to fastest-varying over global ranks, so that the ranks of one
+# tensor-parallel group are neighbours and stay on one node.
+GRID_DIMS = ("pp", "dp", "tp")
+
+
+def grid_sizes(cfg: Config) -> dict[str, int]:
+    """Size of each grid dimension. Only `dp` is configurable so far; the multi-process pipeline and
+    tensor-parallel engines add their keys here, and every launcher and log follows this one function."""
+    return {"pp": 1, "dp": cfg.parallel.dp, "tp": 1}
+
+
+def world_size(cfg: Config) -> int:
+    """Ranks (processes, one per GPU on a cluster) the config needs: the product of the grid sizes."""
+    return math.prod(grid_sizes(cfg).values())
+
+
+def resolve_for_launch(cfg: Config, launched: int) -> Config:
+    """The rank side's resolution: under srun or torchrun the launcher fixes the rank count, and the
+    config must agree with it. A config that asks for one replica takes as many as the launcher
+    started (`srun gptpar train` with N tasks trains with dp=N); any other mismatch is an error."""
+    if launched == world_size(cfg):
+        return cfg
+    other = world_size(cfg) // cfg.parallel.dp
+    if cfg.parallel.dp != 1 or launched % other:
+        raise ConfigError(f"the config asks for {world_size(cfg)} ranks (parallel.dp={cfg.parallel.dp}) but the "
+                          f"launcher started {launched}; set parallel.dp={launched // other or 1} or launch "
+                          f"{world_size(cfg)} tasks")
+    return updated(cfg, {"parallel.dp": launched // other})
 
 
 def reference_markdown() -> str:

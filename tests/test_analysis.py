@@ -13,8 +13,10 @@ from logsets import T0, Rank, config, dp_run
 
 from analysis.aggregate import RunMetrics
 from analysis.mfu import flops_per_token
-from analysis.report import analyse_runs, main, report
+from analysis.report import analyse_runs, report
+from gptpar.cli import main as gptpar_main
 from gptpar.errors import GptparError
+from gptpar.run.folder import RunFolder
 
 LATER = T0 + 3600.0  # "now" an hour after the logs: a run without a final record has died
 
@@ -119,7 +121,7 @@ def test_corrupt_middle_line_marks_the_run_corrupt_and_names_file_and_line(
 ])
 def test_record_missing_a_field_is_reported_with_its_line(tmp_path: Path, line: str, missing: str) -> None:
     rank = Rank(tmp_path / "r", 0, config()).header().step(1)
-    rank.logger._file.write(line + "\n")
+    rank.logger._file.write(line.encode() + b"\n")
     rank.step(3).final(step=3)
     m = metrics(tmp_path)["r"]
     assert m.status == "corrupt"
@@ -149,10 +151,12 @@ def test_status_of_requeued_running_and_failed_runs(tmp_path: Path) -> None:
     Rank(tmp_path / "live", 0, config()).header().step(1)
     Rank(tmp_path / "dead", 0, config()).header().step(1).final("failed", 1)
     status = {run: m.status for run, m in metrics(tmp_path).items()}
-    assert status == {"queued": "requeued", "live": "failed", "dead": "failed"}
-    assert {m.run: m.status for m in analyse_runs(tmp_path, now=T0 + 60)}["live"] == "running"
-    shown = report(tmp_path, tmp_path / "out", now=T0 + 60, include_incomplete=True).shown
+    assert status == {"queued": "requeued", "live": "failed", "dead": "failed"}  # no process holds "live"
+    with RunFolder(tmp_path / "live").hold("123"):  # the run's process is alive: its lock says so
+        assert {m.run: m.status for m in analyse_runs(tmp_path, now=LATER)}["live"] == "running"
+        shown = report(tmp_path, tmp_path / "out", now=LATER, include_incomplete=True).shown
     assert sorted(m.run for m in shown) == ["dead", "live", "queued"]
+    assert {m.run: m.status for m in analyse_runs(tmp_path, now=T0 + 10)}["queued"] == "pending"  # requeue grace
 
 
 def test_two_stage_pipeline_counts_each_replica_once(tmp_path: Path) -> None:
@@ -208,7 +212,7 @@ def test_sweep_speedup_and_efficiency(tmp_path: Path) -> None:
 def test_report_writes_summary_rows_and_valid_figures(tmp_path: Path) -> None:
     sweep_set(tmp_path / "runs")
     Rank(tmp_path / "runs" / "dpscale" / "dp8", 0, config(dp=8)).header().step(1)  # died
-    code = main([str(tmp_path / "runs"), "--out", str(tmp_path / "figs")])
+    code = gptpar_main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "figs")])
     assert code == 0
     summary = (tmp_path / "figs" / "summary.md").read_text()
     table = [line for line in summary.split("## ")[0].splitlines() if line.startswith(("| dpscale", "| pipes"))]
@@ -269,7 +273,7 @@ def test_mfu_for_a_known_gpu_and_na_for_an_unknown_one(tmp_path: Path) -> None:
 def test_missing_or_empty_runs_dir_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(GptparError, match="does not exist"):
         report(tmp_path / "nope", tmp_path / "out")
-    assert main([str(tmp_path)]) == 2
+    assert gptpar_main(["report", str(tmp_path)]) == 2
     assert "no run folders" in capsys.readouterr().err
 
 

@@ -47,9 +47,10 @@ def test_hf_source_offline_fails_with_one_clear_line():
     assert "\n" not in str(err.value)
 
 
-def test_tinyshakespeare_from_a_data_dir_without_download(shakespeare_dir, monkeypatch):
+def test_tinyshakespeare_from_a_data_dir_without_download(shakespeare_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "TINYSHAKESPEARE_URL", "http://127.0.0.1:9/must-not-be-fetched")
-    cfg = DataConfig(source="tinyshakespeare", dir=str(shakespeare_dir), tokenizer="bytes", max_chars=0)
+    (tmp_path / "tinyshakespeare.txt").symlink_to(shakespeare_dir / "tinyshakespeare.txt")  # cache not in ../shared
+    cfg = DataConfig(source="tinyshakespeare", dir=str(tmp_path), tokenizer="bytes", max_chars=0)
     splits = load_tokens(cfg)
     assert len(splits.train) + len(splits.val) == 1_115_394  # ASCII: one byte, one token
 

@@ -6,6 +6,7 @@ their gradients and parameters to files and the assertions compare the files her
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import islice
 from pathlib import Path
 
@@ -17,10 +18,11 @@ from torch.utils.data import TensorDataset
 
 from gptpar.config import ModelConfig, ParallelConfig
 from gptpar.data.partition import partition_dataset
-from gptpar.distributed import RankInfo, spawn_local
 from gptpar.model import build_model, lm_loss
-from gptpar.parallel import GradSync, make_grad_sync
-from gptpar.parallel.bucketed import plan_buckets
+from gptpar.parallel.data_parallel import GradSync, make_grad_sync
+from gptpar.parallel.data_parallel.bucketed import plan_buckets
+from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.spawn import spawn_local
 
 VOCAB, SEQ, STEPS, LR, SEED, GLOBAL_BATCH = 128, 16, 3, 0.1, 7, 8
 STRATEGIES = ("naive", "bucketed", "ddp")
@@ -91,13 +93,13 @@ def dp_worker(info: RankInfo, out_dir: Path) -> None:
         pcfg = ParallelConfig(dp=info.world_size, dp_sync=strategy, bucket_mb=BUCKET_MB)
         for accum in (1, 2):
             model = small_model()
-            grads = train(make_grad_sync(model, pcfg, info), batches, accum)
+            grads = train(make_grad_sync(model, pcfg, dist.group.WORLD), batches, accum)
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
             torch.save({"grads": grads, "params": params},
                        out_dir / f"{strategy}-accum{accum}-rank{info.rank}.pt")
         if strategy != "ddp":  # DDP needs find_unused_parameters for this; ours must not
-            pcfg.bucket_mb = 1e-5  # one bucket per parameter
-            sync = make_grad_sync(Branchy(), pcfg, info)
+            pcfg = dataclasses.replace(pcfg, bucket_mb=1e-5)  # one bucket per parameter
+            sync = make_grad_sync(Branchy(), pcfg, dist.group.WORLD)
             torch.save(branchy_grads(info.rank, sync), out_dir / f"{strategy}-unused-rank{info.rank}.pt")
             sync.model.zero_grad(set_to_none=True)  # now the unused parameter's .grad is None
             torch.save(branchy_grads(info.rank, sync), out_dir / f"{strategy}-unused2-rank{info.rank}.pt")

@@ -12,7 +12,7 @@ import pytest
 from conftest import REPO
 
 from gptpar.config import readme_with_reference
-from gptpar.logs import SCHEMA
+from gptpar.run.logfile import SCHEMA
 
 README = (REPO / "README.md").read_text()
 CI = (REPO / ".ci" / "run").read_text()

@@ -6,6 +6,7 @@ a log from every rank, the requeue continuing without a lost or repeated step, a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from gptpar.launch.cluster import clean_env, slurm_reachable
-from gptpar.launch.runs import read_job_record, read_records, run_state
+from gptpar.launch.backend import scheduler_state
+from gptpar.launch.slurm import clean_env, slurm_reachable
+from gptpar.run.folder import RunFolder
+from gptpar.run.state import read_run
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(not slurm_reachable(), reason="no SLURM cluster answers sinfo (make cluster-up)")]
@@ -26,6 +29,20 @@ TINY = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.tokenizer=bytes
         "data.synthetic_tokens=20000", "train.batch_size=8", "train.max_steps=3", "train.eval_every=0",
         "train.eval_batches=1", "train.threads=1", "launch.time=00:05:00"]
 REQUEUE_STEPS = 60  # below the 70-step epoch of the 20000-token synthetic corpus
+
+
+def run_state(run: Path) -> str:
+    """What `gptpar status` says: the run's records and lock, plus SLURM's word on its job."""
+    folder = RunFolder(run)
+    return read_run(folder, scheduler=scheduler_state(folder)).state
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def read_job_record(run: Path) -> dict[str, str]:
+    return RunFolder(run).read_job_record()
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
@@ -71,8 +88,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
           "log.run_id=dp_2nodes"], work)
     _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, f"train.max_steps={REQUEUE_STEPS}",
           "train.checkpoint_every=0", "log.run_id=requeue"], work)
-    env = {**clean_env(), "VENV": str(REPO / ".venv"), "OVERRIDES": " ".join([*common, "log.run_id=pp"])}
-    _run(["sbatch", "--parsable", str(REPO / "jobs" / "pp.sbatch")], work, env)
+    env = {**clean_env(), "VENV": str(REPO / ".venv"), "RUNS": str(runs), "OVERRIDES": " ".join(TINY)}
+    pp_job = _run(["sbatch", "--parsable", str(REPO / "jobs" / "pp.sbatch")], work, env).strip()
+    (work / "pp_job").write_text(pp_job)
     _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(runs)], work)
     return work
 
@@ -113,14 +131,18 @@ def test_make_submit_dp_two_gpus(work: Path) -> None:
 
 
 def test_sbatch_pp_script(work: Path) -> None:
-    run = work / "runs" / "pp"
+    """jobs/pp.sbatch as a user sbatch-es it: its run and its output land where `gptpar logs` looks."""
+    job_id = (work / "pp_job").read_text()
+    run = work / "runs" / f"pp-{job_id}"
     deadline = time.monotonic() + 300
     while not (run / "rank0.jsonl").is_file() and time.monotonic() < deadline:
         time.sleep(1)
     assert _wait(run) == "completed"
     header = read_records(run / "rank0.jsonl")[0]
     assert header["config"]["parallel"]["pp_mode"] == "pipeline_parallel" and header["world_size"] == 1
-    assert list(work.glob("gptpar-pp-*.out"))  # the script's own -o %x-%j.out
+    assert (run / "job" / f"slurm-{job_id}.out").read_text().startswith(f"gptpar pp: job {job_id} restart 0")
+    logs = subprocess.run([GPTPAR, "logs", str(run)], capture_output=True, text=True, cwd=work, timeout=60)
+    assert f"slurm-{job_id}.out" in logs.stdout and logs.stdout.rstrip().endswith("state: completed")
 
 
 def test_two_node_data_parallel(work: Path) -> None:
@@ -144,7 +166,7 @@ def test_small_sweep_and_rerun_skips_done_points(work: Path) -> None:
 def test_figures_from_the_runs(work: Path) -> None:
     if not (REPO / "analysis" / "report.py").is_file():
         pytest.skip("analysis/report.py is not there yet")
-    for run in ("dp2", "pp", "dp_2nodes"):
+    for run in ("dp2", f"pp-{(work / 'pp_job').read_text()}", "dp_2nodes"):
         _wait(work / "runs" / run)
     out = work / "figures"
     _run([GPTPAR, "report", str(work / "runs"), "--out", str(out)], work)

@@ -6,14 +6,14 @@ import sys
 
 import torch
 
-from gptpar.checkpoint import load_checkpoint
+from gptpar.train.checkpoint import export_checkpoint
 
 COMMON = ["model.n_layer=2", "data.seq_len=32", "data.source=synthetic", "data.vocab_size=300",
           "train.batch_size=8", "train.max_steps=3", "train.eval_every=0", "train.threads=1", "log.progress=none"]
 
 
 def _train(runs, run_id: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gptpar.cli", "train", *COMMON, f"log.runs_dir={runs}",
+    return subprocess.run([sys.executable, "-m", "gptpar", "train", *COMMON, f"log.runs_dir={runs}",
                            f"log.run_id={run_id}", *extra], capture_output=True, text=True, timeout=300)
 
 
@@ -25,11 +25,13 @@ def test_dp2_trains_the_same_model_as_one_process(tmp_path):
     for rank in (0, 1):
         records = [json.loads(line) for line in (tmp_path / "dp" / f"rank{rank}.jsonl").read_text().splitlines()]
         header = records[0]
-        assert (header["rank"], header["world_size"], header["launcher"]) == (rank, 2, "spawn")
+        assert (header["rank"], header["world_size"], header["launcher"]) == (rank, 2, "local")
+        assert header["coords"] == {"pp": 0, "dp": rank, "tp": 0} and header["sizes"] == {"pp": 1, "dp": 2, "tp": 1}
         steps = [r for r in records if r["kind"] == "step"]
         assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] == 4 * 32 for r in steps)
         assert records[-1]["status"] == "completed"
-    a, b = load_checkpoint(tmp_path / "single")["model"], load_checkpoint(tmp_path / "dp")["model"]
+    exported = [export_checkpoint(tmp_path / run, tmp_path / f"{run}.pt") for run in ("single", "dp")]
+    a, b = (torch.load(path, weights_only=False)["trainer"]["model"] for path in exported)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
 

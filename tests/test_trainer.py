@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from gptpar.config import TrainConfig, config_from_dict, load_config
-from gptpar.logs import SCHEMA, validate_record
-from gptpar.trainer import learning_rate, train
+from gptpar.run.logfile import SCHEMA, validate_record
+from gptpar.train.optim import learning_rate
+from gptpar.train.trainer import run_rank as train
 
 TINY = ["model.n_layer=2", "data.seq_len=32", "data.tokenizer=bytes", "train.warmup_steps=2",
         "log.progress=none"]
@@ -22,9 +23,11 @@ def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def text_source(shared: Path) -> list[str]:
+def text_source(shared: Path, data_dir: Path) -> list[str]:
+    """The shared corpus through a link in a private data dir, so its token cache stays out of ../shared."""
     if (shared / "tinyshakespeare.txt").is_file():
-        return ["data.source=tinyshakespeare", f"data.dir={shared}", "data.max_chars=300000"]
+        (data_dir / "tinyshakespeare.txt").symlink_to(shared / "tinyshakespeare.txt")
+        return ["data.source=tinyshakespeare", f"data.dir={data_dir}", "data.max_chars=300000"]
     return ["data.source=stdlib", "data.max_chars=300000"]
 
 
@@ -32,8 +35,8 @@ def text_source(shared: Path) -> list[str]:
 def real_text_run(tmp_path_factory):
     from conftest import SHARED_DATA
 
-    runs = tmp_path_factory.mktemp("runs")
-    cfg = load_config(None, [*TINY, *text_source(SHARED_DATA), "train.batch_size=16", "train.max_steps=40",
+    runs, data_dir = tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("data")
+    cfg = load_config(None, [*TINY, *text_source(SHARED_DATA, data_dir), "train.batch_size=16", "train.max_steps=40",
                              "train.lr=3e-3", "train.min_lr=3e-4", "train.eval_every=20", f"log.runs_dir={runs}",
                              "log.run_id=real"])
     result = train(cfg)
@@ -58,7 +61,8 @@ def test_log_follows_the_schema(real_text_run):
     assert kinds[0] == "header" and kinds[-1] == "final" and set(kinds) == set(SCHEMA)
     header = records[0]
     assert header["rank"] == 0 and header["world_size"] == 1 and header["restart"] == 0
-    assert header["coords"] == {"dp": 0, "pp": 0} and header["device"] == "cpu"
+    assert header["coords"] == {"pp": 0, "dp": 0, "tp": 0} and header["sizes"] == {"pp": 1, "dp": 1, "tp": 1}
+    assert header["device"] == "cpu" and header["stage_devices"] == ["cpu"]
     assert config_from_dict(header["config"]) == cfg
     steps = [r for r in records if r["kind"] == "step"]
     assert [r["step"] for r in steps] == list(range(1, 41))
@@ -100,7 +104,7 @@ def test_learning_rate_warms_up_then_decays_to_min():
 
 
 def _gptpar(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gptpar.cli", "train", *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "gptpar", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -113,7 +117,7 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path):
     killed = _gptpar([*common, "log.run_id=killed"])
     log = tmp_path / "killed" / "rank0.jsonl"
     deadline = time.time() + 120
-    while time.time() < deadline and not (log.is_file() and '"step": 7,' in log.read_text()):
+    while time.time() < deadline and not (log.is_file() and '"step":7,' in log.read_text()):
         time.sleep(0.05)
     killed.send_signal(signal.SIGKILL)
     killed.wait(30)

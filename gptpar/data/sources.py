@@ -91,15 +91,34 @@ def tinyshakespeare_path(cfg: DataConfig) -> Path:
     return target
 
 
-def text_files(paths: list[str], max_chars: int) -> str:
-    """Local text files through `datasets`' text builder (each file one document)."""
-    import datasets
-
-    missing = [p for p in paths if not Path(p).is_file()]
+def text_paths(source: str) -> list[Path]:
+    """The files named by `text:PATH[,PATH...]`, each checked to exist."""
+    paths = [p.strip() for p in source.removeprefix("text:").split(",") if p.strip()]
+    if not paths:
+        raise GptparError(f"data.source=text: names no file (got {source!r}); use text:PATH[,PATH...]")
+    missing = [p for p in paths if not Path(p).expanduser().is_file()]
     if missing:
         raise GptparError(f"data.source=text: no such file: {missing[0]}")
-    ds = datasets.load_dataset("text", data_files=paths, split="train", sample_by="document")
-    return _truncate(ds["text"], max_chars)
+    return [Path(p).expanduser() for p in paths]
+
+
+def read_text_file(path: Path) -> str:
+    """One document: the file as UTF-8 text, with universal newlines; anything else is refused."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise GptparError(f"data.source=text: {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at "
+                          f"offset {exc.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+    if "\x00" in text:
+        raise GptparError(f"data.source=text: {path} is not UTF-8 text (a NUL byte at offset "
+                          f"{data.index(0)}: a binary file?)")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def text_files(paths: list[Path], max_chars: int) -> str:
+    """Local text files, each one document."""
+    return _truncate((read_text_file(p) for p in paths), max_chars)
 
 
 def hf_text(spec: str, cfg: DataConfig) -> str:
@@ -127,7 +146,7 @@ def load_text(cfg: DataConfig) -> str:
     if source == "tinyshakespeare":
         return _truncate([tinyshakespeare_path(cfg).read_text(encoding="utf-8")], cfg.max_chars)
     if source.startswith("text:"):
-        return text_files([p for p in source[5:].split(",") if p], cfg.max_chars)
+        return text_files(text_paths(source), cfg.max_chars)
     if source.startswith("hf:"):
         return hf_text(source[3:], cfg)
     raise GptparError(f"data.source: {source!r} is not allowed; use stdlib, tinyshakespeare, synthetic, "

@@ -83,3 +83,12 @@ def get_tokenizer(cfg: DataConfig, train_text: str, cache_dir: Path) -> Tokenize
             raise GptparError("data.tokenizer=gpt2: GPT-2's tokenizer is neither reachable on the hub nor "
                               "cached (HF_HOME); use data.tokenizer=bpe or bytes")
     return trained_bpe(train_text, cfg.vocab_size, cache_dir)
+
+
+def resolve_tokenizer_choice(cfg: DataConfig) -> str:
+    """`auto` made concrete once, at submission: gpt2 when GPT-2's tokenizer can be had (it is then in
+    the local cache for the job), else bpe. Recorded in the run's config, so every rank, restart and
+    sweep point of a submission uses the same vocabulary."""
+    if cfg.tokenizer != "auto" or cfg.source == "synthetic":
+        return cfg.tokenizer
+    return "gpt2" if gpt2_tokenizer(cfg.hub_timeout_s) is not None else "bpe"

@@ -13,6 +13,7 @@ from typing import Any
 
 from gptpar.config import Config, read_yaml
 from gptpar.errors import GptparError
+from gptpar.launch.plan import job_shape
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
 GPU_REQUESTS = ("gpus", "gpus_per_node", "gres")
@@ -109,31 +110,29 @@ def _check_limits(name: str, prof: dict[str, Any], spec: JobSpec) -> None:
 
 
 def resolve(cfg: Config, kind: str) -> JobSpec:
-    """The job shape of a `dp` or `pp` job: profile defaults, overridden by every set launch.* key."""
+    """The job of a planned config: its shape from the rank grid (gptpar.launch.plan.job_shape), the
+    rest from the profile, overridden by every set launch.* key. `kind` only names the job."""
     launch = cfg.launch
     prof = load_profile(launch.profile)
-    gpus = launch.gpus
-    if kind == "pp" and launch.nodes != 1:
-        raise GptparError(f"launch.nodes={launch.nodes}: a pipeline job runs as one process on one node")
-    tasks = max(gpus, 1) if kind == "dp" else 1
-    cpus = launch.cpus_per_task or max(1, int(prof.get("cpus_per_gpu", 1)) * max(gpus, 1) // tasks)
-    walltime = launch.time
-    time_seconds(walltime)
+    shape = job_shape(cfg)
+    gpus = max(shape.gpus_per_node, 1)
+    cpus = launch.cpus_per_task or max(1, int(prof.get("cpus_per_gpu", 1)) * gpus // shape.tasks_per_node)
+    time_seconds(launch.time)
     spec = JobSpec(
         kind=kind,
         profile=Path(launch.profile).stem,
         partition=_token("launch.partition", launch.partition or str(prof.get("partition") or "")),
-        nodes=launch.nodes,
-        gpus_per_node=gpus,
-        tasks_per_node=tasks,
+        nodes=shape.nodes,
+        gpus_per_node=shape.gpus_per_node,
+        tasks_per_node=shape.tasks_per_node,
         cpus_per_task=cpus,
-        time=walltime,
+        time=launch.time,
         account=_token("launch.account", launch.account or str(prof.get("account") or "")),
         qos=_token("launch.qos", launch.qos or str(prof.get("qos") or "")),
         constraint=_token("launch.constraint", launch.constraint or str(prof.get("constraint") or "")),
         gpu_directive=_gpu_directive(prof.get("gpu_request", "gres"),
                                      _token("launch.gpu_type", launch.gpu_type or str(prof.get("gpu_type") or "")),
-                                     gpus, launch.nodes),
+                                     shape.gpus_per_node, shape.nodes),
         signal_s=launch.signal_s,
         setup=tuple(str(line) for line in prof.get("setup") or ()),
     )

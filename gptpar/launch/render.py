@@ -2,7 +2,7 @@
 
 The header holds only validated plain tokens (see profiles.SAFE_TOKEN and safe_path) because
 #SBATCH lines are comments that quoting cannot protect; every value in the script body goes
-through shlex.quote. So a hostile run name or path cannot run anything (tests/test_launch_render.py).
+through shlex.quote. So a hostile run name or path cannot run anything (tests/test_launch.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gptpar.errors import GptparError
+from gptpar.launch.plan import Point, rank_command
 from gptpar.launch.profiles import JobSpec
+from gptpar.run.names import slug
 
 TEMPLATE = Path(__file__).with_name("templates") / "job.sbatch"
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+,=@-]+")
@@ -29,11 +31,6 @@ def safe_path(key: str, path: Path) -> str:
     return text
 
 
-def job_name(text: str) -> str:
-    """A SLURM job name made of safe characters only."""
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", text).strip("_")[:64] or "gptpar"
-
-
 def header_lines(spec: JobSpec, array: str = "") -> list[str]:
     """The #SBATCH lines that define the job's shape (shared by the jobs of one array)."""
     opts = [("--partition", spec.partition), ("--account", spec.account), ("--qos", spec.qos),
@@ -46,7 +43,7 @@ def header_lines(spec: JobSpec, array: str = "") -> list[str]:
     return lines
 
 
-def render(spec: JobSpec, name: str, run_dirs: Sequence[Path], gptpar: str, output_dir: Path,
+def render(spec: JobSpec, name: str, run_dirs: Sequence[Path], command: Sequence[str], output_dir: Path,
            max_concurrent: int = 0) -> str:
     """The exact script `sbatch` receives; an array of len(run_dirs) > 1 with a concurrency limit."""
     if not run_dirs:
@@ -55,8 +52,8 @@ def render(spec: JobSpec, name: str, run_dirs: Sequence[Path], gptpar: str, outp
     pattern = "%A_%a.out" if array else "%j.out"
     values = {
         "kind_command": f"submit {spec.kind}" if not array else f"sweep ({spec.kind})",
-        "profile": spec.profile,
-        "job_name": job_name(name),
+        "profile": slug(spec.profile),  # a comment line: only safe characters may reach it
+        "job_name": slug(name, 64),
         "header": "\n".join(header_lines(spec, array)),
         "output": f"{safe_path('log.runs_dir', output_dir)}/sbatch-{pattern}",
         "signal_s": str(spec.signal_s),
@@ -64,6 +61,13 @@ def render(spec: JobSpec, name: str, run_dirs: Sequence[Path], gptpar: str, outp
         "run_dirs": " ".join(shlex.quote(str(d)) for d in run_dirs),
         "nodes": str(spec.nodes),
         "tasks_per_node": str(spec.tasks_per_node),
-        "gptpar": shlex.quote(gptpar),
+        "command": shlex.join(command),
     }
     return PLACEHOLDER.sub(lambda m: values[m.group(1)], TEMPLATE.read_text())
+
+
+def render_script(points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> str:
+    """The script of one job running `points` (an array when there are several)."""
+    cfg = points[0].cfg
+    return render(spec, name, [p.folder.path for p in points], rank_command(cfg), output_dir,
+                  cfg.launch.max_concurrent)

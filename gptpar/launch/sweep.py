@@ -1,9 +1,9 @@
 """Sweeps: a base config expanded over `grid` axes (cartesian) and `zip` axes (paired).
 
-Each point gets a deterministic folder `runs/<sweep>/<key=value,...>`, so re-running a sweep finds
-its earlier points: completed, pending and running ones are skipped, failed ones resubmitted
-(the trainer resumes from their checkpoint). On SLURM the points of one job shape form one job
-array, limited to launch.max_concurrent tasks at a time.
+Each point gets a deterministic folder `runs/<sweep>/<key=value,...>` (gptpar.run.names.point_name),
+so re-running a sweep finds its earlier points: completed, pending and running ones are skipped,
+failed ones resubmitted (the trainer resumes from their checkpoint). On SLURM the points of one job
+shape form one job array, limited to launch.max_concurrent tasks at a time.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gptpar.config import ConfigError, apply_dict, load_config, parse_override, read_yaml
+from gptpar.config import ConfigError, apply_dict, load_config, parse_override, read_yaml, validate
 from gptpar.errors import GptparError
-from gptpar.launch import cluster
+from gptpar.launch.backend import choose_backend, scheduler_state
+from gptpar.launch.plan import Point, plan_run, shaped
 from gptpar.launch.profiles import resolve
-from gptpar.launch.runs import job_dir, run_state
-from gptpar.launch.submit import Point, new_point, run_local, script_for, shape, slug, submit_slurm
+from gptpar.launch.render import render_script
+from gptpar.run.names import point_name, slug
+from gptpar.run.state import read_run
 
 SWEEP_KEYS = ("name", "kind", "config", "base", "grid", "zip")
 
@@ -52,11 +54,11 @@ def expand(path: str | Path) -> tuple[str, str, list[tuple[str, list[str]]]]:
     points = []
     for zrow, grow in itertools.product(zip_rows, grid_rows):
         pairs = [f"{k}={v}" for k, v in zip(keys, (*zrow, *grow), strict=True)]
-        points.append((slug(",".join(pairs)) if pairs else "base", pairs))
+        points.append((point_name(pairs), pairs))
     return name, kind, points
 
 
-def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] = ()
+def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] = (), write: bool = False
                  ) -> tuple[str, str, list[Point]]:
     """Resolved, validated configs of every point: base, then `overrides`, then the point's axes."""
     path = Path(path)
@@ -64,17 +66,17 @@ def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
     data = read_yaml(path)
     base_path = (path.parent / data["config"]) if data.get("config") else None
     points = []
-    for point_name, point_overrides in expanded:
+    for name_of_point, point_overrides in expanded:
         try:
-            cfg = load_config(base_path)
-            apply_dict(cfg, data.get("base"), origin=str(path))
-            apply_dict(cfg, _nest(list(overrides)), origin="command line")
-            apply_dict(cfg, _nest(point_overrides), origin=f"{path} point {point_name}")
-            shape(cfg, kind)
+            cfg = apply_dict(load_config(base_path), data.get("base"), origin=str(path))
+            cfg = apply_dict(cfg, _nest(list(overrides)), origin="command line")
+            cfg = apply_dict(cfg, _nest(point_overrides), origin=f"{path} point {name_of_point}")
+            validate(cfg)
+            cfg = shaped(cfg, kind)
         except ConfigError as exc:
-            raise GptparError(f"{path}: point {point_name}: {exc}") from None
+            raise GptparError(f"{path}: point {name_of_point}: {exc}") from None
         root = Path(runs_dir or cfg.log.runs_dir) / name
-        points.append(new_point(cfg, root, point_name))
+        points.append(plan_run(cfg, None, root, name_of_point, write=write))
     return name, kind, points
 
 
@@ -88,10 +90,14 @@ def _nest(overrides: list[str]) -> dict[str, dict[str, Any]]:
     return tree
 
 
+def point_state(point: Point) -> str:
+    return read_run(point.folder, scheduler=scheduler_state(point.folder)).state
+
+
 def wait_for(points: Sequence[Point], poll_s: float = 5.0) -> list[str]:
     """Block until no point is pending or running (states come from SLURM, then the logs)."""
     while True:
-        states = [run_state(p.run_dir) for p in points]
+        states = [point_state(p) for p in points]
         if not any(s in ("pending", "running") for s in states):
             return states
         time.sleep(poll_s)
@@ -99,31 +105,36 @@ def wait_for(points: Sequence[Point], poll_s: float = 5.0) -> list[str]:
 
 def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "", overrides: Sequence[str] = (),
               wait: bool = False) -> int:
-    name, kind, points = build_points(path, runs_dir, overrides)
-    todo = [p for p in points if not p.run_dir.exists() or run_state(p.run_dir) not in
-            ("completed", "pending", "running")]
+    name, kind, points = build_points(path, runs_dir, overrides, write=not dry_run)
+    todo = [p for p in points if not p.folder.rank_logs() or point_state(p) not in
+            ("completed", "diverged", "pending", "running")]
     skipped = len(points) - len(todo)
     groups: dict[Any, list[Point]] = {}
     for point in todo:
         groups.setdefault(resolve(point.cfg, kind), []).append(point)
-    where = "dry-run" if dry_run else cluster.choose_cluster(points[0].cfg.launch.cluster)
-    print(f"sweep {name}: {len(points)} point(s), {skipped} skipped (done or queued), {len(todo)} to run")
+    backend = None if dry_run else choose_backend(points[0].cfg.launch.cluster, points[0].cfg.launch.profile)
+    where = backend.where if backend else "nowhere (dry run)"
+    print(f"sweep {name}: {len(points)} point(s), {skipped} skipped (done or queued), {len(todo)} to run on {where}",
+          flush=True)
     failures = 0
     for spec, members in groups.items():
-        out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else job_dir(members[0].run_dir)
-        if where == "dry-run":
-            print(f"# points: {', '.join(p.run_dir.name for p in members)}")
-            print(script_for(members, spec, f"{name}-{kind}", out), end="")
-        elif where == "slurm":
-            job_id = submit_slurm(members, spec, f"{name}-{kind}", out)
-            print(f"submitted job {job_id} ({len(members)} point(s)): {', '.join(p.run_dir.name for p in members)}")
-        else:
-            for point in members:
-                status = run_local(point, spec, script_for([point], spec, name, job_dir(point.run_dir)))
-                failures += status not in ("completed", "requeued")
-                print(f"{point.run_dir.name}: {status}")
-    if wait and where == "slurm":
+        out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else members[0].folder.job_dir
+        if backend is None:
+            print(f"# points: {', '.join(p.folder.name for p in members)}")
+            print(render_script(members, spec, f"{name}-{kind}", out), end="")
+            continue
+        if backend.name == "slurm":
+            job_ids = backend.submit(members, spec, f"{name}-{kind}", out)
+            print(f"submitted job {job_ids[0].split('_')[0]} ({len(members)} point(s)): "
+                  f"{', '.join(p.folder.name for p in members)}")
+            continue
+        for point in members:
+            backend.submit([point], spec, name, point.folder.job_dir)
+            run = read_run(point.folder)
+            failures += run.state not in ("completed", "pending")
+            print(f"{point.folder.name}: {run.state}" + (f": {run.detail}" if run.detail else ""), flush=True)
+    if wait and backend is not None and backend.name == "slurm":
         states = wait_for(points)
         failures = sum(s != "completed" for s in states)
-        print(f"sweep {name}: " + ", ".join(f"{p.run_dir.name} {s}" for p, s in zip(points, states, strict=True)))
+        print(f"sweep {name}: " + ", ".join(f"{p.folder.name} {s}" for p, s in zip(points, states, strict=True)))
     return 1 if failures else 0

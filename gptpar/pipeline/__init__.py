@@ -1,13 +1,15 @@
-"""Model and pipeline parallelism of GPT-2 inside one process (GPipe over threads)."""
+"""The course assignment's names for one-process pipelining (`WithDevice`, `split_module`,
+`_split_module`, `clock_cycles`, `Pipe`) and GPT-2's model/pipeline modes, kept importable here;
+the code lives in gptpar.parallel.pipeline."""
 
-from gptpar.pipeline.gpt2 import (
+from gptpar.parallel.pipeline.gpt2 import (
     ParallelGPT2,
     build_parallel_model,
     input_device,
     output_device,
     resolve_devices,
 )
-from gptpar.pipeline.pipe import (
+from gptpar.parallel.pipeline.pipe import (
     ModelParallel,
     Pipe,
     PipeError,

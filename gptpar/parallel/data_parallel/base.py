@@ -10,11 +10,13 @@ import torch.distributed as dist
 from torch import nn
 
 
-def broadcast_state(model: nn.Module, src: int = 0) -> None:
-    """Copy rank src's parameters and buffers to every rank, as DDP does when it wraps a model."""
+def broadcast_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Copy the group's first rank's parameters and buffers to its other ranks, as DDP does when it
+    wraps a model (replicas start identical even if their seeds did not make them so)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src)
+            dist.broadcast(tensor, src, group=group)
 
 
 class GradSync:

@@ -5,9 +5,8 @@ NCCL). A signal handler must not checkpoint by itself (it may fire mid all-reduc
 sets a flag; the trainer polls `preemption_requested()` after each step, agrees across ranks,
 saves, logs a final "requeued" record and calls `requeue_current_job()` on rank 0.
 
-submitit installs its own USR2 handler (checkpoint_and_try_requeue) in jobs it runs. Ours
-replaces it when the trainer starts: the trainer, not submitit, decides when it is safe to stop,
-and `scontrol requeue` reruns the same submitit pickle, which resumes from the checkpoint.
+`scontrol requeue` reruns the job's script, i.e. `gptpar train config.yaml` in the same run folder,
+which resumes from the checkpoint.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import threading
 from types import FrameType
 
 _requested = threading.Event()
-_requeued = threading.Event()
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -30,7 +28,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
 def install_preemption_handler(signum: int = signal.SIGUSR2) -> None:
     """Make `signum` (USR2) request a graceful stop instead of killing the process.
 
-    The CLI installs it before the slow imports and the trainer again (replacing submitit's
+    The CLI installs it before the slow imports and the trainer again (replacing any other
     handler); a second install keeps a request that arrived in between.
     """
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signum) is _on_signal:
@@ -41,16 +39,6 @@ def install_preemption_handler(signum: int = signal.SIGUSR2) -> None:
 
 def preemption_requested() -> bool:
     return _requested.is_set()
-
-
-def request_preemption() -> None:
-    """What the signal does, callable directly (e.g. by a launcher forwarding a stop request)."""
-    _requested.set()
-
-
-def was_requeued() -> bool:
-    """True once this process has asked SLURM to requeue its job."""
-    return _requeued.is_set()
 
 
 def _is_rank_zero(env: os._Environ[str] | dict[str, str]) -> bool:
@@ -71,5 +59,4 @@ def requeue_current_job() -> bool:
     if result.returncode != 0:
         print(f"gptpar: scontrol requeue {job_id} failed: {result.stderr.strip()}", file=sys.stderr)
         return False
-    _requeued.set()
     return True

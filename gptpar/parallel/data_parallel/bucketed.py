@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.base import GradSync, broadcast_state
+from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
 
 
 @dataclass
@@ -74,10 +74,11 @@ def _make_bucket(params: list[nn.Parameter]) -> _Bucket:
 class BucketedSync(GradSync):
     name = "bucketed"
 
-    def __init__(self, model: nn.Module, bucket_mb: float):
+    def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None):
         super().__init__(model)
-        broadcast_state(model)
-        self.world_size = dist.get_world_size()
+        self.group = group
+        broadcast_state(model, group)
+        self.world_size = dist.get_world_size(group)
         groups = plan_buckets(list(model.parameters()), int(bucket_mb * 2**20))
         self.buckets = [_make_bucket(group) for group in groups]
         for bucket in self.buckets:
@@ -124,7 +125,7 @@ class BucketedSync(GradSync):
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
             bucket = self.buckets[self._next]
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._next += 1
 
     @contextlib.contextmanager
@@ -160,8 +161,3 @@ class BucketedSync(GradSync):
         for bucket in self.buckets:
             for param, view in zip(bucket.params, bucket.views, strict=True):
                 param.grad = view
-
-    def close(self) -> None:
-        """Remove the hooks (e.g. before switching strategy on the same model)."""
-        for handle in self._handles:
-            handle.remove()

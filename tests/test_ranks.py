@@ -11,20 +11,11 @@ import torch
 import torch.distributed as dist
 
 from gptpar.config import ParallelConfig
-from gptpar.distributed import (
-    Layout,
-    RankInfo,
-    choose_backend,
-    choose_device,
-    expand_nodelist,
-    free_port,
-    init_distributed,
-    is_slurm_step,
-    layout_from_env,
-    slurm_port,
-    spawn_local,
-)
 from gptpar.errors import GptparError
+from gptpar.parallel.env import Layout, expand_nodelist, free_port, is_slurm_step, layout_from_env, slurm_port
+from gptpar.parallel.grid import RankGrid, coordinates
+from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed
+from gptpar.parallel.spawn import spawn_local
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -60,7 +51,7 @@ def test_slurm_port_is_deterministic_unprivileged_and_distinct_per_job() -> None
 def test_torchrun_env() -> None:
     env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
            "MASTER_ADDR": "h0", "MASTER_PORT": "29400", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}
-    assert layout_from_env(env) == Layout("torchrun", 5, 8, 1, 4, 1, "h0", 29400)
+    assert layout_from_env(env) == Layout("torchrun", 5, 8, 1, 4, "h0", 29400)
 
 
 SRUN = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
@@ -70,7 +61,7 @@ SRUN = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_N
 
 def test_slurm_step_env() -> None:
     layout = layout_from_env(SRUN)
-    assert layout == Layout("slurm", 6, 8, 2, 4, 1, "gpu012", 20000 + 98765 % 20000)
+    assert layout == Layout("slurm", 6, 8, 2, 4, "gpu012", 20000 + 98765 % 20000)
 
 
 def test_slurm_explicit_master_wins_and_ntasks_per_node() -> None:
@@ -91,11 +82,11 @@ def test_sbatch_script_without_srun_is_not_a_rank() -> None:
     assert not is_slurm_step(batch)
     assert layout_from_env(batch).launcher == "single"
     one_task = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "7"}
-    assert layout_from_env(one_task) == Layout("slurm", 0, 1, 0, 1, None, "n1", 20007)
+    assert layout_from_env(one_task) == Layout("slurm", 0, 1, 0, 1, "n1", 20007)
 
 
 def test_no_launcher_is_single() -> None:
-    assert layout_from_env({}) == Layout("single", 0, 1, 0, 1, 0, "127.0.0.1", 29500)
+    assert layout_from_env({}) == Layout("single", 0, 1, 0, 1, "127.0.0.1", 29500)
 
 
 def test_backend_choice() -> None:
@@ -107,7 +98,7 @@ def test_backend_choice() -> None:
 
 
 def _layout(launcher: str, local_rank: int, local_world: int) -> Layout:
-    return Layout(launcher, local_rank, local_world, local_rank, local_world, 0, "h", 1)
+    return Layout(launcher, local_rank, local_world, local_rank, local_world, "h", 1)
 
 
 def test_device_choice() -> None:
@@ -175,3 +166,57 @@ def test_hung_rank_fails_job_after_timeout() -> None:
     # Rank 0's all-reduce gives up after parallel.timeout_s; its failure then takes rank 1 down.
     with pytest.raises(GptparError, match=r"^rank 0 failed: .*Timed out waiting 3000ms"):
         spawn_local(_hanging_worker, 2, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=3))
+
+
+def test_grid_coordinates_are_row_major_with_tp_fastest() -> None:
+    sizes = {"pp": 2, "dp": 3, "tp": 2}
+    coords = [coordinates(r, sizes) for r in range(12)]
+    assert coords[0] == {"pp": 0, "dp": 0, "tp": 0}
+    assert coords[1] == {"pp": 0, "dp": 0, "tp": 1}  # tensor-parallel neighbours are consecutive ranks
+    assert coords[2] == {"pp": 0, "dp": 1, "tp": 0}
+    assert coords[11] == {"pp": 1, "dp": 2, "tp": 1}
+    assert len({tuple(c.values()) for c in coords}) == 12
+
+
+def test_grid_refuses_a_shape_that_does_not_fill_the_job() -> None:
+    with pytest.raises(GptparError, match=r"rank grid pp=1 x dp=3 x tp=1 needs 3 ranks but the job has 4"):
+        RankGrid({"dp": 3}, 0, 4, "cpu")
+    with pytest.raises(GptparError, match="unknown dimension"):
+        RankGrid({"ep": 2}, 0, 2, "cpu")
+    alone = RankGrid({"dp": 1}, 0, 1, "cpu")
+    assert alone.sizes == {"pp": 1, "dp": 1, "tp": 1} and alone.group("dp") is None and alone.mesh is None
+
+
+def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
+    grid = RankGrid(sizes, info.rank, info.world_size, info.device.type)
+    members = {}
+    for dim in ("pp", "dp", "tp"):
+        group = grid.group(dim)
+        if group is None:
+            members[dim] = [info.rank]
+            continue
+        # Each rank contributes a one-hot of its global rank: the sum is exactly the group's membership.
+        onehot = torch.zeros(info.world_size)
+        onehot[info.rank] = 1
+        dist.all_reduce(onehot, group=group)
+        members[dim] = [r for r in range(info.world_size) if onehot[r] == 1]
+    result = {"coords": grid.coords, "members": members,
+              "group_ranks": {d: grid.group_ranks(d) for d in ("pp", "dp", "tp")}}
+    (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.parametrize("sizes, expected", [
+    ({"dp": 2, "tp": 2}, {0: ({"pp": 0, "dp": 0, "tp": 0}, [0, 2], [0, 1]),
+                          3: ({"pp": 0, "dp": 1, "tp": 1}, [1, 3], [2, 3])}),
+    ({"pp": 2, "dp": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0}, [0, 1], [1]),
+                          2: ({"pp": 1, "dp": 0, "tp": 0}, [2, 3], [2])}),
+])
+def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, sizes, expected) -> None:
+    spawn_local(_grid_worker, 4, sizes, tmp_path, pcfg=ParallelConfig(dp=4, backend="gloo", timeout_s=60))
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+    for rank, (coords, dp_members, tp_members) in expected.items():
+        assert results[rank]["coords"] == coords
+        assert results[rank]["members"]["dp"] == dp_members == results[rank]["group_ranks"]["dp"]
+        assert results[rank]["members"]["tp"] == tp_members == results[rank]["group_ranks"]["tp"]
+    pp_members = {tuple(r["members"]["pp"]) for r in results.values()}
+    assert pp_members == ({(0, 2), (1, 3)} if sizes.get("pp") == 2 else {(0,), (1,), (2,), (3,)})

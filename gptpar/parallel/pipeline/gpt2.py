@@ -23,7 +23,7 @@ from transformers import GPT2LMHeadModel
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
-from gptpar.pipeline.pipe import ModelParallel, Pipe, micro_batch_size
+from gptpar.parallel.pipeline.pipe import ModelParallel, Pipe, micro_batch_size
 
 # Attention implementations that apply the causal mask themselves when given no mask.
 _IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -171,16 +171,18 @@ class ParallelGPT2(nn.Module):
     """`forward(input_ids) -> logits` in the configured `parallel.pp_mode`.
 
     Inputs go to `input_device`; logits come back on `output_device`. `single` runs on the first
-    listed device.
+    listed device, or on the rank's own device when none is listed.
     """
 
-    def __init__(self, model: GPT2LMHeadModel, pcfg: ParallelConfig) -> None:
+    def __init__(self, model: GPT2LMHeadModel, pcfg: ParallelConfig, rank_device: torch.device) -> None:
         super().__init__()
-        devices = resolve_devices(pcfg.devices)
+        devices = resolve_devices(pcfg.devices)  # checked even in single mode: a missing GPU is an error
         self.mode, self.chunks = pcfg.pp_mode, pcfg.chunks
         if self.mode == "single":
-            self.model = model.to(devices[0])
-            self.input_device = self.output_device = devices[0]
+            device = devices[0] if pcfg.devices.strip() else rank_device
+            self.model = model.to(device)
+            self.input_device = self.output_device = device
+            self.stage_devices = [device]
             return
         seq, per_stage = gpt2_stages(model, devices, pcfg.balance)
         if self.mode == "pipeline_parallel":
@@ -188,6 +190,7 @@ class ParallelGPT2(nn.Module):
         else:
             self.runner = ModelParallel(seq, balance=per_stage)
         self.input_device, self.output_device = devices[0], devices[-1]
+        self.stage_devices = devices
 
     @property
     def bubble(self) -> float | None:
@@ -203,8 +206,9 @@ class ParallelGPT2(nn.Module):
         return self.runner(input_ids)
 
 
-def build_parallel_model(model: GPT2LMHeadModel, pcfg: ParallelConfig) -> ParallelGPT2:
-    return ParallelGPT2(model, pcfg)
+def build_parallel_model(model: GPT2LMHeadModel, pcfg: ParallelConfig,
+                         rank_device: torch.device | None = None) -> ParallelGPT2:
+    return ParallelGPT2(model, pcfg, rank_device or torch.device("cpu"))
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

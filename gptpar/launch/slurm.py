@@ -1,7 +1,10 @@
-"""Talk to SLURM without accounting: detect it, submit with a clean environment, read job states.
+"""The SLURM backend: detect SLURM, sbatch the rendered script with a clean environment, read job states
+(without accounting) and cancel jobs.
 
 Small clusters (and the local one) run without slurmdbd, so `sacct` fails; job states come from
-`scontrol show job` (which keeps finished jobs for MinJobAge seconds) and the run folder.
+`scontrol show job` (which keeps finished jobs for MinJobAge seconds), then from the run folder
+(gptpar.run.state). submitit's `helpers.clean_env` is not used: it also drops the SBATCH_* variables
+a user set on purpose (SBATCH_ACCOUNT, say), which gptpar keeps.
 """
 
 from __future__ import annotations
@@ -10,50 +13,51 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from gptpar.errors import GptparError
+from gptpar.launch.plan import Point
+from gptpar.launch.profiles import JobSpec
+from gptpar.launch.render import render_script
 
-SCRUBBED_PREFIXES = ("SLURM_", "SBATCH_", "SALLOC_", "SRUN_", "SUBMITIT_")
+SCRUBBED_PREFIXES = ("SLURM_", "SALLOC_", "SRUN_")
 SCRUBBED_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def clean_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment for a submission: no variables of a surrounding job leak into the new one.
 
-    sbatch exports the caller's environment to the job, and SBATCH_*/SLURM_* set by an outer job
-    would silently change the new job's partition, task count or node list.
+    sbatch exports the caller's environment to the job, and SLURM_* set by an outer job would
+    silently change the new job's task count or node list. SBATCH_* are the user's own defaults
+    for sbatch (an account, a partition) and are kept.
     """
     env = os.environ if env is None else env
     return {k: v for k, v in env.items()
             if not k.startswith(SCRUBBED_PREFIXES) and k not in SCRUBBED_KEYS}
 
 
-def slurm_reachable(timeout_s: float = 5.0) -> bool:
-    """True when `sinfo` answers (a controller is up and we may submit to it)."""
+def unreachable_reason(timeout_s: float = 5.0) -> str | None:
+    """None when `sinfo` answers (a controller is up and we may submit to it), else why not."""
     if not shutil.which("sinfo"):
-        return False
+        return "no SLURM client (sinfo) on PATH"
     try:
         result = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True,
                                 timeout=timeout_s, env=clean_env())
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return result.returncode == 0 and bool(result.stdout.strip())
+    except subprocess.TimeoutExpired:
+        return f"sinfo did not answer within {timeout_s:g} s"
+    except OSError as exc:
+        return f"sinfo could not run ({exc.strerror})"
+    if result.returncode != 0 or not result.stdout.strip():
+        return (result.stderr.strip().splitlines() or ["sinfo lists no partition"])[-1]
+    return None
 
 
-def choose_cluster(requested: str) -> str:
-    """`launch.cluster`: auto picks slurm when reachable, else local processes."""
-    if requested == "local":
-        return "local"
-    if slurm_reachable():
-        return "slurm"
-    if requested == "slurm":
-        raise GptparError("launch.cluster=slurm but SLURM is not reachable (sinfo failed); "
-                          "start it (make cluster-up) or use launch.cluster=local")
-    return "local"
+def slurm_reachable() -> bool:
+    return unreachable_reason() is None
 
 
-def sbatch(script_path: str, cwd: str) -> str:
+def sbatch(script_path: str | Path, cwd: str | Path) -> str:
     """Submit a script; returns the job id. The caller's SLURM variables are scrubbed."""
     result = subprocess.run(["sbatch", "--parsable", script_path], capture_output=True, text=True,
                             cwd=cwd, env=clean_env())
@@ -101,3 +105,31 @@ def slurm_state(job_id: str) -> str | None:
     if info is None:
         return None
     return SLURM_STATES.get(info.get("JobState", ""), "failed")
+
+
+class SlurmBackend:
+    """Jobs through sbatch: one job per shape, an array when several points share it."""
+
+    name = "slurm"
+    where = "SLURM"
+
+    def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
+        """Write each point's job folder and the script, sbatch it; returns each point's job id."""
+        script = render_script(points, spec, name, output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for point in points:
+            point.folder.job_dir.mkdir(parents=True, exist_ok=True)
+            (point.folder.job_dir / "submit.sbatch").write_text(script)
+        job_id = sbatch(points[0].folder.job_dir / "submit.sbatch", cwd=Path.cwd())
+        ids = [f"{job_id}_{index}" if len(points) > 1 else job_id for index in range(len(points))]
+        for point, point_id in zip(points, ids, strict=True):
+            point.folder.write_job_record(self.name, point_id)
+        return ids
+
+    def state(self, job_id: str) -> str | None:
+        return slurm_state(job_id)
+
+    def cancel(self, job_id: str) -> None:
+        result = subprocess.run(["scancel", job_id], capture_output=True, text=True, env=clean_env())
+        if result.returncode != 0:
+            raise GptparError(f"scancel {job_id} failed: {result.stderr.strip()}")

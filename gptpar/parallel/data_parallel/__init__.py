@@ -1,0 +1,40 @@
+"""Data parallelism: one gradient-sync interface over every strategy, so the trainer's loop is the same:
+
+    sync = make_grad_sync(model, cfg.parallel, grid.group("dp"))
+    for i, (x, y) in enumerate(micro_batches):
+        with sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1):
+            (lm_loss(sync.module(x), y) / len(micro_batches)).backward()
+    sync.finish()          # now every replica's .grad holds the average over the dp group
+    optimizer.step()       # optimizer built on sync.model.parameters()
+    sync.zero_grad()       # not optimizer.zero_grad(): keeps the bucketed reducer copy-free
+
+naive: the assignment's per-parameter all-reduce after backward (naive.py); bucketed: our
+overlapped reducer (bucketed.py); ddp: torch's DistributedDataParallel as the reference (ddp.py).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from gptpar.config import ParallelConfig
+from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
+from gptpar.parallel.data_parallel.bucketed import BucketedSync
+from gptpar.parallel.data_parallel.ddp import DDPSync
+from gptpar.parallel.data_parallel.naive import NaiveSync, average_gradients
+
+__all__ = ["BucketedSync", "DDPSync", "GradSync", "NaiveSync", "average_gradients", "broadcast_state",
+           "make_grad_sync"]
+
+
+def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGroup | None) -> GradSync:
+    """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one.
+    The model must already be on its device and identical on all replicas up to a broadcast from the
+    group's first rank (done here)."""
+    if group is None:
+        return GradSync(model)
+    if pcfg.dp_sync == "naive":
+        return NaiveSync(model, group)
+    if pcfg.dp_sync == "ddp":
+        return DDPSync(model, pcfg.bucket_mb, group)
+    return BucketedSync(model, pcfg.bucket_mb, group)

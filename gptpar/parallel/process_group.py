@@ -1,0 +1,93 @@
+"""Joining the job's process group: which backend and device this rank uses, and a bounded timeout
+so a dead or hung rank fails the whole job instead of hanging it.
+
+Created once per rank (`init_distributed`) and destroyed once (`destroy_distributed`), by whoever
+starts the rank: the trainer's entry point, or `spawn_local` for functions in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from gptpar.config import ParallelConfig
+from gptpar.errors import GptparError
+from gptpar.parallel.env import Layout, layout_from_env
+
+
+@dataclass(frozen=True)
+class RankInfo(Layout):
+    """The layout plus what was chosen for it: the collective backend and this rank's device."""
+
+    backend: str
+    device: torch.device
+
+
+def choose_backend(requested: str, gpu_count: int) -> str:
+    """`auto` means NCCL when a GPU is visible, gloo otherwise."""
+    if requested == "auto":
+        return "nccl" if gpu_count > 0 else "gloo"
+    if requested == "nccl" and gpu_count == 0:
+        raise GptparError("parallel.backend=nccl needs a visible CUDA GPU and none is; use gloo or auto")
+    return requested
+
+
+def choose_device(backend: str, layout: Layout, gpu_count: int) -> torch.device:
+    """cuda:LOCAL_RANK when the node's GPUs are all visible; cuda:0 when SLURM bound one GPU per task.
+
+    With one visible GPU under SLURM we trust that SLURM bound a GPU to each task (--gpus-per-task
+    or --gpu-bind); CUDA_VISIBLE_DEVICES is never modified here.
+    """
+    if backend != "nccl":
+        return torch.device("cpu")
+    if gpu_count >= layout.local_world_size:
+        return torch.device(f"cuda:{layout.local_rank}")
+    if gpu_count == 1 and layout.launcher == "slurm":
+        return torch.device("cuda:0")
+    raise GptparError(
+        f"{layout.local_world_size} ranks on this node need {layout.local_world_size} GPUs but only "
+        f"{gpu_count} are visible; request one GPU per task (launch.gpus) or use parallel.backend=gloo")
+
+
+def _nccl_env() -> None:
+    """Make NCCL collectives honour the process-group timeout instead of hanging forever."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+
+def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None) -> RankInfo:
+    """Join the process group described by the environment (a no-op group of one without a launcher)."""
+    layout = layout_from_env(os.environ if env is None else env)
+    gpu_count = torch.cuda.device_count()
+    backend = choose_backend(pcfg.backend, gpu_count)
+    device = choose_device(backend, layout, gpu_count)
+    info = RankInfo(**dataclasses.asdict(layout), backend=backend, device=device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if layout.world_size == 1 or dist.is_initialized():
+        return info
+    if backend == "nccl":
+        _nccl_env()
+    try:
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
+            rank=layout.rank, world_size=layout.world_size,
+            timeout=timedelta(seconds=pcfg.timeout_s),
+            device_id=device if device.type == "cuda" else None)
+    except Exception as exc:  # rendezvous errors come as RuntimeError/DistStoreError/TimeoutError
+        raise GptparError(
+            f"rank {layout.rank}/{layout.world_size}: joining the process group at "
+            f"{layout.master_addr}:{layout.master_port} ({backend}) failed within "
+            f"parallel.timeout_s={pcfg.timeout_s:g}: {str(exc).splitlines()[0] if str(exc) else exc!r}"
+        ) from exc
+    return info
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,236 @@
+"""A run folder's paths, its config (written once), its job record, and the lock held by a live run.
+
+The lock is an flock on `.lock`, which dies with its process; the file also holds the holder's host,
+pid, job id and a heartbeat, so a run on another node, or on a filesystem without working flock
+(some Lustre mounts), is still seen as live while its heartbeat is fresh.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gptpar.atomic import atomic_write_text
+from gptpar.config import Config, to_yaml
+from gptpar.errors import GptparError
+from gptpar.run.logfile import RANK_FILE, RANK_GLOB, rank_log_path, rank_of
+from gptpar.run.names import check_run_id
+
+CONFIG_FILE = "config.yaml"
+LOCK_FILE = ".lock"
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 3 * HEARTBEAT_S
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def job_dir(self) -> Path:
+        """The job's script, job.json and stdout/stderr of the job and of its ranks."""
+        return self.path / "job"
+
+    def rank_log(self, rank: int) -> Path:
+        return rank_log_path(self.path, rank)
+
+    def rank_logs(self) -> list[Path]:
+        """Every rank<R>.jsonl, by rank."""
+        return sorted((p for p in self.path.glob(RANK_GLOB) if RANK_FILE.fullmatch(p.name)),
+                      key=lambda p: rank_of(p) or 0)
+
+    def read_config(self) -> dict[str, Any] | None:
+        if not self.config_path.is_file():
+            return None
+        return yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
+
+    def write_config(self, cfg: Config) -> None:
+        """Write config.yaml once. The same config again is fine (a restart); a different one is
+        refused with what changed, since a run folder's results belong to one config."""
+        saved = self.read_config()
+        if saved is None:
+            atomic_write_text(self.config_path, to_yaml(cfg))
+        elif saved != cfg.to_dict():
+            raise GptparError(f"run folder {self.path} holds a different config ({config_diff(saved, cfg.to_dict())}); "
+                              "use another log.run_id, or delete the folder to start over")
+
+    def write_job_record(self, backend: str, job_id: str) -> None:
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.job_dir / "job.json", json.dumps({"backend": backend, "job_id": job_id}) + "\n")
+
+    def read_job_record(self) -> dict[str, str]:
+        """{"backend": "slurm"|"local", "job_id": ...}, or {} for a run started by hand."""
+        path = self.job_dir / "job.json"
+        if not path.is_file():
+            return {}
+        record = json.loads(path.read_text())
+        record.setdefault("backend", record.pop("cluster", ""))  # schema-1 folders said "cluster"
+        return record
+
+    def job_errors(self) -> list[Path]:
+        return sorted(p for p in self.job_dir.glob("*.err") if p.is_file())
+
+    @contextmanager
+    def hold(self, job_id: str = "") -> Iterator[None]:
+        """Hold the folder for the life of this process: a second run into it is refused, naming us."""
+        lock = RunLock(self.path / LOCK_FILE)
+        lock.acquire(job_id)
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def holder(self) -> dict[str, Any] | None:
+        """Who runs in this folder now (host, pid, job id), or None when nobody does."""
+        return RunLock(self.path / LOCK_FILE).holder()
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], limit: int = 4) -> str:
+    """The keys whose values differ between two config mappings, as one short line."""
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    changed = [f"{key}: {flat_old.get(key, '(unset)')!r} -> {flat_new.get(key, '(unset)')!r}"
+               for key in sorted(set(flat_old) | set(flat_new)) if flat_old.get(key) != flat_new.get(key)]
+    shown = "; ".join(changed[:limit]) or "no key differs"
+    return shown + (f"; and {len(changed) - limit} more" if len(changed) > limit else "")
+
+
+def _flatten(config: dict[str, Any]) -> dict[str, Any]:
+    return {f"{section}.{key}": value for section, values in config.items() if isinstance(values, dict)
+            for key, value in values.items()}
+
+
+def in_use(path: Path, holder: dict[str, Any]) -> str:
+    """The one-line refusal of a live run folder, naming who holds it."""
+    job = f" job {holder['job_id']}" if holder.get("job_id") else ""
+    return (f"run folder {path} is in use by host {holder.get('host', '?')} pid {holder.get('pid', '?')}{job}; "
+            "wait for it to end, or use another log.run_id")
+
+
+def run_folder(runs_dir: str | Path, run_id: str, key: str = "log.run_id") -> RunFolder:
+    """The folder of a run, which must lie inside the runs folder."""
+    root = Path(runs_dir).resolve()
+    path = (root / check_run_id(run_id, key)).resolve()
+    if path.parent != root:
+        raise GptparError(f"{key}: {run_id!r} would put the run outside {root}")
+    return RunFolder(path)
+
+
+def find_runs(runs_dir: str | Path) -> list[RunFolder]:
+    """Every run folder (one holding config.yaml or rank*.jsonl) under runs_dir, at any depth."""
+    root = Path(runs_dir)
+    found = {p.parent for p in root.rglob(CONFIG_FILE)} | {
+        p.parent for p in root.rglob(RANK_GLOB) if RANK_FILE.fullmatch(p.name)}
+    return [RunFolder(p) for p in sorted(found) if p != root and p.name != "job"]
+
+
+class RunLock:
+    """flock on a file plus a heartbeat inside it (see the module docstring)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+        self._info: dict[str, Any] = {}
+
+    def acquire(self, job_id: str = "") -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        flocked = _try_flock(fd)
+        holder = _read_info(fd) if flocked is None else (None if flocked else self.holder())
+        if holder is not None or flocked is None:
+            os.close(fd)
+            raise GptparError(in_use(self.path.parent, holder or {}))
+        self._fd = fd
+        self._info = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id, "flock": flocked}
+        self._write_heartbeat()
+        self._beat = threading.Thread(target=self._heartbeat, name="gptpar-run-lock", daemon=True)
+        self._beat.start()
+
+    def _write_heartbeat(self) -> None:
+        text = json.dumps({**self._info, "heartbeat": time.time()}).encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, text, 0)
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._write_heartbeat()
+            except OSError:
+                return
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+            finally:
+                os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def holder(self) -> dict[str, Any] | None:
+        """The live holder's record, or None. A flock we can take means nobody holds it; where flock
+        does not work (or the holder is on another host) a heartbeat younger than STALE_AFTER_S counts."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            info = _read_info(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                flock_free = True
+            except BlockingIOError:
+                return info or {"host": "?", "pid": "?"}
+            except OSError:
+                flock_free = False
+        finally:
+            os.close(fd)
+        if not info:
+            return None
+        same_host_with_flock = info.get("flock") and info.get("host") == socket.gethostname() and flock_free
+        fresh = time.time() - float(info.get("heartbeat", 0)) < STALE_AFTER_S
+        return info if fresh and not same_host_with_flock else None
+
+
+def _read_info(fd: int) -> dict[str, Any]:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (ValueError, OSError):
+        return {}
+
+
+def _try_flock(fd: int) -> bool | None:
+    """True: we hold the flock. False: this filesystem has no working flock (the heartbeat decides).
+    None: another process holds it (retried for a moment: a status check may hold it briefly)."""
+    deadline = time.monotonic() + 1.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+        except OSError:  # ENOLCK / EOPNOTSUPP
+            return False

@@ -1,0 +1,215 @@
+"""The per-rank JSONL log: its schema, its one writer and its one reader.
+
+One file per rank per run, appended and fsync-ed record by record: a killed job keeps every record
+it wrote. A restarted job appends a new segment (a header first) to the same file; the reader
+stitches segments, the latest record of a step winning, so every step counts exactly once.
+
+Every line is valid JSON: a non-finite number (a diverged loss) is written as the string "NaN",
+"Infinity" or "-Infinity" and read back as that float.
+
+Schema versions: 1 (first release); 2 adds `coords`/`sizes` for every grid dimension (dp, pp, tp),
+`stage_devices` and `config_digest` in the header, `global_loss` in step records, and non-finite
+numbers as strings. Version 1 logs stay readable.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+SCHEMA_VERSION = 2
+
+# Required fields of each record kind; every record also carries "kind" and "time" (unix seconds).
+SCHEMA: dict[str, tuple[str, ...]] = {
+    "header": (
+        "schema_version", "run_id", "config", "rank", "world_size", "coords", "sizes",
+        "restart", "host", "device", "torch_version", "transformers_version", "git_commit",
+        "slurm", "start_time",
+    ),
+    "step": (
+        "step", "epoch", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s",
+        "data_time_s", "peak_mem_bytes",
+    ),
+    "eval": ("step", "epoch", "val_loss"),
+    "epoch": ("epoch", "training_time_s", "tokens_per_s", "val_loss", "steps"),
+    "final": ("status", "step"),
+}
+FINAL_STATUSES = ("completed", "failed", "requeued")
+NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+# Numeric fields that may hold a non-finite value (written as one of NON_FINITE's strings).
+MAY_DIVERGE = ("loss", "global_loss", "grad_norm", "val_loss")
+RANK_GLOB, RANK_FILE = "rank*.jsonl", re.compile(r"rank(\d+)\.jsonl")
+# The step fields the analysis reads; the hot path checks only these (the writer validated the rest).
+STEP_FIELDS = operator.itemgetter("time", "step", "epoch", "loss", "tokens", "step_time_s", "tokens_per_s")
+
+
+def rank_log_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / f"rank{rank}.jsonl"
+
+
+def rank_of(path: Path) -> int | None:
+    match = RANK_FILE.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def validate_record(record: dict[str, Any]) -> None:
+    """Raise ValueError naming the first missing field, so a bad log is reported precisely."""
+    kind = record.get("kind")
+    if kind not in SCHEMA:
+        raise ValueError(f"unknown record kind {kind!r}; allowed: {', '.join(SCHEMA)}")
+    missing = [k for k in (*SCHEMA[kind], "time") if k not in record]
+    if missing:
+        raise ValueError(f"{kind} record lacks field(s): {', '.join(missing)}")
+    if kind == "final" and record["status"] not in FINAL_STATUSES:
+        raise ValueError(f"final status {record['status']!r}; allowed: {', '.join(FINAL_STATUSES)}")
+
+
+def _finite_or_text(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: _finite_or_text(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_text(v) for v in value]
+    return value
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    """One log line. orjson would write NaN as null, losing the number, so floats are checked first."""
+    return orjson.dumps(_finite_or_text(record), default=str) + b"\n"
+
+
+class RankLogger:
+    """Appends validated records to `rank<R>.jsonl`, flushing and fsync-ing each one."""
+
+    def __init__(self, run_dir: str | Path, rank: int):
+        self.path = rank_log_path(run_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "ab")
+
+    def log(self, kind: str, **fields: Any) -> dict[str, Any]:
+        record = {"kind": kind, "time": time.time(), **fields}
+        validate_record(record)
+        self._file.write(encode(record))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        return record
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class CorruptLog(Exception):
+    """A record before the last line is unreadable; the message is `path:line: reason`."""
+
+
+@dataclass
+class RankLog:
+    """One rank's stitched records: the latest record per step (and per epoch, per evaluation)."""
+
+    path: Path
+    rank: int
+    headers: list[dict[str, Any]] = field(default_factory=list)
+    steps: dict[int, dict[str, Any]] = field(default_factory=dict)
+    epochs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    evals: dict[int, dict[str, Any]] = field(default_factory=dict)
+    final: dict[str, Any] | None = None  # the last segment's final record
+    last_time: float = 0.0
+    records: int = 0
+
+    @property
+    def header(self) -> dict[str, Any]:
+        return self.headers[-1]
+
+
+def _parse(path: Path, warnings: list[str]) -> tuple[list[Any], list[int] | None]:
+    """Records of a file and their line numbers (None: record i is on line i+1).
+
+    One orjson parse of the whole file is the fast path (JSON parsing is most of a report's time);
+    only a file that fails it is parsed line by line, to skip a truncated last line or to name
+    the corrupt one.
+    """
+    try:
+        lines = path.read_bytes().splitlines()
+    except IsADirectoryError:
+        raise CorruptLog(f"{path}: is a folder, not a log file") from None
+    try:
+        return orjson.loads(b"[" + b",".join(line for line in lines if line.strip()) + b"]"), None
+    except orjson.JSONDecodeError:
+        pass
+    numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+    records, numbers = [], []
+    for k, (number, line) in enumerate(numbered):
+        try:
+            records.append(orjson.loads(line))
+        except orjson.JSONDecodeError as exc:
+            if k == len(numbered) - 1:
+                warnings.append(f"{path}:{number}: skipped a truncated last line ({exc.msg})")
+                break
+            raise CorruptLog(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        numbers.append(number)
+    return records, numbers
+
+
+def _restore_numbers(record: dict[str, Any]) -> None:
+    for key in MAY_DIVERGE:
+        value = record.get(key)
+        if type(value) is str and value in NON_FINITE:
+            record[key] = NON_FINITE[value]
+
+
+def read_rank_log(path: Path, warnings: list[str] | None = None) -> RankLog:
+    """Stitch a rank file's segments; later segments override earlier records of the same step."""
+    warnings = [] if warnings is None else warnings
+    log = RankLog(path=path, rank=rank_of(path) or 0)
+    records, numbers = _parse(path, warnings)
+    steps, epochs, evals, headers = log.steps, log.epochs, log.evals, log.headers
+    for i, rec in enumerate(records):
+        try:
+            if type(rec) is not dict:
+                raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
+            kind = rec.get("kind")
+            if kind == "step" and headers:  # hot path: a cheap check of the fields used
+                try:
+                    steps[STEP_FIELDS(rec)[1]] = rec
+                    if type(rec["loss"]) is str:
+                        _restore_numbers(rec)
+                    continue
+                except KeyError:
+                    pass
+            validate_record(rec)
+            _restore_numbers(rec)
+            if kind == "header":
+                headers.append(rec)
+                log.final = None
+            elif not headers:
+                raise ValueError(f"{kind} record before the first header")
+            elif kind == "step":
+                steps[rec["step"]] = rec
+            elif kind == "epoch":
+                epochs[rec["epoch"]] = rec
+            elif kind == "eval":
+                evals[rec["step"]] = rec
+            elif kind == "final":
+                log.final = rec
+        except (ValueError, TypeError) as exc:
+            line = numbers[i] if numbers is not None else i + 1
+            raise CorruptLog(f"{path}:{line}: {exc}") from None
+    if records:
+        log.last_time = float(records[-1]["time"])
+    log.records = len(records)
+    return log
+
+
+def segments(path: Path) -> int:
+    """Segments (headers) already in a rank's log: a restarted run numbers its next one with this."""
+    return len(read_rank_log(path).headers) if path.is_file() else 0

@@ -1,0 +1,63 @@
+"""Run ids, sweep point names and slugs: one rule each, so folders never collide or escape.
+
+An explicit `log.run_id` is used as given (after validation: one path segment of safe characters).
+Only derived ids get a suffix: the SLURM job (and array task) id, which a requeued job keeps so it
+resumes in its own folder, else a timestamp with microseconds plus random digits, so runs started
+in the same second never share a folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+
+from gptpar.errors import GptparError
+
+SAFE = "A-Za-z0-9_.+=,-"
+RUN_ID = re.compile(f"[{SAFE}]+")
+UNSAFE_RUN = re.compile(f"[^{SAFE}]+")
+SLUG_MAX = 100
+
+
+def short_hash(text: str, length: int = 8) -> str:
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()[:length]
+
+
+def slug(text: str, max_len: int = SLUG_MAX) -> str:
+    """A file-name-safe form of `text`. A lossy slug (characters replaced or text cut) ends in a hash
+    of the original, so two different texts never share a slug."""
+    plain = UNSAFE_RUN.sub("_", text).strip("_.") or "run"
+    if plain == text and len(text) <= max_len:
+        return text
+    tag = short_hash(text)
+    return f"{plain[:max_len - len(tag) - 1]}-{tag}"
+
+
+def check_run_id(run_id: str, key: str = "log.run_id") -> str:
+    """A run id must be one folder name inside the runs folder: no separators, no `.`/`..`."""
+    if not RUN_ID.fullmatch(run_id) or set(run_id) == {"."}:
+        raise GptparError(f"{key}: {run_id!r} must be one folder name of letters, digits and _ . + = , - "
+                          "(not '.' or '..')")
+    return run_id
+
+
+def derived_run_id(name: str, env: Mapping[str, str] | None = None, now: float | None = None) -> str:
+    """`NAME-<job id>` inside a SLURM job (stable across requeues), else `NAME-<time>-<random>`."""
+    env = os.environ if env is None else env
+    prefix = slug(name, 60)
+    job = env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
+    if job:
+        task = env.get("SLURM_ARRAY_TASK_ID")
+        return check_run_id(f"{prefix}-{job}_{task}" if task else f"{prefix}-{job}")
+    now = time.time() if now is None else now
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f".{int(now % 1 * 1e6):06d}"
+    return check_run_id(f"{prefix}-{stamp}-{secrets.token_hex(4)}")
+
+
+def point_name(pairs: Sequence[str]) -> str:
+    """The folder of a sweep point from its `key=value` pairs; distinct values give distinct folders."""
+    return slug(",".join(pairs)) if pairs else "base"

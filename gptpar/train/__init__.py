@@ -1,0 +1,1 @@
+"""Training: the loop and its components (optimizer, schedule, progress, provenance, preemption, checkpoints)."""

@@ -1,0 +1,179 @@
+"""Checkpoints for every parallelism, written with torch.distributed.checkpoint (DCP).
+
+DCP lets each rank write only what it owns (replicated tensors once, shards of FSDP/ZeRO, pipeline stages or
+tensor-parallel slices each by their owner) and reshards on load, so one format serves every layout. A save is
+atomic at the folder level: DCP writes into `checkpoint.tmp`, then rank 0 renames it into place, so a job killed
+at any moment leaves a loadable checkpoint (the previous one or the new one). The run folder must be on a
+filesystem that every rank sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.optim import Optimizer
+
+from gptpar.errors import GptparError
+
+CHECKPOINT_DIR = "checkpoint"
+TMP_SUFFIX, OLD_SUFFIX = ".tmp", ".old"
+METADATA_FILE = ".metadata"  # DCP's index of the checkpoint, written last by the coordinator rank
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_main() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns on every single-process save/load, even with no_dist=True; that is the intended use here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable: it lives in the directory entry, which the files' own fsync does not cover."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> Path:
+    """Save `state` (Stateful objects or plain values) as the run's checkpoint, replacing the previous one.
+
+    Collective: every rank calls it when a process group is initialised.
+    """
+    final = checkpoint_dir(run_dir)
+    tmp, old = final.with_name(final.name + TMP_SUFFIX), final.with_name(final.name + OLD_SUFFIX)
+    if _is_main():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed midway; DCP would mix its files with ours
+    _barrier()
+    with _quiet():
+        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    _barrier()
+    if _is_main():
+        _fsync_dir(tmp)
+        if final.exists():  # otherwise `old` may be the only complete checkpoint (swap killed): keep it until the end
+            shutil.rmtree(old, ignore_errors=True)  # remains of a swap killed while deleting it
+            final.rename(old)
+        tmp.rename(final)
+        _fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _existing(run_dir: str | Path) -> Path | None:
+    """The checkpoint folder to read: `checkpoint`, or `checkpoint.old` when a swap was killed between renames."""
+    final = checkpoint_dir(run_dir)
+    return next((p for p in (final, final.with_name(final.name + OLD_SUFFIX)) if p.exists()), None)
+
+
+def _reason(exc: BaseException) -> str:
+    """The first sentence of the underlying error.
+
+    DCP wraps each rank's error in a multi-line CheckpointException, and a damaged tensor file fails in
+    torch.load(weights_only=True), whose later sentences wrongly suggest retrying with weights_only=False.
+    """
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    return f"{type(exc).__name__}: {exc}".splitlines()[0].split(". ")[0]
+
+
+def _check_metadata(path: Path) -> None:
+    """Fail in one line on an unreadable index before DCP does, since DCP logs a traceback on the way."""
+    meta = path / METADATA_FILE
+    if not meta.is_file():
+        raise GptparError(f"checkpoint {path} is incomplete (it has no {METADATA_FILE}); "
+                          f"delete {path} to start the run over")
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as exc:  # unpickling arbitrary bytes can raise nearly any exception type
+        raise GptparError(f"checkpoint file {meta} is corrupt ({_reason(exc)}); delete {path} to start the run over"
+                          ) from exc
+    if not isinstance(metadata, Metadata):
+        raise GptparError(f"checkpoint file {meta} is corrupt (it holds a {type(metadata).__name__}); "
+                          f"delete {path} to start the run over")
+
+
+def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
+    """Load the run's checkpoint into `state` in place; False when the run has none yet.
+
+    Stateful values get load_state_dict, tensors are filled in place and other plain values are replaced in the
+    dict. Collective, like save_checkpoint.
+    """
+    path = _existing(run_dir)
+    if path is None:
+        return False
+    _check_metadata(path)
+    try:
+        with _quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise GptparError(f"cannot load checkpoint {path} ({_reason(exc)}); it is damaged or from a different "
+                          f"model/optimizer; delete {path} to start the run over") from exc
+    return True
+
+
+def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
+    """Write the whole checkpoint as one plain torch.save file (for users who want one file). Single process."""
+    path = _existing(run_dir)
+    if path is None:
+        raise GptparError(f"{run_dir} has no checkpoint to export ({checkpoint_dir(run_dir)} does not exist)")
+    _check_metadata(path)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
+    try:
+        dcp_to_torch_save(path, tmp)
+    except (Exception, CheckpointException) as exc:
+        tmp.unlink(missing_ok=True)
+        raise GptparError(f"cannot export checkpoint {path} ({_reason(exc)}); it is damaged") from exc
+    os.replace(tmp, out)  # never leave a half-written file under the name the user asked for
+    return out
+
+
+def model_state(model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Model and optimizer state keyed by fully-qualified parameter names.
+
+    The keys are the same whether the module is plain, DDP-wrapped (no `module.` prefix) or sharded, so a
+    checkpoint written under one layout loads under another. An optimizer that has not stepped yet gets its state
+    created (a zero-lr step), so that a fresh optimizer can be loaded into.
+    """
+    return get_state_dict(model, optimizer)
+
+
+def load_model_state(model: nn.Module, optimizer: Optimizer, model_sd: dict[str, Any],
+                     optim_sd: dict[str, Any]) -> None:
+    """Inverse of model_state."""
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)

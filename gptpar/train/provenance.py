@@ -1,0 +1,53 @@
+"""What a log header records about where and with what a rank ran, so a number can be traced back."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from gptpar.config import Config, config_digest
+from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.process_group import RankInfo
+from gptpar.run.logfile import SCHEMA_VERSION
+
+SLURM_FIELDS = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
+                "array_task_id": "SLURM_ARRAY_TASK_ID", "job_nodelist": "SLURM_JOB_NODELIST",
+                "node": "SLURMD_NODENAME", "node_id": "SLURM_NODEID", "restart_count": "SLURM_RESTART_COUNT",
+                "job_name": "SLURM_JOB_NAME", "partition": "SLURM_JOB_PARTITION"}
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def slurm_fields() -> dict[str, str]:
+    return {key: os.environ[var] for key, var in SLURM_FIELDS.items() if var in os.environ}
+
+
+def job_id() -> str:
+    """The scheduler's id of this job ("" outside SLURM), recorded by the run lock."""
+    fields = slurm_fields()
+    return fields.get("job_id", "")
+
+
+def header_fields(cfg: Config, info: RankInfo, grid: RankGrid, restart: int) -> dict[str, Any]:
+    """The fields of a segment's header that are known before data and model exist."""
+    return dict(
+        schema_version=SCHEMA_VERSION, run_id=cfg.log.run_id, config=cfg.to_dict(), config_digest=config_digest(cfg),
+        rank=info.rank, world_size=info.world_size, coords=dict(grid.coords), sizes=dict(grid.sizes),
+        restart=restart, host=socket.gethostname(), device=str(info.device),
+        device_name=torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
+        torch_version=torch.__version__, transformers_version=transformers.__version__, git_commit=git_commit(),
+        slurm=slurm_fields(), start_time=time.time(), launcher=info.launcher)

@@ -1,0 +1,260 @@
+"""One rank's training run: whatever the parallelism, the same loop runs on every rank.
+
+Data parallelism enters through the data shard (the grid's dp coordinate) and the gradient sync
+(the grid's dp group), one-process model/pipeline parallelism through the module that maps token ids
+to logits; the loop itself does not change. `run_rank` is the entry point of a rank: it joins the
+process group once, claims the run folder, trains, and leaves the group once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from itertools import islice
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gptpar.config import Config, grid_sizes, resolve_for_launch, updated
+from gptpar.data import BlockDataset, load_tokens, partition_dataset
+from gptpar.errors import GptparError
+from gptpar.model import build_model, lm_loss
+from gptpar.parallel import make_grad_sync
+from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.pipeline.gpt2 import build_parallel_model
+from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
+from gptpar.run.folder import RunFolder, run_folder
+from gptpar.run.logfile import RankLogger, segments
+from gptpar.run.names import derived_run_id
+from gptpar.run.state import read_run
+from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
+from gptpar.train.optim import learning_rate, make_optimizer
+from gptpar.train.preemption import install_preemption_handler, preemption_requested, requeue_current_job
+from gptpar.train.progress import Progress, peak_memory_bytes
+from gptpar.train.provenance import header_fields, job_id
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+FINISHED = ("completed", "diverged")  # states in which a start trains nothing
+
+
+class Trainer:
+    """Set-up (data, model, sync, optimizer), the step loop, evaluation, checkpoints and step logs."""
+
+    def __init__(self, cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFolder, log: RankLogger):
+        self.cfg, self.info, self.grid, self.folder, self.log = cfg, info, grid, folder, log
+        t = cfg.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        tokens = load_tokens(cfg.data)
+        self.train_set = BlockDataset(tokens.train, cfg.data.seq_len, "train")
+        self.val_set = BlockDataset(tokens.val, cfg.data.seq_len, "validation")
+        self.vocab_size, self.tokenizer = tokens.vocab_size, tokens.tokenizer
+        self.micro_batch = t.batch_size // t.grad_accum  # global, over all replicas
+        if len(self.train_set) < self.micro_batch:
+            raise GptparError(f"train.batch_size={t.batch_size} exceeds the {len(self.train_set)} training "
+                              "blocks of the corpus; lower it or use a larger corpus")
+        model = build_model(cfg.model, tokens.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=cfg.data.seq_len)
+        self.net = build_parallel_model(model, cfg.parallel, info.device)
+        self.dp_group = grid.group("dp")
+        self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group)
+        self.optimizer = make_optimizer(self.net, t)
+        self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
+        self.total_steps = t.epochs * self.steps_per_epoch
+        if t.max_steps:
+            self.total_steps = min(self.total_steps, t.max_steps)
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        model, optimizer = model_state(self.net, self.optimizer)
+        return {"model": model, "optimizer": optimizer, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        load_model_state(self.net, self.optimizer, state["model"], state["optimizer"])
+        self.step = int(state["step"])
+
+    def _loader(self, epoch: int):
+        return partition_dataset(self.grid.coord("dp"), self.grid.size("dp"), self.train_set, self.micro_batch,
+                                 seed=self.cfg.train.seed, epoch=epoch)
+
+    def _batches(self, epoch: int, skip_steps: int) -> Iterator[list[Batch]]:
+        """The epoch's optimizer steps, each a list of grad_accum micro-batches; resumed steps are skipped."""
+        accum = self.cfg.train.grad_accum
+        micro = iter(islice(self._loader(epoch), skip_steps * accum, self.steps_per_epoch * accum))
+        while chunk := list(islice(micro, accum)):
+            yield chunk
+
+    def _dp_mean(self, value: float) -> float:
+        """The mean of a scalar over the data-parallel replicas (one small all-reduce)."""
+        if self.dp_group is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.info.device)
+        dist.all_reduce(tensor, group=self.dp_group)
+        return float(tensor.item()) / self.grid.size("dp")
+
+    def _train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+        t = self.cfg.train
+        lr = learning_rate(self.step, t, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.net.train()
+        total = 0.0
+        for i, (x, y) in enumerate(micro_batches):
+            with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1):
+                logits = self.sync.module(x.to(self.net.input_device, non_blocking=True))
+                loss = lm_loss(logits, y.to(logits.device, non_blocking=True)) / len(micro_batches)
+                loss.backward()
+            total += loss.item()
+        self.sync.finish()
+        params = [p for p in self.net.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else math.inf)
+        self.optimizer.step()
+        self.sync.zero_grad()
+        return total, float(grad_norm)
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the first eval_batches of every replica's shard, averaged over replicas."""
+        replicas = self.grid.size("dp")
+        batch = min(self.micro_batch, len(self.val_set) // replicas * replicas)
+        if batch < replicas:
+            return None
+        self.net.eval()
+        loader = partition_dataset(self.grid.coord("dp"), replicas, self.val_set, batch, seed=0, epoch=0)
+        losses = [lm_loss(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
+                  for x, y in islice(loader, self.cfg.train.eval_batches)]
+        return self._dp_mean(sum(losses) / len(losses))
+
+    def _stop_requested(self) -> bool:
+        """Preemption on any rank stops every rank at the same step."""
+        flag = torch.tensor([1.0 if preemption_requested() else 0.0], device=self.info.device)
+        if self.info.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _save(self) -> None:
+        save_checkpoint(self.folder.path, {"trainer": self})
+
+    def run(self) -> tuple[str, float]:
+        """Train from the last checkpoint to the end (or a preemption); returns (status, last loss)."""
+        cfg, info = self.cfg, self.info
+        progress = Progress(cfg.log, info.rank, info.world_size, self.total_steps, self.step)
+        micro_tokens = self.micro_batch // self.grid.size("dp") * cfg.data.seq_len
+        status, loss = "completed", math.nan
+        try:
+            while self.step < self.total_steps and status == "completed":
+                epoch = self.step // self.steps_per_epoch
+                epoch_start_step, epoch_time, epoch_rates = self.step, 0.0, []
+                batches = self._batches(epoch, self.step - epoch * self.steps_per_epoch)
+                while self.step < min(self.total_steps, (epoch + 1) * self.steps_per_epoch):
+                    start = time.perf_counter()
+                    micro_batches = next(batches)
+                    data_time = time.perf_counter() - start
+                    loss, grad_norm = self._train_step(micro_batches)
+                    global_loss = self._dp_mean(loss)
+                    if info.device.type == "cuda":
+                        torch.cuda.synchronize(info.device)
+                    step_time = time.perf_counter() - start
+                    self.step += 1
+                    tokens = micro_tokens * len(micro_batches)
+                    epoch_time += step_time
+                    epoch_rates.append(tokens / step_time)
+                    self.log.log("step", step=self.step, epoch=epoch, loss=loss, global_loss=global_loss,
+                                 lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, tokens=tokens,
+                                 step_time_s=step_time, tokens_per_s=tokens / step_time, data_time_s=data_time,
+                                 peak_mem_bytes=peak_memory_bytes(info.device), bubble=self.net.bubble)
+                    progress.update(self.step, global_loss, tokens * self.grid.size("dp") / step_time)
+                    if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                        val = self.evaluate()
+                        self.log.log("eval", step=self.step, epoch=epoch, val_loss=val)
+                        if val is not None:
+                            progress.message(f"step {self.step}: val_loss {val:.4f}")
+                    if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
+                        self._save()
+                    if self._stop_requested():
+                        status = "requeued"
+                        break
+                if status == "completed" and self.step > epoch_start_step:
+                    val = self.evaluate()
+                    self.log.log("epoch", epoch=epoch, training_time_s=epoch_time,
+                                 tokens_per_s=sum(epoch_rates) / len(epoch_rates), val_loss=val,
+                                 steps=self.step - epoch_start_step)
+                    progress.message(f"epoch {epoch}: {epoch_time:.2f} s" +
+                                     (f", val_loss {val:.4f}" if val is not None else ""))
+            self._save()
+        finally:
+            progress.close()
+        return status, loss
+
+
+def claim_run_folder(cfg: Config, info: RankInfo, stack: contextlib.ExitStack) -> tuple[Config, RunFolder, str]:
+    """Rank 0 names the run (when the config does not), writes config.yaml if there is none yet, reads
+    the run's state and, unless it is finished, takes the folder's lock (held until `stack` closes).
+    Every rank learns the outcome, so none writes into a folder that rank 0 refused.
+    Returns the config with its run id, the folder, and the run's state before this start."""
+    answer: list[Any] = [None, None, None]
+    if info.rank == 0:
+        try:
+            named = updated(cfg, {"log.run_id": cfg.log.run_id or derived_run_id(cfg.log.name)})
+            folder = run_folder(named.log.runs_dir, named.log.run_id)
+            folder.write_config(named)
+            state = read_run(folder).state if folder.rank_logs() else "new"
+            if state not in FINISHED:
+                stack.enter_context(folder.hold(job_id()))
+            answer = [named.log.run_id, state, None]
+        except GptparError as exc:
+            answer = [None, None, str(exc)]
+    if info.world_size > 1:
+        dist.broadcast_object_list(answer, src=0)
+    run_id, state, error = answer
+    if error is not None:
+        raise GptparError(error if info.rank == 0 else f"rank 0 refused the run folder: {error}")
+    named = updated(cfg, {"log.run_id": run_id})
+    return named, run_folder(named.log.runs_dir, run_id), state
+
+
+def _train_in_folder(cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFolder) -> dict[str, Any]:
+    log = RankLogger(folder.path, info.rank)
+    restart = segments(log.path)
+    trainer = None
+    try:
+        trainer = Trainer(cfg, info, grid, folder, log)
+        load_checkpoint(folder.path, {"trainer": trainer})
+        log.log("header", **header_fields(cfg, info, grid, restart), tokenizer=trainer.tokenizer,
+                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices])
+        status, loss = trainer.run()
+        log.log("final", status=status, step=trainer.step, loss=loss)
+    except BaseException as exc:
+        if trainer is None:  # set-up failed: the segment still says who failed and why
+            log.log("header", **header_fields(cfg, info, grid, restart))
+        log.log("final", status="failed", step=trainer.step if trainer else 0,
+                error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+        raise
+    finally:
+        log.close()
+    if status == "requeued":
+        if info.world_size > 1:
+            dist.barrier()  # every rank's final record is on disk before SLURM kills the job
+        if info.rank == 0:
+            requeue_current_job()
+    return {"status": status, "step": trainer.step, "loss": loss, "run_dir": str(folder.path)}
+
+
+def run_rank(cfg: Config) -> dict[str, Any]:
+    """Train as one rank of the job the environment describes (a single process when it describes none)."""
+    install_preemption_handler()
+    info = init_distributed(cfg.parallel)
+    try:
+        cfg = resolve_for_launch(cfg, info.world_size)
+        grid = RankGrid(grid_sizes(cfg), info.rank, info.world_size, info.device.type)
+        with contextlib.ExitStack() as stack:
+            cfg, folder, state = claim_run_folder(cfg, info, stack)
+            if state in FINISHED:
+                if info.rank == 0:
+                    print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)
+                return {"status": state, "run_dir": str(folder.path)}
+            return _train_in_folder(cfg, info, grid, folder)
+    finally:
+        destroy_distributed()

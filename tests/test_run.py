@@ -1,0 +1,172 @@
+"""The run folder's one owner: run ids and slugs, config.yaml written once, the lock of a live run, the
+state of a run that failed before its first record, schema-1 logs, and the local backend running
+exactly the command the SLURM script runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from gptpar.config import load_config
+from gptpar.errors import GptparError
+from gptpar.launch import slurm
+from gptpar.launch.local import LocalBackend
+from gptpar.launch.plan import plan_run, rank_command
+from gptpar.launch.profiles import resolve
+from gptpar.launch.render import render_script
+from gptpar.run.folder import RunFolder, run_folder
+from gptpar.run.logfile import RankLogger, encode, read_rank_log
+from gptpar.run.names import check_run_id, derived_run_id, point_name, slug
+from gptpar.run.state import read_run
+
+FIXTURE_V1 = REPO / "tests" / "fixtures" / "schema_v1"
+
+
+@pytest.mark.parametrize("bad", ["..", ".", "../x", "/abs", "a/b", "", "a b", "x\ny"])
+def test_an_explicit_run_id_is_one_safe_folder_name(bad: str, tmp_path: Path) -> None:
+    with pytest.raises(GptparError, match="log.run_id"):
+        run_folder(tmp_path, bad)
+
+
+def test_an_explicit_run_id_is_used_as_given(tmp_path: Path) -> None:
+    assert check_run_id("lr=3e-4,dp=2") == "lr=3e-4,dp=2"
+    assert run_folder(tmp_path, "my-run").path == (tmp_path / "my-run").resolve()
+
+
+def test_derived_ids_never_collide_and_follow_the_slurm_job() -> None:
+    now = 1_800_000_000.25
+    ids = {derived_run_id("run", env={}, now=now) for _ in range(200)}
+    assert len(ids) == 200 and all(i.startswith("run-") for i in ids)
+    job = {"SLURM_JOB_ID": "42"}
+    assert derived_run_id("dp test", env=job) == derived_run_id("dp test", env=job) == "dp_test-436c779e-42"
+    assert derived_run_id("x", env={"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "9"}) \
+        == "x-7_3"
+    assert "/" not in derived_run_id("../../etc", env={"SLURM_JOB_ID": "1"})
+
+
+def test_slugs_are_unique_per_text_and_safe() -> None:
+    assert slug("parallel.dp=2") == "parallel.dp=2"  # a safe text stays readable
+    texts = ["data.source=text:a b.txt", "data.source=text:a_b.txt", "..", "x" * 300, "x" * 301]
+    slugs = [slug(t) for t in texts]
+    assert len(set(slugs)) == len(texts)
+    assert all(re.fullmatch(r"[A-Za-z0-9_.+=,-]+", s) and len(s) <= 100 and s not in (".", "..") for s in slugs)
+    assert point_name(["data.source=text:a b.txt"]) != point_name(["data.source=text:a_b.txt"])
+    assert point_name([]) == "base"
+
+
+def test_config_yaml_is_written_once_and_a_different_config_is_refused(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"])
+    point = plan_run(cfg)
+    text = point.folder.config_path.read_text()
+    assert plan_run(cfg).folder == point.folder and point.folder.config_path.read_text() == text
+    changed = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes", "train.lr=0.1"])
+    with pytest.raises(GptparError, match=r"holds a different config \(train.lr: 0.0006 -> 0.1\)"):
+        plan_run(changed)
+    assert point.folder.config_path.read_text() == text
+
+
+def test_a_live_folder_is_refused_naming_its_holder(tmp_path: Path) -> None:
+    cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=live", "data.tokenizer=bytes"])
+    folder = plan_run(cfg).folder
+    with folder.hold("777"):
+        holder = folder.holder()
+        assert holder["pid"] == os.getpid() and holder["job_id"] == "777"
+        with pytest.raises(GptparError, match=r"in use by host .* pid \d+ job 777"):
+            plan_run(cfg)
+        # Another process (a second `gptpar train` into the same folder) is refused too.
+        code = ("from pathlib import Path\nfrom gptpar.run.folder import RunFolder\n"
+                f"with RunFolder(Path({str(folder.path)!r})).hold(): pass")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+        assert out.returncode != 0 and f"pid {os.getpid()} job 777" in out.stderr
+    assert folder.holder() is None  # released with the context, and with the process
+
+
+def test_a_run_that_fails_before_its_first_record_is_failed_with_its_error(tmp_path: Path) -> None:
+    from gptpar.train.trainer import run_rank
+
+    cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=nodata", "data.source=text:/no/such.txt",
+                             "data.tokenizer=bytes", "log.progress=none"])
+    with pytest.raises(GptparError, match="no such file"):
+        run_rank(cfg)
+    run = read_run(RunFolder(tmp_path / "nodata"))
+    assert run.state == "failed"
+    assert run.detail.startswith("rank 0 failed at step 0: GptparError: data.source=text:")
+
+
+def test_non_finite_numbers_are_valid_json_and_read_back() -> None:
+    line = encode({"kind": "step", "loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    assert json.loads(line) == {"kind": "step", "loss": "NaN", "grad_norm": "Infinity", "lr": 1e-3}
+
+
+def test_a_diverged_run_is_shown_as_diverged_with_its_numbers(tmp_path: Path) -> None:
+    log = RankLogger(tmp_path / "hot", 0)
+    log.log("header", schema_version=2, run_id="hot", config={}, rank=0, world_size=1, coords={}, sizes={},
+            restart=0, host="h", device="cpu", torch_version="2", transformers_version="5", git_commit="x",
+            slurm={}, start_time=0.0)
+    for step, loss in ((1, 5.0), (2, float("nan"))):
+        log.log("step", step=step, epoch=0, loss=loss, lr=10.0, grad_norm=float("inf"), tokens=1, step_time_s=1.0,
+                tokens_per_s=1.0, data_time_s=0.0, peak_mem_bytes=0)
+    log.log("final", status="completed", step=2, loss=float("nan"))
+    log.close()
+    run = read_run(RunFolder(tmp_path / "hot"))
+    assert run.state == "diverged"
+    steps = read_rank_log(tmp_path / "hot" / "rank0.jsonl").steps
+    assert steps[1]["loss"] == 5.0 and steps[2]["loss"] != steps[2]["loss"] and steps[2]["grad_norm"] == float("inf")
+
+
+def test_schema_1_logs_stay_readable(tmp_path: Path) -> None:
+    """A run written by the first release (dp=2, one epoch of 14 steps) reads as it did then."""
+    from analysis.report import analyse_runs
+
+    (metrics,) = analyse_runs(FIXTURE_V1)
+    assert (metrics.status, metrics.dp, metrics.gpus, metrics.devices) == ("completed", 2, 2, 1)
+    assert [s for s, _ in metrics.loss_curve] == list(range(1, 15))
+    assert metrics.tokens_per_s[0] > 0 and metrics.val_loss is not None
+
+
+def _recording_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv whose `gptpar` records its argv, working folder and rank variables, one file per call."""
+    venv, records = tmp_path / "venv", tmp_path / "records"
+    (venv / "bin").mkdir(parents=True)
+    records.mkdir()
+    fake = venv / "bin" / "gptpar"
+    fake.write_text(f"#!{sys.executable}\nimport json, os, sys, uuid\n"
+                    f"json.dump({{'argv': sys.argv, 'cwd': os.getcwd(), 'rank': os.environ.get('RANK') or "
+                    f"os.environ.get('SLURM_PROCID')}}, open(os.path.join({str(records)!r}, uuid.uuid4().hex), 'w'))\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return venv, records
+
+
+def test_the_local_backend_runs_the_command_of_the_slurm_script(tmp_path: Path) -> None:
+    venv, records = _recording_venv(tmp_path)
+    cfg = load_config(None, [f"launch.venv={venv}", "launch.gpus=2", "data.tokenizer=bytes", "train.batch_size=8"])
+    point = plan_run(cfg, "dp", tmp_path / "runs", "same")
+    spec = resolve(point.cfg, "dp")
+    script = render_script([point], spec, "same", point.folder.job_dir)
+    srun = re.search(r"^srun .*\\\n\s+(.*)$", script, flags=re.M).group(1)
+    assert shlex.split(srun) == rank_command(point.cfg) == [str(venv / "bin" / "gptpar"), "train", "config.yaml"]
+
+    LocalBackend().submit([point], spec, "same", point.folder.job_dir)
+    local = sorted((json.loads(p.read_text()) for p in records.iterdir()), key=lambda r: r["rank"])
+    for p in records.iterdir():
+        p.unlink()
+    bindir = tmp_path / "stub-bin"  # srun stand-in: starts the command once per task, as srun would
+    bindir.mkdir()
+    (bindir / "srun").write_text('#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\n'
+                                 'for r in 0 1; do SLURM_PROCID=$r "$@"; done\n')
+    (bindir / "srun").chmod(0o755)
+    env = {**slurm.clean_env(), "PATH": f"{bindir}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", script], env=env, check=True, cwd=tmp_path)
+    scheduled = sorted((json.loads(p.read_text()) for p in records.iterdir()), key=lambda r: r["rank"])
+    assert [r["rank"] for r in local] == [r["rank"] for r in scheduled] == ["0", "1"]
+    assert [(r["argv"], r["cwd"]) for r in local] == [(r["argv"], r["cwd"]) for r in scheduled]
+    assert local[0]["argv"][1:] == ["train", "config.yaml"] and local[0]["cwd"] == str(point.folder.path)
