@@ -122,3 +122,12 @@ def test_bad_options_use_the_one_error_format() -> None:
     assert out.returncode == 2
     assert out.stderr.strip() == ("gptpar: error: argument --gpus: expected a non-negative integer, got 'two' "
                                   "(see `gptpar submit --help`)")
+
+
+def test_the_assignments_names_stay_importable_where_students_import_them() -> None:
+    from gptpar.data import DataPartitioner, Partition, partition_dataset
+    from gptpar.parallel import average_gradients
+    from gptpar.pipeline import Pipe, WithDevice, _split_module, clock_cycles, split_module
+
+    assert all(callable(x) for x in (DataPartitioner, Partition, partition_dataset, average_gradients, Pipe,
+                                     WithDevice, _split_module, clock_cycles, split_module))

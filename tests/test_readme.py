@@ -22,7 +22,8 @@ SLURM_TESTS = (REPO / "tests" / "test_slurm.py").read_text()
 BY_CI = ["make demo", "make test", "make figures", "make cluster-up NODES=2 GPUS_PER_NODE=2", "make cluster-status",
          "make cluster-down", "make install"]
 # Commands tests/test_slurm.py runs against the local cluster (the string it must contain).
-BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"', "sbatch jobs/pp.sbatch": '"pp.sbatch"',
+BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"',
+                  "sbatch --cpus-per-task=1 jobs/pp.sbatch": '"--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")',
                   ".venv/bin/gptpar sweep sweeps/ci_small.yaml": '"ci_small.yaml"'}
 # Commands this test runs as written, from a scratch folder.
 RUN_HERE = [
@@ -37,6 +38,7 @@ RUN_HERE = [
 # Commands that need a real GPU cluster (an account, CUDA wheels, environment modules).
 CLUSTER_ONLY = [
     "module load anaconda3",
+    "sbatch jobs/pp.sbatch",
     'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
     'make submit-dp GPUS=2 ARGS="launch.profile=bridges2 launch.account=abc123"',
 ]

@@ -89,7 +89,9 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, f"train.max_steps={REQUEUE_STEPS}",
           "train.checkpoint_every=0", "log.run_id=requeue"], work)
     env = {**clean_env(), "VENV": str(REPO / ".venv"), "RUNS": str(runs), "OVERRIDES": " ".join(TINY)}
-    pp_job = _run(["sbatch", "--parsable", str(REPO / "jobs" / "pp.sbatch")], work, env).strip()
+    # The script asks for Bridges-2's 5 CPUs per GPU; the local nodes have 2, and a command-line option
+    # overrides the script's own.
+    pp_job = _run(["sbatch", "--parsable", "--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")], work, env).strip()
     (work / "pp_job").write_text(pp_job)
     _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(runs)], work)
     return work

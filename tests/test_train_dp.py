@@ -3,9 +3,12 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
+import yaml
 
+from gptpar.parallel.env import free_port
 from gptpar.train.checkpoint import export_checkpoint
 
 COMMON = ["model.n_layer=2", "data.seq_len=32", "data.source=synthetic", "data.vocab_size=300",
@@ -41,3 +44,17 @@ def test_a_batch_that_does_not_divide_is_refused_before_spawning(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip() == ("gptpar: error: train.batch_size=8 does not divide by "
                                   "parallel.dp*train.grad_accum=3*1; use a multiple of 3")
+
+
+def test_torchrun_dash_m_gptpar_trains_as_two_ranks(tmp_path):
+    """`torchrun -m gptpar train` works: the ranks read torchrun's variables and adopt its world size."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = subprocess.run([str(torchrun), "--nproc-per-node=2", "--master-port", str(free_port()), "-m", "gptpar",
+                          "train", *COMMON, f"log.runs_dir={tmp_path}", "log.run_id=tr"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    headers = [json.loads((tmp_path / "tr" / f"rank{r}.jsonl").read_text().splitlines()[0]) for r in (0, 1)]
+    assert [(h["launcher"], h["world_size"], h["coords"]["dp"]) for h in headers] == [("torchrun", 2, 0),
+                                                                                      ("torchrun", 2, 1)]
+    assert headers[0]["config"]["parallel"]["dp"] == 2  # adopted from the launcher, in the header
+    assert yaml.safe_load((tmp_path / "tr" / "config.yaml").read_text())["parallel"]["dp"] == 1  # as submitted

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gptpar.config import Config
-from gptpar.launch.backend import choose_backend
-from gptpar.launch.plan import plan_run
+from gptpar.launch.backend import Backend, choose_backend
+from gptpar.launch.plan import Point, plan_run
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
 from gptpar.run.state import read_run
@@ -21,9 +21,12 @@ def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
     print(f"{kind} run {point.folder.path}: {spec.nodes * spec.tasks_per_node} rank(s) on {backend.where}",
           flush=True)
     (job_id,) = backend.submit([point], spec, point.folder.name, point.folder.job_dir)
-    if backend.name == "slurm":
-        print(f"submitted job {job_id}")
-        return 0
-    run = read_run(point.folder)
-    print(f"{kind} run {run.state}" + (f": {run.detail}" if run.detail else "") + f" ({point.folder.path})")
-    return 0 if run.state in ("completed", "pending") else 1
+    return 0 if report_started(point, backend, job_id) else 1
+
+
+def report_started(point: Point, backend: Backend, job_id: str) -> bool:
+    """Say what became of a point just handed to a backend (queued, or already run); False if it failed."""
+    run = read_run(point.folder, scheduler=backend.state(job_id))
+    print(f"{point.folder.name}: {run.state} (job {job_id})" + (f": {run.detail}" if run.detail else ""),
+          flush=True)
+    return run.state in ("pending", "running", "completed", "requeued")

@@ -20,6 +20,7 @@ from gptpar.launch.backend import choose_backend, scheduler_state
 from gptpar.launch.plan import Point, plan_run, shaped
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
+from gptpar.launch.submit import report_started
 from gptpar.run.names import point_name, slug
 from gptpar.run.state import read_run
 
@@ -123,17 +124,9 @@ def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "", overr
             print(f"# points: {', '.join(p.folder.name for p in members)}")
             print(render_script(members, spec, f"{name}-{kind}", out), end="")
             continue
-        if backend.name == "slurm":
-            job_ids = backend.submit(members, spec, f"{name}-{kind}", out)
-            print(f"submitted job {job_ids[0].split('_')[0]} ({len(members)} point(s)): "
-                  f"{', '.join(p.folder.name for p in members)}")
-            continue
-        for point in members:
-            backend.submit([point], spec, name, point.folder.job_dir)
-            run = read_run(point.folder)
-            failures += run.state not in ("completed", "pending")
-            print(f"{point.folder.name}: {run.state}" + (f": {run.detail}" if run.detail else ""), flush=True)
-    if wait and backend is not None and backend.name == "slurm":
+        job_ids = backend.submit(members, spec, f"{name}-{kind}", out)
+        failures += sum(not report_started(p, backend, j) for p, j in zip(members, job_ids, strict=True))
+    if wait and backend is not None:
         states = wait_for(points)
         failures = sum(s != "completed" for s in states)
         print(f"sweep {name}: " + ", ".join(f"{p.folder.name} {s}" for p, s in zip(points, states, strict=True)))

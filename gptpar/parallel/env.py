@@ -1,7 +1,9 @@
 """Who am I: the rank layout read from the environment that torchrun, srun or gptpar's local launcher set.
 
 Pure functions of an env mapping, importable without torch, so every launcher's quirks are
-unit-tested without a cluster.
+unit-tested without a cluster. submitit's TorchDistributedEnvironment is not used: it would treat an
+sbatch batch script as rank 0 of N (see the launcher rule below) and by default rewrites
+CUDA_VISIBLE_DEVICES, which gptpar never does.
 
 Launcher rule: torchrun's RANK/WORLD_SIZE win. SLURM counts only inside a job *step*
 (SLURM_STEP_ID set, i.e. under srun) or when the job has a single task: an sbatch batch script
