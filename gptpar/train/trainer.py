@@ -247,10 +247,11 @@ def run_rank(cfg: Config) -> dict[str, Any]:
     install_preemption_handler()
     info = init_distributed(cfg.parallel)
     try:
-        cfg = resolve_for_launch(cfg, info.world_size)
-        grid = RankGrid(grid_sizes(cfg), info.rank, info.world_size, info.device.type)
+        launched = resolve_for_launch(cfg, info.world_size)  # checked before the folder is touched
+        grid = RankGrid(grid_sizes(launched), info.rank, info.world_size, info.device.type)
         with contextlib.ExitStack() as stack:
-            cfg, folder, state = claim_run_folder(cfg, info, stack)
+            submitted, folder, state = claim_run_folder(cfg, info, stack)  # config.yaml: as submitted
+            cfg = updated(launched, {"log.run_id": submitted.log.run_id})
             if state in FINISHED:
                 if info.rank == 0:
                     print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)
