@@ -34,7 +34,7 @@ demo: install
 	$(GPTPAR) report $(DEMO_RUNS) --out $(DEMO_FIGURES)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 lint: install
 	$(VENV)/bin/ruff check .

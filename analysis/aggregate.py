@@ -1,12 +1,17 @@
 """Per-run metrics (time, throughput, loss, MFU) and per-sweep speedup and scaling efficiency.
 
 Definitions (they are repeated in the summary's footnotes):
-- epoch time: each rank's epoch `training_time_s`, averaged over ranks;
+- epoch time: each rank's epoch `training_time_s`, averaged over ranks; an epoch a restart split (its
+  record counts only the steps after the restart) is timed from its step records instead, each step
+  once (the latest segment's), and its tokens/s is the mean of those steps' tokens/s;
 - tokens/s: each data-parallel replica's tokens/s, summed over replicas; a replica's pipeline
   stages are counted once (only the last stage is read);
 - job tokens/s: all kept tokens of all replicas over the slowest rank's summed step time;
 - warm-up: the first `warmup_epochs` epochs are dropped when more epochs remain, otherwise the
-  first `warmup_steps` steps; mean and sample std are over kept epochs, else over kept steps.
+  first `warmup_steps` steps; mean and sample std are over kept epochs, else over kept steps;
+- loss: the step's `global_loss` (the mean over replicas), or for schema-1 logs the mean of the
+  replicas' own losses; a non-finite loss (a diverged run) is kept as the final loss and the step it
+  first appeared, and left out of the curves.
 """
 
 from __future__ import annotations
@@ -14,11 +19,14 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from analysis.mfu import device_label, mfu
 from gptpar.run.logfile import RankLog
+from gptpar.run.names import replaced
 from gptpar.run.state import RunLog
+from gptpar.run.sweeps import stale_runs
 
 GPU_KEYS = ("parallel.dp", "parallel.devices", "launch.gpus", "launch.nodes")
 PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks")
@@ -58,6 +66,10 @@ class RunMetrics:
     speedup: float | None = None
     efficiency: float | None = None
     baseline: str = ""
+    diverged_at: int | None = None  # the first step with a non-finite loss
+    stitched: list[int] = field(default_factory=list)  # kept epochs timed from step records (restarts)
+    stale: str = ""  # why its numbers are not of its sweep's current definition, in one line
+    set_aside: bool = False  # a folder --rerun / --start-over moved to <name>.replaced-<time>
     warnings: list[str] = field(default_factory=list)
 
 
@@ -112,20 +124,43 @@ def _schema1_devices(m: RunMetrics, header: dict[str, Any]) -> int:
     return int(m.params.get("launch.gpus", 1)) if str(header["device"]).startswith("cuda") else 1  # every GPU
 
 
-def _warmup(m: RunMetrics, ranks: list[RankLog], warmup_epochs: int, warmup_steps: int
-            ) -> tuple[list[int], set[int]]:
+def epoch_figures(log: RankLog) -> tuple[dict[int, tuple[float, float]], set[int]]:
+    """({epoch: (training time s, tokens/s)}, the epochs stitched from step records) of one rank.
+
+    An epoch record covers the steps of its own segment only (its `steps` field counts them): after a
+    restart inside an epoch it misses the steps before the restart. Such an epoch is timed from its
+    step records instead, each step once (the latest segment's record), with the trainer's own sums:
+    time is the sum of step_time_s, tokens/s the mean of the steps' tokens/s. A log of one segment
+    cannot have such an epoch, so only restarted logs pay for the pass over their steps."""
+    figures = {e: (rec["training_time_s"], rec["tokens_per_s"]) for e, rec in log.epochs.items()}
+    stitched: set[int] = set()
+    if len(log.headers) < 2:
+        return figures, stitched
+    by_epoch: dict[int, list[dict[str, Any]]] = {}
+    for rec in log.steps.values():
+        by_epoch.setdefault(rec["epoch"], []).append(rec)
+    for e, rec in log.epochs.items():
+        steps = by_epoch.get(e, [])
+        if len(steps) > rec["steps"]:
+            figures[e] = (math.fsum(r["step_time_s"] for r in steps),
+                          statistics.fmean(r["tokens_per_s"] for r in steps))
+            stitched.add(e)
+    return figures, stitched
+
+
+def _warmup(m: RunMetrics, ranks: list[RankLog], figures: list[dict[int, tuple[float, float]]],
+            warmup_epochs: int, warmup_steps: int) -> tuple[list[int], set[int]]:
     """(kept epochs, kept step numbers): epochs are the basis when any remain after the warm-up,
     and then the kept steps are those of the kept epochs; else the first steps are dropped."""
     epochs = sorted(set.intersection(*(set(log.epochs) for log in ranks)))
     if len(epochs) > warmup_epochs:
         kept = epochs[warmup_epochs:]
         m.basis = f"epochs {kept[0]}-{kept[-1]} of {len(epochs)}" if len(kept) > 1 else f"epoch {kept[0]}"
-        m.epoch_time = mean_std([statistics.fmean(log.epochs[e]["training_time_s"] for log in ranks)
-                                 for e in kept])
+        m.epoch_time = mean_std([statistics.fmean(f[e][0] for f in figures) for e in kept])
         kept_set = set(kept)
         return kept, {s for log in ranks for s, r in log.steps.items() if r["epoch"] in kept_set}
     if len(epochs) == 1:
-        m.epoch_time = (statistics.fmean(log.epochs[epochs[0]]["training_time_s"] for log in ranks), None)
+        m.epoch_time = (statistics.fmean(f[epochs[0]][0] for f in figures), None)
     numbers = sorted(set().union(*(log.steps for log in ranks)))
     if len(numbers) <= warmup_steps:
         m.warnings.append(f"{m.run}: only {len(numbers)} step(s); no warm-up steps dropped")
@@ -145,12 +180,17 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     header = ranks[0].header
     _shape(m, header)
     replicas = _replicas(ranks)
-    kept_epochs, kept_steps = _warmup(m, ranks, warmup_epochs, warmup_steps)
+    figures, stitched = zip(*(epoch_figures(log) for log in ranks), strict=True)
+    kept_epochs, kept_steps = _warmup(m, ranks, list(figures), warmup_epochs, warmup_steps)
+    shown_epochs = set(kept_epochs) if kept_epochs else set.intersection(*(set(log.epochs) for log in ranks))
+    m.stitched = sorted(set().union(*stitched) & shown_epochs)
+    if m.stitched:
+        m.basis += (f" (stitched across restarts: epoch{'s' if len(m.stitched) > 1 else ''} "
+                    f"{', '.join(map(str, m.stitched))})")
     kept = [{s: r for s, r in log.steps.items() if s in kept_steps} for log in ranks]
     kept_replicas = [kept[i] for i in replicas]
     if kept_epochs:
-        m.tokens_per_s = mean_std([sum(ranks[i].epochs[e]["tokens_per_s"] for i in replicas)
-                                   for e in kept_epochs])
+        m.tokens_per_s = mean_std([sum(figures[i][e][1] for i in replicas) for e in kept_epochs])
     else:
         in_all = sorted(set.intersection(*(set(k) for k in kept_replicas)))
         m.tokens_per_s = mean_std([sum(k[s]["tokens_per_s"] for k in kept_replicas) for s in in_all])
@@ -163,17 +203,33 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     m.bubble_measured = statistics.fmean(bubbles) if bubbles else None
 
     replica_logs = [ranks[i] for i in replicas]
-    m.loss_curve = _mean_curve([{s: r["loss"] for s, r in log.steps.items()} for log in replica_logs])
-    m.val_curve = _mean_curve([{s: r["val_loss"] for s, r in log.evals.items()} for log in replica_logs])
-    m.final_loss = m.loss_curve[-1][1] if m.loss_curve else None
-    if m.val_curve:
-        m.val_loss = m.val_curve[-1][1]
+    losses = loss_series(replica_logs)
+    m.loss_curve = [(s, v) for s, v in losses if math.isfinite(v)]
+    m.final_loss = losses[-1][1] if losses else None
+    m.diverged_at = next((s for s, v in losses if not math.isfinite(v)), None)
+    vals = _mean_series([{s: r["val_loss"] for s, r in log.evals.items()} for log in replica_logs])
+    m.val_curve = [(s, v) for s, v in vals if math.isfinite(v)]
+    if vals:
+        m.val_loss = vals[-1][1]
     else:
         last = [log.epochs[max(log.epochs)]["val_loss"] for log in replica_logs if log.epochs]
         finite = [v for v in last if _finite(v)]
         m.val_loss = statistics.fmean(finite) if finite else None
     m.device, m.precision = device_label(header, m.params)
     return m
+
+
+def apply_sweep_records(runs: list[RunMetrics], runs_dir: Path) -> None:
+    """Flag the runs whose numbers are not of their sweep's current definition (gptpar.run.sweeps), which
+    figures would otherwise mix with the new ones without a word; a folder that --rerun / --start-over
+    set aside is also left out of the table and figures."""
+    stale = {path.relative_to(runs_dir).as_posix(): reason for path, reason in stale_runs(runs_dir).items()}
+    for m in runs:
+        if m.run not in stale:
+            continue
+        m.stale, m.set_aside = stale[m.run], replaced(m.run.rpartition("/")[2])
+        left_out = "; left out of the table and figures" if m.set_aside else ""
+        m.warnings.append(f"run {m.run} is stale: {m.stale}{left_out}")
 
 
 def apply_mfu(runs: list[RunMetrics]) -> None:
@@ -183,14 +239,38 @@ def apply_mfu(runs: list[RunMetrics]) -> None:
             r.mfu, r.mfu_note = mfu(r.tokens_per_s[0], r.gpus, r.device, r.precision, r.params)
 
 
-def _mean_curve(series: list[dict[int, Any]]) -> list[tuple[int, float]]:
-    """Per step, the mean of the finite values over replicas (a stage without a loss logs none)."""
+def _number(value: Any) -> float:
+    """A logged number as a float; anything else (a value the reader left as text) is not a number."""
+    return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def _mean_series(series: list[dict[int, Any]]) -> list[tuple[int, float]]:
+    """Per step, the mean over replicas (a stage without a loss logs None, which is skipped); a step
+    where any replica's value is not finite is not finite either."""
     values: dict[int, list[float]] = {}
     for one in series:
         for step, value in one.items():
-            if value is not None and math.isfinite(value):
-                values.setdefault(step, []).append(value)
-    return [(step, sum(v) / len(v)) for step, v in sorted(values.items())]
+            if value is not None:
+                values.setdefault(step, []).append(_number(value))
+    return [(step, math.fsum(v) / len(v) if all(map(math.isfinite, v)) else math.nan)
+            for step, v in sorted(values.items())]
+
+
+def loss_series(replica_logs: list[RankLog]) -> list[tuple[int, float]]:
+    """The loss of every step, non-finite values included: the logged `global_loss` (the mean over
+    replicas, one all-reduce in the trainer, schema 2), else the mean of the replicas' own `loss`
+    (schema-1 logs), so that the curves of dp=1 and dp=N runs overlay."""
+    global_loss: dict[int, float] = {}
+    for log in replica_logs:
+        for step, rec in log.steps.items():
+            value = rec.get("global_loss")
+            if value is not None and step not in global_loss:
+                global_loss[step] = _number(value)
+    if not global_loss:
+        return _mean_series([{s: r["loss"] for s, r in log.steps.items()} for log in replica_logs])
+    local = _mean_series([{s: r["loss"] for s, r in log.steps.items() if s not in global_loss}
+                          for log in replica_logs])
+    return sorted([*global_loss.items(), *local])
 
 
 def follows_gpus(runs: list[RunMetrics], key: str) -> bool:

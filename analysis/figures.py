@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from analysis.aggregate import RunMetrics, sweep_axes  # noqa: E402
+from gptpar.atomic import write_error
 from gptpar.run.names import slug
 
 STYLE = {
@@ -52,8 +53,12 @@ def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
 
 def _save(fig: plt.Figure, path: Path, written: list[Path]) -> None:
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        fig.savefig(path)
+    except OSError as exc:  # a full disk: the writer's error does not name the file
+        raise write_error(path, exc) from None
+    finally:
+        plt.close(fig)
     written.append(path)
 
 

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from analysis.aggregate import RunMetrics, apply_mfu, apply_speedups, group_top_level, run_metrics
+from analysis.aggregate import (
+    RunMetrics,
+    apply_mfu,
+    apply_speedups,
+    apply_sweep_records,
+    group_top_level,
+    run_metrics,
+)
 from analysis.figures import make_figures
 from analysis.summary import markdown, write_csv
+from gptpar.atomic import write_error
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder, find_runs
 from gptpar.run.state import read_run
@@ -60,29 +68,48 @@ def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int
             metrics = list(pool.map(work, dirs, chunksize=max(1, len(dirs) // (8 * workers))))
     else:
         metrics = [work(d) for d in dirs]
+    apply_sweep_records(metrics, runs_dir)
     group_top_level(metrics)
     apply_mfu(metrics)
     return metrics
 
 
+def _check_output(out: Path) -> None:
+    """A report folder that is (or lies under) a file is a user error, found before any run is read."""
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        where = "is a file" if blocker == out else f"lies under {blocker}, which is a file"
+        raise GptparError(f"--out {str(out)!r} {where}, not a folder; name a folder for the report")
+
+
+def _write(result: ReportResult, runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path,
+           warmup: str) -> None:
+    out = result.summary_csv.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(runs, result.summary_csv)
+        result.summary_md.write_text(markdown(runs, shown, runs_dir, warmup), encoding="utf-8")
+        result.figures = make_figures(shown, out, say=result.skipped.append)
+    except OSError as exc:  # a full disk, or a folder that vanished under the report
+        raise write_error(exc.filename or out, exc) from None
+
+
 def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmup_epochs: int = 1,
            warmup_steps: int = 5, include_incomplete: bool = False, now: float | None = None,
            workers: int | None = None) -> ReportResult:
+    out = Path(out_dir)
+    _check_output(out)
     runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers)
     for r in runs:
         for warning in r.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         if r.status == "corrupt":
             print(f"warning: run {r.run} is corrupt and left out: {r.detail}", file=sys.stderr)
-    shown = [r for r in runs if r.status in ("completed", "diverged")
-             or (include_incomplete and r.status != "corrupt")]
+    shown = [r for r in runs if not r.set_aside and (r.status in ("completed", "diverged")
+                                                     or (include_incomplete and r.status != "corrupt"))]
     apply_speedups(shown)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     warmup = (f"the first {warmup_epochs} epoch(s) of runs with more epochs than that, "
               f"else the first {warmup_steps} step(s)")
     result = ReportResult(runs, shown, out / "summary.csv", out / "summary.md", [])
-    write_csv(runs, result.summary_csv)
-    result.summary_md.write_text(markdown(runs, shown, Path(runs_dir), warmup), encoding="utf-8")
-    result.figures = make_figures(shown, out, say=result.skipped.append)
+    _write(result, runs, shown, Path(runs_dir), warmup)
     return result

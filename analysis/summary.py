@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 from analysis.aggregate import RunMetrics
@@ -11,12 +12,16 @@ CSV_COLUMNS = (
     "sweep", "run", "run_id", "status", "detail", "dp", "pp_mode", "chunks", "devices_per_replica", "gpus",
     "basis", "epoch_time_s_mean", "epoch_time_s_std", "step_time_s_mean", "step_time_s_std",
     "tokens_per_s_mean", "tokens_per_s_std", "job_tokens_per_s", "speedup", "efficiency", "baseline",
-    "mfu", "mfu_note", "bubble_theory", "bubble_measured", "final_loss", "val_loss",
+    "mfu", "mfu_note", "bubble_theory", "bubble_measured", "final_loss", "val_loss", "diverged_at_step",
+    "stitched_epochs", "stale",
 )
+STALE_MARK = "⚠ stale config"
+
 
 FOOTNOTES = (
     "**epoch time**: each rank's per-epoch `training_time_s`, averaged over ranks; mean ± sample std "
-    "over the kept epochs (a single-epoch run shows its one epoch, no std).",
+    "over the kept epochs (a single-epoch run shows its one epoch, no std). An epoch that a restart split "
+    "is timed from its step records, each step once (the basis says \"stitched across restarts\").",
     "**tokens/s (sum over DP)**: each data-parallel replica's tokens/s, summed over replicas (the "
     "pipeline stages of a replica counted once); mean ± sample std over the kept epochs, or over the "
     "kept steps of a single-epoch run.",
@@ -26,6 +31,8 @@ FOOTNOTES = (
     "the model-parallel run on the same devices); **efficiency** = speedup / (GPUs / baseline GPUs).",
     "**MFU**: (6N + 12·L·H·Q·T) FLOPs per token × summed tokens/s / (GPUs × dense peak), N the "
     "non-embedding parameters; fp32 peak unless the log names another precision.",
+    "**final loss**: the last step's loss, averaged over data-parallel replicas (`global_loss`); a diverged "
+    "run shows its non-finite loss and the step where it first appeared.",
 )
 
 
@@ -44,7 +51,8 @@ def write_csv(runs: list[RunMetrics], path: Path) -> None:
                 _num(r.step_time[1], 6), _num(r.tokens_per_s[0], 8), _num(r.tokens_per_s[1], 6),
                 _num(r.job_tokens_per_s, 8), _num(r.speedup, 6), _num(r.efficiency, 6), r.baseline,
                 _num(r.mfu, 6), r.mfu_note, _num(r.bubble_theory, 6), _num(r.bubble_measured, 6),
-                _num(r.final_loss, 6), _num(r.val_loss, 6),
+                _num(r.final_loss, 6), _num(r.val_loss, 6), "" if r.diverged_at is None else r.diverged_at,
+                " ".join(map(str, r.stitched)), r.stale,
             ])
 
 
@@ -55,8 +63,19 @@ def _pm(pair: tuple[float | None, float | None], fmt: str) -> str:
     return f"{mean:{fmt}}" if std is None else f"{mean:{fmt}} ± {std:{fmt}}"
 
 
+def _loss(r: RunMetrics) -> str:
+    if r.final_loss is None:
+        return "–"
+    if math.isfinite(r.final_loss):
+        return f"{r.final_loss:.3f}"
+    text = "NaN" if math.isnan(r.final_loss) else ("inf" if r.final_loss > 0 else "-inf")
+    return text if r.diverged_at is None else f"{text} (diverged at step {r.diverged_at})"
+
+
 def _row(r: RunMetrics) -> str:
     name = r.run_id if r.status == "completed" else f"{r.run_id} ({r.status})"
+    if r.stale:
+        name += f" {STALE_MARK}"
     speedup = "–" if r.speedup is None else f"{r.speedup:.2f}× vs {r.baseline}"
     efficiency = "–" if r.efficiency is None else f"{r.efficiency:.0%}"
     mfu = r.mfu_note if r.mfu is None else f"{r.mfu:.1%}"
@@ -64,7 +83,7 @@ def _row(r: RunMetrics) -> str:
         r.sweep, name, str(r.dp), r.pp_mode, str(r.chunks) if r.pp_mode == "pipeline_parallel" else "–",
         str(r.gpus), _pm(r.epoch_time, ".2f"), _pm(r.tokens_per_s, ",.0f"),
         "–" if r.job_tokens_per_s is None else f"{r.job_tokens_per_s:,.0f}", speedup, efficiency, mfu,
-        "–" if r.final_loss is None else f"{r.final_loss:.3f}",
+        _loss(r),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -90,6 +109,12 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r.run_id} | {r.pp_mode} | {r.devices} | {r.chunks} | {r.bubble_theory:.3f} | "
                   f"{'–' if r.bubble_measured is None else f'{r.bubble_measured:.3f}'} |" for r in pipelines]
+    stale = [r for r in runs if r.stale]
+    if stale:
+        lines += ["", f"## Runs that are not of their sweep's current definition ({STALE_MARK})", "",
+                  "Their numbers come from an older config; run the sweep again to replace them (folders set aside "
+                  "by --rerun are left out of the table and figures).", "", "| run | why |", "|---|---|"]
+        lines += [f"| {r.run} | {r.stale.replace('|', '/')} |" for r in stale]
     others = [r for r in runs if r.status != "completed"]
     if others:
         lines += ["", "## Incomplete, failed or corrupt runs", "", "| run | status | detail |", "|---|---|---|"]

@@ -43,9 +43,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         from gptpar.train.trainer import run_rank
 
         return 0 if run_rank(cfg)["status"] in ("completed", "diverged", "requeued") else 1
+    from gptpar.launch.backend import scheduler_state
     from gptpar.launch.plan import plan_run
 
-    point = plan_run(cfg)  # no launcher: this process is the submitter
+    # No launcher: this process is the submitter. --start-over sets an existing folder aside first.
+    point = plan_run(cfg, start_over=args.start_over, job_state=scheduler_state)
     ranks = world_size(point.cfg)
     if ranks == 1:
         from gptpar.train.trainer import run_rank
@@ -85,7 +87,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from gptpar.launch.sweep import run_sweep
 
     return run_sweep(args.file, dry_run=args.dry_run, runs_dir=args.runs_dir or "", overrides=args.overrides,
-                     wait=args.wait)
+                     wait=args.wait, rerun=args.rerun)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -169,8 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
              "when started by srun or torchrun)",
              "  gptpar train train.max_steps=20\n"
              "  gptpar train my.yaml parallel.dp=2 parallel.dp_sync=ddp\n"
-             "  torchrun --nproc-per-node=2 -m gptpar train parallel.dp=2")
+             "  torchrun --nproc-per-node=2 -m gptpar train parallel.dp=2\n"
+             "  gptpar train log.run_id=lr-test train.lr=1e-3 --start-over")
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
+    p.add_argument("--start-over", action="store_true",
+                   help="if the run folder (log.run_id) exists, move it aside to <folder>.replaced-<time> and "
+                        "train from scratch (a live run's folder is never touched)")
     p.set_defaults(handler=cmd_train)
 
     p = _add(sub, "config", "print the resolved config, or the reference of every key",
@@ -198,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="applied to every point's base")
     p.add_argument("--dry-run", action="store_true", help="print the points and job scripts only")
     p.add_argument("--wait", action="store_true", help="on SLURM, return once every point has finished")
+    p.add_argument("--rerun", action="store_true",
+                   help="start over the points whose folders hold results of a different config (after an edit "
+                        "of the sweep or its base); their folders are kept as <point>.replaced-<time>")
     p.add_argument("--runs-dir", help="override log.runs_dir of the sweep's points")
     p.set_defaults(handler=cmd_sweep)
 

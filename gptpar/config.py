@@ -276,8 +276,30 @@ def parse_override(text: str) -> tuple[str, str]:
     return key.strip(), value
 
 
+class DuplicateKey(yaml.MarkedYAMLError):
+    """A key given twice in one mapping: PyYAML would silently keep the last value."""
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML without base-60 numbers, so `time: 01:00:00` stays the text it looks like."""
+    """YAML without base-60 numbers, so `time: 01:00:00` stays the text it looks like, and without
+    silently dropped duplicate keys (a sweep axis listed twice would lose its first values)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges keys that the mapping's own keys may override
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: SafeConstructor reports it
+                    continue
+                seen.setdefault(key, key_node.start_mark.line)
+                if first is not None:
+                    raise DuplicateKey(None, None, f"key {key!r} appears twice in one mapping (first on line "
+                                                   f"{first + 1}); keep one", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
@@ -313,6 +335,8 @@ def read_yaml(path: str | Path) -> Any:
                           "save the config file as UTF-8") from None
     try:
         return yaml.load(text, Loader=_Loader)
+    except DuplicateKey as exc:
+        raise ConfigError(f"{path}:{exc.problem_mark.line + 1}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""

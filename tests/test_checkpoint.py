@@ -75,6 +75,20 @@ def test_round_trip_into_fresh_model(tmp_path: Path) -> None:
     assert fresh.step == 7
 
 
+def test_optimizer_state_loads_into_a_model_whose_gradients_already_exist(tmp_path: Path) -> None:
+    """The bucketed reducer keeps every .grad as a view of its buckets from the start; torch would then skip
+    creating the fresh optimizer's state and silently load none of it."""
+    saved = build(seed=0)
+    save_checkpoint(tmp_path, {"train": saved})
+    fresh = build(seed=1, steps=0)
+    views = [torch.zeros_like(p) for p in fresh.model.parameters()]
+    for p, view in zip(fresh.model.parameters(), views, strict=True):
+        p.grad = view
+    assert load_checkpoint(tmp_path, {"train": fresh})
+    assert_same(saved, fresh)
+    assert all(p.grad is view for p, view in zip(fresh.model.parameters(), views, strict=True))
+
+
 def test_second_save_replaces_first(tmp_path: Path) -> None:
     state = build(seed=0)
     save_checkpoint(tmp_path, {"train": state})

@@ -157,7 +157,7 @@ def test_two_node_data_parallel(work: Path) -> None:
 
 def test_small_sweep_and_rerun_skips_done_points(work: Path) -> None:
     sweep = work / "runs" / "ci_small"
-    points = sorted(p for p in sweep.iterdir() if p.name != "_jobs")
+    points = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name != "_jobs")
     assert len(points) == 4
     assert [_wait(p) for p in points] == ["completed"] * 4
     assert len({read_job_record(p)["job_id"].split("_")[0] for p in points}) == 1  # one job array

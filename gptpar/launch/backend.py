@@ -44,8 +44,10 @@ def choose_backend(requested: str, profile: str) -> Backend:
     if reason is None:
         return slurm.SlurmBackend()
     if requested == "slurm" or shutil.which("sinfo") or profile != "local":
-        raise GptparError(f"SLURM unreachable: {reason} (launch.cluster={requested}, launch.profile={profile}); "
-                          "start it (make cluster-up), or run here with launch.cluster=local")
+        fix = "start it (make cluster-up)" if profile == "local" else "check the cluster's SLURM (sinfo)"
+        shown = profile if profile.isprintable() else repr(profile)
+        raise GptparError(f"SLURM unreachable: {reason} (launch.cluster={requested}, launch.profile={shown}); "
+                          f"{fix}, or run here with launch.cluster=local")
     return LocalBackend()
 
 

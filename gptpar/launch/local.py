@@ -2,9 +2,12 @@
 SLURM task runs (`gptpar train config.yaml` in the run folder), with torchrun-style variables.
 
 This is also how `gptpar train parallel.dp=N` starts its ranks outside SLURM and torchrun. The
-launcher waits for its ranks, forwards INT/TERM/USR2 to them (so a Ctrl-C or a preemption signal
-reaches every rank), and when one rank fails gives the others a moment to write their final
-records, then stops them. Each rank's stderr (and the stdout of ranks > 0) goes to job/rank<R>.*.
+launcher waits for its ranks and forwards INT/TERM/USR2 to them, so a Ctrl-C, a TERM or a preemption
+signal reaches every rank (each stops at a step boundary with a checkpoint; a third INT/TERM kills
+them). When one rank fails it gives the others a moment to write their final records, then stops
+them; a rank whose process was stopped (SIGSTOP) cannot write anything and is killed at once. Each
+rank's stderr (and the stdout of ranks > 0) goes to job/rank<R>.*; a rank that the launcher saw
+killed by a signal or stopped gets one last line there saying so (gptpar.run.state reads it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from gptpar.parallel.env import LAUNCHER_MARKER, free_port
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors get this long to be logged
+KILL_AFTER = 3  # the third INT/TERM kills the ranks (the first stops them at a step boundary)
 
 
 def rank_env(rank: int, world: int, port: int, base: dict[str, str]) -> dict[str, str]:
@@ -51,35 +55,86 @@ def run_ranks(point: Point, world: int) -> int:
                                           start_new_session=True))
         if out is not None:
             out.close()
-    previous = {sig: signal.signal(sig, _forward(procs)) for sig in FORWARDED}
+    forward = _Forwarder(procs)
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        return _wait(procs)
+        return _wait(procs, forward.killed)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _note_ends(procs, forward.killed, job_dir)
 
 
-def _forward(procs: Sequence[subprocess.Popen]):
-    def handler(signum: int, frame: FrameType | None) -> None:
-        for proc in procs:
+class _Forwarder:
+    """The launcher's handler of INT/TERM/USR2: passes each on to every live rank; the KILL_AFTER-th
+    INT/TERM kills them instead. `killed` collects why the launcher killed a rank."""
+
+    def __init__(self, procs: Sequence[subprocess.Popen]):
+        self.procs, self.stops, self.killed = procs, 0, {}
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.stops += signum != signal.SIGUSR2
+        for rank, proc in enumerate(self.procs):
             if proc.poll() is None:
-                proc.send_signal(signum)
+                if self.stops >= KILL_AFTER:
+                    self.killed[rank] = f"was killed by the launcher after {self.stops} INT/TERM signals"
+                    proc.kill()
+                else:
+                    proc.send_signal(signum)
 
-    return handler
+
+def _stopped_by(pid: int) -> str | None:
+    """The signal that stopped a child process (SIGSTOP, SIGTSTP, ...); None while it runs or once it ended."""
+    try:  # WNOWAIT: the stop stays reported; Popen.poll never looks at stops
+        info = os.waitid(os.P_PID, pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+    except (AttributeError, OSError):  # no waitid here, or the child was reaped
+        return None
+    if info is None or info.si_code != os.CLD_STOPPED:
+        return None
+    return _signal_name(info.si_status)
 
 
-def _wait(procs: Sequence[subprocess.Popen]) -> int:
-    failed_at: float | None = None
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _wait(procs: Sequence[subprocess.Popen], killed: dict[int, str]) -> int:
+    """Wait for every rank. Once one fails, a stopped rank is killed at once (it cannot write its final
+    record, and its peers' collectives time out waiting for it), the others after PEER_GRACE_S."""
+    failed: tuple[float, int] | None = None
     while any(p.poll() is None for p in procs):
         codes = [p.poll() for p in procs]
-        if failed_at is None and any(c not in (None, 0) for c in codes):
-            failed_at = time.monotonic()
-        if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
+        if failed is None and any(c not in (None, 0) for c in codes):
+            failed = (time.monotonic(), next(r for r, c in enumerate(codes) if c not in (None, 0)))
+        if failed is not None:
+            waited = time.monotonic() - failed[0]
+            for rank, proc in enumerate(procs):
+                if codes[rank] is not None or rank in killed:
+                    continue
+                if sig := _stopped_by(proc.pid):
+                    killed[rank] = f"was stopped by {sig}; killed by the launcher after rank {failed[1]} failed"
+                elif waited > PEER_GRACE_S:
+                    killed[rank] = (f"was still running {PEER_GRACE_S:g} s after rank {failed[1]} failed; "
+                                    "killed by the launcher")
+                else:
+                    continue
+                proc.kill()
         time.sleep(0.1)
     return next((p.returncode for p in procs if p.returncode != 0), 0)
+
+
+def _note_ends(procs: Sequence[subprocess.Popen], killed: dict[int, str], job_dir: Path) -> None:
+    """One last line in job/rank<R>.err for each rank killed by a signal: who killed or stopped it."""
+    for rank, proc in enumerate(procs):
+        code = proc.poll()
+        if code is None or code >= 0:
+            continue
+        why = killed.get(rank) or f"was killed by {_signal_name(-code)}"
+        with open(job_dir / f"rank{rank}.err", "a") as err:
+            err.write(f"gptpar: rank {rank} (pid {proc.pid}) {why}\n")
 
 
 class LocalBackend:

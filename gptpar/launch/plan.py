@@ -7,15 +7,17 @@ rank grid, the run folder (id, absolute runs folder, config.yaml written once) a
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpar.config import Config, grid_sizes, updated, world_size
+from gptpar.config import Config, ConfigError, grid_sizes, updated, world_size
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
-from gptpar.run.folder import RunFolder, in_use, run_folder
-from gptpar.run.names import derived_run_id
+from gptpar.run.folder import RunFolder, config_diff, in_use, run_folder
+from gptpar.run.names import derived_run_id, replaced_name
 
 KINDS = ("dp", "pp")
 
@@ -37,12 +39,19 @@ class Shape:
     gpus_per_node: int
 
 
-def shaped(cfg: Config, kind: str) -> Config:
+def shaped(cfg: Config, kind: str, dp_set: bool | None = None) -> Config:
     """The config a job kind implies: `dp` fills every requested GPU with a replica (launch.gpus x
-    launch.nodes ranks over the grid's other dimensions); `pp` is the one-process pipeline."""
+    launch.nodes ranks over the grid's other dimensions); `pp` is the one-process pipeline.
+
+    A parallel.dp the user set (`dp_set`; by default: any value but 1) that the job's shape would
+    change is refused rather than silently replaced."""
     if kind not in KINDS:
         raise GptparError(f"job kind {kind!r}: choose one of {', '.join(KINDS)}")
+    dp_set = cfg.parallel.dp != 1 if dp_set is None else dp_set
     if kind == "pp":
+        if dp_set and cfg.parallel.dp != 1:
+            raise ConfigError(f"parallel.dp={cfg.parallel.dp} is set, but kind pp runs one process (parallel.dp=1); "
+                              "drop parallel.dp, or use kind dp")
         mode = cfg.parallel.pp_mode if cfg.parallel.pp_mode != "single" else "pipeline_parallel"
         return updated(cfg, {"parallel.dp": 1, "parallel.pp_mode": mode})
     ranks = max(cfg.launch.gpus, 1) * cfg.launch.nodes
@@ -50,6 +59,10 @@ def shaped(cfg: Config, kind: str) -> Config:
     if ranks % others:
         raise GptparError(f"launch.gpus x launch.nodes = {ranks} GPUs do not divide into the grid's other "
                           f"dimensions ({others} ranks per replica)")
+    if dp_set and cfg.parallel.dp != ranks // others:
+        raise ConfigError(f"parallel.dp={cfg.parallel.dp} is set, but kind dp sets it from the job's shape "
+                          f"(launch.gpus x launch.nodes = {ranks} GPUs: parallel.dp={ranks // others}); drop "
+                          "parallel.dp, or set launch.gpus / launch.nodes instead")
     return updated(cfg, {"parallel.dp": ranks // others})
 
 
@@ -73,11 +86,16 @@ def job_shape(cfg: Config) -> Shape:
     return Shape(launch.nodes, per_node, gpus)
 
 
+JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
+LIVE_JOB_STATES = ("pending", "running")
+
+
 def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None = None, run_id: str = "",
-             write: bool = True) -> Point:
+             write: bool = True, start_over: bool = False, job_state: JobState | None = None) -> Point:
     """Resolve the submit side: job kind, absolute runs folder, run id (explicit, or derived once
     here), concrete tokenizer; then write config.yaml (unless `write` is False, as for --dry-run).
-    A folder that is live or holds a different config is refused, never renamed."""
+    A folder that is live or holds a different config is refused; `start_over` sets a folder that
+    is not live aside first (see write_point)."""
     if kind is not None:
         cfg = shaped(cfg, kind)
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
@@ -85,12 +103,70 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
     folder = run_folder(root, name, "log.run_id" if not run_id else "sweep point")
     cfg = updated(cfg, {"log.runs_dir": str(root), "log.run_id": folder.name,
                         "data.tokenizer": resolve_tokenizer_choice(cfg.data)})
+    point = Point(cfg, folder)
     if write:
-        holder = folder.holder()
-        if holder is not None:
-            raise GptparError(in_use(folder.path, holder))
-        folder.write_config(cfg)
-    return Point(cfg, folder)
+        write_point(point, start_over, job_state)
+    return point
+
+
+def write_point(point: Point, start_over: bool = False, job_state: JobState | None = None,
+                again: str = "pass --start-over to set the old folder aside and start over") -> None:
+    """Write a planned point's config.yaml. A live folder is refused naming its holder; a folder that
+    holds a different config is refused with what changed (`again` says how to start over), unless
+    `start_over`, which first moves any existing folder aside (set_aside)."""
+    folder = point.folder
+    holder = _holder(folder)
+    if holder is not None:
+        raise GptparError(in_use(folder.path, holder))
+    if start_over and folder.path.is_dir() and any(folder.path.iterdir()):
+        set_aside(folder, job_state)
+    saved = folder.read_config()
+    if saved is not None and saved != point.cfg.to_dict():
+        changed = config_diff(saved, point.cfg.to_dict())
+        raise GptparError(f"run folder {folder.path} holds a different config ({changed}); use another log.run_id, "
+                          f"or {again}")
+    make_folder(folder.path)
+    folder.write_config(point.cfg)
+
+
+def make_folder(path: Path) -> None:
+    """Create a run (or sweep) folder; an unwritable runs folder is one line naming it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise GptparError(f"cannot create run folder {path}: {exc.strerror or exc}{where}; "
+                          "check log.runs_dir (or --runs-dir)") from None
+
+
+def _holder(folder: RunFolder) -> dict | None:
+    try:
+        return folder.holder()
+    except OSError:  # the folder cannot exist (a parent is a file): make_folder says so
+        return None
+
+
+def set_aside(folder: RunFolder, job_state: JobState | None = None) -> Path:
+    """Start a run folder over: move it to `<folder>.replaced-<time>` (never deleted: an edit made by
+    mistake can be undone by renaming it back, and a rename cannot be cut off half-way). A folder
+    whose run is live (its lock is held) or whose job is pending or running is refused."""
+    state = job_state(folder) if job_state is not None else None
+    if state in LIVE_JOB_STATES:
+        job = folder.read_job_record().get("job_id", "?")
+        raise GptparError(f"run folder {folder.path} has a {state} job ({job}); wait for it to end or cancel it "
+                          "before starting over")
+    target = folder.path.with_name(replaced_name(folder.name))
+    for n in range(1, 1000):
+        if not target.exists():
+            break
+        target = folder.path.with_name(f"{replaced_name(folder.name)}.{n}")
+    with folder.hold():  # refuses a live folder, naming its holder; the lock moves with the folder
+        try:
+            os.rename(folder.path, target)
+        except OSError as exc:
+            raise GptparError(f"cannot set run folder {folder.path} aside as {target.name}: "
+                              f"{exc.strerror or exc}") from None
+    return target
 
 
 

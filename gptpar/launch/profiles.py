@@ -19,6 +19,7 @@ PROFILE_DIR = Path(__file__).with_name("profiles")
 GPU_REQUESTS = ("gpus", "gpus_per_node", "gres")
 # Values written into #SBATCH lines: a comment line cannot be shell-quoted, so only plain tokens pass.
 SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:,+@-]*")
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 TIME = re.compile(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})")
 
 
@@ -47,14 +48,17 @@ def profile_names() -> list[str]:
 
 
 def load_profile(name: str) -> dict[str, Any]:
-    """A shipped profile by name, or any profile file by path (a name ending in .yaml)."""
+    """A shipped profile by name, or any profile file by path (a name ending in .yaml). A name with a
+    control character (a newline above all) is refused: the profile is named in the job script."""
+    if CONTROL.search(name):
+        raise GptparError(f"launch.profile: {name!r} holds a control character; rename the profile file")
     path = Path(name) if name.endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
     if not path.is_file():
         raise GptparError(f"launch.profile: no profile {name!r}; shipped: {', '.join(profile_names())} "
                           "(or a path to a .yaml file)")
     data = read_yaml(path) or {}
     if data.get("gpu_request", "gres") not in GPU_REQUESTS:
-        raise GptparError(f"{path}: gpu_request must be one of {', '.join(GPU_REQUESTS)}")
+        raise GptparError(f"{str(path)!r}: gpu_request must be one of {', '.join(GPU_REQUESTS)}")
     return data
 
 

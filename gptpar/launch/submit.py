@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from gptpar.config import Config
 from gptpar.launch.backend import Backend, choose_backend
-from gptpar.launch.plan import Point, plan_run
+from gptpar.launch.plan import Point, plan_run, write_point
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
 from gptpar.run.state import read_run
 
 
 def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
-    """Print the job script (--dry-run), or submit it: queued on SLURM, or run now as local processes."""
-    point = plan_run(cfg, kind, write=not dry_run)
+    """Print the job script (--dry-run), or submit it: queued on SLURM, or run now as local processes.
+    Where it runs is decided before anything is written (SLURM unreachable leaves no folder behind),
+    and said before it starts."""
+    point = plan_run(cfg, kind, write=False)
     spec = resolve(point.cfg, kind)
     if dry_run:
         print(render_script([point], spec, point.folder.name, point.folder.job_dir), end="")
         return 0
     backend = choose_backend(point.cfg.launch.cluster, point.cfg.launch.profile)
+    write_point(point, again="move the old folder away to start over")
     print(f"{kind} run {point.folder.path}: {spec.nodes * spec.tasks_per_node} rank(s) on {backend.where}",
           flush=True)
     (job_id,) = backend.submit([point], spec, point.folder.name, point.folder.job_dir)

@@ -4,6 +4,13 @@ Each point gets a deterministic folder `runs/<sweep>/<key=value,...>` (gptpar.ru
 so re-running a sweep finds its earlier points: completed, pending and running ones are skipped,
 failed ones resubmitted (the trainer resumes from their checkpoint). On SLURM the points of one job
 shape form one job array, limited to launch.max_concurrent tasks at a time.
+
+A point is done only for the config it ran with: after the sweep's definition changes, points whose
+folders hold another config are refused in one line, and `--rerun` sets those folders aside
+(`<point>.replaced-<time>`) and starts the points over. Each submission records the definition in
+`runs/<sweep>/sweep.json` (gptpar.run.sweeps.write_sweep_record; the report flags what
+gptpar.run.sweeps.stale_runs finds). Nothing is resolved silently: an axis given twice, or a
+parallel.dp the job's shape would replace, is an error.
 """
 
 from __future__ import annotations
@@ -17,12 +24,14 @@ from typing import Any
 from gptpar.config import ConfigError, apply_dict, load_config, parse_override, read_yaml, validate
 from gptpar.errors import GptparError
 from gptpar.launch.backend import choose_backend, scheduler_state
-from gptpar.launch.plan import Point, plan_run, shaped
+from gptpar.launch.plan import LIVE_JOB_STATES, Point, make_folder, plan_run, set_aside, shaped, write_point
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.submit import report_started
-from gptpar.run.names import point_name, slug
+from gptpar.run.folder import config_diff
+from gptpar.run.names import point_name, short_hash, slug
 from gptpar.run.state import read_run
+from gptpar.run.sweeps import write_sweep_record
 
 SWEEP_KEYS = ("name", "kind", "config", "base", "grid", "zip")
 
@@ -46,17 +55,35 @@ def expand(path: str | Path) -> tuple[str, str, list[tuple[str, list[str]]]]:
     name = slug(str(data.get("name") or path.stem))
     kind = str(data.get("kind", "dp"))
     grid, zipped = _axes(data, "grid", path), _axes(data, "zip", path)
+    keys = [*zipped, *grid]
+    seen: dict[str, str] = {}
+    for key, where in [*((k, "zip") for k in zipped), *((k, "grid") for k in grid)]:
+        if str(key).strip() in seen:  # the same key twice in one mapping is read_yaml's error
+            raise GptparError(f"{path}: axis {str(key).strip()!r} appears in both {seen[str(key).strip()]} and "
+                              f"{where}; keep one")
+        seen[str(key).strip()] = where
     lengths = {len(v) for v in zipped.values()}
     if len(lengths) > 1:
         raise GptparError(f"{path}: zip axes must have equal lengths, got {', '.join(map(str, lengths))}")
     zip_rows = list(zip(*zipped.values(), strict=True)) if zipped else [()]
     grid_rows = list(itertools.product(*grid.values()))
-    keys = [*zipped, *grid]
     points = []
     for zrow, grow in itertools.product(zip_rows, grid_rows):
         pairs = [f"{k}={v}" for k, v in zip(keys, (*zrow, *grow), strict=True)]
         points.append((point_name(pairs), pairs))
-    return name, kind, points
+    return name, kind, _distinct(path, points)
+
+
+def _distinct(path: Path, points: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """A point listed twice is an error; distinct points whose names coincide (a value holding
+    `,key=`) get a hash of their values, so every point has a folder of its own."""
+    by_name: dict[str, list[list[str]]] = {}
+    for name, pairs in points:
+        if pairs in by_name.get(name, []):
+            raise GptparError(f"{path}: point {name} appears twice (a value repeated in an axis); keep one")
+        by_name.setdefault(name, []).append(pairs)
+    return [(name if len(by_name[name]) == 1 else f"{slug(name, 90)}-{short_hash(repr(pairs))}", pairs)
+            for name, pairs in points]
 
 
 def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] = (), write: bool = False
@@ -65,7 +92,7 @@ def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
     path = Path(path)
     name, kind, expanded = expand(path)
     data = read_yaml(path)
-    base_path = (path.parent / data["config"]) if data.get("config") else None
+    base_path = _base_path(path, data)
     points = []
     for name_of_point, point_overrides in expanded:
         try:
@@ -73,12 +100,30 @@ def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
             cfg = apply_dict(cfg, _nest(list(overrides)), origin="command line")
             cfg = apply_dict(cfg, _nest(point_overrides), origin=f"{path} point {name_of_point}")
             validate(cfg)
-            cfg = shaped(cfg, kind)
+            if cfg.log.run_id:
+                raise ConfigError(f"log.run_id={cfg.log.run_id!r} is set, but a sweep names each point's folder "
+                                  "itself; drop log.run_id")
+            cfg = shaped(cfg, kind, _sets_dp(base_path, data, [*overrides, *point_overrides]))
         except ConfigError as exc:
             raise GptparError(f"{path}: point {name_of_point}: {exc}") from None
-        root = Path(runs_dir or cfg.log.runs_dir) / name
+        runs = Path(runs_dir or cfg.log.runs_dir).resolve()
+        root = (runs / name).resolve()
+        if root.parent != runs:
+            raise GptparError(f"{path}: sweep folder {runs / name} resolves to {root}, outside the runs folder {runs}")
         points.append(plan_run(cfg, None, root, name_of_point, write=write))
     return name, kind, points
+
+
+def _base_path(path: Path, data: dict[str, Any]) -> Path | None:
+    return (path.parent / data["config"]) if data.get("config") else None
+
+
+def _sets_dp(base_path: Path | None, data: dict[str, Any], overrides: Sequence[str]) -> bool:
+    """Whether the sweep (its base config file, base, command line or axes) sets parallel.dp itself."""
+    sections = [read_yaml(base_path) if base_path else None, data.get("base")]
+    in_yaml = any(isinstance(s, dict) and isinstance(s.get("parallel"), dict) and "dp" in s["parallel"]
+                  for s in sections)
+    return in_yaml or any(parse_override(o)[0] == "parallel.dp" for o in overrides)
 
 
 def _nest(overrides: list[str]) -> dict[str, dict[str, Any]]:
@@ -104,16 +149,83 @@ def wait_for(points: Sequence[Point], poll_s: float = 5.0) -> list[str]:
         time.sleep(poll_s)
 
 
+def stale_points(points: Sequence[Point]) -> list[tuple[Point, dict[str, Any]]]:
+    """Points whose folder holds a config other than the point's current one, with that config."""
+    found = []
+    for point in points:
+        saved = point.folder.read_config()
+        if saved is not None and saved != point.cfg.to_dict():
+            found.append((point, saved))
+    return found
+
+
+def _listed(names: Sequence[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def stale_message(name: str, stale: Sequence[tuple[Point, dict[str, Any]]]) -> str:
+    """One line: which points hold results of another config, what changed, and how to re-run them."""
+    groups: dict[str, list[str]] = {}
+    for point, saved in stale:
+        groups.setdefault(config_diff(saved, point.cfg.to_dict(), limit=3), []).append(point.folder.name)
+    parts = [f"{_listed(names)} ({diff})" for diff, names in groups.items()]
+    shown = "; ".join(parts[:2]) + (f"; and {len(parts) - 2} other change(s)" if len(parts) > 2 else "")
+    return (f"sweep {name}: {len(stale)} point(s) hold results of a different config: {shown}; "
+            "add --rerun to start them over (their folders are kept as <point>.replaced-<time>)")
+
+
+def prepare(path: Path, name: str, kind: str, points: Sequence[Point], overrides: Sequence[str],
+            rerun: bool) -> None:
+    """Before anything is submitted: record the sweep's definition, refuse (or, with `rerun`, set
+    aside) points whose folders hold another config, and write each new point's config.yaml."""
+    base = _base_path(path, read_yaml(path))
+    for sweep_dir in sorted({p.folder.path.parent for p in points}):
+        make_folder(sweep_dir)
+        write_sweep_record(sweep_dir, name, kind, [path, *([base] if base else [])], overrides,
+                           {p.folder.name: p.cfg for p in points if p.folder.path.parent == sweep_dir})
+    stale = stale_points(points)
+    if stale and not rerun:
+        raise GptparError(stale_message(name, stale))
+    live = [f"{point.folder.name} ({why})" for point, _ in stale if (why := _live(point))]
+    if live:
+        raise GptparError(f"sweep {name}: --rerun leaves live points alone: {_listed(live, 2)}; wait for them to "
+                          "end or cancel them, then run again")
+    for point, _ in stale:
+        moved = set_aside(point.folder, scheduler_state)
+        print(f"sweep {name}: {point.folder.name}: old results set aside as {moved.name}", flush=True)
+    for point in points:
+        if point.folder.read_config() is None:
+            write_point(point, again="add --rerun to start it over")
+
+
+def _live(point: Point) -> str:
+    """Why a point's folder must not be touched now ("" when nothing runs in it)."""
+    holder = point.folder.holder()
+    if holder is not None:
+        return f"held by host {holder.get('host', '?')} pid {holder.get('pid', '?')}"
+    state = scheduler_state(point.folder)
+    return f"{state} job {point.folder.read_job_record().get('job_id', '?')}" if state in LIVE_JOB_STATES else ""
+
+
 def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "", overrides: Sequence[str] = (),
-              wait: bool = False) -> int:
-    name, kind, points = build_points(path, runs_dir, overrides, write=not dry_run)
-    todo = [p for p in points if not p.folder.rank_logs() or point_state(p) not in
+              wait: bool = False, rerun: bool = False) -> int:
+    path = Path(path)
+    name, kind, points = build_points(path, runs_dir, overrides)
+    # Where the points run is decided before any folder is touched: an unreachable SLURM leaves none.
+    backend = None if dry_run else choose_backend(points[0].cfg.launch.cluster, points[0].cfg.launch.profile)
+    stale = stale_points(points)
+    if backend is not None:
+        prepare(path, name, kind, points, overrides, rerun)
+    elif stale and not rerun:
+        print(f"# would refuse: {stale_message(name, stale)}")
+    again = {p.folder.name for p, _ in stale} if rerun else set()
+    todo = [p for p in points if p.folder.name in again or not p.folder.rank_logs() or point_state(p) not in
             ("completed", "diverged", "pending", "running")]
     skipped = len(points) - len(todo)
     groups: dict[Any, list[Point]] = {}
     for point in todo:
         groups.setdefault(resolve(point.cfg, kind), []).append(point)
-    backend = None if dry_run else choose_backend(points[0].cfg.launch.cluster, points[0].cfg.launch.profile)
     where = backend.where if backend else "nowhere (dry run)"
     print(f"sweep {name}: {len(points)} point(s), {skipped} skipped (done or queued), {len(todo)} to run on {where}",
           flush=True)

@@ -14,6 +14,7 @@ numbers as strings. Version 1 logs stay readable.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import os
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from gptpar.atomic import write_error
 
 SCHEMA_VERSION = 2
 
@@ -42,7 +45,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
     "epoch": ("epoch", "training_time_s", "tokens_per_s", "val_loss", "steps"),
     "final": ("status", "step"),
 }
-FINAL_STATUSES = ("completed", "failed", "requeued")
+FINAL_STATUSES = ("completed", "failed", "requeued", "stopped")  # stopped: SIGTERM/SIGINT, resumable
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 # Numeric fields that may hold a non-finite value (written as one of NON_FINITE's strings).
 MAY_DIVERGE = ("loss", "global_loss", "grad_norm", "val_loss")
@@ -88,19 +91,34 @@ def encode(record: dict[str, Any]) -> bytes:
 
 
 class RankLogger:
-    """Appends validated records to `rank<R>.jsonl`, flushing and fsync-ing each one."""
+    """Appends validated records to `rank<R>.jsonl`, flushing and fsync-ing each one.
+
+    A record that cannot be written (a full disk) is cut back out of the file, so no partial line is
+    left for later records to follow, and raises a one-line GptparError naming the file."""
 
     def __init__(self, run_dir: str | Path, rank: int):
         self.path = rank_log_path(run_dir, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "ab")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "ab", buffering=0)  # unbuffered: each record is one os.write
+        except OSError as exc:
+            raise write_error(self.path, exc) from exc
 
     def log(self, kind: str, **fields: Any) -> dict[str, Any]:
         record = {"kind": kind, "time": time.time(), **fields}
         validate_record(record)
-        self._file.write(encode(record))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        data = encode(record)
+        fd = self._file.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            written = 0
+            while written < len(data):  # a write that reaches the disk's end is short, the next one fails
+                written += os.write(fd, data[written:])
+            os.fsync(fd)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise write_error(self.path, exc, "the log keeps every record before this one") from exc
         return record
 
     def close(self) -> None:
@@ -181,7 +199,7 @@ def read_rank_log(path: Path, warnings: list[str] | None = None) -> RankLog:
             if kind == "step" and headers:  # hot path: a cheap check of the fields used
                 try:
                     steps[STEP_FIELDS(rec)[1]] = rec
-                    if type(rec["loss"]) is str:
+                    if str in (type(rec["loss"]), type(rec.get("global_loss")), type(rec.get("grad_norm"))):
                         _restore_numbers(rec)
                     continue
                 except KeyError:

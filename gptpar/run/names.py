@@ -4,6 +4,9 @@ An explicit `log.run_id` is used as given (after validation: one path segment of
 Only derived ids get a suffix: the SLURM job (and array task) id, which a requeued job keeps so it
 resumes in its own folder, else a timestamp with microseconds plus random digits, so runs started
 in the same second never share a folder.
+
+Also the name of a run folder set aside by `gptpar sweep --rerun` or `gptpar train --start-over`:
+`<folder>.replaced-<time>` (gptpar.run.sweeps tells the report which folders are stale).
 """
 
 from __future__ import annotations
@@ -61,3 +64,18 @@ def derived_run_id(name: str, env: Mapping[str, str] | None = None, now: float |
 def point_name(pairs: Sequence[str]) -> str:
     """The folder of a sweep point from its `key=value` pairs; distinct values give distinct folders."""
     return slug(",".join(pairs)) if pairs else "base"
+
+
+REPLACED = re.compile(r"\.replaced-(\d{8}-\d{6})(?:\.\d+)?$")
+
+
+def replaced_name(name: str, now: float | None = None) -> str:
+    """The name a run folder is set aside under when it is started over (`gptpar sweep --rerun`,
+    `gptpar train --start-over`): `<name>.replaced-<YYYYmmdd-HHMMSS>`."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() if now is None else now))
+    return f"{name}.replaced-{stamp}"
+
+
+def replaced(name: str) -> bool:
+    """Whether a run folder's name says it was set aside: its results belong to an earlier config."""
+    return REPLACED.search(name) is not None

@@ -7,12 +7,18 @@ The scheduler's answer is passed in (this module never asks SLURM itself), so `g
 - otherwise the logs decide: completed (every rank's last segment says so), diverged (completed
   with a non-finite loss), failed (a rank says failed, or died without a final record, or never
   wrote one), timeout / oom (from the scheduler or the job's stderr), requeued (the log says so and
-  no scheduler says the job waits), corrupt (an unreadable log).
+  no scheduler says the job waits), stopped (every rank stopped at a step boundary on SIGTERM or
+  Ctrl-C, or on a requeue request where no scheduler restarts the run; running it again resumes),
+  corrupt (an unreadable log).
+- whom a failure is blamed on: a rank's own error first; then a rank that died or hung without a
+  final record, when its peers only report losing contact (a collective timed out, a connection
+  closed); only then the first of those lost-contact errors.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +27,13 @@ from typing import Any
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 
-STATES = ("pending", "running", "completed", "diverged", "requeued", "failed", "timeout", "oom", "corrupt")
+STATES = ("pending", "running", "completed", "diverged", "requeued", "stopped", "failed", "timeout", "oom",
+          "corrupt")
 SCHEDULER_STATES = ("pending", "running", "completed", "failed", "timeout", "oom")
 REQUEUE_GRACE_S = 60.0  # a "requeued" final record precedes the scheduler showing the job pending
+# A final error saying that a rank lost contact with its peers: the consequence of another rank's death or hang.
+PEER_LOST = re.compile(r"gloo|nccl|connection (?:reset|closed|refused)|broken pipe|timed out waiting|"
+                       r"Dist(?:Backend|Network|Store)Error", re.IGNORECASE)
 
 
 @dataclass
@@ -55,10 +65,36 @@ def _job_text(folder: RunFolder) -> str:
     return "\n".join(p.read_text(errors="replace") for p in folder.job_errors())
 
 
+def _rank_reason(folder: RunFolder, rank: int) -> str:
+    """The last line of a rank's own stderr (the local launcher's job/rank<R>.err, where the launcher also
+    notes a rank it saw killed or stopped); the job's stderr where ranks share it (SLURM)."""
+    own = folder.job_dir / f"rank{rank}.err"
+    return _last_line([own]) if own.is_file() else _last_line(folder.job_errors())
+
+
+def resume_hint(folder: RunFolder, launcher: str | None) -> str:
+    """How to resume a stopped run: a run that gptpar itself started here (one process, or the local
+    launcher's ranks) resumes from its own config.yaml; any other is started again the way it was."""
+    if launcher in ("single", "local"):
+        return f"`gptpar train {folder.config_path}` resumes it from its checkpoint"
+    return "starting it again (same config, log.run_id and launcher) resumes it from its checkpoint"
+
+
+def _outside_scheduler(started: list[RankLog]) -> bool:
+    """No scheduler will restart these ranks: each header names a launcher other than SLURM and no SLURM job."""
+    return bool(started) and all(log.header.get("launcher") not in (None, "slurm")
+                                 and not (log.header.get("slurm") or {}).get("job_id") for log in started)
+
+
+def _signal_of(finals: list[dict[str, Any]]) -> str:
+    return next((f" by {f['signal']}" for f in finals if f.get("signal")), "")
+
+
 def _diverged(log: RankLog) -> bool:
     if not log.steps:
         return False
-    loss = log.steps[max(log.steps)]["loss"]
+    last = log.steps[max(log.steps)]
+    loss = last.get("global_loss", last["loss"])
     return isinstance(loss, float) and not math.isfinite(loss)
 
 
@@ -73,12 +109,28 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
     started = [log for log in ranks if log.headers]
     expected = max((int(log.header["world_size"]) for log in started), default=0)
     finals = {log.rank: log.final for log in started}
-    failed = [(r, f) for r, f in finals.items() if f is not None and f["status"] == "failed"]
-    if failed:
-        rank, final = failed[0]
+    failed = sorted((float(f["time"]), r, f) for r, f in finals.items() if f is not None and f["status"] == "failed")
+    own = [(r, f) for _, r, f in failed if not PEER_LOST.search(str(f.get("error", "")))]
+    silent = sorted((log for log in started if log.final is None), key=lambda log: (log.last_time, log.rank))
+    missing = sorted(set(range(expected)) - {log.rank for log in started})
+    if own:
+        rank, final = own[0]
         return "failed", f"rank {rank} failed at step {final['step']}: {final.get('error', 'no error recorded')}"
-    requeued = [f for f in finals.values() if f is not None and f["status"] == "requeued"]
-    if requeued and scheduler is None and now - float(requeued[0]["time"]) < REQUEUE_GRACE_S:
+    if failed and (silent or missing):
+        who = missing[0] if missing else silent[0].rank
+        step = 0 if missing else max(silent[0].steps, default=0)
+        lost = sorted(r for _, r, _ in failed)
+        peers = f"rank {lost[0]}" if len(lost) == 1 else "ranks " + ", ".join(map(str, lost))
+        reason = _rank_reason(folder, who)
+        return "failed", (f"rank {who} stopped responding after step {step}: no final record, and {peers} "
+                          "lost contact with it" + (f"; {reason}" if reason else ""))
+    if failed:
+        _, rank, final = failed[0]
+        return "failed", f"rank {rank} failed at step {final['step']}: {final.get('error', 'no error recorded')}"
+    outside = _outside_scheduler(started)
+    halted = [f for f in finals.values() if f is not None and f["status"] in ("stopped", "requeued")]
+    requeued = [f for f in halted if f["status"] == "requeued"]
+    if requeued and not outside and scheduler is None and now - float(requeued[0]["time"]) < REQUEUE_GRACE_S:
         return "pending", "requeued; waiting for the scheduler to restart it"
     if started and len(started) >= expected and all(f is not None and f["status"] == "completed"
                                                     for f in finals.values()):
@@ -86,21 +138,26 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
             return "diverged", "completed with a non-finite loss"
         return "completed", ""
     text = _job_text(folder)
+    resume = resume_hint(folder, started[0].header.get("launcher") if outside else None)
+    checkpointed = f"; stopped at step {halted[0]['step']} with a checkpoint: {resume}" if halted else ""
     if scheduler in ("timeout", "oom"):
-        return scheduler, f"the scheduler reports {scheduler}"
+        return scheduler, f"the scheduler reports {scheduler}" + checkpointed
     if "DUE TO TIME LIMIT" in text:
-        return "timeout", "the job hit its time limit"
+        return "timeout", "the job hit its time limit" + checkpointed
     if "out of memory" in text.lower() or "oom-kill" in text.lower() or "MemoryError" in text:
         return "oom", "out of memory"
-    if requeued:
+    if requeued and not outside:
         return "requeued", f"requeued at step {requeued[0]['step']}; no scheduler reports it waiting"
+    if halted and not silent and len(started) >= expected:
+        why = " (a requeue request, but no scheduler restarts a run outside SLURM)" if requeued else ""
+        return "stopped", f"stopped at step {halted[0]['step']}{_signal_of(halted)}{why}; {resume}"
     reason = _last_line(folder.job_errors())
     if not started:
         return "failed", "died before its first log record" + (f" ({reason})" if reason else "")
-    silent = [log for log in started if log.final is None] or started
+    silent = silent or started
     age = now - max(log.last_time for log in silent)
-    missing = sorted(set(range(expected)) - {log.rank for log in started})
     who = f"rank {silent[0].rank}" if not missing else f"rank {missing[0]}"
+    reason = _rank_reason(folder, silent[0].rank if not missing else missing[0]) or reason
     return "failed", (f"{who} died without a final record (last record {age / 60:.0f} min ago)"
                       + (f"; {reason}" if reason else ""))
 

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from gptpar.atomic import probe_space, write_error
 from gptpar.errors import GptparError
 
 CHECKPOINT_DIR = "checkpoint"
@@ -78,8 +79,23 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> Path:
         final.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed midway; DCP would mix its files with ours
     _barrier()
-    with _quiet():
-        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    try:
+        with _quiet():
+            dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    except (Exception, CheckpointException) as exc:  # DCP gathers every rank's error: all ranks get here
+        cause = _cause(exc)
+        if not isinstance(cause, OSError):  # an error from another rank arrives without its cause
+            cause = probe_space(final.parent) or cause
+        if _distributed():
+            with contextlib.suppress(Exception):
+                dist.barrier()  # every rank has probed before the space of `tmp` is given back
+        if _is_main():
+            shutil.rmtree(tmp, ignore_errors=True)  # give the space back; `final` was never touched
+        if isinstance(cause, OSError):
+            raise _save_error(final, tmp, cause) from exc
+        if isinstance(exc, CheckpointException):
+            raise GptparError(f"cannot write checkpoint {tmp} ({_reason(exc)})") from exc
+        raise
     _barrier()
     if _is_main():
         _fsync_dir(tmp)
@@ -91,6 +107,28 @@ def save_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> Path:
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
+
+
+def _save_error(final: Path, tmp: Path, cause: OSError) -> GptparError:
+    """A failed save in one line: a full disk says so, and says which checkpoint the run resumes from."""
+    previous = next((p for p in (final, final.with_name(final.name + OLD_SUFFIX)) if p.exists()), None)
+    kept = f"the last good checkpoint {previous} is kept" if previous is not None else "no earlier checkpoint exists"
+    return write_error(tmp, cause, kept)
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The error under DCP's wrapping: a CheckpointException holds each rank's (error, traceback), and
+    torch's file writer reports a full disk as a RuntimeError raised while handling the OSError."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        exc = next(iter(exc.failures.values()))[0]
+    seen: set[int] = set()
+    inner: BaseException | None = exc
+    while inner is not None and id(inner) not in seen:
+        if isinstance(inner, OSError):
+            return inner
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    return exc
 
 
 def _existing(run_dir: str | Path) -> Path | None:
@@ -168,9 +206,21 @@ def model_state(model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any],
 
     The keys are the same whether the module is plain, DDP-wrapped (no `module.` prefix) or sharded, so a
     checkpoint written under one layout loads under another. An optimizer that has not stepped yet gets its state
-    created (a zero-lr step), so that a fresh optimizer can be loaded into.
+    created (a zero-lr step), so that a fresh optimizer can be loaded into. torch skips that step when any
+    parameter already has a gradient, as under the bucketed reducer (whose .grad are views of its buckets),
+    and the optimizer state would then silently not be restored: those gradients are set aside meanwhile.
     """
-    return get_state_dict(model, optimizer)
+    if optimizer.state:
+        return get_state_dict(model, optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        return get_state_dict(model, optimizer)
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
 
 
 def load_model_state(model: nn.Module, optimizer: Optimizer, model_sd: dict[str, Any],

@@ -1,12 +1,15 @@
-"""Checkpoint-and-requeue on a SLURM warning signal, cooperatively at a step boundary.
+"""Stopping cooperatively at a step boundary on a signal: checkpoint-and-requeue on SLURM's warning
+signal (USR2), checkpoint-and-stop on SIGTERM (what SLURM sends at `scancel` and at a time limit
+without `--signal`) and on Ctrl-C (SIGINT).
 
 Jobs ask SLURM for SIGUSR2 shortly before their time limit (`--signal=USR2@N`; USR1 belongs to
 NCCL). A signal handler must not checkpoint by itself (it may fire mid all-reduce), so it only
-sets a flag; the trainer polls `preemption_requested()` after each step, agrees across ranks,
-saves, logs a final "requeued" record and calls `requeue_current_job()` on rank 0.
+records the signal; the trainer polls `stop_request()` at each step boundary, agrees across ranks
+(a requeue wins over a stop), saves, logs a final "requeued" or "stopped" record and, for a requeue,
+calls `requeue_current_job()` on rank 0. A second Ctrl-C raises KeyboardInterrupt at once.
 
 `scontrol requeue` reruns the job's script, i.e. `gptpar train config.yaml` in the same run folder,
-which resumes from the checkpoint.
+which resumes from the checkpoint; a stopped run resumes the same way when it is started again.
 """
 
 from __future__ import annotations
@@ -16,32 +19,81 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from types import FrameType
 
-_requested = threading.Event()
+REQUEUE_SIGNAL = signal.SIGUSR2
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (REQUEUE_SIGNAL, *STOP_SIGNALS)
+_received: dict[int, None] = {}  # the signals received since their handler was installed, in order
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    _requested.set()
+    if signum == signal.SIGINT and signum in _received:
+        raise KeyboardInterrupt("a second Ctrl-C: stopped at once, without a checkpoint")
+    _received[signum] = None
 
 
-def install_preemption_handler(signum: int = signal.SIGUSR2) -> None:
-    """Make `signum` (USR2) request a graceful stop instead of killing the process.
+def _launched_rank(env: Mapping[str, str]) -> bool:
+    """A rank that srun, torchrun or gptpar's launcher started: its trainer will poll the request."""
+    return any(key in env for key in ("RANK", "SLURM_STEP_ID", "GPTPAR_LAUNCHER"))
 
-    The CLI installs it before the slow imports and the trainer again (replacing any other
-    handler); a second install keeps a request that arrived in between.
+
+def install_preemption_handler(signum: int | None = None) -> None:
+    """Make `signum` (default: USR2, and TERM/INT too in a launched rank) request a graceful stop
+    instead of killing the process.
+
+    The CLI installs it before the slow imports and the trainer again (`stop_signals`); a second
+    install keeps a request that arrived in between. A process that is not a rank (the one-process
+    `gptpar train`, the local launcher while it plans) keeps Ctrl-C and TERM as they are until its
+    trainer loop starts.
     """
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signum) is _on_signal:
+    if threading.current_thread() is not threading.main_thread():
         return
-    _requested.clear()
-    signal.signal(signum, _on_signal)
+    signums = (signum,) if signum is not None else SIGNALS if _launched_rank(os.environ) else (REQUEUE_SIGNAL,)
+    for sig in signums:
+        if signal.getsignal(sig) is not _on_signal:
+            _received.pop(sig, None)
+            signal.signal(sig, _on_signal)
+
+
+@contextmanager
+def stop_signals() -> Iterator[None]:
+    """USR2, TERM and INT request a stop while the trainer runs; handlers that were not gptpar's come
+    back afterwards (a trainer run inside a test leaves the test process as it found it)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    for sig in SIGNALS:
+        install_preemption_handler(sig)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not _on_signal:
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
 def preemption_requested() -> bool:
-    return _requested.is_set()
+    return bool(_received)
 
 
-def _is_rank_zero(env: os._Environ[str] | dict[str, str]) -> bool:
+def stop_request() -> tuple[str, str] | None:
+    """("requeued", "SIGUSR2") once USR2 arrived, else ("stopped", the first of SIGTERM/SIGINT), else None."""
+    if not _received:
+        return None
+    sig = REQUEUE_SIGNAL if REQUEUE_SIGNAL in _received else next(iter(_received))
+    return ("requeued" if sig == REQUEUE_SIGNAL else "stopped"), signal.Signals(sig).name
+
+
+def can_requeue(env: Mapping[str, str] | None = None) -> bool:
+    """Only a SLURM job can be requeued; elsewhere a requeue request is a stop."""
+    return bool((os.environ if env is None else env).get("SLURM_JOB_ID"))
+
+
+def _is_rank_zero(env: Mapping[str, str]) -> bool:
     return env.get("RANK", env.get("SLURM_PROCID", "0")) == "0"
 
 

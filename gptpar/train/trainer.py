@@ -29,10 +29,10 @@ from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_di
 from gptpar.run.folder import RunFolder, run_folder
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
-from gptpar.run.state import read_run
+from gptpar.run.state import read_run, resume_hint
 from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
 from gptpar.train.optim import learning_rate, make_optimizer
-from gptpar.train.preemption import install_preemption_handler, preemption_requested, requeue_current_job
+from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
 from gptpar.train.progress import Progress, peak_memory_bytes
 from gptpar.train.provenance import header_fields, job_id
 
@@ -127,18 +127,22 @@ class Trainer:
                   for x, y in islice(loader, self.cfg.train.eval_batches)]
         return self._dp_mean(sum(losses) / len(losses))
 
-    def _stop_requested(self) -> bool:
-        """Preemption on any rank stops every rank at the same step."""
-        flag = torch.tensor([1.0 if preemption_requested() else 0.0], device=self.info.device)
+    def _stop_status(self) -> str | None:
+        """A stop asked for on any rank (gptpar.train.preemption) stops every rank at the same step:
+        "requeued" (USR2) wins over "stopped" (TERM, INT); None to go on."""
+        request = stop_request()
+        outcomes = (None, "stopped", "requeued")
+        flag = torch.tensor([float(outcomes.index(request[0] if request else None))], device=self.info.device)
         if self.info.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return outcomes[int(flag.item())]
 
     def _save(self) -> None:
         save_checkpoint(self.folder.path, {"trainer": self})
 
     def run(self) -> tuple[str, float]:
-        """Train from the last checkpoint to the end (or a preemption); returns (status, last loss)."""
+        """Train from the last checkpoint to the end, or until a stop is asked for (gptpar.train.preemption);
+        returns (status, last loss): completed, stopped or requeued."""
         cfg, info = self.cfg, self.info
         progress = Progress(cfg.log, info.rank, info.world_size, self.total_steps, self.step)
         micro_tokens = self.micro_batch // self.grid.size("dp") * cfg.data.seq_len
@@ -149,6 +153,9 @@ class Trainer:
                 epoch_start_step, epoch_time, epoch_rates = self.step, 0.0, []
                 batches = self._batches(epoch, self.step - epoch * self.steps_per_epoch)
                 while self.step < min(self.total_steps, (epoch + 1) * self.steps_per_epoch):
+                    if (stop := self._stop_status()) is not None:  # at a step boundary, never after the last
+                        status = stop
+                        break
                     start = time.perf_counter()
                     micro_batches = next(batches)
                     data_time = time.perf_counter() - start
@@ -173,9 +180,6 @@ class Trainer:
                             progress.message(f"step {self.step}: val_loss {val:.4f}")
                     if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
                         self._save()
-                    if self._stop_requested():
-                        status = "requeued"
-                        break
                 if status == "completed" and self.step > epoch_start_step:
                     val = self.evaluate()
                     self.log.log("epoch", epoch=epoch, training_time_s=epoch_time,
@@ -225,7 +229,8 @@ def _train_in_folder(cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFol
         log.log("header", **header_fields(cfg, info, grid, restart), tokenizer=trainer.tokenizer,
                 vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices])
         status, loss = trainer.run()
-        log.log("final", status=status, step=trainer.step, loss=loss)
+        request = stop_request() if status != "completed" else None  # this rank's own signal, if any
+        log.log("final", status=status, step=trainer.step, loss=loss, signal=request[1] if request else None)
     except BaseException as exc:
         if trainer is None:  # set-up failed: the segment still says who failed and why
             log.log("header", **header_fields(cfg, info, grid, restart))
@@ -234,17 +239,34 @@ def _train_in_folder(cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFol
         raise
     finally:
         log.close()
-    if status == "requeued":
+    if status == "requeued" and can_requeue():
         if info.world_size > 1:
             dist.barrier()  # every rank's final record is on disk before SLURM kills the job
         if info.rank == 0:
             requeue_current_job()
+    elif status != "completed":  # stopped, or a requeue asked for where no scheduler restarts the run
+        status = "stopped"
+        if info.rank == 0 and info.launcher != "local":  # the local launcher says it for its ranks
+            launcher = info.launcher if not can_requeue() else "slurm"
+            print(f"gptpar: run {folder.path} stopped at step {trainer.step}{_by(stop_request())}; "
+                  f"{resume_hint(folder, launcher)}", flush=True)
     return {"status": status, "step": trainer.step, "loss": loss, "run_dir": str(folder.path)}
+
+
+def _by(request: tuple[str, str] | None) -> str:
+    if request is None:
+        return " (asked for on another rank)"
+    why = " (a requeue request, but no scheduler restarts a run outside SLURM)" if request[0] == "requeued" else ""
+    return f" by {request[1]}{why}"
 
 
 def run_rank(cfg: Config) -> dict[str, Any]:
     """Train as one rank of the job the environment describes (a single process when it describes none)."""
-    install_preemption_handler()
+    with stop_signals():
+        return _run_rank(cfg)
+
+
+def _run_rank(cfg: Config) -> dict[str, Any]:
     info = init_distributed(cfg.parallel)
     try:
         launched = resolve_for_launch(cfg, info.world_size)  # checked before the folder is touched
