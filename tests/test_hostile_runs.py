@@ -21,6 +21,7 @@ import types
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gptpar import cli
 from gptpar.config import config_digest, load_config
@@ -525,3 +526,26 @@ def test_the_shipped_sweeps_and_profiles_have_no_duplicate_keys():
         expand(path)
     for path in PROFILE_DIR.glob("*.yaml"):
         load_profile(path.stem)
+
+
+def test_tokenizer_auto_is_decided_once_at_submission_and_recorded(tmp_path: Path) -> None:
+    """item 6: the concrete tokenizer is in the run's config.yaml (and so in every rank's token-cache key),
+    never the literal `auto` that a later probe could answer differently."""
+    point = plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=tok", "data.tokenizer=auto"]))
+    assert point.cfg.data.tokenizer in ("gpt2", "bpe")
+    assert yaml.safe_load(point.folder.config_path.read_text())["data"]["tokenizer"] == point.cfg.data.tokenizer
+    offline = plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=syn", "data.source=synthetic"]))
+    assert offline.cfg.data.tokenizer == "auto"  # synthetic tokens need no tokenizer
+
+
+def test_a_device_that_is_not_there_is_an_error_not_a_cpu_run() -> None:
+    from gptpar.config import ParallelConfig
+    from gptpar.model import build_model
+    from gptpar.parallel.pipeline.gpt2 import build_parallel_model
+
+    cfg = load_config(None, ["parallel.devices=cuda:0"])
+    model = build_model(cfg.model, 300, 0)
+    with pytest.raises(GptparError, match=r"parallel.devices='cuda:0': cuda:0 is not visible \(0 GPUs visible\)"):
+        build_parallel_model(model, cfg.parallel)
+    with pytest.raises(GptparError, match="is not a device"):
+        build_parallel_model(model, ParallelConfig(devices="gpu7"))

@@ -42,15 +42,20 @@ def _from_hf_tokenizer(name: str, hf_tokenizer) -> Tokenizer:
 
 
 def gpt2_tokenizer(timeout_s: float) -> Tokenizer | None:
-    """GPT-2's own BPE from the hub (or its local cache); None when neither has it."""
+    """GPT-2's own BPE from the local cache, else from the hub; None when neither has it. The cache comes
+    first, so a compute node without internet whose submission fetched the tokenizer never probes."""
     from huggingface_hub import hf_hub_download
     from tokenizers import Tokenizer as HFTokenizer
 
-    try:
-        path = hf_hub_download("gpt2", "tokenizer.json", local_files_only=not hub_reachable(timeout_s))
-        return _from_hf_tokenizer("gpt2", HFTokenizer.from_file(path))
-    except Exception:
-        return None
+    for local_only in (True, False):
+        if not local_only and not hub_reachable(timeout_s):
+            return None
+        try:
+            path = hf_hub_download("gpt2", "tokenizer.json", local_files_only=local_only)
+            return _from_hf_tokenizer("gpt2", HFTokenizer.from_file(path))
+        except Exception:
+            continue
+    return None
 
 
 def trained_bpe(train_text: str, vocab_size: int, cache_dir: Path) -> Tokenizer:
