@@ -93,18 +93,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from gptpar.launch.backend import scheduler_state
     from gptpar.run.folder import find_runs
+    from gptpar.run.names import replaced
     from gptpar.run.state import STATES, last_step, read_run
 
     root = Path(args.runs_dir)
     if not root.is_dir():
         raise GptparError(f"runs folder {str(root)!r} does not exist")
-    runs = [read_run(folder, root, scheduler_state(folder)) for folder in find_runs(root)]
+    folders = find_runs(root)
+    aside = [f for f in folders if replaced(f.name)]  # results of an earlier config, kept but not current
+    runs = [read_run(folder, root, scheduler_state(folder)) for folder in folders if folder not in aside]
     for state in STATES:
         for run in (r for r in runs if r.state == state):
             detail = f"  {run.detail}" if run.detail and state != "completed" else ""
             print(f"{state:<10} {run.folder.path.relative_to(root).as_posix():<50} step {last_step(run)}{detail}")
     counts = ", ".join(f"{sum(r.state == s for r in runs)} {s}" for s in STATES if any(r.state == s for r in runs))
-    print(f"{len(runs)} run(s): {counts or 'none'}")
+    print(f"{len(runs)} run(s): {counts or 'none'}" + (f"; {len(aside)} folder(s) set aside by --rerun or "
+                                                        "--start-over not listed" if aside else ""))
     return 0
 
 

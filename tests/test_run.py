@@ -11,6 +11,7 @@ import shlex
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,36 @@ def test_the_local_backend_runs_the_command_of_the_slurm_script(tmp_path: Path) 
     assert [r["rank"] for r in local] == [r["rank"] for r in scheduled] == ["0", "1"]
     assert [(r["argv"], r["cwd"]) for r in local] == [(r["argv"], r["cwd"]) for r in scheduled]
     assert local[0]["argv"][1:] == ["train", "config.yaml"] and local[0]["cwd"] == str(point.folder.path)
+
+
+def test_a_fresh_heartbeat_holds_the_folder_where_flock_cannot_tell(tmp_path: Path) -> None:
+    """A run on another node of a filesystem whose flock is node-local (or absent, as on some Lustre
+    mounts) is seen through the heartbeat in its lock file; a stale heartbeat is a dead run's leftover."""
+    folder = RunFolder(tmp_path / "r")
+    folder.path.mkdir()
+    lock = folder.path / ".lock"
+    record = {"host": "othernode", "pid": 4242, "job_id": "99", "flock": False}
+    lock.write_text(json.dumps({**record, "heartbeat": time.time()}))
+    assert folder.holder()["host"] == "othernode"
+    with pytest.raises(GptparError, match="in use by host othernode pid 4242 job 99"), folder.hold():
+        pass
+    lock.write_text(json.dumps({**record, "heartbeat": time.time() - 3600}))
+    assert folder.holder() is None
+    with folder.hold("1"):
+        assert folder.holder()["job_id"] == "1"
+
+
+def test_status_lists_runs_and_leaves_set_aside_folders_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from gptpar.cli import main
+
+    for name in ("a", "a.replaced-20250101-120000"):
+        log = RankLogger(tmp_path / name, 0)
+        log.log("header", schema_version=2, run_id=name, config={}, rank=0, world_size=1, coords={}, sizes={},
+                restart=0, host="h", device="cpu", torch_version="2", transformers_version="5", git_commit="x",
+                slurm={}, start_time=0.0)
+        log.log("final", status="completed", step=0)
+        log.close()
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["completed", "a", "step", "0"]
+    assert out[-1] == "1 run(s): 1 completed; 1 folder(s) set aside by --rerun or --start-over not listed"

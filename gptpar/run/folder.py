@@ -156,10 +156,13 @@ class RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         flocked = _try_flock(fd)
-        holder = _read_info(fd) if flocked is None else (None if flocked else self.holder())
-        if holder is not None or flocked is None:
+        info = _read_info(fd)
+        # A fresh heartbeat counts where flock cannot tell: no flock here, or the holder is on another node
+        # of a filesystem whose flock is node-local. Our own host's stale record is a dead run's leftover.
+        foreign = info.get("host") not in (None, socket.gethostname())
+        if flocked is None or (_fresh(info) and (not flocked or foreign)):
             os.close(fd)
-            raise GptparError(in_use(self.path.parent, holder or {}))
+            raise GptparError(in_use(self.path.parent, info))
         self._fd = fd
         self._info = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id, "flock": flocked}
         self._write_heartbeat()
@@ -209,8 +212,7 @@ class RunLock:
         if not info:
             return None
         same_host_with_flock = info.get("flock") and info.get("host") == socket.gethostname() and flock_free
-        fresh = time.time() - float(info.get("heartbeat", 0)) < STALE_AFTER_S
-        return info if fresh and not same_host_with_flock else None
+        return info if _fresh(info) and not same_host_with_flock else None
 
 
 def _read_info(fd: int) -> dict[str, Any]:
@@ -218,6 +220,14 @@ def _read_info(fd: int) -> dict[str, Any]:
         return json.loads(os.pread(fd, 4096, 0) or b"{}")
     except (ValueError, OSError):
         return {}
+
+
+def _fresh(info: dict[str, Any]) -> bool:
+    """A heartbeat younger than STALE_AFTER_S: its writer was alive a moment ago."""
+    try:
+        return time.time() - float(info.get("heartbeat", 0)) < STALE_AFTER_S
+    except (TypeError, ValueError):
+        return False
 
 
 def _try_flock(fd: int) -> bool | None:
