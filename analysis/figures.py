@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from analysis.aggregate import RunMetrics, sweep_axes  # noqa: E402
 from gptpar.atomic import write_error
+from gptpar.parallel.pipeline.schedules import Timeline
 from gptpar.run.names import slug
 
 STYLE = {
@@ -219,3 +220,29 @@ def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], Non
         if not _axes(runs, out_dir, written):
             say("figure throughput_vs_<axis>.png skipped: no sweep varies a key other than the GPU count")
     return written
+
+
+GANTT_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
+
+
+def schedule_gantt(timeline: Timeline, ranks: int, title: str, path: Path) -> Path:
+    """A pipeline schedule's Gantt chart: ranks down, time across, F/B/W coloured, micro-batch numbers on
+    the bars (a lighter shade for later virtual stages)."""
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(max(6.4, timeline.makespan * 0.25), 0.5 * ranks + 1.5))
+        for rank, action, start, end in timeline.spans:
+            later_chunk = action.stage >= ranks
+            ax.barh(rank, end - start, left=start, color=GANTT_COLOURS[action.kind], edgecolor="white",
+                    alpha=0.55 if later_chunk else 1.0)
+            ax.text((start + end) / 2, rank, str(action.microbatch), ha="center", va="center", fontsize=6)
+        ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+        ax.invert_yaxis()
+        ax.set_xlim(0, timeline.makespan)
+        ax.set_xlabel("time (cost units)")
+        ax.set_title(title, fontsize=9)
+        ax.grid(False)
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in GANTT_COLOURS.values()]
+        ax.legend(handles, ["forward", "backward (input)", "backward (weights)"], loc="upper left",
+                  bbox_to_anchor=(1.0, 1.0), frameon=False)
+        _save(fig, path, [])
+    return path

@@ -144,6 +144,33 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from gptpar.parallel.pipeline.schedules import (
+        closed_form_bubble,
+        peak_activations,
+        schedule,
+        simulate,
+        text_chart,
+    )
+
+    ranks = schedule(args.name, args.pp, args.chunks, args.virtual)
+    timeline = simulate(ranks, args.cost_f, args.cost_b, args.cost_w, split_backward=args.name == "zb1p")
+    print(f"{args.name}: P={args.pp} ranks, m={args.chunks} micro-batches, V={args.virtual} stage(s) per rank; "
+          f"costs F={args.cost_f:g} B={args.cost_b:g} W={args.cost_w:g} (a whole backward is B+W)")
+    if timeline.makespan <= 200:
+        print(text_chart(timeline, args.pp))
+    print("idle share per rank: " + " ".join(f"{i:.3f}" for i in timeline.idle) + f"; mean {timeline.bubble:.3f}")
+    if args.cost_f == args.cost_b == args.cost_w:
+        print(f"closed form for unit costs: {closed_form_bubble(args.name, args.pp, args.chunks, args.virtual):.3f}")
+    print("peak micro-batches of activations per rank: " + " ".join(str(peak_activations(a)) for a in ranks))
+    if args.out:
+        from analysis.figures import schedule_gantt
+
+        title = f"{args.name}, P={args.pp}, m={args.chunks}, V={args.virtual}: idle {timeline.bubble:.1%}"
+        print(f"wrote {schedule_gantt(timeline, args.pp, title, Path(args.out))}")
+    return 0
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from gptpar.train.checkpoint import export_checkpoint
 
@@ -153,6 +180,22 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     out = Path(args.out or run / "checkpoint.pt")
     print(f"wrote {export_checkpoint(run, out)}")
     return 0
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def _cost(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive finite cost, got {text!r}")
+    return value
 
 
 def _non_negative(text: str) -> int:
@@ -237,6 +280,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--include-incomplete", action="store_true",
                    help="also tabulate and plot running, requeued and failed runs")
     p.set_defaults(handler=cmd_report)
+
+    p = _add(sub, "schedule", "show a pipeline schedule: each rank's actions simulated with F/B/W costs, the "
+             "idle share beside the closed form, peak activations, and a Gantt chart with --out",
+             "  gptpar schedule show 1f1b --pp 4 --chunks 8\n"
+             "  gptpar schedule show interleaved_1f1b --pp 4 --chunks 8 --virtual 2 --out interleaved.png\n"
+             "  gptpar schedule show zb1p --pp 4 --chunks 8 --cost-b 1.5 --cost-w 0.5")
+    p.add_argument("action", choices=("show",))
+    p.add_argument("name", metavar="SCHEDULE", help="gpipe, 1f1b, interleaved_1f1b or zb1p")
+    p.add_argument("--pp", type=_positive, default=4, help="pipeline ranks P (default: 4)")
+    p.add_argument("--chunks", type=_positive, default=8, help="micro-batches per step m (default: 8)")
+    p.add_argument("--virtual", type=_positive, default=1, help="stages per rank V, for interleaved_1f1b")
+    p.add_argument("--cost-f", type=_cost, default=1.0, help="forward cost (default: 1)")
+    p.add_argument("--cost-b", type=_cost, default=1.0, help="input-gradient backward cost (default: 1)")
+    p.add_argument("--cost-w", type=_cost, default=1.0, help="weight-gradient backward cost (default: 1)")
+    p.add_argument("--out", help="write a Gantt chart (PNG, PDF or SVG by the file's suffix)")
+    p.set_defaults(handler=cmd_schedule)
 
     p = _add(sub, "checkpoint", "export a run's checkpoint (torch.distributed.checkpoint, sharded-ready) as "
              "one plain torch.save file", "  gptpar checkpoint export dp2\n"

@@ -15,7 +15,8 @@ from gptpar.cli import build_parser
 
 LIBRARY = sorted([*(REPO / "gptpar").rglob("*.py"), *(REPO / "analysis").glob("*.py")])
 HEAVY = ("torch", "transformers", "gptpar.train", "gptpar.model", "gptpar.parallel.process_group",
-         "gptpar.parallel.grid", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline")
+         "gptpar.parallel.grid", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline.pipe",
+         "gptpar.parallel.pipeline.gpt2")
 
 
 def module_name(path: Path) -> str:
@@ -96,7 +97,8 @@ def subcommands() -> list[str]:
 
 
 def test_every_subcommand_is_known() -> None:
-    assert subcommands() == ["checkpoint", "config", "logs", "report", "status", "submit", "sweep", "train"]
+    assert subcommands() == ["checkpoint", "config", "logs", "report", "schedule", "status", "submit", "sweep",
+                             "train"]
 
 
 @pytest.mark.parametrize("command", subcommands())

@@ -32,6 +32,7 @@ RUN_HERE = [
     ".venv/bin/gptpar train parallel.pp_mode=pipeline_parallel parallel.devices=cpu,cpu parallel.chunks=4 "
     "train.max_steps=5",
     ".venv/bin/gptpar config show parallel.dp=2",
+    ".venv/bin/gptpar schedule show zb1p --pp 4 --chunks 8",
     ".venv/bin/gptpar status",
     ".venv/bin/gptpar submit dp --gpus 2 --dry-run",
 ]
