@@ -32,6 +32,21 @@ def _config(args: argparse.Namespace):
     return load_config(path, overrides)
 
 
+def _train_here(cfg) -> int:
+    """Train as this process's rank; the exit code says whether the run ended as it should."""
+    from gptpar.train.trainer import run_rank
+
+    return 0 if run_rank(cfg)["status"] in ("completed", "diverged", "requeued") else 1
+
+
+def _run_path(args: argparse.Namespace) -> Path:
+    """`RUN` as a folder, or as a name under --runs-dir."""
+    path = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
+    if not path.is_dir():
+        raise GptparError(f"run {args.run!r} not found (as a path or under {args.runs_dir})")
+    return path
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from gptpar.train.preemption import install_preemption_handler
 
@@ -40,9 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     if layout_from_env(os.environ).launcher != "single":  # one rank of a job that srun/torchrun/gptpar started
-        from gptpar.train.trainer import run_rank
-
-        return 0 if run_rank(cfg)["status"] in ("completed", "diverged", "requeued") else 1
+        return _train_here(cfg)
     from gptpar.launch.backend import scheduler_state
     from gptpar.launch.plan import plan_run
 
@@ -50,9 +63,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     point = plan_run(cfg, start_over=args.start_over, job_state=scheduler_state)
     ranks = world_size(point.cfg)
     if ranks == 1:
-        from gptpar.train.trainer import run_rank
-
-        return 0 if run_rank(point.cfg)["status"] in ("completed", "diverged", "requeued") else 1
+        return _train_here(point.cfg)
     from gptpar.launch.local import run_ranks
     from gptpar.run.state import read_run
 
@@ -117,10 +128,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from gptpar.run.folder import RunFolder
     from gptpar.run.state import read_run
 
-    path = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
-    if not path.is_dir():
-        raise GptparError(f"run {args.run!r} not found (as a path or under {args.runs_dir})")
-    folder = RunFolder(path)
+    folder = RunFolder(_run_path(args))
     files = sorted(p for p in folder.job_dir.glob("*") if p.suffix in (".out", ".err") and p.stat().st_size)
     for file in [*files, folder.rank_log(0)]:
         if file.is_file():
@@ -174,9 +182,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from gptpar.train.checkpoint import export_checkpoint
 
-    run = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
-    if not run.is_dir():
-        raise GptparError(f"run {args.run!r} not found (as a path or under {args.runs_dir})")
+    run = _run_path(args)
     out = Path(args.out or run / "checkpoint.pt")
     print(f"wrote {export_checkpoint(run, out)}")
     return 0

@@ -23,20 +23,19 @@ from types import FrameType
 
 from gptpar.launch.plan import Point, rank_command
 from gptpar.launch.profiles import JobSpec
+from gptpar.launch.slurm import clean_env
 from gptpar.parallel.env import LAUNCHER_MARKER, free_port
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors get this long to be logged
 KILL_AFTER = 3  # the third INT/TERM kills the ranks (the first stops them at a step boundary)
 
 
 def rank_env(rank: int, world: int, port: int, base: dict[str, str]) -> dict[str, str]:
-    """torchrun's variables for one local rank; OMP_NUM_THREADS splits the machine's cores between the
-    ranks unless the user set it."""
+    """torchrun's variables for one local rank, none of a surrounding job's; OMP_NUM_THREADS splits the
+    machine's cores between the ranks unless the user set it."""
     threads = base.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
-    clean = {k: v for k, v in base.items() if k not in TORCHRUN_VARS and not k.startswith("SLURM_")}
-    return {**clean, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+    return {**clean_env(base), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             LAUNCHER_MARKER: "local", "OMP_NUM_THREADS": threads}
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from gptpar.config import Config, ConfigError, grid_sizes, updated, world_size
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
-from gptpar.run.folder import RunFolder, config_diff, in_use, run_folder
+from gptpar.run.folder import RunFolder, in_use, run_folder
 from gptpar.run.names import derived_run_id, replaced_name
 
 KINDS = ("dp", "pp")
@@ -115,18 +115,13 @@ def write_point(point: Point, start_over: bool = False, job_state: JobState | No
     holds a different config is refused with what changed (`again` says how to start over), unless
     `start_over`, which first moves any existing folder aside (set_aside)."""
     folder = point.folder
-    holder = _holder(folder)
+    holder = folder.holder()
     if holder is not None:
         raise GptparError(in_use(folder.path, holder))
     if start_over and folder.path.is_dir() and any(folder.path.iterdir()):
         set_aside(folder, job_state)
-    saved = folder.read_config()
-    if saved is not None and saved != point.cfg.to_dict():
-        changed = config_diff(saved, point.cfg.to_dict())
-        raise GptparError(f"run folder {folder.path} holds a different config ({changed}); use another log.run_id, "
-                          f"or {again}")
     make_folder(folder.path)
-    folder.write_config(point.cfg)
+    folder.write_config(point.cfg, again)
 
 
 def make_folder(path: Path) -> None:
@@ -137,13 +132,6 @@ def make_folder(path: Path) -> None:
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
         raise GptparError(f"cannot create run folder {path}: {exc.strerror or exc}{where}; "
                           "check log.runs_dir (or --runs-dir)") from None
-
-
-def _holder(folder: RunFolder) -> dict | None:
-    try:
-        return folder.holder()
-    except OSError:  # the folder cannot exist (a parent is a file): make_folder says so
-        return None
 
 
 def set_aside(folder: RunFolder, job_state: JobState | None = None) -> Path:
@@ -167,7 +155,6 @@ def set_aside(folder: RunFolder, job_state: JobState | None = None) -> Path:
             raise GptparError(f"cannot set run folder {folder.path} aside as {target.name}: "
                               f"{exc.strerror or exc}") from None
     return target
-
 
 
 def rank_command(cfg: Config) -> list[str]:

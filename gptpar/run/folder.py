@@ -63,15 +63,16 @@ class RunFolder:
             return None
         return yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
 
-    def write_config(self, cfg: Config) -> None:
+    def write_config(self, cfg: Config, again: str = "delete the folder to start over") -> None:
         """Write config.yaml once. The same config again is fine (a restart); a different one is
-        refused with what changed, since a run folder's results belong to one config."""
+        refused with what changed (and `again`: how to start over), since a run folder's results
+        belong to one config."""
         saved = self.read_config()
         if saved is None:
             atomic_write_text(self.config_path, to_yaml(cfg))
         elif saved != cfg.to_dict():
             raise GptparError(f"run folder {self.path} holds a different config ({config_diff(saved, cfg.to_dict())}); "
-                              "use another log.run_id, or delete the folder to start over")
+                              f"use another log.run_id, or {again}")
 
     def write_job_record(self, backend: str, job_id: str) -> None:
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +196,7 @@ class RunLock:
         does not work (or the holder is on another host) a heartbeat younger than STALE_AFTER_S counts."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # no lock file, or no folder (a parent is a file)
             return None
         try:
             info = _read_info(fd)

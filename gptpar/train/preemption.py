@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
+from gptpar.parallel.env import layout_from_env
+
 REQUEUE_SIGNAL = signal.SIGUSR2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SIGNALS = (REQUEUE_SIGNAL, *STOP_SIGNALS)
@@ -33,11 +35,6 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT and signum in _received:
         raise KeyboardInterrupt("a second Ctrl-C: stopped at once, without a checkpoint")
     _received[signum] = None
-
-
-def _launched_rank(env: Mapping[str, str]) -> bool:
-    """A rank that srun, torchrun or gptpar's launcher started: its trainer will poll the request."""
-    return any(key in env for key in ("RANK", "SLURM_STEP_ID", "GPTPAR_LAUNCHER"))
 
 
 def install_preemption_handler(signum: int | None = None) -> None:
@@ -51,7 +48,8 @@ def install_preemption_handler(signum: int | None = None) -> None:
     """
     if threading.current_thread() is not threading.main_thread():
         return
-    signums = (signum,) if signum is not None else SIGNALS if _launched_rank(os.environ) else (REQUEUE_SIGNAL,)
+    launched = layout_from_env(os.environ).launcher != "single"  # a rank whose trainer will poll the request
+    signums = (signum,) if signum is not None else SIGNALS if launched else (REQUEUE_SIGNAL,)
     for sig in signums:
         if signal.getsignal(sig) is not _on_signal:
             _received.pop(sig, None)
