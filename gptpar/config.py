@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from gptpar.errors import GptparError
+from gptpar.parallel.pipeline.schedules import SCHEDULES, make_plan
 from gptpar.presets import PRESETS
 
 
@@ -96,20 +97,32 @@ class ParallelConfig:
     dp: int = opt(1, "Data-parallel ranks (spawned locally when not under SLURM or torchrun).", min=1,
                   max=65_536)
     dp_sync: str = opt("bucketed", "Gradient sync: naive (all-reduce per parameter), bucketed "
-                       "(overlapped flat buckets), ddp (torch DDP).", choices=("naive", "bucketed", "ddp"))
+                       "(overlapped flat buckets), ddp (torch DDP; not with parallel.pp > 1).",
+                       choices=("naive", "bucketed", "ddp"))
+    pp: int = opt(1, "Pipeline stages, each its own rank (the multi-process engine); the job has "
+                  "dp * pp ranks. 1 keeps the one-process modes of parallel.pp_mode.", min=1, max=4096)
+    pp_schedule: str = opt("1f1b", "Schedule of the multi-process pipeline (parallel.pp > 1).",
+                           choices=SCHEDULES)
+    pp_virtual: int = opt(1, "Model chunks per pipeline rank (interleaved_1f1b needs >= 2).", min=1,
+                          max=256)
+    pp_split: str = opt("", "Blocks per pipeline stage, e.g. 3,3,2 (pp * pp_virtual numbers); empty "
+                        "balances them by parallel.balance.")
     bucket_mb: float = opt(25.0, "Bucket size of the bucketed reducer, in MB.", min=0.001,
                            max=1_048_576.0)
     backend: str = opt("auto", "auto: nccl when CUDA is visible, else gloo.",
                        choices=("auto", "gloo", "nccl"))
     timeout_s: float = opt(120.0, "Seconds before a dead or hung rank fails the job.", min=1.0,
                            max=2_592_000.0)
-    pp_mode: str = opt("single", "single | model_parallel (layers split over devices) | "
-                       "pipeline_parallel (GPipe micro-batches).",
+    pp_mode: str = opt("single", "One-process modes (parallel.pp = 1): single | model_parallel (layers "
+                       "split over devices) | pipeline_parallel (GPipe micro-batches over threads).",
                        choices=("single", "model_parallel", "pipeline_parallel"))
-    chunks: int = opt(4, "Micro-batches per batch in pipeline_parallel mode.", min=1, max=65_536)
+    chunks: int = opt(4, "Micro-batches per batch in pipeline_parallel mode and in the multi-process "
+                      "pipeline (parallel.pp > 1).", min=1, max=65_536)
     devices: str = opt("", "Comma-separated devices of the model/pipeline stages, e.g. cuda:0,cuda:1 "
                        "or cpu,cpu; empty uses every visible GPU, else one CPU.")
-    balance: str = opt("layers", "How blocks are spread over devices.", choices=("layers", "params"))
+    balance: str = opt("layers", "How blocks are spread over stages: equal block counts, equal parameter "
+                       "counts, or equal measured forward+backward time (embeddings and head included).",
+                       choices=("layers", "params", "time"))
 
 
 @dataclass(frozen=True)
@@ -381,6 +394,62 @@ def validate(cfg: Config) -> None:
     if p.pp_mode == "single" and p.devices.strip() and p.dp > 1:
         raise ConfigError(f"parallel.devices={p.devices!r} places the stages of one process; with parallel.dp="
                           f"{p.dp} each rank uses its own device: leave parallel.devices empty")
+    _validate_pipeline(cfg)
+
+
+def pp_split_counts(pcfg: ParallelConfig) -> list[int] | None:
+    """`parallel.pp_split` as blocks per stage, or None when the split is balanced automatically."""
+    if not pcfg.pp_split.strip():
+        return None
+    try:
+        counts = [int(word) for word in pcfg.pp_split.split(",")]
+    except ValueError:
+        counts = []
+    stages = pcfg.pp * pcfg.pp_virtual
+    if len(counts) != stages or min(counts) < 1:
+        raise ConfigError(f"parallel.pp_split={pcfg.pp_split!r} must list {stages} positive block counts "
+                          f"(parallel.pp * parallel.pp_virtual), e.g. {','.join(['1'] * stages)}")
+    return counts
+
+
+def _validate_pipeline(cfg: Config) -> None:
+    """The multi-process pipeline (parallel.pp > 1) against the one-process modes, the schedule's shape,
+    the batch and the model's depth."""
+    t, p = cfg.train, cfg.parallel
+    if p.pp == 1:
+        for key, value, default in (("pp_virtual", p.pp_virtual, 1), ("pp_split", p.pp_split.strip(), "")):
+            if value != default:
+                raise ConfigError(f"parallel.{key}={value} applies to the multi-process pipeline only; set "
+                                  "parallel.pp > 1 or leave it out")
+        return
+    if p.pp_mode != "single":
+        raise ConfigError(f"parallel.pp={p.pp} runs each stage as its own rank; parallel.pp_mode={p.pp_mode} "
+                          "drives stages from one process: use one of them (parallel.pp_mode=single with pp > 1)")
+    if p.devices.strip():
+        raise ConfigError(f"parallel.devices={p.devices!r} places stages inside one process; with parallel.pp="
+                          f"{p.pp} each stage rank uses its own device: leave parallel.devices empty")
+    if p.dp_sync == "ddp":
+        raise ConfigError("parallel.dp_sync=ddp cannot sync a pipeline stage (DDP reduces inside every backward, "
+                          "the engine runs many per step); use parallel.dp_sync=bucketed or naive with parallel.pp > 1")
+    replica_batch = t.batch_size // (p.dp * t.grad_accum)
+    if replica_batch % p.chunks:
+        raise ConfigError(f"train.batch_size={t.batch_size} gives {replica_batch} sequences per replica and "
+                          f"micro-step (batch_size / (dp * grad_accum)), which do not divide into parallel.chunks="
+                          f"{p.chunks} micro-batches; use a train.batch_size that is a multiple of "
+                          f"{p.dp * t.grad_accum * p.chunks}")
+    try:
+        make_plan(p.pp_schedule, p.pp, p.chunks, p.pp_virtual)
+    except GptparError as exc:
+        raise ConfigError(str(exc)) from None
+    counts = pp_split_counts(p)
+    n_layer = cfg.model.n_layer or PRESETS[cfg.model.preset][0]
+    stages = p.pp * p.pp_virtual
+    if stages > n_layer:
+        raise ConfigError(f"parallel.pp * parallel.pp_virtual = {stages} stages but the model has {n_layer} blocks; "
+                          "every stage needs at least one block")
+    if counts is not None and sum(counts) != n_layer:
+        raise ConfigError(f"parallel.pp_split={p.pp_split!r} places {sum(counts)} blocks but the model has "
+                          f"{n_layer}")
 
 
 def to_yaml(cfg: Config) -> str:
@@ -398,9 +467,9 @@ GRID_DIMS = ("pp", "dp", "tp")
 
 
 def grid_sizes(cfg: Config) -> dict[str, int]:
-    """Size of each grid dimension. Only `dp` is configurable so far; the multi-process pipeline and
-    tensor-parallel engines add their keys here, and every launcher and log follows this one function."""
-    return {"pp": 1, "dp": cfg.parallel.dp, "tp": 1}
+    """Size of each grid dimension; the tensor-parallel engine adds its key here, and every launcher
+    and log follows this one function."""
+    return {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": 1}
 
 
 def world_size(cfg: Config) -> int:
@@ -416,7 +485,8 @@ def resolve_for_launch(cfg: Config, launched: int) -> Config:
         return cfg
     other = world_size(cfg) // cfg.parallel.dp
     if cfg.parallel.dp != 1 or launched % other:
-        raise ConfigError(f"the config asks for {world_size(cfg)} ranks (parallel.dp={cfg.parallel.dp}) but the "
+        shape = " x ".join(f"parallel.{d}={n}" for d, n in grid_sizes(cfg).items() if n > 1 or d == "dp")
+        raise ConfigError(f"the config asks for {world_size(cfg)} ranks ({shape}) but the "
                           f"launcher started {launched}; set parallel.dp={launched // other or 1} or launch "
                           f"{world_size(cfg)} tasks")
     return updated(cfg, {"parallel.dp": launched // other})

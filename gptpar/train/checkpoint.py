@@ -23,13 +23,16 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
 from gptpar.atomic import probe_space, write_error
 from gptpar.errors import GptparError
 
 CHECKPOINT_DIR = "checkpoint"
+# Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
+# hold different parameters, and a group's index would name different parameters on each stage's rank.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 TMP_SUFFIX, OLD_SUFFIX = ".tmp", ".old"
 METADATA_FILE = ".metadata"  # DCP's index of the checkpoint, written last by the coordinator rank
 
@@ -211,13 +214,13 @@ def model_state(model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any],
     and the optimizer state would then silently not be restored: those gradients are set aside meanwhile.
     """
     if optimizer.state:
-        return get_state_dict(model, optimizer)
+        return get_state_dict(model, optimizer, options=FLAT)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
     try:
-        return get_state_dict(model, optimizer)
+        return get_state_dict(model, optimizer, options=FLAT)
     finally:
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
@@ -226,4 +229,4 @@ def model_state(model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any],
 def load_model_state(model: nn.Module, optimizer: Optimizer, model_sd: dict[str, Any],
                      optim_sd: dict[str, Any]) -> None:
     """Inverse of model_state."""
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)

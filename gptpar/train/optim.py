@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from gptpar.config import TrainConfig
 
@@ -23,3 +24,26 @@ def make_optimizer(module: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None,
+                   counted: list[torch.nn.Parameter] | None = None) -> float:
+    """Scale the gradients so that their global norm is at most max_norm (inf: only measure); returns the norm.
+
+    Without a group this is torch's clip_grad_norm_. With one (the pipeline's stages), the squares are summed
+    over the group's ranks, each counting only `counted` (a parameter held by two ranks, as the tied
+    embedding is, is counted once), so every rank scales by the same factor one process would.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if group is None:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    ids = {id(p) for p in (counted if counted is not None else params)}
+    squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
+    for p in params:
+        if p.grad is not None and id(p) in ids:
+            squares += p.grad.double().square().sum()
+    dist.all_reduce(squares, group=group)
+    norm = float(squares.sqrt())
+    if math.isfinite(max_norm) and norm > max_norm:
+        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    return norm

@@ -2,8 +2,9 @@
 
 Data parallelism enters through the data shard (the grid's dp coordinate) and the gradient sync
 (the grid's dp group), one-process model/pipeline parallelism through the module that maps token ids
-to logits; the loop itself does not change. `run_rank` is the entry point of a rank: it joins the
-process group once, claims the run folder, trains, and leaves the group once.
+to logits, and the multi-process pipeline (parallel.pp > 1) through its engine, which runs a step's
+forwards and backwards on this rank's stages; the loop itself does not change. `run_rank` is the entry
+point of a rank: it joins the process group once, claims the run folder, trains, and leaves the group once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from gptpar.errors import GptparError
 from gptpar.model import build_model, lm_loss
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.pipeline.engine import PipelineEngine
 from gptpar.parallel.pipeline.gpt2 import build_parallel_model
 from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
 from gptpar.run.folder import RunFolder, run_folder
@@ -31,7 +33,7 @@ from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
 from gptpar.run.state import read_run, resume_hint
 from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
-from gptpar.train.optim import learning_rate, make_optimizer
+from gptpar.train.optim import clip_gradients, learning_rate, make_optimizer
 from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
 from gptpar.train.progress import Progress, peak_memory_bytes
 from gptpar.train.provenance import header_fields, job_id
@@ -57,7 +59,9 @@ class Trainer:
             raise GptparError(f"train.batch_size={t.batch_size} exceeds the {len(self.train_set)} training "
                               "blocks of the corpus; lower it or use a larger corpus")
         model = build_model(cfg.model, tokens.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=cfg.data.seq_len)
-        self.net = build_parallel_model(model, cfg.parallel, info.device)
+        self.pipeline = grid.size("pp") > 1
+        self.net = (PipelineEngine(model, cfg, grid, info.device) if self.pipeline
+                    else build_parallel_model(model, cfg.parallel, info.device))
         self.dp_group = grid.group("dp")
         self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group)
         self.optimizer = make_optimizer(self.net, t)
@@ -94,12 +98,13 @@ class Trainer:
         dist.all_reduce(tensor, group=self.dp_group)
         return float(tensor.item()) / self.grid.size("dp")
 
-    def _train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
-        t = self.cfg.train
-        lr = learning_rate(self.step, t, self.total_steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.net.train()
+    def _forward_backward(self, micro_batches: list[Batch]) -> float:
+        """The step's mean-loss gradients into .grad (not yet reduced); returns the loss (a pipeline's on every
+        stage). The data-parallel sync may reduce during the last micro-step's backward, a pipeline's only
+        in finish(), after the last micro-batch's backward on each stage."""
+        if self.pipeline:
+            with self.sync.accumulating(is_last_micro_step=False):
+                return self.net.train_step(micro_batches)
         total = 0.0
         for i, (x, y) in enumerate(micro_batches):
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1):
@@ -107,12 +112,26 @@ class Trainer:
                 loss = lm_loss(logits, y.to(logits.device, non_blocking=True)) / len(micro_batches)
                 loss.backward()
             total += loss.item()
+        return total
+
+    def _train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+        t = self.cfg.train
+        lr = learning_rate(self.step, t, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.net.train()
+        total = self._forward_backward(micro_batches)
         self.sync.finish()
         params = [p for p in self.net.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else math.inf)
+        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
+        if self.pipeline:
+            self.net.sum_tied_gradients()
+            grad_norm = clip_gradients(params, max_norm, self.grid.group("pp"), self.net.counted_parameters())
+        else:
+            grad_norm = clip_gradients(params, max_norm)
         self.optimizer.step()
         self.sync.zero_grad()
-        return total, float(grad_norm)
+        return total, grad_norm
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -123,9 +142,16 @@ class Trainer:
             return None
         self.net.eval()
         loader = partition_dataset(self.grid.coord("dp"), replicas, self.val_set, batch, seed=0, epoch=0)
-        losses = [lm_loss(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
-                  for x, y in islice(loader, self.cfg.train.eval_batches)]
+        if self.pipeline:
+            losses = [self.net.eval_loss(x, y) for x, y in islice(loader, self.cfg.train.eval_batches)]
+        else:
+            losses = [lm_loss(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
+                      for x, y in islice(loader, self.cfg.train.eval_batches)]
         return self._dp_mean(sum(losses) / len(losses))
+
+    def logged_loss(self, loss: float) -> float | None:
+        """The loss as this rank's log reports it: a pipeline stage that does not compute it says null."""
+        return None if self.pipeline and not self.net.computes_loss else loss
 
     def _stop_status(self) -> str | None:
         """A stop asked for on any rank (gptpar.train.preemption) stops every rank at the same step:
@@ -168,10 +194,12 @@ class Trainer:
                     tokens = micro_tokens * len(micro_batches)
                     epoch_time += step_time
                     epoch_rates.append(tokens / step_time)
-                    self.log.log("step", step=self.step, epoch=epoch, loss=loss, global_loss=global_loss,
-                                 lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, tokens=tokens,
+                    pipeline = self.net.step_fields() if self.pipeline else {}
+                    self.log.log("step", step=self.step, epoch=epoch, loss=self.logged_loss(loss),
+                                 global_loss=global_loss, lr=self.optimizer.param_groups[0]["lr"],
+                                 grad_norm=grad_norm, tokens=tokens,
                                  step_time_s=step_time, tokens_per_s=tokens / step_time, data_time_s=data_time,
-                                 peak_mem_bytes=peak_memory_bytes(info.device), bubble=self.net.bubble)
+                                 peak_mem_bytes=peak_memory_bytes(info.device), bubble=self.net.bubble, **pipeline)
                     progress.update(self.step, global_loss, tokens * self.grid.size("dp") / step_time)
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                         val = self.evaluate()
@@ -230,7 +258,8 @@ def _train_in_folder(cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFol
                 vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices])
         status, loss = trainer.run()
         request = stop_request() if status != "completed" else None  # this rank's own signal, if any
-        log.log("final", status=status, step=trainer.step, loss=loss, signal=request[1] if request else None)
+        log.log("final", status=status, step=trainer.step, loss=trainer.logged_loss(loss),
+                signal=request[1] if request else None)
     except BaseException as exc:
         if trainer is None:  # set-up failed: the segment still says who failed and why
             log.log("header", **header_fields(cfg, info, grid, restart))

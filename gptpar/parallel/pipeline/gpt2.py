@@ -16,6 +16,8 @@ across devices on every step to keep the tie would cost a vocab x width transfer
 from __future__ import annotations
 
 import itertools
+import statistics
+import time
 
 import torch
 from torch import nn
@@ -137,6 +139,55 @@ def untie_lm_head(model: GPT2LMHeadModel) -> None:
     model.config.tie_word_embeddings = False
 
 
+def _timed(fn) -> float:
+    """Median seconds of a few calls (the first, which may allocate, left out)."""
+    times = []
+    for _ in range(4):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def measured_loads(model: GPT2LMHeadModel, sample: tuple[int, int], device: torch.device
+                   ) -> tuple[float, float, float]:
+    """Forward+backward seconds of the embeddings, one block and the final norm with LM head on a
+    (micro-batch, seq_len) sample: GPT-2's blocks are all alike, so one block stands for each."""
+    tr = model.transformer
+    implicit = model.config._attn_implementation in _IMPLICIT_CAUSAL
+    embed = Embedding(tr.wte, tr.wpe, tr.drop).to(device)
+    block, head = Block(tr.h[0], implicit).to(device), Head(tr.ln_f, model.lm_head).to(device)
+    ids = torch.zeros(sample, dtype=torch.long, device=device)
+    hidden = torch.zeros(*sample, model.config.n_embd, device=device, requires_grad=True)
+
+    def run(module: nn.Module, x: torch.Tensor) -> None:
+        module(x).float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    loads = tuple(_timed(lambda m=m, x=x: run(m, x)) for m, x in ((embed, ids), (block, hidden), (head, hidden)))
+    model.zero_grad(set_to_none=True)
+    return loads
+
+
+def balanced_sizes(model: GPT2LMHeadModel, n_stages: int, balance: str, separate_head: bool,
+                   sample: tuple[int, int] = (1, 64), device: torch.device | None = None) -> list[int]:
+    """Blocks per stage under parallel.balance: equal counts (`layers`), equal parameter counts
+    (`params`, the head counted on the last stage when it is a copy of its own) or equal measured
+    time (`time`, on `device` with a `sample` of (micro-batch, seq_len) tokens)."""
+    tr = model.transformer
+    blocks = list(tr.h)
+    if balance == "params":
+        numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        first = sum(p.numel() for p in (*tr.wte.parameters(), *tr.wpe.parameters()))
+        last = sum(p.numel() for p in tr.ln_f.parameters()) + (model.lm_head.weight.numel() if separate_head else 0)
+        return stage_sizes(numel, n_stages, first, last)
+    if balance == "time":
+        first, block, last = measured_loads(model, sample, device or torch.device("cpu"))
+        return stage_sizes([block] * len(blocks), n_stages, first, last)
+    return _even_sizes(len(blocks), n_stages)
+
+
 def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: str
                 ) -> tuple[nn.Sequential, list[int]]:
     """The model as [Embedding, Block..., Head] placed on `devices`, and children per stage."""
@@ -146,13 +197,7 @@ def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: st
         raise GptparError(f"parallel.devices lists {n} stages but the model has only {len(blocks)} "
                           "transformer blocks; list at most that many devices")
     untie = devices[0] != devices[-1]
-    if balance == "params":
-        numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        first = sum(p.numel() for p in (*tr.wte.parameters(), *tr.wpe.parameters()))
-        last = sum(p.numel() for p in tr.ln_f.parameters()) + (model.lm_head.weight.numel() if untie else 0)
-        sizes = stage_sizes(numel, n, first, last)
-    else:
-        sizes = _even_sizes(len(blocks), n)
+    sizes = balanced_sizes(model, n, balance, untie, device=devices[0])
     implicit = model.config._attn_implementation in _IMPLICIT_CAUSAL
     children: list[nn.Module] = [Embedding(tr.wte, tr.wpe, tr.drop).to(devices[0])]
     starts = [0, *itertools.accumulate(sizes)]
@@ -165,6 +210,47 @@ def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: st
     per_stage[0] += 1
     per_stage[-1] += 1
     return nn.Sequential(*children), per_stage
+
+
+class PipelineStage(nn.Module):
+    """One stage of the multi-process pipeline: contiguous blocks, with the embeddings on the first
+    stage and the final norm and LM head on the last. Blocks keep their model index in their names
+    (`blocks.5.block...`), so checkpoint keys say which block a tensor belongs to."""
+
+    def __init__(self, model: GPT2LMHeadModel, index: int, n_stages: int, first_block: int, n_blocks: int) -> None:
+        super().__init__()
+        tr = model.transformer
+        implicit = model.config._attn_implementation in _IMPLICIT_CAUSAL
+        self.index, self.is_first, self.is_last = index, index == 0, index == n_stages - 1
+        self.embed = Embedding(tr.wte, tr.wpe, tr.drop) if self.is_first else None
+        self.blocks = nn.ModuleDict({str(i): Block(tr.h[i], implicit)
+                                     for i in range(first_block, first_block + n_blocks)})
+        self.head = Head(tr.ln_f, model.lm_head) if self.is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x) if self.embed is not None else x
+        for block in self.blocks.values():
+            hidden = block(hidden)
+        return self.head(hidden) if self.head is not None else hidden
+
+
+def original_name(name: str) -> str:
+    """The GPT2LMHeadModel name of a PipelineStage parameter (`blocks.5.block.attn.c_attn.weight` is
+    `transformer.h.5.attn.c_attn.weight`), so a pipeline's stages can be compared with one model."""
+    part, _, rest = name.partition(".")
+    if part == "blocks":
+        index, _, inner = rest.partition(".")
+        return f"transformer.h.{index}.{inner.removeprefix('block.')}"
+    return rest if rest.startswith("lm_head.") else f"transformer.{rest}"
+
+
+def pipeline_stages(model: GPT2LMHeadModel, stage_ids: list[int], sizes: list[int]) -> list[PipelineStage]:
+    """The listed stages of the model cut into len(sizes) stages of sizes[s] blocks. The LM head gets
+    its own copy of the embedding matrix (the first and last stage live on different ranks; the
+    engine sums the two copies' gradients every step, which keeps them equal)."""
+    untie_lm_head(model)
+    starts = [0, *itertools.accumulate(sizes)]
+    return [PipelineStage(model, s, len(sizes), starts[s], sizes[s]) for s in stage_ids]
 
 
 class ParallelGPT2(nn.Module):

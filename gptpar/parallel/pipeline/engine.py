@@ -1,0 +1,297 @@
+"""The multi-process pipeline engine: each rank runs its stages of GPT-2 and executes its schedule's actions.
+
+The rank's action list comes from `schedules.schedule` (the same lists the simulator and `gptpar schedule
+show` run), so what is measured is what was planned. Activations and their gradients travel with
+torch.distributed point-to-point messages between the ranks of the grid's `pp` group:
+
+- Shapes are known ahead: a stage's input is (micro-batch rows, seq_len, n_embd), derived from the batch
+  every rank of a replica loads itself. No rank ever asks another for a shape.
+- Each run of consecutive send/receive actions is posted as one `batch_isend_irecv` (on NCCL one group
+  call, so a send and the receive beside it cannot wait on each other); receives are waited for before
+  the compute that needs them, sends only at the end of the step. Sends and receives of one pair of
+  ranks come in the same order on both sides (tests/test_schedules.py checks every schedule), because
+  NCCL matches messages by order, not by tag.
+- The tied embedding/LM-head matrix has a copy on the first and on the last stage; `sum_tied_gradients`
+  adds the two copies' gradients each step, as Megatron-LM does, so both copies take the same update and
+  stay equal: the pipeline trains like one process.
+- Per step the engine records each compute action's span, the busy time per kind (F, B, W), and the
+  bytes autograd saves in forward that a rank holds at once, so the bubble is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import GPT2LMHeadModel
+
+from gptpar.config import Config, pp_split_counts
+from gptpar.model import lm_loss
+from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.pipeline.gpt2 import PipelineStage, balanced_sizes, original_name, pipeline_stages
+from gptpar.parallel.pipeline.schedules import COMPUTE, Action, schedule
+from gptpar.parallel.pipeline.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Key = tuple[int, int]  # (micro-batch, stage)
+
+
+@dataclass
+class StepStats:
+    """What one rank did in its last step: compute spans relative to the step's start, and the window
+    from the start until every stage of the pipeline was done (the loss exchange ends it)."""
+
+    spans: list[tuple[str, int, int, float, float]] = field(default_factory=list)  # kind, mb, stage, start, end
+    window_s: float = 0.0
+    peak_activation_bytes: int = 0
+
+    def busy(self) -> dict[str, float]:
+        return {kind: sum(end - start for k, _, _, start, end in self.spans if k == kind) for kind in COMPUTE}
+
+    @property
+    def bubble(self) -> float | None:
+        """The idle share of the window: waiting for and exchanging messages, and the pipeline's fill and drain."""
+        if self.window_s <= 0:
+            return None
+        return max(0.0, 1.0 - sum(self.busy().values()) / self.window_s)
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward during a forward, parameters left out (they are not
+    activations) and each tensor once."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.param_ptrs = {p.data_ptr() for p in params}
+        self.seen: set[int] = set()
+        self.total = 0
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        ptr = tensor.data_ptr()
+        if ptr not in self.param_ptrs and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.total += tensor.numel() * tensor.element_size()
+        return tensor
+
+
+def tied_group(grid: RankGrid) -> dist.ProcessGroup | None:
+    """The group of this rank's pipeline's first and last stage (same dp and tp coordinates), which hold
+    the two copies of the tied embedding. Every rank creates every pair's group, in the same order."""
+    stride = grid.world_size // grid.size("pp")
+    last = (grid.size("pp") - 1) * stride
+    mine = None
+    for base in range(stride):
+        group = dist.new_group([base, base + last])
+        if grid.rank in (base, base + last):
+            mine = group
+    return mine
+
+
+class PipelineEngine(nn.Module):
+    """This rank's pipeline stages and its schedule. `stages` holds the stage modules (the optimizer's and
+    checkpoint's parameters); `train_step` runs one optimizer step's forwards and backwards and returns the
+    pipeline's loss on every rank; `computes_loss` says whether this rank is the one that computed it."""
+
+    def __init__(self, model: GPT2LMHeadModel, cfg: Config, grid: RankGrid, device: torch.device) -> None:
+        super().__init__()
+        p = cfg.parallel
+        self.ranks, self.virtual, self.chunks = p.pp, p.pp_virtual, p.chunks
+        self.rank = grid.coord("pp")
+        self.peers = grid.group_ranks("pp")  # global rank of each pipeline rank
+        self.pp_group = grid.group("pp")
+        self.device = self.input_device = self.output_device = device
+        self.stage_devices = [device]
+        self.n_stages = p.pp * p.pp_virtual
+        self.width = model.config.n_embd
+        replica_batch = cfg.train.batch_size // (p.dp * cfg.train.grad_accum)
+        sizes = pp_split_counts(p) or self._balanced(model, cfg, replica_batch // p.chunks, device)
+        self.stage_ids = [self.rank + k * p.pp for k in range(p.pp_virtual)]
+        self.stages = nn.ModuleDict({str(s): stage.to(device) for s, stage in
+                                     zip(self.stage_ids, pipeline_stages(model, self.stage_ids, sizes), strict=True)})
+        self.blocks_per_stage = sizes
+        self.actions = schedule(p.pp_schedule, p.pp, p.chunks, p.pp_virtual)[self.rank]
+        self.split_backward = any(a.kind == "W" for a in self.actions)
+        self.store = WeightGradStore()
+        if self.split_backward:
+            make_deferrable(self.stages, self.store)
+        self.computes_loss = str(self.n_stages - 1) in self.stages
+        self.tied = tied_group(grid)
+        self.tied_weight: nn.Parameter | None = None  # this rank's copy of the tied matrix, if it has one
+        if "0" in self.stages:
+            self.tied_weight = self._stage(0).embed.wte.weight
+        elif self.computes_loss:
+            self.tied_weight = self._stage(self.n_stages - 1).head.lm_head.weight
+        self.stats = StepStats()
+
+    def _balanced(self, model: GPT2LMHeadModel, cfg: Config, micro_rows: int, device: torch.device) -> list[int]:
+        """Blocks per stage; rank 0 decides and tells the others, so a measured split is one split."""
+        choice: list[Any] = [None]
+        if dist.get_rank() == 0:
+            choice[0] = balanced_sizes(model, self.n_stages, cfg.parallel.balance, separate_head=True,
+                                       sample=(max(1, micro_rows), cfg.data.seq_len), device=device)
+        dist.broadcast_object_list(choice, src=0)
+        return choice[0]
+
+    def _stage(self, index: int) -> PipelineStage:
+        return self.stages[str(index)]  # type: ignore[return-value]
+
+    def original_parameters(self) -> dict[str, nn.Parameter]:
+        """This rank's parameters under their names in one GPT2LMHeadModel (the head's copy as lm_head.weight)."""
+        return {original_name(n): p for stage in self.stages.values() for n, p in stage.named_parameters()}
+
+    def counted_parameters(self) -> list[nn.Parameter]:
+        """Parameters as the global gradient norm counts them: the tied matrix once (on the first stage)."""
+        skip = self.tied_weight if "0" not in self.stages else None
+        return [p for p in self.parameters() if p is not skip]
+
+    def sum_tied_gradients(self) -> None:
+        """Give both copies of the tied embedding the sum of their gradients (after the data-parallel sync)."""
+        if self.tied_weight is not None and self.tied_weight.grad is not None:
+            dist.all_reduce(self.tied_weight.grad, group=self.tied)
+
+    @property
+    def bubble(self) -> float | None:
+        return self.stats.bubble
+
+    def step_fields(self) -> dict[str, Any]:
+        """The step record's pipeline fields (see the README's log schema)."""
+        s = self.stats
+        return {"pp_busy_s": s.busy(), "pp_window_s": s.window_s, "pp_peak_activation_bytes": s.peak_activation_bytes,
+                "pp_timeline": [[k, mb, st, round(a, 6), round(b, 6)] for k, mb, st, a, b in s.spans]}
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def train_step(self, micro_batches: list[Batch]) -> float:
+        """Forwards and backwards of every micro-step's batch through the schedule; .grad holds the
+        gradient of the mean loss (not yet averaged over replicas). Returns that loss on every rank."""
+        self.train()
+        self.stats = StepStats()
+        start = time.perf_counter()
+        scale = 1.0 / (len(micro_batches) * self.chunks)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for x, y in micro_batches:
+            total += self._run_schedule(x, y, scale, start)
+        loss = self._share(total)
+        self.stats.window_s = time.perf_counter() - start
+        return loss
+
+    def _run_schedule(self, x: torch.Tensor, y: torch.Tensor, scale: float, start: float) -> torch.Tensor:
+        xs = x.to(self.device, non_blocking=True).chunk(self.chunks)
+        ys = y.to(self.device, non_blocking=True).chunk(self.chunks)
+        shape = (xs[0].size(0), xs[0].size(1), self.width)
+        inputs: dict[Key, torch.Tensor] = {}
+        outputs: dict[Key, torch.Tensor] = {}
+        out_grads: dict[Key, torch.Tensor] = {}
+        deferred: dict[Key, list] = {}
+        saved: dict[Key, int] = {}
+        sends: list[dist.Work] = []
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        i = 0
+        while i < len(self.actions):
+            action = self.actions[i]
+            if action.kind not in COMPUTE:
+                j = i
+                while j < len(self.actions) and self.actions[j].kind not in COMPUTE:
+                    j += 1
+                sends += self._exchange(self.actions[i:j], shape, inputs, outputs, out_grads)
+                i = j
+                continue
+            key, began = (action.microbatch, action.stage), time.perf_counter()
+            stage = self._stage(action.stage)
+            if action.kind == "F":
+                inp = xs[action.microbatch] if stage.is_first else inputs[key]
+                inputs[key] = inp
+                counter = _SavedBytes(list(stage.parameters()))
+                with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                    out = stage(inp)
+                    if stage.is_last:
+                        out = lm_loss(out, ys[action.microbatch]) * scale
+                        total += out.detach()
+                outputs[key] = out
+                saved[key] = counter.total
+                self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, sum(saved.values()))
+            elif action.kind == "B":
+                self.store.deferring = self.split_backward
+                out = outputs.pop(key)
+                torch.autograd.backward(out, None if stage.is_last else out_grads.pop(key))
+                self.store.deferring = False
+                if self.split_backward:
+                    deferred[key] = self.store.take()
+                else:
+                    saved.pop(key)
+            else:  # W
+                apply_weight_grads(deferred.pop(key))
+                saved.pop(key)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # spans time the work, not its launch
+            self.stats.spans.append((action.kind, action.microbatch, action.stage, began - start,
+                                     time.perf_counter() - start))
+            i += 1
+        for work in sends:
+            work.wait()
+        return total
+
+    def _exchange(self, actions: list[Action], shape: tuple[int, int, int], inputs: dict[Key, torch.Tensor],
+                  outputs: dict[Key, torch.Tensor], out_grads: dict[Key, torch.Tensor]) -> list[dist.Work]:
+        """Post a run of sends and receives together; wait for the receives, return the sends' handles."""
+        ops, received = [], []
+        for a in actions:
+            key = (a.microbatch, a.stage)
+            if a.kind == "SEND_F":
+                tensor = outputs[key].detach().contiguous()
+            elif a.kind == "SEND_B":
+                tensor = inputs.pop(key).grad
+            else:
+                tensor = torch.empty(shape, device=self.device)
+                received.append((a, tensor))
+            ops.append(dist.P2POp(dist.isend if a.kind.startswith("SEND") else dist.irecv, tensor, self.peers[a.peer]))
+        works = dist.batch_isend_irecv(ops)
+        sends = [w for w, a in zip(works, actions, strict=True) if a.kind.startswith("SEND")]
+        for w, a in zip(works, actions, strict=True):
+            if a.kind.startswith("RECV"):
+                w.wait()
+        for a, tensor in received:
+            if a.kind == "RECV_F":
+                inputs[(a.microbatch, a.stage)] = tensor.requires_grad_()
+            else:
+                out_grads[(a.microbatch, a.stage)] = tensor
+        return sends
+
+    def _share(self, total: torch.Tensor) -> float:
+        """The loss, computed on the last stage, on every rank of the pipeline (this exchange also ends the
+        step's window: no rank leaves it before the last stage is done)."""
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
+        return float(total.item())
+
+    # --- evaluation ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Mean loss of a batch, forward only: micro-batch after micro-batch, stage after stage."""
+        self.eval()
+        x, y = x.to(self.device), y.to(self.device)
+        rows = max(1, math.ceil(x.size(0) / self.chunks))
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        sends: list[dist.Work] = []
+        for xm, ym in zip(x.split(rows), y.split(rows), strict=True):
+            for s in self.stage_ids:
+                stage = self._stage(s)
+                if stage.is_first:
+                    hidden = xm
+                else:
+                    hidden = torch.empty(xm.size(0), xm.size(1), self.width, device=self.device)
+                    dist.recv(hidden, self.peers[(s - 1) % self.ranks])
+                out = stage(hidden)
+                if stage.is_last:
+                    total += lm_loss(out, ym).double() * xm.size(0)
+                else:
+                    sends.append(dist.isend(out.contiguous(), self.peers[(s + 1) % self.ranks]))
+        for work in sends:
+            work.wait()
+        return self._share(total) / x.size(0)
+
