@@ -174,8 +174,13 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     if args.out:
         from analysis.figures import schedule_gantt
 
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise GptparError(f"cannot create the folder {str(out.parent)!r} for --out ({exc.strerror})") from None
         title = f"{args.name}, P={args.pp}, m={args.chunks}, V={args.virtual}: idle {timeline.bubble:.1%}"
-        print(f"wrote {schedule_gantt(timeline, args.pp, title, Path(args.out))}")
+        print(f"wrote {schedule_gantt(timeline, args.pp, title, out)}")
     return 0
 
 

@@ -172,6 +172,31 @@ def test_sigterm_to_the_local_launcher_stops_every_rank_and_running_it_again_res
     _resumes_with_the_same_losses(run, step, reference, again, dp=True)
 
 
+PP2 = ("model.n_layer=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p", "train.epochs=3",
+       "train.max_steps=120")
+
+
+def test_sigterm_to_a_pipeline_stops_every_stage_at_one_step_and_running_it_again_resumes(tmp_path):
+    """The multi-process pipeline stops, checkpoints and resumes like any run: its stages hold different
+    parameters, each saved by its own rank, and the resumed losses are the uninterrupted pipeline's."""
+    straight = _gptpar(tmp_path, "log.run_id=straight", *PP2)
+    proc = _gptpar(tmp_path, "log.run_id=termed", *PP2)
+    run = tmp_path / "termed"
+    _wait_for_steps(proc, run, ranks=2)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    step = _stopped_everywhere(run, 2, "stopped", "SIGTERM")
+    assert step < 120 and code == 1 and err == ""
+    again = _gptpar(tmp_path, "log.run_id=termed", *PP2)
+    code, _, err = _finish(again)
+    assert code == 0, err
+    assert _finish(straight)[0] == 0
+    for rank in (0, 1):
+        log = _log(run, rank)
+        assert [h["restart"] for h in log.headers] == [0, 1] and sorted(log.steps) == list(range(1, 121))
+    assert _losses(run, "global_loss") == _losses(tmp_path / "straight", "global_loss")  # bitwise: same ranks
+
+
 # 2. Ctrl-C on the launcher of local ranks.
 
 def test_ctrl_c_on_the_launcher_leaves_every_rank_s_final_record_and_one_line(tmp_path):

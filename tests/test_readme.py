@@ -31,6 +31,8 @@ RUN_HERE = [
     ".venv/bin/gptpar train parallel.dp=2 parallel.dp_sync=ddp train.max_steps=20",
     ".venv/bin/gptpar train parallel.pp_mode=pipeline_parallel parallel.devices=cpu,cpu parallel.chunks=4 "
     "train.max_steps=5",
+    ".venv/bin/gptpar train parallel.pp=2 parallel.pp_schedule=zb1p parallel.chunks=4 train.max_steps=5",
+    ".venv/bin/gptpar schedule show 1f1b --pp 4 --chunks 8 --out figures/1f1b.png",
     ".venv/bin/gptpar config show parallel.dp=2",
     ".venv/bin/gptpar schedule show zb1p --pp 4 --chunks 8",
     ".venv/bin/gptpar status",
@@ -40,6 +42,7 @@ RUN_HERE = [
 CLUSTER_ONLY = [
     "module load anaconda3",
     "sbatch jobs/pp.sbatch",
+    ".venv/bin/gptpar submit pp --gpus 4 --nodes 2 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
     'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
     'make submit-dp GPUS=2 ARGS="launch.profile=bridges2 launch.account=abc123"',
 ]

@@ -54,6 +54,19 @@ def test_sends_match_receives(name: str, p: int, m: int, v: int) -> None:
 
 
 @pytest.mark.parametrize("name, p, m, v", CASES)
+def test_each_pair_of_ranks_sends_and_receives_in_the_same_order(name: str, p: int, m: int, v: int) -> None:
+    """NCCL matches the messages of a pair of ranks by order, not by tag: the engine relies on this."""
+    ranks = schedule(name, p, m, v)
+    for src in range(p):
+        for dst in range(p):
+            sent = [(a.kind[5:], a.microbatch, a.stage + (1 if a.kind == "SEND_F" else -1))
+                    for a in ranks[src] if a.kind.startswith("SEND") and a.peer == dst]
+            received = [(a.kind[5:], a.microbatch, a.stage) for a in ranks[dst]
+                        if a.kind.startswith("RECV") and a.peer == src]
+            assert sent == received, f"rank {src} -> {dst}"
+
+
+@pytest.mark.parametrize("name, p, m, v", CASES)
 def test_the_simulated_bubble_for_unit_costs_is_the_closed_form(name: str, p: int, m: int, v: int) -> None:
     timeline = simulate(schedule(name, p, m, v))
     assert timeline.bubble == pytest.approx(closed_form_bubble(name, p, m, v))

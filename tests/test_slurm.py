@@ -86,6 +86,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
           f"ARGS={' '.join([*common, 'log.run_id=dp2'])}"], REPO)
     _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU",
           "log.run_id=dp_2nodes"], work)
+    _run([GPTPAR, "submit", "pp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", "parallel.pp=2",
+          "parallel.chunks=2", "log.run_id=pp_engine_2nodes"], work)
     _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, f"train.max_steps={REQUEUE_STEPS}",
           "train.checkpoint_every=0", "log.run_id=requeue"], work)
     env = {**clean_env(), "VENV": str(REPO / ".venv"), "RUNS": str(runs), "OVERRIDES": " ".join(TINY)}
@@ -153,6 +155,25 @@ def test_two_node_data_parallel(work: Path) -> None:
     assert _ranks(run) == [0, 1, 2, 3]
     nodelists = {read_records(run / f"rank{r}.jsonl")[0]["slurm"]["job_nodelist"] for r in range(4)}
     assert nodelists == {"node[1-2]"}  # one job spanning both nodes
+
+
+def test_pipeline_engine_runs_its_stages_on_two_nodes_with_a_replica_each(work: Path) -> None:
+    """parallel.pp=2 on 2 nodes x 2 GPUs: stage 0's two replicas on node1, stage 1's on node2 (pp is the
+    grid's slowest dimension), so every activation crosses nodes and each dp group stays on one."""
+    run = work / "runs" / "pp_engine_2nodes"
+    assert _wait(run) == "completed"
+    assert _ranks(run) == [0, 1, 2, 3]
+    records = {r: read_records(run / f"rank{r}.jsonl") for r in range(4)}
+    headers = {r: recs[0] for r, recs in records.items()}
+    assert {r: (h["coords"]["pp"], h["coords"]["dp"], h["slurm"]["node"]) for r, h in headers.items()} == {
+        0: (0, 0, "node1"), 1: (0, 1, "node1"), 2: (1, 0, "node2"), 3: (1, 1, "node2")}
+    for rank, recs in records.items():
+        steps = [r for r in recs if r["kind"] == "step"]
+        assert [s["step"] for s in steps] == [1, 2, 3]
+        assert all((s["loss"] is None) == (rank < 2) and isinstance(s["global_loss"], float) for s in steps)
+        assert all(len(s["pp_timeline"]) == 2 * 2 and 0 <= s["bubble"] < 1 for s in steps)  # 2 F + 2 B
+    last = {s["global_loss"] for recs in records.values() for s in recs if s["kind"] == "step" and s["step"] == 3}
+    assert len(last) == 1  # one loss for the job: every stage and replica reports the same mean
 
 
 def test_small_sweep_and_rerun_skips_done_points(work: Path) -> None:

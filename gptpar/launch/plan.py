@@ -41,14 +41,15 @@ class Shape:
 
 def shaped(cfg: Config, kind: str, dp_set: bool | None = None) -> Config:
     """The config a job kind implies: `dp` fills every requested GPU with a replica (launch.gpus x
-    launch.nodes ranks over the grid's other dimensions); `pp` is the one-process pipeline.
+    launch.nodes ranks over the grid's other dimensions); `pp` is the one-process pipeline, or with
+    parallel.pp > 1 the multi-process one, shaped like `dp` (replicas of parallel.pp stage ranks).
 
     A parallel.dp the user set (`dp_set`; by default: any value but 1) that the job's shape would
     change is refused rather than silently replaced."""
     if kind not in KINDS:
         raise GptparError(f"job kind {kind!r}: choose one of {', '.join(KINDS)}")
     dp_set = cfg.parallel.dp != 1 if dp_set is None else dp_set
-    if kind == "pp":
+    if kind == "pp" and cfg.parallel.pp == 1:
         if dp_set and cfg.parallel.dp != 1:
             raise ConfigError(f"parallel.dp={cfg.parallel.dp} is set, but kind pp runs one process (parallel.dp=1); "
                               "drop parallel.dp, or use kind dp")
