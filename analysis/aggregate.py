@@ -7,6 +7,9 @@ Definitions (they are repeated in the summary's footnotes):
 - tokens/s: each data-parallel replica's tokens/s, summed over replicas; a replica's pipeline
   stages are counted once (only the last stage is read);
 - job tokens/s: all kept tokens of all replicas over the slowest rank's summed step time;
+- bubble: the logged idle share of the kept steps, per step the mean over the replicas (one-process
+  pipelines) or over every stage rank (the multi-process engine, parallel.pp > 1: each stage idles its
+  own share), then the mean and sample std over steps; a share outside [0, 1] is flagged;
 - warm-up: the first `warmup_epochs` epochs are dropped when more epochs remain, otherwise the
   first `warmup_steps` steps; mean and sample std are over kept epochs, else over kept steps;
 - loss: the step's `global_loss` (the mean over replicas), or for schema-1 logs the mean of the
@@ -23,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from analysis.mfu import device_label, mfu
+from gptpar.parallel.pipeline.schedules import Action, Timeline, closed_form_bubble
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
 from gptpar.run.state import RunLog
 from gptpar.run.sweeps import stale_runs
 
-GPU_KEYS = ("parallel.dp", "parallel.devices", "launch.gpus", "launch.nodes")
-PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks")
+GPU_KEYS = ("parallel.dp", "parallel.pp", "parallel.devices", "launch.gpus", "launch.nodes")
+PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks", "parallel.pp_schedule", "parallel.pp_virtual")
 # Keys that never define a sweep axis: bookkeeping, scheduling, and repeat seeds.
 NON_AXIS_PREFIXES = ("log.", "launch.")
 NON_AXIS_KEYS = ("data.dir", "train.seed", *GPU_KEYS, *PIPELINE_KEYS)
@@ -44,7 +48,9 @@ class RunMetrics:
     detail: str
     params: dict[str, Any]  # the flattened resolved config, "section.key" -> value
     dp: int = 1
-    pp_mode: str = "single"
+    pp_mode: str = "single"  # a one-process mode, or the engine's "pp=P schedule[ v=V]"
+    pp_schedule: str = ""  # the multi-process engine's schedule (parallel.pp > 1); empty for one-process runs
+    pp_virtual: int = 1  # model chunks per engine rank
     chunks: int = 1
     devices: int = 1  # devices per data-parallel replica (pipeline stages)
     gpus: int = 1
@@ -59,6 +65,10 @@ class RunMetrics:
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     bubble_theory: float | None = None
     bubble_measured: float | None = None
+    bubble_std: float | None = None  # sample std over the kept steps
+    bubble_flagged: bool = False  # a logged bubble outside [0, 1]: warned about and left out of the figures
+    pp_trace: Timeline | None = None  # an engine run's logged compute spans of one step on replica 0's stages
+    pp_trace_step: int | None = None
     device: str = ""  # device name matched against the peak-FLOPs table
     precision: str = "fp32"
     mfu: float | None = None
@@ -71,6 +81,11 @@ class RunMetrics:
     stale: str = ""  # why its numbers are not of its sweep's current definition, in one line
     set_aside: bool = False  # a folder --rerun / --start-over moved to <name>.replaced-<time>
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def engine(self) -> bool:
+        """A run of the multi-process pipeline engine (one stage per rank), not of a one-process mode."""
+        return bool(self.pp_schedule)
 
 
 def flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -102,16 +117,24 @@ def _finite(value: Any) -> bool:
 def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
     """Devices of the run from its header: the grid's sizes (dp x pp x tp ranks) times the devices each
     rank drives (one, or the stages of a one-process pipeline). Schema-1 logs, which lack
-    stage_devices, fall back to the config's device list."""
+    stage_devices, fall back to the config's device list. A grid with pp > 1 is the multi-process
+    engine, whose schedule sets the closed-form bubble."""
     p = m.params
     sizes = header["sizes"]
     m.dp = int(sizes.get("dp", p.get("parallel.dp", 1)))
     m.pp_mode = str(p.get("parallel.pp_mode", "single"))
     m.chunks = int(p.get("parallel.chunks", 1)) if m.pp_mode == "pipeline_parallel" else 1
     per_rank = len(header["stage_devices"]) if "stage_devices" in header else _schema1_devices(m, header)
-    m.devices = int(sizes.get("pp", 1)) * int(sizes.get("tp", 1)) * per_rank
+    stages = int(sizes.get("pp", 1))
+    m.devices = stages * int(sizes.get("tp", 1)) * per_rank
     m.gpus = m.dp * m.devices
-    if m.pp_mode != "single":
+    if stages > 1:
+        m.pp_schedule = str(p.get("parallel.pp_schedule", "1f1b"))
+        m.pp_virtual = int(p.get("parallel.pp_virtual", 1))
+        m.chunks = int(p.get("parallel.chunks", 1))
+        m.pp_mode = f"pp={stages} {m.pp_schedule}" + (f" v={m.pp_virtual}" if m.pp_virtual > 1 else "")
+        m.bubble_theory = closed_form_bubble(m.pp_schedule, stages, m.chunks, m.pp_virtual)
+    elif m.pp_mode != "single":
         m.bubble_theory = (m.devices - 1) / (m.chunks + m.devices - 1)
 
 
@@ -199,8 +222,9 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     wall = max(sum(r["step_time_s"] for r in k.values()) for k in kept)
     tokens = sum(r["tokens"] for k in kept_replicas for r in k.values())
     m.job_tokens_per_s = tokens / wall if wall > 0 else None
-    bubbles = [r["bubble"] for k in kept_replicas for r in k.values() if _finite(r.get("bubble"))]
-    m.bubble_measured = statistics.fmean(bubbles) if bubbles else None
+    _bubble(m, [(ranks[i].rank, kept[i]) for i in (range(len(ranks)) if m.engine else replicas)])
+    if m.engine:
+        _trace(m, ranks, common)
 
     replica_logs = [ranks[i] for i in replicas]
     losses = loss_series(replica_logs)
@@ -217,6 +241,58 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         m.val_loss = statistics.fmean(finite) if finite else None
     m.device, m.precision = device_label(header, m.params)
     return m
+
+
+def _bubble(m: RunMetrics, kept: list[tuple[int, dict[int, dict[str, Any]]]]) -> None:
+    """Measured bubble of the given ranks' kept steps (rank, {step: record}): per step the mean over those
+    ranks, then mean and std over steps. An idle share outside [0, 1] breaks a physical bound: the run is
+    flagged, with a warning naming the first such values, and its bubble is left out of the figures."""
+    per_step: dict[int, list[float]] = {}
+    outside: list[str] = []
+    for rank, steps in kept:
+        for step, rec in steps.items():
+            value = rec.get("bubble")
+            if not _finite(value):
+                continue
+            per_step.setdefault(step, []).append(float(value))
+            if not 0.0 <= value <= 1.0:
+                outside.append(f"{value:.4g} (rank {rank}, step {step})")
+    m.bubble_measured, m.bubble_std = mean_std([statistics.fmean(v) for _, v in sorted(per_step.items())])
+    if outside:
+        m.bubble_flagged = True
+        more = f" and {len(outside) - 3} more" if len(outside) > 3 else ""
+        m.warnings.append(f"{m.run}: measured pipeline bubble outside [0, 1]: {', '.join(outside[:3])}{more}; "
+                          "left out of the figures")
+
+
+def _trace(m: RunMetrics, ranks: list[RankLog], common: list[int]) -> None:
+    """The last kept step that every rank logged, as replica 0's stage ranks ran it (row = pp coordinate),
+    kept as a Timeline (seconds from the step's start; each rank's logged bubble as its idle share) for the
+    figure that draws it beside the simulated schedule. An unreadable timeline is warned about, not fatal."""
+    stages = sorted((log for log in ranks if log.header["coords"].get("dp", 0) == 0
+                     and log.header["coords"].get("tp", 0) == 0), key=lambda log: log.header["coords"].get("pp", 0))
+    rows = [log.header["coords"].get("pp", 0) for log in stages]
+    step = next((s for s in reversed(common)
+                 if all(isinstance(log.steps[s].get("pp_timeline"), list) for log in stages)), None)
+    if step is None or rows != list(range(len(stages))):
+        return
+    records = [log.steps[step] for log in stages]
+    try:
+        spans = [(row, Action(str(kind), int(mb), int(stage)), float(start), float(end))
+                 for row, rec in zip(rows, records, strict=True) for kind, mb, stage, start, end in rec["pp_timeline"]]
+    except (TypeError, ValueError):
+        m.warnings.append(f"{m.run}: step {step} has an unreadable pp_timeline; no timeline figure")
+        return
+    windows = [float(rec["pp_window_s"]) for rec in records if _finite(rec.get("pp_window_s"))]
+    window = max([*windows, *(end for *_, end in spans)], default=0.0)
+    if window <= 0:
+        return
+    busy = dict.fromkeys(rows, 0.0)
+    for row, _, start, end in spans:
+        busy[row] += end - start
+    idle = [float(rec["bubble"]) if _finite(rec.get("bubble")) else 1.0 - busy[row] / window
+            for row, rec in zip(rows, records, strict=True)]
+    m.pp_trace, m.pp_trace_step = Timeline(spans, window, idle), step
 
 
 def apply_sweep_records(runs: list[RunMetrics], runs_dir: Path) -> None:

@@ -5,17 +5,20 @@ A figure without data is skipped with a message: an empty plot in a report reads
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter  # noqa: E402
 
 from analysis.aggregate import RunMetrics, sweep_axes  # noqa: E402
 from gptpar.atomic import write_error
-from gptpar.parallel.pipeline.schedules import Timeline
+from gptpar.parallel.pipeline.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 from gptpar.run.names import slug
 
 STYLE = {
@@ -197,7 +200,100 @@ def _axes(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
     return bool(per_axis)
 
 
-OWN_FIGURES = ("time_vs_gpus.png", "throughput_vs_*.png", "pipeline_vs_model_parallel.png", "loss_*.png")
+GANTT_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
+
+
+def _gantt(ax: plt.Axes, timeline: Timeline, ranks: int, title: str) -> None:
+    """A timeline on one axes: ranks down, time across, F/B/W coloured, micro-batch numbers on the bars
+    (a lighter shade for later virtual stages)."""
+    for rank, action, start, end in timeline.spans:
+        later_chunk = action.stage >= ranks
+        ax.barh(rank, end - start, left=start, color=GANTT_COLOURS[action.kind], edgecolor="white",
+                alpha=0.55 if later_chunk else 1.0)
+        ax.text((start + end) / 2, rank, str(action.microbatch), ha="center", va="center", fontsize=6)
+    ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, timeline.makespan)
+    ax.set_title(title, fontsize=9)
+    ax.grid(False)
+
+
+def _gantt_legend(ax: plt.Axes) -> None:
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in GANTT_COLOURS.values()]
+    ax.legend(handles, ["forward", "backward (input)", "backward (weights)"], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), frameon=False)
+
+
+def mean_costs(trace: Timeline) -> dict[str, float]:
+    """Mean duration of each action kind (F, B, W) in a timeline; 0 for a kind it lacks."""
+    costs = {kind: [end - start for _, action, start, end in trace.spans if action.kind == kind] for kind in COMPUTE}
+    return {kind: statistics.fmean(durations) if durations else 0.0 for kind, durations in costs.items()}
+
+
+def simulated_timeline(run: RunMetrics, trace: Timeline) -> Timeline:
+    """The run's schedule simulated with its traced step's mean F/B/W durations: what the schedule gives when
+    every stage is equally fast and messages are free, so the gap to the measured timeline is imbalance and
+    communication. A whole backward (no W) is B's cost; train.grad_accum passes run back to back, each with
+    its own micro-batch numbers, as the engine runs them."""
+    cost = mean_costs(trace)
+    passes = int(run.params.get("train.grad_accum", 1))
+    lists = [[replace(a, microbatch=a.microbatch + k * run.chunks) for k in range(passes) for a in actions]
+             for actions in schedule(run.pp_schedule, len(trace.idle), run.chunks, run.pp_virtual)]
+    return simulate(lists, cost["F"], cost["B"], cost["W"])
+
+
+def _timelines(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
+    """Per engine run, its traced step's measured timeline above the simulated one on the same time axis."""
+    traced = [(r, r.pp_trace) for r in runs if r.pp_trace is not None and not r.bubble_flagged]
+    for r, trace in traced:
+        ranks, simulated = len(trace.idle), simulated_timeline(r, trace)
+        cost = ", ".join(f"{kind} {seconds * 1e3:.3g} ms" for kind, seconds in mean_costs(trace).items() if seconds)
+        actions = max(sum(row == rank for row, *_ in trace.spans) for rank in range(ranks))
+        fig, axes = plt.subplots(2, 1, sharex=True, figsize=(min(24.0, max(8.0, 0.3 * actions)), 0.9 * ranks + 3))
+        _gantt(axes[0], trace, ranks, f"measured, step {r.pp_trace_step}: bubble {trace.bubble:.3f} "
+                                      "(logged idle share, mean over stage ranks)")
+        _gantt(axes[1], simulated, ranks, f"simulated with the step's mean {cost}: bubble {simulated.bubble:.3f}")
+        axes[1].set_xlim(0, max(trace.makespan, simulated.makespan))
+        axes[1].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * 1e3:g}"))
+        axes[1].set_xlabel("time from the step's start (ms)")
+        _gantt_legend(axes[0])
+        fig.suptitle(f"{r.run}\n{r.pp_mode}, m={r.chunks}: closed-form bubble {r.bubble_theory:.3f} (unit costs)",
+                     fontsize=10)
+        name = "pipeline_timeline.png" if len(traced) == 1 else f"pipeline_timeline_{slug(r.run)}.png"
+        _save(fig, out_dir / name, written)
+    return bool(traced)
+
+
+def _bubbles(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
+    """Engine runs' measured bubble (mean over stage ranks, ± std over steps) against micro-batches, one line
+    per schedule, stage count and virtual stages, each with its closed form dashed."""
+    data = [r for r in runs if r.engine and r.bubble_measured is not None and not r.bubble_flagged]
+    if not data:
+        return False
+    groups: dict[tuple[str, int, int], list[RunMetrics]] = {}
+    for r in data:
+        groups.setdefault((r.pp_schedule, r.devices, r.pp_virtual), []).append(r)
+    fig, ax = plt.subplots()
+    for (name, p, v), members in sorted(groups.items()):
+        members.sort(key=lambda r: r.chunks)
+        label = f"{name} P={p}" + (f" V={v}" if v > 1 else "")
+        color = _errorbar(ax, [r.chunks for r in members], [(r.bubble_measured, r.bubble_std) for r in members],
+                          label=label)
+        ms = list(range(members[0].chunks, members[-1].chunks + 1))
+        ax.plot(ms, [closed_form_bubble(name, p, m, v) for m in ms], linestyle="--", marker="x", color=color,
+                markevery=sorted({ms.index(r.chunks) for r in members}))
+    ax.set_xlabel("micro-batches per batch (chunks m)")
+    ax.set_xticks(sorted({r.chunks for r in data}))
+    ax.set_ylabel("bubble (idle share of the window, ± std over steps)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Pipeline bubble vs micro-batches (dashed: closed form)")
+    _legend(ax)
+    _save(fig, path, written)
+    return True
+
+
+OWN_FIGURES = ("time_vs_gpus.png", "throughput_vs_*.png", "pipeline_vs_model_parallel.png", "loss_*.png",
+               "pipeline_timeline*.png", "pipeline_bubble.png")
 
 
 def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], None] = print) -> list[Path]:
@@ -219,30 +315,21 @@ def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], Non
             say("figure loss_*.png skipped: no run logged a loss")
         if not _axes(runs, out_dir, written):
             say("figure throughput_vs_<axis>.png skipped: no sweep varies a key other than the GPU count")
+        if not _timelines(runs, out_dir, written):
+            say("figure pipeline_timeline.png skipped: no multi-process pipeline run (parallel.pp > 1) logged "
+                "a step's pp_timeline on every stage")
+        if not _bubbles(runs, out_dir / "pipeline_bubble.png", written):
+            say("figure pipeline_bubble.png skipped: no multi-process pipeline run (parallel.pp > 1) with a "
+                "measured bubble in [0, 1]")
     return written
 
 
-GANTT_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
-
-
 def schedule_gantt(timeline: Timeline, ranks: int, title: str, path: Path) -> Path:
-    """A pipeline schedule's Gantt chart: ranks down, time across, F/B/W coloured, micro-batch numbers on
-    the bars (a lighter shade for later virtual stages)."""
+    """A simulated pipeline schedule's Gantt chart, in cost units."""
     with plt.rc_context(STYLE):
         fig, ax = plt.subplots(figsize=(max(6.4, timeline.makespan * 0.25), 0.5 * ranks + 1.5))
-        for rank, action, start, end in timeline.spans:
-            later_chunk = action.stage >= ranks
-            ax.barh(rank, end - start, left=start, color=GANTT_COLOURS[action.kind], edgecolor="white",
-                    alpha=0.55 if later_chunk else 1.0)
-            ax.text((start + end) / 2, rank, str(action.microbatch), ha="center", va="center", fontsize=6)
-        ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)])
-        ax.invert_yaxis()
-        ax.set_xlim(0, timeline.makespan)
+        _gantt(ax, timeline, ranks, title)
         ax.set_xlabel("time (cost units)")
-        ax.set_title(title, fontsize=9)
-        ax.grid(False)
-        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in GANTT_COLOURS.values()]
-        ax.legend(handles, ["forward", "backward (input)", "backward (weights)"], loc="upper left",
-                  bbox_to_anchor=(1.0, 1.0), frameon=False)
+        _gantt_legend(ax)
         _save(fig, path, [])
     return path

@@ -13,7 +13,7 @@ CSV_COLUMNS = (
     "basis", "epoch_time_s_mean", "epoch_time_s_std", "step_time_s_mean", "step_time_s_std",
     "tokens_per_s_mean", "tokens_per_s_std", "job_tokens_per_s", "speedup", "efficiency", "baseline",
     "mfu", "mfu_note", "bubble_theory", "bubble_measured", "final_loss", "val_loss", "diverged_at_step",
-    "stitched_epochs", "stale",
+    "stitched_epochs", "stale", "pp_schedule", "pp_virtual", "bubble_measured_std", "bubble_flagged",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -33,6 +33,15 @@ FOOTNOTES = (
     "non-embedding parameters; fp32 peak unless the log names another precision.",
     "**final loss**: the last step's loss, averaged over data-parallel replicas (`global_loss`); a diverged "
     "run shows its non-finite loss and the step where it first appeared.",
+    "**pp_mode**: single, model_parallel or pipeline_parallel (one process per replica), or `pp=P schedule` "
+    "(`v=V` model chunks per rank) for the multi-process pipeline, one stage per rank.",
+)
+BUBBLE_NOTE = (
+    "Theory (closed form, unit costs, a whole backward costing two forwards): (p-1)/(m+p-1) for the "
+    "one-process pipeline, GPipe and 1F1B; (p-1)/(V·m+p-1) for interleaved 1F1B; (p-1)/(3m+p-1) for ZB-H1 "
+    "(zb1p). Measured: the logged idle share of the kept steps, per step the mean over replicas (one-process) "
+    "or over every stage rank (`pp=P`), mean ± sample std over steps; a share outside [0, 1] is flagged (⚠) "
+    "and left out of the figures."
 )
 
 
@@ -52,7 +61,8 @@ def write_csv(runs: list[RunMetrics], path: Path) -> None:
                 _num(r.job_tokens_per_s, 8), _num(r.speedup, 6), _num(r.efficiency, 6), r.baseline,
                 _num(r.mfu, 6), r.mfu_note, _num(r.bubble_theory, 6), _num(r.bubble_measured, 6),
                 _num(r.final_loss, 6), _num(r.val_loss, 6), "" if r.diverged_at is None else r.diverged_at,
-                " ".join(map(str, r.stitched)), r.stale,
+                " ".join(map(str, r.stitched)), r.stale, r.pp_schedule, r.pp_virtual if r.engine else "",
+                _num(r.bubble_std, 6), "yes" if r.bubble_flagged else "",
             ])
 
 
@@ -80,7 +90,7 @@ def _row(r: RunMetrics) -> str:
     efficiency = "–" if r.efficiency is None else f"{r.efficiency:.0%}"
     mfu = r.mfu_note if r.mfu is None else f"{r.mfu:.1%}"
     cells = [
-        r.sweep, name, str(r.dp), r.pp_mode, str(r.chunks) if r.pp_mode == "pipeline_parallel" else "–",
+        r.sweep, name, str(r.dp), r.pp_mode, str(r.chunks) if r.pp_mode == "pipeline_parallel" or r.engine else "–",
         str(r.gpus), _pm(r.epoch_time, ".2f"), _pm(r.tokens_per_s, ",.0f"),
         "–" if r.job_tokens_per_s is None else f"{r.job_tokens_per_s:,.0f}", speedup, efficiency, mfu,
         _loss(r),
@@ -105,10 +115,12 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
     pipelines = [r for r in shown if r.bubble_theory is not None]
     if pipelines:
         lines += ["", "## Pipeline bubble", "",
-                  "| run | mode | devices p | chunks m | theoretical (p-1)/(m+p-1) | measured |",
+                  "| run | mode | devices p | chunks m | theory | measured |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {r.run_id} | {r.pp_mode} | {r.devices} | {r.chunks} | {r.bubble_theory:.3f} | "
-                  f"{'–' if r.bubble_measured is None else f'{r.bubble_measured:.3f}'} |" for r in pipelines]
+                  f"{_pm((r.bubble_measured, r.bubble_std), '.3f')}{' ⚠ outside [0, 1]' if r.bubble_flagged else ''} |"
+                  for r in pipelines]
+        lines += ["", BUBBLE_NOTE]
     stale = [r for r in runs if r.stale]
     if stale:
         lines += ["", f"## Runs that are not of their sweep's current definition ({STALE_MARK})", "",

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpar.config import Config
+from gptpar.parallel.pipeline.schedules import COMPUTE, schedule, simulate
 from gptpar.run.logfile import RankLogger
 
 T0 = 1_700_000_000.0  # the clock of every synthetic record; tests pass `now` relative to it
@@ -86,4 +87,34 @@ def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | 
             rank.epoch(e, times[r], tokens_per_s[r], steps=steps_per_epoch)
     for rank in ranks:
         rank.final(status, step)
+    return ranks
+
+
+def engine_run(run_dir: Path, bubbles: list[float], dp: int = 1, chunks: int = 4, pp_schedule: str = "1f1b",
+               virtual: int = 1, steps: int = 3, losses: list[float] | None = None, unit_s: float = 0.01,
+               **cfg: Any) -> list[Rank]:
+    """A completed run of the multi-process pipeline: P = len(bubbles) stage ranks per replica, global rank
+    stage * dp + replica as the grid lays them out. Every step each stage rank logs bubbles[stage] and the
+    timeline its schedule simulates for unit costs (F = B = W = 1 unit of unit_s seconds, a whole backward
+    2); steps take 1 s and carry 100 tokens on every rank; only the last stage logs a loss (replica d's is
+    losses[d]), every rank the global_loss, their mean."""
+    stages = len(bubbles)
+    losses = losses or [3.0] * dp
+    cfg = config(name=run_dir.name, dp=dp, chunks=chunks, **{"parallel.pp": stages, "parallel.pp_schedule": pp_schedule,
+                                                              "parallel.pp_virtual": virtual, **cfg})
+    sizes = {"pp": stages, "dp": dp, "tp": 1}
+    ranks = [Rank(run_dir, stage * dp + d, cfg, coords={"pp": stage, "dp": d, "tp": 0}, sizes=sizes,
+                  stage_devices=["cpu"]).header() for stage in range(stages) for d in range(dp)]
+    timeline = simulate(schedule(pp_schedule, stages, chunks, virtual))
+    spans = [[[a.kind, a.microbatch, a.stage, start * unit_s, end * unit_s] for r, a, start, end in timeline.spans
+              if r == stage] for stage in range(stages)]
+    for step in range(1, steps + 1):
+        for rank in ranks:
+            stage, d = rank.coords["pp"], rank.coords["dp"]
+            busy = {k: sum(end - start for kind, _, _, start, end in spans[stage] if kind == k) for k in COMPUTE}
+            rank.step(step, 1, loss=losses[d] if stage == stages - 1 else None, global_loss=sum(losses) / dp,
+                      bubble=bubbles[stage], pp_busy_s=busy, pp_window_s=timeline.makespan * unit_s,
+                      pp_peak_activation_bytes=0, pp_timeline=spans[stage])
+    for rank in ranks:
+        rank.epoch(1, float(steps), 100.0, steps=steps).final(step=steps)
     return ranks

@@ -9,14 +9,16 @@ import struct
 from pathlib import Path
 
 import pytest
-from logsets import T0, Rank, config, dp_run
+from logsets import T0, Rank, config, dp_run, engine_run
 
 from analysis.aggregate import RunMetrics
+from analysis.figures import mean_costs, simulated_timeline
 from analysis.mfu import flops_per_token
 from analysis.report import analyse_runs, report
 from gptpar.cli import main as gptpar_main
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
+from gptpar.run.names import slug
 
 LATER = T0 + 3600.0  # "now" an hour after the logs: a run without a final record has died
 
@@ -159,26 +161,117 @@ def test_status_of_requeued_running_and_failed_runs(tmp_path: Path) -> None:
     assert {m.run: m.status for m in analyse_runs(tmp_path, now=T0 + 10)}["queued"] == "pending"  # requeue grace
 
 
-def test_two_stage_pipeline_counts_each_replica_once(tmp_path: Path) -> None:
-    cfg = config(dp=2, pp_mode="pipeline_parallel", chunks=4)
-    ranks = []
-    for rank in range(4):  # dp-major: rank = dp * 2 + stage
-        dp, stage = divmod(rank, 2)
-        r = Rank(tmp_path / "pp", rank, cfg, coords={"dp": dp, "pp": stage}, sizes={"dp": 2, "pp": 2})
-        ranks.append(r.header())
-    for step in range(1, 11):
-        for r in ranks:
-            last = r.coords["pp"] == 1
-            r.step(step, 1, step_time_s=1.0, tokens_per_s=100.0, loss=2.0 if last else None,
-                   bubble=0.25 if last else 0.5)
-    for r in ranks:
-        r.final(step=10)
+def test_two_stage_engine_counts_each_replica_once_and_takes_the_global_loss(tmp_path: Path) -> None:
+    ranks = engine_run(tmp_path / "pp", [0.5, 0.25], dp=2, steps=10, losses=[2.0, 3.0])
+    assert [r.rank for r in ranks] == [0, 1, 2, 3] and ranks[1].coords == {"pp": 0, "dp": 1, "tp": 0}
+    assert ranks[0].logger.path.read_text().count('"loss":null') == 10  # the first stage has no loss
     m = metrics(tmp_path)["pp"]
+    # Four ranks log 100 tokens/s each, but a replica's two stages carry the same tokens: 2 x 100.
     assert m.tokens_per_s == (200.0, 0.0)
     assert m.job_tokens_per_s == pytest.approx(2 * 5 * 100 / 5.0)
-    assert (m.dp, m.devices, m.gpus) == (2, 2, 4)
-    assert m.bubble_theory == pytest.approx(1 / 5) and m.bubble_measured == pytest.approx(0.25)
-    assert m.final_loss == 2.0
+    assert (m.dp, m.devices, m.gpus, m.chunks) == (2, 2, 4, 4)
+    # The replicas' last stages log 2.0 and 3.0; every rank logs their mean as global_loss.
+    assert m.final_loss == 2.5 and m.loss_curve == [(s, 2.5) for s in range(1, 11)]
+
+
+@pytest.mark.parametrize("schedule, stages, chunks, virtual, theory", [
+    ("1f1b", 2, 4, 1, 1 / 5), ("gpipe", 3, 2, 1, 2 / 4), ("interleaved_1f1b", 2, 4, 2, 1 / 9),
+    ("zb1p", 2, 4, 1, 1 / 13),
+])
+def test_engine_bubble_is_the_mean_over_every_stage_rank_and_theory_its_closed_form(
+        tmp_path: Path, schedule: str, stages: int, chunks: int, virtual: int, theory: float) -> None:
+    bubbles = [0.1 * (s + 1) for s in range(stages)]  # each stage rank idles its own share
+    engine_run(tmp_path / "e", bubbles, chunks=chunks, pp_schedule=schedule, virtual=virtual)
+    m = metrics(tmp_path, warmup_steps=0)["e"]
+    assert m.engine and m.pp_schedule == schedule and m.chunks == chunks and m.devices == stages
+    assert m.pp_mode == f"pp={stages} {schedule}" + (f" v={virtual}" if virtual > 1 else "")
+    assert m.bubble_measured == pytest.approx(sum(bubbles) / stages) and m.bubble_std == pytest.approx(0.0)
+    assert m.bubble_theory == pytest.approx(theory)
+    assert not m.bubble_flagged and not m.warnings
+
+
+def test_engine_bubble_std_is_over_steps_of_the_mean_over_ranks(tmp_path: Path) -> None:
+    ranks = [Rank(tmp_path / "e", r, config(**{"parallel.pp": 2}), coords={"pp": r, "dp": 0, "tp": 0},
+                  sizes={"pp": 2, "dp": 1, "tp": 1}, stage_devices=["cpu"]).header() for r in range(2)]
+    for step, pair in enumerate([(0.1, 0.3), (0.3, 0.5)], 1):  # step means 0.2 and 0.4
+        for rank, bubble in zip(ranks, pair, strict=True):
+            rank.step(step, 1, bubble=bubble, loss=None if rank.rank == 0 else 3.0)
+    for rank in ranks:
+        rank.final(step=2)
+    m = metrics(tmp_path, warmup_steps=0)["e"]
+    assert (m.bubble_measured, m.bubble_std) == pytest.approx((0.3, math.sqrt(0.02)))
+    assert m.pp_trace is None  # no step logged a pp_timeline
+
+
+def test_a_bubble_outside_0_1_is_flagged_and_left_out_of_the_figures(tmp_path: Path) -> None:
+    engine_run(tmp_path / "runs" / "bad", [0.2, 1.3], steps=4)
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER, warmup_steps=0)
+    m = result.runs[0]
+    assert m.bubble_flagged and m.bubble_measured == pytest.approx(0.75)
+    assert any("bubble outside [0, 1]: 1.3 (rank 1, step 1)" in w and "and 1 more" in w for w in m.warnings)
+    assert "| bad | pp=2 1f1b | 2 | 4 | 0.200 | 0.750 ± 0.000 ⚠ outside [0, 1] |" in result.summary_md.read_text()
+    assert not list((tmp_path / "out").glob("pipeline_*.png"))
+    assert any("pipeline_bubble.png skipped" in s for s in result.skipped)
+
+
+def test_the_traced_step_is_the_last_that_every_rank_logged_and_simulates_to_the_closed_form(tmp_path: Path) -> None:
+    for name, stages, virtual in [("1f1b", 3, 1), ("zb1p", 2, 1), ("interleaved_1f1b", 2, 2)]:
+        engine_run(tmp_path / name, [0.1] * (stages - 1) + [0.4], chunks=4, pp_schedule=name, virtual=virtual)
+    late = Rank(tmp_path / "1f1b", 2, config(), coords={"pp": 2, "dp": 0, "tp": 0})
+    late.clock += 100.0
+    late.logger.log("step", time=late.clock, step=4, epoch=1, loss=3.0, lr=0.0, grad_norm=1.0, tokens=100,
+                    step_time_s=1.0, tokens_per_s=100.0, data_time_s=0.0, peak_mem_bytes=0, bubble=0.9,
+                    pp_timeline=[["F", 0, 2, 0.0, 0.5]])  # only the last stage logged step 4
+    late.logger.close()
+    by = metrics(tmp_path, warmup_steps=0)
+    assert by["1f1b"].pp_trace_step == 3
+    for name, m in by.items():
+        trace = m.pp_trace
+        assert trace is not None and m.pp_trace_step == 3
+        stages = m.devices
+        assert trace.bubble == pytest.approx((0.1 * (stages - 1) + 0.4) / stages)  # the logged shares
+        assert {row for row, *_ in trace.spans} == set(range(stages))
+        # Logged at unit costs of 10 ms, the schedule simulates to its closed form on the same clock.
+        assert mean_costs(trace) == pytest.approx({"F": 0.01, "B": 0.01 if name == "zb1p" else 0.02,
+                                                   "W": 0.01 if name == "zb1p" else 0.0})
+        simulated = simulated_timeline(m, trace)
+        assert simulated.bubble == pytest.approx(m.bubble_theory) and simulated.makespan == pytest.approx(
+            trace.makespan)
+
+
+def test_gradient_accumulation_simulates_back_to_back_passes(tmp_path: Path) -> None:
+    engine_run(tmp_path / "e", [0.1, 0.1], chunks=2, **{"train.grad_accum": 2})
+    m = metrics(tmp_path, warmup_steps=0)["e"]
+    assert m.pp_trace is not None
+    simulated = simulated_timeline(m, m.pp_trace)
+    assert len(simulated.spans) == 2 * len(m.pp_trace.spans)
+    assert sorted({a.microbatch for _, a, *_ in simulated.spans}) == [0, 1, 2, 3]
+
+
+def test_engine_figures_are_written_for_engine_runs_and_skipped_otherwise(tmp_path: Path) -> None:
+    for chunks in (2, 4, 8):
+        engine_run(tmp_path / "runs" / "sweep" / f"m{chunks}", [0.3, 0.2], chunks=chunks)
+    engine_run(tmp_path / "runs" / "sweep" / "zb", [0.1, 0.1], chunks=4, pp_schedule="zb1p")
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER, warmup_steps=0)
+    names = sorted(p.name for p in result.figures if p.name.startswith("pipeline"))
+    # One timeline per run, named by the run's slug (a path's slug ends in a hash of it).
+    assert names == ["pipeline_bubble.png", *(f"pipeline_timeline_{slug(f'sweep/{run}')}.png"
+                                              for run in ("m2", "m4", "m8", "zb"))]
+    for path in result.figures:
+        width, height = png_size(path)
+        assert width >= 400 and height >= 300
+    summary = result.summary_md.read_text()
+    assert "| sweep | m4 | 1 | pp=2 1f1b | 4 | 2 |" in summary and "| zb | pp=2 zb1p | 2 | 4 | 0.077 |" in summary
+
+    engine_run(tmp_path / "one" / "e", [0.3, 0.2])
+    one = report(tmp_path / "one", tmp_path / "out1", now=LATER, warmup_steps=0)
+    assert {p.name for p in one.figures} >= {"pipeline_timeline.png", "pipeline_bubble.png"}
+
+    dp_run(tmp_path / "none" / "r", [100.0])
+    none = report(tmp_path / "none", tmp_path / "out", now=LATER)  # the same folder: old figures go
+    assert not list((tmp_path / "out").glob("pipeline_*.png"))
+    assert any("pipeline_timeline.png skipped" in s for s in none.skipped)
+    assert any("pipeline_bubble.png skipped" in s for s in none.skipped)
 
 
 def sweep_set(root: Path) -> None:

@@ -201,7 +201,7 @@ def test_schedule_shapes_and_batches_that_do_not_fit_are_one_line_errors() -> No
         ("parallel.pp=4", "parallel.chunks=2"): "parallel.chunks=2 is below parallel.pp=4",
         ("parallel.pp=2", "parallel.pp_mode=pipeline_parallel"): "parallel.pp=2 runs each stage as its own rank",
         ("parallel.pp=2", "parallel.dp_sync=ddp"): "parallel.dp_sync=ddp cannot sync a pipeline stage",
-        ("parallel.pp=8", "parallel.chunks=8"): "parallel.pp * parallel.pp_virtual = 8 stages but the model has 4 blocks",
+        ("parallel.pp=8", "parallel.chunks=8"): "parallel.pp * parallel.pp_virtual = 8 stages but the model has 4",
         ("parallel.pp=2", "parallel.pp_split=1,1"): "parallel.pp_split='1,1' places 2 blocks but the model has 4",
         ("parallel.pp=2", "parallel.pp_split=x"): "parallel.pp_split='x' must list 2 positive block counts",
         ("parallel.pp_virtual=2",): "parallel.pp_virtual=2 applies to the multi-process pipeline only",
