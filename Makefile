@@ -16,7 +16,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install test lint demo bench bench-dp bench-pp bench-analysis figures config-reference clean
+.PHONY: install test lint demo bench bench-dp bench-pp bench-pp-dist bench-analysis figures config-reference clean
 
 install: $(STAMP)
 
@@ -31,6 +31,7 @@ $(STAMP): requirements.txt pyproject.toml
 demo: install
 	$(GPTPAR) sweep sweeps/demo_dp.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait
 	$(GPTPAR) sweep sweeps/demo_pp.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait
+	$(GPTPAR) sweep sweeps/demo_pp_engine.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait
 	$(GPTPAR) report $(DEMO_RUNS) --out $(DEMO_FIGURES)
 
 test: install
@@ -39,13 +40,16 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-bench: bench-dp bench-pp bench-analysis
+bench: bench-dp bench-pp bench-pp-dist bench-analysis
 
 bench-dp: install
 	$(PY) bench/bench_dp.py
 
 bench-pp: install
 	$(PY) bench/bench_pp.py
+
+bench-pp-dist: install
+	$(PY) bench/bench_pp_dist.py
 
 bench-analysis: install
 	$(PY) bench/bench_analysis.py

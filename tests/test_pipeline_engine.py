@@ -42,11 +42,11 @@ CASES_2 = [
     ("1f1b-accum", ["parallel.pp=2", "parallel.chunks=2", "train.grad_accum=2", "parallel.pp_split=1,3"]),
 ]
 CASES_4 = [
-    ("1f1b-p4", ["parallel.pp=4", "parallel.chunks=4"]),
+    ("1f1b-p4", ["parallel.pp=4", "parallel.chunks=4", "parallel.balance=time"]),  # rank 0 times, all agree
     ("zb1p-p4", ["parallel.pp=4", "parallel.pp_schedule=zb1p", "parallel.chunks=8"]),
     ("1f1b-d2", ["parallel.pp=2", "parallel.dp=2", "parallel.chunks=2"]),
     ("zb1p-d2", ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=zb1p", "parallel.chunks=2",
-                 "parallel.dp_sync=naive"]),
+                 "parallel.dp_sync=naive", "parallel.balance=params"]),
 ]
 
 

@@ -118,6 +118,7 @@ class PipelineEngine(nn.Module):
         self.store = WeightGradStore()
         if self.split_backward:
             make_deferrable(self.stages, self.store)
+        self.dtype = next(self.stages.parameters()).dtype  # of the activations sent between stages
         self.computes_loss = str(self.n_stages - 1) in self.stages
         self.tied = tied_group(grid)
         self.tied_weight: nn.Parameter | None = None  # this rank's copy of the tied matrix, if it has one
@@ -246,7 +247,7 @@ class PipelineEngine(nn.Module):
             elif a.kind == "SEND_B":
                 tensor = inputs.pop(key).grad
             else:
-                tensor = torch.empty(shape, device=self.device)
+                tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
                 received.append((a, tensor))
             ops.append(dist.P2POp(dist.isend if a.kind.startswith("SEND") else dist.irecv, tensor, self.peers[a.peer]))
         works = dist.batch_isend_irecv(ops)
@@ -284,7 +285,7 @@ class PipelineEngine(nn.Module):
                 if stage.is_first:
                     hidden = xm
                 else:
-                    hidden = torch.empty(xm.size(0), xm.size(1), self.width, device=self.device)
+                    hidden = torch.empty(xm.size(0), xm.size(1), self.width, dtype=self.dtype, device=self.device)
                     dist.recv(hidden, self.peers[(s - 1) % self.ranks])
                 out = stage(hidden)
                 if stage.is_last:
