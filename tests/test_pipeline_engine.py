@@ -85,7 +85,7 @@ def _engine_worker(info: RankInfo, cases: list[tuple[str, list[str]]], runs: Pat
         losses = _steps(trainer, STEPS)
         val = trainer.evaluate()
         record = {"losses": losses, "val": val, "params": _named(trainer), "coords": trainer.grid.coords,
-                  "computes_loss": trainer.net.computes_loss, "stats": trainer.net.stats}
+                  "computes_loss": trainer.net.computes_loss, "stats": trainer.net.stats, "memory": trainer.memory}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
         if name == "1f1b":  # resume: one step, a checkpoint, a new trainer from it, one more step
             resumed_cfg = updated(cfg, {"log.run_id": "resumed"})
@@ -141,6 +141,21 @@ def test_every_schedule_trains_like_one_process(results: Path, name: str) -> Non
             seen[param] = value
     assert set(seen) == set(ref["params"]) | {"lm_head.weight"}  # every parameter lives on some stage
     torch.testing.assert_close(seen["lm_head.weight"], seen["transformer.wte.weight"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb1p-d2"])
+def test_each_stage_holds_the_training_state_of_its_own_parameters(results: Path, name: str) -> None:
+    """AdamW fp32 on a stage of N_s parameters: 4 N_s + 4 N_s + 8 N_s bytes; the stages together hold the model
+    once plus the LM head's copy of the tied matrix."""
+    ranks = _ranks(results, name)
+    for rank in ranks:
+        n = rank["memory"]["params"]
+        assert n == sum(p.numel() for p in rank["params"].values())
+        assert [rank["memory"][k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")] == [4 * n, 4 * n, 8 * n]
+    ref = _reference(_config(dict(CASES_2 + CASES_4)[name], results, name))
+    one_replica = [r for r in ranks if r["coords"]["dp"] == 0]
+    tied = ref["params"]["transformer.wte.weight"].numel()
+    assert sum(r["memory"]["params"] for r in one_replica) == sum(p.numel() for p in ref["params"].values()) + tied
 
 
 @pytest.mark.parametrize("name", ["1f1b-d2", "zb1p-d2"])

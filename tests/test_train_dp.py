@@ -8,7 +8,10 @@ from pathlib import Path
 import torch
 import yaml
 
+from gptpar.config import ModelConfig
+from gptpar.model import build_model, count_params
 from gptpar.parallel.env import free_port
+from gptpar.run.logfile import read_rank_log
 from gptpar.train.checkpoint import export_checkpoint
 
 COMMON = ["model.n_layer=2", "data.seq_len=32", "data.source=synthetic", "data.vocab_size=300",
@@ -33,6 +36,11 @@ def test_dp2_trains_the_same_model_as_one_process(tmp_path):
         steps = [r for r in records if r["kind"] == "step"]
         assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] == 4 * 32 for r in steps)
         assert records[-1]["status"] == "completed"
+    n = count_params(build_model(ModelConfig(n_layer=2), 300, seed=0))  # the tied matrix once
+    for run, rank in (("single", 0), ("dp", 0), ("dp", 1)):  # AdamW replicas: 4N + 4N + 8N bytes
+        memory = read_rank_log(tmp_path / run / f"rank{rank}.jsonl").memory
+        assert (memory["step"], memory["params"]) == (1, n)
+        assert (memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]) == (4 * n, 4 * n, 8 * n)
     exported = [export_checkpoint(tmp_path / run, tmp_path / f"{run}.pt") for run in ("single", "dp")]
     a, b = (torch.load(path, weights_only=False)["trainer"]["model"] for path in exported)
     for name in a:

@@ -42,6 +42,7 @@ SCHEMA: dict[str, tuple[str, ...]] = {
         "data_time_s", "peak_mem_bytes",
     ),
     "eval": ("step", "epoch", "val_loss"),
+    "memory": ("step", "params", "params_bytes", "grads_bytes", "optimizer_bytes"),
     "epoch": ("epoch", "training_time_s", "tokens_per_s", "val_loss", "steps"),
     "final": ("status", "step"),
 }
@@ -141,6 +142,7 @@ class RankLog:
     epochs: dict[int, dict[str, Any]] = field(default_factory=dict)
     evals: dict[int, dict[str, Any]] = field(default_factory=dict)
     final: dict[str, Any] | None = None  # the last segment's final record
+    memory: dict[str, Any] | None = None  # the latest `memory` record (training state bytes)
     last_time: float = 0.0
     records: int = 0
 
@@ -219,6 +221,8 @@ def read_rank_log(path: Path, warnings: list[str] | None = None) -> RankLog:
                 evals[rec["step"]] = rec
             elif kind == "final":
                 log.final = rec
+            elif kind == "memory":
+                log.memory = rec
         except (ValueError, TypeError) as exc:
             line = numbers[i] if numbers is not None else i + 1
             raise CorruptLog(f"{path}:{line}: {exc}") from None

@@ -33,6 +33,7 @@ from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
 from gptpar.run.state import read_run, resume_hint
 from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
+from gptpar.train.memory import state_bytes
 from gptpar.train.optim import clip_gradients, learning_rate, make_optimizer
 from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
 from gptpar.train.progress import Progress, peak_memory_bytes
@@ -70,6 +71,7 @@ class Trainer:
         if t.max_steps:
             self.total_steps = min(self.total_steps, t.max_steps)
         self.step = 0
+        self.memory: dict[str, int] | None = None  # training state bytes, counted at this start's first step
 
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = model_state(self.net, self.optimizer)
@@ -130,6 +132,8 @@ class Trainer:
         else:
             grad_norm = clip_gradients(params, max_norm)
         self.optimizer.step()
+        if self.memory is None:
+            self.memory = state_bytes(self.net, self.optimizer)
         self.sync.zero_grad()
         return total, grad_norm
 
@@ -173,6 +177,7 @@ class Trainer:
         progress = Progress(cfg.log, info.rank, info.world_size, self.total_steps, self.step)
         micro_tokens = self.micro_batch // self.grid.size("dp") * cfg.data.seq_len
         status, loss = "completed", math.nan
+        first_step = self.step
         try:
             while self.step < self.total_steps and status == "completed":
                 epoch = self.step // self.steps_per_epoch
@@ -201,6 +206,8 @@ class Trainer:
                                  step_time_s=step_time, tokens_per_s=tokens / step_time, data_time_s=data_time,
                                  peak_mem_bytes=peak_memory_bytes(info.device), bubble=self.net.bubble, **pipeline)
                     progress.update(self.step, global_loss, tokens * self.grid.size("dp") / step_time)
+                    if self.step == first_step + 1:
+                        self.log.log("memory", step=self.step, **self.memory)
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                         val = self.evaluate()
                         self.log.log("eval", step=self.step, epoch=epoch, val_loss=val)

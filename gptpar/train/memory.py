@@ -1,0 +1,36 @@
+"""The bytes of training state a rank holds, counted from its live tensors.
+
+Parameters, gradients and optimizer state are what the data-parallel strategies trade against each
+other (plain replicas hold 4N + 4N + 8N bytes of fp32 state for N parameters with AdamW; sharding
+divides some of it by the world size). Counting storages rather than tensors counts a tied matrix
+once and a gradient bucket once, however many views point into it. The optimizer's per-parameter
+`step` counters (one scalar each) are bookkeeping, not state that scales with the model, and are left
+out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """The `memory` record's fields: parameter count, and bytes of parameters, gradients and optimizer state.
+    Call it after an optimizer step (AdamW creates its state lazily) and before gradients are reset."""
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return {"params": sum(p.numel() for p in params),
+            "params_bytes": storage_bytes(params),
+            "grads_bytes": storage_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer_bytes": storage_bytes(state)}
