@@ -96,9 +96,11 @@ class TrainConfig:
 class ParallelConfig:
     dp: int = opt(1, "Data-parallel ranks (spawned locally when not under SLURM or torchrun).", min=1,
                   max=65_536)
-    dp_sync: str = opt("bucketed", "Gradient sync: naive (all-reduce per parameter), bucketed "
-                       "(overlapped flat buckets), ddp (torch DDP; not with parallel.pp > 1).",
-                       choices=("naive", "bucketed", "ddp"))
+    dp_sync: str = opt("bucketed", "Data-parallel strategy: naive (all-reduce per parameter), bucketed "
+                       "(overlapped flat buckets), ddp (torch DDP; not with parallel.pp > 1), zero1 (bucketed, "
+                       "optimizer state sharded), zero2 (gradients sharded too), fsdp2 (torch's fully_shard, "
+                       "parameters sharded too); the sharded ones not with parallel.pp > 1.",
+                       choices=("naive", "bucketed", "ddp", "zero1", "zero2", "fsdp2"))
     pp: int = opt(1, "Pipeline stages, each its own rank (the multi-process engine); the job has "
                   "dp * pp ranks. 1 keeps the one-process modes of parallel.pp_mode.", min=1, max=4096)
     pp_schedule: str = opt("1f1b", "Schedule of the multi-process pipeline (parallel.pp > 1).",
@@ -431,6 +433,9 @@ def _validate_pipeline(cfg: Config) -> None:
     if p.dp_sync == "ddp":
         raise ConfigError("parallel.dp_sync=ddp cannot sync a pipeline stage (DDP reduces inside every backward, "
                           "the engine runs many per step); use parallel.dp_sync=bucketed or naive with parallel.pp > 1")
+    if p.dp_sync in ("zero1", "zero2", "fsdp2"):
+        raise ConfigError(f"parallel.dp_sync={p.dp_sync} does not shard pipeline stages yet; use "
+                          "parallel.dp_sync=bucketed or naive with parallel.pp > 1")
     replica_batch = t.batch_size // (p.dp * t.grad_accum)
     if replica_batch % p.chunks:
         raise ConfigError(f"train.batch_size={t.batch_size} gives {replica_batch} sequences per replica and "

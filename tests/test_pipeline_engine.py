@@ -15,22 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from rank_training import BASE, STEPS, make_config, make_trainer, named_params, reference_run, train_steps
 from torch import nn
 
-from gptpar.config import Config, ParallelConfig, grid_sizes, load_config, updated
+from gptpar.config import ParallelConfig, grid_sizes, load_config, updated
 from gptpar.errors import GptparError
-from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.run.folder import run_folder
-from gptpar.run.logfile import RankLogger
 from gptpar.train.checkpoint import load_checkpoint
-from gptpar.train.trainer import Trainer
-
-STEPS = 2
-BASE = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
-        "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.warmup_steps=0",
-        "train.lr=0.01", "train.grad_clip=0.5", "train.threads=1", "parallel.timeout_s=60"]
 
 # (case name, overrides); the world size is dp * pp.
 CASES_2 = [
@@ -50,62 +42,24 @@ CASES_4 = [
 ]
 
 
-def _config(overrides: list[str], runs: Path, name: str) -> Config:
-    return load_config(None, [*BASE, *overrides, f"log.runs_dir={runs}", f"log.run_id={name}"])
-
-
-def _trainer(cfg: Config, info: RankInfo) -> Trainer:
-    grid = RankGrid(grid_sizes(cfg), info.rank, info.world_size, info.device.type)
-    folder = run_folder(cfg.log.runs_dir, cfg.log.run_id)
-    folder.path.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, info, grid, folder, RankLogger(folder.path, info.rank))
-
-
-def _steps(trainer: Trainer, count: int) -> list[float]:
-    batches = trainer._batches(0, trainer.step)
-    losses = []
-    for _ in range(count):
-        loss, _ = trainer._train_step(next(batches))
-        trainer.step += 1
-        losses.append(loss)
-    return losses
-
-
-def _named(trainer: Trainer) -> dict[str, torch.Tensor]:
-    net = trainer.net
-    params = net.original_parameters() if trainer.pipeline else {n.removeprefix("model."): p for n, p in
-                                                                  net.named_parameters()}
-    return {n: p.detach().clone() for n, p in params.items()}
-
-
 def _engine_worker(info: RankInfo, cases: list[tuple[str, list[str]]], runs: Path) -> None:
     for name, overrides in cases:
-        cfg = _config(overrides, runs, name)
-        trainer = _trainer(cfg, info)
-        losses = _steps(trainer, STEPS)
+        cfg = make_config(overrides, runs, name)
+        trainer = make_trainer(cfg, info)
+        losses = train_steps(trainer, STEPS)
         val = trainer.evaluate()
-        record = {"losses": losses, "val": val, "params": _named(trainer), "coords": trainer.grid.coords,
+        record = {"losses": losses, "val": val, "params": named_params(trainer), "coords": trainer.grid.coords,
                   "computes_loss": trainer.net.computes_loss, "stats": trainer.net.stats, "memory": trainer.memory}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
         if name == "1f1b":  # resume: one step, a checkpoint, a new trainer from it, one more step
             resumed_cfg = updated(cfg, {"log.run_id": "resumed"})
-            first = _trainer(resumed_cfg, info)
-            _steps(first, 1)
+            first = make_trainer(resumed_cfg, info)
+            train_steps(first, 1)
             first._save()
-            second = _trainer(resumed_cfg, info)
+            second = make_trainer(resumed_cfg, info)
             assert load_checkpoint(second.folder.path, {"trainer": second})
-            torch.save({"losses": _steps(second, 1), "params": _named(second)}, runs / f"resumed.rank{info.rank}.pt")
-
-
-def _reference(cfg: Config) -> dict:
-    """One process, the same config with one stage and one replica, the same global batch."""
-    single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.pp_virtual": 1, "parallel.pp_split": "",
-                           "log.run_id": cfg.log.run_id + "-single"})
-    info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
-                    launcher="single", backend="gloo", device=torch.device("cpu"))
-    trainer = _trainer(single, info)
-    losses = _steps(trainer, STEPS)
-    return {"losses": losses, "val": trainer.evaluate(), "params": _named(trainer)}
+            resumed = {"losses": train_steps(second, 1), "params": named_params(second)}
+            torch.save(resumed, runs / f"resumed.rank{info.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +78,7 @@ def _ranks(runs: Path, name: str) -> list[dict]:
 def test_every_schedule_trains_like_one_process(results: Path, name: str) -> None:
     overrides = dict(CASES_2 + CASES_4)[name]
     ranks = _ranks(results, name)
-    ref = _reference(_config(overrides, results, name))
+    ref = reference_run(make_config(overrides, results, name))
     dp = max(r["coords"]["dp"] for r in ranks) + 1
     for stage in {r["coords"]["pp"] for r in ranks}:  # every stage has its pipeline's loss (a replica's half)
         replicas = [r for r in ranks if r["coords"]["pp"] == stage]
@@ -152,7 +106,7 @@ def test_each_stage_holds_the_training_state_of_its_own_parameters(results: Path
         n = rank["memory"]["params"]
         assert n == sum(p.numel() for p in rank["params"].values())
         assert [rank["memory"][k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")] == [4 * n, 4 * n, 8 * n]
-    ref = _reference(_config(dict(CASES_2 + CASES_4)[name], results, name))
+    ref = reference_run(make_config(dict(CASES_2 + CASES_4)[name], results, name))
     one_replica = [r for r in ranks if r["coords"]["dp"] == 0]
     tied = ref["params"]["transformer.wte.weight"].numel()
     assert sum(r["memory"]["params"] for r in one_replica) == sum(p.numel() for p in ref["params"].values()) + tied
@@ -193,14 +147,14 @@ def test_each_rank_times_its_actions_and_holds_the_activations_its_schedule_allo
 
 
 def _raising_stage_worker(info: RankInfo, runs: Path) -> None:
-    cfg = _config(["parallel.pp=2", "parallel.chunks=2"], runs, "raising")
-    trainer = _trainer(cfg, info)
+    cfg = make_config(["parallel.pp=2", "parallel.chunks=2"], runs, "raising")
+    trainer = make_trainer(cfg, info)
     if info.rank == 1:
         def broken(_hidden: torch.Tensor) -> torch.Tensor:
             raise RuntimeError("stage 1 broke")
         stage: nn.Module = trainer.net.stages["1"]
         stage.forward = broken  # type: ignore[method-assign]
-    _steps(trainer, 1)
+    train_steps(trainer, 1)
 
 
 def test_a_stage_that_raises_fails_the_job_in_bounded_time_naming_its_rank(tmp_path: Path) -> None:

@@ -17,17 +17,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
 
 from gptpar.atomic import probe_space, write_error
 from gptpar.errors import GptparError
+from gptpar.parallel.data_parallel.base import GradSync
 
 CHECKPOINT_DIR = "checkpoint"
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
@@ -204,29 +212,47 @@ def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
     return out
 
 
-def model_state(model: nn.Module, optimizer: Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+def model_state(model: nn.Module, optimizer: Optimizer, sync: GradSync | None = None
+                ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Model and optimizer state keyed by fully-qualified parameter names.
 
     The keys are the same whether the module is plain, DDP-wrapped (no `module.` prefix) or sharded, so a
     checkpoint written under one layout loads under another. An optimizer that has not stepped yet gets its state
-    created (a zero-lr step), so that a fresh optimizer can be loaded into. torch skips that step when any
-    parameter already has a gradient, as under the bucketed reducer (whose .grad are views of its buckets),
-    and the optimizer state would then silently not be restored: those gradients are set aside meanwhile.
+    created (a zero-lr step on zero gradients), so that a fresh optimizer can be loaded into in place. A sync that
+    shards the optimizer (ZeRO) names its shards' state itself (`GradSync.optimizer_state`).
     """
+    _create_state(optimizer)
+    sharded = sync.optimizer_state(optimizer) if sync is not None else None
+    if sharded is not None:
+        return get_model_state_dict(model), sharded
+    return get_state_dict(model, optimizer, options=FLAT)
+
+
+def _create_state(optimizer: Optimizer) -> None:
+    """AdamW creates its state on the first step; a checkpoint loads in place, so a fresh optimizer needs it first.
+    The parameters' own gradients (which may be views of a reducer's buckets) are set aside meanwhile."""
     if optimizer.state:
-        return get_state_dict(model, optimizer, options=FLAT)
+        return
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
+    grads, rates = [p.grad for p in params], [group["lr"] for group in optimizer.param_groups]
     try:
-        return get_state_dict(model, optimizer, options=FLAT)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0
+        optimizer.step()
     finally:
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
+        for group, lr in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = lr
 
 
 def load_model_state(model: nn.Module, optimizer: Optimizer, model_sd: dict[str, Any],
-                     optim_sd: dict[str, Any]) -> None:
+                     optim_sd: dict[str, Any], sync: GradSync | None = None) -> None:
     """Inverse of model_state."""
+    if sync is not None and sync.optimizer_state(optimizer) is not None:
+        set_model_state_dict(model, model_sd)
+        sync.load_optimizer_state(optimizer, optim_sd)
+        return
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)

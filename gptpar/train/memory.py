@@ -14,13 +14,14 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     seen: dict[int, int] = {}
     for t in tensors:
-        storage = t.untyped_storage()
+        storage = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()  # a shard: this rank's part
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -29,8 +30,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     """The `memory` record's fields: parameter count, and bytes of parameters, gradients and optimizer state.
     Call it after an optimizer step (AdamW creates its state lazily) and before gradients are reset."""
     params = list(model.parameters())
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]  # may be shards of `params`
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     return {"params": sum(p.numel() for p in params),
             "params_bytes": storage_bytes(params),
-            "grads_bytes": storage_bytes(p.grad for p in params if p.grad is not None),
+            "grads_bytes": storage_bytes(p.grad for p in [*params, *stepped] if p.grad is not None),
             "optimizer_bytes": storage_bytes(state)}

@@ -6,6 +6,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from gptpar.config import TrainConfig
 
@@ -18,11 +19,11 @@ def learning_rate(step: int, t: TrainConfig, total_steps: int) -> float:
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
-def make_optimizer(module: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
-    """AdamW that decays matrices only (not biases or norm gains), as GPT-2 training does."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": t.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+def make_optimizer(params: list[tuple[torch.Tensor, bool]], t: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over (tensor, decays) pairs: matrices are decayed, biases and norm gains not, as GPT-2
+    training does (the pairs come from the gradient sync, whose tensors may be shards of parameters)."""
+    groups = [{"params": [p for p, decays in params if decays], "weight_decay": t.weight_decay},
+              {"params": [p for p, decays in params if not decays], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
 
 
@@ -35,8 +36,9 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, group: dis
     embedding is, is counted once), so every rank scales by the same factor one process would.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    if group is None:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    if group is None:  # also for DTensor gradients (FSDP2), whose norm torch sums over their shards
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     ids = {id(p) for p in (counted if counted is not None else params)}
     squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     for p in params:

@@ -65,7 +65,7 @@ class Trainer:
                     else build_parallel_model(model, cfg.parallel, info.device))
         self.dp_group = grid.group("dp")
         self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group)
-        self.optimizer = make_optimizer(self.net, t)
+        self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps:
@@ -74,11 +74,11 @@ class Trainer:
         self.memory: dict[str, int] | None = None  # training state bytes, counted at this start's first step
 
     def state_dict(self) -> dict[str, Any]:
-        model, optimizer = model_state(self.net, self.optimizer)
+        model, optimizer = model_state(self.net, self.optimizer, self.sync)
         return {"model": model, "optimizer": optimizer, "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_model_state(self.net, self.optimizer, state["model"], state["optimizer"])
+        load_model_state(self.net, self.optimizer, state["model"], state["optimizer"], self.sync)
         self.step = int(state["step"])
 
     def _loader(self, epoch: int):
@@ -124,14 +124,17 @@ class Trainer:
         self.net.train()
         total = self._forward_backward(micro_batches)
         self.sync.finish()
-        params = [p for p in self.net.parameters() if p.grad is not None]
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         if self.pipeline:
             self.net.sum_tied_gradients()
+            params = [p for p in self.net.parameters() if p.grad is not None]
             grad_norm = clip_gradients(params, max_norm, self.grid.group("pp"), self.net.counted_parameters())
         else:
-            grad_norm = clip_gradients(params, max_norm)
+            targets, group = self.sync.clip_targets()
+            grad_norm = clip_gradients(targets, max_norm, group)
+        self.sync.before_step()
         self.optimizer.step()
+        self.sync.after_step()
         if self.memory is None:
             self.memory = state_bytes(self.net, self.optimizer)
         self.sync.zero_grad()

@@ -9,7 +9,12 @@
     sync.zero_grad()       # not optimizer.zero_grad(): keeps the bucketed reducer copy-free
 
 naive: the assignment's per-parameter all-reduce after backward (naive.py); bucketed: our
-overlapped reducer (bucketed.py); ddp: torch's DistributedDataParallel as the reference (ddp.py).
+overlapped reducer (bucketed.py); ddp: torch's DistributedDataParallel as the reference (ddp.py);
+zero1: the bucketed reducer with the optimizer state sharded over the group; zero2: gradients
+reduce-scattered into shards too (zero.py); fsdp2: torch's fully_shard, parameters sharded too
+(fsdp2.py). The trainer also calls sync.before_step() / sync.after_step() around optimizer.step(),
+builds the optimizer on sync.optimizer_params() (a sharded optimizer steps shards of the parameters)
+and clips over sync.clip_targets().
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ from gptpar.config import ParallelConfig
 from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync
 from gptpar.parallel.data_parallel.ddp import DDPSync
+from gptpar.parallel.data_parallel.fsdp2 import FSDP2Sync
 from gptpar.parallel.data_parallel.naive import NaiveSync, average_gradients
+from gptpar.parallel.data_parallel.zero import ZeroOneSync, ZeroTwoSync
 
-__all__ = ["BucketedSync", "DDPSync", "GradSync", "NaiveSync", "average_gradients", "broadcast_state",
-           "make_grad_sync"]
+__all__ = ["BucketedSync", "DDPSync", "FSDP2Sync", "GradSync", "NaiveSync", "ZeroOneSync", "ZeroTwoSync",
+           "average_gradients",
+           "broadcast_state", "make_grad_sync"]
 
 
 def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGroup | None) -> GradSync:
@@ -37,4 +45,10 @@ def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGr
         return NaiveSync(model, group)
     if pcfg.dp_sync == "ddp":
         return DDPSync(model, pcfg.bucket_mb, group)
+    if pcfg.dp_sync == "zero1":
+        return ZeroOneSync(model, pcfg.bucket_mb, group)
+    if pcfg.dp_sync == "zero2":
+        return ZeroTwoSync(model, group)
+    if pcfg.dp_sync == "fsdp2":
+        return FSDP2Sync(model, group)
     return BucketedSync(model, pcfg.bucket_mb, group)

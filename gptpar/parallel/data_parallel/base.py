@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,3 +46,25 @@ class GradSync:
     def zero_grad(self) -> None:
         """Reset gradients after the optimizer step (use instead of optimizer.zero_grad())."""
         self.model.zero_grad(set_to_none=True)
+
+    def optimizer_params(self) -> list[tuple[torch.Tensor, bool]]:
+        """What the optimizer steps, each with whether weight decay applies (matrices: yes)."""
+        return [(p, p.dim() >= 2) for p in self.model.parameters() if p.requires_grad]
+
+    def clip_targets(self) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
+        """The tensors whose gradients make up the global norm, and the group over which their squares are
+        summed (None: this rank holds every gradient whole)."""
+        return [p for p in self.model.parameters() if p.grad is not None], None
+
+    def before_step(self) -> None:
+        """Just before optimizer.step() (a sharded optimizer points its gradients at their shards)."""
+
+    def after_step(self) -> None:
+        """Just after optimizer.step() (a sharded optimizer gathers the updated parameters)."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The optimizer state as checkpoints store it when it is sharded; None: the model's own layout."""
+        return None
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Inverse of optimizer_state."""

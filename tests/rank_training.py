@@ -1,0 +1,65 @@
+"""Training on a rank through the trainer's own step, for the equality tests of every parallelism.
+
+Spawned ranks build a `Trainer` from a config, train a few steps with `Trainer._train_step` (the code
+`gptpar train` runs) and save losses and parameters under their GPT2LMHeadModel names; `reference_run`
+trains the same config as one process on the same global batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from gptpar.config import Config, grid_sizes, load_config, updated
+from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.process_group import RankInfo
+from gptpar.run.folder import run_folder
+from gptpar.run.logfile import RankLogger
+from gptpar.train.trainer import Trainer
+
+STEPS = 2
+BASE = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
+        "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.warmup_steps=0",
+        "train.lr=0.01", "train.grad_clip=0.5", "train.threads=1", "parallel.timeout_s=60"]
+
+
+def make_config(overrides: list[str], runs: Path, name: str) -> Config:
+    return load_config(None, [*BASE, *overrides, f"log.runs_dir={runs}", f"log.run_id={name}"])
+
+
+def make_trainer(cfg: Config, info: RankInfo) -> Trainer:
+    grid = RankGrid(grid_sizes(cfg), info.rank, info.world_size, info.device.type)
+    folder = run_folder(cfg.log.runs_dir, cfg.log.run_id)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    return Trainer(cfg, info, grid, folder, RankLogger(folder.path, info.rank))
+
+
+def train_steps(trainer: Trainer, count: int) -> list[float]:
+    batches = trainer._batches(0, trainer.step)
+    losses = []
+    for _ in range(count):
+        loss, _ = trainer._train_step(next(batches))
+        trainer.step += 1
+        losses.append(loss)
+    return losses
+
+
+def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    net = trainer.net
+    params = net.original_parameters() if trainer.pipeline else {n.removeprefix("model."): p for n, p in
+                                                                  net.named_parameters()}
+    # A DTensor (FSDP2) is gathered whole: a collective, in the same order on every rank.
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()}
+
+
+def reference_run(cfg: Config) -> dict:
+    """One process, the same config with one stage and one replica, the same global batch."""
+    single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.pp_virtual": 1, "parallel.pp_split": "",
+                           "log.run_id": cfg.log.run_id + "-single"})
+    info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
+                    launcher="single", backend="gloo", device=torch.device("cpu"))
+    trainer = make_trainer(single, info)
+    losses = train_steps(trainer, STEPS)
+    return {"losses": losses, "val": trainer.evaluate(), "params": named_params(trainer)}

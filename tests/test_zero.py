@@ -1,0 +1,135 @@
+"""ZeRO-1/2 on real gloo groups: sharded optimizer state (and gradients), one process's training, memory to the byte.
+
+One spawn of 2 ranks trains each case through the trainer's own step (AdamW, clipping on) and saves
+losses, parameters and the `memory` counts; the assertions compare them with one process on the same
+global batch, and the memory with the closed forms 4N + 4N + 8N/W (ZeRO-1) and 4N + (4N + 8N)/W (ZeRO-2),
+the flat buffer's padding included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rank_training import make_config, make_trainer, named_params, reference_run, train_steps
+
+from gptpar.config import ParallelConfig
+from gptpar.errors import GptparError
+from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.spawn import spawn_local
+from gptpar.train.checkpoint import load_checkpoint
+
+WORLD = 2
+CASES = [
+    ("zero1", ["parallel.dp=2", "parallel.dp_sync=zero1"]),
+    ("zero1-accum", ["parallel.dp=2", "parallel.dp_sync=zero1", "train.grad_accum=2", "parallel.bucket_mb=0.01"]),
+    ("zero2", ["parallel.dp=2", "parallel.dp_sync=zero2"]),
+    ("zero2-accum", ["parallel.dp=2", "parallel.dp_sync=zero2", "train.grad_accum=2"]),
+    ("fsdp2", ["parallel.dp=2", "parallel.dp_sync=fsdp2"]),
+    ("fsdp2-accum", ["parallel.dp=2", "parallel.dp_sync=fsdp2", "train.grad_accum=2"]),
+]
+
+
+def _zero_worker(info: RankInfo, runs: Path) -> None:
+    for name, overrides in CASES:
+        cfg = make_config(overrides, runs, name)
+        trainer = make_trainer(cfg, info)
+        losses = train_steps(trainer, 2)
+        sync = trainer.sync
+        record = {"losses": losses, "params": named_params(trainer), "memory": trainer.memory,
+                  "shard": getattr(sync, "shard_size", None), "pieces": [(n, a, b) for n, _, _, a, b in
+                                                                          getattr(sync, "pieces", [])]}
+        torch.save(record, runs / f"{name}.rank{info.rank}.pt")
+    for name in ("zero1", "zero2", "fsdp2"):  # one step, a checkpoint, a new trainer from it, one more step
+        cfg = make_config(dict(CASES)[name], runs, f"resumed-{name}")
+        first = make_trainer(cfg, info)
+        train_steps(first, 1)
+        first._save()
+        second = make_trainer(cfg, info)
+        assert load_checkpoint(second.folder.path, {"trainer": second})
+        resumed = {"losses": train_steps(second, 1), "params": named_params(second)}
+        torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    runs = tmp_path_factory.mktemp("zero")
+    spawn_local(_zero_worker, WORLD, runs, pcfg=ParallelConfig(dp=WORLD, backend="gloo", timeout_s=60))
+    return runs
+
+
+def _ranks(runs: Path, name: str) -> list[dict]:
+    return [torch.load(runs / f"{name}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in CASES])
+def test_zero_trains_like_one_process_and_keeps_the_replicas_bitwise_equal(results: Path, name: str) -> None:
+    ranks = _ranks(results, name)
+    ref = reference_run(make_config(dict(CASES)[name], results, name))
+    mean = [sum(pair) / WORLD for pair in zip(*(r["losses"] for r in ranks), strict=True)]
+    assert mean == pytest.approx(ref["losses"], rel=1e-5)
+    for param, value in ranks[0]["params"].items():
+        torch.testing.assert_close(value, ref["params"][param], rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, p=param: f"{name}: {p}: {m}")
+        assert torch.equal(value, ranks[1]["params"][param]), param  # the all-gather gives every rank the same
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, name: str) -> None:
+    ranks = _ranks(results, name)
+    n = ranks[0]["memory"]["params"]
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for rank in ranks:
+        for param, start, end in rank["pieces"]:
+            covered.setdefault(param.removeprefix("model."), []).append((start, end))
+    for param, ranges in covered.items():
+        ranges.sort()
+        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+        assert ranges[-1][1] == ranks[0]["params"][param].numel(), param
+    assert set(covered) == set(ranks[0]["params"])
+    assert sum(e - s for rank in ranks for _, s, e in rank["pieces"]) == n
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_memory_is_the_closed_form(results: Path, name: str) -> None:
+    """ZeRO-1: 4N + 4N + 8N/W; ZeRO-2: 4N + (4N + 8N)/W; N/W is the shard, padded to a multiple of W."""
+    ranks = _ranks(results, name)
+    for rank in ranks:
+        n, shard, memory = rank["memory"]["params"], rank["shard"], rank["memory"]
+        own = sum(e - s for _, s, e in rank["pieces"])
+        assert memory["params_bytes"] == 4 * shard * WORLD  # the flat buffer: 4N plus under 4W bytes of padding
+        assert 0 <= 4 * shard * WORLD - 4 * n < 4 * WORLD
+        assert memory["grads_bytes"] == (4 * n if name == "zero1" else 4 * shard)
+        assert memory["optimizer_bytes"] == 8 * own and own <= shard  # 8N/W: this rank's shard only
+    owned = [sum(e - s for _, s, e in r["pieces"]) for r in ranks]
+    assert abs(owned[0] - owned[1]) < WORLD and sum(owned) == ranks[0]["memory"]["params"]
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2", "fsdp2"])
+def test_a_resumed_run_continues_bitwise_where_it_stopped(results: Path, name: str) -> None:
+    """Each rank saves its own shard's optimizer state (keys name the parameter and range) and loads it back."""
+    straight, resumed = _ranks(results, name), _ranks(results, f"resumed-{name}")
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["losses"] == [a["losses"][1]]
+        for param in a["params"]:
+            assert torch.equal(a["params"][param], b["params"][param]), param
+
+
+def test_zero1_with_a_pipeline_is_a_one_line_error() -> None:
+    with pytest.raises(GptparError, match="^parallel.dp_sync=zero1 does not shard pipeline stages yet"):
+        make_config(["parallel.pp=2", "parallel.chunks=2", "parallel.dp_sync=zero1"], Path("/tmp"), "x")
+
+
+def test_fsdp2_holds_a_shard_of_everything(results: Path) -> None:
+    """FSDP2: parameters, gradients and AdamW state all sharded on dim 0, each parameter padded to W rows:
+    per rank 4 + 4 + 8 bytes for each of sum_p ceil(rows_p / W) * row_size_p elements, about 16N/W."""
+    ranks = _ranks(results, "fsdp2")
+    padded = sum(-(-p.shape[0] // WORLD) * (p.numel() // p.shape[0]) for p in ranks[0]["params"].values())
+    n = sum(p.numel() for p in ranks[0]["params"].values())
+    assert n <= WORLD * padded < n + WORLD * sum(p.numel() // p.shape[0] for p in ranks[0]["params"].values())
+    for rank in ranks:
+        memory = rank["memory"]
+        assert memory["params"] == n  # DTensors count their global size
+        assert (memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]) == (
+            4 * padded, 4 * padded, 8 * padded)
