@@ -20,7 +20,6 @@ from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 from gptpar.train.checkpoint import load_checkpoint
 
-WORLD = 2
 CASES = [
     ("zero1", ["parallel.dp=2", "parallel.dp_sync=zero1"]),
     ("zero1-accum", ["parallel.dp=2", "parallel.dp_sync=zero1", "train.grad_accum=2", "parallel.bucket_mb=0.01"]),
@@ -29,10 +28,12 @@ CASES = [
     ("fsdp2", ["parallel.dp=2", "parallel.dp_sync=fsdp2"]),
     ("fsdp2-accum", ["parallel.dp=2", "parallel.dp_sync=fsdp2", "train.grad_accum=2"]),
 ]
+CASES_4 = [(f"{sync}-w4", ["parallel.dp=4", f"parallel.dp_sync={sync}"]) for sync in ("zero1", "zero2", "fsdp2")]
+ALL = dict(CASES + CASES_4)
 
 
-def _zero_worker(info: RankInfo, runs: Path) -> None:
-    for name, overrides in CASES:
+def _zero_worker(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]], resume: bool) -> None:
+    for name, overrides in cases:
         cfg = make_config(overrides, runs, name)
         trainer = make_trainer(cfg, info)
         losses = train_steps(trainer, 2)
@@ -41,7 +42,7 @@ def _zero_worker(info: RankInfo, runs: Path) -> None:
                   "shard": getattr(sync, "shard_size", None), "pieces": [(n, a, b) for n, _, _, a, b in
                                                                           getattr(sync, "pieces", [])]}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
-    for name in ("zero1", "zero2", "fsdp2"):  # one step, a checkpoint, a new trainer from it, one more step
+    for name in ("zero1", "zero2", "fsdp2") if resume else ():  # a step, a checkpoint, a new trainer, a step
         cfg = make_config(dict(CASES)[name], runs, f"resumed-{name}")
         first = make_trainer(cfg, info)
         train_steps(first, 1)
@@ -55,27 +56,28 @@ def _zero_worker(info: RankInfo, runs: Path) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     runs = tmp_path_factory.mktemp("zero")
-    spawn_local(_zero_worker, WORLD, runs, pcfg=ParallelConfig(dp=WORLD, backend="gloo", timeout_s=60))
+    spawn_local(_zero_worker, 2, runs, CASES, True, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+    spawn_local(_zero_worker, 4, runs, CASES_4, False, pcfg=ParallelConfig(dp=4, backend="gloo", timeout_s=60))
     return runs
 
 
 def _ranks(runs: Path, name: str) -> list[dict]:
-    return [torch.load(runs / f"{name}.rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return [torch.load(path, weights_only=False) for path in sorted(runs.glob(f"{name}.rank*.pt"))]
 
 
-@pytest.mark.parametrize("name", [n for n, _ in CASES])
+@pytest.mark.parametrize("name", list(ALL))
 def test_zero_trains_like_one_process_and_keeps_the_replicas_bitwise_equal(results: Path, name: str) -> None:
     ranks = _ranks(results, name)
-    ref = reference_run(make_config(dict(CASES)[name], results, name))
-    mean = [sum(pair) / WORLD for pair in zip(*(r["losses"] for r in ranks), strict=True)]
+    ref = reference_run(make_config(ALL[name], results, name))
+    mean = [sum(losses) / len(ranks) for losses in zip(*(r["losses"] for r in ranks), strict=True)]
     assert mean == pytest.approx(ref["losses"], rel=1e-5)
     for param, value in ranks[0]["params"].items():
         torch.testing.assert_close(value, ref["params"][param], rtol=1e-4, atol=1e-4,
                                    msg=lambda m, p=param: f"{name}: {p}: {m}")
-        assert torch.equal(value, ranks[1]["params"][param]), param  # the all-gather gives every rank the same
+        assert all(torch.equal(value, r["params"][param]) for r in ranks), param  # every rank: the same model
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero1-w4", "zero2-w4"])
 def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, name: str) -> None:
     ranks = _ranks(results, name)
     n = ranks[0]["memory"]["params"]
@@ -91,19 +93,20 @@ def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, n
     assert sum(e - s for rank in ranks for _, s, e in rank["pieces"]) == n
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero1-w4", "zero2-w4"])
 def test_memory_is_the_closed_form(results: Path, name: str) -> None:
     """ZeRO-1: 4N + 4N + 8N/W; ZeRO-2: 4N + (4N + 8N)/W; N/W is the shard, padded to a multiple of W."""
     ranks = _ranks(results, name)
+    world = len(ranks)
     for rank in ranks:
         n, shard, memory = rank["memory"]["params"], rank["shard"], rank["memory"]
         own = sum(e - s for _, s, e in rank["pieces"])
-        assert memory["params_bytes"] == 4 * shard * WORLD  # the flat buffer: 4N plus under 4W bytes of padding
-        assert 0 <= 4 * shard * WORLD - 4 * n < 4 * WORLD
-        assert memory["grads_bytes"] == (4 * n if name == "zero1" else 4 * shard)
+        assert memory["params_bytes"] == 4 * shard * world  # the flat buffer: 4N plus under 4W bytes of padding
+        assert 0 <= 4 * shard * world - 4 * n < 4 * world
+        assert memory["grads_bytes"] == (4 * n if name.startswith("zero1") else 4 * shard)
         assert memory["optimizer_bytes"] == 8 * own and own <= shard  # 8N/W: this rank's shard only
     owned = [sum(e - s for _, s, e in r["pieces"]) for r in ranks]
-    assert abs(owned[0] - owned[1]) < WORLD and sum(owned) == ranks[0]["memory"]["params"]
+    assert max(owned) - min(owned) < world and sum(owned) == ranks[0]["memory"]["params"]
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "fsdp2"])
@@ -121,13 +124,15 @@ def test_zero1_with_a_pipeline_is_a_one_line_error() -> None:
         make_config(["parallel.pp=2", "parallel.chunks=2", "parallel.dp_sync=zero1"], Path("/tmp"), "x")
 
 
-def test_fsdp2_holds_a_shard_of_everything(results: Path) -> None:
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2-w4"])
+def test_fsdp2_holds_a_shard_of_everything(results: Path, name: str) -> None:
     """FSDP2: parameters, gradients and AdamW state all sharded on dim 0, each parameter padded to W rows:
     per rank 4 + 4 + 8 bytes for each of sum_p ceil(rows_p / W) * row_size_p elements, about 16N/W."""
-    ranks = _ranks(results, "fsdp2")
-    padded = sum(-(-p.shape[0] // WORLD) * (p.numel() // p.shape[0]) for p in ranks[0]["params"].values())
+    ranks = _ranks(results, name)
+    world = len(ranks)
+    padded = sum(-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in ranks[0]["params"].values())
     n = sum(p.numel() for p in ranks[0]["params"].values())
-    assert n <= WORLD * padded < n + WORLD * sum(p.numel() // p.shape[0] for p in ranks[0]["params"].values())
+    assert n <= world * padded < n + world * sum(p.numel() // p.shape[0] for p in ranks[0]["params"].values())
     for rank in ranks:
         memory = rank["memory"]
         assert memory["params"] == n  # DTensors count their global size
