@@ -18,7 +18,7 @@ from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.train.checkpoint import load_checkpoint
+from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
 
 CASES = [
     ("zero1", ["parallel.dp=2", "parallel.dp_sync=zero1"]),
@@ -47,9 +47,10 @@ def _zero_worker(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]],
         first = make_trainer(cfg, info)
         train_steps(first, 1)
         first._save()
+        saved = named_params(first)
         second = make_trainer(cfg, info)
         assert load_checkpoint(second.folder.path, {"trainer": second})
-        resumed = {"losses": train_steps(second, 1), "params": named_params(second)}
+        resumed = {"losses": train_steps(second, 1), "params": named_params(second), "saved": saved}
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
 
@@ -138,3 +139,13 @@ def test_fsdp2_holds_a_shard_of_everything(results: Path, name: str) -> None:
         assert memory["params"] == n  # DTensors count their global size
         assert (memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]) == (
             4 * padded, 4 * padded, 8 * padded)
+
+
+@pytest.mark.parametrize("name", ["zero1", "fsdp2"])
+def test_export_consolidates_a_sharded_checkpoint_into_whole_tensors(results: Path, name: str, tmp_path: Path) -> None:
+    """`gptpar checkpoint export` (one process) writes every parameter whole, whatever shards the ranks saved."""
+    saved = _ranks(results, f"resumed-{name}")[0]["saved"]
+    exported = torch.load(export_checkpoint(results / f"resumed-{name}", tmp_path / "plain.pt"), weights_only=False)
+    model = {k.removeprefix("model."): v for k, v in exported["trainer"]["model"].items()}
+    for param, value in saved.items():
+        assert torch.equal(model[param], value), param

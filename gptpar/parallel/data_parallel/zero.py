@@ -28,6 +28,10 @@ from torch import nn
 from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync
 
+# torch 2.13 renamed these collectives (the old names warn); older torch, down to the declared 2.4, has only the old.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class ShardedOptimizer:
     """The flat parameter layout, this rank's pieces of it, their optimizer state and the all-gather
@@ -65,7 +69,7 @@ class ShardedOptimizer:
     def after_step(self) -> None:
         """Every rank's updated shard to every rank."""
         lo = self.rank * self.shard_size
-        dist.all_gather_into_tensor(self.flat, self.flat[lo:lo + self.shard_size].clone(), group=self.group)
+        _all_gather(self.flat, self.flat[lo:lo + self.shard_size].clone(), group=self.group)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state of this rank's pieces, keyed by parameter name and range (see the module doc)."""
@@ -116,7 +120,7 @@ class ZeroTwoSync(ShardedOptimizer, GradSync):
                 full[offset:offset + param.numel()].copy_(param.grad.view(-1))
                 param.grad = None
         full.div_(self.world_size)
-        dist.reduce_scatter_tensor(self.grad_shard, full, group=self.group)
+        _reduce_scatter(self.grad_shard, full, group=self.group)
         self.comm_wait_s += time.perf_counter() - start
 
     def clip_targets(self) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
