@@ -14,7 +14,11 @@ Definitions (they are repeated in the summary's footnotes):
   first `warmup_steps` steps; mean and sample std are over kept epochs, else over kept steps;
 - loss: the step's `global_loss` (the mean over replicas), or for schema-1 logs the mean of the
   replicas' own losses; a non-finite loss (a diverged run) is kept as the final loss and the step it
-  first appeared, and left out of the curves.
+  first appeared, and left out of the curves;
+- memory: each rank's latest `memory` record (bytes of its live parameters, gradients and optimizer
+  state), mean and max over ranks, against the closed form of fp32 AdamW state for the run's
+  data-parallel strategy and the rank's own parameter count; a rank off it by more than 1% + 4 KiB
+  (the padding of sharded buffers) is flagged.
 """
 
 from __future__ import annotations
@@ -37,6 +41,43 @@ PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks", "parallel.pp_schedule", 
 # Keys that never define a sweep axis: bookkeeping, scheduling, and repeat seeds.
 NON_AXIS_PREFIXES = ("log.", "launch.")
 NON_AXIS_KEYS = ("data.dir", "train.seed", *GPU_KEYS, *PIPELINE_KEYS)
+
+
+# Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), and the parts each
+# data-parallel strategy shards over its W replicas; every rank holds the other parts whole.
+STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
+SHARDED_STATE: dict[str, tuple[str, ...]] = {
+    "naive": (), "bucketed": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("grads", "optimizer"),
+    "fsdp2": ("params", "grads", "optimizer"),
+}
+# Measured over closed form within this share + bytes still matches: sharded buffers are padded to multiples of W.
+MEMORY_REL_TOL, MEMORY_ABS_TOL = 0.01, 4096
+
+
+def closed_form_state_bytes(strategy: str, n: float, w: int) -> float | None:
+    """Bytes of training state one rank holds for n parameters with w data-parallel ranks, unpadded, so that a
+    measured count can be checked against what the strategy promises; None for a strategy without one."""
+    sharded = SHARDED_STATE.get(strategy)
+    if sharded is None:
+        return None
+    return math.fsum(n * size / (w if part in sharded else 1) for part, size in STATE_BYTES.items())
+
+
+@dataclass
+class MemoryUse:
+    """Training-state bytes per rank from the ranks' `memory` records, beside the strategy's closed form."""
+
+    strategy: str  # parallel.dp_sync
+    ranks: int  # ranks that logged a memory record
+    params: float  # parameters per rank, mean over ranks (a sharded parameter counted at its global size)
+    mean: dict[str, float]  # "params", "grads", "optimizer", "total" -> bytes, mean over ranks
+    max: dict[str, float]  # the same, max over ranks
+    closed_form: float | None  # the closed form's total for each rank's own parameters, mean over ranks
+    mismatched: list[int] = field(default_factory=list)  # ranks off their closed form beyond the tolerance
+
+    @property
+    def ratio(self) -> float | None:
+        return self.mean["total"] / self.closed_form if self.closed_form else None
 
 
 @dataclass
@@ -80,6 +121,7 @@ class RunMetrics:
     stitched: list[int] = field(default_factory=list)  # kept epochs timed from step records (restarts)
     stale: str = ""  # why its numbers are not of its sweep's current definition, in one line
     set_aside: bool = False  # a folder --rerun / --start-over moved to <name>.replaced-<time>
+    memory: MemoryUse | None = None  # None: no rank logged a memory record (logs older than it)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -240,7 +282,41 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         finite = [v for v in last if _finite(v)]
         m.val_loss = statistics.fmean(finite) if finite else None
     m.device, m.precision = device_label(header, m.params)
+    _memory(m, ranks)
     return m
+
+
+def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
+    """Training-state bytes per rank against the closed form for the rank's own parameter count (a pipeline
+    stage's, with parallel.pp > 1); a rank off it beyond the tolerance flags the run with a warning. A record
+    with a field that is not a finite number is warned about and left out."""
+    rows: list[tuple[int, float, dict[str, float]]] = []
+    for log in ranks:
+        if log.memory is None:
+            continue
+        parts = {part: _number(log.memory[f"{part}_bytes"]) for part in STATE_BYTES}
+        n = _number(log.memory["params"])
+        if not all(map(math.isfinite, [n, *parts.values()])):
+            m.warnings.append(f"{m.run}: rank {log.rank}'s memory record has a field that is not a number; left out")
+            continue
+        rows.append((log.rank, n, {**parts, "total": math.fsum(parts.values())}))
+    if not rows:
+        return
+    strategy = str(m.params.get("parallel.dp_sync", ""))
+    closed = [closed_form_state_bytes(strategy, n, m.dp) for _, n, _ in rows]
+    known = [c for c in closed if c is not None]  # all or none: one strategy per run
+    off = [(rank, b["total"], c) for (rank, _, b), c in zip(rows, closed, strict=True)
+           if c is not None and abs(b["total"] - c) > MEMORY_REL_TOL * c + MEMORY_ABS_TOL]
+    m.memory = MemoryUse(strategy=strategy, ranks=len(rows), params=statistics.fmean(n for _, n, _ in rows),
+                         mean={k: statistics.fmean(b[k] for *_, b in rows) for k in rows[0][2]},
+                         max={k: max(b[k] for *_, b in rows) for k in rows[0][2]},
+                         closed_form=statistics.fmean(known) if known else None, mismatched=[rank for rank, *_ in off])
+    if off:
+        rank, total, c = off[0]
+        more = f" (and {len(off) - 1} more rank(s))" if len(off) > 1 else ""
+        m.warnings.append(f"{m.run}: rank {rank} holds {total / 1e6:.4g} MB of training state, {total / c:.3g}x the "
+                          f"closed form {c / 1e6:.4g} MB for {strategy} with W={m.dp}{more}; flagged (⚠) in the "
+                          "memory table and figure")
 
 
 def _bubble(m: RunMetrics, kept: list[tuple[int, dict[int, dict[str, Any]]]]) -> None:

@@ -14,9 +14,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
+from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
-from analysis.aggregate import RunMetrics, sweep_axes  # noqa: E402
+from analysis.aggregate import SHARDED_STATE, STATE_BYTES, MemoryUse, RunMetrics, sweep_axes  # noqa: E402
 from gptpar.atomic import write_error
 from gptpar.parallel.pipeline.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 from gptpar.run.names import slug
@@ -292,8 +294,72 @@ def _bubbles(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
     return True
 
 
+STATE_COLOURS = dict(zip(STATE_BYTES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
+
+
+def _memory(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
+    """Training-state MB per rank (mean over ranks) as stacked parameter, gradient and optimizer bars, one per run,
+    grouped by data-parallel size W, strategy and pipeline mode, each with its closed form as a black bar; a run
+    off its closed form is hatched and marked ⚠, so that it does not read as a match."""
+    groups: dict[tuple[int, str, str], list[tuple[RunMetrics, MemoryUse]]] = {}
+    for r in runs:
+        if r.memory is not None:
+            groups.setdefault((r.dp, r.memory.strategy, "" if r.pp_mode == "single" else r.pp_mode), []).append(
+                (r, r.memory))
+    if not groups:
+        return False
+    order = [*SHARDED_STATE]
+    keys = sorted(groups, key=lambda k: (k[0], order.index(k[1]) if k[1] in order else len(order), k[1], k[2]))
+    bars = sum(len(members) for members in groups.values())
+    fig, ax = plt.subplots(figsize=(min(24.0, max(6.4, 0.6 * (bars + len(groups)) + 2)), 4.8))
+    above = blended_transform_factory(ax.transData, ax.transAxes)
+    x, ticks, names, labelled = 0.0, [], [], set[str]()
+
+    def label(name: str) -> str | None:
+        """The legend names each part once, not once per bar."""
+        if name in labelled:
+            return None
+        labelled.add(name)
+        return name
+
+    for i, (w, strategy, mode) in enumerate(keys):
+        if i:
+            ax.axvline(x - 0.8, color="grey", linewidth=0.8, alpha=0.5)
+        start = x
+        for r, mem in sorted(groups[w, strategy, mode], key=lambda pair: pair[0].run):
+            bottom = 0.0
+            for part, colour in STATE_COLOURS.items():
+                ax.bar(x, mem.mean[part] / 1e6, 0.7, bottom=bottom, color=colour, edgecolor="white",
+                       hatch="//" if mem.mismatched else None, label=label(part))
+                bottom += mem.mean[part] / 1e6
+            if mem.closed_form is not None:
+                ax.plot([x - 0.42, x + 0.42], [mem.closed_form / 1e6] * 2, color="black", linewidth=2.5,
+                        label=label("closed form"))
+            if mem.mismatched:
+                ax.text(x, bottom, "⚠", ha="center", va="bottom", color="tab:red")
+            ticks.append(x)
+            names.append(r.run_id)
+            x += 1.0
+        ax.text((start + x - 1.0) / 2, 1.01, f"{strategy}\nW={w}" + (f"\n{mode}" if mode else ""), transform=above,
+                ha="center", va="bottom", fontsize=8)
+        x += 0.6
+    ax.set_xticks(ticks, names, rotation=30, ha="right", fontsize=7)
+    ax.set_xlim(-0.6, x - 0.6)
+    ax.set_ylabel("training state per rank (MB, mean over ranks)")
+    ax.set_title("Memory per rank: parameters, gradients, optimizer state (black: closed form)", fontsize=10,
+                 pad=40 if any(mode for *_, mode in keys) else 28)
+    ax.grid(axis="x", visible=False)
+    handles, entries = ax.get_legend_handles_labels()
+    if any(mem.mismatched for members in groups.values() for _, mem in members):
+        handles.append(Patch(facecolor="white", edgecolor="tab:red", hatch="//"))
+        entries.append("⚠ off its closed form")
+    ax.legend(handles, entries)
+    _save(fig, path, written)
+    return True
+
+
 OWN_FIGURES = ("time_vs_gpus.png", "throughput_vs_*.png", "pipeline_vs_model_parallel.png", "loss_*.png",
-               "pipeline_timeline*.png", "pipeline_bubble.png")
+               "pipeline_timeline*.png", "pipeline_bubble.png", "memory_per_rank.png")
 
 
 def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], None] = print) -> list[Path]:
@@ -321,6 +387,8 @@ def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], Non
         if not _bubbles(runs, out_dir / "pipeline_bubble.png", written):
             say("figure pipeline_bubble.png skipped: no multi-process pipeline run (parallel.pp > 1) with a "
                 "measured bubble in [0, 1]")
+        if not _memory(runs, out_dir / "memory_per_rank.png", written):
+            say("figure memory_per_rank.png skipped: no run logged a memory record (logs older than it have none)")
     return written
 
 

@@ -6,14 +6,17 @@ import csv
 import math
 from pathlib import Path
 
-from analysis.aggregate import RunMetrics
+from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, SHARDED_STATE, STATE_BYTES, RunMetrics
 
+MEMORY_COLUMNS = (*STATE_BYTES, "total")  # the keys of MemoryUse.mean and .max
 CSV_COLUMNS = (
     "sweep", "run", "run_id", "status", "detail", "dp", "pp_mode", "chunks", "devices_per_replica", "gpus",
     "basis", "epoch_time_s_mean", "epoch_time_s_std", "step_time_s_mean", "step_time_s_std",
     "tokens_per_s_mean", "tokens_per_s_std", "job_tokens_per_s", "speedup", "efficiency", "baseline",
     "mfu", "mfu_note", "bubble_theory", "bubble_measured", "final_loss", "val_loss", "diverged_at_step",
     "stitched_epochs", "stale", "pp_schedule", "pp_virtual", "bubble_measured_std", "bubble_flagged",
+    "dp_sync", "mem_params", *(f"mem_{part}_bytes_{stat}" for part in MEMORY_COLUMNS for stat in ("mean", "max")),
+    "mem_closed_form_bytes", "mem_ratio", "mem_flagged",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -45,6 +48,25 @@ BUBBLE_NOTE = (
 )
 
 
+def _closed_forms() -> str:
+    """The closed forms of the memory footnote, written from the table that computes them so the two agree."""
+    forms: dict[str, list[str]] = {}
+    for strategy, sharded in SHARDED_STATE.items():
+        form = " + ".join(f"{size}N" + ("/W" if part in sharded else "") for part, size in STATE_BYTES.items())
+        forms.setdefault(form, []).append(strategy)
+    return "; ".join(f"{', '.join(names)}: {form}" for form, names in forms.items())
+
+
+MEMORY_NOTE = (
+    "Bytes of the distinct storages of each rank's live parameters, gradients and AdamW state after its first "
+    "optimizer step (MB = 10^6 bytes), mean over ranks (max in parentheses where ranks differ). Closed form per rank "
+    "for N parameters (the rank's own; a sharded parameter counted at its global size) and W data-parallel ranks, "
+    f"fp32 (parameters + gradients + AdamW moments): {_closed_forms()}. "
+    f"Sharded buffers are padded to multiples of W, so a rank's total within {MEMORY_REL_TOL:.0%} + "
+    f"{MEMORY_ABS_TOL // 1024} KiB of its closed form matches; a rank off by more is flagged (⚠)."
+)
+
+
 def _num(value: float | None, digits: int = 4) -> str:
     return "" if value is None else f"{value:.{digits}g}"
 
@@ -62,8 +84,18 @@ def write_csv(runs: list[RunMetrics], path: Path) -> None:
                 _num(r.mfu, 6), r.mfu_note, _num(r.bubble_theory, 6), _num(r.bubble_measured, 6),
                 _num(r.final_loss, 6), _num(r.val_loss, 6), "" if r.diverged_at is None else r.diverged_at,
                 " ".join(map(str, r.stitched)), r.stale, r.pp_schedule, r.pp_virtual if r.engine else "",
-                _num(r.bubble_std, 6), "yes" if r.bubble_flagged else "",
+                _num(r.bubble_std, 6), "yes" if r.bubble_flagged else "", r.params.get("parallel.dp_sync", ""),
+                *_memory_cells(r),
             ])
+
+
+def _memory_cells(r: RunMetrics) -> list[str]:
+    """The CSV's memory columns: raw bytes, blank for a run without memory records."""
+    mem = r.memory
+    if mem is None:
+        return [""] * (2 * len(MEMORY_COLUMNS) + 4)
+    return [_num(mem.params, 12), *(_num(stat[part], 12) for part in MEMORY_COLUMNS for stat in (mem.mean, mem.max)),
+            _num(mem.closed_form, 12), _num(mem.ratio, 6), "yes" if mem.mismatched else ""]
 
 
 def _pm(pair: tuple[float | None, float | None], fmt: str) -> str:
@@ -121,6 +153,7 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
                   f"{_pm((r.bubble_measured, r.bubble_std), '.3f')}{' ⚠ outside [0, 1]' if r.bubble_flagged else ''} |"
                   for r in pipelines]
         lines += ["", BUBBLE_NOTE]
+    lines += _memory_section(shown)
     stale = [r for r in runs if r.stale]
     if stale:
         lines += ["", f"## Runs that are not of their sweep's current definition ({STALE_MARK})", "",
@@ -132,3 +165,26 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
         lines += ["", "## Incomplete, failed or corrupt runs", "", "| run | status | detail |", "|---|---|---|"]
         lines += [f"| {r.run} | {r.status} | {r.detail.replace('|', '/')} |" for r in others]
     return "\n".join(lines) + "\n"
+
+
+def _memory_section(shown: list[RunMetrics]) -> list[str]:
+    """The "Memory per rank" table of the runs with memory records; none when no run has one."""
+    runs = [(r, r.memory) for r in shown if r.memory is not None]
+    if not runs:
+        return []
+    lines = ["", "## Memory per rank", "", "| run | strategy | W | params | params MB | grads MB | optimizer MB "
+             "| total MB | closed form MB | ratio |", "|" + "---|" * 10]
+    for r, mem in runs:
+        mb = {part: _mb(mem.mean[part], mem.max[part]) for part in MEMORY_COLUMNS}
+        closed = "–" if mem.closed_form is None else f"{mem.closed_form / 1e6:.4g}"
+        ratio = "–" if mem.ratio is None else f"{mem.ratio:.3f}"
+        if mem.mismatched:
+            ratio += f" ⚠ off the closed form (rank{'s' if len(mem.mismatched) > 1 else ''} "
+            ratio += ", ".join(map(str, mem.mismatched)) + ")"
+        lines.append(f"| {r.run_id} | {mem.strategy} | {r.dp} | {mem.params:,.0f} | {mb['params']} | {mb['grads']} | "
+                     f"{mb['optimizer']} | {mb['total']} | {closed} | {ratio} |")
+    return [*lines, "", MEMORY_NOTE]
+
+
+def _mb(mean: float, most: float) -> str:
+    return f"{mean / 1e6:.4g}" + ("" if most == mean else f" ({most / 1e6:.4g})")

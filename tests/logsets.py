@@ -54,6 +54,12 @@ class Rank:
                   step_time_s=step_time_s, tokens_per_s=rate, data_time_s=0.0, peak_mem_bytes=0, **extra)
         return self
 
+    def memory(self, params: int, params_bytes: int, grads_bytes: int, optimizer_bytes: int, step: int = 1) -> Rank:
+        """The training-state record the trainer logs once per start, after its first optimizer step."""
+        self._log("memory", step=step, params=params, params_bytes=params_bytes, grads_bytes=grads_bytes,
+                  optimizer_bytes=optimizer_bytes)
+        return self
+
     def eval(self, step: int, val_loss: float, epoch: int = 1) -> Rank:
         self._log("eval", step=step, epoch=epoch, val_loss=val_loss)
         return self
@@ -71,9 +77,11 @@ class Rank:
 
 
 def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | None = None,
-           epochs: int = 2, steps_per_epoch: int = 2, status: str = "completed", **cfg: Any) -> list[Rank]:
+           epochs: int = 2, steps_per_epoch: int = 2, status: str = "completed",
+           memory: list[tuple[int, int, int, int]] | None = None, **cfg: Any) -> list[Rank]:
     """A completed data-parallel run, one rank per entry of tokens_per_s: in every epoch rank r
-    reports tokens_per_s[r] and epoch_times[r]; steps take 1 s and carry 100 tokens."""
+    reports tokens_per_s[r] and epoch_times[r]; steps take 1 s and carry 100 tokens. With `memory`,
+    rank r logs memory[r] (params, params_bytes, grads_bytes, optimizer_bytes) after step 1."""
     dp = len(tokens_per_s)
     times = epoch_times or [10.0] * dp
     ranks = [Rank(run_dir, r, config(name=run_dir.name, dp=dp, **cfg)).header() for r in range(dp)]
@@ -83,6 +91,8 @@ def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | 
             step += 1
             for rank in ranks:
                 rank.step(step, e, loss=4.0 - 0.1 * step)
+                if memory and step == 1:
+                    rank.memory(*memory[rank.rank])
         for r, rank in enumerate(ranks):
             rank.epoch(e, times[r], tokens_per_s[r], steps=steps_per_epoch)
     for rank in ranks:
@@ -92,12 +102,13 @@ def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | 
 
 def engine_run(run_dir: Path, bubbles: list[float], dp: int = 1, chunks: int = 4, pp_schedule: str = "1f1b",
                virtual: int = 1, steps: int = 3, losses: list[float] | None = None, unit_s: float = 0.01,
-               **cfg: Any) -> list[Rank]:
+               memory: list[tuple[int, int, int, int]] | None = None, **cfg: Any) -> list[Rank]:
     """A completed run of the multi-process pipeline: P = len(bubbles) stage ranks per replica, global rank
     stage * dp + replica as the grid lays them out. Every step each stage rank logs bubbles[stage] and the
     timeline its schedule simulates for unit costs (F = B = W = 1 unit of unit_s seconds, a whole backward
     2); steps take 1 s and carry 100 tokens on every rank; only the last stage logs a loss (replica d's is
-    losses[d]), every rank the global_loss, their mean."""
+    losses[d]), every rank the global_loss, their mean. With `memory`, each rank of stage s logs memory[s]
+    (params, params_bytes, grads_bytes, optimizer_bytes) after step 1."""
     stages = len(bubbles)
     losses = losses or [3.0] * dp
     cfg = config(name=run_dir.name, dp=dp, chunks=chunks, **{"parallel.pp": stages, "parallel.pp_schedule": pp_schedule,
@@ -115,6 +126,8 @@ def engine_run(run_dir: Path, bubbles: list[float], dp: int = 1, chunks: int = 4
             rank.step(step, 1, loss=losses[d] if stage == stages - 1 else None, global_loss=sum(losses) / dp,
                       bubble=bubbles[stage], pp_busy_s=busy, pp_window_s=timeline.makespan * unit_s,
                       pp_peak_activation_bytes=0, pp_timeline=spans[stage])
+            if memory and step == 1:
+                rank.memory(*memory[stage])
     for rank in ranks:
         rank.epoch(1, float(steps), 100.0, steps=steps).final(step=steps)
     return ranks

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from logsets import T0, Rank, config, dp_run, engine_run
 
-from analysis.aggregate import RunMetrics
+from analysis.aggregate import RunMetrics, closed_form_state_bytes
 from analysis.figures import mean_costs, simulated_timeline
 from analysis.mfu import flops_per_token
 from analysis.report import analyse_runs, report
@@ -396,3 +396,122 @@ def test_a_second_report_removes_figures_that_lost_their_data(tmp_path: Path) ->
     report(tmp_path / "runs", out, now=LATER)
     assert not (out / "throughput_vs_dp_sync.png").exists()
     assert (out / "notes.png").read_bytes() == b"the user's own file"
+
+
+@pytest.mark.parametrize("strategy, w, expected", [
+    ("naive", 2, 16_000), ("bucketed", 2, 16_000), ("ddp", 4, 16_000), ("zero1", 2, 12_000), ("zero1", 4, 10_000),
+    ("zero2", 2, 10_000), ("zero2", 4, 7_000), ("fsdp2", 4, 4_000), ("fsdp2", 1, 16_000),
+])
+def test_closed_form_state_bytes_per_rank_for_a_thousand_parameters(strategy: str, w: int, expected: int) -> None:
+    assert closed_form_state_bytes(strategy, 1000, w) == pytest.approx(expected)
+
+
+def test_a_strategy_without_a_closed_form_has_none() -> None:
+    assert closed_form_state_bytes("tensor_parallel", 1000, 2) is None
+
+
+def csv_rows(path: Path) -> dict[str, dict[str, str]]:
+    with open(path) as f:
+        return {row["run"]: row for row in csv.DictReader(f)}
+
+
+def test_memory_of_a_bucketed_run_is_16_bytes_per_parameter_and_matches_its_closed_form(tmp_path: Path) -> None:
+    dp_run(tmp_path / "runs" / "b", [100.0, 100.0], memory=[(1000, 4000, 4000, 8000)] * 2,
+           **{"parallel.dp_sync": "bucketed"})
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    m = result.runs[0]
+    mem = m.memory
+    assert mem is not None and (mem.strategy, mem.ranks, mem.params) == ("bucketed", 2, 1000)
+    assert mem.mean == mem.max == {"params": 4000, "grads": 4000, "optimizer": 8000, "total": 16000}
+    assert mem.closed_form == 16000 and mem.ratio == 1.0 and not mem.mismatched and not m.warnings
+    summary = result.summary_md.read_text()
+    assert "| b | bucketed | 2 | 1,000 | 0.004 | 0.004 | 0.008 | 0.016 | 0.016 | 1.000 |" in summary
+    assert "zero1: 4N + 4N + 8N/W" in summary
+    row = csv_rows(result.summary_csv)["b"]
+    assert (row["dp_sync"], row["mem_total_bytes_mean"], row["mem_closed_form_bytes"], row["mem_ratio"],
+            row["mem_flagged"]) == ("bucketed", "16000", "16000", "1", "")
+
+
+@pytest.mark.parametrize("strategy, record, closed", [
+    ("zero1", (1000, 4000, 4000, 4008), 12_000),  # the optimizer's flat shard padded to a multiple of W
+    ("zero2", (1000, 4000, 2004, 4008), 10_000),
+    ("fsdp2", (1000, 2016, 2016, 4032), 8_000),  # each parameter's rows padded to a multiple of W
+])
+def test_padded_sharded_state_matches_its_closed_form(tmp_path: Path, strategy: str,
+                                                      record: tuple[int, int, int, int], closed: int) -> None:
+    dp_run(tmp_path / "r", [100.0, 100.0], memory=[record] * 2, **{"parallel.dp_sync": strategy})
+    m = metrics(tmp_path)["r"]
+    assert m.memory is not None and m.memory.closed_form == closed
+    assert m.memory.ratio == pytest.approx(sum(record[1:]) / closed) and m.memory.ratio > 1
+    assert not m.memory.mismatched and not m.warnings
+
+
+@pytest.mark.parametrize("optimizer_bytes, flagged", [
+    (4_000_000 + 124_000, False), (4_000_000 + 124_200, True), (4_000_000 - 124_000, False),
+    (4_000_000 - 124_200, True),
+])
+def test_memory_matches_within_one_percent_and_4_kib(tmp_path: Path, optimizer_bytes: int, flagged: bool) -> None:
+    # zero1, W=2, N=1e6: closed form 12e6 bytes, tolerance 1% of it + 4096 = 124096 bytes either way.
+    dp_run(tmp_path / "r", [100.0, 100.0], memory=[(1_000_000, 4_000_000, 4_000_000, optimizer_bytes)] * 2,
+           **{"parallel.dp_sync": "zero1"})
+    m = metrics(tmp_path)["r"]
+    assert m.memory is not None and m.memory.closed_form == 12_000_000
+    assert (m.memory.mismatched == [0, 1]) is flagged and bool(m.warnings) is flagged
+
+
+def test_memory_off_its_closed_form_is_flagged_on_the_run_and_marked_in_table_and_figure(tmp_path: Path) -> None:
+    dp_run(tmp_path / "runs" / "twice", [100.0, 100.0], memory=[(1000, 4000, 4000, 8000), (1000, 8000, 8000, 16000)],
+           **{"parallel.dp_sync": "bucketed"})
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    m = result.runs[0]
+    mem = m.memory
+    assert mem is not None and mem.mismatched == [1]
+    assert mem.mean["total"] == 24000 and mem.max["total"] == 32000 and mem.ratio == pytest.approx(1.5)
+    assert m.warnings == ["twice: rank 1 holds 0.032 MB of training state, 2x the closed form 0.016 MB for bucketed "
+                          "with W=2; flagged (⚠) in the memory table and figure"]
+    assert ("| twice | bucketed | 2 | 1,000 | 0.006 (0.008) | 0.006 (0.008) | 0.012 (0.016) | 0.024 (0.032) | 0.016 | "
+            "1.500 ⚠ off the closed form (rank 1) |") in result.summary_md.read_text()
+    assert csv_rows(result.summary_csv)["twice"]["mem_flagged"] == "yes"
+    assert "memory_per_rank.png" in {p.name for p in result.figures}
+
+
+def test_pipeline_stage_ranks_are_each_held_to_their_own_parameter_count(tmp_path: Path) -> None:
+    # Stage 0 holds 600 parameters, stage 1 400: replicas' closed forms 16 x 600 and 16 x 400, not 16 x 1000.
+    engine_run(tmp_path / "pp", [0.1, 0.1], memory=[(600, 2400, 2400, 4800), (400, 1600, 1600, 3200)],
+               **{"parallel.dp_sync": "bucketed"})
+    m = metrics(tmp_path, warmup_steps=0)["pp"]
+    mem = m.memory
+    assert mem is not None and (mem.ranks, mem.params, mem.closed_form) == (2, 500, 8000)
+    assert mem.mean["total"] == 8000 and mem.max["total"] == 9600 and mem.max["params"] == 2400
+    assert not mem.mismatched and not m.warnings
+
+
+def test_a_memory_record_that_is_not_a_number_is_left_out_with_a_warning(tmp_path: Path) -> None:
+    rank = Rank(tmp_path / "r", 0, config()).header().step(1)
+    rank.memory(1000, "lots", 4000, 8000).final(step=1)  # type: ignore[arg-type]
+    m = metrics(tmp_path)["r"]
+    assert m.memory is None and any("rank 0's memory record has a field that is not a number" in w for w in m.warnings)
+
+
+def test_memory_figure_is_written_with_memory_records_and_skipped_without(tmp_path: Path) -> None:
+    for strategy, record in [("bucketed", (1000, 4000, 4000, 8000)), ("zero1", (1000, 4000, 4000, 4000)),
+                             ("fsdp2", (1000, 2000, 2000, 4000))]:
+        dp_run(tmp_path / "runs" / "sync" / strategy, [100.0, 100.0], memory=[record] * 2,
+               **{"parallel.dp_sync": strategy})
+    dp_run(tmp_path / "runs" / "sync" / "old", [100.0, 100.0])  # a log older than the memory record
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    assert result.figures[-1].name == "memory_per_rank.png"
+    width, height = png_size(result.figures[-1])
+    assert width >= 400 and height >= 300
+    by = {m.run: m for m in result.runs}
+    assert by["sync/old"].memory is None
+    summary = result.summary_md.read_text()
+    assert "## Memory per rank" in summary and "| old |" not in summary.split("## Memory per rank")[1]
+    assert csv_rows(result.summary_csv)["sync/old"]["mem_total_bytes_mean"] == ""
+
+    shutil.rmtree(tmp_path / "runs" / "sync")
+    dp_run(tmp_path / "runs" / "old", [100.0])
+    again = report(tmp_path / "runs", tmp_path / "out", now=LATER)  # the same folder: the old figure goes
+    assert not (tmp_path / "out" / "memory_per_rank.png").exists()
+    assert any("memory_per_rank.png skipped" in s for s in again.skipped)
+    assert "Memory per rank" not in again.summary_md.read_text()
