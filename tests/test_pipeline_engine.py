@@ -20,9 +20,10 @@ from torch import nn
 
 from gptpar.config import ParallelConfig, grid_sizes, load_config, updated
 from gptpar.errors import GptparError
+from gptpar.model import build_model
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.train.checkpoint import load_checkpoint
+from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
 
 # (case name, overrides); the world size is dp * pp.
 CASES_2 = [
@@ -56,6 +57,7 @@ def _engine_worker(info: RankInfo, cases: list[tuple[str, list[str]]], runs: Pat
             first = make_trainer(resumed_cfg, info)
             train_steps(first, 1)
             first._save()
+            torch.save(named_params(first), runs / f"saved.rank{info.rank}.pt")
             second = make_trainer(resumed_cfg, info)
             assert load_checkpoint(second.folder.path, {"trainer": second})
             resumed = {"losses": train_steps(second, 1), "params": named_params(second)}
@@ -180,3 +182,15 @@ def test_schedule_shapes_and_batches_that_do_not_fit_are_one_line_errors() -> No
             load_config(None, [*BASE, *overrides])
         assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
     assert math.prod(grid_sizes(load_config(None, [*BASE, "parallel.pp=2", "parallel.dp=2"])).values()) == 4
+
+
+def test_export_writes_a_pipeline_checkpoint_as_one_gpt2_model(results: Path, tmp_path: Path) -> None:
+    """`gptpar checkpoint export` of a pipeline run: every stage's tensors under GPT2LMHeadModel's names, loadable
+    into one model."""
+    saved = {**torch.load(results / "saved.rank0.pt"), **torch.load(results / "saved.rank1.pt")}
+    plain = torch.load(export_checkpoint(results / "resumed", tmp_path / "plain.pt"), weights_only=False)["gpt2"]
+    model = build_model(make_config([], results, "x").model, 300, seed=0)
+    assert set(plain) == set(model.state_dict())
+    model.load_state_dict(plain)
+    for param, value in saved.items():
+        assert torch.equal(plain[param], value), param

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from gptpar.atomic import probe_space, write_error
 from gptpar.errors import GptparError
 from gptpar.parallel.data_parallel.base import GradSync
+from gptpar.parallel.pipeline.gpt2 import plain_gpt2_state
 
 CHECKPOINT_DIR = "checkpoint"
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
@@ -195,7 +196,9 @@ def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
 
 
 def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
-    """Write the whole checkpoint as one plain torch.save file (for users who want one file). Single process."""
+    """Write the whole checkpoint as one plain torch.save file (for users who want one file), shards made whole,
+    with the model also under `gpt2` in GPT2LMHeadModel's own names, whatever parallelism wrote it
+    (`GPT2LMHeadModel(config).load_state_dict(torch.load(out)["gpt2"])`). Single process."""
     path = _existing(run_dir)
     if path is None:
         raise GptparError(f"{run_dir} has no checkpoint to export ({checkpoint_dir(run_dir)} does not exist)")
@@ -205,6 +208,10 @@ def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
     tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
     try:
         dcp_to_torch_save(path, tmp)
+        state = torch.load(tmp, weights_only=False)
+        if isinstance(state.get("trainer"), dict) and "model" in state["trainer"]:  # a training run's checkpoint
+            state["gpt2"] = plain_gpt2_state(state["trainer"]["model"])
+            torch.save(state, tmp)
     except (Exception, CheckpointException) as exc:
         tmp.unlink(missing_ok=True)
         raise GptparError(f"cannot export checkpoint {path} ({_reason(exc)}); it is damaged") from exc

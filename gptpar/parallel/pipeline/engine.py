@@ -121,11 +121,9 @@ class PipelineEngine(nn.Module):
         self.dtype = next(self.stages.parameters()).dtype  # of the activations sent between stages
         self.computes_loss = str(self.n_stages - 1) in self.stages
         self.tied = tied_group(grid)
-        self.tied_weight: nn.Parameter | None = None  # this rank's copy of the tied matrix, if it has one
-        if "0" in self.stages:
-            self.tied_weight = self._stage(0).embed.wte.weight
-        elif self.computes_loss:
-            self.tied_weight = self._stage(self.n_stages - 1).head.lm_head.weight
+        # This rank's copy of the tied matrix, if it has one (a name: an attribute would register it twice).
+        self.tied_name = ("stages.0.embed.wte.weight" if "0" in self.stages else
+                          f"stages.{self.n_stages - 1}.head.lm_head.weight" if self.computes_loss else None)
         self.stats = StepStats()
 
     def _balanced(self, model: GPT2LMHeadModel, cfg: Config, micro_rows: int, device: torch.device) -> list[int]:
@@ -143,6 +141,10 @@ class PipelineEngine(nn.Module):
     def original_parameters(self) -> dict[str, nn.Parameter]:
         """This rank's parameters under their names in one GPT2LMHeadModel (the head's copy as lm_head.weight)."""
         return {original_name(n): p for stage in self.stages.values() for n, p in stage.named_parameters()}
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        return self.get_parameter(self.tied_name) if self.tied_name else None
 
     def counted_parameters(self) -> list[nn.Parameter]:
         """Parameters as the global gradient norm counts them: the tied matrix once (on the first stage)."""

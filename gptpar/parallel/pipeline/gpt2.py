@@ -244,6 +244,21 @@ def original_name(name: str) -> str:
     return rest if rest.startswith("lm_head.") else f"transformer.{rest}"
 
 
+def plain_gpt2_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A checkpoint's model state under GPT2LMHeadModel's own names, whichever wrapper wrote it: the one-process
+    `ParallelGPT2` (`model.` prefix) or the pipeline engine's stages (`stages.<s>.` and stage names). The tied
+    LM head appears as `lm_head.weight` beside `transformer.wte.weight`, as GPT2LMHeadModel.state_dict() has it."""
+    plain = {}
+    for key, value in model_state.items():
+        if key.startswith("stages."):
+            plain[original_name(key.split(".", 2)[2])] = value
+        else:
+            plain[key.removeprefix("model.")] = value
+    if "lm_head.weight" not in plain and "transformer.wte.weight" in plain:
+        plain["lm_head.weight"] = plain["transformer.wte.weight"]
+    return plain
+
+
 def pipeline_stages(model: GPT2LMHeadModel, stage_ids: list[int], sizes: list[int]) -> list[PipelineStage]:
     """The listed stages of the model cut into len(sizes) stages of sizes[s] blocks. The LM head gets
     its own copy of the embedding matrix (the first and last stage live on different ranks; the
