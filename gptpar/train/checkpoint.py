@@ -229,9 +229,8 @@ def model_state(model: nn.Module, optimizer: Optimizer, sync: GradSync | None = 
     shards the optimizer (ZeRO) names its shards' state itself (`GradSync.optimizer_state`).
     """
     _create_state(optimizer)
-    sharded = sync.optimizer_state(optimizer) if sync is not None else None
-    if sharded is not None:
-        return get_model_state_dict(model), sharded
+    if sync is not None and sync.shards_optimizer:
+        return get_model_state_dict(model), sync.optimizer_state(optimizer)
     return get_state_dict(model, optimizer, options=FLAT)
 
 
@@ -258,7 +257,7 @@ def _create_state(optimizer: Optimizer) -> None:
 def load_model_state(model: nn.Module, optimizer: Optimizer, model_sd: dict[str, Any],
                      optim_sd: dict[str, Any], sync: GradSync | None = None) -> None:
     """Inverse of model_state."""
-    if sync is not None and sync.optimizer_state(optimizer) is not None:
+    if sync is not None and sync.shards_optimizer:
         set_model_state_dict(model, model_sd)
         sync.load_optimizer_state(optimizer, optim_sd)
         return

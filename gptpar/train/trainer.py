@@ -132,7 +132,6 @@ class Trainer:
         else:
             targets, group = self.sync.clip_targets()
             grad_norm = clip_gradients(targets, max_norm, group)
-        self.sync.before_step()
         self.optimizer.step()
         self.sync.after_step()
         if self.memory is None:

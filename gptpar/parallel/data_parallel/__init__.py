@@ -12,7 +12,7 @@ naive: the assignment's per-parameter all-reduce after backward (naive.py); buck
 overlapped reducer (bucketed.py); ddp: torch's DistributedDataParallel as the reference (ddp.py);
 zero1: the bucketed reducer with the optimizer state sharded over the group; zero2: gradients
 reduce-scattered into shards too (zero.py); fsdp2: torch's fully_shard, parameters sharded too
-(fsdp2.py). The trainer also calls sync.before_step() / sync.after_step() around optimizer.step(),
+(fsdp2.py). The trainer also calls sync.after_step() after optimizer.step(),
 builds the optimizer on sync.optimizer_params() (a sharded optimizer steps shards of the parameters)
 and clips over sync.clip_targets().
 """

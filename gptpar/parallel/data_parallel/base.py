@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +28,9 @@ class GradSync:
     """
 
     name = "none"
+    # True for a sync that shards the optimizer (zero.ShardedOptimizer): checkpoints then store what its
+    # optimizer_state() names, the state of this rank's shards, and load it with load_optimizer_state().
+    shards_optimizer = False
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -56,15 +58,5 @@ class GradSync:
         summed (None: this rank holds every gradient whole)."""
         return [p for p in self.model.parameters() if p.grad is not None], None
 
-    def before_step(self) -> None:
-        """Just before optimizer.step() (a sharded optimizer points its gradients at their shards)."""
-
     def after_step(self) -> None:
         """Just after optimizer.step() (a sharded optimizer gathers the updated parameters)."""
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """The optimizer state as checkpoints store it when it is sharded; None: the model's own layout."""
-        return None
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Inverse of optimizer_state."""

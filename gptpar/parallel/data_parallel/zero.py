@@ -39,6 +39,7 @@ class ShardedOptimizer:
 
     world_size: int
     group: dist.ProcessGroup | None
+    shards_optimizer = True
 
     def _shard(self, model: nn.Module) -> None:
         self.rank = dist.get_rank(self.group)
@@ -89,11 +90,10 @@ class ZeroOneSync(ShardedOptimizer, BucketedSync):
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None):
         BucketedSync.__init__(self, model, bucket_mb, group)  # broadcasts rank 0's parameters to the group first
         self._shard(model)
-
-    def before_step(self) -> None:
-        """Point each piece's gradient at its slice of the averaged gradient (a view, no copy)."""
+        # Each piece's gradient: its slice of the parameter's .grad, which the reducer keeps as the same view
+        # of its bucket across steps (it re-points .grad at that view after every finish and zero_grad).
         for _, param, piece, start, end in self.pieces:
-            piece.grad = param.grad.view(-1)[start:end] if param.grad is not None else None
+            piece.grad = param.grad.view(-1)[start:end]
 
 
 class ZeroTwoSync(ShardedOptimizer, GradSync):

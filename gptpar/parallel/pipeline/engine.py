@@ -65,8 +65,8 @@ class _SavedBytes:
     """Counts the bytes autograd saves for backward during a forward, parameters left out (they are not
     activations) and each tensor once."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.param_ptrs = {p.data_ptr() for p in params}
+    def __init__(self, param_ptrs: frozenset[int]) -> None:
+        self.param_ptrs = param_ptrs
         self.seen: set[int] = set()
         self.total = 0
 
@@ -119,6 +119,7 @@ class PipelineEngine(nn.Module):
         if self.split_backward:
             make_deferrable(self.stages, self.store)
         self.dtype = next(self.stages.parameters()).dtype  # of the activations sent between stages
+        self.param_ptrs = frozenset(p.data_ptr() for p in self.stages.parameters())  # not activations
         self.computes_loss = str(self.n_stages - 1) in self.stages
         self.tied = tied_group(grid)
         # This rank's copy of the tied matrix, if it has one (a name: an attribute would register it twice).
@@ -208,7 +209,7 @@ class PipelineEngine(nn.Module):
             if action.kind == "F":
                 inp = xs[action.microbatch] if stage.is_first else inputs[key]
                 inputs[key] = inp
-                counter = _SavedBytes(list(stage.parameters()))
+                counter = _SavedBytes(self.param_ptrs)
                 with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
                     out = stage(inp)
                     if stage.is_last:
