@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gptpar.config import ParallelConfig
@@ -40,6 +41,10 @@ def _spawned_rank(index: int, fn: Callable[..., Any], world_size: int, port: int
         failures.put((time.time(), index, f"{type(exc).__name__}: {exc}".splitlines()[0]))
         raise
     # Only on success: destroying a group with a failed peer can block, and the process exits anyway.
+    # The barrier first: a rank that tears its group down while its peer still does so can abort in gloo
+    # ("terminate called without an active exception").
+    if dist.is_initialized():
+        dist.barrier()
     destroy_distributed()
 
 
