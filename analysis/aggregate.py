@@ -18,7 +18,10 @@ Definitions (they are repeated in the summary's footnotes):
 - memory: each rank's latest `memory` record (bytes of its live parameters, gradients and optimizer
   state), mean and max over ranks, against the closed form of fp32 AdamW state for the run's
   data-parallel strategy and the rank's own parameter count; a rank off it by more than 1% + 4 KiB
-  (the padding of sharded buffers) is flagged.
+  (the padding of sharded buffers) is flagged. fsdp's optional `gathered_peak_bytes` (unsharded parameters
+  and gradients held at once during a step, transient) is carried beside it, outside the closed form;
+- peak memory: each rank's highest `peak_mem_bytes` over its step records (null where the device does not
+  measure it), mean and max over the ranks that logged a number.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ NON_AXIS_KEYS = ("data.dir", "train.seed", *GPU_KEYS, *PIPELINE_KEYS)
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
 SHARDED_STATE: dict[str, tuple[str, ...]] = {
     "naive": (), "bucketed": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("grads", "optimizer"),
-    "fsdp2": ("params", "grads", "optimizer"),
+    "fsdp": ("params", "grads", "optimizer"), "fsdp2": ("params", "grads", "optimizer"),
 }
 # Measured over closed form within this share + bytes still matches: sharded buffers are padded to multiples of W.
 MEMORY_REL_TOL, MEMORY_ABS_TOL = 0.01, 4096
@@ -74,6 +77,9 @@ class MemoryUse:
     max: dict[str, float]  # the same, max over ranks
     closed_form: float | None  # the closed form's total for each rank's own parameters, mean over ranks
     mismatched: list[int] = field(default_factory=list)  # ranks off their closed form beyond the tolerance
+    # (mean, max) of `gathered_peak_bytes` over the ranks that log it (fsdp: unsharded parameters and gradients
+    # held at once in a step); transient, so outside the closed form; None when no rank logs it
+    gathered_peak: tuple[float, float] | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -122,6 +128,7 @@ class RunMetrics:
     stale: str = ""  # why its numbers are not of its sweep's current definition, in one line
     set_aside: bool = False  # a folder --rerun / --start-over moved to <name>.replaced-<time>
     memory: MemoryUse | None = None  # None: no rank logged a memory record (logs older than it)
+    peak_mem: tuple[float, float] | None = None  # (mean, max) over ranks of each rank's highest peak_mem_bytes
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -283,23 +290,42 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         m.val_loss = statistics.fmean(finite) if finite else None
     m.device, m.precision = device_label(header, m.params)
     _memory(m, ranks)
+    peaks = [_peak_mem(log) for log in ranks]
+    m.peak_mem = _mean_max([peak for peak in peaks if peak is not None])
     return m
+
+
+def _mean_max(values: list[float]) -> tuple[float, float] | None:
+    """(mean, max) of per-rank values, None for none: the memory table shows both where ranks differ."""
+    return (statistics.fmean(values), max(values)) if values else None
+
+
+def _peak_mem(log: RankLog) -> float | None:
+    """A rank's highest logged peak_mem_bytes over its steps; None where no step logged a number (a CPU run
+    logs null), so that an unmeasured peak does not read as zero."""
+    values = [rec.get("peak_mem_bytes") for rec in log.steps.values()]
+    return max((float(v) for v in values if _finite(v)), default=None)
 
 
 def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     """Training-state bytes per rank against the closed form for the rank's own parameter count (a pipeline
     stage's, with parallel.pp > 1); a rank off it beyond the tolerance flags the run with a warning. A record
-    with a field that is not a finite number is warned about and left out."""
+    with a field that is not a finite number (an optional gathered_peak_bytes that is not null included) is warned
+    about and left out."""
     rows: list[tuple[int, float, dict[str, float]]] = []
+    gathered: list[float] = []
     for log in ranks:
         if log.memory is None:
             continue
         parts = {part: _number(log.memory[f"{part}_bytes"]) for part in STATE_BYTES}
         n = _number(log.memory["params"])
-        if not all(map(math.isfinite, [n, *parts.values()])):
+        extra = log.memory.get("gathered_peak_bytes")
+        optional = [] if extra is None else [_number(extra)]
+        if not all(map(math.isfinite, [n, *parts.values(), *optional])):
             m.warnings.append(f"{m.run}: rank {log.rank}'s memory record has a field that is not a number; left out")
             continue
         rows.append((log.rank, n, {**parts, "total": math.fsum(parts.values())}))
+        gathered += optional
     if not rows:
         return
     strategy = str(m.params.get("parallel.dp_sync", ""))
@@ -310,7 +336,8 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     m.memory = MemoryUse(strategy=strategy, ranks=len(rows), params=statistics.fmean(n for _, n, _ in rows),
                          mean={k: statistics.fmean(b[k] for *_, b in rows) for k in rows[0][2]},
                          max={k: max(b[k] for *_, b in rows) for k in rows[0][2]},
-                         closed_form=statistics.fmean(known) if known else None, mismatched=[rank for rank, *_ in off])
+                         closed_form=statistics.fmean(known) if known else None, mismatched=[rank for rank, *_ in off],
+                         gathered_peak=_mean_max(gathered))
     if off:
         rank, total, c = off[0]
         more = f" (and {len(off) - 1} more rank(s))" if len(off) > 1 else ""

@@ -295,6 +295,21 @@ def _bubbles(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
 
 
 STATE_COLOURS = dict(zip(STATE_BYTES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
+OFF_MARK, OFF_COLOUR = "⚠", "tab:red"  # how both memory figures mark a run off its closed form
+# Line colours that leave red to the ⚠ mark, so that a flagged point stands out on every line.
+LINE_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+                "tab:cyan", "tab:gray")
+
+
+def _strategy_order(strategy: str) -> tuple[int, str]:
+    """Strategies in SHARDED_STATE's order (least sharded first), any other after them by name."""
+    order = [*SHARDED_STATE]
+    return (order.index(strategy) if strategy in order else len(order), strategy)
+
+
+def _mode(r: RunMetrics) -> str:
+    """A run's pipeline mode for the memory figures: blank for single, whose ranks hold the whole model."""
+    return "" if r.pp_mode == "single" else r.pp_mode
 
 
 def _memory(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
@@ -304,12 +319,10 @@ def _memory(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
     groups: dict[tuple[int, str, str], list[tuple[RunMetrics, MemoryUse]]] = {}
     for r in runs:
         if r.memory is not None:
-            groups.setdefault((r.dp, r.memory.strategy, "" if r.pp_mode == "single" else r.pp_mode), []).append(
-                (r, r.memory))
+            groups.setdefault((r.dp, r.memory.strategy, _mode(r)), []).append((r, r.memory))
     if not groups:
         return False
-    order = [*SHARDED_STATE]
-    keys = sorted(groups, key=lambda k: (k[0], order.index(k[1]) if k[1] in order else len(order), k[1], k[2]))
+    keys = sorted(groups, key=lambda k: (k[0], *_strategy_order(k[1]), k[2]))
     bars = sum(len(members) for members in groups.values())
     fig, ax = plt.subplots(figsize=(min(24.0, max(6.4, 0.6 * (bars + len(groups)) + 2)), 4.8))
     above = blended_transform_factory(ax.transData, ax.transAxes)
@@ -336,7 +349,7 @@ def _memory(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
                 ax.plot([x - 0.42, x + 0.42], [mem.closed_form / 1e6] * 2, color="black", linewidth=2.5,
                         label=label("closed form"))
             if mem.mismatched:
-                ax.text(x, bottom, "⚠", ha="center", va="bottom", color="tab:red")
+                ax.text(x, bottom, OFF_MARK, ha="center", va="bottom", color=OFF_COLOUR)
             ticks.append(x)
             names.append(r.run_id)
             x += 1.0
@@ -351,15 +364,67 @@ def _memory(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
     ax.grid(axis="x", visible=False)
     handles, entries = ax.get_legend_handles_labels()
     if any(mem.mismatched for members in groups.values() for _, mem in members):
-        handles.append(Patch(facecolor="white", edgecolor="tab:red", hatch="//"))
-        entries.append("⚠ off its closed form")
+        handles.append(Patch(facecolor="white", edgecolor=OFF_COLOUR, hatch="//"))
+        entries.append(f"{OFF_MARK} off its closed form")
     ax.legend(handles, entries)
     _save(fig, path, written)
     return True
 
 
+def _memory_lines(runs: list[RunMetrics]) -> dict[tuple[str, str, int], dict[int, list[MemoryUse]]]:
+    """Memory records by line (strategy, pipeline mode, parameters per rank) and data-parallel size W: a line
+    holds one model's state across W, so a sweep of model sizes does not read as a change with W."""
+    lines: dict[tuple[str, str, int], dict[int, list[MemoryUse]]] = {}
+    for r in runs:
+        if r.memory is not None:
+            key = (r.memory.strategy, _mode(r), round(r.memory.params))
+            lines.setdefault(key, {}).setdefault(r.dp, []).append(r.memory)
+    return lines
+
+
+def _memory_vs_world_size(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
+    """Training-state MB per rank (mean over ranks, and over runs at the same W) against the data-parallel size W,
+    one line per strategy with its closed form dashed in the same colour; a W where a run is off its closed form
+    is marked ⚠, so that it does not read as a match. Drawn only when some line spans two or more W."""
+    lines = _memory_lines(runs)
+    if not any(len(by_w) > 1 for by_w in lines.values()):
+        return False
+    models = len({(mode, n) for _, mode, n in lines}) > 1  # name the model only where lines differ in it
+    fig, ax = plt.subplots()
+    flagged = False
+    keys = sorted(lines, key=lambda k: (*_strategy_order(k[0]), *k[1:]))
+    for i, (strategy, mode, n) in enumerate(keys):
+        by_w, colour = lines[strategy, mode, n], LINE_COLOURS[i % len(LINE_COLOURS)]
+        ws = sorted(by_w)
+        label = strategy + (f" {mode}" if mode else "") + (f", N={n:,}" if models else "")
+        totals = [statistics.fmean(mem.mean["total"] for mem in by_w[w]) / 1e6 for w in ws]
+        ax.plot(ws, totals, marker="o", color=colour, label=label)
+        closed = [[mem.closed_form for mem in by_w[w] if mem.closed_form is not None] for w in ws]
+        if all(closed):  # one strategy per line: every run has a closed form, or none does
+            ax.plot(ws, [statistics.fmean(c) / 1e6 for c in closed], linestyle="--", marker="x", color=colour)
+        for w, total in zip(ws, totals, strict=True):
+            if any(mem.mismatched for mem in by_w[w]):
+                ax.plot(w, total, marker="o", markerfacecolor="white", markeredgecolor=OFF_COLOUR,
+                        linestyle="none", label=None if flagged else f"{OFF_MARK} off its closed form")
+                ax.annotate(OFF_MARK, (w, total), textcoords="offset points", xytext=(0, 5), ha="center",
+                            color=OFF_COLOUR)
+                flagged = True
+    ax.set_xscale("log", base=2)
+    ax.minorticks_off()
+    ws = sorted({w for by_w in lines.values() for w in by_w})
+    ax.set_xticks(ws, [str(w) for w in ws])
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("data-parallel size W")
+    ax.set_ylabel("training state per rank (MB, mean over ranks)")
+    ax.set_title("Memory per rank vs W (dashed, ×: closed form)")
+    _legend(ax)
+    _save(fig, path, written)
+    return True
+
+
 OWN_FIGURES = ("time_vs_gpus.png", "throughput_vs_*.png", "pipeline_vs_model_parallel.png", "loss_*.png",
-               "pipeline_timeline*.png", "pipeline_bubble.png", "memory_per_rank.png")
+               "pipeline_timeline*.png", "pipeline_bubble.png", "memory_per_rank.png",
+               "memory_vs_world_size.png")
 
 
 def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], None] = print) -> list[Path]:
@@ -389,6 +454,9 @@ def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], Non
                 "measured bubble in [0, 1]")
         if not _memory(runs, out_dir / "memory_per_rank.png", written):
             say("figure memory_per_rank.png skipped: no run logged a memory record (logs older than it have none)")
+        if not _memory_vs_world_size(runs, out_dir / "memory_vs_world_size.png", written):
+            say("figure memory_vs_world_size.png skipped: no strategy has memory records at two or more data-parallel "
+                "sizes W (of one model and pipeline mode)")
     return written
 
 

@@ -16,7 +16,8 @@ CSV_COLUMNS = (
     "mfu", "mfu_note", "bubble_theory", "bubble_measured", "final_loss", "val_loss", "diverged_at_step",
     "stitched_epochs", "stale", "pp_schedule", "pp_virtual", "bubble_measured_std", "bubble_flagged",
     "dp_sync", "mem_params", *(f"mem_{part}_bytes_{stat}" for part in MEMORY_COLUMNS for stat in ("mean", "max")),
-    "mem_closed_form_bytes", "mem_ratio", "mem_flagged",
+    "mem_closed_form_bytes", "mem_ratio", "mem_flagged", "mem_gathered_peak_bytes_mean", "mem_gathered_peak_bytes_max",
+    "peak_mem_bytes_mean", "peak_mem_bytes_max",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -63,7 +64,11 @@ MEMORY_NOTE = (
     "for N parameters (the rank's own; a sharded parameter counted at its global size) and W data-parallel ranks, "
     f"fp32 (parameters + gradients + AdamW moments): {_closed_forms()}. "
     f"Sharded buffers are padded to multiples of W, so a rank's total within {MEMORY_REL_TOL:.0%} + "
-    f"{MEMORY_ABS_TOL // 1024} KiB of its closed form matches; a rank off by more is flagged (⚠)."
+    f"{MEMORY_ABS_TOL // 1024} KiB of its closed form matches; a rank off by more is flagged (⚠). "
+    "**in flight**: the most bytes of gathered (unsharded) unit parameters and unsharded gradients a rank held at "
+    "once during a step (`gathered_peak_bytes`, logged by fsdp); transient, so not in the total or the closed form. "
+    "**peak**: each rank's highest `peak_mem_bytes` over its step records (measured on CUDA), everything it allocated "
+    "included; – where no step logged a number (null on CPU)."
 )
 
 
@@ -85,7 +90,7 @@ def write_csv(runs: list[RunMetrics], path: Path) -> None:
                 _num(r.final_loss, 6), _num(r.val_loss, 6), "" if r.diverged_at is None else r.diverged_at,
                 " ".join(map(str, r.stitched)), r.stale, r.pp_schedule, r.pp_virtual if r.engine else "",
                 _num(r.bubble_std, 6), "yes" if r.bubble_flagged else "", r.params.get("parallel.dp_sync", ""),
-                *_memory_cells(r),
+                *_memory_cells(r), *_pair_cells(r.peak_mem),
             ])
 
 
@@ -93,9 +98,15 @@ def _memory_cells(r: RunMetrics) -> list[str]:
     """The CSV's memory columns: raw bytes, blank for a run without memory records."""
     mem = r.memory
     if mem is None:
-        return [""] * (2 * len(MEMORY_COLUMNS) + 4)
+        return [""] * (2 * len(MEMORY_COLUMNS) + 6)
     return [_num(mem.params, 12), *(_num(stat[part], 12) for part in MEMORY_COLUMNS for stat in (mem.mean, mem.max)),
-            _num(mem.closed_form, 12), _num(mem.ratio, 6), "yes" if mem.mismatched else ""]
+            _num(mem.closed_form, 12), _num(mem.ratio, 6), "yes" if mem.mismatched else "",
+            *_pair_cells(mem.gathered_peak)]
+
+
+def _pair_cells(pair: tuple[float, float] | None) -> list[str]:
+    """Raw (mean, max) bytes over ranks, blank where no rank logged the value."""
+    return ["", ""] if pair is None else [_num(value, 12) for value in pair]
 
 
 def _pm(pair: tuple[float | None, float | None], fmt: str) -> str:
@@ -173,7 +184,7 @@ def _memory_section(shown: list[RunMetrics]) -> list[str]:
     if not runs:
         return []
     lines = ["", "## Memory per rank", "", "| run | strategy | W | params | params MB | grads MB | optimizer MB "
-             "| total MB | closed form MB | ratio |", "|" + "---|" * 10]
+             "| total MB | closed form MB | ratio | in flight MB | peak MB |", "|" + "---|" * 12]
     for r, mem in runs:
         mb = {part: _mb(mem.mean[part], mem.max[part]) for part in MEMORY_COLUMNS}
         closed = "–" if mem.closed_form is None else f"{mem.closed_form / 1e6:.4g}"
@@ -182,9 +193,15 @@ def _memory_section(shown: list[RunMetrics]) -> list[str]:
             ratio += f" ⚠ off the closed form (rank{'s' if len(mem.mismatched) > 1 else ''} "
             ratio += ", ".join(map(str, mem.mismatched)) + ")"
         lines.append(f"| {r.run_id} | {mem.strategy} | {r.dp} | {mem.params:,.0f} | {mb['params']} | {mb['grads']} | "
-                     f"{mb['optimizer']} | {mb['total']} | {closed} | {ratio} |")
+                     f"{mb['optimizer']} | {mb['total']} | {closed} | {ratio} | {_mb_pair(mem.gathered_peak)} | "
+                     f"{_mb_pair(r.peak_mem)} |")
     return [*lines, "", MEMORY_NOTE]
 
 
 def _mb(mean: float, most: float) -> str:
     return f"{mean / 1e6:.4g}" + ("" if most == mean else f" ({most / 1e6:.4g})")
+
+
+def _mb_pair(pair: tuple[float, float] | None) -> str:
+    """An optional (mean, max) over ranks in MB; – where no rank logged it, so a gap does not read as zero."""
+    return "–" if pair is None else _mb(*pair)

@@ -7,6 +7,7 @@ import math
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 from logsets import T0, Rank, config, dp_run, engine_run
@@ -400,7 +401,8 @@ def test_a_second_report_removes_figures_that_lost_their_data(tmp_path: Path) ->
 
 @pytest.mark.parametrize("strategy, w, expected", [
     ("naive", 2, 16_000), ("bucketed", 2, 16_000), ("ddp", 4, 16_000), ("zero1", 2, 12_000), ("zero1", 4, 10_000),
-    ("zero2", 2, 10_000), ("zero2", 4, 7_000), ("fsdp2", 4, 4_000), ("fsdp2", 1, 16_000),
+    ("zero2", 2, 10_000), ("zero2", 4, 7_000), ("fsdp", 4, 4_000), ("fsdp", 2, 8_000), ("fsdp2", 4, 4_000),
+    ("fsdp2", 1, 16_000),
 ])
 def test_closed_form_state_bytes_per_rank_for_a_thousand_parameters(strategy: str, w: int, expected: int) -> None:
     assert closed_form_state_bytes(strategy, 1000, w) == pytest.approx(expected)
@@ -515,3 +517,94 @@ def test_memory_figure_is_written_with_memory_records_and_skipped_without(tmp_pa
     assert not (tmp_path / "out" / "memory_per_rank.png").exists()
     assert any("memory_per_rank.png skipped" in s for s in again.skipped)
     assert "Memory per rank" not in again.summary_md.read_text()
+
+
+@pytest.mark.parametrize("optimizer_bytes, flagged", [(2_000_000, False), (2_400_000, True)])
+def test_fsdp_shards_everything_and_a_run_ten_percent_off_16n_over_w_is_flagged(
+        tmp_path: Path, optimizer_bytes: int, flagged: bool) -> None:
+    # N=1e6, W=4: 16N/W = 4e6 bytes (zero2's 4N + 12N/W would be 7e6); 0.4e6 more is past 1% + 4 KiB.
+    dp_run(tmp_path / "runs" / "f", [100.0] * 4, memory=[(1_000_000, 1_000_000, 1_000_000, optimizer_bytes)] * 4,
+           **{"parallel.dp_sync": "fsdp"})
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    mem = result.runs[0].memory
+    assert mem is not None and mem.closed_form == 4_000_000
+    assert (mem.mismatched == [0, 1, 2, 3]) is flagged and bool(result.runs[0].warnings) is flagged
+    assert "fsdp, fsdp2: 4N/W + 4N/W + 8N/W" in result.summary_md.read_text()
+
+
+def sharded_run(run_dir: Path, strategy: str, records: list[dict[str, Any]],
+                peaks: list[list[float | None]]) -> None:
+    """A completed run of len(records) data-parallel ranks, two steps an epoch: rank r logs peak_mem_bytes
+    peaks[r][s - 1] in step s and, after step 1, the memory record records[r] (with its own optional fields)."""
+    for r, (record, rank_peaks) in enumerate(zip(records, peaks, strict=True)):
+        rank = Rank(run_dir, r, config(name=run_dir.name, dp=len(records), **{"parallel.dp_sync": strategy})).header()
+        for step, peak in enumerate(rank_peaks, 1):
+            rank._log("step", step=step, epoch=(step + 1) // 2, loss=3.0, lr=1e-3, grad_norm=1.0, tokens=100,
+                      step_time_s=1.0, tokens_per_s=100.0, data_time_s=0.0, peak_mem_bytes=peak)
+            if step == 1:
+                rank._log("memory", step=1, **record)
+            if step % 2 == 0:
+                rank.epoch(step // 2, 2.0, 100.0, steps=2)
+        rank.final(step=len(rank_peaks))
+
+
+def test_in_flight_and_peak_memory_are_shown_over_the_ranks_that_logged_them(tmp_path: Path) -> None:
+    # fsdp, N=1000, W=4: each rank holds its 16N/W = 4000 bytes. Ranks 0 and 1 log 3 and 5 MB in flight, rank 2
+    # null, rank 3 nothing; rank 0's steps peak at 300 MB (its highest), rank 1's at 500 MB, ranks 2 and 3 null.
+    state = {"params": 1000, "params_bytes": 1000, "grads_bytes": 1000, "optimizer_bytes": 2000}
+    records = [{**state, "gathered_peak_bytes": 3_000_000}, {**state, "gathered_peak_bytes": 5_000_000},
+               {**state, "gathered_peak_bytes": None}, state]
+    peaks: list[list[float | None]] = [[1e8, 3e8, 2e8, 2e8], [5e8] * 4, [None] * 4, [None] * 4]
+    sharded_run(tmp_path / "runs" / "gpu", "fsdp", records, peaks)
+    sharded_run(tmp_path / "runs" / "cpu", "fsdp", [state] * 4, [[None] * 4] * 4)
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    by = {m.run: m for m in result.runs}
+    gpu, cpu = by["gpu"], by["cpu"]
+    assert gpu.memory is not None and gpu.memory.gathered_peak == (4_000_000, 5_000_000)
+    assert gpu.peak_mem == (4e8, 5e8) and not gpu.memory.mismatched and not gpu.warnings
+    assert cpu.memory is not None and cpu.memory.gathered_peak is None and cpu.peak_mem is None
+    summary = result.summary_md.read_text()
+    assert "| total MB | closed form MB | ratio | in flight MB | peak MB |" in summary
+    assert "| gpu | fsdp | 4 | 1,000 | 0.001 | 0.001 | 0.002 | 0.004 | 0.004 | 1.000 | 4 (5) | 400 (500) |" in summary
+    assert "| cpu | fsdp | 4 | 1,000 | 0.001 | 0.001 | 0.002 | 0.004 | 0.004 | 1.000 | – | – |" in summary
+    rows = csv_rows(result.summary_csv)
+    assert (rows["gpu"]["mem_gathered_peak_bytes_mean"], rows["gpu"]["mem_gathered_peak_bytes_max"],
+            rows["gpu"]["peak_mem_bytes_mean"], rows["gpu"]["peak_mem_bytes_max"]) == (
+        "4000000", "5000000", "400000000", "500000000")
+    assert rows["cpu"]["mem_gathered_peak_bytes_mean"] == rows["cpu"]["peak_mem_bytes_mean"] == ""
+
+
+def test_an_in_flight_count_that_is_not_a_number_leaves_the_record_out(tmp_path: Path) -> None:
+    state = {"params": 1000, "params_bytes": 1000, "grads_bytes": 1000, "optimizer_bytes": 2000}
+    sharded_run(tmp_path / "r", "fsdp", [{**state, "gathered_peak_bytes": "lots"}], [[None] * 2])
+    m = metrics(tmp_path)["r"]
+    assert m.memory is None and any("rank 0's memory record has a field that is not a number" in w for w in m.warnings)
+
+
+def fsdp_run(run_dir: Path, w: int, n: int = 1000, off: float = 1.0) -> None:
+    """An fsdp run of W ranks, each holding 16N/W bytes (its optimizer state scaled by `off`)."""
+    dp_run(run_dir, [100.0] * w, memory=[(n, 4 * n // w, 4 * n // w, round(8 * n // w * off))] * w,
+           **{"parallel.dp_sync": "fsdp"})
+
+
+def test_memory_vs_world_size_is_drawn_when_a_strategy_spans_two_sizes_and_skipped_otherwise(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    fsdp_run(tmp_path / "spans" / "w2", 2)
+    fsdp_run(tmp_path / "spans" / "w4", 4, off=1.5)  # off its closed form: drawn, and marked
+    dp_run(tmp_path / "spans" / "z1", [100.0] * 2, memory=[(1000, 4000, 4000, 4000)] * 2,
+           **{"parallel.dp_sync": "zero1"})  # a strategy at one W only rides along
+    drawn = report(tmp_path / "spans", out, now=LATER)
+    assert "memory_vs_world_size.png" in {p.name for p in drawn.figures}
+    assert not any("memory_vs_world_size.png" in s for s in drawn.skipped)
+    width, height = png_size(out / "memory_vs_world_size.png")
+    assert width >= 400 and height >= 300
+
+    fsdp_run(tmp_path / "apart" / "fsdp-w2", 2)  # each strategy at one W
+    dp_run(tmp_path / "apart" / "zero1-w4", [100.0] * 4, memory=[(1000, 4000, 4000, 2000)] * 4,
+           **{"parallel.dp_sync": "zero1"})
+    fsdp_run(tmp_path / "apart" / "big-w4", 4, n=2000)  # fsdp at W=4, but of another model: no line across W
+    apart = report(tmp_path / "apart", out, now=LATER)  # the same folder: the old figure goes
+    assert not (out / "memory_vs_world_size.png").exists()
+    assert "memory_per_rank.png" in {p.name for p in apart.figures}
+    assert any(s.startswith("figure memory_vs_world_size.png skipped: no strategy has memory records at two or more")
+               for s in apart.skipped)
