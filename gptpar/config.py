@@ -27,6 +27,10 @@ class ConfigError(GptparError):
     """A bad config value; the message is one line naming the key and what is allowed."""
 
 
+PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use model.init_device=meta; "
+                      "use model.init_device=cpu or model.init=random")
+
+
 def opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None,
         max: float | None = None) -> Any:
     """A dataclass field with its documentation and constraints attached."""
@@ -46,6 +50,9 @@ class ModelConfig:
     dropout: float = opt(0.0, "Dropout on embeddings, attention and residuals.", min=0.0, max=1.0)
     init: str = opt("random", "random: seeded random weights; pretrained: hub weights (needs the hub).",
                     choices=("random", "pretrained"))
+    init_device: str = opt("cpu", "Where the model is built: cpu builds it whole; meta builds it without memory and "
+                           "lets each rank materialise only what it holds (its shard under parallel.dp_sync=fsdp), "
+                           "seeded per parameter so the values equal a cpu build.", choices=("cpu", "meta"))
 
 
 @dataclass(frozen=True)
@@ -98,9 +105,10 @@ class ParallelConfig:
                   max=65_536)
     dp_sync: str = opt("bucketed", "Data-parallel strategy: naive (all-reduce per parameter), bucketed "
                        "(overlapped flat buckets), ddp (torch DDP; not with parallel.pp > 1), zero1 (bucketed, "
-                       "optimizer state sharded), zero2 (gradients sharded too), fsdp2 (torch's fully_shard, "
-                       "parameters sharded too); the sharded ones not with parallel.pp > 1.",
-                       choices=("naive", "bucketed", "ddp", "zero1", "zero2", "fsdp2"))
+                       "optimizer state sharded), zero2 (gradients sharded too), fsdp (ours, ZeRO-3: parameters "
+                       "sharded too, gathered per block), fsdp2 (torch's fully_shard, the same units); the sharded "
+                       "ones not with parallel.pp > 1.",
+                       choices=("naive", "bucketed", "ddp", "zero1", "zero2", "fsdp", "fsdp2"))
     pp: int = opt(1, "Pipeline stages, each its own rank (the multi-process engine); the job has "
                   "dp * pp ranks. 1 keeps the one-process modes of parallel.pp_mode.", min=1, max=4096)
     pp_schedule: str = opt("1f1b", "Schedule of the multi-process pipeline (parallel.pp > 1).",
@@ -391,6 +399,8 @@ def validate(cfg: Config) -> None:
     if p.pp_mode != "single" and p.dp > 1:
         raise ConfigError(f"parallel.pp_mode={p.pp_mode} drives its stages from one process and cannot be "
                           f"combined with parallel.dp={p.dp} yet; use parallel.dp=1 or parallel.pp_mode=single")
+    if cfg.model.init == "pretrained" and cfg.model.init_device == "meta":
+        raise ConfigError(PRETRAINED_ON_META)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     if p.pp_mode == "single" and p.devices.strip() and p.dp > 1:
@@ -433,7 +443,7 @@ def _validate_pipeline(cfg: Config) -> None:
     if p.dp_sync == "ddp":
         raise ConfigError("parallel.dp_sync=ddp cannot sync a pipeline stage (DDP reduces inside every backward, "
                           "the engine runs many per step); use parallel.dp_sync=bucketed or naive with parallel.pp > 1")
-    if p.dp_sync in ("zero1", "zero2", "fsdp2"):
+    if p.dp_sync in ("zero1", "zero2", "fsdp", "fsdp2"):
         raise ConfigError(f"parallel.dp_sync={p.dp_sync} does not shard pipeline stages yet; use "
                           "parallel.dp_sync=bucketed or naive with parallel.pp > 1")
     replica_batch = t.batch_size // (p.dp * t.grad_accum)

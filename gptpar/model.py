@@ -1,17 +1,31 @@
-"""GPT-2 from transformers, randomly initialised from a named shape (or loaded from the hub)."""
+"""GPT-2 from transformers, randomly initialised from a named shape (or loaded from the hub).
+
+Random weights are drawn per parameter, from a generator seeded by the run seed and the parameter's
+name, so a model built on the meta device can be materialised later, or only in part (a rank's
+shard), with exactly the values a plain CPU build gives.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import math
+import re
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gptpar.config import ModelConfig
+from gptpar.config import PRETRAINED_ON_META, ModelConfig
 from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
 from gptpar.presets import PRESETS
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+INIT_DEVICES = ("cpu", "meta")
 
 
 def check_context(seq_len: int | None, n_positions: int, fixed_by: str = "") -> None:
@@ -39,16 +53,28 @@ def gpt2_config(cfg: ModelConfig, vocab_size: int, seq_len: int | None = None) -
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int, hub_timeout_s: float = 3.0,
-                seq_len: int | None = None) -> GPT2LMHeadModel:
+                seq_len: int | None = None, init_device: str = "cpu") -> GPT2LMHeadModel:
     """The same seed gives the same weights on every rank, which data parallelism relies on.
 
     Pass seq_len (data.seq_len) so that a block longer than the context fails here, in one line,
     for every parallel mode, instead of as an index error inside the first forward pass.
+    init_device="meta" returns the model unmaterialised (no memory); `materialize` fills it later,
+    on any device, with the values a "cpu" build has.
     """
+    if init_device not in INIT_DEVICES:
+        raise GptparError(f"model.init_device={init_device!r} is not one of {', '.join(INIT_DEVICES)}")
     if cfg.init == "pretrained":
+        if init_device == "meta":
+            raise GptparError(PRETRAINED_ON_META)
         return _pretrained(cfg, vocab_size, hub_timeout_s, seq_len)
-    torch.manual_seed(seed)
-    return GPT2LMHeadModel(gpt2_config(cfg, vocab_size, seq_len))
+    config = gpt2_config(cfg, vocab_size, seq_len)
+    torch.manual_seed(seed)  # dropout draws from the global generator; the weights no longer do
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    _check_tied(model)
+    if init_device == "cpu":
+        materialize(model, seed, torch.device("cpu"))
+    return model
 
 
 def _pretrained(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len: int | None = None
@@ -65,6 +91,106 @@ def _pretrained(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len
         raise GptparError(
             f"model.init=pretrained: weights for {cfg.preset!r} are neither reachable on the "
             "Hugging Face hub nor in the local cache (HF_HOME); use model.init=random") from None
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 63-bit seed fixed by the run seed and the parameter's name alone (blake2b, unlike `hash`,
+    is the same in every process), so each parameter's draw is independent of build order."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+# GPT2PreTrainedModel._init_weights, by parameter name: "normal" is N(0, initializer_range) (Conv1D and
+# embedding weights), "residual" is N(0, initializer_range / sqrt(2 * n_layer)) (GPT-2's scaled
+# projections into the residual stream), "zeros" and "ones" are constants.
+_TOP_LEVEL = {"transformer.wte.weight": "normal", "transformer.wpe.weight": "normal",
+              "transformer.ln_f.weight": "ones", "transformer.ln_f.bias": "zeros",
+              "lm_head.weight": "normal"}
+_IN_BLOCK = {"ln_1.weight": "ones", "ln_1.bias": "zeros", "ln_2.weight": "ones", "ln_2.bias": "zeros",
+             "attn.c_attn.weight": "normal", "attn.c_attn.bias": "zeros",
+             "attn.c_proj.weight": "residual", "attn.c_proj.bias": "zeros",
+             "mlp.c_fc.weight": "normal", "mlp.c_fc.bias": "zeros",
+             "mlp.c_proj.weight": "residual", "mlp.c_proj.bias": "zeros"}
+_BLOCK_NAME = re.compile(r"transformer\.h\.(\d+)\.(.+)")
+
+
+def _init_kind(name: str, config: GPT2Config) -> str:
+    if name in _TOP_LEVEL:
+        return _TOP_LEVEL[name]
+    match = _BLOCK_NAME.fullmatch(name)
+    if match and int(match[1]) < config.n_layer and match[2] in _IN_BLOCK:
+        return _IN_BLOCK[match[2]]
+    raise GptparError(f"no initial value is defined for a GPT-2 parameter named {name!r} "
+                      f"(n_layer={config.n_layer}); add it to gptpar.model's init table")
+
+
+def initial_value(name: str, shape: torch.Size, config: GPT2Config, seed: int) -> torch.Tensor:
+    """The float32 CPU initial value of the GPT2LMHeadModel parameter `name` of full shape `shape`.
+
+    Drawn on CPU from a generator seeded by (seed, name), so it is the same on every device and
+    rank, and a shard of a parameter is the same slice of this tensor.
+    """
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        name = "transformer.wte.weight"  # one matrix under two names
+    kind = _init_kind(name, config)
+    if kind == "zeros":
+        return torch.zeros(shape, dtype=torch.float32, device="cpu")
+    if kind == "ones":
+        return torch.ones(shape, dtype=torch.float32, device="cpu")
+    std = config.initializer_range
+    if kind == "residual":
+        std /= math.sqrt(2 * config.n_layer)
+    generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
+    return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def init_parameters(model: GPT2LMHeadModel, seed: int) -> None:
+    """Overwrite every parameter with its `initial_value`; a DTensor parameter (FSDP2's shards) gets
+    just its local slice of it."""
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            full = initial_value(name, param.shape, model.config, seed).to(param.device, param.dtype)
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(initial_value(name, param.shape, model.config, seed))
+
+
+def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Make a meta-device GPT2LMHeadModel, bare or inside a wrapper (e.g. fully_shard), real on
+    `device` with its initial values: the same as a cpu build moved to `device`."""
+    gpt2 = next((m for m in model.modules() if isinstance(m, GPT2LMHeadModel)), None)
+    if gpt2 is None:
+        raise GptparError(f"materialize needs a GPT2LMHeadModel, found none inside {type(model).__name__}")
+    if buffers := [name for name, _ in model.named_buffers()]:
+        raise GptparError(f"materialize cannot restore buffers {', '.join(buffers)} (to_empty leaves them "
+                          "uninitialised); teach gptpar.model.materialize to re-create them")
+    own = {id(p) for p in gpt2.parameters()}
+    if outside := [name for name, p in model.named_parameters() if id(p) not in own]:
+        raise GptparError(f"materialize would leave parameters outside the GPT-2 uninitialised: "
+                          f"{', '.join(outside)}")
+    with _params_swapped_in_place():
+        model.to_empty(device=device)
+    _check_tied(gpt2)
+    init_parameters(gpt2, seed)
+
+
+@contextlib.contextmanager
+def _params_swapped_in_place() -> Iterator[None]:
+    """Without this, to_empty gives each module a new Parameter and unties lm_head from wte."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _check_tied(model: GPT2LMHeadModel) -> None:
+    """The LM head must be the embedding matrix itself, or training updates two copies."""
+    if model.config.tie_word_embeddings and model.lm_head.weight is not model.transformer.wte.weight:
+        raise RuntimeError("lm_head.weight is no longer tied to transformer.wte.weight")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,10 @@ def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     net = trainer.net
     params = net.original_parameters() if trainer.pipeline else {n.removeprefix("model."): p for n, p in
                                                                   net.named_parameters()}
-    # A DTensor (FSDP2) is gathered whole: a collective, in the same order on every rank.
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()}
+    # A DTensor (FSDP2) is gathered whole, fsdp's units inside whole_parameters(): collectives, in the same order on
+    # every rank.
+    with trainer.sync.whole_parameters():
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()}
 
 
 def reference_run(cfg: Config) -> dict:

@@ -9,9 +9,8 @@ from gptpar.model import PRESETS, build_model, count_params, gpt2_config, lm_los
 def test_gpt2_preset_is_124m_with_gpt2_vocab():
     cfg = gpt2_config(ModelConfig(preset="gpt2"), 50257)
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_positions) == (12, 768, 12, 1024)
-    with torch.device("meta"):
-        model = build_model(ModelConfig(preset="gpt2"), 50257, seed=0)
-    assert round(count_params(model) / 1e6) == 124
+    model = build_model(ModelConfig(preset="gpt2"), 50257, seed=0, init_device="meta")
+    assert round(count_params(model) / 1e6) == 124 and next(model.parameters()).is_meta
 
 
 def test_every_preset_builds_a_consistent_config():

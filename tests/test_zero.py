@@ -1,9 +1,9 @@
-"""ZeRO-1/2 on real gloo groups: sharded optimizer state (and gradients), one process's training, memory to the byte.
+"""ZeRO-1/2/3 (zero1, zero2, our fsdp) and FSDP2 on real gloo groups: one process's training, memory to the byte.
 
-One spawn of 2 ranks trains each case through the trainer's own step (AdamW, clipping on) and saves
-losses, parameters and the `memory` counts; the assertions compare them with one process on the same
-global batch, and the memory with the closed forms 4N + 4N + 8N/W (ZeRO-1) and 4N + (4N + 8N)/W (ZeRO-2),
-the flat buffer's padding included.
+One spawn of 2 ranks (and one of 4) trains each case through the trainer's own step (AdamW, clipping on) and
+saves losses, parameters and the `memory` counts; the assertions compare them with one process on the same
+global batch, and the memory with the closed forms 4N + 4N + 8N/W (ZeRO-1), 4N + (4N + 8N)/W (ZeRO-2) and 16N/W
+(fsdp, per unit), the flat buffers' padding included.
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
 CASES = [
     ("zero1", ["parallel.dp=2", "parallel.dp_sync=zero1"]),
     ("zero1-accum", ["parallel.dp=2", "parallel.dp_sync=zero1", "train.grad_accum=2", "parallel.bucket_mb=0.01"]),
-    ("zero2", ["parallel.dp=2", "parallel.dp_sync=zero2"]),
-    ("zero2-accum", ["parallel.dp=2", "parallel.dp_sync=zero2", "train.grad_accum=2"]),
+    ("zero2", ["parallel.dp=2", "parallel.dp_sync=zero2", "parallel.bucket_mb=0.01"]),
+    ("zero2-accum", ["parallel.dp=2", "parallel.dp_sync=zero2", "train.grad_accum=2", "parallel.bucket_mb=0.01"]),
+    ("fsdp", ["parallel.dp=2", "parallel.dp_sync=fsdp"]),
+    ("fsdp-accum", ["parallel.dp=2", "parallel.dp_sync=fsdp", "train.grad_accum=2"]),
+    ("fsdp-meta", ["parallel.dp=2", "parallel.dp_sync=fsdp", "model.init_device=meta"]),
     ("fsdp2", ["parallel.dp=2", "parallel.dp_sync=fsdp2"]),
     ("fsdp2-accum", ["parallel.dp=2", "parallel.dp_sync=fsdp2", "train.grad_accum=2"]),
 ]
-CASES_4 = [(f"{sync}-w4", ["parallel.dp=4", f"parallel.dp_sync={sync}"]) for sync in ("zero1", "zero2", "fsdp2")]
+CASES_4 = [(f"{sync}-w4", ["parallel.dp=4", f"parallel.dp_sync={sync}"])
+           for sync in ("zero1", "zero2", "fsdp", "fsdp2")]
 ALL = dict(CASES + CASES_4)
 
 
@@ -36,13 +40,16 @@ def _zero_worker(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]],
     for name, overrides in cases:
         cfg = make_config(overrides, runs, name)
         trainer = make_trainer(cfg, info)
+        initial = named_params(trainer)
         losses = train_steps(trainer, 2)
         sync = trainer.sync
-        record = {"losses": losses, "params": named_params(trainer), "memory": trainer.memory,
-                  "shard": getattr(sync, "shard_size", None), "pieces": [(n, a, b) for n, _, _, a, b in
-                                                                          getattr(sync, "pieces", [])]}
+        record = {"losses": losses, "params": named_params(trainer), "memory": trainer.memory, "initial": initial,
+                  # elements of this rank's shards: of the one flat buffer (zero1), of every unit (zero2, fsdp)
+                  "shard": sum(u.shard_size for u in sync.units) if hasattr(sync, "units") else getattr(
+                      sync, "shard_size", None), "units": len(getattr(sync, "units", [None])),
+                  "pieces": [(p.name, p.start, p.end) for p in getattr(sync, "pieces", [])]}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
-    for name in ("zero1", "zero2", "fsdp2") if resume else ():  # a step, a checkpoint, a new trainer, a step
+    for name in ("zero1", "zero2", "fsdp", "fsdp2") if resume else ():  # a step, a checkpoint, a new trainer, a step
         cfg = make_config(dict(CASES)[name], runs, f"resumed-{name}")
         first = make_trainer(cfg, info)
         train_steps(first, 1)
@@ -78,7 +85,7 @@ def test_zero_trains_like_one_process_and_keeps_the_replicas_bitwise_equal(resul
         assert all(torch.equal(value, r["params"][param]) for r in ranks), param  # every rank: the same model
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "zero1-w4", "zero2-w4"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero1-w4", "zero2-w4", "fsdp", "fsdp-w4"])
 def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, name: str) -> None:
     ranks = _ranks(results, name)
     n = ranks[0]["memory"]["params"]
@@ -96,21 +103,22 @@ def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, n
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero1-w4", "zero2-w4"])
 def test_memory_is_the_closed_form(results: Path, name: str) -> None:
-    """ZeRO-1: 4N + 4N + 8N/W; ZeRO-2: 4N + (4N + 8N)/W; N/W is the shard, padded to a multiple of W."""
+    """ZeRO-1: 4N + 4N + 8N/W; ZeRO-2: 4N + (4N + 8N)/W; N/W is the shard, padded to a multiple of W (ZeRO-2: each
+    bucket's)."""
     ranks = _ranks(results, name)
     world = len(ranks)
     for rank in ranks:
         n, shard, memory = rank["memory"]["params"], rank["shard"], rank["memory"]
         own = sum(e - s for _, s, e in rank["pieces"])
         assert memory["params_bytes"] == 4 * shard * world  # the flat buffer: 4N plus under 4W bytes of padding
-        assert 0 <= 4 * shard * world - 4 * n < 4 * world
+        assert 0 <= 4 * shard * world - 4 * n < 4 * world * rank["units"]
         assert memory["grads_bytes"] == (4 * n if name.startswith("zero1") else 4 * shard)
         assert memory["optimizer_bytes"] == 8 * own and own <= shard  # 8N/W: this rank's shard only
     owned = [sum(e - s for _, s, e in r["pieces"]) for r in ranks]
-    assert max(owned) - min(owned) < world and sum(owned) == ranks[0]["memory"]["params"]
+    assert max(owned) - min(owned) < world * ranks[0]["units"] and sum(owned) == ranks[0]["memory"]["params"]
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "fsdp2"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "fsdp", "fsdp2"])
 def test_a_resumed_run_continues_bitwise_where_it_stopped(results: Path, name: str) -> None:
     """Each rank saves its own shard's optimizer state (keys name the parameter and range) and loads it back."""
     straight, resumed = _ranks(results, name), _ranks(results, f"resumed-{name}")
@@ -141,11 +149,52 @@ def test_fsdp2_holds_a_shard_of_everything(results: Path, name: str) -> None:
             4 * padded, 4 * padded, 8 * padded)
 
 
-@pytest.mark.parametrize("name", ["zero1", "fsdp2"])
+@pytest.mark.parametrize("name", ["zero1", "fsdp", "fsdp2"])
 def test_export_consolidates_a_sharded_checkpoint_into_whole_tensors(results: Path, name: str, tmp_path: Path) -> None:
-    """`gptpar checkpoint export` (one process) writes every parameter whole, whatever shards the ranks saved."""
+    """`gptpar checkpoint export` (one process) writes every parameter whole, whatever shards the ranks saved
+    (fsdp: every rank's pieces of each parameter, joined), also under GPT2LMHeadModel's names."""
     saved = _ranks(results, f"resumed-{name}")[0]["saved"]
     exported = torch.load(export_checkpoint(results / f"resumed-{name}", tmp_path / "plain.pt"), weights_only=False)
     model = {k.removeprefix("model."): v for k, v in exported["trainer"]["model"].items()}
     for param, value in saved.items():
         assert torch.equal(model[param], value), param
+        assert torch.equal(exported["gpt2"][param], value), param
+
+
+def _units(params: dict[str, torch.Tensor], world: int) -> tuple[int, int, int]:
+    """fsdp's layout of the test model: (root elements padded to a multiple of W, one block's padded, blocks)."""
+    pad = lambda n: -(-n // world) * world  # noqa: E731
+    blocks = {name.split(".")[2] for name in params if name.startswith("transformer.h.")}
+    block = sum(p.numel() for name, p in params.items() if name.startswith("transformer.h.0."))
+    root = sum(p.numel() for name, p in params.items() if not name.startswith("transformer.h."))
+    return pad(root), pad(block), len(blocks)
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp-accum", "fsdp-meta", "fsdp-w4"])
+def test_fsdp_holds_16n_over_w_and_its_in_flight_units_are_the_closed_form(results: Path, name: str) -> None:
+    """Per rank: 4 bytes of parameter shard and 4 of gradient shard per element of every unit's padded shard, 8 of AdamW
+    state per element it owns; in flight at most the root's parameters and flat gradient plus four block buffers
+    (two gathered, two flat gradients: one accumulating, one reduce-scattering), with or without accumulation."""
+    ranks = _ranks(results, name)
+    world = len(ranks)
+    root, block, blocks = _units(ranks[0]["params"], world)
+    shard = (root + block * blocks) // world
+    for rank in ranks:
+        memory, own = rank["memory"], sum(e - s for _, s, e in rank["pieces"])
+        assert memory["params"] == sum(p.numel() for p in rank["params"].values())
+        assert (memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]) == (
+            4 * shard, 4 * shard, 8 * own)
+        assert 16 * memory["params"] / world <= sum(memory[k] for k in ("params_bytes", "grads_bytes",
+                                                                         "optimizer_bytes")) < (
+            16 * memory["params"] / world + 8 * (blocks + 1))
+        assert memory["gathered_peak_bytes"] == 4 * (2 * root + 4 * block)
+
+
+def test_deferred_initialisation_materialises_the_same_model_as_a_normal_build(results: Path) -> None:
+    """model.init_device=meta under fsdp: each rank materialises only its shards, from per-parameter seeds, and the
+    gathered model equals a normal build's, as its training equals one process's (the equality test above)."""
+    meta, normal = _ranks(results, "fsdp-meta"), _ranks(results, "fsdp")
+    for m, n in zip(meta, normal, strict=True):
+        assert m["initial"].keys() == n["initial"].keys()
+        for param, value in n["initial"].items():
+            assert torch.equal(m["initial"][param], value), param

@@ -36,6 +36,7 @@ from torch.optim import Optimizer
 from gptpar.atomic import probe_space, write_error
 from gptpar.errors import GptparError
 from gptpar.parallel.data_parallel.base import GradSync
+from gptpar.parallel.data_parallel.fsdp import join_pieces
 from gptpar.parallel.pipeline.gpt2 import plain_gpt2_state
 
 CHECKPOINT_DIR = "checkpoint"
@@ -196,7 +197,8 @@ def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
 
 
 def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
-    """Write the whole checkpoint as one plain torch.save file (for users who want one file), shards made whole,
+    """Write the whole checkpoint as one plain torch.save file (for users who want one file), shards made whole
+    (fsdp's pieces joined into parameters),
     with the model also under `gpt2` in GPT2LMHeadModel's own names, whatever parallelism wrote it
     (`GPT2LMHeadModel(config).load_state_dict(torch.load(out)["gpt2"])`). Single process."""
     path = _existing(run_dir)
@@ -210,6 +212,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
         dcp_to_torch_save(path, tmp)
         state = torch.load(tmp, weights_only=False)
         if isinstance(state.get("trainer"), dict) and "model" in state["trainer"]:  # a training run's checkpoint
+            if "pieces" in state["trainer"]["model"]:  # fsdp's: every rank's pieces of the parameters
+                state["trainer"]["model"] = join_pieces(state["trainer"]["model"])
             state["gpt2"] = plain_gpt2_state(state["trainer"]["model"])
             torch.save(state, tmp)
     except (Exception, CheckpointException) as exc:
@@ -226,11 +230,13 @@ def model_state(model: nn.Module, optimizer: Optimizer, sync: GradSync | None = 
     The keys are the same whether the module is plain, DDP-wrapped (no `module.` prefix) or sharded, so a
     checkpoint written under one layout loads under another. An optimizer that has not stepped yet gets its state
     created (a zero-lr step on zero gradients), so that a fresh optimizer can be loaded into in place. A sync that
-    shards the optimizer (ZeRO) names its shards' state itself (`GradSync.optimizer_state`).
+    shards the optimizer (ZeRO) names its shards' state itself (`GradSync.optimizer_state`), and one that shards
+    the parameters too (fsdp) its pieces of them (`GradSync.parameter_state`): each rank writes its own.
     """
     _create_state(optimizer)
     if sync is not None and sync.shards_optimizer:
-        return get_model_state_dict(model), sync.optimizer_state(optimizer)
+        params = sync.parameter_state() if sync.shards_parameters else get_model_state_dict(model)
+        return params, sync.optimizer_state(optimizer)
     return get_state_dict(model, optimizer, options=FLAT)
 
 
@@ -258,7 +264,10 @@ def load_model_state(model: nn.Module, optimizer: Optimizer, model_sd: dict[str,
                      optim_sd: dict[str, Any], sync: GradSync | None = None) -> None:
     """Inverse of model_state."""
     if sync is not None and sync.shards_optimizer:
-        set_model_state_dict(model, model_sd)
+        if sync.shards_parameters:
+            sync.load_parameter_state(model_sd)
+        else:
+            set_model_state_dict(model, model_sd)
         sync.load_optimizer_state(optimizer, optim_sd)
         return
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=FLAT)

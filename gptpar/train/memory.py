@@ -33,6 +33,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     stepped = [p for group in optimizer.param_groups for p in group["params"]]  # may be shards of `params`
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     return {"params": sum(p.numel() for p in params),
-            "params_bytes": storage_bytes(params),
+            "params_bytes": storage_bytes([*params, *stepped]),  # fsdp: the shards; its whole parameters are freed
             "grads_bytes": storage_bytes(p.grad for p in [*params, *stepped] if p.grad is not None),
             "optimizer_bytes": storage_bytes(state)}

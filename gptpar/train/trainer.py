@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gptpar.config import Config, grid_sizes, resolve_for_launch, updated
 from gptpar.data import BlockDataset, load_tokens, partition_dataset
 from gptpar.errors import GptparError
-from gptpar.model import build_model, lm_loss
+from gptpar.model import build_model, initial_value, lm_loss, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.pipeline.engine import PipelineEngine
@@ -59,12 +59,20 @@ class Trainer:
         if len(self.train_set) < self.micro_batch:
             raise GptparError(f"train.batch_size={t.batch_size} exceeds the {len(self.train_set)} training "
                               "blocks of the corpus; lower it or use a larger corpus")
-        model = build_model(cfg.model, tokens.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=cfg.data.seq_len)
+        model = build_model(cfg.model, tokens.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=cfg.data.seq_len,
+                            init_device=cfg.model.init_device)
         self.pipeline = grid.size("pp") > 1
+        self.dp_group = grid.group("dp")
+        # model.init_device=meta: fsdp materialises only this rank's shards; every other layout the whole model.
+        shards_only = cfg.model.init_device == "meta" and cfg.parallel.dp_sync == "fsdp" and self.dp_group is not None
+        if cfg.model.init_device == "meta" and not shards_only:
+            materialize(model, t.seed, info.device)
         self.net = (PipelineEngine(model, cfg, grid, info.device) if self.pipeline
                     else build_parallel_model(model, cfg.parallel, info.device))
-        self.dp_group = grid.group("dp")
-        self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group)
+        gpt2 = model.config
+        initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, gpt2, t.seed))
+                   if shards_only else None)
+        self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group, info.device, initial)
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
@@ -135,7 +143,7 @@ class Trainer:
         self.optimizer.step()
         self.sync.after_step()
         if self.memory is None:
-            self.memory = state_bytes(self.net, self.optimizer)
+            self.memory = state_bytes(self.net, self.optimizer) | self.sync.memory_fields()
         self.sync.zero_grad()
         return total, grad_norm
 

@@ -11,14 +11,16 @@
 naive: the assignment's per-parameter all-reduce after backward (naive.py); bucketed: our
 overlapped reducer (bucketed.py); ddp: torch's DistributedDataParallel as the reference (ddp.py);
 zero1: the bucketed reducer with the optimizer state sharded over the group; zero2: gradients
-reduce-scattered into shards too (zero.py); fsdp2: torch's fully_shard, parameters sharded too
-(fsdp2.py). The trainer also calls sync.after_step() after optimizer.step(),
+reduce-scattered into shards too, bucket by bucket during backward (zero.py, on sharded.py); fsdp:
+ours, parameters sharded too and gathered per block (fsdp.py); fsdp2: torch's fully_shard on the
+same units (fsdp2.py). The trainer also calls sync.after_step() after optimizer.step(),
 builds the optimizer on sync.optimizer_params() (a sharded optimizer steps shards of the parameters)
 and clips over sync.clip_targets().
 """
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -26,19 +28,22 @@ from gptpar.config import ParallelConfig
 from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync
 from gptpar.parallel.data_parallel.ddp import DDPSync
+from gptpar.parallel.data_parallel.fsdp import FSDPSync
 from gptpar.parallel.data_parallel.fsdp2 import FSDP2Sync
 from gptpar.parallel.data_parallel.naive import NaiveSync, average_gradients
+from gptpar.parallel.data_parallel.sharded import InitialValue
 from gptpar.parallel.data_parallel.zero import ZeroOneSync, ZeroTwoSync
 
-__all__ = ["BucketedSync", "DDPSync", "FSDP2Sync", "GradSync", "NaiveSync", "ZeroOneSync", "ZeroTwoSync",
-           "average_gradients",
-           "broadcast_state", "make_grad_sync"]
+__all__ = ["BucketedSync", "DDPSync", "FSDP2Sync", "FSDPSync", "GradSync", "InitialValue", "NaiveSync",
+           "ZeroOneSync", "ZeroTwoSync", "average_gradients", "broadcast_state", "make_grad_sync"]
 
 
-def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGroup | None) -> GradSync:
+def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGroup | None,
+                   device: torch.device | None = None, initial: InitialValue | None = None) -> GradSync:
     """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one.
     The model must already be on its device and identical on all replicas up to a broadcast from the
-    group's first rank (done here)."""
+    group's first rank (done here), except under fsdp with `initial`: then it is on the meta device and
+    fsdp materialises this rank's shards on `device`."""
     if group is None:
         return GradSync(model)
     if pcfg.dp_sync == "naive":
@@ -48,7 +53,9 @@ def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGr
     if pcfg.dp_sync == "zero1":
         return ZeroOneSync(model, pcfg.bucket_mb, group)
     if pcfg.dp_sync == "zero2":
-        return ZeroTwoSync(model, group)
+        return ZeroTwoSync(model, pcfg.bucket_mb, group)
+    if pcfg.dp_sync == "fsdp":
+        return FSDPSync(model, group, device or next(model.parameters()).device, initial)
     if pcfg.dp_sync == "fsdp2":
         return FSDP2Sync(model, group)
     return BucketedSync(model, pcfg.bucket_mb, group)

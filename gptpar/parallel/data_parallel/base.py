@@ -31,6 +31,9 @@ class GradSync:
     # True for a sync that shards the optimizer (zero.ShardedOptimizer): checkpoints then store what its
     # optimizer_state() names, the state of this rank's shards, and load it with load_optimizer_state().
     shards_optimizer = False
+    # True for a sync that shards the parameters too (fsdp.FSDPSync): checkpoints then store parameter_state(), this
+    # rank's pieces, and load them with load_parameter_state().
+    shards_parameters = False
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -60,3 +63,12 @@ class GradSync:
 
     def after_step(self) -> None:
         """Just after optimizer.step() (a sharded optimizer gathers the updated parameters)."""
+
+    def memory_fields(self) -> dict[str, int]:
+        """Extra fields of the `memory` record: what only this strategy can count (fsdp: its in-flight peak)."""
+        return {}
+
+    @contextlib.contextmanager
+    def whole_parameters(self) -> Iterator[None]:
+        """Inside, model.parameters() hold the whole current values (a strategy that frees them gathers them)."""
+        yield

@@ -281,7 +281,8 @@ class ParallelGPT2(nn.Module):
         self.mode, self.chunks = pcfg.pp_mode, pcfg.chunks
         if self.mode == "single":
             device = devices[0] if pcfg.devices.strip() else rank_device
-            self.model = model.to(device)
+            # A model still on the meta device (model.init_device=meta under fsdp) is materialised by its sync.
+            self.model = model if next(model.parameters()).is_meta else model.to(device)
             self.input_device = self.output_device = device
             self.stage_devices = [device]
             return

@@ -1,0 +1,223 @@
+"""The flat-shard layout and gradient reduce-scatter that ZeRO-1, ZeRO-2 and fsdp share.
+
+Layout: a group of parameters (all of them for ZeRO-1, a bucket for ZeRO-2, a block for fsdp) is laid end to end
+in one flat buffer padded to a multiple of the group size W; rank r owns the r-th W-th of it, its *shard*. The
+optimizer steps *pieces*: views of the shard where a parameter overlaps it, each with its parameter's weight-decay
+class, so nothing is copied into or out of the optimizer. Checkpoints store each piece's optimizer state (and under
+fsdp the piece itself) as `<parameter name>[<start>:<end>]`, the range within the flattened parameter, which names
+the same piece on every restart with the same W.
+
+Gradients of ZeRO-2 and fsdp (`UnitSync`): a unit's gradients accumulate into a flat buffer of its layout, which
+is reduce-scattered (averaged) as soon as the unit's last parameter gradient is in (post-accumulate-grad hooks), so
+the reduction of one unit overlaps the backward of the next; the result is added into the unit's gradient shard,
+each piece's gradient a view of it. One reduce-scatter is outstanding at a time, bounding the full gradients in
+flight to two units' (the one accumulating, the one reducing). Every micro-step reduces, so gradient accumulation
+keeps no full gradient between micro-steps. The order in which units complete is the same on every rank (the same
+graph runs backward), which matches the collectives.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gptpar.parallel.data_parallel.base import GradSync
+
+# torch 2.13 renamed these collectives (the old names warn); older torch, down to the declared 2.4, has only the old.
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# (parameter name, shape) -> the parameter's whole initial value on CPU, the same on every rank.
+InitialValue = Callable[[str, torch.Size], torch.Tensor]
+
+
+class Piece(NamedTuple):
+    """Where a parameter overlaps this rank's shard: `tensor` (a Parameter the optimizer steps) views the shard at
+    offset `at` and holds elements [start, end) of the flattened parameter `param`, called `name`."""
+
+    name: str
+    param: nn.Parameter
+    tensor: nn.Parameter
+    start: int
+    end: int
+    at: int
+
+    @property
+    def key(self) -> str:
+        """The checkpoint key: the parameter and range, the same on every restart with the same world size."""
+        return f"{self.name}[{self.start}:{self.end}]"
+
+
+def shard_pieces(named: list[tuple[str, nn.Parameter]], lo: int, shard: torch.Tensor) -> list[Piece]:
+    """The pieces of `named`, laid end to end from offset 0, that fall into [lo, lo + len(shard)), which `shard`
+    holds."""
+    pieces, offset, hi = [], 0, lo + shard.numel()
+    for name, p in named:
+        start, end = max(lo, offset) - offset, min(hi, offset + p.numel()) - offset
+        if start < end:
+            at = offset + start - lo
+            pieces.append(Piece(name, p, nn.Parameter(shard[at:at + end - start]), start, end, at))
+        offset += p.numel()
+    return pieces
+
+
+class ShardedOptimizer:
+    """The optimizer over this rank's pieces and their checkpointed state. `pieces` is set by the sync."""
+
+    pieces: list[Piece]
+    shards_optimizer = True
+
+    def optimizer_params(self) -> list[tuple[torch.Tensor, bool]]:
+        return [(piece.tensor, piece.param.dim() >= 2) for piece in self.pieces]
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state of this rank's pieces, keyed by parameter name and range (see the module doc)."""
+        return {piece.key: optimizer.state[piece.tensor] for piece in self.pieces if piece.tensor in optimizer.state}
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        for piece in self.pieces:
+            if piece.key in state:
+                optimizer.state[piece.tensor] = state[piece.key]
+
+
+class Unit:
+    """One unit's flat layout: the whole buffer `full` (its parameters are views of it), this rank's shard, the
+    shard's averaged gradient and its pieces; `flat_grad` is the full gradient of the current backward, until
+    reduced. With `separate_shard` (fsdp) the shard has storage of its own and `full`'s storage is given back
+    (resized to 0 bytes) until gathered; otherwise (ZeRO-2) the shard is a view of `full`, which stays.
+
+    `initial` (fsdp's deferred initialisation): the parameters are on the meta device and only this rank's pieces
+    are materialised, one parameter at a time, so no rank ever holds the whole model."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], world_size: int, rank: int, device: torch.device,
+                 separate_shard: bool, initial: InitialValue | None = None):
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.shard_size = -(-sum(p.numel() for p in self.params) // world_size)
+        dtype = torch.float32 if initial is not None else self.params[0].dtype
+        self.full = torch.zeros(self.shard_size * world_size, dtype=dtype, device=device)
+        self.nbytes = self.full.untyped_storage().nbytes()
+        lo = rank * self.shard_size
+        self.shard = (torch.zeros(self.shard_size, dtype=dtype, device=device) if separate_shard
+                      else self.full[lo:lo + self.shard_size])
+        self.grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
+        self.pieces = shard_pieces(named, lo, self.shard)
+        with torch.no_grad():
+            for p, region in zip(self.params, self._regions(self.full), strict=True):
+                shape = p.shape
+                if initial is None:
+                    region.copy_(p.detach().reshape(-1))
+                else:  # a meta tensor cannot take real data: give the Parameter object a real (empty) tensor first
+                    torch.utils.swap_tensors(p, nn.Parameter(torch.empty(0, device=device), p.requires_grad))
+                # .data, not a view Parameter: the all-gathers into `full` must not bump the version autograd checks
+                p.data = region.view(shape)
+            if separate_shard and initial is None:
+                self.shard.copy_(self.full[lo:lo + self.shard_size])
+            for piece in self.pieces:
+                if initial is not None:  # one parameter whole at a time, never the unit
+                    piece.tensor.copy_(initial(piece.name, piece.param.shape).reshape(-1)[piece.start:piece.end])
+                piece.tensor.grad = self.grad_shard[piece.at:piece.at + piece.end - piece.start]
+        self.gathered = True
+        self.work: dist.Work | None = None  # an all-gather in progress
+        self.flat_grad: torch.Tensor | None = None
+        self.grads_in = 0  # parameters whose gradient has arrived in this backward
+
+    def _regions(self, flat: torch.Tensor) -> Iterator[torch.Tensor]:
+        offset = 0
+        for p in self.params:
+            yield flat[offset:offset + p.numel()]
+            offset += p.numel()
+
+    def grad_views(self, flat: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        for p, region in zip(self.params, self._regions(flat), strict=True):
+            yield p, region.view(p.shape)
+
+
+class UnitSync(ShardedOptimizer, GradSync):
+    """Gradients reduce-scattered per unit as backward completes them (see the module doc). Subclasses set
+    `units` (in any order) and may free a unit once its gradients are taken (`_release`)."""
+
+    units: list[Unit]
+
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup):
+        GradSync.__init__(self, model)
+        self.group, self.world_size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self._inflight = self._peak = 0  # bytes of gathered parameters and flat gradients right now, and the most
+        self._pending: tuple[Unit, torch.Tensor, dist.Work] | None = None  # the outstanding reduce-scatter
+
+    def _hook_units(self) -> None:
+        self.pieces = [piece for u in self.units for piece in u.pieces]
+        for u in self.units:
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._grad_ready(u))
+
+    def _account(self, nbytes: int) -> None:
+        self._inflight += nbytes
+        self._peak = max(self._peak, self._inflight)
+
+    def _new_flat_grad(self, u: Unit) -> None:
+        """A zeroed flat gradient for the unit, its parameters' .grad pointing into it, so that backward
+        accumulates straight into what the reduce-scatter sends."""
+        if u.flat_grad is not None:
+            return
+        u.flat_grad = torch.zeros_like(u.full)
+        self._account(u.nbytes)
+        for p, view in u.grad_views(u.flat_grad):
+            if p.grad is not None:  # arrived before the buffer existed
+                view.copy_(p.grad)
+            p.grad = view
+
+    def _grad_ready(self, u: Unit) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._new_flat_grad(u)
+            u.grads_in += 1
+            if u.grads_in == len(u.params):
+                self._reduce_scatter(u)
+        return hook
+
+    def _reduce_scatter(self, u: Unit) -> None:
+        """Average the unit's gradient into every rank's shard, asynchronously, after the previous one is done."""
+        self._drain()
+        self._new_flat_grad(u)
+        flat = u.flat_grad
+        for p in u.params:
+            p.grad = None
+        flat.div_(self.world_size)
+        out = torch.empty_like(u.grad_shard)
+        self._pending = (u, out, reduce_scatter(out, flat, group=self.group, async_op=True))
+        u.flat_grad, u.grads_in = None, 0
+        self._release(u)
+
+    def _release(self, u: Unit) -> None:
+        """After the unit's gradients are taken (fsdp frees its parameters here)."""
+
+    def _drain(self) -> None:
+        """Wait for the outstanding reduce-scatter and add its result into its unit's gradient shard."""
+        if self._pending is None:
+            return
+        u, out, work = self._pending
+        start = time.perf_counter()
+        work.wait()
+        self.comm_wait_s += time.perf_counter() - start
+        u.grad_shard.add_(out)
+        self._account(-u.nbytes)  # its flat gradient is gone with the work
+        self._pending = None
+
+    def finish(self) -> None:
+        """Reduce what backward left (a unit some of whose parameters got no gradient) and wait for it all."""
+        for u in self.units:
+            if u.grads_in or u.flat_grad is not None:
+                self._reduce_scatter(u)
+        self._drain()
+
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.grad_shard.zero_()
+
+    def clip_targets(self) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
+        return [piece.tensor for piece in self.pieces], self.group
