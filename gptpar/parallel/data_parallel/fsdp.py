@@ -57,10 +57,7 @@ class FSDPSync(UnitSync):
 
         def unit(params: list[nn.Parameter]) -> Unit:
             trainable = [(names[id(p)], p) for p in params if p.requires_grad]
-            made = Unit(trainable, self.world_size, self.rank, device, separate_shard=True, initial=initial)
-            made.full.untyped_storage().resize_(0)  # freed at once: never two units whole before the first use
-            made.gathered = False
-            return made
+            return Unit(trainable, self.world_size, self.rank, device, separate_shard=True, initial=initial)
 
         self.root = unit([p for p in model.parameters() if id(p) not in in_blocks])
         self.blocks = [unit(list(block.parameters())) for block in blocks]

@@ -86,10 +86,11 @@ class ShardedOptimizer:
 
 
 class Unit:
-    """One unit's flat layout: the whole buffer `full` (its parameters are views of it), this rank's shard, the
-    shard's averaged gradient and its pieces; `flat_grad` is the full gradient of the current backward, until
-    reduced. With `separate_shard` (fsdp) the shard has storage of its own and `full`'s storage is given back
-    (resized to 0 bytes) until gathered; otherwise (ZeRO-2) the shard is a view of `full`, which stays.
+    """One unit's flat layout: the whole buffer `full` (its parameters are views of it), this rank's shard and its
+    pieces; under UnitSync also the shard's averaged gradient and `flat_grad`, the full gradient of the current
+    backward until reduced. With `separate_shard` (fsdp) the shard has storage of its own and `full`'s storage is
+    given back (resized to 0 bytes) at once, until gathered; otherwise (ZeRO-1, ZeRO-2) the shard is a view of
+    `full`, which stays.
 
     `initial` (fsdp's deferred initialisation): the parameters are on the meta device and only this rank's pieces
     are materialised, one parameter at a time, so no rank ever holds the whole model."""
@@ -105,7 +106,6 @@ class Unit:
         lo = rank * self.shard_size
         self.shard = (torch.zeros(self.shard_size, dtype=dtype, device=device) if separate_shard
                       else self.full[lo:lo + self.shard_size])
-        self.grad_shard = torch.zeros(self.shard_size, dtype=dtype, device=device)
         self.pieces = shard_pieces(named, lo, self.shard)
         with torch.no_grad():
             for p, region in zip(self.params, self._regions(self.full), strict=True):
@@ -118,12 +118,14 @@ class Unit:
                 p.data = region.view(shape)
             if separate_shard and initial is None:
                 self.shard.copy_(self.full[lo:lo + self.shard_size])
-            for piece in self.pieces:
-                if initial is not None:  # one parameter whole at a time, never the unit
+            if initial is not None:
+                for piece in self.pieces:  # one parameter whole at a time, never the unit
                     piece.tensor.copy_(initial(piece.name, piece.param.shape).reshape(-1)[piece.start:piece.end])
-                piece.tensor.grad = self.grad_shard[piece.at:piece.at + piece.end - piece.start]
-        self.gathered = True
+        self.gathered = not separate_shard
+        if separate_shard:  # freed at once: never two units whole before the first use
+            self.full.untyped_storage().resize_(0)
         self.work: dist.Work | None = None  # an all-gather in progress
+        self.grad_shard: torch.Tensor | None = None  # set by UnitSync
         self.flat_grad: torch.Tensor | None = None
         self.grads_in = 0  # parameters whose gradient has arrived in this backward
 
@@ -151,8 +153,12 @@ class UnitSync(ShardedOptimizer, GradSync):
         self._pending: tuple[Unit, torch.Tensor, dist.Work] | None = None  # the outstanding reduce-scatter
 
     def _hook_units(self) -> None:
+        """Give every unit its gradient shard (each piece's gradient a view of it) and the gradient hooks."""
         self.pieces = [piece for u in self.units for piece in u.pieces]
         for u in self.units:
+            u.grad_shard = torch.zeros_like(u.shard)
+            for piece in u.pieces:
+                piece.tensor.grad = u.grad_shard[piece.at:piece.at + piece.end - piece.start]
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._grad_ready(u))
 

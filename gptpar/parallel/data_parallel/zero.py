@@ -13,13 +13,12 @@ full gradients in flight. After the step each bucket is all-gathered.
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.data_parallel.base import broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
-from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync, all_gather, shard_pieces
+from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync, all_gather
 
 
 class ZeroOneSync(ShardedOptimizer, BucketedSync):
@@ -29,18 +28,8 @@ class ZeroOneSync(ShardedOptimizer, BucketedSync):
         BucketedSync.__init__(self, model, bucket_mb, group)  # broadcasts rank 0's parameters to the group first
         self.rank = dist.get_rank(group)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.shard_size = -(-sum(p.numel() for _, p in named) // self.world_size)
-        first = named[0][1]
-        self.flat = torch.zeros(self.shard_size * self.world_size, dtype=first.dtype, device=first.device)
-        offset = 0
-        with torch.no_grad():
-            for _, p in named:
-                region = self.flat[offset:offset + p.numel()]
-                region.copy_(p.view(-1))
-                p.data = region.view_as(p)
-                offset += p.numel()
-        lo = self.rank * self.shard_size
-        self.pieces = shard_pieces(named, lo, self.flat[lo:lo + self.shard_size])
+        self.flat = Unit(named, self.world_size, self.rank, named[0][1].device, separate_shard=False)
+        self.pieces, self.shard_size = self.flat.pieces, self.flat.shard_size
         # Each piece's gradient: its slice of the parameter's .grad, which the reducer keeps as the same view
         # of its bucket across steps (it re-points .grad at that view after every finish and zero_grad).
         for piece in self.pieces:
@@ -48,8 +37,7 @@ class ZeroOneSync(ShardedOptimizer, BucketedSync):
 
     def after_step(self) -> None:
         """Every rank's updated shard to every rank."""
-        lo = self.rank * self.shard_size
-        all_gather(self.flat, self.flat[lo:lo + self.shard_size].clone(), group=self.group)
+        all_gather(self.flat.full, self.flat.shard.clone(), group=self.group)
 
 
 class ZeroTwoSync(UnitSync):
