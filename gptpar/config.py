@@ -27,6 +27,7 @@ class ConfigError(GptparError):
     """A bad config value; the message is one line naming the key and what is allowed."""
 
 
+PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
 PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use model.init_device=meta; "
                       "use model.init_device=cpu or model.init=random")
 
@@ -97,6 +98,14 @@ class TrainConfig:
                                 min=0)
     threads: int = opt(0, "torch intra-op threads per rank; 0 leaves torch's default.", min=0,
                        max=4096)
+    precision: str = opt("fp32", "fp32; bf16 (autocast, fp32 master weights and optimizer state; CPUs too); fp16 "
+                         "(autocast and a dynamic loss scale, overflowing steps skipped and logged; GPUs only); tf32 "
+                         "(fp32 with TF32 matmuls, Ampere or newer GPUs).", choices=PRECISIONS)
+    activation_checkpointing: str = opt("none", "Recompute block activations in backward instead of keeping them: "
+                                        "none, block (every block) or an integer k (every k-th block).")
+    compile: bool = opt(False, "torch.compile each transformer block (needs a C++ compiler; minutes on a CPU).")
+    profile_steps: str = opt("", "Profile steps A-B (e.g. 3-5) with torch.profiler into runs/<id>/trace/rank<R>.json "
+                             "(Chrome trace, viewable in Perfetto; `gptpar trace` analyses them); empty: none.")
 
 
 @dataclass(frozen=True)
@@ -163,6 +172,11 @@ class LogConfig:
     every: int = opt(10, "Print progress every N steps (plain-line mode).", min=1)
     progress: str = opt("auto", "auto: a bar on a terminal, lines otherwise.",
                         choices=("auto", "bar", "lines", "none"))
+    tensorboard: bool = opt(False, "Also write step scalars to runs/<id>/tb/ (needs the tensorboard extra); the "
+                            "JSONL log stays the source of truth.")
+    wandb: str = opt("off", "Also log to Weights & Biases (needs the wandb extra): offline writes runs/<id>/wandb/ "
+                     "for a later `wandb sync`, online streams (needs internet).", choices=("off", "offline", "online"))
+    wandb_project: str = opt("gptpar", "W&B project of log.wandb runs.")
 
 
 @dataclass(frozen=True)
@@ -406,7 +420,32 @@ def validate(cfg: Config) -> None:
     if p.pp_mode == "single" and p.devices.strip() and p.dp > 1:
         raise ConfigError(f"parallel.devices={p.devices!r} places the stages of one process; with parallel.dp="
                           f"{p.dp} each rank uses its own device: leave parallel.devices empty")
+    checkpointed_block_interval(t)
+    profiled_steps(t)
     _validate_pipeline(cfg)
+
+
+def checkpointed_block_interval(t: TrainConfig) -> int:
+    """`train.activation_checkpointing` as k: every k-th block recomputes its activations (0: none)."""
+    text = t.activation_checkpointing.strip()
+    if text in ("none", "block"):
+        return {"none": 0, "block": 1}[text]
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ConfigError(f"train.activation_checkpointing={text!r} is not allowed; use none, block or a positive "
+                      "integer k (every k-th block)")
+
+
+def profiled_steps(t: TrainConfig) -> tuple[int, int] | None:
+    """`train.profile_steps` as (first, last) optimizer steps, 1-based and inclusive; None when empty."""
+    text = t.profile_steps.strip()
+    if not text:
+        return None
+    first, _, last = text.partition("-")
+    if first.isdigit() and (last or first).isdigit() and 1 <= int(first) <= int(last or first):
+        return int(first), int(last or first)
+    raise ConfigError(f"train.profile_steps={text!r} is not allowed; use A-B with 1 <= A <= B (steps, 1-based), "
+                      "e.g. 3-5, or empty for none")
 
 
 def pp_split_counts(pcfg: ParallelConfig) -> list[int] | None:

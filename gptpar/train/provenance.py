@@ -50,4 +50,5 @@ def header_fields(cfg: Config, info: RankInfo, grid: RankGrid, restart: int) -> 
         restart=restart, host=socket.gethostname(), device=str(info.device),
         device_name=torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
         torch_version=torch.__version__, transformers_version=transformers.__version__, git_commit=git_commit(),
-        slurm=slurm_fields(), start_time=time.time(), launcher=info.launcher)
+        slurm=slurm_fields(), start_time=time.time(), launcher=info.launcher, precision=cfg.train.precision,
+        activation_checkpointing=cfg.train.activation_checkpointing)
