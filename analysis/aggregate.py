@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from analysis.mfu import device_label, mfu
+from analysis.mfu import device_label, model_shape, utilisation
 from gptpar.parallel.pipeline.schedules import Action, Timeline, closed_form_bubble
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
@@ -118,7 +118,10 @@ class RunMetrics:
     pp_trace_step: int | None = None
     device: str = ""  # device name matched against the peak-FLOPs table
     precision: str = "fp32"
+    vocab_size: int | None = None  # from the header; the LM head's FLOPs need it
+    distinct_devices: int = 1  # devices the job ran on, each counted once (stages may share one)
     mfu: float | None = None
+    hfu: float | None = None  # hardware FLOPs utilisation: recomputed forwards counted too
     mfu_note: str = ""
     speedup: float | None = None
     efficiency: float | None = None
@@ -177,6 +180,8 @@ def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
     stages = int(sizes.get("pp", 1))
     m.devices = stages * int(sizes.get("tp", 1)) * per_rank
     m.gpus = m.dp * m.devices
+    shared = len(set(header["stage_devices"])) if header.get("stage_devices") else per_rank
+    m.distinct_devices = m.dp * stages * int(sizes.get("tp", 1)) * shared
     if stages > 1:
         m.pp_schedule = str(p.get("parallel.pp_schedule", "1f1b"))
         m.pp_virtual = int(p.get("parallel.pp_virtual", 1))
@@ -289,6 +294,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         finite = [v for v in last if _finite(v)]
         m.val_loss = statistics.fmean(finite) if finite else None
     m.device, m.precision = device_label(header, m.params)
+    m.vocab_size = header.get("vocab_size")
     _memory(m, ranks)
     peaks = [_peak_mem(log) for log in ranks]
     m.peak_mem = _mean_max([peak for peak in peaks if peak is not None])
@@ -411,11 +417,17 @@ def apply_sweep_records(runs: list[RunMetrics], runs_dir: Path) -> None:
         m.warnings.append(f"run {m.run} is stale: {m.stale}{left_out}")
 
 
-def apply_mfu(runs: list[RunMetrics]) -> None:
-    """MFU of every run, from its tokens/s, device count, device peak and model shape."""
+def apply_mfu(runs: list[RunMetrics], user_peak: float | None = None) -> None:
+    """MFU and HFU of every run, from its tokens/s, devices, their peak (user_peak FLOP/s for a device the
+    table lacks) and the model shape; an impossible one is flagged with a warning instead."""
     for r in runs:
-        if r.device:
-            r.mfu, r.mfu_note = mfu(r.tokens_per_s[0], r.gpus, r.device, r.precision, r.params)
+        if not r.device:
+            continue
+        shape = model_shape(r.params, r.vocab_size) if r.vocab_size else None
+        u = utilisation(r.tokens_per_s[0], r.distinct_devices, r.device, r.precision, shape, user_peak)
+        r.mfu, r.hfu, r.mfu_note = u.mfu, u.hfu, u.note
+        if u.note.startswith("flagged"):
+            r.warnings.append(f"run {r.run}: MFU {u.note}; not reported")
 
 
 def _number(value: Any) -> float:

@@ -1,40 +1,90 @@
-"""Model FLOPs utilisation: training FLOPs per token from the model shape, over a known peak.
+"""Model and hardware FLOPs utilisation: training FLOPs per token from the model shape, over a known peak.
 
-An MFU against a guessed peak is worse than none, so an unknown device (including a CPU)
-gets an explicit "n/a" naming it.
+Model FLOPs per token (what the model needs, whatever the implementation does):
+    6·N + 6·V·d + 12·L·H·Q·T
+N the parameters of the blocks and the final layer norm (2 FLOPs per multiply-add, ×3 for forward
+and backward), 6·V·d the LM head's vocabulary projection (2·V·d forward), 12·L·H·Q·T attention's
+score and value products (L layers, H heads, Q head width, T sequence length). Hardware FLOPs add
+the forward of every block that activation checkpointing recomputes: 2·N_blocks/L + 4·H·Q·T per
+recomputed block. MFU divides model FLOPs, HFU hardware FLOPs, by the devices' dense peak.
+
+An MFU against a guessed peak is worse than none, so an unknown device (a CPU included) gets an
+explicit "n/a" naming it unless the user gives its peak (`gptpar report --peak-flops`), and an MFU
+above 100% is flagged as impossible instead of being reported.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from gptpar.presets import PRESETS
 
-# Dense (no sparsity) peak FLOP/s per GPU, by a fragment of the device name (first match wins,
-# so the more specific PCIe names come before their SXM siblings), then by precision.
+DATASHEETS = "NVIDIA datasheets, dense Tensor Core peaks (without sparsity); fp32 is the non-Tensor-Core peak"
+# Dense peak FLOP/s per GPU, by a fragment of the lower-cased device name (first match wins, so the
+# PCIe/NVL/S variants come before their SXM siblings), then by precision. A precision a GPU lacks
+# (bf16 and tf32 on a V100) is absent, so its MFU is n/a rather than measured against another peak.
 PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("v100-pcie", {"fp32": 14e12, "fp16": 112e12}),
     ("v100", {"fp32": 15.7e12, "fp16": 125e12}),
-    ("a100", {"fp32": 19.5e12, "tf32": 156e12, "fp16": 312e12, "bf16": 312e12}),
-    ("h100 pcie", {"fp32": 51.2e12, "tf32": 378e12, "fp16": 756e12, "bf16": 756e12}),
-    ("h100", {"fp32": 66.9e12, "tf32": 494.7e12, "fp16": 989.4e12, "bf16": 989.4e12}),
+    ("a100", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}),
+    ("a10", {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12}),
+    ("a40", {"fp32": 37.4e12, "tf32": 74.8e12, "bf16": 149.7e12, "fp16": 149.7e12}),
+    ("l40s", {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362.05e12, "fp16": 362.05e12}),
+    ("l40", {"fp32": 90.5e12, "tf32": 90.5e12, "bf16": 181e12, "fp16": 181e12}),
+    ("l4", {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12}),
+    ("h100 pcie", {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12}),
+    ("h100 nvl", {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835e12, "fp16": 835e12}),
+    ("h100", {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),  # SXM
+    ("gh200", {"fp32": 67e12, "tf32": 494e12, "bf16": 990e12, "fp16": 990e12}),
+    ("h200", {"fp32": 66.9e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),  # SXM
 )
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
 
-def model_shape(params: dict[str, Any]) -> tuple[int, int, int, int]:
-    """(layers, width, heads, seq_len) of a flattened resolved config: the preset with its overrides."""
+@dataclass(frozen=True)
+class Shape:
+    """What the FLOPs of one trained token depend on."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    seq_len: int
+    vocab_size: int
+    recomputed_blocks: int = 0  # blocks whose forward activation checkpointing runs twice
+
+
+def model_shape(params: dict[str, Any], vocab_size: int) -> Shape:
+    """The shape of a flattened resolved config (the preset with its overrides) and its vocabulary."""
     n_layer, n_embd, n_head, _ = PRESETS[params.get("model.preset", "gpt2-tiny")]
-    return (params.get("model.n_layer") or n_layer, params.get("model.n_embd") or n_embd,
-            params.get("model.n_head") or n_head, params.get("data.seq_len", 128))
+    n_layer = params.get("model.n_layer") or n_layer
+    every = _checkpoint_interval(str(params.get("train.activation_checkpointing", "none")))
+    return Shape(n_layer, params.get("model.n_embd") or n_embd, params.get("model.n_head") or n_head,
+                 params.get("data.seq_len", 128), vocab_size, math.ceil(n_layer / every) if every else 0)
 
 
-def flops_per_token(n_layer: int, n_embd: int, n_head: int, seq_len: int) -> float:
-    """6N + 12·L·H·Q·T, N the non-embedding parameters (blocks and the final layer norm)."""
-    per_block = 12 * n_embd * n_embd + 13 * n_embd  # qkv, proj, 4x MLP, two layer norms
-    n_params = n_layer * per_block + 2 * n_embd
-    head_dim = n_embd // n_head
-    return 6.0 * n_params + 12.0 * n_layer * n_head * head_dim * seq_len
+def _checkpoint_interval(text: str) -> int:
+    """train.activation_checkpointing as k (every k-th block, blocks 0, k, 2k, ...); 0 for none."""
+    return {"none": 0, "block": 1}.get(text, int(text) if text.isdigit() else 0)
+
+
+def block_parameters(n_embd: int) -> int:
+    """One block: qkv and output projections, the 4x MLP, two layer norms (weights and biases)."""
+    return 12 * n_embd * n_embd + 13 * n_embd
+
+
+def flops_per_token(shape: Shape) -> float:
+    """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T (module docstring)."""
+    n_params = shape.n_layer * block_parameters(shape.n_embd) + 2 * shape.n_embd
+    attention = 12.0 * shape.n_layer * shape.n_embd * shape.seq_len  # H·Q = d
+    return 6.0 * n_params + 6.0 * shape.vocab_size * shape.n_embd + attention
+
+
+def hardware_flops_per_token(shape: Shape) -> float:
+    """Model FLOPs plus one more forward of every recomputed block (2 FLOPs per weight, 4·H·Q·T attention)."""
+    recompute_forward = 2.0 * block_parameters(shape.n_embd) + 4.0 * shape.n_embd * shape.seq_len
+    return flops_per_token(shape) + shape.recomputed_blocks * recompute_forward
 
 
 def peak_flops(device_name: str, precision: str) -> float | None:
@@ -47,24 +97,41 @@ def peak_flops(device_name: str, precision: str) -> float | None:
 
 def device_label(header: dict[str, Any], params: dict[str, Any]) -> tuple[str, str]:
     """(device, precision): the logged device_name, else the requested launch.gpu_type of a CUDA
-    run, else the device; the logged dtype or precision, else fp32 (the trainer has no AMP)."""
+    run, else the device; the logged precision (train.precision), else fp32 (logs from before it)."""
     device = str(header.get("device", "unknown"))
     gpu_type = params.get("launch.gpu_type")
     if header.get("device_name"):
         device = str(header["device_name"])
     elif device.startswith("cuda") and gpu_type:
         device = str(gpu_type)
-    raw = str(header.get("dtype") or header.get("precision") or "fp32").removeprefix("torch.")
+    raw = str(header.get("precision") or header.get("dtype") or "fp32").removeprefix("torch.")
     return device, PRECISIONS.get(raw, raw)
 
 
-def mfu(tokens_per_s: float | None, gpus: int, device: str, precision: str, params: dict[str, Any]
-        ) -> tuple[float | None, str]:
-    """(MFU, how it was computed or why it is n/a)."""
-    peak = peak_flops(device, precision)
+@dataclass(frozen=True)
+class Utilisation:
+    mfu: float | None
+    hfu: float | None  # equals mfu when nothing is recomputed
+    note: str  # how it was computed, or why it is n/a or flagged
+
+
+def utilisation(tokens_per_s: float | None, devices: int, device: str, precision: str, shape: Shape | None,
+                user_peak: float | None = None) -> Utilisation:
+    """MFU and HFU of a run; user_peak (FLOP/s per device) stands in for a device the table lacks."""
+    peak, source = peak_flops(device, precision), "peak"
+    if peak is None and user_peak:
+        peak, source = user_peak, "user-given peak"
     if peak is None:
-        return None, f"n/a (unknown peak for {device}{'' if precision == 'fp32' else ' ' + precision})"
+        named = device if precision == "fp32" else f"{device} {precision}"
+        return Utilisation(None, None, f"n/a (unknown peak for {named})")
+    if shape is None:
+        return Utilisation(None, None, "n/a (the log does not record the vocabulary size)")
     if not tokens_per_s:
-        return None, "n/a (no throughput)"
-    flops = flops_per_token(*model_shape(params))
-    return tokens_per_s * flops / (gpus * peak), f"{device} {precision} peak {peak / 1e12:g} TFLOP/s"
+        return Utilisation(None, None, "n/a (no throughput)")
+    mfu = tokens_per_s * flops_per_token(shape) / (devices * peak)
+    hfu = tokens_per_s * hardware_flops_per_token(shape) / (devices * peak)
+    basis = f"{device} {precision} {source} {peak / 1e12:g} TFLOP/s"
+    if hfu > 1.0:
+        return Utilisation(None, None, f"flagged: {hfu:.0%} of the {basis} is impossible (wrong device, peak or "
+                                       "throughput)")
+    return Utilisation(mfu, hfu, basis)

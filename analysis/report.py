@@ -49,8 +49,10 @@ def _analyse(folder: RunFolder, runs_dir: Path, now: float, warmup_epochs: int, 
 
 
 def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int = 5,
-                 now: float | None = None, workers: int | None = None) -> list[RunMetrics]:
-    """Metrics of every run under runs_dir, with top-level runs grouped into sweeps."""
+                 now: float | None = None, workers: int | None = None, peak_flops: float | None = None
+                 ) -> list[RunMetrics]:
+    """Metrics of every run under runs_dir, with top-level runs grouped into sweeps; peak_flops (FLOP/s per
+    device) gives MFU a peak for devices the table lacks, such as a CPU."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise GptparError(f"runs directory {str(runs_dir)!r} does not exist")
@@ -70,7 +72,7 @@ def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int
         metrics = [work(d) for d in dirs]
     apply_sweep_records(metrics, runs_dir)
     group_top_level(metrics)
-    apply_mfu(metrics)
+    apply_mfu(metrics, peak_flops)
     return metrics
 
 
@@ -96,10 +98,10 @@ def _write(result: ReportResult, runs: list[RunMetrics], shown: list[RunMetrics]
 
 def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmup_epochs: int = 1,
            warmup_steps: int = 5, include_incomplete: bool = False, now: float | None = None,
-           workers: int | None = None) -> ReportResult:
+           workers: int | None = None, peak_flops: float | None = None) -> ReportResult:
     out = Path(out_dir)
     _check_output(out)
-    runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers)
+    runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers, peak_flops)
     for r in runs:
         for warning in r.warnings:
             print(f"warning: {warning}", file=sys.stderr)

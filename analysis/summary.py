@@ -13,7 +13,7 @@ CSV_COLUMNS = (
     "sweep", "run", "run_id", "status", "detail", "dp", "pp_mode", "chunks", "devices_per_replica", "gpus",
     "basis", "epoch_time_s_mean", "epoch_time_s_std", "step_time_s_mean", "step_time_s_std",
     "tokens_per_s_mean", "tokens_per_s_std", "job_tokens_per_s", "speedup", "efficiency", "baseline",
-    "mfu", "mfu_note", "bubble_theory", "bubble_measured", "final_loss", "val_loss", "diverged_at_step",
+    "mfu", "hfu", "mfu_note", "bubble_theory", "bubble_measured", "final_loss", "val_loss", "diverged_at_step",
     "stitched_epochs", "stale", "pp_schedule", "pp_virtual", "bubble_measured_std", "bubble_flagged",
     "dp_sync", "mem_params", *(f"mem_{part}_bytes_{stat}" for part in MEMORY_COLUMNS for stat in ("mean", "max")),
     "mem_closed_form_bytes", "mem_ratio", "mem_flagged", "mem_gathered_peak_bytes_mean", "mem_gathered_peak_bytes_max",
@@ -33,8 +33,10 @@ FOOTNOTES = (
     "summed step time over those steps.",
     "**speedup**: summed tokens/s over the baseline run's (the sweep's 1-GPU run; for a pipeline run, "
     "the model-parallel run on the same devices); **efficiency** = speedup / (GPUs / baseline GPUs).",
-    "**MFU**: (6N + 12·L·H·Q·T) FLOPs per token × summed tokens/s / (GPUs × dense peak), N the "
-    "non-embedding parameters; fp32 peak unless the log names another precision.",
+    "**MFU**: (6N + 6·V·d + 12·L·H·Q·T) model FLOPs per token × summed tokens/s / (devices × dense peak of the "
+    "run's train.precision), N the block and final-norm parameters, 6·V·d the LM head; **HFU** (shown when "
+    "activation checkpointing recomputes blocks) adds their second forward. Peaks: NVIDIA datasheets; a device "
+    "the table lacks is n/a unless `gptpar report --peak-flops` gives it; above 100% is flagged, not shown.",
     "**final loss**: the last step's loss, averaged over data-parallel replicas (`global_loss`); a diverged "
     "run shows its non-finite loss and the step where it first appeared.",
     "**pp_mode**: single, model_parallel or pipeline_parallel (one process per replica), or `pp=P schedule` "
@@ -86,7 +88,7 @@ def write_csv(runs: list[RunMetrics], path: Path) -> None:
                 r.basis, _num(r.epoch_time[0], 6), _num(r.epoch_time[1], 6), _num(r.step_time[0], 6),
                 _num(r.step_time[1], 6), _num(r.tokens_per_s[0], 8), _num(r.tokens_per_s[1], 6),
                 _num(r.job_tokens_per_s, 8), _num(r.speedup, 6), _num(r.efficiency, 6), r.baseline,
-                _num(r.mfu, 6), r.mfu_note, _num(r.bubble_theory, 6), _num(r.bubble_measured, 6),
+                _num(r.mfu, 6), _num(r.hfu, 6), r.mfu_note, _num(r.bubble_theory, 6), _num(r.bubble_measured, 6),
                 _num(r.final_loss, 6), _num(r.val_loss, 6), "" if r.diverged_at is None else r.diverged_at,
                 " ".join(map(str, r.stitched)), r.stale, r.pp_schedule, r.pp_virtual if r.engine else "",
                 _num(r.bubble_std, 6), "yes" if r.bubble_flagged else "", r.params.get("parallel.dp_sync", ""),
@@ -132,6 +134,8 @@ def _row(r: RunMetrics) -> str:
     speedup = "–" if r.speedup is None else f"{r.speedup:.2f}× vs {r.baseline}"
     efficiency = "–" if r.efficiency is None else f"{r.efficiency:.0%}"
     mfu = r.mfu_note if r.mfu is None else f"{r.mfu:.1%}"
+    if r.hfu is not None and r.hfu != r.mfu:
+        mfu += f" (HFU {r.hfu:.1%})"
     cells = [
         r.sweep, name, str(r.dp), r.pp_mode, str(r.chunks) if r.pp_mode == "pipeline_parallel" or r.engine else "–",
         str(r.gpus), _pm(r.epoch_time, ".2f"), _pm(r.tokens_per_s, ",.0f"),

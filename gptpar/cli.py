@@ -142,7 +142,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from analysis.report import report
 
-    result = report(args.runs_dir, args.out, args.warmup_epochs, args.warmup_steps, args.include_incomplete)
+    result = report(args.runs_dir, args.out, args.warmup_epochs, args.warmup_steps, args.include_incomplete,
+                    peak_flops=args.peak_flops)
     for message in result.skipped:
         print(message)
     completed = sum(r.status == "completed" for r in result.runs)
@@ -199,13 +200,13 @@ def _positive(text: str) -> int:
     return int(text)
 
 
-def _cost(text: str) -> float:
+def _positive_number(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive finite cost, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
     return value
 
 
@@ -290,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leading steps dropped from a run with too few epochs (default: 5)")
     p.add_argument("--include-incomplete", action="store_true",
                    help="also tabulate and plot running, requeued and failed runs")
+    p.add_argument("--peak-flops", type=_positive_number, default=None, metavar="FLOPS",
+                   help="peak FLOP/s per device for devices the MFU table lacks, e.g. a CPU: 2.5e11 (never guessed)")
     p.set_defaults(handler=cmd_report)
 
     p = _add(sub, "schedule", "show a pipeline schedule: each rank's actions simulated with F/B/W costs, the "
@@ -302,9 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=_positive, default=4, help="pipeline ranks P (default: 4)")
     p.add_argument("--chunks", type=_positive, default=8, help="micro-batches per step m (default: 8)")
     p.add_argument("--virtual", type=_positive, default=1, help="stages per rank V, for interleaved_1f1b")
-    p.add_argument("--cost-f", type=_cost, default=1.0, help="forward cost (default: 1)")
-    p.add_argument("--cost-b", type=_cost, default=1.0, help="input-gradient backward cost (default: 1)")
-    p.add_argument("--cost-w", type=_cost, default=1.0, help="weight-gradient backward cost (default: 1)")
+    p.add_argument("--cost-f", type=_positive_number, default=1.0, help="forward cost (default: 1)")
+    p.add_argument("--cost-b", type=_positive_number, default=1.0, help="input-gradient backward cost (default: 1)")
+    p.add_argument("--cost-w", type=_positive_number, default=1.0, help="weight-gradient backward cost (default: 1)")
     p.add_argument("--out", help="write a Gantt chart (PNG, PDF or SVG by the file's suffix)")
     p.set_defaults(handler=cmd_schedule)
 

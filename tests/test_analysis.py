@@ -14,7 +14,6 @@ from logsets import T0, Rank, config, dp_run, engine_run
 
 from analysis.aggregate import RunMetrics, closed_form_state_bytes
 from analysis.figures import mean_costs, simulated_timeline
-from analysis.mfu import flops_per_token
 from analysis.report import analyse_runs, report
 from gptpar.cli import main as gptpar_main
 from gptpar.errors import GptparError
@@ -348,20 +347,6 @@ def test_worker_processes_give_the_serial_answer(tmp_path: Path) -> None:
     parallel = analyse_runs(tmp_path, now=LATER, workers=2)
     assert [(m.run, m.tokens_per_s, m.job_tokens_per_s, m.loss_curve) for m in serial] == \
            [(m.run, m.tokens_per_s, m.job_tokens_per_s, m.loss_curve) for m in parallel]
-
-
-def test_mfu_for_a_known_gpu_and_na_for_an_unknown_one(tmp_path: Path) -> None:
-    v100 = {"device_name": "Tesla V100-SXM2-32GB"}
-    rank = Rank(tmp_path / "gpu", 0, config(), device="cuda:0", **v100).header()
-    for step in range(1, 8):
-        rank.step(step, 1, tokens_per_s=1e6)
-    rank.final(step=7)
-    Rank(tmp_path / "odd", 0, config(), device="cuda:0", device_name="Quantum X1").header().step(1).final(step=1)
-    by = metrics(tmp_path)
-    # gpt2-tiny, seq_len 128: N = 4*(12*128^2 + 13*128) + 2*128 = 793344; 12*L*H*Q*T = 786432.
-    assert flops_per_token(4, 128, 4, 128) == 6 * 793344 + 786432
-    assert by["gpu"].mfu == pytest.approx(1e6 * (6 * 793344 + 786432) / 15.7e12)
-    assert by["odd"].mfu is None and by["odd"].mfu_note == "n/a (unknown peak for Quantum X1)"
 
 
 def test_missing_or_empty_runs_dir_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

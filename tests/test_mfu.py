@@ -1,0 +1,109 @@
+"""MFU and HFU: FLOPs per token against hand computations, the peak table, and impossible values flagged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from logsets import Rank, config
+
+from analysis.mfu import PEAK_FLOPS, Shape, flops_per_token, hardware_flops_per_token, peak_flops, utilisation
+from analysis.report import analyse_runs
+from gptpar.cli import main as gptpar_main
+
+LATER = 2e9
+GPT2 = Shape(n_layer=12, n_embd=768, n_head=12, seq_len=1024, vocab_size=50257)
+# By hand for gpt2 (124M) at T=1024: one block has 12·768² + 13·768 = 7,087,872 parameters;
+# N = 12·7,087,872 + 2·768 = 85,056,000; 6N = 510,336,000; LM head 6·50257·768 = 231,584,256;
+# attention 12·12·12·64·1024 = 113,246,208.
+GPT2_FLOPS = 510_336_000 + 231_584_256 + 113_246_208
+# A recomputed block's forward: 2·7,087,872 + 4·768·1024 = 17,321,472 FLOPs per token.
+RECOMPUTE_FORWARD = 17_321_472
+
+
+def test_gpt2_flops_per_token_is_the_hand_computation() -> None:
+    assert flops_per_token(GPT2) == GPT2_FLOPS == 855_166_464
+    assert hardware_flops_per_token(GPT2) == GPT2_FLOPS  # nothing recomputed
+    every_block = Shape(12, 768, 12, 1024, 50257, recomputed_blocks=12)
+    assert flops_per_token(every_block) == GPT2_FLOPS  # model FLOPs do not count recomputation
+    assert hardware_flops_per_token(every_block) == GPT2_FLOPS + 12 * RECOMPUTE_FORWARD
+
+
+@pytest.mark.parametrize(("name", "precision", "peak"), [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12), ("NVIDIA H100 PCIe", "bf16", 756e12),
+    ("NVIDIA H200", "tf32", 494.7e12), ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12),
+    ("NVIDIA L40S", "bf16", 362.05e12), ("Tesla V100-SXM2-32GB", "fp16", 125e12),
+    ("Tesla V100-PCIE-16GB", "fp32", 14e12), ("NVIDIA L40", "bf16", 181e12),
+    ("Tesla V100-SXM2-32GB", "bf16", None), ("cpu", "fp32", None), ("Quantum X1", "fp32", None),
+])
+def test_peak_table_matches_the_device_and_precision(name: str, precision: str, peak: float | None) -> None:
+    assert peak_flops(name, precision) == peak
+
+
+def test_an_mfu_above_100_percent_cannot_be_reported_for_any_table_device() -> None:
+    for fragment, peaks in PEAK_FLOPS:
+        for precision, peak in peaks.items():
+            tokens_per_s = 1.01 * peak / flops_per_token(GPT2)  # 101% of one device's peak
+            u = utilisation(tokens_per_s, 1, fragment, precision, GPT2)
+            assert u.mfu is None and u.note.startswith("flagged"), (fragment, precision)
+            ok = utilisation(0.5 * peak / flops_per_token(GPT2), 1, fragment, precision, GPT2)
+            assert ok.mfu == pytest.approx(0.5) and ok.hfu == pytest.approx(0.5)
+
+
+def _gpu_run(runs: Path, name: str, tokens_per_s: float, **overrides) -> None:
+    rank = Rank(runs / name, 0, config(**overrides), device="cuda:0", device_name="NVIDIA H100 80GB HBM3",
+                vocab_size=50257, precision="bf16", stage_devices=["cuda:0"])
+    rank.header()
+    for step in range(1, 8):
+        rank.step(step, 1, tokens_per_s=tokens_per_s)
+    rank.final(step=7)
+
+
+def test_report_gives_mfu_and_hfu_from_the_logged_precision_and_vocabulary(tmp_path: Path) -> None:
+    gpt2 = {"model.preset": "gpt2", "data.seq_len": 1024}
+    _gpu_run(tmp_path, "plain", 100_000, **gpt2)
+    _gpu_run(tmp_path, "recompute", 100_000, **gpt2, **{"train.activation_checkpointing": "2"})
+    _gpu_run(tmp_path, "impossible", 2e6, **gpt2)
+    by = {m.run: m for m in analyse_runs(tmp_path, now=LATER)}
+    assert by["plain"].mfu == pytest.approx(1e5 * GPT2_FLOPS / 989.4e12)
+    assert by["plain"].hfu == by["plain"].mfu
+    assert by["recompute"].mfu == by["plain"].mfu  # blocks 0, 2, ..., 10 recompute: 6 of 12
+    assert by["recompute"].hfu == pytest.approx(1e5 * (GPT2_FLOPS + 6 * RECOMPUTE_FORWARD) / 989.4e12)
+    assert by["impossible"].mfu is None and "flagged" in by["impossible"].mfu_note
+    assert any("impossible" in w for w in by["impossible"].warnings)
+
+
+def test_stages_sharing_one_gpu_count_it_once(tmp_path: Path) -> None:
+    rank = Rank(tmp_path / "shared", 0, config(pp_mode="model_parallel", devices="cuda:0,cuda:0"), device="cuda:0",
+                device_name="NVIDIA H100 80GB HBM3", vocab_size=4096, stage_devices=["cuda:0", "cuda:0"])
+    rank.header()
+    for step in range(1, 8):
+        rank.step(step, 1, tokens_per_s=1e6)
+    rank.final(step=7)
+    (m,) = analyse_runs(tmp_path, now=LATER)
+    shape = Shape(4, 128, 4, 128, 4096)
+    assert m.mfu == pytest.approx(1e6 * flops_per_token(shape) / 66.9e12)
+
+
+def test_a_cpu_has_no_peak_unless_the_user_gives_one(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rank = Rank(tmp_path / "cpu", 0, config(), vocab_size=4096, stage_devices=["cpu"])
+    rank.header()
+    for step in range(1, 8):
+        rank.step(step, 1, tokens_per_s=1e4)
+    rank.final(step=7)
+    (m,) = analyse_runs(tmp_path, now=LATER)
+    assert m.mfu is None and m.mfu_note == "n/a (unknown peak for cpu)"
+    (m,) = analyse_runs(tmp_path, now=LATER, peak_flops=1e11)
+    assert m.mfu == pytest.approx(1e4 * flops_per_token(Shape(4, 128, 4, 128, 4096)) / 1e11)
+    assert "user-given peak 0.1 TFLOP/s" in m.mfu_note
+    with pytest.raises(SystemExit) as exit_:
+        gptpar_main(["report", str(tmp_path), "--out", str(tmp_path / "fig"), "--peak-flops", "0"])
+    assert exit_.value.code == 2
+    assert "expected a positive finite number" in capsys.readouterr().err
+
+
+def test_a_log_without_its_vocabulary_has_no_mfu(tmp_path: Path) -> None:
+    rank = Rank(tmp_path / "old", 0, config(), device="cuda:0", device_name="NVIDIA A100-SXM4-80GB")
+    rank.header().step(1).final(step=1)
+    (m,) = analyse_runs(tmp_path, now=LATER)
+    assert m.mfu is None and "vocabulary" in m.mfu_note
