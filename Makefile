@@ -25,7 +25,7 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) $(QUIET_PIP)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt $(QUIET_PIP)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . $(QUIET_PIP)
-	$(PY) -c "import torch, transformers, datasets, tokenizers, orjson, matplotlib, gptpar, analysis"
+	$(PY) -c "import torch, transformers, datasets, tokenizers, orjson, matplotlib, tensorboard, wandb, gptpar, analysis"
 	touch $(STAMP)
 
 demo: install

@@ -15,10 +15,10 @@ above 100% is flagged as impossible instead of being reported.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from gptpar.config import checkpoint_interval, checkpointed_indices
 from gptpar.presets import PRESETS
 
 DATASHEETS = "NVIDIA datasheets, dense Tensor Core peaks (without sparsity); fp32 is the non-Tensor-Core peak"
@@ -59,14 +59,9 @@ def model_shape(params: dict[str, Any], vocab_size: int) -> Shape:
     """The shape of a flattened resolved config (the preset with its overrides) and its vocabulary."""
     n_layer, n_embd, n_head, _ = PRESETS[params.get("model.preset", "gpt2-tiny")]
     n_layer = params.get("model.n_layer") or n_layer
-    every = _checkpoint_interval(str(params.get("train.activation_checkpointing", "none")))
+    every = checkpoint_interval(str(params.get("train.activation_checkpointing", "none")))
     return Shape(n_layer, params.get("model.n_embd") or n_embd, params.get("model.n_head") or n_head,
-                 params.get("data.seq_len", 128), vocab_size, math.ceil(n_layer / every) if every else 0)
-
-
-def _checkpoint_interval(text: str) -> int:
-    """train.activation_checkpointing as k (every k-th block, blocks 0, k, 2k, ...); 0 for none."""
-    return {"none": 0, "block": 1}.get(text, int(text) if text.isdigit() else 0)
+                 params.get("data.seq_len", 128), vocab_size, len(checkpointed_indices(n_layer, every)))
 
 
 def block_parameters(n_embd: int) -> int:

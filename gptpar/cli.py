@@ -185,6 +185,22 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    import json
+
+    from analysis.trace import analyse_run, table
+    from gptpar.run.folder import RunFolder
+
+    run = _run_path(args)
+    ranks, skipped = analyse_run(run, args.top)
+    for message in skipped:
+        print(message, file=sys.stderr)
+    if not ranks:
+        raise GptparError(f"no readable trace in {RunFolder(run).trace_dir}")
+    print("\n".join(json.dumps(r.to_dict()) for r in ranks) if args.json else table(ranks))
+    return 0
+
+
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from gptpar.train.checkpoint import export_checkpoint
 
@@ -319,6 +335,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--out", help="file to write (default: RUN/checkpoint.pt)")
     p.set_defaults(handler=cmd_checkpoint)
+
+    p = _add(sub, "trace", "break a run's profiled steps (train.profile_steps) down per rank: compute, "
+             "communication, communication overlapped with compute, idle, and the top ops by self time",
+             "  gptpar trace dp2\n  gptpar trace runs/dp2 --top 20\n  gptpar trace dp2 --json")
+    p.add_argument("run", help="run folder, or its name under --runs-dir")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--top", type=_non_negative, default=10, help="ops listed per rank (default: 10)")
+    p.add_argument("--json", action="store_true", help="one JSON object per rank, one a line")
+    p.set_defaults(handler=cmd_trace)
     return parser
 
 

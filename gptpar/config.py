@@ -420,20 +420,26 @@ def validate(cfg: Config) -> None:
     if p.pp_mode == "single" and p.devices.strip() and p.dp > 1:
         raise ConfigError(f"parallel.devices={p.devices!r} places the stages of one process; with parallel.dp="
                           f"{p.dp} each rank uses its own device: leave parallel.devices empty")
-    checkpointed_block_interval(t)
+    checkpoint_interval(t.activation_checkpointing)
     profiled_steps(t)
     _validate_pipeline(cfg)
 
 
-def checkpointed_block_interval(t: TrainConfig) -> int:
+def checkpoint_interval(setting: str) -> int:
     """`train.activation_checkpointing` as k: every k-th block recomputes its activations (0: none)."""
-    text = t.activation_checkpointing.strip()
+    text = setting.strip()
     if text in ("none", "block"):
         return {"none": 0, "block": 1}[text]
     if text.isdigit() and int(text) >= 1:
         return int(text)
     raise ConfigError(f"train.activation_checkpointing={text!r} is not allowed; use none, block or a positive "
                       "integer k (every k-th block)")
+
+
+def checkpointed_indices(n_layer: int, k: int) -> list[int]:
+    """The blocks that recompute their activations under interval k: i % k == 0, so block 0 always and
+    ceil(n_layer / k) in all (none for k = 0). The trainer and the HFU count both follow this."""
+    return list(range(0, n_layer, k)) if k else []
 
 
 def profiled_steps(t: TrainConfig) -> tuple[int, int] | None:

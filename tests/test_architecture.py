@@ -98,7 +98,7 @@ def subcommands() -> list[str]:
 
 def test_every_subcommand_is_known() -> None:
     assert subcommands() == ["checkpoint", "config", "logs", "report", "schedule", "status", "submit", "sweep",
-                             "train"]
+                             "trace", "train"]
 
 
 @pytest.mark.parametrize("command", subcommands())

@@ -53,6 +53,14 @@ class RunFolder:
     def rank_log(self, rank: int) -> Path:
         return rank_log_path(self.path, rank)
 
+    @property
+    def trace_dir(self) -> Path:
+        """Each rank's profiler trace of train.profile_steps, rank<R>.json (Chrome trace format)."""
+        return self.path / "trace"
+
+    def trace_path(self, rank: int) -> Path:
+        return self.trace_dir / f"rank{rank}.json"
+
     def rank_logs(self) -> list[Path]:
         """Every rank<R>.jsonl, by rank."""
         return sorted((p for p in self.path.glob(RANK_GLOB) if RANK_FILE.fullmatch(p.name)),

@@ -22,7 +22,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -91,14 +91,24 @@ def encode(record: dict[str, Any]) -> bytes:
     return orjson.dumps(_finite_or_text(record), default=str) + b"\n"
 
 
+class Mirror(Protocol):
+    """Where a copy of each record goes (TensorBoard, W&B); it must not raise."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class RankLogger:
     """Appends validated records to `rank<R>.jsonl`, flushing and fsync-ing each one.
 
     A record that cannot be written (a full disk) is cut back out of the file, so no partial line is
-    left for later records to follow, and raises a one-line GptparError naming the file."""
+    left for later records to follow, and raises a one-line GptparError naming the file.
+    A mirror (gptpar.run.sinks) gets each record once it is on disk and is closed with the log."""
 
     def __init__(self, run_dir: str | Path, rank: int):
         self.path = rank_log_path(run_dir, rank)
+        self.mirror: Mirror | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self.path, "ab", buffering=0)  # unbuffered: each record is one os.write
@@ -120,11 +130,15 @@ class RankLogger:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, start)
             raise write_error(self.path, exc, "the log keeps every record before this one") from exc
+        if self.mirror is not None:
+            self.mirror.write(record)
         return record
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+        if self.mirror is not None:
+            self.mirror.close()
 
 
 class CorruptLog(Exception):

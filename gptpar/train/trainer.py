@@ -18,12 +18,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from gptpar.config import Config, grid_sizes, resolve_for_launch, updated
 from gptpar.data import BlockDataset, load_tokens, partition_dataset
 from gptpar.errors import GptparError
 from gptpar.model import build_model, initial_value, lm_loss, materialize
 from gptpar.parallel import make_grad_sync
+from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.pipeline.engine import PipelineEngine
 from gptpar.parallel.pipeline.gpt2 import build_parallel_model
@@ -31,13 +33,17 @@ from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_di
 from gptpar.run.folder import RunFolder, run_folder
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
+from gptpar.run.sinks import open_sinks
 from gptpar.run.state import read_run, resume_hint
 from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
 from gptpar.train.memory import state_bytes
 from gptpar.train.optim import clip_gradients, learning_rate, make_optimizer
+from gptpar.train.precision import Precision
 from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
+from gptpar.train.profiling import StepProfiler
 from gptpar.train.progress import Progress, peak_memory_bytes
 from gptpar.train.provenance import header_fields, job_id
+from gptpar.train.recompute import prepare_blocks
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 FINISHED = ("completed", "diverged")  # states in which a start trains nothing
@@ -51,6 +57,7 @@ class Trainer:
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
+        self.precision = Precision.from_config(t, info.device)  # first: a device that cannot run it fails at once
         tokens = load_tokens(cfg.data)
         self.train_set = BlockDataset(tokens.train, cfg.data.seq_len, "train")
         self.val_set = BlockDataset(tokens.val, cfg.data.seq_len, "validation")
@@ -61,6 +68,7 @@ class Trainer:
                               "blocks of the corpus; lower it or use a larger corpus")
         model = build_model(cfg.model, tokens.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=cfg.data.seq_len,
                             init_device=cfg.model.init_device)
+        prepare_blocks(model, cfg, info.device)  # in place, before any wrapper or stage split sees the blocks
         self.pipeline = grid.size("pp") > 1
         self.dp_group = grid.group("dp")
         # model.init_device=meta: fsdp materialises only this rank's shards; every other layout the whole model.
@@ -83,11 +91,12 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = model_state(self.net, self.optimizer, self.sync)
-        return {"model": model, "optimizer": optimizer, "step": self.step}
+        return {"model": model, "optimizer": optimizer, "step": self.step, **self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         load_model_state(self.net, self.optimizer, state["model"], state["optimizer"], self.sync)
         self.step = int(state["step"])
+        self.precision.load_state_dict(state)
 
     def _loader(self, epoch: int):
         return partition_dataset(self.grid.coord("dp"), self.grid.size("dp"), self.train_set, self.micro_batch,
@@ -105,22 +114,26 @@ class Trainer:
         if self.dp_group is None:
             return value
         tensor = torch.tensor([value], dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(tensor, group=self.dp_group)
+        with comm_span("all_reduce"):
+            dist.all_reduce(tensor, group=self.dp_group)
         return float(tensor.item()) / self.grid.size("dp")
 
     def _forward_backward(self, micro_batches: list[Batch]) -> float:
         """The step's mean-loss gradients into .grad (not yet reduced); returns the loss (a pipeline's on every
         stage). The data-parallel sync may reduce during the last micro-step's backward, a pipeline's only
         in finish(), after the last micro-batch's backward on each stage."""
+        precision = self.precision
         if self.pipeline:
-            with self.sync.accumulating(is_last_micro_step=False):
-                return self.net.train_step(micro_batches)
+            with self.sync.accumulating(is_last_micro_step=False), record_function("forward_backward"):
+                return self.net.train_step(micro_batches, precision.loss_scale, precision.autocast)
         total = 0.0
         for i, (x, y) in enumerate(micro_batches):
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1):
-                logits = self.sync.module(x.to(self.net.input_device, non_blocking=True))
-                loss = lm_loss(logits, y.to(logits.device, non_blocking=True)) / len(micro_batches)
-                loss.backward()
+                with record_function("forward"), precision.autocast():
+                    logits = self.sync.module(x.to(self.net.input_device, non_blocking=True))
+                    loss = lm_loss(logits, y.to(logits.device, non_blocking=True)) / len(micro_batches)
+                with record_function("backward"):
+                    precision.scale(loss).backward()
             total += loss.item()
         return total
 
@@ -135,13 +148,17 @@ class Trainer:
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         if self.pipeline:
             self.net.sum_tied_gradients()
-            params = [p for p in self.net.parameters() if p.grad is not None]
-            grad_norm = clip_gradients(params, max_norm, self.grid.group("pp"), self.net.counted_parameters())
+            targets = [p for p in self.net.parameters() if p.grad is not None]
+            group, counted = self.grid.group("pp"), self.net.counted_parameters()
         else:
-            targets, group = self.sync.clip_targets()
-            grad_norm = clip_gradients(targets, max_norm, group)
-        self.optimizer.step()
-        self.sync.after_step()
+            (targets, group), counted = self.sync.clip_targets(), None
+        # An fp16 overflow skips the step on every rank: the data is consumed and the lr moves on, the weights not.
+        grad_norm = math.inf
+        if self.precision.unscale(targets):
+            grad_norm = clip_gradients(targets, max_norm, group, counted)
+            with record_function("optimizer"):
+                self.optimizer.step()
+                self.sync.after_step()
         if self.memory is None:
             self.memory = state_bytes(self.net, self.optimizer) | self.sync.memory_fields()
         self.sync.zero_grad()
@@ -156,11 +173,12 @@ class Trainer:
             return None
         self.net.eval()
         loader = partition_dataset(self.grid.coord("dp"), replicas, self.val_set, batch, seed=0, epoch=0)
-        if self.pipeline:
-            losses = [self.net.eval_loss(x, y) for x, y in islice(loader, self.cfg.train.eval_batches)]
-        else:
-            losses = [lm_loss(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
-                      for x, y in islice(loader, self.cfg.train.eval_batches)]
+        with self.precision.autocast():
+            if self.pipeline:
+                losses = [self.net.eval_loss(x, y) for x, y in islice(loader, self.cfg.train.eval_batches)]
+            else:
+                losses = [lm_loss(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
+                          for x, y in islice(loader, self.cfg.train.eval_batches)]
         return self._dp_mean(sum(losses) / len(losses))
 
     def logged_loss(self, loss: float) -> float | None:
@@ -188,6 +206,7 @@ class Trainer:
         micro_tokens = self.micro_batch // self.grid.size("dp") * cfg.data.seq_len
         status, loss = "completed", math.nan
         first_step = self.step
+        profiler = StepProfiler(cfg.train, info.device, self.folder.trace_path(info.rank))
         try:
             while self.step < self.total_steps and status == "completed":
                 epoch = self.step // self.steps_per_epoch
@@ -197,6 +216,7 @@ class Trainer:
                     if (stop := self._stop_status()) is not None:  # at a step boundary, never after the last
                         status = stop
                         break
+                    profiler.begin(self.step + 1)
                     start = time.perf_counter()
                     micro_batches = next(batches)
                     data_time = time.perf_counter() - start
@@ -206,13 +226,15 @@ class Trainer:
                         torch.cuda.synchronize(info.device)
                     step_time = time.perf_counter() - start
                     self.step += 1
+                    profiler.end(self.step)
                     tokens = micro_tokens * len(micro_batches)
                     epoch_time += step_time
                     epoch_rates.append(tokens / step_time)
                     pipeline = self.net.step_fields() if self.pipeline else {}
                     self.log.log("step", step=self.step, epoch=epoch, loss=self.logged_loss(loss),
                                  global_loss=global_loss, lr=self.optimizer.param_groups[0]["lr"],
-                                 grad_norm=grad_norm, tokens=tokens,
+                                 grad_norm=grad_norm, skipped=self.precision.skipped,
+                                 loss_scale=self.precision.step_scale, tokens=tokens,
                                  step_time_s=step_time, tokens_per_s=tokens / step_time, data_time_s=data_time,
                                  peak_mem_bytes=peak_memory_bytes(info.device), bubble=self.net.bubble, **pipeline)
                     progress.update(self.step, global_loss, tokens * self.grid.size("dp") / step_time)
@@ -235,6 +257,7 @@ class Trainer:
             self._save()
         finally:
             progress.close()
+            profiler.close()  # a run stopped inside the profiled steps keeps what was recorded
         return status, loss
 
 
@@ -269,6 +292,7 @@ def _train_in_folder(cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFol
     restart = segments(log.path)
     trainer = None
     try:
+        log.mirror = open_sinks(cfg.log, info.rank, folder.path)  # closed by log.close()
         trainer = Trainer(cfg, info, grid, folder, log)
         load_checkpoint(folder.path, {"trainer": trainer})
         log.log("header", **header_fields(cfg, info, grid, restart), tokenizer=trainer.tokenizer,

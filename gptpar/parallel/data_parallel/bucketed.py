@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptpar.parallel.comm import comm_span
 from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
 
 
@@ -125,7 +126,8 @@ class BucketedSync(GradSync):
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
             bucket = self.buckets[self._next]
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            with comm_span("all_reduce", phase="issue"):
+                bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._next += 1
 
     @contextlib.contextmanager
@@ -144,7 +146,8 @@ class BucketedSync(GradSync):
         self._launch_ready()
         start = time.perf_counter()
         for bucket in self.buckets:
-            bucket.work.wait()
+            with comm_span("all_reduce", phase="wait"):
+                bucket.work.wait()
         self.comm_wait_s += time.perf_counter() - start
         for bucket in self.buckets:
             bucket.reset()

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptpar.parallel.comm import comm_span
 from gptpar.parallel.data_parallel.base import broadcast_state
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
 from gptpar.parallel.data_parallel.sharded import InitialValue, Unit, UnitSync, all_gather
@@ -83,14 +84,16 @@ class FSDPSync(UnitSync):
         self._start_gather(u)
         if u.work is not None:
             start = time.perf_counter()
-            u.work.wait()
+            with comm_span("all_gather", phase="wait"):
+                u.work.wait()
             self.comm_wait_s += time.perf_counter() - start
             u.work = None
 
     def _release(self, u: Unit) -> None:
         if u.gathered:
             if u.work is not None:  # a prefetch nobody used: collectives must complete before their buffer goes
-                u.work.wait()
+                with comm_span("all_gather", phase="wait"):
+                    u.work.wait()
                 u.work = None
             u.full.untyped_storage().resize_(0)
             self._account(-u.nbytes)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptpar.parallel.comm import comm_span
 from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
 
 
@@ -23,7 +24,8 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) 
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+        with comm_span("all_reduce"):
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
         param.grad /= size
 
 

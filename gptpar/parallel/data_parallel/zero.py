@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
+from gptpar.parallel.comm import comm_span
 from gptpar.parallel.data_parallel.base import broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
 from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync, all_gather
@@ -57,4 +58,5 @@ class ZeroTwoSync(UnitSync):
         """Every rank's updated shards to every rank, bucket by bucket (all started, then all waited for)."""
         works = [all_gather(u.full, u.shard.clone(), group=self.group, async_op=True) for u in self.units]
         for work in works:
-            work.wait()
+            with comm_span("all_gather", phase="wait"):
+                work.wait()

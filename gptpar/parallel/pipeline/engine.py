@@ -22,20 +22,25 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import Config, pp_split_counts
 from gptpar.model import lm_loss
+from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.pipeline.gpt2 import PipelineStage, balanced_sizes, original_name, pipeline_stages
 from gptpar.parallel.pipeline.schedules import COMPUTE, Action, schedule
 from gptpar.parallel.pipeline.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
+from gptpar.train.memory import SavedBytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Key = tuple[int, int]  # (micro-batch, stage)
@@ -59,23 +64,6 @@ class StepStats:
         if self.window_s <= 0:
             return None
         return max(0.0, 1.0 - sum(self.busy().values()) / self.window_s)
-
-
-class _SavedBytes:
-    """Counts the bytes autograd saves for backward during a forward, parameters left out (they are not
-    activations) and each tensor once."""
-
-    def __init__(self, param_ptrs: frozenset[int]) -> None:
-        self.param_ptrs = param_ptrs
-        self.seen: set[int] = set()
-        self.total = 0
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        ptr = tensor.data_ptr()
-        if ptr not in self.param_ptrs and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.total += tensor.numel() * tensor.element_size()
-        return tensor
 
 
 def tied_group(grid: RankGrid) -> dist.ProcessGroup | None:
@@ -118,8 +106,9 @@ class PipelineEngine(nn.Module):
         self.store = WeightGradStore()
         if self.split_backward:
             make_deferrable(self.stages, self.store)
-        self.dtype = next(self.stages.parameters()).dtype  # of the activations sent between stages
-        self.param_ptrs = frozenset(p.data_ptr() for p in self.stages.parameters())  # not activations
+        # The dtype of the activations sent between stages: the parameters', which autocast leaves unchanged. The
+        # residual stream stays in it under bf16/fp16 autocast too; senders cast to it, so receive buffers always fit.
+        self.dtype = next(self.stages.parameters()).dtype
         self.computes_loss = str(self.n_stages - 1) in self.stages
         self.tied = tied_group(grid)
         # This rank's copy of the tied matrix, if it has one (a name: an attribute would register it twice).
@@ -155,7 +144,8 @@ class PipelineEngine(nn.Module):
     def sum_tied_gradients(self) -> None:
         """Give both copies of the tied embedding the sum of their gradients (after the data-parallel sync)."""
         if self.tied_weight is not None and self.tied_weight.grad is not None:
-            dist.all_reduce(self.tied_weight.grad, group=self.tied)
+            with comm_span("all_reduce"):
+                dist.all_reduce(self.tied_weight.grad, group=self.tied)
 
     @property
     def bubble(self) -> float | None:
@@ -169,21 +159,25 @@ class PipelineEngine(nn.Module):
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def train_step(self, micro_batches: list[Batch]) -> float:
+    def train_step(self, micro_batches: list[Batch], loss_scale: float = 1.0,
+                   autocast: Callable[[], AbstractContextManager] = nullcontext) -> float:
         """Forwards and backwards of every micro-step's batch through the schedule; .grad holds the
-        gradient of the mean loss (not yet averaged over replicas). Returns that loss on every rank."""
+        gradient of the mean loss times `loss_scale` (fp16's, not yet averaged over replicas); each forward runs
+        under `autocast()` (a new context each time), backwards outside it. Returns the (unscaled) loss on every
+        rank."""
         self.train()
         self.stats = StepStats()
         start = time.perf_counter()
         scale = 1.0 / (len(micro_batches) * self.chunks)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in micro_batches:
-            total += self._run_schedule(x, y, scale, start)
+            total += self._run_schedule(x, y, scale, start, loss_scale, autocast)
         loss = self._share(total)
         self.stats.window_s = time.perf_counter() - start
         return loss
 
-    def _run_schedule(self, x: torch.Tensor, y: torch.Tensor, scale: float, start: float) -> torch.Tensor:
+    def _run_schedule(self, x: torch.Tensor, y: torch.Tensor, scale: float, start: float, loss_scale: float,
+                      autocast: Callable[[], AbstractContextManager]) -> torch.Tensor:
         xs = x.to(self.device, non_blocking=True).chunk(self.chunks)
         ys = y.to(self.device, non_blocking=True).chunk(self.chunks)
         shape = (xs[0].size(0), xs[0].size(1), self.width)
@@ -206,37 +200,39 @@ class PipelineEngine(nn.Module):
                 continue
             key, began = (action.microbatch, action.stage), time.perf_counter()
             stage = self._stage(action.stage)
-            if action.kind == "F":
-                inp = xs[action.microbatch] if stage.is_first else inputs[key]
-                inputs[key] = inp
-                counter = _SavedBytes(self.param_ptrs)
-                with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                    out = stage(inp)
-                    if stage.is_last:
-                        out = lm_loss(out, ys[action.microbatch]) * scale
-                        total += out.detach()
-                outputs[key] = out
-                saved[key] = counter.total
-                self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, sum(saved.values()))
-            elif action.kind == "B":
-                self.store.deferring = self.split_backward
-                out = outputs.pop(key)
-                torch.autograd.backward(out, None if stage.is_last else out_grads.pop(key))
-                self.store.deferring = False
-                if self.split_backward:
-                    deferred[key] = self.store.take()
-                else:
+            with record_function(f"pp:{action.kind} mb={action.microbatch} stage={action.stage}"):
+                if action.kind == "F":
+                    inp = xs[action.microbatch] if stage.is_first else inputs[key]
+                    inputs[key] = inp
+                    with SavedBytes(self.stages.parameters()) as counter, autocast():
+                        out = stage(inp)
+                        if stage.is_last:
+                            loss = lm_loss(out, ys[action.microbatch]) * scale
+                            total += loss.detach()
+                            out = loss * loss_scale
+                    outputs[key] = out
+                    saved[key] = counter.total
+                    self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, sum(saved.values()))
+                elif action.kind == "B":
+                    self.store.deferring = self.split_backward
+                    out = outputs.pop(key)
+                    torch.autograd.backward(out, None if stage.is_last else out_grads.pop(key))
+                    self.store.deferring = False
+                    if self.split_backward:
+                        deferred[key] = self.store.take()
+                    else:
+                        saved.pop(key)
+                else:  # W
+                    apply_weight_grads(deferred.pop(key))
                     saved.pop(key)
-            else:  # W
-                apply_weight_grads(deferred.pop(key))
-                saved.pop(key)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # spans time the work, not its launch
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # spans time the work, not its launch
             self.stats.spans.append((action.kind, action.microbatch, action.stage, began - start,
                                      time.perf_counter() - start))
             i += 1
         for work in sends:
-            work.wait()
+            with comm_span("send", phase="wait"):
+                work.wait()
         return total
 
     def _exchange(self, actions: list[Action], shape: tuple[int, int, int], inputs: dict[Key, torch.Tensor],
@@ -246,18 +242,20 @@ class PipelineEngine(nn.Module):
         for a in actions:
             key = (a.microbatch, a.stage)
             if a.kind == "SEND_F":
-                tensor = outputs[key].detach().contiguous()
+                tensor = outputs[key].detach().to(self.dtype).contiguous()  # what the receiver allocated
             elif a.kind == "SEND_B":
                 tensor = inputs.pop(key).grad
             else:
                 tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
                 received.append((a, tensor))
             ops.append(dist.P2POp(dist.isend if a.kind.startswith("SEND") else dist.irecv, tensor, self.peers[a.peer]))
-        works = dist.batch_isend_irecv(ops)
+        with comm_span(*(a.kind[:4].lower() for a in actions), phase="issue"):  # "send" or "recv", one per op
+            works = dist.batch_isend_irecv(ops)
         sends = [w for w, a in zip(works, actions, strict=True) if a.kind.startswith("SEND")]
         for w, a in zip(works, actions, strict=True):
             if a.kind.startswith("RECV"):
-                w.wait()
+                with comm_span("recv", phase="wait"):
+                    w.wait()
         for a, tensor in received:
             if a.kind == "RECV_F":
                 inputs[(a.microbatch, a.stage)] = tensor.requires_grad_()
@@ -269,7 +267,8 @@ class PipelineEngine(nn.Module):
         """The loss, computed on the last stage, on every rank of the pipeline (this exchange also ends the
         step's window: no rank leaves it before the last stage is done)."""
         if self.pp_group is not None:
-            dist.all_reduce(total, group=self.pp_group)
+            with comm_span("all_reduce"):
+                dist.all_reduce(total, group=self.pp_group)
         return float(total.item())
 
     # --- evaluation ----------------------------------------------------------------------------------
@@ -289,13 +288,16 @@ class PipelineEngine(nn.Module):
                     hidden = xm
                 else:
                     hidden = torch.empty(xm.size(0), xm.size(1), self.width, dtype=self.dtype, device=self.device)
-                    dist.recv(hidden, self.peers[(s - 1) % self.ranks])
+                    with comm_span("recv"):
+                        dist.recv(hidden, self.peers[(s - 1) % self.ranks])
                 out = stage(hidden)
                 if stage.is_last:
                     total += lm_loss(out, ym).double() * xm.size(0)
                 else:
-                    sends.append(dist.isend(out.contiguous(), self.peers[(s + 1) % self.ranks]))
+                    with comm_span("send", phase="issue"):
+                        sends.append(dist.isend(out.to(self.dtype).contiguous(), self.peers[(s + 1) % self.ranks]))
         for work in sends:
-            work.wait()
+            with comm_span("send", phase="wait"):
+                work.wait()
         return self._share(total) / x.size(0)
 

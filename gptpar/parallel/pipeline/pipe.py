@@ -161,6 +161,15 @@ def _stop(workers: list[tuple[threading.Thread, queue.SimpleQueue]]) -> None:
     workers.clear()
 
 
+def _caller_autocast(device_type: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """The calling thread's autocast for a device type, to enter again in a worker: autocast state is
+    thread-local, so a worker would otherwise run the partition in full precision. A new context per call
+    (an autocast context keeps the state it replaced and cannot be entered twice at once)."""
+    enabled, dtype = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    cache = torch.is_autocast_cache_enabled()
+    return lambda: torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache)
+
+
 def _stream_context(stream) -> contextlib.AbstractContextManager:
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
@@ -305,7 +314,8 @@ class Pipe(nn.Module):
     Partitions come from `split_module(module, balance)`. The output is concatenated in input
     order on the last partition's device. `stats` holds the timing of the last forward. With
     autograd recording, `backward()` through the output is pipelined across the partitions too
-    (see the module docstring for how, and for its limits).
+    (see the module docstring for how, and for its limits). The caller's autocast, if any, applies in the
+    workers too (captured at each forward); backwards run outside it.
     """
 
     def __init__(self, module: nn.Sequential, split_size: int, balance: list[int] | None = None) -> None:
@@ -353,6 +363,7 @@ class Pipe(nn.Module):
         micro = x.split(split_size or self.split_size)
         m, n = len(micro), len(self.partitions)
         grad_enabled = torch.is_grad_enabled()
+        autocast = [_caller_autocast(d.type) for d in self.devices]
         times: list[list[tuple[float, float]]] = [[] for _ in range(n)]
         # On CUDA the first partition must see the caller's pending work on the input.
         first_ready = None
@@ -370,7 +381,7 @@ class Pipe(nn.Module):
             inp, ready = upstream.result() if upstream is not None else (micro[i], first_ready)
             start = time.perf_counter()
             stream = self._streams[j]
-            with torch.set_grad_enabled(grad_enabled), _stream_context(stream):
+            with torch.set_grad_enabled(grad_enabled), _stream_context(stream), autocast[j]():
                 if backward is not None:
                     inp = backward.cut(i, j, inp, tokens[j])
                 out = self.partitions[j](_receive(inp, ready, self.devices[j], stream))

@@ -1,0 +1,46 @@
+"""The profiler's names for communication: every collective and point-to-point call of the data-parallel
+syncs and the pipeline engine runs inside `comm_span`, so a trace (`train.profile_steps`) shows when each
+was issued and when a rank blocked on it, and `gptpar trace` (analysis/trace.py) can tell the two apart.
+
+- phase "issue": an asynchronous call being started, `comm:<op>`;
+- phase "wait": its `work.wait()`, `comm_wait:<op>`;
+- phase "call": a blocking call, both spans at once (an issue waited for at once), so that matching the
+  k-th issue of an op with its k-th wait holds even when blocking and asynchronous calls of one op interleave
+  (a pipeline's loss all-reduce before the buckets' all-reduces).
+
+Several ops issued by one call (a batch of sends and receives) get one span per op, nested. Without a
+running profiler a span costs one check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.autograd import _profiler_enabled
+from torch.profiler import record_function
+
+PREFIXES = {"issue": ("comm",), "wait": ("comm_wait",), "call": ("comm", "comm_wait")}
+
+
+@contextlib.contextmanager
+def comm_span(*ops: str, phase: str = "call") -> Iterator[None]:
+    """Label the enclosed communication as `ops` (e.g. "all_reduce", "send") in the given phase."""
+    if not _profiler_enabled():
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for op in ops:
+            for prefix in PREFIXES[phase]:
+                stack.enter_context(record_function(f"{prefix}:{op}"))
+        yield
+
+
+def labelled(op: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+    """`collective` (a torch.distributed call taking async_op) always inside its span: an issue when called
+    with async_op=True, else a blocking call."""
+    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+        with comm_span(op, phase="issue" if async_op else "call"):
+            return collective(*args, async_op=async_op, **kwargs)
+    return call

@@ -1,0 +1,90 @@
+"""Activation checkpointing and torch.compile of GPT-2's transformer blocks, leaving the module tree alone.
+
+Both act on each block instance, never on the tree: parameter names, state dicts, checkpoints and the
+pipeline's split by block are the same with or without them, and every parallelism that wraps or splits
+the model afterwards (fsdp's hooks, the pipeline's stages, Pipe's partitions) finds the blocks it expects.
+
+Checkpointing replaces a block's `forward` by one that runs the original under non-reentrant
+`torch.utils.checkpoint`: forward keeps only the block's input, backward runs the block again to get the
+rest. The recompute calls the original forward directly, so the block's module hooks fire once per step,
+not again in backward; fsdp relies on that (its backward hook on the block's output has gathered the
+parameters before the recompute needs them). The RNG state is saved at the block's forward and restored
+for the recompute, so dropout draws the same masks.
+
+Blocks i with i % k == 0 are checkpointed (`gptpar.config.checkpointed_indices`): ceil(n_layer / k) of n_layer.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import GPT2LMHeadModel
+
+from gptpar.config import Config, checkpoint_interval, checkpointed_indices
+from gptpar.errors import GptparError
+from gptpar.parallel.pipeline.gpt2 import resolve_devices
+
+
+def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The block's own forward under checkpoint (preserve_rng_state, the default: dropout replays its masks)."""
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+
+
+def checkpoint_blocks(model: GPT2LMHeadModel, k: int) -> list[int]:
+    """Checkpoint every k-th block of `model` in place (see the module docstring); returns their indices."""
+    blocks = model.transformer.h
+    indices = checkpointed_indices(len(blocks), k)
+    for i in indices:
+        # An instance attribute, so the tree is unchanged; a bound method, so a deep copy binds to the copied block.
+        blocks[i].forward = types.MethodType(_checkpointed_forward, blocks[i])
+    return indices
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of the innermost cause (dynamo wraps a backend's own error as its inner_exception)."""
+    while (inner := getattr(exc, "inner_exception", None) or exc.__cause__) is not None:
+        exc = inner
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def compile_blocks(model: GPT2LMHeadModel, device: torch.device, backend: str | Callable = "inductor") -> None:
+    """torch.compile each block in place (names kept). Compilation is lazy, so a small function is compiled and run
+    on `device` first: a backend that cannot work here fails now, as one line, not inside the first step."""
+    try:
+        torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.ones(2, device=device))
+    except Exception as exc:  # whatever torch raises (no C++ compiler, unsupported platform): one line
+        raise GptparError(f"train.compile=true: torch.compile does not work here ({_reason(exc)}); "
+                          "set train.compile=false") from None
+    for block in model.transformer.h:
+        block.compile(backend=backend)
+
+
+def _check_pipe_dropout(cfg: Config) -> None:
+    """Pipe runs its partitions in threads; partitions sharing a device draw dropout masks from one generator at
+    the same time, so the RNG state a block saved would not replay its masks in the recompute."""
+    p = cfg.parallel
+    if p.pp_mode != "pipeline_parallel" or cfg.model.dropout == 0:
+        return
+    devices = resolve_devices(p.devices)
+    if len(set(devices)) < len(devices):
+        raise GptparError(f"train.activation_checkpointing={cfg.train.activation_checkpointing} with "
+                          f"parallel.pp_mode=pipeline_parallel and model.dropout={cfg.model.dropout} needs a device "
+                          f"per stage (parallel.devices={p.devices!r} repeats one); list distinct devices, set "
+                          "model.dropout=0 or use parallel.pp_mode=model_parallel")
+
+
+def prepare_blocks(model: GPT2LMHeadModel, cfg: Config, device: torch.device) -> None:
+    """What train.activation_checkpointing and train.compile ask of a freshly built model (on any device, meta
+    included), before it is materialised, wrapped or split into stages."""
+    k = checkpoint_interval(cfg.train.activation_checkpointing)
+    if k:
+        _check_pipe_dropout(cfg)
+        checkpoint_blocks(model, k)
+    if cfg.train.compile:
+        compile_blocks(model, device)
