@@ -202,3 +202,15 @@ def test_the_loss_scale_reaches_the_pipeline_engine_and_an_overflow_on_one_stage
         plain, scaled = rank["norms"]
         assert scaled == pytest.approx(plain, rel=1e-3)  # scaled by 2**16 in backward, unscaled before clipping
         assert rank["skipped"] and rank["unchanged"] and rank["scale"] == 2.0**15
+
+
+def test_each_step_sets_its_own_tf32_flags_so_trainers_of_two_precisions_can_share_a_process() -> None:
+    tf32, fp32 = Precision(None, CPU.device, tf32=True), Precision(None, CPU.device)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        tf32.set_matmul_precision()
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        fp32.set_matmul_precision()
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

@@ -82,17 +82,22 @@ class Precision:
     `scaler` is the fp16 loss scaler (None otherwise); `skipped` and `step_scale` describe the last step."""
 
     def __init__(self, dtype: torch.dtype | None, device: torch.device,
-                 scaler: DynamicLossScaler | None = None) -> None:
-        self.dtype, self.device, self.scaler = dtype, device, scaler
+                 scaler: DynamicLossScaler | None = None, tf32: bool = False) -> None:
+        self.dtype, self.device, self.scaler, self.tf32 = dtype, device, scaler, tf32
         self.skipped = False
         self.step_scale: float | None = None  # the loss scale the last step ran with (None: no scaler)
 
     @classmethod
     def from_config(cls, t: TrainConfig, device: torch.device) -> Precision:
-        """The rank's precision; sets the process's TF32 flags (on under tf32 only, so fp32 means fp32)."""
+        """The rank's precision, checked against its device."""
         check_precision(t.precision, device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = t.precision == "tf32"
-        return cls(AUTOCAST_DTYPES.get(t.precision), device, DynamicLossScaler() if t.precision == "fp16" else None)
+        return cls(AUTOCAST_DTYPES.get(t.precision), device, DynamicLossScaler() if t.precision == "fp16" else None,
+                   tf32=t.precision == "tf32")
+
+    def set_matmul_precision(self) -> None:
+        """TF32 matmuls on under tf32 only, so fp32 means fp32. The flags belong to the process, so every step
+        and evaluation sets its own: trainers of different precisions may share one process (bench-precision)."""
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's autocast (none under fp32 and tf32); backward runs outside it, as torch advises."""

@@ -143,6 +143,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.net.train()
+        self.precision.set_matmul_precision()
         total = self._forward_backward(micro_batches)
         self.sync.finish()
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
@@ -172,6 +173,7 @@ class Trainer:
         if batch < replicas:
             return None
         self.net.eval()
+        self.precision.set_matmul_precision()
         loader = partition_dataset(self.grid.coord("dp"), replicas, self.val_set, batch, seed=0, epoch=0)
         with self.precision.autocast():
             if self.pipeline:
