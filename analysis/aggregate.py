@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.mfu import device_label, model_shape, utilisation
+from analysis.trace import RankTrace
 from gptpar.parallel.pipeline.schedules import Action, Timeline, closed_form_bubble
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
@@ -132,6 +133,7 @@ class RunMetrics:
     set_aside: bool = False  # a folder --rerun / --start-over moved to <name>.replaced-<time>
     memory: MemoryUse | None = None  # None: no rank logged a memory record (logs older than it)
     peak_mem: tuple[float, float] | None = None  # (mean, max) over ranks of each rank's highest peak_mem_bytes
+    traces: list[RankTrace] = field(default_factory=list)  # each rank's profiled steps (train.profile_steps)
     warnings: list[str] = field(default_factory=list)
 
     @property

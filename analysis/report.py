@@ -25,6 +25,7 @@ from analysis.aggregate import (
 )
 from analysis.figures import make_figures
 from analysis.summary import markdown, write_csv
+from analysis.trace import analyse_run
 from gptpar.atomic import write_error
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder, find_runs
@@ -45,7 +46,14 @@ class ReportResult:
 
 def _analyse(folder: RunFolder, runs_dir: Path, now: float, warmup_epochs: int, warmup_steps: int) -> RunMetrics:
     run = read_run(folder, runs_dir, now=now)
-    return run_metrics(run, folder.path.relative_to(runs_dir).as_posix(), warmup_epochs, warmup_steps)
+    metrics = run_metrics(run, folder.path.relative_to(runs_dir).as_posix(), warmup_epochs, warmup_steps)
+    if folder.trace_dir.is_dir():
+        try:
+            metrics.traces, skipped = analyse_run(folder.path, top=0)
+        except GptparError as exc:
+            skipped = [str(exc)]
+        metrics.warnings += [f"run {metrics.run}: trace {line}" for line in skipped]
+    return metrics
 
 
 def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int = 5,

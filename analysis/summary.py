@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import statistics
 from pathlib import Path
 
 from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, SHARDED_STATE, STATE_BYTES, RunMetrics
@@ -169,6 +170,7 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
                   for r in pipelines]
         lines += ["", BUBBLE_NOTE]
     lines += _memory_section(shown)
+    lines += _overlap_section(shown)
     stale = [r for r in runs if r.stale]
     if stale:
         lines += ["", f"## Runs that are not of their sweep's current definition ({STALE_MARK})", "",
@@ -180,6 +182,24 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
         lines += ["", "## Incomplete, failed or corrupt runs", "", "| run | status | detail |", "|---|---|---|"]
         lines += [f"| {r.run} | {r.status} | {r.detail.replace('|', '/')} |" for r in others]
     return "\n".join(lines) + "\n"
+
+
+def _overlap_section(shown: list[RunMetrics]) -> list[str]:
+    """Where the profiled steps of each traced run went (`gptpar trace`), averaged over its ranks."""
+    runs = [r for r in shown if r.traces]
+    if not runs:
+        return []
+    lines = ["", "## Communication overlap (profiled steps)", "",
+             "| run | strategy | ranks | mode | wall ms | compute ms | communication ms | overlapped ms | idle ms "
+             "| overlap share |", "|" + "---|" * 10]
+    for r in runs:
+        mean = {k: statistics.fmean(getattr(t, k) for t in r.traces) * 1e3
+                for k in ("wall_s", "compute_s", "comm_s", "overlap_s", "idle_s")}
+        share = f"{mean['overlap_s'] / mean['comm_s']:.1%}" if mean["comm_s"] > 0 else "n/a"
+        lines.append(f"| {r.run_id} | {r.params.get('parallel.dp_sync', '')} | {len(r.traces)} | {r.traces[0].mode} | "
+                     + " | ".join(f"{mean[k]:.1f}" for k in ("wall_s", "compute_s", "comm_s", "overlap_s", "idle_s"))
+                     + f" | {share} |")
+    return lines + ["", "Means over ranks; the definitions are `gptpar trace`'s (README, How the numbers are defined)."]
 
 
 def _memory_section(shown: list[RunMetrics]) -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from rank_training import make_config, make_trainer
 
+from analysis.report import report
 from analysis.trace import analyse, analyse_run, difference, intersection, length, read_events, union
 from gptpar.cli import main
 from gptpar.config import ParallelConfig, TrainConfig
@@ -18,6 +19,7 @@ from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 from gptpar.run.folder import RunFolder
 from gptpar.train.profiling import StepProfiler
+from gptpar.train.provenance import header_fields
 
 
 def x(name: str, start: float, end: float, cat: str = "user_annotation", tid: int = 1) -> dict:
@@ -111,7 +113,10 @@ def test_a_restart_profiles_the_steps_left_in_the_range_and_nothing_past_it(tmp_
 def _traced_worker(info: RankInfo, runs: Path) -> None:
     cfg = make_config(["parallel.dp=2", "parallel.dp_sync=bucketed", "parallel.bucket_mb=0.01", "train.max_steps=3",
                        "train.eval_every=0", "train.profile_steps=2-3", "log.progress=none"], runs, "traced")
-    make_trainer(cfg, info).run()
+    trainer = make_trainer(cfg, info)
+    trainer.log.log("header", **header_fields(cfg, info, trainer.grid, 0), vocab_size=trainer.vocab_size)
+    trainer.run()
+    trainer.log.log("final", status="completed", step=trainer.step)
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +163,16 @@ def test_gptpar_trace_errors_are_one_line(tmp_path: Path, capsys: pytest.Capture
     assert captured.err.splitlines() == [f"skipped: {tmp_path / 'trace' / 'rank1.json'} is not a readable Chrome "
                                          "trace (truncated or corrupt: JSONDecodeError)"]
     assert captured.out.splitlines()[1].split()[:2] == ["0", "cpu"]
+
+
+def test_the_report_shows_each_traced_runs_overlap_as_the_mean_over_its_ranks(traced_run: Path) -> None:
+    result = report(traced_run.parent, traced_run.parent / "figures")
+    (m,) = [r for r in result.runs if r.run_id == "traced"]
+    ranks, _ = analyse_run(traced_run, top=0)
+    assert [t.to_dict() for t in m.traces] == [t.to_dict() for t in ranks]
+    comm = sum(t.comm_s for t in ranks) / 2 * 1e3
+    share = sum(t.overlap_s for t in ranks) / sum(t.comm_s for t in ranks)
+    section = result.summary_md.read_text().partition("## Communication overlap (profiled steps)")[2]
+    row = next(line for line in section.splitlines() if line.startswith("| traced | bucketed"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2:4] == ["2", "cpu"] and cells[6] == f"{comm:.1f}" and cells[9] == f"{share:.1%}"
