@@ -15,8 +15,10 @@ CPU traces (gloo: no kernels), from the spans gptpar/parallel/comm.py puts aroun
   issue is matched with the k-th wait (both in order of start). A blocking call carries both spans at
   once. An issue left without a wait is a synchronous call, its own interval; a wait left without an
   issue (issued before the trace began) is its own interval too;
-- communication (outstanding): the union over matched pairs of [issue start, wait end], and of the
-  unmatched spans;
+- communication (outstanding): the union over matched pairs of [issue start, wait end], of the
+  unmatched spans, and of the `gloo:<op>` spans gloo's worker threads record while a collective runs
+  (these also show the collectives of torch's DDP and FSDP2, which carry no gptpar spans; their waits
+  inside backward count as compute, so their overlap is an upper bound);
 - blocked: the union of the `comm_wait:*` spans and of the unmatched issue spans (time the rank could
   do nothing but wait);
 - compute: the union of the `forward`, `backward`, `optimizer` and `forward_backward` spans minus blocked;
@@ -46,6 +48,7 @@ Interval = tuple[float, float]  # [start, end) in microseconds, as the trace wri
 TRACE_FILE = re.compile(r"rank(\d+)\.json")
 STEP_SPAN = re.compile(r"ProfilerStep#(\d+)")
 COMPUTE_SPANS = ("forward", "backward", "optimizer", "forward_backward")
+BACKEND_COMM = "gloo:"  # the spans gloo's worker threads record while they run a collective (torch's own too)
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 OP_CATEGORIES = ("cpu_op", "user_annotation", "cuda_runtime", *DEVICE_CATEGORIES)
 
@@ -204,7 +207,8 @@ def comm_intervals(events: list[Event]) -> tuple[list[Interval], list[Interval]]
 def cpu_breakdown(events: list[Event], span: list[Interval]) -> tuple[float, float, float, float]:
     """(compute, communication, overlapped, idle) in microseconds, from the record_function spans."""
     outstanding, blocked = comm_intervals(events)
-    outstanding, blocked = intersection(outstanding, span), intersection(blocked, span)
+    running = (e.interval for e in events if e.name.startswith(BACKEND_COMM))
+    outstanding, blocked = intersection([*outstanding, *running], span), intersection(blocked, span)
     work = (e.interval for e in events if e.name in COMPUTE_SPANS and e.cat != "gpu_user_annotation")
     compute = difference(intersection(work, span), blocked)
     overlapped = intersection(difference(outstanding, blocked), compute)

@@ -176,3 +176,11 @@ def test_the_report_shows_each_traced_runs_overlap_as_the_mean_over_its_ranks(tr
     row = next(line for line in section.splitlines() if line.startswith("| traced | bucketed"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2:4] == ["2", "cpu"] and cells[6] == f"{comm:.1f}" and cells[9] == f"{share:.1%}"
+
+
+def test_gloo_worker_spans_count_as_communication_for_torchs_own_collectives(tmp_path: Path) -> None:
+    # DDP's all-reduce carries no gptpar span: gloo's worker thread records it, here [20,50) during backward [10,60).
+    events = [x("ProfilerStep#1", 0, 100), x("forward", 0, 10), x("backward", 10, 60),
+              x("gloo:all_reduce", 20, 50, tid=9), x("optimizer", 60, 80)]
+    r = analyse(0, read_events(write_trace(tmp_path / "rank0.json", events)), top=0)
+    assert microseconds(r) == [100, 80, 30, 30, 20]
