@@ -38,6 +38,13 @@ RUN_HERE = [
     ".venv/bin/gptpar status",
     ".venv/bin/gptpar submit dp --gpus 2 --dry-run",
 ]
+# Commands this test runs as written, one after the other in one scratch folder (a later one reads an earlier run).
+RUN_HERE_IN_ORDER = [
+    ".venv/bin/gptpar train train.precision=bf16 train.activation_checkpointing=block train.max_steps=5",
+    ".venv/bin/gptpar train parallel.dp=2 train.profile_steps=3-4 train.max_steps=5 log.run_id=traced",
+    ".venv/bin/gptpar trace traced --top 5",
+    ".venv/bin/gptpar train log.tensorboard=true log.wandb=offline train.max_steps=5",
+]
 # Commands that need a real GPU cluster (an account, CUDA wheels, environment modules).
 CLUSTER_ONLY = [
     "module load anaconda3",
@@ -56,7 +63,7 @@ def readme_commands() -> list[str]:
 
 
 def test_every_readme_command_is_accounted_for():
-    known = {*BY_CI, *BY_SLURM_TESTS, *RUN_HERE, *CLUSTER_ONLY}
+    known = {*BY_CI, *BY_SLURM_TESTS, *RUN_HERE, *RUN_HERE_IN_ORDER, *CLUSTER_ONLY}
     unaccounted = [c for c in readme_commands() if c not in known]
     assert not unaccounted, f"README commands run by nothing: {unaccounted}"
     stale = sorted(known - set(readme_commands()))
@@ -82,15 +89,29 @@ def test_log_schema_section_names_every_field():
             assert f"`{name}`" in section, (kind, name)
 
 
+def run_here(command: str, folder) -> subprocess.CompletedProcess:
+    argv = shlex.split(command)
+    argv[0] = str(REPO / argv[0])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}",
+           "WANDB_DIR": str(folder), "WANDB_CACHE_DIR": str(folder), "WANDB_CONFIG_DIR": str(folder)}
+    out = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
+def test_readme_commands_in_order_run(tmp_path):
+    outputs = [run_here(command, tmp_path) for command in RUN_HERE_IN_ORDER]
+    runs = tmp_path / "runs"
+    assert "overlap share" in outputs[2].stdout and "rank 1: top 5 ops" in outputs[2].stdout
+    assert list(runs.glob("*/tb/events.out.tfevents.*")) and list(runs.glob("*/wandb/offline-run-*"))
+
+
 @pytest.mark.parametrize("command", RUN_HERE)
 def test_readme_command_runs(command, tmp_path):
     argv = shlex.split(command)
-    argv[0] = str(REPO / argv[0])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"}
     if "status" in argv:
         (tmp_path / "runs").mkdir()
-    out = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
+    out = run_here(command, tmp_path)
     if argv[1] == "train":
         assert list((tmp_path / "runs").glob("*/rank0.jsonl")), "no run folder written"
     if "--dry-run" in argv:
