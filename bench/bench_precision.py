@@ -35,7 +35,7 @@ from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
-from gptpar.train.memory import SavedBytes
+from gptpar.train.memory import saved_activation_bytes
 from gptpar.train.trainer import Trainer
 
 MB = 2**20
@@ -72,14 +72,16 @@ def make_trainer(args: argparse.Namespace, info: RankInfo, runs: Path, precision
     return Trainer(cfg, info, grid, folder, RankLogger(folder.path, 0))
 
 
-def saved_activation_bytes(trainer: Trainer) -> int:
+def forward_saved_bytes(trainer: Trainer) -> int:
     """Bytes one training forward (and its loss) saves for backward, under the variant's autocast."""
     x, y = next(trainer._batches(0, 0))[0]
-    with SavedBytes(trainer.net.parameters()) as saved, trainer.precision.autocast():
-        loss = lm_loss(trainer.net(x.to(trainer.net.input_device)), y.to(trainer.net.input_device))
-    loss.backward()
-    trainer.sync.zero_grad()
-    return saved.total
+    device = trainer.net.input_device
+
+    def forward() -> torch.Tensor:
+        with trainer.precision.autocast():
+            return lm_loss(trainer.net(x.to(device)), y.to(device))
+
+    return saved_activation_bytes(forward, trainer.net.parameters())
 
 
 def timed_step(trainer: Trainer, batches, device: torch.device) -> tuple[float, int | None]:
@@ -102,7 +104,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, dict[st
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp)
         trainers = {v: make_trainer(args, info, runs, *v) for v in variants(device)}
-        rows = {v: {"saved_bytes": saved_activation_bytes(t), "times": [], "peaks": []} for v, t in trainers.items()}
+        rows = {v: {"saved_bytes": forward_saved_bytes(t), "times": [], "peaks": []} for v, t in trainers.items()}
         streams = {v: t._batches(0, 0) for v, t in trainers.items()}
         order = list(trainers)
         for rep in range(args.warmup + args.reps):
