@@ -126,6 +126,16 @@ class ParallelConfig:
                           max=256)
     pp_split: str = opt("", "Blocks per pipeline stage, e.g. 3,3,2 (pp * pp_virtual numbers); empty "
                         "balances them by parallel.balance.")
+    tp: int = opt(1, "Tensor-parallel ranks per model replica: attention heads, MLP columns and the vocabulary split "
+                  "over them (neighbouring ranks, so one node); the job has pp * dp * tp ranks.", min=1, max=4096)
+    tp_impl: str = opt("gptpar", "Tensor parallelism: gptpar (ours, Megatron-style on GPT-2's Conv1D) or torch "
+                       "(torch.distributed.tensor.parallel on the same plan; dp > 1 only with dp_sync=fsdp2, pp = 1).",
+                       choices=("gptpar", "torch"))
+    sequence_parallel: bool = opt(False, "With parallel.tp > 1: layer norms, dropout and residuals on sequence shards, "
+                                  "all-gather and reduce-scatter instead of all-reduce (Megatron-SP); data.seq_len "
+                                  "must divide by tp.")
+    loss_parallel: bool = opt(False, "With parallel.tp > 1: the cross-entropy on vocabulary shards, never gathering "
+                              "the whole logits.")
     bucket_mb: float = opt(25.0, "Bucket size of the bucketed reducer, in MB.", min=0.001,
                            max=1_048_576.0)
     backend: str = opt("auto", "auto: nccl when CUDA is visible, else gloo.",
@@ -423,6 +433,7 @@ def validate(cfg: Config) -> None:
     checkpoint_interval(t.activation_checkpointing)
     profiled_steps(t)
     _validate_pipeline(cfg)
+    _validate_tensor_parallel(cfg)
 
 
 def checkpoint_interval(setting: str) -> int:
@@ -512,6 +523,34 @@ def _validate_pipeline(cfg: Config) -> None:
                           f"{n_layer}")
 
 
+def _validate_tensor_parallel(cfg: Config) -> None:
+    """parallel.tp against the model's shape, the sequence and the other parallelisms."""
+    p, m = cfg.parallel, cfg.model
+    if p.tp == 1:
+        return
+    _, n_embd, n_head, _ = PRESETS[m.preset]
+    n_embd, n_head = m.n_embd or n_embd, m.n_head or n_head
+    for key, value in (("model.n_head", n_head), ("the MLP width 4 * model.n_embd", 4 * n_embd)):
+        if value % p.tp:
+            raise ConfigError(f"parallel.tp={p.tp} must divide {key}={value}; use a tp that divides it")
+    if p.sequence_parallel and cfg.data.seq_len % p.tp:
+        raise ConfigError(f"parallel.sequence_parallel=true splits data.seq_len={cfg.data.seq_len} into parallel.tp="
+                          f"{p.tp} shards; use a seq_len that is a multiple of {p.tp}")
+    if p.pp_mode != "single":
+        raise ConfigError(f"parallel.pp_mode={p.pp_mode} drives stages from one process and cannot be combined with "
+                          f"parallel.tp={p.tp}; use parallel.pp (the multi-process pipeline) instead")
+    if p.tp_impl == "torch":
+        if p.pp > 1:
+            raise ConfigError("parallel.tp_impl=torch does not compose with parallel.pp > 1; use parallel.tp_impl="
+                              "gptpar for pipeline x tensor parallelism")
+        if p.dp > 1 and p.dp_sync != "fsdp2":
+            raise ConfigError(f"parallel.tp_impl=torch with parallel.dp={p.dp} needs parallel.dp_sync=fsdp2 (torch's "
+                              f"DTensor parameters), not {p.dp_sync}; or use parallel.tp_impl=gptpar")
+    elif p.dp > 1 and p.dp_sync == "fsdp2":
+        raise ConfigError("parallel.dp_sync=fsdp2 shards torch's DTensor parameters; with parallel.tp_impl=gptpar use "
+                          "parallel.dp_sync=fsdp (ours), or parallel.tp_impl=torch")
+
+
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
@@ -527,9 +566,8 @@ GRID_DIMS = ("pp", "dp", "tp")
 
 
 def grid_sizes(cfg: Config) -> dict[str, int]:
-    """Size of each grid dimension; the tensor-parallel engine adds its key here, and every launcher
-    and log follows this one function."""
-    return {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": 1}
+    """Size of each grid dimension; every launcher and log follows this one function."""
+    return {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp}
 
 
 def world_size(cfg: Config) -> int:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from gptpar.config import Config, grid_sizes, load_config, updated
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.tensor_parallel.state import whole
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
 from gptpar.train.trainer import Trainer
@@ -48,17 +49,23 @@ def train_steps(trainer: Trainer, count: int) -> list[float]:
 
 def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     net = trainer.net
+    if trainer.tp_group is not None and trainer.cfg.parallel.tp_impl == "torch":
+        from gptpar.parallel.tensor_parallel.torch_plan import whole_parameters  # TEMP
+        with trainer.sync.whole_parameters():
+            return whole_parameters(net, prefix="model.")
     params = net.original_parameters() if trainer.pipeline else {n.removeprefix("model."): p for n, p in
                                                                   net.named_parameters()}
-    # A DTensor (FSDP2) is gathered whole, fsdp's units inside whole_parameters(): collectives, in the same order on
-    # every rank.
+    # A DTensor (FSDP2) is gathered whole, fsdp's units inside whole_parameters(), our tensor-parallel pieces from the
+    # tp group: collectives, in the same order on every rank.
     with trainer.sync.whole_parameters():
-        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in params.items()}
+        return {n: whole(p.full_tensor() if isinstance(p, DTensor) else p, trainer.tp_group).clone()
+                for n, p in params.items()}
 
 
 def reference_run(cfg: Config) -> dict:
     """One process, the same config with one stage and one replica, the same global batch."""
-    single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.pp_virtual": 1, "parallel.pp_split": "",
+    single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp_virtual": 1,
+                           "parallel.pp_split": "", "parallel.dp_sync": "bucketed",
                            "log.run_id": cfg.log.run_id + "-single"})
     info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                     launcher="single", backend="gloo", device=torch.device("cpu"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,16 +28,17 @@ def make_optimizer(params: list[tuple[torch.Tensor, bool]], t: TrainConfig) -> t
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, group: dist.ProcessGroup | None = None,
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, groups: Sequence[dist.ProcessGroup] = (),
                    counted: list[torch.nn.Parameter] | None = None) -> float:
     """Scale the gradients so that their global norm is at most max_norm (inf: only measure); returns the norm.
 
-    Without a group this is torch's clip_grad_norm_. With one (the pipeline's stages), the squares are summed
-    over the group's ranks, each counting only `counted` (a parameter held by two ranks, as the tied
-    embedding is, is counted once), so every rank scales by the same factor one process would.
+    Without groups this is torch's clip_grad_norm_. With them (pipeline stages, shards, tensor-parallel pieces),
+    the squares are summed over each group's ranks in turn, each rank counting only `counted` (a tensor held by
+    several ranks, as the tied embedding or a replicated layer norm is, is counted once), so every rank scales
+    by the same factor one process would.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    if group is None:  # also for DTensor gradients (FSDP2), whose norm torch sums over their shards
+    if not groups:  # also for DTensor gradients (FSDP2, torch's TP), whose norm torch sums over their shards
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     ids = {id(p) for p in (counted if counted is not None else params)}
@@ -44,7 +46,8 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, group: dis
     for p in params:
         if p.grad is not None and id(p) in ids:
             squares += p.grad.double().square().sum()
-    dist.all_reduce(squares, group=group)
+    for group in groups:
+        dist.all_reduce(squares, group=group)
     norm = float(squares.sqrt())
     if math.isfinite(max_norm) and norm > max_norm:
         torch._foreach_mul_(grads, max_norm / (norm + 1e-6))

@@ -23,13 +23,15 @@ from torch.profiler import record_function
 from gptpar.config import Config, grid_sizes, resolve_for_launch, updated
 from gptpar.data import BlockDataset, load_tokens, partition_dataset
 from gptpar.errors import GptparError
-from gptpar.model import build_model, initial_value, lm_loss, materialize
+from gptpar.model import build_model, initial_value, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.pipeline.engine import PipelineEngine
 from gptpar.parallel.pipeline.gpt2 import build_parallel_model
 from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
+from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model
+from gptpar.parallel.tensor_parallel.state import CheckpointLayout, counts_in_norm
 from gptpar.run.folder import RunFolder, run_folder
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
@@ -68,19 +70,32 @@ class Trainer:
                               "blocks of the corpus; lower it or use a larger corpus")
         model = build_model(cfg.model, tokens.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=cfg.data.seq_len,
                             init_device=cfg.model.init_device)
-        prepare_blocks(model, cfg, info.device)  # in place, before any wrapper or stage split sees the blocks
         self.pipeline = grid.size("pp") > 1
-        self.dp_group = grid.group("dp")
-        # model.init_device=meta: fsdp materialises only this rank's shards; every other layout the whole model.
-        shards_only = cfg.model.init_device == "meta" and cfg.parallel.dp_sync == "fsdp" and self.dp_group is not None
+        self.dp_group, self.tp_group = grid.group("dp"), grid.group("tp")
+        # model.init_device=meta: fsdp materialises only this rank's shards; every other layout the whole model
+        # (tensor parallelism cuts its pieces from the whole model).
+        shards_only = (cfg.model.init_device == "meta" and cfg.parallel.dp_sync == "fsdp" and self.dp_group is not None
+                       and self.tp_group is None)
         if cfg.model.init_device == "meta" and not shards_only:
             materialize(model, t.seed, info.device)
-        self.net = (PipelineEngine(model, cfg, grid, info.device) if self.pipeline
-                    else build_parallel_model(model, cfg.parallel, info.device))
+        if self.tp_group is not None:
+            model = shard_model(model, cfg.parallel, grid, info.device)
+        prepare_blocks(model, cfg, info.device)  # in place, before any wrapper or stage split sees the blocks
+        self.loss_fn = loss_function(cfg.parallel, grid, tokens.vocab_size)
+        self.loss_context = loss_context(cfg.parallel, grid)
+        if self.pipeline:
+            self.net = PipelineEngine(model, cfg, grid, info.device)
+        elif self.tp_group is not None:
+            self.net = TensorParallelGPT2(model, info.device)
+        else:
+            self.net = build_parallel_model(model, cfg.parallel, info.device)
         gpt2 = model.config
         initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, gpt2, t.seed))
                    if shards_only else None)
-        self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group, info.device, initial)
+        mesh = grid.mesh["dp"] if grid.mesh is not None and self.dp_group is not None else None
+        self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group, info.device, initial, mesh)
+        self.checkpoint_layout = (CheckpointLayout(self.net, self.sync, grid) if self.tp_group is not None
+                                  and cfg.parallel.tp_impl == "gptpar" else None)
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
@@ -91,10 +106,15 @@ class Trainer:
 
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = model_state(self.net, self.optimizer, self.sync)
+        if self.checkpoint_layout is not None:
+            model, optimizer = self.checkpoint_layout.save(model, optimizer)
         return {"model": model, "optimizer": optimizer, "step": self.step, **self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_model_state(self.net, self.optimizer, state["model"], state["optimizer"], self.sync)
+        model, optimizer = state["model"], state["optimizer"]
+        if self.checkpoint_layout is not None:
+            model, optimizer = self.checkpoint_layout.load(model, optimizer)
+        load_model_state(self.net, self.optimizer, model, optimizer, self.sync)
         self.step = int(state["step"])
         self.precision.load_state_dict(state)
 
@@ -128,10 +148,10 @@ class Trainer:
                 return self.net.train_step(micro_batches, precision.loss_scale, precision.autocast)
         total = 0.0
         for i, (x, y) in enumerate(micro_batches):
-            with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1):
+            with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context():
                 with record_function("forward"), precision.autocast():
                     logits = self.sync.module(x.to(self.net.input_device, non_blocking=True))
-                    loss = lm_loss(logits, y.to(logits.device, non_blocking=True)) / len(micro_batches)
+                    loss = self.loss_fn(logits, y.to(logits.device, non_blocking=True)) / len(micro_batches)
                 with record_function("backward"):
                     precision.scale(loss).backward()
             total += loss.item()
@@ -147,16 +167,11 @@ class Trainer:
         total = self._forward_backward(micro_batches)
         self.sync.finish()
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
-        if self.pipeline:
-            self.net.sum_tied_gradients()
-            targets = [p for p in self.net.parameters() if p.grad is not None]
-            group, counted = self.grid.group("pp"), self.net.counted_parameters()
-        else:
-            (targets, group), counted = self.sync.clip_targets(), None
+        targets, groups, counted = self._norm_plan()
         # An fp16 overflow skips the step on every rank: the data is consumed and the lr moves on, the weights not.
         grad_norm = math.inf
         if self.precision.unscale(targets):
-            grad_norm = clip_gradients(targets, max_norm, group, counted)
+            grad_norm = clip_gradients(targets, max_norm, groups, counted)
             with record_function("optimizer"):
                 self.optimizer.step()
                 self.sync.after_step()
@@ -164,6 +179,24 @@ class Trainer:
             self.memory = state_bytes(self.net, self.optimizer) | self.sync.memory_fields()
         self.sync.zero_grad()
         return total, grad_norm
+
+    def _norm_plan(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup], list[torch.Tensor] | None]:
+        """The gradients of the global norm, the groups over which their squares are summed, and the ones this rank
+        counts (None: all): a pipeline's stages sum over the pp group, the tied embedding counted once; a sharding
+        sync's shards over its dp group; our tensor-parallel pieces over the tp group, replicated tensors once."""
+        if self.pipeline:
+            self.net.sum_tied_gradients()
+            targets = [p for p in self.net.parameters() if p.grad is not None]
+            groups, counted = [self.grid.group("pp")], self.net.counted_parameters()
+        else:
+            (targets, group), counted = self.sync.clip_targets(), None
+            groups = [group] if group is not None else []
+        if self.checkpoint_layout is not None:  # our tensor parallelism (torch's DTensors count themselves)
+            owners, tp_rank = self.sync.owners(), self.grid.coord("tp")
+            counted = [t for t in (targets if counted is None else counted)
+                       if counts_in_norm(owners.get(id(t), t), tp_rank)]
+            groups.append(self.tp_group)
+        return targets, groups, counted
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -175,11 +208,11 @@ class Trainer:
         self.net.eval()
         self.precision.set_matmul_precision()
         loader = partition_dataset(self.grid.coord("dp"), replicas, self.val_set, batch, seed=0, epoch=0)
-        with self.precision.autocast():
+        with self.precision.autocast(), self.loss_context():
             if self.pipeline:
                 losses = [self.net.eval_loss(x, y) for x, y in islice(loader, self.cfg.train.eval_batches)]
             else:
-                losses = [lm_loss(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
+                losses = [self.loss_fn(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
                           for x, y in islice(loader, self.cfg.train.eval_batches)]
         return self._dp_mean(sum(losses) / len(losses))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from gptpar.config import ParallelConfig
 from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
@@ -39,11 +40,13 @@ __all__ = ["BucketedSync", "DDPSync", "FSDP2Sync", "FSDPSync", "GradSync", "Init
 
 
 def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGroup | None,
-                   device: torch.device | None = None, initial: InitialValue | None = None) -> GradSync:
+                   device: torch.device | None = None, initial: InitialValue | None = None,
+                   mesh: DeviceMesh | None = None) -> GradSync:
     """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one.
     The model must already be on its device and identical on all replicas up to a broadcast from the
     group's first rank (done here), except under fsdp with `initial`: then it is on the meta device and
-    fsdp materialises this rank's shards on `device`."""
+    fsdp materialises this rank's shards on `device`. `mesh` is the group's DeviceMesh within the job's grid, which
+    fsdp2 needs to shard parameters that torch's tensor parallelism already made DTensors on the grid."""
     if group is None:
         return GradSync(model)
     if pcfg.dp_sync == "naive":
@@ -57,5 +60,5 @@ def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGr
     if pcfg.dp_sync == "fsdp":
         return FSDPSync(model, group, device or next(model.parameters()).device, initial)
     if pcfg.dp_sync == "fsdp2":
-        return FSDP2Sync(model, group)
+        return FSDP2Sync(model, group, mesh)
     return BucketedSync(model, pcfg.bucket_mb, group)

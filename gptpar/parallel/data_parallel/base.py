@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def broadcast_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -15,8 +16,8 @@ def broadcast_state(model: nn.Module, group: dist.ProcessGroup | None = None) ->
     wraps a model (replicas start identical even if their seeds did not make them so)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor, src, group=group)
+        for tensor in [*model.parameters(), *model.buffers()]:  # a DTensor (torch's tensor parallelism): its piece
+            dist.broadcast(tensor.to_local() if isinstance(tensor, DTensor) else tensor, src, group=group)
 
 
 class GradSync:
@@ -60,6 +61,10 @@ class GradSync:
         """The tensors whose gradients make up the global norm, and the group over which their squares are
         summed (None: this rank holds every gradient whole)."""
         return [p for p in self.model.parameters() if p.grad is not None], None
+
+    def owners(self) -> dict[int, nn.Parameter]:
+        """The parameter each clip target (by id) is a piece of, where it is not the parameter itself."""
+        return {}
 
     def after_step(self) -> None:
         """Just after optimizer.step() (a sharded optimizer gathers the updated parameters)."""

@@ -17,23 +17,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from transformers import GPT2LMHeadModel
 
 from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """GPT-2's blocks inside whatever wraps the GPT2LMHeadModel."""
-    return [m for m in model.modules() if type(m).__name__ == "GPT2Block"]
+    """GPT-2's blocks (whole or tensor-parallel) inside whatever wraps the GPT2LMHeadModel."""
+    gpt2 = next((m for m in model.modules() if isinstance(m, GPT2LMHeadModel)), None)
+    return list(gpt2.transformer.h) if gpt2 is not None else []
 
 
 class FSDP2Sync(GradSync):
     name = "fsdp2"
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup):
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, mesh: DeviceMesh | None = None):
         super().__init__(model)
         broadcast_state(model, group)  # replicas start equal; the shards are then cut from the same model
-        device_type = next(model.parameters()).device.type
-        mesh = DeviceMesh.from_group(group, device_type)
+        if mesh is None:
+            mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -76,6 +76,9 @@ class ShardedOptimizer:
     def optimizer_params(self) -> list[tuple[torch.Tensor, bool]]:
         return [(piece.tensor, piece.param.dim() >= 2) for piece in self.pieces]
 
+    def owners(self) -> dict[int, nn.Parameter]:
+        return {id(piece.tensor): piece.param for piece in self.pieces}
+
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state of this rank's pieces, keyed by parameter name and range (see the module doc)."""
         return {piece.key: optimizer.state[piece.tensor] for piece in self.pieces if piece.tensor in optimizer.state}

@@ -34,12 +34,12 @@ from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import Config, pp_split_counts
-from gptpar.model import lm_loss
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.pipeline.gpt2 import PipelineStage, balanced_sizes, original_name, pipeline_stages
 from gptpar.parallel.pipeline.schedules import COMPUTE, Action, schedule
 from gptpar.parallel.pipeline.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
+from gptpar.parallel.tensor_parallel import loss_function
 from gptpar.train.memory import SavedBytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -95,6 +95,8 @@ class PipelineEngine(nn.Module):
         self.stage_devices = [device]
         self.n_stages = p.pp * p.pp_virtual
         self.width = model.config.n_embd
+        self.seq_shards = p.tp if p.tp > 1 and p.sequence_parallel else 1  # stages exchange sequence shards
+        self.loss_fn = loss_function(p, grid, model.config.vocab_size)
         replica_batch = cfg.train.batch_size // (p.dp * cfg.train.grad_accum)
         sizes = pp_split_counts(p) or self._balanced(model, cfg, replica_batch // p.chunks, device)
         self.stage_ids = [self.rank + k * p.pp for k in range(p.pp_virtual)]
@@ -180,7 +182,7 @@ class PipelineEngine(nn.Module):
                       autocast: Callable[[], AbstractContextManager]) -> torch.Tensor:
         xs = x.to(self.device, non_blocking=True).chunk(self.chunks)
         ys = y.to(self.device, non_blocking=True).chunk(self.chunks)
-        shape = (xs[0].size(0), xs[0].size(1), self.width)
+        shape = (xs[0].size(0), xs[0].size(1) // self.seq_shards, self.width)
         inputs: dict[Key, torch.Tensor] = {}
         outputs: dict[Key, torch.Tensor] = {}
         out_grads: dict[Key, torch.Tensor] = {}
@@ -207,7 +209,7 @@ class PipelineEngine(nn.Module):
                     with SavedBytes(self.stages.parameters()) as counter, autocast():
                         out = stage(inp)
                         if stage.is_last:
-                            loss = lm_loss(out, ys[action.microbatch]) * scale
+                            loss = self.loss_fn(out, ys[action.microbatch]) * scale
                             total += loss.detach()
                             out = loss * loss_scale
                     outputs[key] = out
@@ -287,12 +289,13 @@ class PipelineEngine(nn.Module):
                 if stage.is_first:
                     hidden = xm
                 else:
-                    hidden = torch.empty(xm.size(0), xm.size(1), self.width, dtype=self.dtype, device=self.device)
+                    hidden = torch.empty(xm.size(0), xm.size(1) // self.seq_shards, self.width, dtype=self.dtype,
+                                         device=self.device)
                     with comm_span("recv"):
                         dist.recv(hidden, self.peers[(s - 1) % self.ranks])
                 out = stage(hidden)
                 if stage.is_last:
-                    total += lm_loss(out, ym).double() * xm.size(0)
+                    total += self.loss_fn(out, ym).double() * xm.size(0)
                 else:
                     with comm_span("send", phase="issue"):
                         sends.append(dist.isend(out.to(self.dtype).contiguous(), self.peers[(s + 1) % self.ranks]))

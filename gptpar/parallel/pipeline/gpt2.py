@@ -135,7 +135,10 @@ class Head(nn.Module):
 
 def untie_lm_head(model: GPT2LMHeadModel) -> None:
     """Give the LM head its own copy of the embedding matrix (see the module docstring)."""
-    model.lm_head.weight = nn.Parameter(model.transformer.wte.weight.detach().clone())
+    wte = model.transformer.wte.weight
+    head = nn.Parameter(wte.detach().clone())
+    head.__dict__.update(wte.__dict__)  # what describes the tensor (a tensor-parallel piece's layout) holds for both
+    model.lm_head.weight = head
     model.config.tie_word_embeddings = False
 
 

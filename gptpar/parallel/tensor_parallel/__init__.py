@@ -1,0 +1,60 @@
+"""Tensor parallelism (`parallel.tp`): each layer's matrices split over the grid's `tp` group.
+
+Two implementations of one plan (gpt2.py's docstring): ours (`gptpar`, layers.py and gpt2.py, with our own
+autograd collectives in comm.py and the vocabulary-parallel loss in loss.py) and PyTorch's (`torch`,
+torch_plan.py, on DTensor). Both convert a whole GPT2LMHeadModel in place and run through the same forward
+(`tensor_parallel_forward`), so the trainer, the pipeline engine and the data-parallel syncs take a sharded
+model as they take a whole one. state.py says how pieces are rebuilt, checkpointed and counted in norms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import GPT2LMHeadModel
+
+from gptpar.config import ParallelConfig
+from gptpar.model import lm_loss
+from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.tensor_parallel.gpt2 import TensorParallelGPT2, shard_gpt2, tensor_parallel_forward
+from gptpar.parallel.tensor_parallel.loss import vocab_parallel_loss
+
+__all__ = ["TensorParallelGPT2", "loss_context", "loss_function", "shard_model", "tensor_parallel_forward"]
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shard_model(model: GPT2LMHeadModel, pcfg: ParallelConfig, grid: RankGrid, device: torch.device
+                ) -> GPT2LMHeadModel:
+    """`model` (whole, the same on every rank) moved to `device` and cut into this rank's tensor-parallel pieces
+    by parallel.tp_impl, in place."""
+    model.to(device)
+    if pcfg.tp_impl == "torch":
+        from gptpar.parallel.tensor_parallel.torch_plan import parallelize_gpt2
+
+        return parallelize_gpt2(model, grid.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
+    return shard_gpt2(model, grid.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
+
+
+def loss_function(pcfg: ParallelConfig, grid: RankGrid, vocab: int) -> Loss:
+    """The language-model loss of what the model returns: whole logits, or vocabulary shards (loss_parallel)."""
+    if grid.size("tp") == 1 or not pcfg.loss_parallel:
+        return lm_loss
+    if pcfg.tp_impl == "torch":
+        from gptpar.parallel.tensor_parallel.torch_plan import torch_lm_loss
+
+        return torch_lm_loss
+    return functools.partial(vocab_parallel_loss, vocab=vocab, group=grid.group("tp"))
+
+
+def loss_context(pcfg: ParallelConfig, grid: RankGrid) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """What must enclose the loss and its backward: torch's loss_parallel() for its sharded logits, else nothing."""
+    if grid.size("tp") > 1 and pcfg.loss_parallel and pcfg.tp_impl == "torch":
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel
+    return contextlib.nullcontext

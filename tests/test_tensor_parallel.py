@@ -1,0 +1,115 @@
+"""Tensor parallelism through the trainer: ours and torch's at T=2 (with sequence and loss parallelism), and the
+compositions DP x TP, FSDP x TP and PP x TP on 4 ranks, each equal to one process; checkpoints resume exactly.
+
+The vocabulary (301) does not divide by 2, so the padding of the vocabulary-parallel layers is exercised too.
+Every spawned rank trains through `Trainer._train_step` and saves its losses and whole parameters.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from rank_training import STEPS, make_config, make_trainer, named_params, reference_run, train_steps
+
+from gptpar.config import ConfigError, ParallelConfig, load_config
+from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.spawn import spawn_local
+from gptpar.train.checkpoint import load_checkpoint
+
+TP = ["parallel.tp=2", "data.vocab_size=301"]
+SP_LP = ["parallel.sequence_parallel=true", "parallel.loss_parallel=true"]
+TORCH = ["parallel.tp_impl=torch"]
+CASES_2 = {
+    "tp2": TP,
+    "tp2-sp-lp": [*TP, *SP_LP],
+    "tp2-lp-accum-ckpt": [*TP, "parallel.loss_parallel=true", "train.grad_accum=2",
+                          "train.activation_checkpointing=block"],
+    "tp2-torch": [*TP, *TORCH],
+    "tp2-torch-sp-lp": [*TP, *TORCH, *SP_LP],
+}
+CASES_4 = {
+    "dp2-tp2": [*TP, "parallel.dp=2"],
+    "dp2-tp2-ddp-sp": [*TP, "parallel.dp=2", "parallel.dp_sync=ddp", *SP_LP],
+    "fsdp2-tp2": [*TP, "parallel.dp=2", "parallel.dp_sync=fsdp", *SP_LP],
+    "fsdp2-tp2-torch": [*TP, *TORCH, "parallel.dp=2", "parallel.dp_sync=fsdp2"],
+    "pp2-tp2": [*TP, "parallel.pp=2", "parallel.chunks=2"],
+    "pp2-tp2-sp-lp": [*TP, "parallel.pp=2", "parallel.chunks=2", *SP_LP],
+}
+RESUMED = {"tp2-sp-lp": 2, "fsdp2-tp2": 4, "dp2-tp2": 4}
+ALL = CASES_2 | CASES_4
+
+
+def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]]) -> None:
+    for name, overrides in cases.items():
+        trainer = make_trainer(make_config(overrides, runs, name), info)
+        losses = train_steps(trainer, STEPS)
+        record = {"losses": [trainer.logged_loss(v) for v in losses], "val": trainer.evaluate(),
+                  "params": named_params(trainer)}
+        torch.save(record, runs / f"{name}.rank{info.rank}.pt")
+    for name, world in RESUMED.items():  # a step, a checkpoint, a new trainer: the next step as if never stopped
+        if world != info.world_size:
+            continue
+        cfg = make_config(ALL[name], runs, f"resumed-{name}")
+        first = make_trainer(cfg, info)
+        train_steps(first, 1)
+        first._save()
+        second = make_trainer(cfg, info)
+        assert load_checkpoint(second.folder.path, {"trainer": second})
+        record = {"losses": train_steps(second, 1), "params": named_params(second)}
+        torch.save(record, runs / f"resumed-{name}.rank{info.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    runs = tmp_path_factory.mktemp("tp")
+    for world, cases in ((2, CASES_2), (4, CASES_4)):
+        spawn_local(_worker, world, runs, cases, pcfg=ParallelConfig(dp=world, backend="gloo", timeout_s=60))
+    return runs
+
+
+def _ranks(runs: Path, name: str) -> list[dict]:
+    return [torch.load(path, weights_only=False) for path in sorted(runs.glob(f"{name}.rank*.pt"))]
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_tensor_parallel_trains_like_one_process(results: Path, name: str) -> None:
+    ranks = _ranks(results, name)
+    ref = reference_run(make_config(ALL[name], results, name))
+    losses = [r["losses"] for r in ranks if r["losses"][0] is not None]  # a pipeline's first stage logs null
+    mean = [sum(step) / len(losses) for step in zip(*losses, strict=True)]
+    assert mean == pytest.approx(ref["losses"], rel=1e-5)
+    assert all(r["val"] == pytest.approx(ref["val"], rel=1e-5) for r in ranks)
+    model: dict[str, torch.Tensor] = {}  # the whole model, from every rank (a pipeline stage holds its blocks)
+    for rank in ranks:
+        for param, value in rank["params"].items():
+            assert torch.equal(model.setdefault(param, value), value), param  # every holder: the same tensor
+    assert set(model) >= set(ref["params"]) - {"lm_head.weight"}
+    for param, value in model.items():
+        expected = ref["params"]["transformer.wte.weight" if param == "lm_head.weight" else param]
+        torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5, msg=lambda m, p=param: f"{name}: {p}: {m}")
+
+
+@pytest.mark.parametrize("name", list(RESUMED))
+def test_a_resumed_tensor_parallel_run_continues_exactly(results: Path, name: str) -> None:
+    straight, resumed = _ranks(results, name), _ranks(results, f"resumed-{name}")
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["losses"][0] == pytest.approx(a["losses"][1], rel=1e-6)
+        for param, value in a["params"].items():
+            torch.testing.assert_close(b["params"][param], value, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.tp=3"], "parallel.tp=3 must divide model.n_head=2"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=15"], "multiple of 2"),
+    (["parallel.tp=2", "parallel.pp_mode=pipeline_parallel"], "cannot be combined with parallel.tp=2"),
+    (["parallel.tp=2", "parallel.tp_impl=torch", "parallel.dp=2"], "needs parallel.dp_sync=fsdp2"),
+    (["parallel.tp=2", "parallel.tp_impl=torch", "parallel.pp=2"], "does not compose with parallel.pp > 1"),
+    (["parallel.tp=2", "parallel.dp=2", "parallel.dp_sync=fsdp2"], "use parallel.dp_sync=fsdp (ours)"),
+])
+def test_impossible_tensor_parallel_layouts_fail_in_one_line(overrides: list[str], message: str) -> None:
+    base = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=16"]
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")) as err:
+        load_config(None, [*base, *overrides])
+    assert "\n" not in str(err.value)
