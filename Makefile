@@ -16,7 +16,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install test lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-precision bench-analysis figures config-reference clean
+.PHONY: install test lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis figures config-reference clean
 
 install: $(STAMP)
 
@@ -40,7 +40,7 @@ test: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-bench: bench-dp bench-pp bench-pp-dist bench-fsdp bench-precision bench-analysis
+bench: bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis
 
 bench-dp: install
 	$(PY) bench/bench_dp.py
@@ -53,6 +53,9 @@ bench-pp-dist: install
 
 bench-fsdp: install
 	$(PY) bench/bench_fsdp.py
+
+bench-tp: install
+	$(PY) bench/bench_tp.py
 
 bench-precision: install
 	$(PY) bench/bench_precision.py

@@ -16,6 +16,7 @@ from gptpar.config import Config, grid_sizes, load_config, updated
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.state import whole
+from gptpar.parallel.tensor_parallel.torch_plan import whole_parameters
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
 from gptpar.train.trainer import Trainer
@@ -50,9 +51,8 @@ def train_steps(trainer: Trainer, count: int) -> list[float]:
 def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     net = trainer.net
     if trainer.tp_group is not None and trainer.cfg.parallel.tp_impl == "torch":
-        from gptpar.parallel.tensor_parallel.torch_plan import whole_parameters  # TEMP
         with trainer.sync.whole_parameters():
-            return whole_parameters(net, prefix="model.")
+            return whole_parameters(net.model)
     params = net.original_parameters() if trainer.pipeline else {n.removeprefix("model."): p for n, p in
                                                                   net.named_parameters()}
     # A DTensor (FSDP2) is gathered whole, fsdp's units inside whole_parameters(), our tensor-parallel pieces from the

@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from rank_training import STEPS, make_config, make_trainer, named_params, reference_run, train_steps
+from transformers import GPT2LMHeadModel
 
-from gptpar.config import ConfigError, ParallelConfig, load_config
+from gptpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
+from gptpar.model import gpt2_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.train.checkpoint import load_checkpoint
+from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
 
 TP = ["parallel.tp=2", "data.vocab_size=301"]
 SP_LP = ["parallel.sequence_parallel=true", "parallel.loss_parallel=true"]
@@ -55,9 +57,10 @@ def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]]) -> None:
         first = make_trainer(cfg, info)
         train_steps(first, 1)
         first._save()
+        saved = named_params(first)
         second = make_trainer(cfg, info)
         assert load_checkpoint(second.folder.path, {"trainer": second})
-        record = {"losses": train_steps(second, 1), "params": named_params(second)}
+        record = {"losses": train_steps(second, 1), "params": named_params(second), "saved": saved}
         torch.save(record, runs / f"resumed-{name}.rank{info.rank}.pt")
 
 
@@ -98,6 +101,16 @@ def test_a_resumed_tensor_parallel_run_continues_exactly(results: Path, name: st
         assert b["losses"][0] == pytest.approx(a["losses"][1], rel=1e-6)
         for param, value in a["params"].items():
             torch.testing.assert_close(b["params"][param], value, rtol=1e-6, atol=1e-7)
+
+
+def test_a_tensor_parallel_checkpoint_exports_as_a_whole_gpt2(results: Path, tmp_path: Path) -> None:
+    """Pieces rebuilt whole: q, k, v columns in GPT-2's order, the vocabulary padding cut off."""
+    exported = torch.load(export_checkpoint(results / "resumed-tp2-sp-lp", tmp_path / "model.pt"), weights_only=False)
+    model = GPT2LMHeadModel(gpt2_config(ModelConfig(n_layer=4, n_embd=32, n_head=2), 301))
+    model.load_state_dict(exported["gpt2"])
+    saved = _ranks(results, "resumed-tp2-sp-lp")[0]["saved"]
+    for name, value in model.named_parameters():
+        assert torch.equal(value.detach(), saved[name]), name
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -77,7 +77,7 @@ def _check_case(mesh, sp: bool, lp: bool) -> None:
     assert model.lm_head.weight is wte and isinstance(wte, DTensor), f"{case}: the tie is broken"
     assert grads["transformer.wte.weight"][VOCAB - 1].abs().sum() > 0, f"{case}: no head gradient on wte"
     placements = {p.placements for p in model.parameters()}
-    assert all(isinstance(p, DTensor) for p in model.parameters()), case
+    assert all(isinstance(p, DTensor) and p.grad.placements == p.placements for p in model.parameters()), case
     assert {(Shard(0),), (Shard(1),), (Replicate(),)} <= placements, f"{case}: {placements}"
 
     for max_norm in (math.inf, 0.5):

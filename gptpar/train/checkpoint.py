@@ -214,7 +214,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
         if isinstance(state.get("trainer"), dict) and "model" in state["trainer"]:  # a training run's checkpoint
             if "pieces" in state["trainer"]["model"]:  # fsdp's: every rank's pieces of the parameters
                 state["trainer"]["model"] = join_pieces(state["trainer"]["model"])
-            state["gpt2"] = plain_gpt2_state(state["trainer"]["model"])
+            state["gpt2"] = plain_gpt2_state(state["trainer"]["model"], state["trainer"].get("vocab_size"))
             torch.save(state, tmp)
     except (Exception, CheckpointException) as exc:
         tmp.unlink(missing_ok=True)

@@ -108,7 +108,8 @@ class Trainer:
         model, optimizer = model_state(self.net, self.optimizer, self.sync)
         if self.checkpoint_layout is not None:
             model, optimizer = self.checkpoint_layout.save(model, optimizer)
-        return {"model": model, "optimizer": optimizer, "step": self.step, **self.precision.state_dict()}
+        return {"model": model, "optimizer": optimizer, "step": self.step, "vocab_size": self.vocab_size,
+                **self.precision.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model, optimizer = state["model"], state["optimizer"]

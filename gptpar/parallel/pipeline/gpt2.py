@@ -247,16 +247,20 @@ def original_name(name: str) -> str:
     return rest if rest.startswith("lm_head.") else f"transformer.{rest}"
 
 
-def plain_gpt2_state(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A checkpoint's model state under GPT2LMHeadModel's own names, whichever wrapper wrote it: the one-process
-    `ParallelGPT2` (`model.` prefix) or the pipeline engine's stages (`stages.<s>.` and stage names). The tied
-    LM head appears as `lm_head.weight` beside `transformer.wte.weight`, as GPT2LMHeadModel.state_dict() has it."""
+def plain_gpt2_state(model_state: dict[str, torch.Tensor], vocab_size: int | None = None) -> dict[str, torch.Tensor]:
+    """A checkpoint's model state under GPT2LMHeadModel's own names and shapes, whichever wrapper wrote it: the
+    one-process `ParallelGPT2` (`model.` prefix) or the pipeline engine's stages (`stages.<s>.` and stage names);
+    tensor parallelism's fused q, k, v columns stored as (in, 3, out) are flattened back and its padded vocabulary
+    rows cut to `vocab_size`. The tied LM head appears as `lm_head.weight` beside `transformer.wte.weight`, as
+    GPT2LMHeadModel.state_dict() has it."""
     plain = {}
     for key, value in model_state.items():
-        if key.startswith("stages."):
-            plain[original_name(key.split(".", 2)[2])] = value
-        else:
-            plain[key.removeprefix("model.")] = value
+        name = original_name(key.split(".", 2)[2]) if key.startswith("stages.") else key.removeprefix("model.")
+        if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")) and value.dim() == 2 + name.endswith("weight"):
+            value = value.flatten(-2)
+        if vocab_size is not None and name in ("transformer.wte.weight", "lm_head.weight"):
+            value = value[:vocab_size]
+        plain[name] = value
     if "lm_head.weight" not in plain and "transformer.wte.weight" in plain:
         plain["lm_head.weight"] = plain["transformer.wte.weight"]
     return plain

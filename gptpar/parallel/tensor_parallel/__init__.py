@@ -22,6 +22,8 @@ from gptpar.model import lm_loss
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.tensor_parallel.gpt2 import TensorParallelGPT2, shard_gpt2, tensor_parallel_forward
 from gptpar.parallel.tensor_parallel.loss import vocab_parallel_loss
+from gptpar.parallel.tensor_parallel.torch_plan import loss_context as torch_loss_context
+from gptpar.parallel.tensor_parallel.torch_plan import parallelize_gpt2, torch_lm_loss
 
 __all__ = ["TensorParallelGPT2", "loss_context", "loss_function", "shard_model", "tensor_parallel_forward"]
 
@@ -34,8 +36,6 @@ def shard_model(model: GPT2LMHeadModel, pcfg: ParallelConfig, grid: RankGrid, de
     by parallel.tp_impl, in place."""
     model.to(device)
     if pcfg.tp_impl == "torch":
-        from gptpar.parallel.tensor_parallel.torch_plan import parallelize_gpt2
-
         return parallelize_gpt2(model, grid.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
     return shard_gpt2(model, grid.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
 
@@ -45,16 +45,10 @@ def loss_function(pcfg: ParallelConfig, grid: RankGrid, vocab: int) -> Loss:
     if grid.size("tp") == 1 or not pcfg.loss_parallel:
         return lm_loss
     if pcfg.tp_impl == "torch":
-        from gptpar.parallel.tensor_parallel.torch_plan import torch_lm_loss
-
         return torch_lm_loss
     return functools.partial(vocab_parallel_loss, vocab=vocab, group=grid.group("tp"))
 
 
 def loss_context(pcfg: ParallelConfig, grid: RankGrid) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """What must enclose the loss and its backward: torch's loss_parallel() for its sharded logits, else nothing."""
-    if grid.size("tp") > 1 and pcfg.loss_parallel and pcfg.tp_impl == "torch":
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel
-    return contextlib.nullcontext
+    return functools.partial(torch_loss_context, grid.size("tp") > 1 and pcfg.loss_parallel and pcfg.tp_impl == "torch")

@@ -14,8 +14,10 @@ nn.Linear and nn.Embedding, so `parallelize_gpt2` first rewrites GPT-2's modules
 The residual stream between blocks is a plain local tensor (whole, or this rank's sequence shard with sequence
 parallelism); each attention and MLP turns it into a replicated DTensor once (`PrepareModuleInput`), so the
 backward sums q's, k's and v's input gradients before the one all-reduce (reduce-scatter with SP) instead of
-three. Every parameter ends up a DTensor (sharded, or replicated via `distribute_module`), so the optimizer's
-foreach kernels and `clip_grad_norm_` never see DTensors and plain tensors mixed.
+three. Every parameter ends up a DTensor (sharded, or replicated via `distribute_module`): `clip_grad_norm_`
+(gptpar.train.optim.clip_gradients without a group) rejects DTensors and plain tensors mixed ("aten._foreach_norm
+got mixed torch.Tensor and DTensor"), and with one kind it returns the global norm. Every gradient ends up with
+its parameter's placements (`_grad_like_param`).
 
 Vocabulary: the token table is zero-padded to a multiple of T (`padded_vocab`) and split by rows
 (`RowwiseParallel` on the Embedding: out-of-range tokens masked, partial sums all-reduced, or reduce-scattered
@@ -31,8 +33,8 @@ slice forward, an all-gather of its gradient backward), so their sum is already 
 
 Dropout draws from torch's default generator: replicated activations get the same mask on every rank (as they
 must); sharded ones (attention heads, and the sequence shards with SP) get masks correlated across ranks (the same
-stream, different elements). torch's DTensor RNG tracker, which would decorrelate them, covers CUDA only and only
-DTensor dropout; this reference keeps the default, the equality tests run without dropout.
+stream, different elements). torch's DTensor RNG tracker, which would decorrelate them, covers only random ops on
+DTensors, on CUDA-like devices; this reference keeps the default, and the equality tests run without dropout.
 """
 
 from __future__ import annotations
@@ -166,8 +168,6 @@ def parallelize_gpt2(model: GPT2LMHeadModel, mesh: DeviceMesh, sequence_parallel
     tr, cfg = model.transformer, model.config
     if cfg.n_head % size:
         raise GptparError(f"model.n_head={cfg.n_head} must divide by parallel.tp={size}")
-    if cfg.n_inner not in (None, 4 * cfg.n_embd) and cfg.n_inner % size:
-        raise GptparError(f"model.n_inner={cfg.n_inner} must divide by parallel.tp={size}")
     residual = Shard(1) if sequence_parallel else Replicate()
 
     tr.wte = PaddedEmbedding(tr.wte, size)
@@ -210,7 +210,19 @@ def parallelize_gpt2(model: GPT2LMHeadModel, mesh: DeviceMesh, sequence_parallel
     if not sequence_parallel:
         for norm in [tr.ln_f, *(m for block in tr.h for m in (block.ln_1, block.ln_2))]:
             _replicate(norm, mesh)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(_grad_like_param)
     return model
+
+
+def _grad_like_param(param: nn.Parameter) -> None:
+    """Give the gradient its parameter's placements. With SP a replicated layer norm sees only its sequence shard
+    and DTensor leaves its gradient Partial (a pending sum over the group): summed here, once per backward (as
+    gptpar's SequenceParallelLayerNorm does), so the optimizer, clipping and any hook reading `.grad.to_local()`
+    see whole gradients, not pending sums that each DTensor op would all-reduce again."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(placements=param.placements)
 
 
 def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
@@ -230,6 +242,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
 
+@torch.no_grad()
 def _whole(model: nn.Module, prefix: str, of: Callable[[nn.Parameter], torch.Tensor | None]
            ) -> dict[str, torch.Tensor]:
     """`of(p)` of every parameter whole, under GPT-2's names and layouts (a collective, same order on all ranks)."""
