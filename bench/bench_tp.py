@@ -305,8 +305,8 @@ def closed_comm(row: Row, args: argparse.Namespace) -> dict[str, float]:
     SP also reduces the gradients of what stays replicated, differently in the two implementations:
     ours all-reduces in backward each block's layer norms and row-parallel biases (6h), ln_f's (2h) and the
     whole position table's gradient (n_positions*h); torch all-gathers the gradient of this rank's position rows
-    (s*h) and leaves the layer norms' gradients Partial, so AdamW's step all-reduces each at every read (three:
-    lerp once, addcmul twice): 3*4h per block, 3*2h for ln_f.
+    (s*h) and all-reduces the layer norms' Partial gradients once per backward (torch_plan's `_grad_like_param`):
+    4h per block, 2h for ln_f.
     DDP: every gradient all-reduced once (the tied head once), the blocks' and the rest."""
     w, b, s, h, n_layer = args.world, args.batch, args.seq, args.n_embd, args.n_layer
     ar, r = 2 * (w - 1) / w, (w - 1) / w
@@ -319,7 +319,7 @@ def closed_comm(row: Row, args: argparse.Namespace) -> dict[str, float]:
     if row.sp and row.impl == "gptpar":
         block_sp, embed_sp = 6 * h * ar, (meta.config.n_positions * h + 2 * h) * ar
     elif row.sp:
-        block_sp, embed_sp = 3 * 4 * h * ar, s * h * r + 3 * 2 * h * ar
+        block_sp, embed_sp = 4 * h * ar, s * h * r + 2 * h * ar
     return {"blocks": n_layer * (4 * b * s * h * ar + block_sp),
             "embed_head": 2 * b * s * h * ar + embed_sp,
             "loss": 3 * b * s * ar if row.lp else b * s * padded_vocab(args.vocab, w) * r}
@@ -399,8 +399,8 @@ def report_comm(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
     print("\n(embed+head closed: the embedding's partial sum forward and the head's input gradient backward, "
           "b*s*h each; with SP + the replicated parameters' gradients: ours all-reduces in backward each block's "
           "layer norms and row-parallel biases (6h per block), ln_f's (2h) and the whole position table's "
-          "(n_positions*h); torch all-gathers the gradient of the position rows (s*h) and leaves the layer norms' "
-          "gradients Partial, all-reduced by AdamW at each of its 3 reads (3*4h per block, 3*2h for ln_f); loss "
+          "(n_positions*h); torch all-gathers the gradient of the position rows (s*h) and all-reduces the layer "
+          "norms' Partial gradients once per backward (4h per block, 2h for ln_f); loss "
           "closed: loss parallelism 3*b*s, gathered loss the whole padded logits b*s*V_pad*(W-1)/W; DDP: every "
           "gradient once, 2(W-1)/W*N, blocks vs the rest; 'steady': ours' comm.VOLUME equal on every timed step; "
           "params+grads+optim: gptpar.train.memory.state_bytes after the first step; saved act.: bytes autograd "

@@ -88,6 +88,8 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
           "log.run_id=dp_2nodes"], work)
     _run([GPTPAR, "submit", "pp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", "parallel.pp=2",
           "parallel.chunks=2", "log.run_id=pp_engine_2nodes"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", "parallel.tp=2",
+          "parallel.sequence_parallel=true", "parallel.loss_parallel=true", "log.run_id=tp_2nodes"], work)
     _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, f"train.max_steps={REQUEUE_STEPS}",
           "train.checkpoint_every=0", "log.run_id=requeue"], work)
     env = {**clean_env(), "VENV": str(REPO / ".venv"), "RUNS": str(runs), "OVERRIDES": " ".join(TINY)}
@@ -174,6 +176,19 @@ def test_pipeline_engine_runs_its_stages_on_two_nodes_with_a_replica_each(work: 
         assert all(len(s["pp_timeline"]) == 2 * 2 and 0 <= s["bubble"] < 1 for s in steps)  # 2 F + 2 B
     last = {s["global_loss"] for recs in records.values() for s in recs if s["kind"] == "step" and s["step"] == 3}
     assert len(last) == 1  # one loss for the job: every stage and replica reports the same mean
+
+
+def test_tensor_parallel_groups_stay_on_one_node_and_replicas_span_two(work: Path) -> None:
+    """parallel.tp=2 on 2 nodes x 2 GPUs: dp=2 replicas of a TP=2 group, each group's ranks on one node (tp is the
+    grid's fastest dimension), gradients averaged across the nodes; one loss for the job."""
+    run = work / "runs" / "tp_2nodes"
+    assert _wait(run) == "completed"
+    records = {r: read_records(run / f"rank{r}.jsonl") for r in _ranks(run)}
+    headers = {r: recs[0] for r, recs in records.items()}
+    assert {r: (h["coords"]["dp"], h["coords"]["tp"], h["slurm"]["node"]) for r, h in headers.items()} == {
+        0: (0, 0, "node1"), 1: (0, 1, "node1"), 2: (1, 0, "node2"), 3: (1, 1, "node2")}
+    steps = {(s["step"], s["global_loss"]) for recs in records.values() for s in recs if s["kind"] == "step"}
+    assert sorted(step for step, _ in steps) == [1, 2, 3]  # every rank logged the same loss at each step
 
 
 def test_small_sweep_and_rerun_skips_done_points(work: Path) -> None:
