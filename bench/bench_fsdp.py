@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -421,17 +422,24 @@ def report_budget(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None
           f"{seconds:.0f} s)")
 
 
+def spawn_and_collect(rank_main: Callable[[RankInfo, argparse.Namespace, Path], None],
+                      args: argparse.Namespace) -> list[Any]:
+    """Runs `rank_main(info, args, out)` on `args.world` local gloo ranks (spawn_local) and returns the per-rank
+    results rank 0 wrote to `out` as JSON (`{"ranks": [...]}`); shared with bench_tp."""
+    pcfg = ParallelConfig(dp=args.world, backend="gloo", timeout_s=300)
+    with tempfile.TemporaryDirectory() as tmp:
+        result_file = Path(tmp) / "rank0.json"
+        spawn_local(rank_main, args.world, args, result_file, pcfg=pcfg)
+        return json.loads(result_file.read_text())["ranks"]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores "
           "(other processes share the cores the ranks are meant to own)", flush=True)
     started = time.perf_counter()
-    pcfg = ParallelConfig(dp=args.world, backend="gloo", timeout_s=300)
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "rank0.json"
-        spawn_local(rank_main, args.world, args, result_file, pcfg=pcfg)
-        ranks = json.loads(result_file.read_text())["ranks"]
+    ranks = spawn_and_collect(rank_main, args)
     rows = ranks[0]["speed"]
     print(f"\n{args.preset} vocab={args.vocab}, {args.world} gloo ranks x 1 thread, {args.batch}x{args.seq} tokens "
           f"per rank per step, bucket {args.bucket_mb:g} MB, trainer's own step (AdamW, clip 1.0); "

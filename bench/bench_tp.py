@@ -35,12 +35,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import shlex
 import sys
-import tempfile
 import time
 import warnings
 from collections import Counter
@@ -64,6 +62,7 @@ from bench_fsdp import (  # noqa: E402
     ratio_vs,
     release_memory,
     shown,
+    spawn_and_collect,
     spread,
     status_mb,
     timed,
@@ -73,7 +72,6 @@ from gptpar.config import ModelConfig, ParallelConfig  # noqa: E402
 from gptpar.model import build_model, lm_loss  # noqa: E402
 from gptpar.parallel.grid import RankGrid  # noqa: E402
 from gptpar.parallel.process_group import RankInfo  # noqa: E402
-from gptpar.parallel.spawn import spawn_local  # noqa: E402
 from gptpar.parallel.tensor_parallel import (  # noqa: E402
     loss_context,
     loss_function,
@@ -84,8 +82,6 @@ from gptpar.parallel.tensor_parallel.comm import VOLUME  # noqa: E402
 from gptpar.parallel.tensor_parallel.layers import padded_vocab  # noqa: E402
 from gptpar.train.memory import saved_activation_bytes, state_bytes  # noqa: E402
 
-TORCH_PLAN = "gptpar.parallel.tensor_parallel.torch_plan"
-MISSING = "n/a (torch_plan missing)"
 MB = 2**20
 
 
@@ -186,9 +182,6 @@ class Variant:
         self.row, self.times, self.error = row, [], None
         self.memory: dict[str, int] | None = None
         self.volumes: list[dict[str, int]] = []  # comm.VOLUME after each step (ours)
-        if row.impl == "torch" and importlib.util.find_spec(TORCH_PLAN) is None:
-            self.error = MISSING
-            return
         try:
             self._build(row, args, info, grid, n_layer)
         except Exception as exc:  # reported as a failed row, not a crash
@@ -241,7 +234,7 @@ def counted_step(variant: Variant, world: int) -> dict[str, Any]:
 def built(row: Row, args: argparse.Namespace, info: RankInfo, grid: RankGrid, n_layer: int) -> Variant:
     """Built in the same order on every rank (construction communicates), every rank agreeing on any error."""
     variant = Variant(row, args, info, grid, n_layer)
-    variant.error = variant.error if variant.error == MISSING else agree_error(variant.error)
+    variant.error = agree_error(variant.error)
     return variant
 
 
@@ -302,11 +295,11 @@ def closed_comm(row: Row, args: argparse.Namespace) -> dict[str, float]:
     Embedding and head: the embedding's partial sum forward and the head's input gradient backward (b*s*h each;
     with SP likewise as reduce-scatter/all-gather). Loss: three all-reduces of b*s numbers (maximum, sum of
     exponentials, target logit) with loss parallelism, else the all-gather of the whole padded logits.
-    SP also reduces the gradients of what stays replicated, differently in the two implementations:
-    ours all-reduces in backward each block's layer norms and row-parallel biases (6h), ln_f's (2h) and the
-    whole position table's gradient (n_positions*h); torch all-gathers the gradient of this rank's position rows
-    (s*h) and all-reduces the layer norms' Partial gradients once per backward (torch_plan's `_grad_like_param`):
-    4h per block, 2h for ln_f.
+    SP also reduces the gradients of what stays replicated. Both implementations all-gather the gradient of this
+    rank's position rows (s*h, ring (W-1)/W: ours `own_rows`, torch the position table's sequence-sharded
+    output) and all-reduce ln_f's (2h) in backward; per block ours all-reduces the layer norms and the
+    row-parallel biases (6h), torch the layer norms' Partial gradients once per backward (torch_plan's
+    `_grad_like_param`, 4h).
     DDP: every gradient all-reduced once (the tied head once), the blocks' and the rest."""
     w, b, s, h, n_layer = args.world, args.batch, args.seq, args.n_embd, args.n_layer
     ar, r = 2 * (w - 1) / w, (w - 1) / w
@@ -316,10 +309,8 @@ def closed_comm(row: Row, args: argparse.Namespace) -> dict[str, float]:
         total = sum(p.numel() for p in meta.parameters())
         return {"blocks": n_layer * per_block * ar, "embed_head": (total - n_layer * per_block) * ar, "loss": 0.0}
     block_sp, embed_sp = 0.0, 0.0
-    if row.sp and row.impl == "gptpar":
-        block_sp, embed_sp = 6 * h * ar, (meta.config.n_positions * h + 2 * h) * ar
-    elif row.sp:
-        block_sp, embed_sp = 4 * h * ar, s * h * r + 2 * h * ar
+    if row.sp:  # the position rows' gradient all-gathered, ln_f's all-reduced; per block 6h (ours) or 4h (torch)
+        block_sp, embed_sp = (6 if row.impl == "gptpar" else 4) * h * ar, s * h * r + 2 * h * ar
     return {"blocks": n_layer * (4 * b * s * h * ar + block_sp),
             "embed_head": 2 * b * s * h * ar + embed_sp,
             "loss": 3 * b * s * ar if row.lp else b * s * padded_vocab(args.vocab, w) * r}
@@ -359,8 +350,7 @@ def report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
         med, lo, hi = spread(res["times"])
         t_med, t_lo, t_hi = spread([tokens / t for t in res["times"]])
         mate = rows.get(row.mate) if row.mate else None
-        ratio = shown(ratio_vs(rows, row.key, row.mate)) if mate and measured(mate) else (
-            MISSING if mate and mate["error"] == MISSING else "-")
+        ratio = shown(ratio_vs(rows, row.key, row.mate)) if mate and measured(mate) else "-"
         state = per_rank([sum(r[row.key]["memory"][k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes"))
                           / MB for r in ranks], ".1f")
         saved = per_rank([r[row.key]["saved_bytes"] / MB for r in ranks], ".1f")
@@ -397,10 +387,10 @@ def report_comm(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
               f"{sum(res['count']['wire'].values()) / 1e6:.3f} | {kinds} | {res['count']['calls']} | "
               f"{('yes' if res['volume_steady'] else 'no') if row.impl == 'gptpar' else '-'} |")
     print("\n(embed+head closed: the embedding's partial sum forward and the head's input gradient backward, "
-          "b*s*h each; with SP + the replicated parameters' gradients: ours all-reduces in backward each block's "
-          "layer norms and row-parallel biases (6h per block), ln_f's (2h) and the whole position table's "
-          "(n_positions*h); torch all-gathers the gradient of the position rows (s*h) and all-reduces the layer "
-          "norms' Partial gradients once per backward (4h per block, 2h for ln_f); loss "
+          "b*s*h each; with SP + the replicated parameters' gradients in backward: both all-gather the gradient "
+          "of this rank's position rows (s*h*(W-1)/W; ours via own_rows) and all-reduce ln_f's (2h); per block "
+          "ours all-reduces the layer norms and row-parallel biases (6h), torch the layer norms' Partial "
+          "gradients once per backward (4h); loss "
           "closed: loss parallelism 3*b*s, gathered loss the whole padded logits b*s*V_pad*(W-1)/W; DDP: every "
           "gradient once, 2(W-1)/W*N, blocks vs the rest; 'steady': ours' comm.VOLUME equal on every timed step; "
           "params+grads+optim: gptpar.train.memory.state_bytes after the first step; saved act.: bytes autograd "
@@ -412,14 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     command = shlex.join([sys.executable, *sys.argv])
     print("command:", command, flush=True)
     print(f"load average before: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
-    if importlib.util.find_spec(TORCH_PLAN) is None:
-        print(f"torch rows: {MISSING}", flush=True)
     started = time.perf_counter()
-    pcfg = ParallelConfig(dp=args.world, backend="gloo", timeout_s=300)
-    with tempfile.TemporaryDirectory() as tmp:
-        result_file = Path(tmp) / "rank0.json"
-        spawn_local(rank_main, args.world, args, result_file, pcfg=pcfg)
-        ranks = json.loads(result_file.read_text())["ranks"]
+    ranks = spawn_and_collect(rank_main, args)
     report(args, ranks)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "ranks": ranks}, indent=1))

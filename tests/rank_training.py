@@ -19,6 +19,7 @@ from gptpar.parallel.tensor_parallel.state import whole
 from gptpar.parallel.tensor_parallel.torch_plan import whole_parameters
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
+from gptpar.train.checkpoint import load_checkpoint
 from gptpar.train.trainer import Trainer
 
 STEPS = 2
@@ -60,6 +61,18 @@ def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     with trainer.sync.whole_parameters():
         return {n: whole(p.full_tensor() if isinstance(p, DTensor) else p, trainer.tp_group).clone()
                 for n, p in params.items()}
+
+
+def resumed_run(cfg: Config, info: RankInfo) -> dict:
+    """One step, a checkpoint, a new trainer loaded from it, one more step: what a resume continues with (losses
+    and parameters of the second trainer) and the parameters that were saved."""
+    first = make_trainer(cfg, info)
+    train_steps(first, 1)
+    first._save()
+    saved = named_params(first)
+    second = make_trainer(cfg, info)
+    assert load_checkpoint(second.folder.path, {"trainer": second})
+    return {"losses": train_steps(second, 1), "params": named_params(second), "saved": saved}
 
 
 def reference_run(cfg: Config) -> dict:

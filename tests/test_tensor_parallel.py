@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_training import STEPS, make_config, make_trainer, named_params, reference_run, train_steps
+from rank_training import STEPS, make_config, make_trainer, named_params, reference_run, resumed_run, train_steps
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
 from gptpar.model import gpt2_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
+from gptpar.train.checkpoint import export_checkpoint
 
 TP = ["parallel.tp=2", "data.vocab_size=301"]
 SP_LP = ["parallel.sequence_parallel=true", "parallel.loss_parallel=true"]
@@ -53,14 +53,7 @@ def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]]) -> None:
     for name, world in RESUMED.items():  # a step, a checkpoint, a new trainer: the next step as if never stopped
         if world != info.world_size:
             continue
-        cfg = make_config(ALL[name], runs, f"resumed-{name}")
-        first = make_trainer(cfg, info)
-        train_steps(first, 1)
-        first._save()
-        saved = named_params(first)
-        second = make_trainer(cfg, info)
-        assert load_checkpoint(second.folder.path, {"trainer": second})
-        record = {"losses": train_steps(second, 1), "params": named_params(second), "saved": saved}
+        record = resumed_run(make_config(ALL[name], runs, f"resumed-{name}"), info)
         torch.save(record, runs / f"resumed-{name}.rank{info.rank}.pt")
 
 

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_training import make_config, make_trainer, named_params, reference_run, train_steps
+from rank_training import make_config, make_trainer, named_params, reference_run, resumed_run, train_steps
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
+from gptpar.train.checkpoint import export_checkpoint
 
 CASES = [
     ("zero1", ["parallel.dp=2", "parallel.dp_sync=zero1"]),
@@ -50,14 +50,7 @@ def _zero_worker(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]],
                   "pieces": [(p.name, p.start, p.end) for p in getattr(sync, "pieces", [])]}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
     for name in ("zero1", "zero2", "fsdp", "fsdp2") if resume else ():  # a step, a checkpoint, a new trainer, a step
-        cfg = make_config(dict(CASES)[name], runs, f"resumed-{name}")
-        first = make_trainer(cfg, info)
-        train_steps(first, 1)
-        first._save()
-        saved = named_params(first)
-        second = make_trainer(cfg, info)
-        assert load_checkpoint(second.folder.path, {"trainer": second})
-        resumed = {"losses": train_steps(second, 1), "params": named_params(second), "saved": saved}
+        resumed = resumed_run(make_config(dict(CASES)[name], runs, f"resumed-{name}"), info)
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
 

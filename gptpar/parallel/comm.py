@@ -18,6 +18,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch.distributed as dist
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
@@ -44,3 +45,8 @@ def labelled(op: str, collective: Callable[..., Any]) -> Callable[..., Any]:
         with comm_span(op, phase="issue" if async_op else "call"):
             return collective(*args, async_op=async_op, **kwargs)
     return call
+
+
+# torch 2.13 renamed these collectives (the old names warn); older torch, down to the declared 2.4, has only the old.
+all_gather = labelled("all_gather", getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
+reduce_scatter = labelled("reduce_scatter", getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)

@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import comm_span
+from gptpar.parallel.comm import all_gather, comm_span
 from gptpar.parallel.data_parallel.base import broadcast_state
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
-from gptpar.parallel.data_parallel.sharded import InitialValue, Unit, UnitSync, all_gather
+from gptpar.parallel.data_parallel.sharded import InitialValue, Unit, UnitSync
 
 
 class FSDPSync(UnitSync):

@@ -26,12 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import comm_span, labelled
+from gptpar.parallel.comm import comm_span, reduce_scatter
 from gptpar.parallel.data_parallel.base import GradSync
-
-# torch 2.13 renamed these collectives (the old names warn); older torch, down to the declared 2.4, has only the old.
-all_gather = labelled("all_gather", getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
-reduce_scatter = labelled("reduce_scatter", getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
 
 # (parameter name, shape) -> the parameter's whole initial value on CPU, the same on every rank.
 InitialValue = Callable[[str, torch.Size], torch.Tensor]

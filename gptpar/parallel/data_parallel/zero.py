@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import comm_span
+from gptpar.parallel.comm import all_gather, comm_span
 from gptpar.parallel.data_parallel.base import broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
-from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync, all_gather
+from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync
 
 
 class ZeroOneSync(ShardedOptimizer, BucketedSync):

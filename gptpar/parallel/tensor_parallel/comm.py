@@ -7,7 +7,8 @@ Megatron's four, named for what they do in forward:
   before a column-parallel layer);
 - `reduce_scatter_sequence`: reduce-scatter along the sequence forward, all-gather backward (sequence
   parallelism, after a row-parallel layer);
-and `gather_last_dim` (all-gather of vocabulary shards, backward keeps this rank's slice).
+and `gather_last_dim` (all-gather of vocabulary shards, backward keeps this rank's slice) and `own_rows` (this
+rank's sequence rows of a replicated tensor, backward all-gathers them).
 
 Every call adds the elements it sends over the wire, per rank and in ring terms, to `VOLUME`, so the benchmark
 compares the counted traffic with its closed form. Tensors on the sequence dimension are (batch, seq, hidden).
@@ -16,12 +17,13 @@ compares the counted traffic with its closed form. Tensors on the sequence dimen
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import autograd
 
-from gptpar.parallel.comm import comm_span
+from gptpar.parallel.comm import all_gather, comm_span, reduce_scatter
 
 # Elements this rank put on the wire (ring algorithms: all-reduce 2(T-1)/T of the payload, all-gather and
 # reduce-scatter (T-1)/T of the whole tensor), by collective; reset it to measure a step.
@@ -48,8 +50,7 @@ def _all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torc
     parts = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * parts.size(0), *parts.shape[1:]), dtype=x.dtype, device=x.device)
     _count("all_gather", out.numel(), group)
-    with comm_span("all_gather"):
-        dist.all_gather_into_tensor(out, parts, group=group)
+    all_gather(out, parts, group=group)
     return out.movedim(0, dim)
 
 
@@ -58,8 +59,7 @@ def _reduce_scatter_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> 
     parts = x.movedim(dim, 0).contiguous()
     out = torch.empty((parts.size(0) // size, *parts.shape[1:]), dtype=x.dtype, device=x.device)
     _count("reduce_scatter", parts.numel(), group)
-    with comm_span("reduce_scatter"):
-        dist.reduce_scatter_tensor(out, parts, group=group)
+    reduce_scatter(out, parts, group=group)
     return out.movedim(0, dim)
 
 
@@ -68,75 +68,71 @@ def _own_slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Ten
     return x.chunk(size, dim)[rank].contiguous()
 
 
-class _CopyToTP(autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+def _identity(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _all_gather_dim(x, 1, group)
+
+
+def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _reduce_scatter_dim(x, 1, group)
+
+
+def _all_gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _all_gather_dim(x, x.dim() - 1, group)
+
+
+def _own_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _own_slice(x, x.dim() - 1, group)
+
+
+def _own_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _own_slice(x, 0, group)
+
+
+def _all_gather_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _all_gather_dim(x, 0, group)
+
+
+Op = Callable[[torch.Tensor, dist.ProcessGroup], torch.Tensor]
+
+
+class _Conjugate(autograd.Function):
+    """`forward_op` in forward, `backward_op` (its conjugate) on the gradient in backward."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromTP(autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherSequence(autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_dim(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_dim(grad, 1, ctx.group), None
-
-
-class _ReduceScatterSequence(autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_dim(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_dim(grad, 1, ctx.group), None
-
-
-class _GatherLastDim(autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_dim(x, x.dim() - 1, group)
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _own_slice(grad, grad.dim() - 1, ctx.group), None
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
 def copy_to_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _CopyToTP.apply(x, group)
+    return _Conjugate.apply(x, group, _identity, all_reduce)
 
 
 def reduce_from_tp(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceFromTP.apply(x, group)
+    return _Conjugate.apply(x, group, all_reduce, _identity)
 
 
 def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherSequence.apply(x, group)
+    return _Conjugate.apply(x, group, _all_gather_sequence, _reduce_scatter_sequence)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceScatterSequence.apply(x, group)
+    return _Conjugate.apply(x, group, _reduce_scatter_sequence, _all_gather_sequence)
 
 
 def gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherLastDim.apply(x, group)
+    return _Conjugate.apply(x, group, _all_gather_last, _own_last)
+
+
+def own_rows(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's rows (dim 0) of a replicated tensor; backward all-gathers the rows' gradients, so every rank's
+    gradient of x is whole (the position rows of a sequence shard)."""
+    return _Conjugate.apply(x, group, _own_first, _all_gather_first)

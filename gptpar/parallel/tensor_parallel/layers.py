@@ -7,9 +7,10 @@ Each layer is cut from the whole layer of an unsharded model, so T ranks togethe
   sequence shards (`reduce_scatter_sequence`); the bias, replicated, added once after the sum;
 - `VocabParallelEmbedding` and `VocabParallelHead`: the tied vocabulary matrix split by rows (the vocabulary
   padded to a multiple of T, padding rows zero and masked out of the loss);
-- `SequenceParallelLayerNorm`, `SequenceShardedPositions`: replicated parameters that see only this rank's
-  sequence shard, so their gradients are summed over the group (`copy_to_tp` on the parameter itself, which
-  leaves .grad whole before any data-parallel hook sees it).
+- `SequenceParallelLayerNorm`: replicated parameters that see only this rank's sequence shard, so their
+  gradients are summed over the group (`copy_to_tp` on the parameter itself, which leaves .grad whole before any
+  data-parallel hook sees it); `SequenceShardedPositions`: the position rows of this rank's shard, whose
+  gradients are all-gathered (`own_rows`), so every rank's table gradient is whole.
 
 Sharded parameters carry a `TPShard` (attribute `tp_shard`) saying how the whole tensor is rebuilt from the
 ranks' pieces; `gptpar.parallel.tensor_parallel.state` uses it for checkpoints, gathering and gradient norms.
@@ -34,6 +35,7 @@ from gptpar.parallel.tensor_parallel.comm import (
     copy_to_tp,
     gather_last_dim,
     gather_sequence,
+    own_rows,
     reduce_from_tp,
     reduce_scatter_sequence,
 )
@@ -157,11 +159,9 @@ class SequenceShardedPositions(nn.Module):
     def __init__(self, wpe: nn.Embedding, group: dist.ProcessGroup):
         super().__init__()
         self.weight, self.group = wpe.weight, group
-        self.rank, self.size = _group_place(group)
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
-        mine = positions.chunk(self.size, 0)[self.rank]
-        return F.embedding(mine, copy_to_tp(self.weight, self.group))
+        return own_rows(F.embedding(positions, self.weight), self.group)
 
 
 def padded_vocab(vocab: int, size: int) -> int:

@@ -26,7 +26,8 @@ def vocab_parallel_loss(logits: torch.Tensor, targets: torch.Tensor, vocab: int,
     shifted = flat - peak[:, None]
     target = targets.reshape(-1)
     mine = (target >= start) & (target < start + local_vocab)
-    picked = shifted.gather(1, (target - start).clamp(0, local_vocab - 1)[:, None]).squeeze(1)
+    rows = torch.arange(target.numel(), device=flat.device)
+    picked = shifted[rows, (target - start).clamp(0, local_vocab - 1)]  # indexing keeps only indices for backward
     target_logit = reduce_from_tp(torch.where(mine, picked, torch.zeros_like(picked)), group)
     sum_exp = reduce_from_tp(shifted.exp().sum(-1), group)
     return (sum_exp.log() - target_logit).mean()

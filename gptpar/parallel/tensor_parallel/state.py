@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from gptpar.parallel.comm import all_gather
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.tensor_parallel.layers import TPShard
@@ -36,7 +37,7 @@ def whole(param: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     size = dist.get_world_size(group)
     local = param.detach().movedim(spec.dim, 0).contiguous()
     gathered = torch.empty((size * local.size(0), *local.shape[1:]), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    all_gather(gathered, local, group=group)
     gathered = gathered.unflatten(0, (size, -1))
     # (rank, part, n) -> (part, rank, n): each part's slices in rank order.
     per_part = gathered.unflatten(1, (spec.parts, -1)).transpose(0, 1).flatten(0, 2)
