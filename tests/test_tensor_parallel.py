@@ -34,12 +34,13 @@ CASES_2 = {
 CASES_4 = {
     "dp2-tp2": [*TP, "parallel.dp=2"],
     "dp2-tp2-ddp-sp": [*TP, "parallel.dp=2", "parallel.dp_sync=ddp", *SP_LP],
+    "zero2-tp2": [*TP, "parallel.dp=2", "parallel.dp_sync=zero2", "parallel.bucket_mb=0.01"],
     "fsdp2-tp2": [*TP, "parallel.dp=2", "parallel.dp_sync=fsdp", *SP_LP],
     "fsdp2-tp2-torch": [*TP, *TORCH, "parallel.dp=2", "parallel.dp_sync=fsdp2"],
     "pp2-tp2": [*TP, "parallel.pp=2", "parallel.chunks=2"],
     "pp2-tp2-sp-lp": [*TP, "parallel.pp=2", "parallel.chunks=2", *SP_LP],
 }
-RESUMED = {"tp2-sp-lp": 2, "fsdp2-tp2": 4, "dp2-tp2": 4}
+RESUMED = {"tp2-sp-lp": 2, "fsdp2-tp2": 4, "zero2-tp2": 4, "dp2-tp2": 4}
 ALL = CASES_2 | CASES_4
 
 
