@@ -40,7 +40,7 @@ CASES_4 = {
     "pp2-tp2": [*TP, "parallel.pp=2", "parallel.chunks=2"],
     "pp2-tp2-sp-lp": [*TP, "parallel.pp=2", "parallel.chunks=2", *SP_LP],
 }
-RESUMED = {"tp2-sp-lp": 2, "fsdp2-tp2": 4, "zero2-tp2": 4, "dp2-tp2": 4}
+RESUMED = {"tp2-sp-lp": 2, "fsdp2-tp2": 4, "zero2-tp2": 4, "dp2-tp2": 4, "pp2-tp2-sp-lp": 4}
 ALL = CASES_2 | CASES_4
 
 
@@ -92,7 +92,8 @@ def test_tensor_parallel_trains_like_one_process(results: Path, name: str) -> No
 def test_a_resumed_tensor_parallel_run_continues_exactly(results: Path, name: str) -> None:
     straight, resumed = _ranks(results, name), _ranks(results, f"resumed-{name}")
     for a, b in zip(straight, resumed, strict=True):
-        assert b["losses"][0] == pytest.approx(a["losses"][1], rel=1e-6)
+        if a["losses"][1] is not None:  # a pipeline's first stage logs no loss
+            assert b["losses"][0] == pytest.approx(a["losses"][1], rel=1e-6)
         for param, value in a["params"].items():
             torch.testing.assert_close(b["params"][param], value, rtol=1e-6, atol=1e-7)
 
