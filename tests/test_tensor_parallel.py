@@ -18,6 +18,7 @@ from gptpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
 from gptpar.model import gpt2_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
+from gptpar.parallel.tensor_parallel.layers import dropout
 from gptpar.train.checkpoint import export_checkpoint
 
 TP = ["parallel.tp=2", "data.vocab_size=301"]
@@ -51,11 +52,28 @@ def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]]) -> None:
         record = {"losses": [trainer.logged_loss(v) for v in losses], "val": trainer.evaluate(),
                   "params": named_params(trainer)}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
+    if info.world_size == 2:
+        _dropout_masks(info, runs)
     for name, world in RESUMED.items():  # a step, a checkpoint, a new trainer: the next step as if never stopped
         if world != info.world_size:
             continue
         record = resumed_run(make_config(ALL[name], runs, f"resumed-{name}"), info)
         torch.save(record, runs / f"resumed-{name}.rank{info.rank}.pt")
+
+
+def _dropout_masks(info: RankInfo, runs: Path) -> None:
+    """Masks of layers.dropout on this rank: replicated twice in a row, sharded, and sharded again from the
+    generator state before the first sharded draw (what activation checkpointing's recompute does)."""
+    torch.manual_seed(7)  # the same seed on every rank, as train.seed is
+    ones = torch.ones(4096)
+    replicated = torch.stack([dropout(ones, 0.5, True, None), dropout(ones, 0.5, True, None)])
+    state = torch.get_rng_state()
+    sharded = dropout(ones, 0.5, True, info.rank)
+    after = dropout(ones, 0.5, True, None)
+    torch.set_rng_state(state)
+    replayed = dropout(ones, 0.5, True, info.rank)
+    torch.save({"replicated": replicated, "sharded": sharded, "replayed": replayed, "after": after},
+               runs / f"dropout.rank{info.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +114,14 @@ def test_a_resumed_tensor_parallel_run_continues_exactly(results: Path, name: st
             assert b["losses"][0] == pytest.approx(a["losses"][1], rel=1e-6)
         for param, value in a["params"].items():
             torch.testing.assert_close(b["params"][param], value, rtol=1e-6, atol=1e-7)
+
+
+def test_dropout_masks_agree_where_replicated_and_differ_where_sharded(results: Path) -> None:
+    ranks = _ranks(results, "dropout")
+    for key in ("replicated", "after"):  # the shared stream stays in step across a sharded draw
+        assert all(torch.equal(r[key], ranks[0][key]) for r in ranks), key
+    assert not torch.equal(ranks[0]["sharded"], ranks[1]["sharded"])  # each rank its own mask
+    assert all(torch.equal(r["sharded"], r["replayed"]) for r in ranks)  # a recompute draws the same mask
 
 
 def test_a_tensor_parallel_checkpoint_exports_as_a_whole_gpt2(results: Path, tmp_path: Path) -> None:
