@@ -8,7 +8,8 @@ GPTPAR := $(VENV)/bin/gptpar
 TORCH_SPEC ?= torch==2.13.0
 RUNS ?= runs
 FIGURES ?= figures
-STAMP := $(VENV)/.installed
+# One stamp per torch spec: `make install TORCH_SPEC=...` after a plain install installs that torch.
+STAMP := $(VENV)/.installed-$(shell printf '%s' '$(subst ','\'',$(TORCH_SPEC))' | cksum | cut -d' ' -f1)
 # pip warns about every local wheel folder it does not find; its real errors still fail the target.
 QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location" || true; }
 # `make demo CLUSTER=slurm` runs the same demo as SLURM jobs on a cluster (e.g. `make cluster-up`).
@@ -22,11 +23,15 @@ install: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
+	@echo "installing $(TORCH_SPEC) (a CUDA build is GBs: minutes on a slow network)"
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) $(QUIET_PIP)
+	@echo "installing the pinned requirements"
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt $(QUIET_PIP)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . $(QUIET_PIP)
 	$(PY) -c "import torch, transformers, datasets, tokenizers, orjson, matplotlib, tensorboard, wandb, gptpar, analysis"
+	rm -f $(VENV)/.installed*
 	touch $(STAMP)
+	@echo "installed; check this node with: $(GPTPAR) doctor"
 
 demo: install
 	$(GPTPAR) sweep sweeps/demo_dp.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait

@@ -82,6 +82,14 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from gptpar.doctor import render, run_checks
+
+    checks = run_checks(_config(args))
+    print(render(checks))
+    return 1 if any(c.status == "broken" for c in checks) else 0
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     from gptpar.launch.submit import submit
 
@@ -284,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the sweep or its base); their folders are kept as <point>.replaced-<time>")
     p.add_argument("--runs-dir", help="override log.runs_dir of the sweep's points")
     p.set_defaults(handler=cmd_sweep)
+
+    p = _add(sub, "doctor", "check this install and node: packages, torch build and GPU architectures, NCCL, "
+             "SLURM, profile and account, free space (exit 1 only when the install is broken)",
+             "  gptpar doctor\n  gptpar doctor launch.profile=bridges2 launch.account=abc123")
+    p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
+    p.set_defaults(handler=cmd_doctor)
 
     p = _add(sub, "status", "list runs by state (pending, running, completed, failed, ...), asking SLURM "
              "about their jobs", "  gptpar status\n  gptpar status runs/demo")

@@ -37,6 +37,7 @@ RUN_HERE = [
     ".venv/bin/gptpar schedule show zb1p --pp 4 --chunks 8",
     ".venv/bin/gptpar status",
     ".venv/bin/gptpar submit dp --gpus 2 --dry-run",
+    ".venv/bin/gptpar doctor launch.profile=bridges2 launch.account=abc123",
     ".venv/bin/gptpar train parallel.tp=2 parallel.sequence_parallel=true parallel.loss_parallel=true "
     "train.max_steps=5",
     ".venv/bin/gptpar train parallel.tp=2 parallel.dp=2 parallel.dp_sync=fsdp train.max_steps=5",
