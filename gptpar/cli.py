@@ -60,18 +60,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gptpar.launch.plan import plan_run
 
     # No launcher: this process is the submitter. --start-over sets an existing folder aside first.
+    from gptpar.launch.status import completion_line
+
     point = plan_run(cfg, start_over=args.start_over, job_state=scheduler_state)
     ranks = world_size(point.cfg)
     if ranks == 1:
-        return _train_here(point.cfg)
+        if cfg.log.progress != "none":
+            print(f"gptpar: training in this process: {point.folder.path}", flush=True)
+        code = _train_here(point.cfg)
+        if code == 0 and cfg.log.progress != "none":
+            print(completion_line(point.folder), flush=True)
+        return code
     from gptpar.launch.local import run_ranks
     from gptpar.run.state import read_run
 
     print(f"gptpar: {ranks} ranks as local processes on this machine: {point.folder.path}", flush=True)
     run_ranks(point, ranks)
-    run = read_run(point.folder)
-    print(f"gptpar: run {run.state}" + (f": {run.detail}" if run.detail else ""), flush=True)
-    return 0 if run.state in ("completed", "diverged", "pending") else 1
+    state = read_run(point.folder).state
+    print(completion_line(point.folder), flush=True)
+    return 0 if state in ("completed", "diverged", "pending") else 1
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -110,38 +117,62 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from gptpar.launch.backend import scheduler_state
-    from gptpar.run.folder import find_runs
-    from gptpar.run.names import replaced
-    from gptpar.run.state import STATES, last_step, read_run
+    import time
+
+    from gptpar.launch.status import any_live, render_status, status_rows
 
     root = Path(args.runs_dir)
     if not root.is_dir():
         raise GptparError(f"runs folder {str(root)!r} does not exist")
-    folders = find_runs(root)
-    aside = [f for f in folders if replaced(f.name)]  # results of an earlier config, kept but not current
-    runs = [read_run(folder, root, scheduler_state(folder)) for folder in folders if folder not in aside]
-    for state in STATES:
-        for run in (r for r in runs if r.state == state):
-            detail = f"  {run.detail}" if run.detail and state != "completed" else ""
-            print(f"{state:<10} {run.folder.path.relative_to(root).as_posix():<50} step {last_step(run)}{detail}")
-    counts = ", ".join(f"{sum(r.state == s for r in runs)} {s}" for s in STATES if any(r.state == s for r in runs))
-    print(f"{len(runs)} run(s): {counts or 'none'}" + (f"; {len(aside)} folder(s) set aside by --rerun or "
-                                                        "--start-over not listed" if aside else ""))
+    while True:
+        rows, aside = status_rows(root)
+        if args.watch and sys.stdout.isatty():
+            print("\033[2J\033[H", end="")  # redraw in place, as watch(1) does
+        print(render_status(rows, aside), flush=True)
+        if not args.watch or not any_live(rows):
+            return 0
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from gptpar.launch.backend import cancel_run
+    from gptpar.run.folder import RunFolder, find_runs
+
+    path = _run_path(args)
+    for folder in find_runs(path) or [RunFolder(path)]:  # a sweep's (or a runs folder's) runs, or one run
+        print(f"{folder.path}: {cancel_run(folder)}")
     return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    import time
+
     from gptpar.launch.backend import scheduler_state
     from gptpar.run.folder import RunFolder
+    from gptpar.run.logfile import format_record, read_new_records
     from gptpar.run.state import read_run
 
     folder = RunFolder(_run_path(args))
     files = sorted(p for p in folder.job_dir.glob("*") if p.suffix in (".out", ".err") and p.stat().st_size)
-    for file in [*files, folder.rank_log(0)]:
-        if file.is_file():
-            print(f"==> {file} <==")
-            print("\n".join(file.read_text(errors="replace").splitlines()[-args.lines:]))
+    for file in files:
+        print(f"==> {file} <==")
+        print("\n".join(file.read_text(errors="replace").splitlines()[-args.lines:]))
+    records, offset = read_new_records(folder.rank_log(0), 0)
+    print(f"==> {folder.rank_log(0)} <==")
+    print("\n".join(format_record(r) for r in records[len(records) - args.lines:] if args.lines), flush=True)
+    try:
+        while args.follow and read_run(folder, scheduler=scheduler_state(folder)).state in ("pending", "running"):
+            time.sleep(1.0)
+            records, offset = read_new_records(folder.rank_log(0), offset)
+            for record in records:
+                print(format_record(record), flush=True)
+    except KeyboardInterrupt:
+        pass
+    records, _ = read_new_records(folder.rank_log(0), offset)  # what the run wrote as it ended
+    print("".join(f"{format_record(r)}\n" for r in records), end="")
     run = read_run(folder, scheduler=scheduler_state(folder))
     print(f"state: {run.state}" + (f" ({run.detail})" if run.detail else ""))
     return 0
@@ -299,16 +330,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.set_defaults(handler=cmd_doctor)
 
-    p = _add(sub, "status", "list runs by state (pending, running, completed, failed, ...), asking SLURM "
-             "about their jobs", "  gptpar status\n  gptpar status runs/demo")
+    p = _add(sub, "status", "the runs as a table by state (pending, running, completed, failed, ...): job id, "
+             "elapsed, step/total, loss, tokens/s, nodes, restarts, asking SLURM about their jobs",
+             "  gptpar status\n  gptpar status runs/demo\n  gptpar status --watch 30")
     p.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
+    p.add_argument("--watch", type=_positive_number, nargs="?", const=10.0, default=None, metavar="SECONDS",
+                   help="redraw every SECONDS (default 10) until no run is pending or running")
     p.set_defaults(handler=cmd_status)
 
-    p = _add(sub, "logs", "tail a run's job output, its ranks' errors and its rank-0 log, and say its state",
-             "  gptpar logs dp2\n  gptpar logs runs/demo/demo_dp/parallel.dp=2 -n 50")
+    p = _add(sub, "cancel", "stop a run, or every run of a sweep: scancel its live SLURM job, or interrupt a local "
+             "run (its ranks stop at a step boundary and it can be resumed)",
+             "  gptpar cancel dp2\n  gptpar cancel runs/ci_small")
+    p.add_argument("run", help="run or sweep folder, or its name under --runs-dir")
+    p.add_argument("--runs-dir", default="runs")
+    p.set_defaults(handler=cmd_cancel)
+
+    p = _add(sub, "logs", "tail a run's job output, its ranks' errors and its rank-0 log (as lines), and say its "
+             "state; -f follows a live run", "  gptpar logs dp2\n  gptpar logs runs/demo/demo_dp/parallel.dp=2 -n 50\n"
+             "  gptpar logs dp2 -f")
     p.add_argument("run", help="run folder, or its name under --runs-dir")
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("-n", "--lines", type=_non_negative, default=20)
+    p.add_argument("-f", "--follow", action="store_true",
+                   help="keep printing rank 0's records as they come, until the run is no longer pending or running")
     p.set_defaults(handler=cmd_logs)
 
     p = _add(sub, "report", "turn a runs folder into summary.csv, summary.md and figures",

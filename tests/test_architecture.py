@@ -97,8 +97,8 @@ def subcommands() -> list[str]:
 
 
 def test_every_subcommand_is_known() -> None:
-    assert subcommands() == ["checkpoint", "config", "doctor", "logs", "report", "schedule", "status", "submit",
-                             "sweep", "trace", "train"]
+    assert subcommands() == ["cancel", "checkpoint", "config", "doctor", "logs", "report", "schedule", "status",
+                             "submit", "sweep", "trace", "train"]
 
 
 @pytest.mark.parametrize("command", subcommands())

@@ -172,6 +172,37 @@ def test_sigterm_to_the_local_launcher_stops_every_rank_and_running_it_again_res
     _resumes_with_the_same_losses(run, step, reference, again, dp=True)
 
 
+def test_gptpar_cancel_stops_a_local_run_and_gptpar_logs_follows_it_to_its_end(tmp_path):
+    """`gptpar logs -f` prints rank 0's records as lines while the run lives and returns when it ends; `gptpar
+    cancel` interrupts it at a step boundary, and afterwards finds nothing to cancel."""
+    proc = _gptpar(tmp_path, *ENDLESS, "log.run_id=cancelled", *DP2)
+    run = tmp_path / "cancelled"
+    _wait_for_steps(proc, run, ranks=2)
+    follow = subprocess.Popen([sys.executable, "-m", "gptpar", "logs", str(run), "-f", "-n", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def cancel() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gptpar", "cancel", "cancelled", "--runs-dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=DEADLINE_S)
+
+    time.sleep(3)  # let the follower print a few live steps
+    first = cancel()
+    assert first.returncode == 0 and first.stderr == "", first.stderr
+    assert first.stdout.startswith(f"{run}: interrupted pid ") and "stop at the next step boundary" in first.stdout
+    assert _finish(proc)[0] == 1
+    finals = [_log(run, rank).final for rank in (0, 1)]  # the signal went to rank 0, which holds the folder
+    assert [(f["status"], f["signal"]) for f in finals] == [("stopped", "SIGINT"), ("stopped", None)]
+    assert finals[0]["step"] == finals[1]["step"] == max(_log(run, 1).steps)  # one step boundary everywhere
+    again = cancel()
+    assert again.returncode == 0 and again.stdout == f"{run}: nothing to cancel: no process runs it\n"
+    code, lines, err = _finish(follow)
+    assert code == 0, err
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) > 2 and all(" loss " in line and " tok/s " in line for line in steps)
+    assert f"final: stopped at step {finals[0]['step']} (by SIGINT)" in lines
+    assert lines[-1].startswith("state: stopped")
+
+
 PP2 = ("model.n_layer=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p", "train.epochs=3",
        "train.max_steps=120")
 

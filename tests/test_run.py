@@ -190,17 +190,32 @@ def test_a_fresh_heartbeat_holds_the_folder_where_flock_cannot_tell(tmp_path: Pa
         assert folder.holder()["job_id"] == "1"
 
 
-def test_status_lists_runs_and_leaves_set_aside_folders_out(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_status_is_a_table_of_each_runs_job_progress_and_speed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Known answers: 2 data-parallel ranks on two hosts, restarted once, 4 of 10 steps, tokens/s summed over the
+    replicas; a folder set aside by --rerun is counted, not listed."""
     from gptpar.cli import main
 
-    for name in ("a", "a.replaced-20250101-120000"):
-        log = RankLogger(tmp_path / name, 0)
-        log.log("header", schema_version=2, run_id=name, config={}, rank=0, world_size=1, coords={}, sizes={},
-                restart=0, host="h", device="cpu", torch_version="2", transformers_version="5", git_commit="x",
-                slurm={}, start_time=0.0)
-        log.log("final", status="completed", step=0)
-        log.close()
+    started = time.time() - 3725
+    for name, ranks in (("a", 2), ("a.replaced-20250101-120000", 1)):
+        for rank in range(ranks):
+            log = RankLogger(tmp_path / name, rank)
+            for restart in (0, 1):
+                log.log("header", schema_version=2, run_id=name, config={}, rank=rank, world_size=ranks,
+                        coords={"pp": 0, "dp": rank, "tp": 0}, sizes={"pp": 1, "dp": ranks, "tp": 1},
+                        restart=restart, host=f"n{rank + 1}", device="cpu", torch_version="2",
+                        transformers_version="5", git_commit="x", slurm={}, start_time=started + restart,
+                        total_steps=10)
+                for step in (2 * restart + 1, 2 * restart + 2):
+                    log.log("step", step=step, epoch=0, loss=3.0, global_loss=2.5, lr=0.1, grad_norm=1.0,
+                            tokens=64, step_time_s=0.5, tokens_per_s=100.0 + 50 * rank, data_time_s=0.0,
+                            peak_mem_bytes=0, bubble=None)
+            log.log("final", status="completed", step=4)
+            log.close()
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["completed", "a", "step", "0"]
+    assert out[0].split() == ["STATE", "RUN", "JOB", "ELAPSED", "STEP", "LOSS", "TOK/S", "NODES", "RESTARTS"]
+    state, run, job, elapsed, step, loss, rate, nodes, restarts = out[1].split()
+    assert (state, run, job, step, loss, rate, nodes, restarts) == (
+        "completed", "a", "-", "4/10", "2.5000", "250", "n1,n2", "1")
+    assert elapsed.startswith("1:02:0")  # 3725 s, and the second or two this test took
     assert out[-1] == "1 run(s): 1 completed; 1 folder(s) set aside by --rerun or --start-over not listed"

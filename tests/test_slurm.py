@@ -211,6 +211,25 @@ def test_figures_from_the_runs(work: Path) -> None:
     assert list(out.glob("*.png")) or list(out.glob("*.pdf"))
 
 
+def test_gptpar_cancel_stops_a_running_slurm_job_at_a_step_boundary(work: Path) -> None:
+    """`gptpar cancel` scancels the run's job; SLURM's TERM reaches the rank, which stops at a step boundary and
+    says so; a second cancel finds nothing to cancel."""
+    runs, run = work / "runs", work / "runs" / "cancelled"
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, f"log.runs_dir={runs}", "train.epochs=1000",
+          "train.max_steps=1000000", "log.run_id=cancelled"], work)
+    deadline = time.monotonic() + 300
+    while not any(r["kind"] == "step" for r in (read_records(run / "rank0.jsonl") if (run / "rank0.jsonl").is_file()
+                                                   else [])):
+        assert time.monotonic() < deadline, "the job never logged a step"
+        time.sleep(1)
+    out = _run([GPTPAR, "cancel", "cancelled", "--runs-dir", str(runs)], work)
+    assert out.startswith(f"{run}: cancelled SLURM job ") and out.rstrip().endswith("(running)")
+    assert _wait(run) == "stopped"
+    assert _final(run)["signal"] == "SIGTERM"
+    again = _run([GPTPAR, "cancel", str(run)], work)
+    assert again.startswith(f"{run}: nothing to cancel: SLURM job ")
+
+
 def test_no_stray_jobs_left(work: Path) -> None:
     if shutil.which("squeue") is None:
         pytest.skip("no squeue")

@@ -7,7 +7,10 @@ submitit makes between its core, slurm and local executors). `submit`, `sweep`, 
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -15,7 +18,7 @@ from typing import Protocol
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.local import LocalBackend
-from gptpar.launch.plan import Point
+from gptpar.launch.plan import LIVE_JOB_STATES, Point
 from gptpar.launch.profiles import JobSpec
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, read_rank_log
@@ -55,17 +58,46 @@ def backend_named(name: str) -> Backend:
     return slurm.SlurmBackend() if name == "slurm" else LocalBackend()
 
 
-def scheduler_state(folder: RunFolder) -> str | None:
-    """What the backend that ran a folder's job says of it: from job.json, else (a script sbatch-ed by
-    hand, like jobs/dp.sbatch) from the SLURM job id in rank 0's header; None for a run without a job."""
+def job_of(folder: RunFolder) -> tuple[str, str] | None:
+    """(backend, job id) of a folder's job: from job.json, else (a script sbatch-ed by hand, like jobs/dp.sbatch)
+    the SLURM job id in rank 0's header; None for a run without a job."""
     record = folder.read_job_record()
-    if not record.get("job_id") and folder.rank_log(0).is_file():
-        try:
-            headers = read_rank_log(folder.rank_log(0)).headers
-        except CorruptLog:
-            headers = []
-        job = headers[-1].get("slurm", {}).get("job_id") if headers else None
-        record = {"backend": "slurm", "job_id": str(job)} if job else {}
-    if not record.get("job_id"):
+    if record.get("job_id"):
+        return record.get("backend", ""), record["job_id"]
+    if not folder.rank_log(0).is_file():
         return None
-    return backend_named(record.get("backend", "")).state(record["job_id"])
+    try:
+        headers = read_rank_log(folder.rank_log(0)).headers
+    except CorruptLog:
+        headers = []
+    job = headers[-1].get("slurm", {}).get("job_id") if headers else None
+    return ("slurm", str(job)) if job else None
+
+
+def scheduler_state(folder: RunFolder) -> str | None:
+    """What the backend that ran a folder's job says of it; None for a run without a job."""
+    job = job_of(folder)
+    return backend_named(job[0]).state(job[1]) if job else None
+
+
+def cancel_run(folder: RunFolder) -> str:
+    """Stop a folder's run and say what was done: scancel its SLURM job while it is pending or running, else
+    interrupt the process holding the folder on this host (SIGINT: every rank stops at the next step boundary,
+    checkpointed, and the run can be resumed)."""
+    job = job_of(folder)
+    if job is not None and job[0] == "slurm":
+        state = slurm.SlurmBackend().state(job[1])
+        if state not in LIVE_JOB_STATES:
+            return f"nothing to cancel: SLURM job {job[1]} is {state or 'no longer known to SLURM'}"
+        slurm.SlurmBackend().cancel(job[1])
+        return f"cancelled SLURM job {job[1]} ({state})"
+    holder = folder.holder()
+    if holder is None:
+        return "nothing to cancel: no process runs it"
+    if holder.get("host") != socket.gethostname():
+        return f"runs on host {holder.get('host')} (pid {holder.get('pid')}); cancel it there"
+    try:
+        os.kill(int(holder["pid"]), signal.SIGINT)
+    except ProcessLookupError:
+        return "nothing to cancel: its process has just ended"
+    return f"interrupted pid {holder['pid']}: its ranks stop at the next step boundary (resume with gptpar train)"

@@ -249,3 +249,54 @@ def read_rank_log(path: Path, warnings: list[str] | None = None) -> RankLog:
 def segments(path: Path) -> int:
     """Segments (headers) already in a rank's log: a restarted run numbers its next one with this."""
     return len(read_rank_log(path).headers) if path.is_file() else 0
+
+
+def read_new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The records on the complete lines of `path` after byte `offset`, and the offset after them; a line still
+    being written is left for the next call (following a live log)."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(offset)
+            data = file.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        if line.strip():
+            try:
+                records.append(orjson.loads(line))
+            except orjson.JSONDecodeError as exc:
+                raise CorruptLog(f"{path}: a line after byte {offset} is not valid JSON ({exc.msg})") from None
+            _restore_numbers(records[-1])
+    return records, offset + end
+
+
+def _number(value: Any, spec: str) -> str:
+    return "-" if not isinstance(value, (int, float)) else format(value, spec)
+
+
+def format_record(record: dict[str, Any]) -> str:
+    """One record as a line a person reads (`gptpar logs`), not JSON."""
+    kind, get = record.get("kind"), record.get
+    if kind == "step":
+        loss = get("global_loss") if get("global_loss") is not None else get("loss")
+        return (f"step {get('step'):>7}  loss {_number(loss, '.4f')}  lr {_number(get('lr'), '.2e')}  "
+                f"grad_norm {_number(get('grad_norm'), '.3f')}  {_number(get('tokens_per_s'), ',.0f')} tok/s  "
+                f"{_number(get('step_time_s'), '.3f')} s/step")
+    if kind == "eval":
+        return f"eval at step {get('step')}: val_loss {_number(get('val_loss'), '.4f')}"
+    if kind == "epoch":
+        return (f"epoch {get('epoch')}: {get('steps')} steps in {_number(get('training_time_s'), '.1f')} s, "
+                f"{_number(get('tokens_per_s'), ',.0f')} tok/s, val_loss {_number(get('val_loss'), '.4f')}")
+    if kind == "header":
+        return (f"start (restart {get('restart')}): rank {get('rank')} of {get('world_size')} on {get('host')}, "
+                f"{get('device')}, {get('total_steps', '?')} steps in all")
+    if kind == "memory":
+        mb = {part: _number((get(f"{part}_bytes") or 0) / 2**20, ".1f") for part in ("params", "grads", "optimizer")}
+        return (f"memory: {get('params'):,} parameters; MB params {mb['params']}, grads {mb['grads']}, "
+                f"optimizer {mb['optimizer']}")
+    if kind == "final":
+        why = get("error") or (f"by {get('signal')}" if get("signal") else "")
+        return f"final: {get('status')} at step {get('step')}" + (f" ({why})" if why else "")
+    return " ".join(f"{key}={value}" for key, value in record.items() if key != "time")

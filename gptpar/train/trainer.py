@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from gptpar.config import Config, grid_sizes, resolve_for_launch, updated
 from gptpar.data import BlockDataset, load_tokens, partition_dataset
 from gptpar.errors import GptparError
-from gptpar.model import build_model, initial_value, materialize
+from gptpar.model import build_model, count_params, initial_value, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
@@ -70,6 +70,7 @@ class Trainer:
                               "blocks of the corpus; lower it or use a larger corpus")
         model = build_model(cfg.model, tokens.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=cfg.data.seq_len,
                             init_device=cfg.model.init_device)
+        self.n_params, self.gpt2 = count_params(model), model.config  # whole, before any sharding
         self.pipeline = grid.size("pp") > 1
         self.dp_group, self.tp_group = grid.group("dp"), grid.group("tp")
         # model.init_device=meta: fsdp materialises only this rank's shards; every other layout the whole model
@@ -217,6 +218,15 @@ class Trainer:
                           for x, y in islice(loader, self.cfg.train.eval_batches)]
         return self._dp_mean(sum(losses) / len(losses))
 
+    def banner(self) -> str:
+        """What is about to train, where, from which step (rank 0 prints it before the first step)."""
+        layout = " x ".join(f"{dim}={n}" for dim, n in self.grid.sizes.items())
+        g = self.gpt2
+        return (f"gptpar: {self.info.world_size} rank(s) ({layout}) on {self.info.device} ({self.info.backend}); "
+                f"GPT-2 of {self.n_params:,} parameters ({g.n_layer} layers, width {g.n_embd}, {g.n_head} heads); "
+                f"tokenizer {self.tokenizer} (vocab {self.vocab_size}); {self.cfg.train.precision}; "
+                f"steps {self.step + 1}-{self.total_steps}")
+
     def logged_loss(self, loss: float) -> float | None:
         """The loss as this rank's log reports it: a pipeline stage that does not compute it says null."""
         return None if self.pipeline and not self.net.computes_loss else loss
@@ -239,6 +249,7 @@ class Trainer:
         returns (status, last loss): completed, stopped or requeued."""
         cfg, info = self.cfg, self.info
         progress = Progress(cfg.log, info.rank, info.world_size, self.total_steps, self.step)
+        progress.message(self.banner())
         micro_tokens = self.micro_batch // self.grid.size("dp") * cfg.data.seq_len
         status, loss = "completed", math.nan
         first_step = self.step
@@ -332,7 +343,8 @@ def _train_in_folder(cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFol
         trainer = Trainer(cfg, info, grid, folder, log)
         load_checkpoint(folder.path, {"trainer": trainer})
         log.log("header", **header_fields(cfg, info, grid, restart), tokenizer=trainer.tokenizer,
-                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices])
+                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
+                total_steps=trainer.total_steps)
         status, loss = trainer.run()
         request = stop_request() if status != "completed" else None  # this rank's own signal, if any
         log.log("final", status=status, step=trainer.step, loss=trainer.logged_loss(loss),
