@@ -54,7 +54,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gptpar.parallel.env import layout_from_env
 
     cfg = _config(args)
-    if layout_from_env(os.environ).launcher != "single":  # one rank of a job that srun/torchrun/gptpar started
+    layout = layout_from_env(os.environ)
+    # One rank of a job that srun/torchrun/gptpar started trains here; but a one-task SLURM step (an interactive
+    # `srun --pty bash`, or `srun -n1 gptpar train`) asking for several ranks starts them on this node, as here.
+    one_task_step = layout.launcher == "slurm" and layout.world_size == 1 and world_size(cfg) > 1
+    if layout.launcher != "single" and not one_task_step:
         return _train_here(cfg)
     from gptpar.launch.backend import scheduler_state
     from gptpar.launch.plan import plan_run

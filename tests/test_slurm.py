@@ -211,6 +211,19 @@ def test_figures_from_the_runs(work: Path) -> None:
     assert list(out.glob("*.png")) or list(out.glob("*.pdf"))
 
 
+def test_several_ranks_from_a_one_task_step_as_in_an_interactive_session(work: Path) -> None:
+    """Inside `srun --pty bash` (one task), `gptpar train parallel.dp=2` starts its two ranks on the node."""
+    runs = work / "runs"
+    result = subprocess.run(["srun", "-p", "GPU-shared", "-n1", "--gres=gpu:2", "--time=5", GPTPAR, "train",
+                             *TINY, f"log.runs_dir={runs}", "parallel.dp=2", "log.run_id=interactive"],
+                            cwd=work, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = runs / "interactive"
+    assert _wait(run) == "completed" and _ranks(run) == [0, 1]
+    headers = [read_records(run / f"rank{r}.jsonl")[0] for r in (0, 1)]
+    assert [h["launcher"] for h in headers] == ["local", "local"]  # spawned here, not SLURM tasks
+
+
 def test_gptpar_cancel_stops_a_running_slurm_job_at_a_step_boundary(work: Path) -> None:
     """`gptpar cancel` scancels the run's job; SLURM's TERM reaches the rank, which stops at a step boundary and
     says so; a second cancel finds nothing to cancel."""
