@@ -73,6 +73,9 @@ class Trainer:
         self.n_params, self.gpt2 = count_params(model), model.config  # whole, before any sharding
         self.pipeline = grid.size("pp") > 1
         self.dp_group, self.tp_group = grid.group("dp"), grid.group("tp")
+        # Our tensor parallelism leaves plain tensors that are pieces (torch's are DTensors that know it themselves):
+        # checkpoints and the gradient norm must be told which.
+        self.tp_pieces = self.tp_group is not None and cfg.parallel.tp_impl == "gptpar"
         # model.init_device=meta: fsdp materialises only this rank's shards; every other layout the whole model
         # (tensor parallelism cuts its pieces from the whole model).
         shards_only = (cfg.model.init_device == "meta" and cfg.parallel.dp_sync == "fsdp" and self.dp_group is not None
@@ -90,13 +93,11 @@ class Trainer:
             self.net = TensorParallelGPT2(model, info.device)
         else:
             self.net = build_parallel_model(model, cfg.parallel, info.device)
-        gpt2 = model.config
-        initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, gpt2, t.seed))
+        initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, self.gpt2, t.seed))
                    if shards_only else None)
         mesh = grid.mesh["dp"] if grid.mesh is not None and self.dp_group is not None else None
         self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group, info.device, initial, mesh)
-        self.checkpoint_layout = (CheckpointLayout(self.net, self.sync, grid) if self.tp_group is not None
-                                  and cfg.parallel.tp_impl == "gptpar" else None)
+        self.checkpoint_layout = CheckpointLayout(self.net, self.sync, grid) if self.tp_pieces else None
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
@@ -193,7 +194,7 @@ class Trainer:
         else:
             (targets, group), counted = self.sync.clip_targets(), None
             groups = [group] if group is not None else []
-        if self.checkpoint_layout is not None:  # our tensor parallelism (torch's DTensors count themselves)
+        if self.tp_pieces:
             owners, tp_rank = self.sync.owners(), self.grid.coord("tp")
             counted = [t for t in (targets if counted is None else counted)
                        if counts_in_norm(owners.get(id(t), t), tp_rank)]

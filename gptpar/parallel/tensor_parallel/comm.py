@@ -45,11 +45,14 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedO
     return out
 
 
-def _all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup, counted: bool = True) -> torch.Tensor:
+    """The ranks' x concatenated along `dim`, in rank order; not differentiable. `counted=False` keeps it out of
+    VOLUME (a gather outside training, e.g. making a parameter whole)."""
     size = dist.get_world_size(group)
     parts = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * parts.size(0), *parts.shape[1:]), dtype=x.dtype, device=x.device)
-    _count("all_gather", out.numel(), group)
+    if counted:
+        _count("all_gather", out.numel(), group)
     all_gather(out, parts, group=group)
     return out.movedim(0, dim)
 
@@ -73,7 +76,7 @@ def _identity(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _all_gather_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _all_gather_dim(x, 1, group)
+    return all_gather_dim(x, 1, group)
 
 
 def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -81,7 +84,7 @@ def _reduce_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch
 
 
 def _all_gather_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _all_gather_dim(x, x.dim() - 1, group)
+    return all_gather_dim(x, x.dim() - 1, group)
 
 
 def _own_last(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -93,7 +96,7 @@ def _own_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 
 def _all_gather_first(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _all_gather_dim(x, 0, group)
+    return all_gather_dim(x, 0, group)
 
 
 Op = Callable[[torch.Tensor, dist.ProcessGroup], torch.Tensor]

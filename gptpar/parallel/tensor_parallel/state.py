@@ -19,9 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from gptpar.parallel.comm import all_gather
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.tensor_parallel.comm import all_gather_dim
 from gptpar.parallel.tensor_parallel.layers import TPShard
 
 
@@ -34,13 +34,9 @@ def whole(param: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     spec = shard_of(param)
     if spec is None or group is None:
         return param.detach()
-    size = dist.get_world_size(group)
-    local = param.detach().movedim(spec.dim, 0).contiguous()
-    gathered = torch.empty((size * local.size(0), *local.shape[1:]), dtype=local.dtype, device=local.device)
-    all_gather(gathered, local, group=group)
-    gathered = gathered.unflatten(0, (size, -1))
+    gathered = all_gather_dim(param.detach(), spec.dim, group, counted=False).movedim(spec.dim, 0)
     # (rank, part, n) -> (part, rank, n): each part's slices in rank order.
-    per_part = gathered.unflatten(1, (spec.parts, -1)).transpose(0, 1).flatten(0, 2)
+    per_part = gathered.unflatten(0, (dist.get_world_size(group), spec.parts, -1)).transpose(0, 1).flatten(0, 2)
     return per_part[:spec.whole].movedim(0, spec.dim)
 
 
