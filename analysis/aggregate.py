@@ -37,7 +37,7 @@ from analysis.trace import RankTrace
 from gptpar.parallel.pipeline.schedules import Action, Timeline, closed_form_bubble
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
-from gptpar.run.state import RunLog
+from gptpar.run.state import RunLog, replica_indices
 from gptpar.run.sweeps import stale_runs
 
 GPU_KEYS = ("parallel.dp", "parallel.pp", "parallel.devices", "launch.gpus", "launch.nodes")
@@ -153,17 +153,6 @@ def mean_std(values: list[float]) -> tuple[float | None, float | None]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
 
 
-def _replicas(ranks: list[RankLog]) -> list[int]:
-    """Indices of one rank per data-parallel replica: its last pipeline stage, which has the loss."""
-    last = max(log.header["coords"].get("pp", 0) for log in ranks)
-    chosen: dict[Any, int] = {}
-    for i, log in enumerate(ranks):
-        coords = log.header["coords"]
-        if coords.get("pp", last) == last:
-            chosen.setdefault(coords.get("dp", log.rank), i)
-    return list(chosen.values())
-
-
 def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
@@ -258,7 +247,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         return m
     header = ranks[0].header
     _shape(m, header)
-    replicas = _replicas(ranks)
+    replicas = replica_indices(ranks)
     figures, stitched = zip(*(epoch_figures(log) for log in ranks), strict=True)
     kept_epochs, kept_steps = _warmup(m, ranks, list(figures), warmup_epochs, warmup_steps)
     shown_epochs = set(kept_epochs) if kept_epochs else set.intersection(*(set(log.epochs) for log in ranks))

@@ -62,10 +62,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train_here(cfg)
     from gptpar.launch.backend import scheduler_state
     from gptpar.launch.plan import plan_run
+    from gptpar.launch.status import completion
 
     # No launcher: this process is the submitter. --start-over sets an existing folder aside first.
-    from gptpar.launch.status import completion_line
-
     point = plan_run(cfg, start_over=args.start_over, job_state=scheduler_state)
     ranks = world_size(point.cfg)
     if ranks == 1:
@@ -73,15 +72,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"gptpar: training in this process: {point.folder.path}", flush=True)
         code = _train_here(point.cfg)
         if code == 0 and cfg.log.progress != "none":
-            print(completion_line(point.folder), flush=True)
+            print(completion(point.folder)[1], flush=True)
         return code
     from gptpar.launch.local import run_ranks
-    from gptpar.run.state import read_run
 
     print(f"gptpar: {ranks} ranks as local processes on this machine: {point.folder.path}", flush=True)
     run_ranks(point, ranks)
-    state = read_run(point.folder).state
-    print(completion_line(point.folder), flush=True)
+    state, line = completion(point.folder)
+    print(line, flush=True)
     return 0 if state in ("completed", "diverged", "pending") else 1
 
 
@@ -155,6 +153,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     import time
 
     from gptpar.launch.backend import scheduler_state
+    from gptpar.launch.plan import LIVE_JOB_STATES
     from gptpar.run.folder import RunFolder
     from gptpar.run.logfile import format_record, read_new_records
     from gptpar.run.state import read_run
@@ -166,9 +165,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
         print("\n".join(file.read_text(errors="replace").splitlines()[-args.lines:]))
     records, offset = read_new_records(folder.rank_log(0), 0)
     print(f"==> {folder.rank_log(0)} <==")
-    print("\n".join(format_record(r) for r in records[len(records) - args.lines:] if args.lines), flush=True)
+    print("\n".join(format_record(r) for r in (records[-args.lines:] if args.lines else [])), flush=True)
     try:
-        while args.follow and read_run(folder, scheduler=scheduler_state(folder)).state in ("pending", "running"):
+        while args.follow and read_run(folder, scheduler=scheduler_state(folder)).state in LIVE_JOB_STATES:
             time.sleep(1.0)
             records, offset = read_new_records(folder.rank_log(0), offset)
             for record in records:

@@ -74,10 +74,14 @@ def job_of(folder: RunFolder) -> tuple[str, str] | None:
     return ("slurm", str(job)) if job else None
 
 
+def job_state(job: tuple[str, str] | None) -> str | None:
+    """What the backend of a job (as job_of names it) says of it; None without a job."""
+    return backend_named(job[0]).state(job[1]) if job else None
+
+
 def scheduler_state(folder: RunFolder) -> str | None:
     """What the backend that ran a folder's job says of it; None for a run without a job."""
-    job = job_of(folder)
-    return backend_named(job[0]).state(job[1]) if job else None
+    return job_state(job_of(folder))
 
 
 def cancel_run(folder: RunFolder) -> str:

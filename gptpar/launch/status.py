@@ -8,12 +8,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpar.launch.backend import job_of, scheduler_state
+from gptpar.launch.backend import job_of, job_state
+from gptpar.launch.plan import LIVE_JOB_STATES
 from gptpar.run.folder import RunFolder, find_runs
+from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
-from gptpar.run.state import STATES, RunLog, last_step, read_run
+from gptpar.run.state import STATES, RunLog, last_step, read_run, replica_indices
 
-LIVE = ("pending", "running")
 COLUMNS = ("STATE", "RUN", "JOB", "ELAPSED", "STEP", "LOSS", "TOK/S", "NODES", "RESTARTS")
 
 
@@ -45,15 +46,22 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-def row_of(run: RunLog, root: Path, now: float) -> StatusRow:
-    """One run's row: its last step as its ranks logged it (loss: the global mean; tokens/s: summed over one rank
-    per data-parallel replica, the one holding the loss), wall time since its first start."""
+Job = tuple[str, str] | None  # (backend, job id), as job_of names it
+
+
+def _replicas(run: RunLog) -> list[RankLog]:
+    """The started rank logs of one rank per data-parallel replica (the one holding the loss)."""
     started = [log for log in run.ranks if log.headers]
-    job = job_of(run.folder)
+    return [started[i] for i in replica_indices(started)] if started else []
+
+
+def row_of(run: RunLog, job: Job, root: Path, now: float) -> StatusRow:
+    """One run's row: its last step as its ranks logged it (loss: the global mean; tokens/s: summed over one rank
+    per data-parallel replica), wall time since its first start."""
+    started = [log for log in run.ranks if log.headers]
     headers = [log.headers[-1] for log in started]
     step = last_step(run)
-    replicas = _replica_ranks(started)
-    last = [log.steps[step] for log in replicas if step in log.steps]
+    last = [log.steps[step] for log in _replicas(run) if step in log.steps]
     loss = next((r.get("global_loss", r.get("loss")) for r in last if r.get("global_loss", r.get("loss")) is not None),
                 None)
     first = min((float(log.headers[0]["start_time"]) for log in started if "start_time" in log.headers[0]),
@@ -69,11 +77,10 @@ def row_of(run: RunLog, root: Path, now: float) -> StatusRow:
         restarts=max((int(h.get("restart", 0)) for h in headers), default=0), detail=run.detail)
 
 
-def _replica_ranks(started: list) -> list:
-    """One rank per data-parallel replica: its last pipeline stage, tensor-parallel rank 0."""
-    last_stage = max((log.headers[-1].get("coords", {}).get("pp", 0) for log in started), default=0)
-    return [log for log in started if log.headers[-1].get("coords", {}).get("pp", 0) == last_stage
-            and log.headers[-1].get("coords", {}).get("tp", 0) == 0]
+def _read(folder: RunFolder, root: Path | None = None, now: float | None = None) -> tuple[RunLog, Job]:
+    """A run folder read with its job's scheduler state, and the job (looked up once)."""
+    job = job_of(folder)
+    return read_run(folder, root, job_state(job), now), job
 
 
 def status_rows(root: Path, now: float | None = None) -> tuple[list[StatusRow], int]:
@@ -81,8 +88,8 @@ def status_rows(root: Path, now: float | None = None) -> tuple[list[StatusRow], 
     now = time.time() if now is None else now
     folders = find_runs(root)
     aside = [f for f in folders if replaced(f.name)]  # results of an earlier config, kept but not current
-    runs = [read_run(folder, root, scheduler_state(folder), now) for folder in folders if folder not in aside]
-    rows = [row_of(run, root, now) for state in STATES for run in runs if run.state == state]
+    runs = [_read(folder, root, now) for folder in folders if folder not in aside]
+    rows = [row_of(run, job, root, now) for state in STATES for run, job in runs if run.state == state]
     return rows, len(aside)
 
 
@@ -102,19 +109,19 @@ def render_status(rows: list[StatusRow], aside: int) -> str:
 
 
 def any_live(rows: list[StatusRow]) -> bool:
-    return any(row.state in LIVE for row in rows)
+    return any(row.state in LIVE_JOB_STATES for row in rows)
 
 
-def completion_line(folder: RunFolder) -> str:
-    """What a finished run achieved, in one line (printed when `gptpar train` returns)."""
-    run = read_run(folder, scheduler=scheduler_state(folder))
+def completion(folder: RunFolder) -> tuple[str, str]:
+    """A finished run's state and what it achieved, in one line (printed when `gptpar train` returns). The
+    validation loss is the latest logged: every replica logs the mean over replicas."""
+    run, job = _read(folder)
     if run.state != "completed":
-        return f"gptpar: run {run.state}" + (f": {run.detail}" if run.detail else "")
-    row = row_of(run, folder.path.parent, time.time())
-    replicas = _replica_ranks([log for log in run.ranks if log.headers])
-    vals = [r["val_loss"] for log in replicas for r in (*log.evals.values(), *log.epochs.values())
-            if isinstance(r.get("val_loss"), float)]
-    cells = row.cells()
-    return (f"gptpar: run completed: {cells[4]} steps, loss {cells[5]}"
-            + (f", val_loss {sum(vals[-len(replicas):]) / len(replicas):.4f}" if vals else "")
-            + f", {cells[6]} tok/s, {cells[3]} in {folder.path}")
+        return run.state, f"gptpar: run {run.state}" + (f": {run.detail}" if run.detail else "")
+    cells = row_of(run, job, folder.path.parent, time.time()).cells()
+    replicas = _replicas(run)
+    records = sorted((*replicas[0].evals.values(), *replicas[0].epochs.values()), key=lambda r: r["time"])
+    val = next((r["val_loss"] for r in reversed(records) if isinstance(r.get("val_loss"), float)), None)
+    return run.state, (f"gptpar: run completed: {cells[4]} steps, loss {cells[5]}"
+                       + (f", val_loss {val:.4f}" if val is not None else "")
+                       + f", {cells[6]} tok/s, {cells[3]} in {folder.path}")

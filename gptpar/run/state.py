@@ -189,5 +189,17 @@ def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: s
     return RunLog(folder, sweep, config, started, state, detail, warnings)
 
 
+def replica_indices(ranks: list[RankLog]) -> list[int]:
+    """Indices of one started rank per data-parallel replica: its last pipeline stage, which has the loss, and of
+    that stage the first rank (tensor-parallel rank 0)."""
+    last = max(log.header["coords"].get("pp", 0) for log in ranks)
+    chosen: dict[Any, int] = {}
+    for i, log in enumerate(ranks):
+        coords = log.header["coords"]
+        if coords.get("pp", last) == last:
+            chosen.setdefault(coords.get("dp", log.rank), i)
+    return list(chosen.values())
+
+
 def last_step(run: RunLog) -> int:
     return max((max(log.steps) for log in run.ranks if log.steps), default=0)
