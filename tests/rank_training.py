@@ -75,6 +75,11 @@ def resumed_run(cfg: Config, info: RankInfo) -> dict:
     return {"losses": train_steps(second, 1), "params": named_params(second), "saved": saved}
 
 
+def saved_ranks(runs: Path, name: str) -> list[dict]:
+    """What each spawned rank saved as `<runs>/<name>.rank<R>.pt`, in rank order."""
+    return [torch.load(path, weights_only=False) for path in sorted(runs.glob(f"{name}.rank*.pt"))]
+
+
 def reference_run(cfg: Config) -> dict:
     """One process, the same config with one stage and one replica, the same global batch."""
     single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp_virtual": 1,

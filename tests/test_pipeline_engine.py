@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_training import BASE, STEPS, make_config, make_trainer, named_params, reference_run, train_steps
+from rank_training import BASE, STEPS, make_config, make_trainer, named_params, reference_run, saved_ranks, train_steps
 from torch import nn
 
 from gptpar.config import ParallelConfig, grid_sizes, load_config, updated
@@ -72,14 +72,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs
 
 
-def _ranks(runs: Path, name: str) -> list[dict]:
-    return [torch.load(path, weights_only=False) for path in sorted(runs.glob(f"{name}.rank*.pt"))]
-
-
 @pytest.mark.parametrize("name", [n for n, _ in CASES_2 + CASES_4])
 def test_every_schedule_trains_like_one_process(results: Path, name: str) -> None:
     overrides = dict(CASES_2 + CASES_4)[name]
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     ref = reference_run(make_config(overrides, results, name))
     dp = max(r["coords"]["dp"] for r in ranks) + 1
     for stage in {r["coords"]["pp"] for r in ranks}:  # every stage has its pipeline's loss (a replica's half)
@@ -103,7 +99,7 @@ def test_every_schedule_trains_like_one_process(results: Path, name: str) -> Non
 def test_each_stage_holds_the_training_state_of_its_own_parameters(results: Path, name: str) -> None:
     """AdamW fp32 on a stage of N_s parameters: 4 N_s + 4 N_s + 8 N_s bytes; the stages together hold the model
     once plus the LM head's copy of the tied matrix."""
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     for rank in ranks:
         n = rank["memory"]["params"]
         assert n == sum(p.numel() for p in rank["params"].values())
@@ -116,7 +112,7 @@ def test_each_stage_holds_the_training_state_of_its_own_parameters(results: Path
 
 @pytest.mark.parametrize("name", ["1f1b-d2", "zb1p-d2"])
 def test_replicas_of_a_stage_stay_bitwise_identical(results: Path, name: str) -> None:
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     by_stage: dict[int, list[dict]] = {}
     for rank in ranks:
         by_stage.setdefault(rank["coords"]["pp"], []).append(rank["params"])
@@ -127,7 +123,7 @@ def test_replicas_of_a_stage_stay_bitwise_identical(results: Path, name: str) ->
 
 
 def test_a_resumed_pipeline_continues_bitwise_where_it_stopped(results: Path) -> None:
-    straight, resumed = _ranks(results, "1f1b"), _ranks(results, "resumed")
+    straight, resumed = saved_ranks(results, "1f1b"), saved_ranks(results, "resumed")
     for a, b in zip(straight, resumed, strict=True):
         assert b["losses"] == [a["losses"][1]]
         for param in a["params"]:
@@ -135,7 +131,7 @@ def test_a_resumed_pipeline_continues_bitwise_where_it_stopped(results: Path) ->
 
 
 def test_each_rank_times_its_actions_and_holds_the_activations_its_schedule_allows(results: Path) -> None:
-    gpipe, one_f_one_b, zb = (_ranks(results, n) for n in ("gpipe", "1f1b", "zb1p"))
+    gpipe, one_f_one_b, zb = (saved_ranks(results, n) for n in ("gpipe", "1f1b", "zb1p"))
     for ranks, kinds in ((gpipe, {"F", "B"}), (one_f_one_b, {"F", "B"}), (zb, {"F", "B", "W"})):
         for rank in ranks:
             stats = rank["stats"]

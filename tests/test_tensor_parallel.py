@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_training import STEPS, make_config, make_trainer, named_params, reference_run, resumed_run, train_steps
+from rank_training import (
+    STEPS,
+    make_config,
+    make_trainer,
+    named_params,
+    reference_run,
+    resumed_run,
+    saved_ranks,
+    train_steps,
+)
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
@@ -84,13 +93,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs
 
 
-def _ranks(runs: Path, name: str) -> list[dict]:
-    return [torch.load(path, weights_only=False) for path in sorted(runs.glob(f"{name}.rank*.pt"))]
-
-
 @pytest.mark.parametrize("name", list(ALL))
 def test_tensor_parallel_trains_like_one_process(results: Path, name: str) -> None:
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     ref = reference_run(make_config(ALL[name], results, name))
     losses = [r["losses"] for r in ranks if r["losses"][0] is not None]  # a pipeline's first stage logs null
     mean = [sum(step) / len(losses) for step in zip(*losses, strict=True)]
@@ -108,7 +113,7 @@ def test_tensor_parallel_trains_like_one_process(results: Path, name: str) -> No
 
 @pytest.mark.parametrize("name", list(RESUMED))
 def test_a_resumed_tensor_parallel_run_continues_exactly(results: Path, name: str) -> None:
-    straight, resumed = _ranks(results, name), _ranks(results, f"resumed-{name}")
+    straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
     for a, b in zip(straight, resumed, strict=True):
         if a["losses"][1] is not None:  # a pipeline's first stage logs no loss
             assert b["losses"][0] == pytest.approx(a["losses"][1], rel=1e-6)
@@ -117,7 +122,7 @@ def test_a_resumed_tensor_parallel_run_continues_exactly(results: Path, name: st
 
 
 def test_dropout_masks_agree_where_replicated_and_differ_where_sharded(results: Path) -> None:
-    ranks = _ranks(results, "dropout")
+    ranks = saved_ranks(results, "dropout")
     for key in ("replicated", "after"):  # the shared stream stays in step across a sharded draw
         assert all(torch.equal(r[key], ranks[0][key]) for r in ranks), key
     assert not torch.equal(ranks[0]["sharded"], ranks[1]["sharded"])  # each rank its own mask
@@ -129,7 +134,7 @@ def test_a_tensor_parallel_checkpoint_exports_as_a_whole_gpt2(results: Path, tmp
     exported = torch.load(export_checkpoint(results / "resumed-tp2-sp-lp", tmp_path / "model.pt"), weights_only=False)
     model = GPT2LMHeadModel(gpt2_config(ModelConfig(n_layer=4, n_embd=32, n_head=2), 301))
     model.load_state_dict(exported["gpt2"])
-    saved = _ranks(results, "resumed-tp2-sp-lp")[0]["saved"]
+    saved = saved_ranks(results, "resumed-tp2-sp-lp")[0]["saved"]
     for name, value in model.named_parameters():
         assert torch.equal(value.detach(), saved[name]), name
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rank_training import make_config, make_trainer, named_params, reference_run, resumed_run, train_steps
+from rank_training import make_config, make_trainer, named_params, reference_run, resumed_run, saved_ranks, train_steps
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
@@ -62,13 +62,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs
 
 
-def _ranks(runs: Path, name: str) -> list[dict]:
-    return [torch.load(path, weights_only=False) for path in sorted(runs.glob(f"{name}.rank*.pt"))]
-
-
 @pytest.mark.parametrize("name", list(ALL))
 def test_zero_trains_like_one_process_and_keeps_the_replicas_bitwise_equal(results: Path, name: str) -> None:
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     ref = reference_run(make_config(ALL[name], results, name))
     mean = [sum(losses) / len(ranks) for losses in zip(*(r["losses"] for r in ranks), strict=True)]
     assert mean == pytest.approx(ref["losses"], rel=1e-5)
@@ -80,7 +76,7 @@ def test_zero_trains_like_one_process_and_keeps_the_replicas_bitwise_equal(resul
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero1-w4", "zero2-w4", "fsdp", "fsdp-w4"])
 def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, name: str) -> None:
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     n = ranks[0]["memory"]["params"]
     covered: dict[str, list[tuple[int, int]]] = {}
     for rank in ranks:
@@ -98,7 +94,7 @@ def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, n
 def test_memory_is_the_closed_form(results: Path, name: str) -> None:
     """ZeRO-1: 4N + 4N + 8N/W; ZeRO-2: 4N + (4N + 8N)/W; N/W is the shard, padded to a multiple of W (ZeRO-2: each
     bucket's)."""
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     world = len(ranks)
     for rank in ranks:
         n, shard, memory = rank["memory"]["params"], rank["shard"], rank["memory"]
@@ -114,7 +110,7 @@ def test_memory_is_the_closed_form(results: Path, name: str) -> None:
 @pytest.mark.parametrize("name", ["zero1", "zero2", "fsdp", "fsdp2"])
 def test_a_resumed_run_continues_bitwise_where_it_stopped(results: Path, name: str) -> None:
     """Each rank saves its own shard's optimizer state (keys name the parameter and range) and loads it back."""
-    straight, resumed = _ranks(results, name), _ranks(results, f"resumed-{name}")
+    straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
     for a, b in zip(straight, resumed, strict=True):
         assert b["losses"] == [a["losses"][1]]
         for param in a["params"]:
@@ -130,7 +126,7 @@ def test_zero1_with_a_pipeline_is_a_one_line_error() -> None:
 def test_fsdp2_holds_a_shard_of_everything(results: Path, name: str) -> None:
     """FSDP2: parameters, gradients and AdamW state all sharded on dim 0, each parameter padded to W rows:
     per rank 4 + 4 + 8 bytes for each of sum_p ceil(rows_p / W) * row_size_p elements, about 16N/W."""
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     world = len(ranks)
     padded = sum(-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in ranks[0]["params"].values())
     n = sum(p.numel() for p in ranks[0]["params"].values())
@@ -146,7 +142,7 @@ def test_fsdp2_holds_a_shard_of_everything(results: Path, name: str) -> None:
 def test_export_consolidates_a_sharded_checkpoint_into_whole_tensors(results: Path, name: str, tmp_path: Path) -> None:
     """`gptpar checkpoint export` (one process) writes every parameter whole, whatever shards the ranks saved
     (fsdp: every rank's pieces of each parameter, joined), also under GPT2LMHeadModel's names."""
-    saved = _ranks(results, f"resumed-{name}")[0]["saved"]
+    saved = saved_ranks(results, f"resumed-{name}")[0]["saved"]
     exported = torch.load(export_checkpoint(results / f"resumed-{name}", tmp_path / "plain.pt"), weights_only=False)
     model = {k.removeprefix("model."): v for k, v in exported["trainer"]["model"].items()}
     for param, value in saved.items():
@@ -168,7 +164,7 @@ def test_fsdp_holds_16n_over_w_and_its_in_flight_units_are_the_closed_form(resul
     """Per rank: 4 bytes of parameter shard and 4 of gradient shard per element of every unit's padded shard, 8 of AdamW
     state per element it owns; in flight at most the root's parameters and flat gradient plus four block buffers
     (two gathered, two flat gradients: one accumulating, one reduce-scattering), with or without accumulation."""
-    ranks = _ranks(results, name)
+    ranks = saved_ranks(results, name)
     world = len(ranks)
     root, block, blocks = _units(ranks[0]["params"], world)
     shard = (root + block * blocks) // world
@@ -186,7 +182,7 @@ def test_fsdp_holds_16n_over_w_and_its_in_flight_units_are_the_closed_form(resul
 def test_deferred_initialisation_materialises_the_same_model_as_a_normal_build(results: Path) -> None:
     """model.init_device=meta under fsdp: each rank materialises only its shards, from per-parameter seeds, and the
     gathered model equals a normal build's, as its training equals one process's (the equality test above)."""
-    meta, normal = _ranks(results, "fsdp-meta"), _ranks(results, "fsdp")
+    meta, normal = saved_ranks(results, "fsdp-meta"), saved_ranks(results, "fsdp")
     for m, n in zip(meta, normal, strict=True):
         assert m["initial"].keys() == n["initial"].keys()
         for param, value in n["initial"].items():
