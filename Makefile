@@ -17,21 +17,25 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install test lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis figures config-reference clean
+.PHONY: install lock test lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis figures config-reference clean
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+$(STAMP): requirements.lock pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	@echo "installing $(TORCH_SPEC) (a CUDA build is GBs: minutes on a slow network)"
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) $(QUIET_PIP)
-	@echo "installing the pinned requirements"
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt $(QUIET_PIP)
+	@echo "installing the tested lock (requirements.lock: every extra and the dev tools)"
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock $(QUIET_PIP)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . $(QUIET_PIP)
-	$(PY) -c "import torch, transformers, datasets, tokenizers, orjson, matplotlib, tensorboard, wandb, gptpar, analysis"
+	$(PY) -c "import torch, transformers, datasets, sacrebleu, tensorboard, wandb, pytest, gptpar, analysis"
 	rm -f $(VENV)/.installed*
 	touch $(STAMP)
 	@echo "installed; check this node with: $(GPTPAR) doctor"
+
+# After upgrading packages in .venv and passing `make test`: record the tested set.
+lock:
+	$(PY) tools/lock.py > requirements.lock
 
 demo: install
 	$(GPTPAR) sweep sweeps/demo_dp.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait

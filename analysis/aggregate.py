@@ -1,4 +1,4 @@
-"""Per-run metrics (time, throughput, loss, MFU) and per-sweep speedup and scaling efficiency.
+"""Per-run metrics (time, throughput, loss, BLEU, memory, MFU) from the rank logs, and the keys that group runs.
 
 Definitions (they are repeated in the summary's footnotes):
 - epoch time: each rank's epoch `training_time_s`, averaged over ranks; an epoch a restart split (its
@@ -21,7 +21,14 @@ Definitions (they are repeated in the summary's footnotes):
   (the padding of sharded buffers) is flagged. fsdp's optional `gathered_peak_bytes` (unsharded parameters
   and gradients held at once during a step, transient) is carried beside it, outside the closed form;
 - peak memory: each rank's highest `peak_mem_bytes` over its step records (null where the device does not
-  measure it), mean and max over the ranks that logged a number.
+  measure it), mean and max over the ranks that logged a number;
+- job tokens/s spread: the sample std over the kept epochs (else kept steps) of each one's job tokens/s, the
+  error bar of a point that has no repeats;
+- progress: at the end of every step, the tokens seen (summed over replicas) and the training time (the
+  slowest rank's step times summed: evaluation, checkpoints and restarts left out), the x of the loss and
+  BLEU curves against tokens and time;
+- validation points: the `eval` records, and each epoch record's `val_loss` at the epoch's last step;
+- BLEU: an epoch record's optional `bleu` (corpus BLEU, 0-100, logged by one rank of the run).
 """
 
 from __future__ import annotations
@@ -40,11 +47,17 @@ from gptpar.run.names import replaced
 from gptpar.run.state import RunLog, replica_indices
 from gptpar.run.sweeps import stale_runs
 
+TOP_LEVEL = "top-level"  # the sweep of the runs that are not in a sweep folder
 GPU_KEYS = ("parallel.dp", "parallel.pp", "parallel.devices", "launch.gpus", "launch.nodes")
 PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks", "parallel.pp_schedule", "parallel.pp_virtual")
-# Keys that never define a sweep axis: bookkeeping, scheduling, and repeat seeds.
+# Keys that do not change what a run measures per step: how long it trains, how often and how much it evaluates
+# or checkpoints, how long it waits for a peer, where it dumps its last gradients; runs that differ only in them
+# belong to one series.
+NEUTRAL_KEYS = ("train.max_steps", "train.epochs", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
+                "parallel.timeout_s", "data.hub_timeout_s", "train.dump_grads")
+# Keys that never define a sweep axis: bookkeeping, scheduling (launch.repeat included), repeat seeds and the above.
 NON_AXIS_PREFIXES = ("log.", "launch.")
-NON_AXIS_KEYS = ("data.dir", "train.seed", *GPU_KEYS, *PIPELINE_KEYS)
+NON_AXIS_KEYS = ("data.dir", "train.seed", *NEUTRAL_KEYS, *GPU_KEYS, *PIPELINE_KEYS)
 
 
 # Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), and the parts each
@@ -87,6 +100,16 @@ class MemoryUse:
         return self.mean["total"] / self.closed_form if self.closed_form else None
 
 
+@dataclass(frozen=True)
+class EpochPoint:
+    """One epoch of a run as its epoch records and steps give it."""
+
+    epoch: int
+    step: int | None  # its last step (None: no step record of the epoch was kept)
+    val_loss: float | None  # the mean over replicas of a finite val_loss
+    bleu: float | None  # corpus BLEU (0-100) where a rank logged a number
+
+
 @dataclass
 class RunMetrics:
     run: str  # path relative to the runs dir
@@ -102,15 +125,19 @@ class RunMetrics:
     chunks: int = 1
     devices: int = 1  # devices per data-parallel replica (pipeline stages)
     gpus: int = 1
+    on_gpu: bool = False  # its ranks ran on CUDA devices (else on CPUs)
     basis: str = ""
     epoch_time: tuple[float | None, float | None] = (None, None)
     step_time: tuple[float | None, float | None] = (None, None)
     tokens_per_s: tuple[float | None, float | None] = (None, None)
     job_tokens_per_s: float | None = None
+    job_tokens_std: float | None = None  # sample std over kept epochs (or steps) of their job tokens/s
     final_loss: float | None = None
     val_loss: float | None = None
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
+    progress: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (tokens seen, training s)
+    epoch_points: list[EpochPoint] = field(default_factory=list)
     bubble_theory: float | None = None
     bubble_measured: float | None = None
     bubble_std: float | None = None  # sample std over the kept steps
@@ -124,9 +151,15 @@ class RunMetrics:
     mfu: float | None = None
     hfu: float | None = None  # hardware FLOPs utilisation: recomputed forwards counted too
     mfu_note: str = ""
-    speedup: float | None = None
-    efficiency: float | None = None
-    baseline: str = ""
+    speedup: float | None = None  # job tokens/s over the baseline point's (analysis.scaling)
+    efficiency: float | None = None  # None for a pipeline against model parallel on the same devices
+    baseline: str = ""  # the run id of the baseline point's first run
+    baseline_runs: int = 0  # runs (repeats) the baseline's job tokens/s is the mean of
+    ideal_speedup: float | None = None  # what the speedup would be without losses: GPU ratio, or the bubble's bound
+    repeats: int = 1  # runs of its sweep point (itself included)
+    noise: float | None = None  # relative spread of the measurement: over repeats, else over steps
+    noise_basis: str = ""  # what the noise was measured over
+    flag: str = ""  # why its speedup or efficiency breaks a physical bound; shown ⚠, not plotted
     diverged_at: int | None = None  # the first step with a non-finite loss
     stitched: list[int] = field(default_factory=list)  # kept epochs timed from step records (restarts)
     stale: str = ""  # why its numbers are not of its sweep's current definition, in one line
@@ -140,6 +173,11 @@ class RunMetrics:
     def engine(self) -> bool:
         """A run of the multi-process pipeline engine (one stage per rank), not of a one-process mode."""
         return bool(self.pp_schedule)
+
+    @property
+    def final_bleu(self) -> float | None:
+        """The BLEU of the last epoch that has one."""
+        return next((p.bleu for p in reversed(self.epoch_points) if p.bleu is not None), None)
 
 
 def flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -240,13 +278,14 @@ def _warmup(m: RunMetrics, ranks: list[RankLog], figures: list[dict[int, tuple[f
 
 
 def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int = 5) -> RunMetrics:
-    m = RunMetrics(rel, run.run_id, run.sweep, run.state, run.detail, flatten(run.config),
+    m = RunMetrics(rel, run.run_id, run.sweep or TOP_LEVEL, run.state, run.detail, flatten(run.config),
                    warnings=list(run.warnings))
     ranks = run.ranks
     if not ranks:
         return m
     header = ranks[0].header
     _shape(m, header)
+    m.on_gpu = str(header["device"]).startswith("cuda")
     replicas = replica_indices(ranks)
     figures, stitched = zip(*(epoch_figures(log) for log in ranks), strict=True)
     kept_epochs, kept_steps = _warmup(m, ranks, list(figures), warmup_epochs, warmup_steps)
@@ -264,9 +303,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         m.tokens_per_s = mean_std([sum(k[s]["tokens_per_s"] for k in kept_replicas) for s in in_all])
     common = sorted(set.intersection(*(set(k) for k in kept)))
     m.step_time = mean_std([sum(k[s]["step_time_s"] for k in kept) / len(kept) for s in common])
-    wall = max(sum(r["step_time_s"] for r in k.values()) for k in kept)
-    tokens = sum(r["tokens"] for k in kept_replicas for r in k.values())
-    m.job_tokens_per_s = tokens / wall if wall > 0 else None
+    m.job_tokens_per_s, m.job_tokens_std = _job_rates(kept, set(replicas), by_epoch=bool(kept_epochs))
     _bubble(m, [(ranks[i].rank, kept[i]) for i in (range(len(ranks)) if m.engine else replicas)])
     if m.engine:
         _trace(m, ranks, common)
@@ -276,8 +313,14 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     m.loss_curve = [(s, v) for s, v in losses if math.isfinite(v)]
     m.final_loss = losses[-1][1] if losses else None
     m.diverged_at = next((s for s, v in losses if not math.isfinite(v)), None)
+    m.progress, ends = _progress(ranks, set(replicas))
+    m.epoch_points = _epoch_points(m, ranks, replica_logs, ends)
     vals = _mean_series([{s: r["val_loss"] for s, r in log.evals.items()} for log in replica_logs])
-    m.val_curve = [(s, v) for s, v in vals if math.isfinite(v)]
+    val_points = {s: v for s, v in vals if math.isfinite(v)}
+    for point in m.epoch_points:  # an epoch's validation counts at its last step, unless an eval record is there
+        if point.step is not None and point.val_loss is not None:
+            val_points.setdefault(point.step, point.val_loss)
+    m.val_curve = sorted(val_points.items())
     if vals:
         m.val_loss = vals[-1][1]
     else:
@@ -290,6 +333,66 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     peaks = [_peak_mem(log) for log in ranks]
     m.peak_mem = _mean_max([peak for peak in peaks if peak is not None])
     return m
+
+
+def _job_rates(kept: list[dict[int, dict[str, Any]]], replicas: set[int],
+               by_epoch: bool) -> tuple[float | None, float | None]:
+    """(job tokens/s, its sample std over units) of the kept steps of every rank: the replicas' tokens over the
+    slowest rank's summed step time, over all kept steps, then per kept epoch (by_epoch) or per kept step."""
+    times: list[dict[int, float]] = []
+    tokens: dict[int, float] = {}
+    for i, steps in enumerate(kept):
+        time: dict[int, float] = {}
+        for step, rec in steps.items():
+            unit = rec["epoch"] if by_epoch else step
+            time[unit] = time.get(unit, 0.0) + rec["step_time_s"]
+            if i in replicas:
+                tokens[unit] = tokens.get(unit, 0.0) + rec["tokens"]
+        times.append(time)
+    wall = max(math.fsum(time.values()) for time in times)
+    walls = {unit: max(time.get(unit, 0.0) for time in times) for unit in tokens}
+    per_unit = [tokens[unit] / w for unit, w in sorted(walls.items()) if w > 0]
+    return (math.fsum(tokens.values()) / wall if wall > 0 else None), mean_std(per_unit)[1]
+
+
+def _progress(ranks: list[RankLog], replicas: set[int]) -> tuple[dict[int, tuple[float, float]], dict[int, int]]:
+    """({step: (tokens seen, training seconds) at its end}, {epoch: its last step}) over every logged step: tokens
+    summed over the replicas, seconds the slowest rank's step times summed, so that curves against tokens or time
+    compare runs of any width by what they cost."""
+    slowest: dict[int, float] = {}
+    tokens: dict[int, float] = {}
+    ends: dict[int, int] = {}
+    for i, log in enumerate(ranks):
+        replica = i in replicas
+        for step, rec in log.steps.items():
+            slowest[step] = max(slowest.get(step, 0.0), rec["step_time_s"])
+            if replica:
+                tokens[step] = tokens.get(step, 0.0) + rec["tokens"]
+            ends[rec["epoch"]] = max(ends.get(rec["epoch"], step), step)
+    seen = seconds = 0.0
+    progress: dict[int, tuple[float, float]] = {}
+    for step in sorted(slowest):
+        seen += tokens.get(step, 0.0)
+        seconds += slowest[step]
+        progress[step] = (seen, seconds)
+    return progress, ends
+
+
+def _epoch_points(m: RunMetrics, ranks: list[RankLog], replica_logs: list[RankLog],
+                  ends: dict[int, int]) -> list[EpochPoint]:
+    """Every epoch a replica recorded: its last step, the replicas' mean finite val_loss, and the BLEU that one
+    rank logged (any rank: a pipeline's first stage may be the one); a BLEU that is not a number is warned about."""
+    points = []
+    for epoch in sorted(set().union(*(log.epochs for log in replica_logs))):
+        vals = [v for log in replica_logs if _finite(v := log.epochs.get(epoch, {}).get("val_loss"))]
+        logged = [(log.rank, log.epochs[epoch]["bleu"]) for log in ranks
+                  if log.epochs.get(epoch, {}).get("bleu") is not None]
+        bleu = next((float(v) for _, v in logged if _finite(v)), None)
+        if logged and bleu is None:
+            m.warnings.append(f"{m.run}: epoch {epoch}'s bleu (rank {logged[0][0]}) is not a number: "
+                              f"{logged[0][1]!r}; left out")
+        points.append(EpochPoint(epoch, ends.get(epoch), statistics.fmean(vals) if vals else None, bleu))
+    return points
 
 
 def _mean_max(values: list[float]) -> tuple[float, float] | None:
@@ -455,67 +558,30 @@ def loss_series(replica_logs: list[RankLog]) -> list[tuple[int, float]]:
     return sorted([*global_loss.items(), *local])
 
 
-def follows_gpus(runs: list[RunMetrics], key: str) -> bool:
-    """A key zipped with the GPU count (the global batch of a weak-scaling sweep) is no axis of its own."""
-    by_gpus: dict[int, set[str]] = {}
+# Keys --x and --group-by take besides config keys (section.key), with what they stand for.
+PSEUDO_KEYS = {"gpus": "the job's devices: data-parallel ranks x devices per replica",
+               "sweep": f"the sweep folder ({TOP_LEVEL} for runs outside one)"}
+
+
+def key_value(r: RunMetrics, key: str) -> Any:
+    """A run's value of a config key or of a pseudo key (PSEUDO_KEYS)."""
+    if key == "gpus":
+        return r.gpus
+    return r.sweep if key == "sweep" else r.params.get(key)
+
+
+def follows(runs: list[RunMetrics], key: str, x: str = "gpus") -> bool:
+    """A key zipped with the x axis (the global batch of a weak-scaling sweep, against the GPU count) is no axis
+    of its own: it has one value at each x, and x takes two or more."""
+    by_x: dict[str, set[str]] = {}
     for r in runs:
-        by_gpus.setdefault(r.gpus, set()).add(repr(r.params.get(key)))
-    return len(by_gpus) > 1 and all(len(values) == 1 for values in by_gpus.values())
+        by_x.setdefault(repr(key_value(r, x)), set()).add(repr(key_value(r, key)))
+    return len(by_x) > 1 and all(len(values) == 1 for values in by_x.values())
 
 
-def sweep_axes(runs: list[RunMetrics]) -> list[str]:
-    """Config keys whose values differ within a sweep, other than GPU count, keys that follow it,
-    and pipeline keys."""
+def sweep_axes(runs: list[RunMetrics], x: str = "gpus") -> list[str]:
+    """Config keys whose values differ within a sweep, other than x, keys that follow it, GPU and pipeline keys,
+    and keys that do not change what a run measures (NON_AXIS_KEYS)."""
     keys = sorted(set().union(*(r.params for r in runs))) if runs else []
-    return [k for k in keys if not k.startswith(NON_AXIS_PREFIXES) and k not in NON_AXIS_KEYS
-            and len({repr(r.params.get(k)) for r in runs}) > 1 and not follows_gpus(runs, k)]
-
-
-def group_top_level(runs: list[RunMetrics]) -> None:
-    """Sweeps of the runs not in a sweep folder: "top-level", split by their common config
-    (ignoring the keys sweeps vary) when the top-level runs differ in it."""
-    top = [r for r in runs if not r.sweep]
-    for r in top:
-        r.sweep = "top-level"
-
-    def key(r: RunMetrics) -> tuple:
-        return tuple(sorted((k, repr(v)) for k, v in r.params.items()
-                            if not k.startswith(("log.", "launch.", "parallel."))))
-
-    groups: dict[tuple, list[RunMetrics]] = {}
-    for r in top:
-        if r.params:  # a corrupt run may have no config
-            groups.setdefault(key(r), []).append(r)
-    if len(groups) < 2:
-        return
-    differing = sweep_axes([r for members in groups.values() for r in members])
-    for members in groups.values():
-        label = ",".join(f"{k.split('.')[-1]}={members[0].params.get(k)}" for k in differing)
-        for r in members:
-            r.sweep = f"top-level[{label}]"
-
-
-def _closest(run: RunMetrics, candidates: list[RunMetrics], axes: list[str]) -> RunMetrics:
-    return max(candidates, key=lambda c: sum(c.params.get(k) == run.params.get(k) for k in axes))
-
-
-def apply_speedups(runs: list[RunMetrics]) -> None:
-    """Speedup of summed tokens/s over the sweep's baseline: the 1-GPU run, or for a pipeline run
-    the model-parallel run on the same devices; efficiency = speedup / (GPUs / baseline GPUs)."""
-    sweeps: dict[str, list[RunMetrics]] = {}
-    for r in runs:
-        if r.tokens_per_s[0]:
-            sweeps.setdefault(r.sweep, []).append(r)
-    for members in sweeps.values():
-        axes = sweep_axes(members)
-        single = [r for r in members if r.pp_mode == "single" and r.gpus == 1]
-        for r in members:
-            mp = [c for c in members if c.pp_mode == "model_parallel" and c.dp == r.dp
-                  and c.devices == r.devices]
-            candidates = mp if r.pp_mode == "pipeline_parallel" and mp else single
-            if not candidates:
-                continue
-            base = _closest(r, candidates, axes)
-            r.baseline = base.run_id
-            r.speedup = r.tokens_per_s[0] / base.tokens_per_s[0]
-            r.efficiency = r.speedup / (r.gpus / base.gpus)
+    return [k for k in keys if not k.startswith(NON_AXIS_PREFIXES) and k not in NON_AXIS_KEYS and k != x
+            and len({repr(r.params.get(k)) for r in runs}) > 1 and not follows(runs, k, x)]

@@ -1,204 +1,308 @@
-"""Scaling, pipeline, loss and sweep-axis figures, one consistent style, PNG via the Agg backend.
+"""The report's figures: scaling (time, throughput, speedup and efficiency against the GPU count or --x), pipeline
+against model parallelism, loss against steps, tokens and time, BLEU, each swept key, pipeline timelines and
+bubbles, and memory.
 
-A figure without data is skipped with a message: an empty plot in a report reads as a result.
+A figure without data is skipped with a message: an empty plot in a report reads as a result. A result flagged for
+breaking a physical bound (analysis.scaling) is left out of the speedup plots and ringed where its throughput is
+drawn. A warning matplotlib raises while drawing becomes one line of the report's messages, never a Python warning.
 """
 
 from __future__ import annotations
 
 import statistics
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
-import matplotlib
+from matplotlib.patches import Patch
+from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, PercentFormatter
+from matplotlib.transforms import blended_transform_factory
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
-from matplotlib.transforms import blended_transform_factory  # noqa: E402
-
-from analysis.aggregate import SHARDED_STATE, STATE_BYTES, MemoryUse, RunMetrics, sweep_axes  # noqa: E402
-from gptpar.atomic import write_error
+from analysis.aggregate import SHARDED_STATE, STATE_BYTES, MemoryUse, RunMetrics, key_value, sweep_axes
+from analysis.canvas import (
+    FORMATS,
+    NAME_MAX,
+    OFF_COLOUR,
+    OFF_MARK,
+    STYLE,
+    FigureSet,
+    draw_marks,
+    error_note,
+    legend,
+    plt,
+    stem,
+    write,
+    x_label,
+    x_name,
+    x_positions,
+)
+from analysis.grouping import Mark, Spread, marks, run_labels, series
+from analysis.scaling import repeat_points
 from gptpar.parallel.pipeline.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 from gptpar.run.names import slug
 
-STYLE = {
-    "figure.figsize": (6.4, 4.4), "figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3,
-    "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8, "lines.markersize": 5,
-}
-MAX_LEGEND = 12
+CHUNKS = "parallel.chunks"
+JOB_RATE = "job tokens/s (all replicas' / slowest rank's time)"
+ONE_RUN_STD = "± sample std over its kept epochs (or steps)"
 
 
-def _series(runs: list[RunMetrics]) -> dict[str, list[RunMetrics]]:
-    """Runs grouped into lines by sweep and by the keys the sweep varies besides the GPU count."""
-    by_sweep: dict[str, list[RunMetrics]] = {}
-    for r in runs:
-        by_sweep.setdefault(r.sweep, []).append(r)
-    series: dict[str, list[RunMetrics]] = {}
-    for sweep, members in sorted(by_sweep.items()):
-        axes = sweep_axes(members)
-        for r in members:
-            label = ", ".join(f"{k.split('.')[-1]}={r.params.get(k)}" for k in axes)
-            series.setdefault(f"{sweep} {label}".strip() if len(by_sweep) > 1 or not label else label, []).append(r)
-    return series
+def _job(r: RunMetrics) -> Spread:
+    return r.job_tokens_per_s, r.job_tokens_std
 
 
-def _errorbar(ax: plt.Axes, xs: list, pairs: list[tuple[float | None, float | None]], **style) -> str | None:
-    """Mean ± std points, leaving out runs without the value; the line's colour, if drawn."""
-    points = [(x, mean, std or 0.0) for x, (mean, std) in zip(xs, pairs, strict=True) if mean is not None]
-    if not points:
-        return None
-    x, y, err = (list(column) for column in zip(*points, strict=True))
-    return ax.errorbar(x, y, yerr=err, marker="o", capsize=3, **style)[0].get_color()
+def _epoch_time(r: RunMetrics) -> Spread:
+    return r.epoch_time
 
 
-def _xy(points: list[tuple[int, float]]) -> tuple[list[int], list[float]]:
-    return [x for x, _ in points], [y for _, y in points]
+def _scaling_runs(runs: list[RunMetrics], figs: FigureSet) -> tuple[list[RunMetrics], str]:
+    """The runs of the scaling figures and their x: every run against --x, else the single-mode (data- and
+    tensor-parallel) runs against the GPU count; pipelines have their own figure, against micro-batches."""
+    if figs.x:
+        return runs, figs.x
+    return [r for r in runs if r.pp_mode == "single"], "gpus"
 
 
-def _save(fig: plt.Figure, path: Path, written: list[Path]) -> None:
-    fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except OSError as exc:  # a full disk: the writer's error does not name the file
-        raise write_error(path, exc) from None
-    finally:
-        plt.close(fig)
-    written.append(path)
-
-
-def _legend(ax: plt.Axes) -> None:
-    if 0 < len(ax.get_legend_handles_labels()[0]) <= MAX_LEGEND:
-        ax.legend()
-
-
-def _scaling(runs: list[RunMetrics], path: Path, written: list[Path], metric: str) -> bool:
-    """Training time (metric "time") or summed tokens/s ("tokens") against the GPU count."""
-    def value(r: RunMetrics) -> tuple[float | None, float | None]:
-        return r.epoch_time if metric == "time" else r.tokens_per_s
-
-    data = [r for r in runs if r.pp_mode == "single" and value(r)[0] is not None]
+def _scaling(runs: list[RunMetrics], figs: FigureSet, metric: str) -> bool:
+    """Training time per epoch (metric "time") or job tokens/s ("tokens") against x, from 0, one line per series;
+    against the GPU count each throughput line has its ideal, linear from its first point, dashed."""
+    data, x = _scaling_runs(runs, figs)
+    value = _epoch_time if metric == "time" else _job
+    data = [r for r in data if value(r)[0] is not None]
     if not data:
         return False
     fig, ax = plt.subplots()
-    for label, members in _series(data).items():
-        members = sorted(members, key=lambda r: r.gpus)
-        xs = [r.gpus for r in members]
-        _errorbar(ax, xs, [value(r) for r in members], label=label or None)
-    if metric == "tokens":  # per sweep, linear from its run on the fewest GPUs
-        for sweep in sorted({r.sweep for r in data}):
-            members = [r for r in data if r.sweep == sweep]
-            base = min(members, key=lambda r: (r.gpus, r.run))
-            xs = sorted({r.gpus for r in members})
-            ax.plot(xs, [base.tokens_per_s[0] * x / base.gpus for x in xs], linestyle="--", color="grey",
-                    alpha=0.7, label=f"ideal ({sweep}, from {base.run_id})")
-    ax.set_xlabel("GPUs (data-parallel ranks × devices per replica)")
-    ax.set_xticks(sorted({r.gpus for r in data}))
+    at = x_positions(ax, [key_value(r, x) for r in data])
+    shown: list[Mark] = []
+    for label, members in series(data, x, figs.group_by).items():
+        points = marks(members, x, value)
+        colour = draw_marks(ax, points, at, ring=True, label=label)
+        shown += points
+        if metric == "tokens" and x == "gpus":
+            first = points[0]
+            ax.plot([at(m.x) for m in points], [first.y * m.x / first.x for m in points], linestyle="--",
+                    color=colour, alpha=0.6)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(x_label(data, x))
+    note, along = error_note(shown, ONE_RUN_STD), x_name(data, x)
     if metric == "time":
         ax.set_ylabel("training time per epoch (s)")
-        ax.set_title("Training time vs GPU count")
+        ax.set_title(f"Training time vs {along}\n{note}", fontsize=9)
     else:
-        ax.set_ylabel("throughput (tokens/s, summed over DP ranks)")
-        ax.set_title("Throughput vs GPU count (dashed: ideal linear scaling)")
-    _legend(ax)
-    _save(fig, path, written)
+        ax.set_ylabel(JOB_RATE)
+        ideal = " (dashed: ideal, linear from each line's first point)" if x == "gpus" else ""
+        ax.set_title(f"Throughput vs {along}{ideal}\n{note}", fontsize=9)
+    legend(fig)
+    figs.save(fig, stem("time_vs" if metric == "time" else "throughput_vs", x.rpartition(".")[2]), x)
     return True
 
 
-def _pipeline(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
-    """Model parallel (horizontal lines) against pipeline parallel per chunk count."""
-    data = [r for r in runs if r.pp_mode in ("model_parallel", "pipeline_parallel")]
-    if not data:
+def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """Speedup over each run's baseline (job tokens/s) and efficiency against x, their ideals dashed; flagged
+    results are named on the figure and not plotted."""
+    data, x = _scaling_runs(runs, figs)
+    data = [r for r in data if r.speedup is not None]
+    flagged = sorted({r.run_id for r in data if r.flag})
+    kept = [r for r in data if not r.flag]
+    if all(r.ideal_speedup in (None, 1.0) for r in kept):  # only baselines, each 1.00x by definition
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
-    panels = (("epoch_time", "training time per epoch (s)"),
-              ("tokens_per_s", "throughput (tokens/s, summed over DP)"))
-    groups: dict[tuple[str, int, int], list[RunMetrics]] = {}
-    for r in data:
-        groups.setdefault((r.sweep, r.devices, r.dp), []).append(r)
-    chunks = sorted({r.chunks for r in data if r.pp_mode == "pipeline_parallel"}) or [1]
-    for (sweep, p, dp), members in sorted(groups.items()):
-        name = f"{sweep} p={p}" + (f" dp={dp}" if dp > 1 else "")
-        pipe = sorted((r for r in members if r.pp_mode == "pipeline_parallel"), key=lambda r: r.chunks)
-        model = [r for r in members if r.pp_mode == "model_parallel"]
-        for ax, (attr, _) in zip(axes, panels, strict=False):
-            color = _errorbar(ax, [r.chunks for r in pipe], [getattr(r, attr) for r in pipe],
-                              label=f"pipeline {name}")
-            for r in model:
-                if getattr(r, attr)[0] is not None:
-                    ax.axhline(getattr(r, attr)[0], linestyle="--", color=color,
-                               label=f"model parallel {name}")
-        if pipe:
-            ms = [r.chunks for r in pipe]
-            theory_line = axes[2].plot(ms, [r.bubble_theory for r in pipe], linestyle="--",
-                                       label=f"theory (p-1)/(m+p-1), {name}")
-            measured = [(r.chunks, r.bubble_measured) for r in pipe if r.bubble_measured is not None]
-            if measured:
-                axes[2].plot(*_xy(measured), marker="o", linestyle="none",
-                             color=theory_line[0].get_color(), label=f"measured {name}")
-    for ax, (_, ylabel) in zip(axes, panels, strict=False):
-        ax.set_ylabel(ylabel)
-    axes[2].set_ylabel("bubble fraction of step time")
-    axes[2].set_ylim(0, 1)
-    for ax in axes:
-        ax.set_xlabel("micro-batches per batch (chunks m)")
-        ax.set_xticks(chunks)
-        _legend(ax)
-    fig.suptitle("Model parallel (dashed lines) vs pipeline parallel")
-    _save(fig, path, written)
+    fig, (speed_ax, eff_ax) = plt.subplots(1, 2, figsize=(12, 4.4))
+    at_speed = x_positions(speed_ax, [key_value(r, x) for r in kept])
+    at_eff = x_positions(eff_ax, [key_value(r, x) for r in kept])
+    shown: list[Mark] = []
+    top = 1.1  # the efficiency axis shows 0 to at least 110%
+    for label, members in series(kept, x, figs.group_by).items():
+        points = marks(members, x, lambda r: (r.speedup, None))
+        colour = draw_marks(speed_ax, points, at_speed, label=label)
+        shown += points
+        ideal = marks(members, x, lambda r: (r.ideal_speedup, None))
+        speed_ax.plot([at_speed(m.x) for m in ideal], [m.y for m in ideal], linestyle="--", color=colour, alpha=0.6)
+        efficiency = marks(members, x, lambda r: (r.efficiency, None))
+        if efficiency:
+            draw_marks(eff_ax, efficiency, at_eff, color=colour)
+            top = max(top, *(1.05 * m.high for m in efficiency))
+    eff_ax.axhline(1.0, linestyle="--", color="grey")
+    speed_ax.set_ylim(bottom=0)
+    eff_ax.set_ylim(0, top)
+    eff_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    for ax in (speed_ax, eff_ax):
+        ax.set_xlabel(x_label(kept, x))
+    speed_ax.set_ylabel("speedup (job tokens/s over the baseline's)")
+    speed_ax.set_title("Speedup over the sweep's baseline (dashed: ideal)", fontsize=9)
+    eff_ax.set_ylabel("efficiency (speedup / GPU ratio)")
+    eff_ax.set_title("Efficiency (dashed: 100%)", fontsize=9)
+    left_out = f"\n{OFF_MARK} flagged, not plotted: {', '.join(flagged)} (see summary.md)" if flagged else ""
+    fig.suptitle(f"Speedup and efficiency vs {x_name(kept, x)}; {error_note(shown, 'none (one run)')}{left_out}",
+                 fontsize=9)
+    legend(fig)
+    figs.save(fig, stem("speedup_vs", x.rpartition(".")[2]), x)
     return True
 
 
-def _losses(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
-    """One figure per sweep: training loss per step, validation loss as markers."""
+def _model_parallel(panels: tuple[tuple[plt.Axes, Callable[[RunMetrics], Spread]], ...], models: list[RunMetrics],
+                    colour: str | None, name: str) -> None:
+    """Model-parallel runs as dashed horizontal lines in each panel, one per sweep point at the mean of its repeats."""
+    for point in repeat_points(models):
+        for ax, value in panels:
+            values = [v for r in point.runs if (v := value(r)[0]) is not None]
+            if values:
+                ax.axhline(statistics.fmean(values), linestyle="--", color=colour, label=f"model parallel {name}")
+
+
+def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """One-process pipelines against micro-batches: time and job tokens/s (model parallel on the same devices as a
+    dashed line), speedup over model parallel with its bound p*m/(m+p-1), and the bubble with its closed form."""
+    pipes = [r for r in runs if r.pp_mode == "pipeline_parallel"]
+    models = [r for r in runs if r.pp_mode == "model_parallel"]
+    if not pipes and not models:
+        return False
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.4))
+    time_ax, rate_ax, speed_ax, bubble_ax = axes.flat
+    panels = ((time_ax, _epoch_time), (rate_ax, _job))
+    several = len({(r.devices, r.dp) for r in pipes}) > 1
+    shown: list[Mark] = []
+    drawn: set[tuple[str, int, int]] = set()  # (sweep, devices, dp) of the model-parallel lines drawn
+    for label, members in series(pipes, CHUNKS, figs.group_by).items():
+        for p, dp in sorted({(r.devices, r.dp) for r in members}):
+            name = (f"{label} p={p}" if several else label) + (f" dp={dp}" if dp > 1 else "")
+            line = [r for r in members if (r.devices, r.dp) == (p, dp)]
+            colour = None
+            for ax, value in panels:
+                points = marks(line, CHUNKS, value)
+                if points:
+                    colour = draw_marks(ax, points, float, ring=True, label=f"pipeline {name}", color=colour)
+                    shown += points
+            speedups = marks([r for r in line if not r.flag], CHUNKS, lambda r: (r.speedup, None))
+            if speedups:
+                colour = draw_marks(speed_ax, speedups, float, color=colour)
+            ms = list(range(min(r.chunks for r in line), max(r.chunks for r in line) + 1))
+            bubbles = [closed_form_bubble("gpipe", p, m) for m in ms]
+            speed_ax.plot(ms, [p * (1.0 - b) for b in bubbles], linestyle="--", color=colour, alpha=0.6)
+            bubble_ax.plot(ms, bubbles, linestyle="--", color=colour)
+            measured = marks([r for r in line if not r.bubble_flagged], CHUNKS,
+                             lambda r: (r.bubble_measured, r.bubble_std))
+            if measured:
+                draw_marks(bubble_ax, measured, float, color=colour, linestyle="none")
+            sweeps = {r.sweep for r in line}
+            mine = [m for m in models if m.sweep in sweeps and (m.devices, m.dp) == (p, dp)
+                    and (m.sweep, p, dp) not in drawn]
+            _model_parallel(panels, mine, colour, name)
+            drawn.update((m.sweep, p, dp) for m in mine)
+    for sweep, p, dp in sorted({(m.sweep, m.devices, m.dp) for m in models} - drawn):
+        _model_parallel(panels, [m for m in models if (m.sweep, m.devices, m.dp) == (sweep, p, dp)], "black",
+                        f"{sweep} p={p}" + (f" dp={dp}" if dp > 1 else ""))
+    flagged = sorted({r.run_id for r in pipes if r.flag})
+    speed_ax.axhline(1.0, linestyle=":", color="black", label="model parallel: the speedup baseline, 1.00x")
+    for ax, ylabel in ((time_ax, "training time per epoch (s)"), (rate_ax, JOB_RATE),
+                       (speed_ax, "speedup over model parallel (job tokens/s)"),
+                       (bubble_ax, "bubble (idle share of step time)")):
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("micro-batches per batch (chunks m)")
+        ax.set_xticks(sorted({r.chunks for r in pipes}) or [1])
+        ax.set_ylim(bottom=0)
+    bubble_ax.set_ylim(0, 1)
+    speed_ax.set_title("dashed: the bubble's bound p·m/(m+p-1)" + (
+        f"\n{OFF_MARK} flagged, not plotted: {', '.join(flagged)}" if flagged else ""), fontsize=9)
+    bubble_ax.set_title("dashed: closed form (p-1)/(m+p-1); markers: measured", fontsize=9)
+    fig.suptitle(f"Model parallel (dashed horizontal lines) vs pipeline parallel\n{error_note(shown, ONE_RUN_STD)}",
+                 fontsize=10)
+    legend(fig)
+    figs.save(fig, "pipeline_vs_model_parallel")
+    return True
+
+
+def _losses(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """One figure per sweep: each run's training loss against optimizer steps, tokens seen and training time (did
+    scaling help: the same loss sooner?), its validation points as squares."""
     by_sweep: dict[str, list[RunMetrics]] = {}
     for r in runs:
         if r.loss_curve:
             by_sweep.setdefault(r.sweep, []).append(r)
     for sweep, members in sorted(by_sweep.items()):
-        fig, ax = plt.subplots()
+        fig, axes = plt.subplots(1, 3, sharey=True, figsize=(13, 4.4))
+        labels = run_labels(members)
         for r in members:
-            line = ax.plot(*_xy(r.loss_curve), linewidth=1, label=r.run_id)
-            if r.val_curve:
-                ax.plot(*_xy(r.val_curve), marker="s", linestyle="none", color=line[0].get_color())
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (nats/token; squares: validation)")
-        ax.set_title(f"Loss curves: {sweep}")
-        _legend(ax)
-        _save(fig, out_dir / f"loss_{slug(sweep or 'top-level')}.png", written)
+            colour = None
+            for ax, unit in zip(axes, (None, 0, 1), strict=True):  # x: the step, or its tokens or seconds
+                train, val = ([(s if unit is None else r.progress[s][unit], v) for s, v in curve if s in r.progress]
+                              for curve in (r.loss_curve, r.val_curve))
+                colour = ax.plot(*zip(*train, strict=True), linewidth=1, color=colour,
+                                 label=labels[r.run])[0].get_color()
+                if val:
+                    ax.plot(*zip(*val, strict=True), marker="s", linestyle="none", color=colour)
+        axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes[1].xaxis.set_major_formatter(EngFormatter())
+        for ax, xlabel in zip(axes, ("optimizer step", "tokens seen (all replicas)",
+                                     "training time (s: the slowest rank's steps)"), strict=True):
+            ax.set_xlabel(xlabel)
+        axes[0].set_ylabel("loss (nats/token; squares: validation)")
+        fig.suptitle(f"Loss curves: {sweep}", fontsize=10)
+        legend(fig)
+        figs.save(fig, stem("loss", sweep), sweep)
     return bool(by_sweep)
 
 
-def _axes(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
-    """Throughput against each swept key other than the GPU count, one line per sweep and GPU count."""
+def _bleu(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """One figure per sweep whose runs logged BLEU: validation loss and BLEU per epoch side by side, and BLEU
+    against training time, one line per run that has BLEU."""
     by_sweep: dict[str, list[RunMetrics]] = {}
     for r in runs:
-        if r.tokens_per_s[0] is not None:
+        if any(p.bleu is not None for p in r.epoch_points):
             by_sweep.setdefault(r.sweep, []).append(r)
-    per_axis: dict[str, list[tuple[str, RunMetrics]]] = {}
-    for sweep, members in by_sweep.items():
+    for sweep, members in sorted(by_sweep.items()):
+        fig, (loss_ax, bleu_ax, time_ax) = plt.subplots(1, 3, figsize=(13, 4.4))
+        labels = run_labels(members)
+        for r in members:
+            scored = [p for p in r.epoch_points if p.bleu is not None]
+            colour = bleu_ax.plot([p.epoch for p in scored], [p.bleu for p in scored], marker="o",
+                                  label=labels[r.run])[0].get_color()
+            validated = [p for p in r.epoch_points if p.val_loss is not None]
+            if validated:
+                loss_ax.plot([p.epoch for p in validated], [p.val_loss for p in validated], marker="s", color=colour)
+            timed = [p for p in scored if p.step in r.progress]
+            if timed:
+                time_ax.plot([r.progress[p.step][1] for p in timed], [p.bleu for p in timed], marker="o",
+                             color=colour)
+        for ax, xlabel, ylabel in ((loss_ax, "epoch", "validation loss (nats/token)"), (bleu_ax, "epoch", "BLEU"),
+                                   (time_ax, "training time (s: the slowest rank's steps)", "BLEU")):
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel)
+        for ax in (loss_ax, bleu_ax):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        for ax in (bleu_ax, time_ax):
+            ax.set_ylim(bottom=0)
+        fig.suptitle(f"Validation loss and BLEU per epoch, BLEU vs training time: {sweep}", fontsize=10)
+        legend(fig)
+        figs.save(fig, stem("bleu", sweep), sweep)
+    return bool(by_sweep)
+
+
+def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """Job tokens/s against each key a sweep varies besides the GPU count (and --x), one line per series."""
+    per_axis: dict[str, list[RunMetrics]] = {}
+    by_sweep: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        if r.job_tokens_per_s is not None:
+            by_sweep.setdefault(r.sweep, []).append(r)
+    for members in by_sweep.values():
         for key in sweep_axes(members):
-            per_axis.setdefault(key, []).extend((sweep, r) for r in members)
-    for key, pairs in sorted(per_axis.items()):
-        values = sorted({r.params.get(key) for _, r in pairs}, key=lambda v: (isinstance(v, str), v))
-        numeric = all(isinstance(v, (int, float)) for v in values)
-        lines: dict[str, list[RunMetrics]] = {}
-        for sweep, r in pairs:
-            lines.setdefault(f"{sweep} GPUs={r.gpus}" + (f" {r.pp_mode}" if r.pp_mode != "single" else ""),
-                             []).append(r)
+            if key != figs.x:
+                per_axis.setdefault(key, []).extend(members)
+    for key, data in sorted(per_axis.items()):
         fig, ax = plt.subplots()
-        for label, members in sorted(lines.items()):
-            members = sorted(members, key=lambda r: values.index(r.params.get(key)))
-            xs = [r.params.get(key) if numeric else values.index(r.params.get(key)) for r in members]
-            _errorbar(ax, xs, [r.tokens_per_s for r in members], label=label)
-        if not numeric:
-            ax.set_xticks(range(len(values)), [str(v) for v in values])
+        at = x_positions(ax, [key_value(r, key) for r in data])
+        shown: list[Mark] = []
+        for label, members in series(data, key, figs.group_by).items():
+            points = marks(members, key, _job)
+            draw_marks(ax, points, at, label=label)
+            shown += points
         ax.set_xlabel(key)
-        ax.set_ylabel("throughput (tokens/s, summed over DP)")
-        ax.set_title(f"Throughput vs {key}")
-        _legend(ax)
-        _save(fig, out_dir / f"throughput_vs_{slug(key.split('.')[-1])}.png", written)
+        ax.set_ylabel(JOB_RATE)
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"Throughput vs {key}\n{error_note(shown, ONE_RUN_STD)}", fontsize=9)
+        legend(fig)
+        figs.save(fig, stem("throughput_vs", key.rpartition(".")[2]), key)
     return bool(per_axis)
 
 
@@ -244,7 +348,7 @@ def simulated_timeline(run: RunMetrics, trace: Timeline) -> Timeline:
     return simulate(lists, cost["F"], cost["B"], cost["W"])
 
 
-def _timelines(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bool:
+def _timelines(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Per engine run, its traced step's measured timeline above the simulated one on the same time axis."""
     traced = [(r, r.pp_trace) for r in runs if r.pp_trace is not None and not r.bubble_flagged]
     for r, trace in traced:
@@ -261,14 +365,13 @@ def _timelines(runs: list[RunMetrics], out_dir: Path, written: list[Path]) -> bo
         _gantt_legend(axes[0])
         fig.suptitle(f"{r.run}\n{r.pp_mode}, m={r.chunks}: closed-form bubble {r.bubble_theory:.3f} (unit costs)",
                      fontsize=10)
-        name = "pipeline_timeline.png" if len(traced) == 1 else f"pipeline_timeline_{slug(r.run)}.png"
-        _save(fig, out_dir / name, written)
+        figs.save(fig, "pipeline_timeline" if len(traced) == 1 else stem("pipeline_timeline", r.run), r.run)
     return bool(traced)
 
 
-def _bubbles(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
-    """Engine runs' measured bubble (mean over stage ranks, ± std over steps) against micro-batches, one line
-    per schedule, stage count and virtual stages, each with its closed form dashed."""
+def _bubbles(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """Engine runs' measured bubble (mean over stage ranks, ± std over steps; min-max over repeats) against
+    micro-batches, one line per schedule, stage count and virtual stages, each with its closed form dashed."""
     data = [r for r in runs if r.engine and r.bubble_measured is not None and not r.bubble_flagged]
     if not data:
         return False
@@ -276,26 +379,26 @@ def _bubbles(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
     for r in data:
         groups.setdefault((r.pp_schedule, r.devices, r.pp_virtual), []).append(r)
     fig, ax = plt.subplots()
+    shown: list[Mark] = []
     for (name, p, v), members in sorted(groups.items()):
-        members.sort(key=lambda r: r.chunks)
-        label = f"{name} P={p}" + (f" V={v}" if v > 1 else "")
-        color = _errorbar(ax, [r.chunks for r in members], [(r.bubble_measured, r.bubble_std) for r in members],
-                          label=label)
-        ms = list(range(members[0].chunks, members[-1].chunks + 1))
+        points = marks(members, CHUNKS, lambda r: (r.bubble_measured, r.bubble_std))
+        color = draw_marks(ax, points, float, label=f"{name} P={p}" + (f" V={v}" if v > 1 else ""))
+        shown += points
+        ms = list(range(points[0].x, points[-1].x + 1))
         ax.plot(ms, [closed_form_bubble(name, p, m, v) for m in ms], linestyle="--", marker="x", color=color,
-                markevery=sorted({ms.index(r.chunks) for r in members}))
+                markevery=[ms.index(point.x) for point in points])
     ax.set_xlabel("micro-batches per batch (chunks m)")
     ax.set_xticks(sorted({r.chunks for r in data}))
-    ax.set_ylabel("bubble (idle share of the window, ± std over steps)")
+    ax.set_ylabel("bubble (idle share of the window)")
     ax.set_ylim(bottom=0)
-    ax.set_title("Pipeline bubble vs micro-batches (dashed: closed form)")
-    _legend(ax)
-    _save(fig, path, written)
+    ax.set_title(f"Pipeline bubble vs micro-batches (dashed: closed form)\n"
+                 f"{error_note(shown, '± sample std over its kept steps')}", fontsize=9)
+    legend(fig)
+    figs.save(fig, "pipeline_bubble")
     return True
 
 
 STATE_COLOURS = dict(zip(STATE_BYTES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
-OFF_MARK, OFF_COLOUR = "⚠", "tab:red"  # how both memory figures mark a run off its closed form
 # Line colours that leave red to the ⚠ mark, so that a flagged point stands out on every line.
 LINE_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
                 "tab:cyan", "tab:gray")
@@ -312,7 +415,7 @@ def _mode(r: RunMetrics) -> str:
     return "" if r.pp_mode == "single" else r.pp_mode
 
 
-def _memory(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
+def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Training-state MB per rank (mean over ranks) as stacked parameter, gradient and optimizer bars, one per run,
     grouped by data-parallel size W, strategy and pipeline mode, each with its closed form as a black bar; a run
     off its closed form is hatched and marked ⚠, so that it does not read as a match."""
@@ -359,15 +462,15 @@ def _memory(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
     ax.set_xticks(ticks, names, rotation=30, ha="right", fontsize=7)
     ax.set_xlim(-0.6, x - 0.6)
     ax.set_ylabel("training state per rank (MB, mean over ranks)")
-    ax.set_title("Memory per rank: parameters, gradients, optimizer state (black: closed form)", fontsize=10,
+    ax.set_title("Memory per rank: parameters, gradients, optimizer state\n(black: closed form)", fontsize=10,
                  pad=40 if any(mode for *_, mode in keys) else 28)
     ax.grid(axis="x", visible=False)
     handles, entries = ax.get_legend_handles_labels()
     if any(mem.mismatched for members in groups.values() for _, mem in members):
         handles.append(Patch(facecolor="white", edgecolor=OFF_COLOUR, hatch="//"))
         entries.append(f"{OFF_MARK} off its closed form")
-    ax.legend(handles, entries)
-    _save(fig, path, written)
+    legend(fig, handles, entries)
+    figs.save(fig, "memory_per_rank")
     return True
 
 
@@ -382,7 +485,7 @@ def _memory_lines(runs: list[RunMetrics]) -> dict[tuple[str, str, int], dict[int
     return lines
 
 
-def _memory_vs_world_size(runs: list[RunMetrics], path: Path, written: list[Path]) -> bool:
+def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Training-state MB per rank (mean over ranks, and over runs at the same W) against the data-parallel size W,
     one line per strategy with its closed form dashed in the same colour; a W where a run is off its closed form
     is marked ⚠, so that it does not read as a match. Drawn only when some line spans two or more W."""
@@ -417,47 +520,54 @@ def _memory_vs_world_size(runs: list[RunMetrics], path: Path, written: list[Path
     ax.set_xlabel("data-parallel size W")
     ax.set_ylabel("training state per rank (MB, mean over ranks)")
     ax.set_title("Memory per rank vs W (dashed, ×: closed form)")
-    _legend(ax)
-    _save(fig, path, written)
+    legend(fig)
+    figs.save(fig, "memory_vs_world_size")
     return True
 
 
-OWN_FIGURES = ("time_vs_gpus.png", "throughput_vs_*.png", "pipeline_vs_model_parallel.png", "loss_*.png",
-               "pipeline_timeline*.png", "pipeline_bubble.png", "memory_per_rank.png",
-               "memory_vs_world_size.png")
+OWN_FIGURES = ("time_vs_*", "throughput_vs_*", "speedup_vs_*", "pipeline_vs_model_parallel", "loss_*", "bleu_*",
+               "pipeline_timeline*", "pipeline_bubble", "memory_per_rank", "memory_vs_world_size")
 
 
-def make_figures(runs: list[RunMetrics], out_dir: Path, say: Callable[[str], None] = print) -> list[Path]:
-    """Write every figure that has data; name each skipped one through `say`.
+def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], None] = print) -> list[Path]:
+    """Write every figure that has data into figs (its folder, format, dpi and grouping); name each skipped one,
+    and each warning matplotlib raised while drawing, through `say`. Returns the files written, each once.
 
-    Figures of an earlier report in `out_dir` are removed first, so none outlives its data."""
+    Figures of an earlier report in the folder (in any format) are removed first, so none outlives its data."""
     for pattern in OWN_FIGURES:
-        for stale in out_dir.glob(pattern):
-            stale.unlink()
-    written: list[Path] = []
+        for suffix in FORMATS:
+            for stale in figs.out_dir.glob(f"{pattern}.{suffix}"):
+                stale.unlink()
+    x, fmt = figs.x, figs.fmt
+    along = slug((x or "gpus").rpartition(".")[2], NAME_MAX)
+    single = "" if x else "single-mode "
+    drawings: tuple[tuple[str, Callable[[list[RunMetrics], FigureSet], bool], str], ...] = (
+        (f"time_vs_{along}", partial(_scaling, metric="time"), f"no {single}run with an epoch time"),
+        (f"throughput_vs_{along}", partial(_scaling, metric="tokens"), f"no {single}run with a throughput"),
+        (f"speedup_vs_{along}", _speedup, f"no {single}run with a speedup over another run that is not flagged "
+                                          "(a sweep needs its 1-GPU run as the baseline)"),
+        ("pipeline_vs_model_parallel", _pipeline, "no model- or pipeline-parallel run"),
+        ("loss_*", _losses, "no run logged a loss"),
+        ("bleu_*", _bleu, "no run logged a bleu in its epoch records"),
+        ("throughput_vs_<axis>", _axes, "no sweep varies a key other than the GPU count" + (f" and {x}" if x else "")),
+        ("pipeline_timeline", _timelines, "no multi-process pipeline run (parallel.pp > 1) logged a step's "
+                                          "pp_timeline on every stage"),
+        ("pipeline_bubble", _bubbles, "no multi-process pipeline run (parallel.pp > 1) with a measured bubble in "
+                                      "[0, 1]"),
+        ("memory_per_rank", _memory, "no run logged a memory record (logs older than it have none)"),
+        ("memory_vs_world_size", _memory_vs_world_size, "no strategy has memory records at two or more "
+                                                        "data-parallel sizes W (of one model and pipeline mode)"),
+    )
     with plt.rc_context(STYLE):
-        if not _scaling(runs, out_dir / "time_vs_gpus.png", written, "time"):
-            say("figure time_vs_gpus.png skipped: no single-mode run with an epoch time")
-        if not _scaling(runs, out_dir / "throughput_vs_gpus.png", written, "tokens"):
-            say("figure throughput_vs_gpus.png skipped: no single-mode run with a throughput")
-        if not _pipeline(runs, out_dir / "pipeline_vs_model_parallel.png", written):
-            say("figure pipeline_vs_model_parallel.png skipped: no model- or pipeline-parallel run")
-        if not _losses(runs, out_dir, written):
-            say("figure loss_*.png skipped: no run logged a loss")
-        if not _axes(runs, out_dir, written):
-            say("figure throughput_vs_<axis>.png skipped: no sweep varies a key other than the GPU count")
-        if not _timelines(runs, out_dir, written):
-            say("figure pipeline_timeline.png skipped: no multi-process pipeline run (parallel.pp > 1) logged "
-                "a step's pp_timeline on every stage")
-        if not _bubbles(runs, out_dir / "pipeline_bubble.png", written):
-            say("figure pipeline_bubble.png skipped: no multi-process pipeline run (parallel.pp > 1) with a "
-                "measured bubble in [0, 1]")
-        if not _memory(runs, out_dir / "memory_per_rank.png", written):
-            say("figure memory_per_rank.png skipped: no run logged a memory record (logs older than it have none)")
-        if not _memory_vs_world_size(runs, out_dir / "memory_vs_world_size.png", written):
-            say("figure memory_vs_world_size.png skipped: no strategy has memory records at two or more data-parallel "
-                "sizes W (of one model and pipeline mode)")
-    return written
+        for name, draw, why in drawings:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                drawn = draw(runs, figs)
+            if not drawn:
+                say(f"figure {name}.{fmt} skipped: {why}")
+            for message in dict.fromkeys(str(w.message) for w in caught):
+                say(f"figure {name}.{fmt}: matplotlib warned: {message}")
+    return figs.written
 
 
 def schedule_gantt(timeline: Timeline, ranks: int, title: str, path: Path) -> Path:
@@ -467,5 +577,5 @@ def schedule_gantt(timeline: Timeline, ranks: int, title: str, path: Path) -> Pa
         _gantt(ax, timeline, ranks, title)
         ax.set_xlabel("time (cost units)")
         _gantt_legend(ax)
-        _save(fig, path, [])
+        write(fig, path)
     return path

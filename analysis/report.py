@@ -10,20 +10,17 @@ import multiprocessing
 import os
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from analysis.aggregate import (
-    RunMetrics,
-    apply_mfu,
-    apply_speedups,
-    apply_sweep_records,
-    group_top_level,
-    run_metrics,
-)
+from analysis.aggregate import RunMetrics, apply_mfu, apply_sweep_records, run_metrics
+from analysis.canvas import FigureSet
 from analysis.figures import make_figures
+from analysis.grouping import check_keys
+from analysis.scaling import apply_speedups
 from analysis.summary import markdown, write_csv
 from analysis.trace import analyse_run
 from gptpar.atomic import write_error
@@ -40,8 +37,8 @@ class ReportResult:
     shown: list[RunMetrics]  # the runs in the table and figures
     summary_csv: Path
     summary_md: Path
-    figures: list[Path]
-    skipped: list[str] = field(default_factory=list)  # why figures were not written
+    figures: list[Path]  # the files written, each once
+    skipped: list[str] = field(default_factory=list)  # figures not written and why, and matplotlib's warnings
 
 
 def _analyse(folder: RunFolder, runs_dir: Path, now: float, warmup_epochs: int, warmup_steps: int) -> RunMetrics:
@@ -59,8 +56,8 @@ def _analyse(folder: RunFolder, runs_dir: Path, now: float, warmup_epochs: int, 
 def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int = 5,
                  now: float | None = None, workers: int | None = None, peak_flops: float | None = None
                  ) -> list[RunMetrics]:
-    """Metrics of every run under runs_dir, with top-level runs grouped into sweeps; peak_flops (FLOP/s per
-    device) gives MFU a peak for devices the table lacks, such as a CPU."""
+    """Metrics of every run under runs_dir (runs outside a sweep folder in the sweep "top-level"); peak_flops
+    (FLOP/s per device) gives MFU a peak for devices the table lacks, such as a CPU."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise GptparError(f"runs directory {str(runs_dir)!r} does not exist")
@@ -79,9 +76,29 @@ def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int
     else:
         metrics = [work(d) for d in dirs]
     apply_sweep_records(metrics, runs_dir)
-    group_top_level(metrics)
     apply_mfu(metrics, peak_flops)
     return metrics
+
+
+def run_table(runs_dir: str | Path = "runs", warmup_epochs: int = 1, warmup_steps: int = 5,
+              include_incomplete: bool = False, now: float | None = None, workers: int | None = None,
+              peak_flops: float | None = None) -> tuple[list[RunMetrics], list[RunMetrics]]:
+    """(every run, the runs shown in the table and figures) with speedups, repeats and flags: what the report and
+    the notebook loader (analysis.load) both start from."""
+    runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers, peak_flops)
+    shown = [r for r in runs if not r.set_aside and (r.status in ("completed", "diverged")
+                                                     or (include_incomplete and r.status != "corrupt"))]
+    apply_speedups(shown)
+    return runs, shown
+
+
+def print_warnings(runs: list[RunMetrics]) -> None:
+    """Every run's warnings, and the corrupt runs left out, on stderr."""
+    for r in runs:
+        for warning in r.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+        if r.status == "corrupt":
+            print(f"warning: run {r.run} is corrupt and left out: {r.detail}", file=sys.stderr)
 
 
 def _check_output(out: Path) -> None:
@@ -92,34 +109,32 @@ def _check_output(out: Path) -> None:
         raise GptparError(f"--out {str(out)!r} {where}, not a folder; name a folder for the report")
 
 
-def _write(result: ReportResult, runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path,
-           warmup: str) -> None:
-    out = result.summary_csv.parent
+def _write(result: ReportResult, runs_dir: Path, warmup: str, figs: FigureSet) -> None:
+    out = figs.out_dir
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_csv(runs, result.summary_csv)
-        result.summary_md.write_text(markdown(runs, shown, runs_dir, warmup), encoding="utf-8")
-        result.figures = make_figures(shown, out, say=result.skipped.append)
+        write_csv(result.runs, result.summary_csv)
+        result.summary_md.write_text(markdown(result.runs, result.shown, runs_dir, warmup), encoding="utf-8")
+        result.figures = make_figures(result.shown, figs, say=result.skipped.append)
     except OSError as exc:  # a full disk, or a folder that vanished under the report
         raise write_error(exc.filename or out, exc) from None
 
 
 def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmup_epochs: int = 1,
            warmup_steps: int = 5, include_incomplete: bool = False, now: float | None = None,
-           workers: int | None = None, peak_flops: float | None = None) -> ReportResult:
+           workers: int | None = None, peak_flops: float | None = None, group_by: Sequence[str] = (),
+           x: str | None = None, fmt: str = "png", dpi: int = 110) -> ReportResult:
+    """summary.csv, summary.md and the figures (as fmt at dpi; lines by the group_by keys, against x) of the runs
+    under runs_dir, in out_dir."""
     out = Path(out_dir)
     _check_output(out)
-    runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers, peak_flops)
-    for r in runs:
-        for warning in r.warnings:
-            print(f"warning: {warning}", file=sys.stderr)
-        if r.status == "corrupt":
-            print(f"warning: run {r.run} is corrupt and left out: {r.detail}", file=sys.stderr)
-    shown = [r for r in runs if not r.set_aside and (r.status in ("completed", "diverged")
-                                                     or (include_incomplete and r.status != "corrupt"))]
-    apply_speedups(shown)
+    figs = FigureSet(out, fmt, dpi, x, tuple(group_by))
+    runs, shown = run_table(runs_dir, warmup_epochs, warmup_steps, include_incomplete, now, workers, peak_flops)
+    check_keys(runs, "--group-by", group_by)
+    check_keys(runs, "--x", [x] if x else [])
+    print_warnings(runs)
     warmup = (f"the first {warmup_epochs} epoch(s) of runs with more epochs than that, "
               f"else the first {warmup_steps} step(s)")
     result = ReportResult(runs, shown, out / "summary.csv", out / "summary.md", [])
-    _write(result, runs, shown, Path(runs_dir), warmup)
+    _write(result, Path(runs_dir), warmup, figs)
     return result

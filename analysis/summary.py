@@ -6,8 +6,10 @@ import csv
 import math
 import statistics
 from pathlib import Path
+from typing import Any
 
 from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, SHARDED_STATE, STATE_BYTES, RunMetrics
+from analysis.scaling import repeat_points
 
 MEMORY_COLUMNS = (*STATE_BYTES, "total")  # the keys of MemoryUse.mean and .max
 CSV_COLUMNS = (
@@ -18,7 +20,8 @@ CSV_COLUMNS = (
     "stitched_epochs", "stale", "pp_schedule", "pp_virtual", "bubble_measured_std", "bubble_flagged",
     "dp_sync", "mem_params", *(f"mem_{part}_bytes_{stat}" for part in MEMORY_COLUMNS for stat in ("mean", "max")),
     "mem_closed_form_bytes", "mem_ratio", "mem_flagged", "mem_gathered_peak_bytes_mean", "mem_gathered_peak_bytes_max",
-    "peak_mem_bytes_mean", "peak_mem_bytes_max",
+    "peak_mem_bytes_mean", "peak_mem_bytes_max", "job_tokens_per_s_std", "baseline_runs", "ideal_speedup", "repeats",
+    "noise", "noise_basis", "flag", "final_bleu",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -32,8 +35,14 @@ FOOTNOTES = (
     "kept steps of a single-epoch run.",
     "**job tokens/s**: all tokens of the kept steps, over all replicas, divided by the slowest rank's "
     "summed step time over those steps.",
-    "**speedup**: summed tokens/s over the baseline run's (the sweep's 1-GPU run; for a pipeline run, "
-    "the model-parallel run on the same devices); **efficiency** = speedup / (GPUs / baseline GPUs).",
+    "**speedup**: job tokens/s over the baseline's (the mean over its repeats): the sweep's 1-GPU run, or for a "
+    "one-process pipeline the model-parallel run on the same devices, whose own row shows 1.00×; **efficiency** = "
+    "speedup / (GPUs / baseline GPUs), not given for a pipeline against model parallel (the same devices).",
+    "**⚠ (speedup, efficiency)**: past a physical bound by more than the measured noise: a pipeline at chunks=1 "
+    "faster than model parallel (it runs the stages one after another too), or a data-parallel efficiency above "
+    "100%. The noise is the spread of job tokens/s over a point's repeats (`launch.repeat`), (max − min) / mean, "
+    "else its run's step-time spread (sample std / mean), the run's and the baseline's added. Flagged results are "
+    "left out of the speedup figures.",
     "**MFU**: (6N + 6·V·d + 12·L·H·Q·T) model FLOPs per token × summed tokens/s / (devices × dense peak of the "
     "run's train.precision), N the block and final-norm parameters, 6·V·d the LM head; **HFU** (shown when "
     "activation checkpointing recomputes blocks) adds their second forward. Peaks: NVIDIA datasheets; a device "
@@ -75,8 +84,33 @@ MEMORY_NOTE = (
 )
 
 
-def _num(value: float | None, digits: int = 4) -> str:
-    return "" if value is None else f"{value:.{digits}g}"
+def row(r: RunMetrics) -> dict[str, Any]:
+    """A run's CSV_COLUMNS as raw values (None where it has none): summary.csv's row, and analysis.load's."""
+    mem = r.memory
+    values = [
+        r.sweep, r.run, r.run_id, r.status, r.detail, r.dp, r.pp_mode, r.chunks, r.devices, r.gpus, r.basis,
+        *r.epoch_time, *r.step_time, *r.tokens_per_s, r.job_tokens_per_s, r.speedup, r.efficiency, r.baseline or None,
+        r.mfu, r.hfu, r.mfu_note, r.bubble_theory, r.bubble_measured, r.final_loss, r.val_loss, r.diverged_at,
+        r.stitched, r.stale, r.pp_schedule, r.pp_virtual if r.engine else None, r.bubble_std, r.bubble_flagged,
+        r.params.get("parallel.dp_sync"),
+        *([None] * (2 * len(MEMORY_COLUMNS) + 6) if mem is None else [
+            mem.params, *(stat[part] for part in MEMORY_COLUMNS for stat in (mem.mean, mem.max)), mem.closed_form,
+            mem.ratio, bool(mem.mismatched), *(mem.gathered_peak or (None, None))]),
+        *(r.peak_mem or (None, None)), r.job_tokens_std, r.baseline_runs or None, r.ideal_speedup, r.repeats,
+        r.noise, r.noise_basis, r.flag, r.final_bleu,
+    ]
+    return dict(zip(CSV_COLUMNS, values, strict=True))
+
+
+def _cell(value: Any) -> str:
+    """A raw value as summary.csv writes it: numbers to 12 significant digits, flags as yes or blank."""
+    if value is None or value is False:
+        return ""
+    if value is True:
+        return "yes"
+    if isinstance(value, float):
+        return f"{value:.12g}"
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def write_csv(runs: list[RunMetrics], path: Path) -> None:
@@ -84,32 +118,7 @@ def write_csv(runs: list[RunMetrics], path: Path) -> None:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for r in runs:
-            writer.writerow([
-                r.sweep, r.run, r.run_id, r.status, r.detail, r.dp, r.pp_mode, r.chunks, r.devices, r.gpus,
-                r.basis, _num(r.epoch_time[0], 6), _num(r.epoch_time[1], 6), _num(r.step_time[0], 6),
-                _num(r.step_time[1], 6), _num(r.tokens_per_s[0], 8), _num(r.tokens_per_s[1], 6),
-                _num(r.job_tokens_per_s, 8), _num(r.speedup, 6), _num(r.efficiency, 6), r.baseline,
-                _num(r.mfu, 6), _num(r.hfu, 6), r.mfu_note, _num(r.bubble_theory, 6), _num(r.bubble_measured, 6),
-                _num(r.final_loss, 6), _num(r.val_loss, 6), "" if r.diverged_at is None else r.diverged_at,
-                " ".join(map(str, r.stitched)), r.stale, r.pp_schedule, r.pp_virtual if r.engine else "",
-                _num(r.bubble_std, 6), "yes" if r.bubble_flagged else "", r.params.get("parallel.dp_sync", ""),
-                *_memory_cells(r), *_pair_cells(r.peak_mem),
-            ])
-
-
-def _memory_cells(r: RunMetrics) -> list[str]:
-    """The CSV's memory columns: raw bytes, blank for a run without memory records."""
-    mem = r.memory
-    if mem is None:
-        return [""] * (2 * len(MEMORY_COLUMNS) + 6)
-    return [_num(mem.params, 12), *(_num(stat[part], 12) for part in MEMORY_COLUMNS for stat in (mem.mean, mem.max)),
-            _num(mem.closed_form, 12), _num(mem.ratio, 6), "yes" if mem.mismatched else "",
-            *_pair_cells(mem.gathered_peak)]
-
-
-def _pair_cells(pair: tuple[float, float] | None) -> list[str]:
-    """Raw (mean, max) bytes over ranks, blank where no rank logged the value."""
-    return ["", ""] if pair is None else [_num(value, 12) for value in pair]
+            writer.writerow([_cell(value) for value in row(r).values()])
 
 
 def _pm(pair: tuple[float | None, float | None], fmt: str) -> str:
@@ -132,8 +141,10 @@ def _row(r: RunMetrics) -> str:
     name = r.run_id if r.status == "completed" else f"{r.run_id} ({r.status})"
     if r.stale:
         name += f" {STALE_MARK}"
-    speedup = "–" if r.speedup is None else f"{r.speedup:.2f}× vs {r.baseline}"
-    efficiency = "–" if r.efficiency is None else f"{r.efficiency:.0%}"
+    flag = " ⚠" if r.flag else ""
+    speedup = "–" if r.speedup is None else f"{r.speedup:.2f}× vs {r.baseline}" + (
+        f" (mean of {r.baseline_runs})" if r.baseline_runs > 1 else "") + flag
+    efficiency = "–" if r.efficiency is None else f"{r.efficiency:.0%}{flag}"
     mfu = r.mfu_note if r.mfu is None else f"{r.mfu:.1%}"
     if r.hfu is not None and r.hfu != r.mfu:
         mfu += f" (HFU {r.hfu:.1%})"
@@ -155,7 +166,7 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
         f"Runs under `{runs_dir}`: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
         f"Warm-up dropped: {warmup}.", "",
         "| sweep | run | dp | pp_mode | chunks | GPUs | epoch time (s) | tokens/s (sum over DP) "
-        "| job tokens/s | speedup | efficiency | MFU | final loss |",
+        "| job tokens/s | speedup (job tokens/s) | efficiency | MFU | final loss |",
         "|" + "---|" * 13,
         *(_row(r) for r in shown), "",
         *(f"{i}. {note}" for i, note in enumerate(FOOTNOTES, 1)),
@@ -169,6 +180,9 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
                   f"{_pm((r.bubble_measured, r.bubble_std), '.3f')}{' ⚠ outside [0, 1]' if r.bubble_flagged else ''} |"
                   for r in pipelines]
         lines += ["", BUBBLE_NOTE]
+    lines += _flagged_section(shown)
+    lines += _spread_section(shown)
+    lines += _bleu_section(shown)
     lines += _memory_section(shown)
     lines += _overlap_section(shown)
     stale = [r for r in runs if r.stale]
@@ -182,6 +196,55 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
         lines += ["", "## Incomplete, failed or corrupt runs", "", "| run | status | detail |", "|---|---|---|"]
         lines += [f"| {r.run} | {r.status} | {r.detail.replace('|', '/')} |" for r in others]
     return "\n".join(lines) + "\n"
+
+
+def _flagged_section(shown: list[RunMetrics]) -> list[str]:
+    """The results past a physical bound (⚠ in the table), with why."""
+    runs = [r for r in shown if r.flag]
+    if not runs:
+        return []
+    return ["", "## Results that break a physical bound (⚠)", "", "| run | why |", "|---|---|",
+            *(f"| {r.run} | {r.flag.replace('|', '/')} |" for r in runs), "",
+            "Flagged results stay in the table, are left out of the speedup figures and ringed where their throughput "
+            "is drawn. Repeating the points (`launch.repeat`), or interleaving them, measures the drift that breaks "
+            "them."]
+
+
+def _spread_section(shown: list[RunMetrics]) -> list[str]:
+    """Run-to-run spread of job tokens/s over the repeats of each sweep point that has them."""
+    points = [p for p in repeat_points([r for r in shown if r.job_tokens_per_s is not None]) if len(p.rates) > 1]
+    if not points:
+        return []
+    lines = ["", "## Run-to-run spread (repeats of a sweep point)", "",
+             "| sweep | runs | n | job tokens/s mean | min – max | std | spread (max − min) / mean |", "|" + "---|" * 7]
+    for p in points:
+        rates = p.rates
+        lines.append(f"| {p.first.sweep} | {', '.join(r.run_id for r in p.runs)} | {len(rates)} | {p.mean:,.0f} | "
+                     f"{min(rates):,.0f} – {max(rates):,.0f} | {statistics.stdev(rates):,.0f} | {p.noise()[0]:.1%} |")
+    return [*lines, "", "Repeats: runs of one sweep whose configs differ only in `launch.repeat` (and log.* keys). "
+            "Figures show such a point once, at the mean, with error bars from the lowest to the highest."]
+
+
+def _bleu_section(shown: list[RunMetrics]) -> list[str]:
+    """Each epoch's BLEU beside its losses, for the runs that logged BLEU; none when no run did."""
+    runs = [r for r in shown if r.final_bleu is not None]
+    if not runs:
+        return []
+    lines = ["", "## BLEU per epoch", "", "| run | epoch | step | training time (s) | train loss | val loss | BLEU |",
+             "|" + "---|" * 7]
+    for r in runs:
+        losses = dict(r.loss_curve)
+        for p in r.epoch_points:
+            seconds = r.progress[p.step][1] if p.step in r.progress else None
+            lines.append(f"| {r.run_id} | {p.epoch} | {p.step if p.step is not None else '–'} | "
+                         f"{_fmt(seconds, '.1f')} | {_fmt(losses.get(p.step), '.3f')} | {_fmt(p.val_loss, '.3f')} | "
+                         f"{_fmt(p.bleu, '.2f')} |")
+    return [*lines, "", "BLEU: corpus BLEU (0-100) from the epoch record; training time: the slowest rank's step "
+            "times summed up to the epoch's last step; train loss: that step's (the mean over replicas)."]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else f"{value:{spec}}"
 
 
 def _overlap_section(shown: list[RunMetrics]) -> list[str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gptpar import __version__
-from gptpar.config import load_config, reference_markdown, split_config_args, to_yaml, world_size
+from gptpar.config import reference_markdown, split_config_args, to_yaml_with_origins, world_size
 from gptpar.errors import GptparError
 
 CONFIG_ARGS = "[CONFIG.yaml] [section.key=value ...]"
@@ -27,9 +27,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"gptpar: error: {message} (see `{self.prog} --help`)\n")
 
 
-def _config(args: argparse.Namespace):
-    path, overrides = split_config_args(args.words)
-    return load_config(path, overrides)
+def _config(args: argparse.Namespace, user: bool = True):
+    """The config of the command line, over the user's defaults unless this process is a job's rank."""
+    return _resolved(args.words, user)[0]
+
+
+def _resolved(words: list[str], user: bool = True):
+    from gptpar.user_defaults import resolve_config
+
+    return resolve_config(*split_config_args(words), user=user)
 
 
 def _train_here(cfg) -> int:
@@ -53,11 +59,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     install_preemption_handler()  # before torch is imported: a job's USR2 may come early
     from gptpar.parallel.env import layout_from_env
 
-    cfg = _config(args)
     layout = layout_from_env(os.environ)
-    # One rank of a job that srun/torchrun/gptpar started trains here; but a one-task SLURM step (an interactive
-    # `srun --pty bash`, or `srun -n1 gptpar train`) asking for several ranks starts them on this node, as here.
-    one_task_step = layout.launcher == "slurm" and layout.world_size == 1 and world_size(cfg) > 1
+    if args.dump_grads is not None:
+        args.words = [*args.words, f"train.dump_grads={args.dump_grads}"]
+    # One rank of a job that srun/torchrun/gptpar started trains here, on its config file alone; but a one-task
+    # SLURM step (an interactive `srun --pty bash`, or `srun -n1 gptpar train`) is the user's own command: it
+    # resolves the config as a submitter does and, asked for several ranks, starts them on this node.
+    user_step = layout.launcher == "single" or (layout.launcher == "slurm" and layout.world_size == 1)
+    cfg = _config(args, user=user_step)
+    one_task_step = user_step and layout.launcher == "slurm" and world_size(cfg) > 1
     if layout.launcher != "single" and not one_task_step:
         return _train_here(cfg)
     from gptpar.launch.backend import scheduler_state
@@ -87,14 +97,14 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.action == "reference":
         print(reference_markdown())
         return 0
-    print(to_yaml(_config(args)), end="")
+    print(to_yaml_with_origins(*_resolved(args.words)), end="")
     return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     from gptpar.doctor import render, run_checks
 
-    checks = run_checks(_config(args))
+    checks = run_checks(*_resolved(args.words))
     print(render(checks))
     return 1 if any(c.status == "broken" for c in checks) else 0
 
@@ -107,8 +117,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         overrides.append(f"launch.gpus={args.gpus}")
     if args.nodes is not None:
         overrides.append(f"launch.nodes={args.nodes}")
-    path, overrides = split_config_args(overrides)
-    return submit(load_config(path, overrides), args.kind, dry_run=args.dry_run)
+    return submit(_resolved(overrides)[0], args.kind, dry_run=args.dry_run)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -184,8 +193,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from analysis.report import report
 
+    group_by = [key for words in args.group_by for key in words.split(",") if key]
     result = report(args.runs_dir, args.out, args.warmup_epochs, args.warmup_steps, args.include_incomplete,
-                    peak_flops=args.peak_flops)
+                    peak_flops=args.peak_flops, group_by=group_by, x=args.x, fmt=args.format, dpi=args.dpi)
     for message in result.skipped:
         print(message)
     completed = sum(r.status == "completed" for r in result.runs)
@@ -289,11 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
              "  gptpar train train.max_steps=20\n"
              "  gptpar train my.yaml parallel.dp=2 parallel.dp_sync=ddp\n"
              "  torchrun --nproc-per-node=2 -m gptpar train parallel.dp=2\n"
-             "  gptpar train log.run_id=lr-test train.lr=1e-3 --start-over")
+             "  gptpar train log.run_id=lr-test train.lr=1e-3 --start-over\n"
+             "  gptpar train parallel.dp=2 train.max_steps=1 --dump-grads tests   # the assignment's gradient check")
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.add_argument("--start-over", action="store_true",
                    help="if the run folder (log.run_id) exists, move it aside to <folder>.replaced-<time> and "
                         "train from scratch (a live run's folder is never touched)")
+    p.add_argument("--dump-grads", metavar="DIR",
+                   help="after the last step, each rank saves its synced gradients to DIR/model<RANK>_gradients.pth "
+                        "(train.dump_grads; the assignment's gradient check)")
     p.set_defaults(handler=cmd_train)
 
     p = _add(sub, "config", "print the resolved config, or the reference of every key",
@@ -359,7 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_logs)
 
     p = _add(sub, "report", "turn a runs folder into summary.csv, summary.md and figures",
-             "  gptpar report\n  gptpar report runs/demo --out figures/demo --include-incomplete")
+             "  gptpar report\n  gptpar report runs/demo --out figures/demo --include-incomplete\n"
+             "  gptpar report runs --group-by parallel.dp_sync --x gpus --format pdf\n"
+             "  gptpar report runs --x parallel.bucket_mb --group-by sweep,gpus --dpi 200")
     p.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
     p.add_argument("--out", default="figures", help="output folder (default: figures)")
     p.add_argument("--warmup-epochs", type=_non_negative, default=1,
@@ -370,6 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also tabulate and plot running, requeued and failed runs")
     p.add_argument("--peak-flops", type=_positive_number, default=None, metavar="FLOPS",
                    help="peak FLOP/s per device for devices the MFU table lacks, e.g. a CPU: 2.5e11 (never guessed)")
+    p.add_argument("--group-by", action="append", default=[], metavar="KEY",
+                   help="draw one line per value of these keys (repeat or comma-separate; config keys such as "
+                        "parallel.dp_sync, or sweep, gpus); default: the sweep and the keys it varies, other than "
+                        "the x key and keys that do not change the measurement (max_steps, eval, log, launch.repeat)")
+    p.add_argument("--x", metavar="KEY", help="x axis of the time, throughput and speedup figures (a config key, "
+                                              "or gpus); default: the GPU count (pipelines: micro-batches, in their "
+                                              "own figure)")
+    p.add_argument("--format", default="png", metavar="FORMAT", help="figure format: png, pdf or svg (default: png)")
+    p.add_argument("--dpi", type=int, default=110, help="dots per inch of the figures (default: 110)")
     p.set_defaults(handler=cmd_report)
 
     p = _add(sub, "schedule", "show a pipeline schedule: each rank's actions simulated with F/B/W costs, the "

@@ -28,6 +28,8 @@ class ConfigError(GptparError):
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
+TASKS = ("lm", "translation")
+TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
 PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use model.init_device=meta; "
                       "use model.init_device=cpu or model.init=random")
 
@@ -58,14 +60,26 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    task: str = opt("lm", "lm: next-token prediction on blocks of text; translation: German-to-English pairs as "
+                    "`source <sep> target <eos>`, the loss on target tokens only, BLEU at each epoch end "
+                    "(data.source jsonl:, tsv: or hf:).", choices=TASKS)
     source: str = opt("stdlib", "stdlib | tinyshakespeare | synthetic | text:PATH[,PATH...] | "
-                      "hf:NAME[:CONFIG].")
+                      "hf:NAME[:CONFIG]; with data.task=translation jsonl:TRAIN[,VALID] (objects with de and en, or "
+                      "{\"translation\": {...}}) | tsv:TRAIN[,VALID] (de, a tab, en) | hf:NAME[:CONFIG] (e.g. "
+                      "hf:bbaaaa/iwslt14-de-en-preprocess).")
     tokenizer: str = opt("auto", "auto: GPT-2 BPE from the hub, else a BPE trained on the corpus; "
                          "gpt2; bpe; bytes (256 symbols).", choices=("auto", "gpt2", "bpe", "bytes"))
     vocab_size: int = opt(4096, "Vocabulary of a trained BPE (and of synthetic data).", min=257,
                           max=16_777_216)
     seq_len: int = opt(128, "Tokens per example; a block holds seq_len + 1 tokens.", min=2,
                        max=1_048_576)
+    max_source_len: int = opt(64, "data.task=translation: source tokens kept per pair (longer sources are cut); an "
+                              "example has at most max_source_len + max_target_len + 1 positions, the width every "
+                              "batch is padded to under parallel.pp > 1 or sequence parallelism (rounded up to a "
+                              "multiple of parallel.tp there).", min=1,
+                              max=1_048_576)
+    max_target_len: int = opt(64, "data.task=translation: target tokens kept per pair (then the end token), and the "
+                              "most tokens greedy decoding generates before it.", min=1, max=1_048_576)
     val_fraction: float = opt(0.1, "Share of the corpus held out for validation.", min=0.0, max=0.5)
     max_chars: int = opt(2_000_000, "Characters of text read from the corpus; 0 reads all.", min=0)
     synthetic_tokens: int = opt(1_000_000, "Corpus length of the synthetic source.", min=1000,
@@ -93,6 +107,10 @@ class TrainConfig:
     eval_every: int = opt(50, "Evaluate every N steps (and at each epoch end); 0 only at epoch end.",
                           min=0)
     eval_batches: int = opt(8, "Validation batches per evaluation.", min=1, max=1_000_000)
+    bleu_samples: int = opt(200, "data.task=translation: validation pairs greedily decoded and scored with sacrebleu "
+                            "(corpus BLEU) at each epoch end, sharded over the data-parallel replicas (with "
+                            "parallel.pp > 1 on the model gathered whole onto one rank per replica); 0 disables "
+                            "BLEU.", min=0, max=1_000_000_000)
     seed: int = opt(1337, "Seed of weights, data order and dropout.")
     checkpoint_every: int = opt(0, "Save a checkpoint every N steps; 0 only at the end and on signal.",
                                 min=0)
@@ -106,6 +124,9 @@ class TrainConfig:
     compile: bool = opt(False, "torch.compile each transformer block (needs a C++ compiler; minutes on a CPU).")
     profile_steps: str = opt("", "Profile steps A-B (e.g. 3-5) with torch.profiler into runs/<id>/trace/rank<R>.json "
                              "(Chrome trace, viewable in Perfetto; `gptpar trace` analyses them); empty: none.")
+    dump_grads: str = opt("", "Folder where each rank saves the gradients of the run's last step, synced and as the "
+                          "optimizer applied them, as model<RANK>_gradients.pth ({GPT-2 parameter name: tensor}, the "
+                          "assignment's check); empty: none. Not with sharded gradients (zero2, fsdp, fsdp2) or tp.")
 
 
 @dataclass(frozen=True)
@@ -133,7 +154,7 @@ class ParallelConfig:
                        choices=("gptpar", "torch"))
     sequence_parallel: bool = opt(False, "With parallel.tp > 1: layer norms, dropout and residuals on sequence shards, "
                                   "all-gather and reduce-scatter instead of all-reduce (Megatron-SP); data.seq_len "
-                                  "must divide by tp.")
+                                  "must divide by tp (translation pads its batches to a multiple of tp).")
     loss_parallel: bool = opt(False, "With parallel.tp > 1: the cross-entropy on vocabulary shards, never gathering "
                               "the whole logits.")
     bucket_mb: float = opt(25.0, "Bucket size of the bucketed reducer, in MB.", min=0.001,
@@ -172,6 +193,8 @@ class LaunchConfig:
                         min=0, max=2_592_000)
     max_concurrent: int = opt(4, "Concurrent array tasks of a sweep.", min=1, max=65_536)
     venv: str = opt("", "Virtualenv activated in job scripts; empty uses this checkout's .venv.")
+    repeat: int = opt(0, "Which repetition of a sweep point this run is (a sweep's `repeats`); it changes nothing "
+                      "in training and lets the report measure run-to-run spread.", min=0, max=1000)
 
 
 @dataclass(frozen=True)
@@ -391,14 +414,50 @@ def read_yaml(path: str | Path) -> Any:
         raise ConfigError(f"{path}{where}: invalid YAML: {problem}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
-    """Defaults, then the YAML file, then the overrides, each validated as it is applied."""
-    cfg = apply_dict(Config(), read_yaml(path), origin=str(path)) if path else Config()
-    for text in overrides:
-        key, value = parse_override(text)
-        cfg = _set(cfg, key, value)
+Layer = tuple[str, dict[str, Any]]  # (where the values come from, {section: {key: value}})
+
+
+def nested(dotted: typing.Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """`{"section.key": value}` as the section mapping apply_dict takes."""
+    tree: dict[str, dict[str, Any]] = {}
+    for key, value in dotted.items():
+        section, _, name = key.partition(".")
+        tree.setdefault(section, {})[name] = value
+    return tree
+
+
+def overrides_tree(overrides: typing.Iterable[str]) -> dict[str, dict[str, Any]]:
+    """`section.key=value` words as the section mapping apply_dict takes (the last of a key wins)."""
+    return nested(dict(parse_override(text) for text in overrides))
+
+
+def config_layers(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> list[Layer]:
+    """The YAML file, then the command line's `section.key=value` words."""
+    layers: list[Layer] = [(str(path), read_yaml(path))] if path else []
+    tree = overrides_tree(overrides)
+    return [*layers, ("command line", tree)] if tree else layers
+
+
+def resolve_layers(layers: typing.Sequence[Layer]) -> tuple[Config, dict[str, str]]:
+    """Defaults with each layer applied in turn, validated; and, per `section.key`, the origin of the
+    layer that set it last ("default" where none did), which `gptpar config show` prints."""
+    cfg, origins = Config(), {}
+    for origin, data in layers:
+        try:
+            cfg = apply_dict(cfg, data, origin=origin)
+        except ConfigError as exc:  # a bad value names the file it came from; the command line is the user's own
+            if origin == "command line" or str(exc).startswith(f"{origin}: "):
+                raise
+            raise ConfigError(f"{origin}: {exc}") from None
+        for section, values in (data or {}).items():
+            origins.update({f"{section}.{key}": origin for key in values})
     validate(cfg)
-    return cfg
+    return cfg, origins
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Defaults, then the YAML file, then the overrides (no user defaults: gptpar.user_defaults adds those)."""
+    return resolve_layers(config_layers(path, overrides))[0]
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:
@@ -430,10 +489,15 @@ def validate(cfg: Config) -> None:
     if p.pp_mode == "single" and p.devices.strip() and p.dp > 1:
         raise ConfigError(f"parallel.devices={p.devices!r} places the stages of one process; with parallel.dp="
                           f"{p.dp} each rank uses its own device: leave parallel.devices empty")
+    if t.dump_grads and (p.tp > 1 or (p.dp > 1 and p.dp_sync in ("zero2", "fsdp", "fsdp2"))):
+        split = f"parallel.tp={p.tp}" if p.tp > 1 else f"parallel.dp_sync={p.dp_sync}"
+        raise ConfigError(f"train.dump_grads saves whole gradients, but {split} leaves each rank pieces of them; "
+                          "use parallel.dp_sync=naive, bucketed, ddp or zero1 with parallel.tp=1, or leave it empty")
     checkpoint_interval(t.activation_checkpointing)
     profiled_steps(t)
     _validate_pipeline(cfg)
     _validate_tensor_parallel(cfg)
+    _validate_task(cfg)
 
 
 def checkpoint_interval(setting: str) -> int:
@@ -533,7 +597,7 @@ def _validate_tensor_parallel(cfg: Config) -> None:
     for key, value in (("model.n_head", n_head), ("the MLP width 4 * model.n_embd", 4 * n_embd)):
         if value % p.tp:
             raise ConfigError(f"parallel.tp={p.tp} must divide {key}={value}; use a tp that divides it")
-    if p.sequence_parallel and cfg.data.seq_len % p.tp:
+    if p.sequence_parallel and cfg.data.task == "lm" and cfg.data.seq_len % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true splits data.seq_len={cfg.data.seq_len} into parallel.tp="
                           f"{p.tp} shards; use a seq_len that is a multiple of {p.tp}")
     if p.pp_mode != "single":
@@ -551,8 +615,60 @@ def _validate_tensor_parallel(cfg: Config) -> None:
                           "parallel.dp_sync=fsdp (ours), or parallel.tp_impl=torch")
 
 
+def _validate_task(cfg: Config) -> None:
+    """data.task against the source, the model's context and the engines that can train it."""
+    d, p = cfg.data, cfg.parallel
+    if d.task == "lm":
+        if d.source.startswith(TRANSLATION_SOURCES[:2]):
+            raise ConfigError(f"data.source={d.source!r} holds translation pairs; set data.task=translation")
+        return
+    if not d.source.startswith(TRANSLATION_SOURCES):
+        raise ConfigError(f"data.task=translation reads pairs: data.source={d.source!r} is not allowed; use "
+                          "jsonl:PATH, tsv:PATH or hf:NAME (e.g. hf:bbaaaa/iwslt14-de-en-preprocess)")
+    if cfg.model.init == "pretrained":
+        raise ConfigError("data.task=translation adds two tokens (<sep>, <eos>) to the vocabulary, which pretrained "
+                          "weights lack; use model.init=random")
+    positions, width = d.max_source_len + d.max_target_len + 1, example_width(cfg)
+    n_positions = cfg.model.n_positions or PRESETS[cfg.model.preset][3]
+    if width > n_positions:
+        padded = f" ({width} padded to a multiple of parallel.tp={p.tp})" if width != positions else ""
+        raise ConfigError(f"data.max_source_len + data.max_target_len + 1 = {positions}{padded} positions exceed "
+                          f"model.n_positions={n_positions}; lower them or raise model.n_positions")
+
+
+def example_width(cfg: Config) -> int:
+    """The positions of the longest example: data.seq_len, or for translation source, <sep> and target (rounded up
+    to a multiple of parallel.tp under sequence parallelism, whose sequence shards must be equal)."""
+    d, p = cfg.data, cfg.parallel
+    if d.task == "lm":
+        return d.seq_len
+    shards = p.tp if p.tp > 1 and p.sequence_parallel else 1
+    return -(-(d.max_source_len + d.max_target_len + 1) // shards) * shards
+
+
+def fixed_width(cfg: Config) -> int | None:
+    """The width every translation batch is padded to where shapes must not vary from batch to batch: under the
+    multi-process pipeline (its stages allocate receive buffers from the shape) and sequence parallelism (equal
+    shards); None elsewhere, where each batch is padded to its longest example, and for lm (blocks of one width)."""
+    p = cfg.parallel
+    fixed = cfg.data.task == "translation" and (p.pp > 1 or (p.tp > 1 and p.sequence_parallel))
+    return example_width(cfg) if fixed else None
+
+
 def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def to_yaml_with_origins(cfg: Config, origins: typing.Mapping[str, str]) -> str:
+    """The resolved config as YAML that still loads, each key's line ending in a comment naming where
+    its value came from (default, detected cluster, user file, environment, config file, command line)."""
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"{section}:")
+        for key, value in values.items():
+            text = f"  {yaml.safe_dump({key: value}, default_flow_style=True, width=1 << 20)[1:-2]}"
+            lines.append(f"{text:<44} # {origins.get(f'{section}.{key}', 'default')}")
+    return "\n".join(lines) + "\n"
 
 
 def config_digest(cfg: Config) -> str:

@@ -13,7 +13,7 @@ import importlib
 import os
 import platform
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,7 +80,7 @@ def _gpus() -> Iterator[Check]:
     yield Check("NCCL", "ok", ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl))
 
 
-def _slurm(cfg: Config) -> Iterator[Check]:
+def _slurm(cfg: Config, origins: Mapping[str, str]) -> Iterator[Check]:
     from gptpar.launch import slurm
     from gptpar.launch.profiles import load_profile
 
@@ -88,13 +88,15 @@ def _slurm(cfg: Config) -> Iterator[Check]:
     yield Check("SLURM", "finding" if reason else "ok", reason or "sinfo answers")
     try:
         load_profile(cfg.launch.profile)
-        yield Check("profile", "ok", cfg.launch.profile)
+        yield Check("profile", "ok", f"{cfg.launch.profile} (from {origins.get('launch.profile', 'default')})")
     except GptparError as exc:
         yield Check("profile", "finding", str(exc))
-    account = cfg.launch.account or os.environ.get("SBATCH_ACCOUNT", "")
+    account = cfg.launch.account
     if account or cfg.launch.profile != "local":
         yield Check("account", "ok" if account else "finding",
-                    account or "none set (launch.account=...); clusters that bill an allocation refuse the job")
+                    f"{account} (from {origins.get('launch.account')})" if account else
+                    "none set (launch.account=..., GPTPAR_ACCOUNT or the user file); clusters that bill an "
+                    "allocation refuse the job")
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -116,10 +118,10 @@ def _space(cfg: Config) -> Iterator[Check]:
                     f"{free / 2**30:.1f} GiB free at {path}" + (" (low; move it, e.g. to $PROJECT)" if low else ""))
 
 
-def run_checks(cfg: Config) -> list[Check]:
+def run_checks(cfg: Config, origins: Mapping[str, str] | None = None) -> list[Check]:
     """Every check, in order; one that fails unexpectedly is reported as broken rather than stopping the rest."""
     checks = [Check("gptpar", "ok", f"{__version__} on Python {platform.python_version()}"), *_imports()]
-    groups: list[tuple[str, Callable[[], Iterator[Check]]]] = [("SLURM", lambda: _slurm(cfg)),
+    groups: list[tuple[str, Callable[[], Iterator[Check]]]] = [("SLURM", lambda: _slurm(cfg, origins or {})),
                                                                ("space", lambda: _space(cfg))]
     if all(c.status == "ok" for c in checks if c.name == "torch"):
         groups.insert(0, ("GPUs", _gpus))

@@ -65,9 +65,10 @@ class Rank:
         return self
 
     def epoch(self, epoch: int, training_time_s: float, tokens_per_s: float, steps: int = 1,
-              val_loss: float = 2.0) -> Rank:
+              val_loss: float | None = 2.0, **extra: Any) -> Rank:
+        """An epoch record; extra holds optional fields, such as the translation workload's `bleu`."""
         self._log("epoch", epoch=epoch, training_time_s=training_time_s, tokens_per_s=tokens_per_s,
-                  val_loss=val_loss, steps=steps)
+                  val_loss=val_loss, steps=steps, **extra)
         return self
 
     def final(self, status: str = "completed", step: int = 0) -> Rank:
@@ -78,23 +79,31 @@ class Rank:
 
 def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | None = None,
            epochs: int = 2, steps_per_epoch: int = 2, status: str = "completed",
-           memory: list[tuple[int, int, int, int]] | None = None, **cfg: Any) -> list[Rank]:
+           memory: list[tuple[int, int, int, int]] | None = None, bleu: list[float] | None = None,
+           jitter: float = 0.0, device: str = "cpu", **cfg: Any) -> list[Rank]:
     """A completed data-parallel run, one rank per entry of tokens_per_s: in every epoch rank r
-    reports tokens_per_s[r] and epoch_times[r]; steps take 1 s and carry 100 tokens. With `memory`,
-    rank r logs memory[r] (params, params_bytes, grads_bytes, optimizer_bytes) after step 1."""
+    reports tokens_per_s[r] and epoch_times[r]; every step carries 100 tokens and takes rank r
+    100 / tokens_per_s[r] s, so the job's tokens/s is dp x 100 / the slowest rank's step time. The
+    loss of step s is 4 - 0.1 s, every epoch's val_loss 2.0. With `jitter` j, odd steps take 1 + j
+    and even steps 1 - j times as long (the job's tokens/s unchanged, the step-time spread of two steps
+    sqrt(2) j). With `memory`, rank r logs memory[r] (params, params_bytes, grads_bytes,
+    optimizer_bytes) after step 1; with `bleu`, rank 0's record of epoch e carries bleu[e - 1]. The
+    ranks' header names `device` (cpu, or cuda:0 for a GPU run)."""
     dp = len(tokens_per_s)
     times = epoch_times or [10.0] * dp
-    ranks = [Rank(run_dir, r, config(name=run_dir.name, dp=dp, **cfg)).header() for r in range(dp)]
+    ranks = [Rank(run_dir, r, config(name=run_dir.name, dp=dp, **cfg), device=device).header() for r in range(dp)]
     step = 0
     for e in range(1, epochs + 1):
         for _ in range(steps_per_epoch):
             step += 1
             for rank in ranks:
-                rank.step(step, e, loss=4.0 - 0.1 * step)
+                stretch = 1 + jitter if step % 2 else 1 - jitter
+                rank.step(step, e, step_time_s=stretch * 100 / tokens_per_s[rank.rank], loss=4.0 - 0.1 * step)
                 if memory and step == 1:
                     rank.memory(*memory[rank.rank])
         for r, rank in enumerate(ranks):
-            rank.epoch(e, times[r], tokens_per_s[r], steps=steps_per_epoch)
+            extra = {"bleu": bleu[e - 1]} if bleu and r == 0 else {}
+            rank.epoch(e, times[r], tokens_per_s[r], steps=steps_per_epoch, **extra)
     for rank in ranks:
         rank.final(status, step)
     return ranks

@@ -292,11 +292,14 @@ def test_sweep_speedup_and_efficiency(tmp_path: Path) -> None:
     assert (by["dpscale/dp2"].speedup, by["dpscale/dp2"].efficiency) == pytest.approx((1.8, 0.9))
     assert (by["dpscale/dp4"].speedup, by["dpscale/dp4"].efficiency) == pytest.approx((3.2, 0.8))
     assert by["dpscale/dp2-naive"].baseline == "dp1"
-    # A pipeline run is compared with the model-parallel run on the same two devices.
+    # A pipeline run is compared with the model-parallel run on the same two devices: no efficiency (the GPU ratio
+    # is 1), and the model-parallel run is its own baseline.
     assert by["pipes/pp4"].baseline == "mp" and by["pipes/pp4"].speedup == pytest.approx(1.5)
-    assert by["pipes/pp4"].efficiency == pytest.approx(1.5) and by["pipes/pp4"].gpus == 2
+    assert by["pipes/pp4"].efficiency is None and by["pipes/pp4"].gpus == 2
     assert by["pipes/pp2"].bubble_theory == pytest.approx(1 / 3)
-    assert by["pipes/mp"].baseline == ""  # no 1-GPU run in its sweep
+    assert (by["pipes/mp"].baseline, by["pipes/mp"].speedup, by["pipes/mp"].efficiency) == ("mp", 1.0, None)
+    # The ideal a speedup is drawn against: the GPU ratio, or the bubble's bound p*m/(m+p-1) = 2*4/5.
+    assert by["dpscale/dp4"].ideal_speedup == 4.0 and by["pipes/pp4"].ideal_speedup == pytest.approx(1.6)
     with open(result.summary_csv) as f:
         rows = {row["run"]: row for row in csv.DictReader(f)}
     assert float(rows["dpscale/dp4"]["tokens_per_s_mean"]) == 320.0 and rows["dpscale/dp4"]["gpus"] == "4"
@@ -314,9 +317,11 @@ def test_report_writes_summary_rows_and_valid_figures(tmp_path: Path) -> None:
     assert dp2[2:6] == ["2", "single", "–", "2"]
     assert dp2[6] == "20.00" and dp2[7] == "180" and dp2[9] == "1.80× vs dp1" and dp2[10] == "90%"
     assert dp2[11] == "n/a (unknown peak for cpu)"
+    mp, pp4 = (next(line for line in table if line.split(" | ")[1] == run).split(" | ") for run in ("mp", "pp4"))
+    assert mp[9:11] == ["1.00× vs mp", "–"] and pp4[9:11] == ["1.50× vs mp", "–"]
     assert "| dpscale/dp8 | failed |" in summary
     names = sorted(p.name for p in (tmp_path / "figs").glob("*.png"))
-    assert names == ["loss_dpscale.png", "loss_pipes.png", "pipeline_vs_model_parallel.png",
+    assert names == ["loss_dpscale.png", "loss_pipes.png", "pipeline_vs_model_parallel.png", "speedup_vs_gpus.png",
                      "throughput_vs_dp_sync.png", "throughput_vs_gpus.png", "time_vs_gpus.png"]
     for name in names:
         width, height = png_size(tmp_path / "figs" / name)
@@ -331,13 +336,14 @@ def test_figure_without_data_is_skipped_not_written(tmp_path: Path) -> None:
     assert {p.name for p in result.figures} == {"time_vs_gpus.png", "throughput_vs_gpus.png", "loss_top-level.png"}
 
 
-def test_top_level_runs_group_into_sweeps_by_common_config(tmp_path: Path) -> None:
+def test_top_level_runs_are_one_sweep_compared_within_their_config(tmp_path: Path) -> None:
     dp_run(tmp_path / "a1", [100.0], **{"model.preset": "gpt2-tiny"})
     dp_run(tmp_path / "a2", [90.0, 90.0], **{"model.preset": "gpt2-tiny"})
     dp_run(tmp_path / "b1", [50.0], **{"model.preset": "gpt2-mini"})
     dp_run(tmp_path / "b2", [50.0, 50.0], **{"model.preset": "gpt2-mini"})
     by = {m.run: m for m in report(tmp_path, tmp_path / "out", now=LATER).runs}
-    assert by["a1"].sweep == by["a2"].sweep != by["b1"].sweep == by["b2"].sweep
+    assert {m.sweep for m in by.values()} == {"top-level"}  # not top-level[preset=...] sweeps
+    assert (by["a2"].baseline, by["b2"].baseline) == ("a1", "b1")  # the 1-GPU run of the same model
     assert by["a2"].speedup == pytest.approx(1.8) and by["b2"].speedup == pytest.approx(2.0)
 
 

@@ -129,7 +129,17 @@ def test_bad_options_use_the_one_error_format() -> None:
 def test_the_assignments_names_stay_importable_where_students_import_them() -> None:
     from gptpar.data import DataPartitioner, Partition, partition_dataset
     from gptpar.parallel import average_gradients
-    from gptpar.pipeline import Pipe, WithDevice, _split_module, clock_cycles, split_module
+    from gptpar.pipeline import (
+        GPT2LMHeadModelParallel,
+        GPT2ModelParallel,
+        Pipe,
+        WithDevice,
+        _clock_cycles,
+        _split_module,
+        clock_cycles,
+        split_module,
+    )
 
     assert all(callable(x) for x in (DataPartitioner, Partition, partition_dataset, average_gradients, Pipe,
-                                     WithDevice, _split_module, clock_cycles, split_module))
+                                     WithDevice, _split_module, clock_cycles, _clock_cycles, split_module,
+                                     GPT2ModelParallel, GPT2LMHeadModelParallel))

@@ -34,6 +34,7 @@ RUN_HERE = [
     ".venv/bin/gptpar train parallel.pp=2 parallel.pp_schedule=zb1p parallel.chunks=4 train.max_steps=5",
     ".venv/bin/gptpar schedule show 1f1b --pp 4 --chunks 8 --out figures/1f1b.png",
     ".venv/bin/gptpar config show parallel.dp=2",
+    ".venv/bin/gptpar config show",
     ".venv/bin/gptpar schedule show zb1p --pp 4 --chunks 8",
     ".venv/bin/gptpar status",
     ".venv/bin/gptpar submit dp --gpus 2 --dry-run",
@@ -55,7 +56,16 @@ CLUSTER_ONLY = [
     "sbatch jobs/pp.sbatch",
     ".venv/bin/gptpar submit pp --gpus 4 --nodes 2 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
     'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
-    'make submit-dp GPUS=2 ARGS="launch.profile=bridges2 launch.account=abc123"',
+]
+# Commands that need the Hugging Face hub (tests/test_translation.py runs the same keys on a local fixture).
+NEEDS_HUB = [
+    ".venv/bin/gptpar train data.task=translation data.source=hf:bbaaaa/iwslt14-de-en-preprocess data.max_chars=0 "
+    "model.preset=gpt2-mini train.epochs=10 train.batch_size=64",
+]
+# Commands that write the reader's own files (tests/test_user_defaults.py covers what they set up).
+USERS_OWN = [
+    "mkdir -p ~/.config/gptpar",
+    "printf 'launch:\\n  profile: bridges2\\n  account: abc123\\n' > ~/.config/gptpar/config.yaml",
 ]
 
 
@@ -67,7 +77,7 @@ def readme_commands() -> list[str]:
 
 
 def test_every_readme_command_is_accounted_for():
-    known = {*BY_CI, *BY_SLURM_TESTS, *RUN_HERE, *RUN_HERE_IN_ORDER, *CLUSTER_ONLY}
+    known = {*BY_CI, *BY_SLURM_TESTS, *RUN_HERE, *RUN_HERE_IN_ORDER, *CLUSTER_ONLY, *USERS_OWN, *NEEDS_HUB}
     unaccounted = [c for c in readme_commands() if c not in known]
     assert not unaccounted, f"README commands run by nothing: {unaccounted}"
     stale = sorted(known - set(readme_commands()))
@@ -120,3 +130,19 @@ def test_readme_command_runs(command, tmp_path):
         assert list((tmp_path / "runs").glob("*/rank0.jsonl")), "no run folder written"
     if "--dry-run" in argv:
         assert out.stdout.startswith("#!/bin/bash") and "srun" in out.stdout
+
+
+def test_the_bridges2_preset_table_is_the_closed_form():
+    from analysis.aggregate import closed_form_state_bytes
+    from analysis.mfu import block_parameters
+    from gptpar.presets import PRESETS
+
+    rows = re.findall(r"^  \| `(gpt2[\w-]*)` \| (\d+) M \| (.*) \|$", README, flags=re.M)
+    assert [name for name, _, _ in rows] == ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+    for name, millions, cells in rows:
+        n_layer, n_embd, _, n_positions = PRESETS[name]
+        n = n_layer * block_parameters(n_embd) + 2 * n_embd + (50257 + n_positions) * n_embd
+        assert int(millions) == round(n / 1e6)
+        expected = [closed_form_state_bytes(s, n, w) / 2**30 for s, w in (("ddp", 1), ("zero2", 4), ("fsdp", 4),
+                                                                           ("fsdp", 8))]
+        assert cells.split(" | ") == [f"{gib:.1f} GiB" for gib in expected], name

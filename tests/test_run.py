@@ -219,3 +219,40 @@ def test_status_is_a_table_of_each_runs_job_progress_and_speed(tmp_path: Path, c
         "completed", "a", "-", "4/10", "2.5000", "250", "n1,n2", "1")
     assert elapsed.startswith("1:02:0")  # 3725 s, and the second or two this test took
     assert out[-1] == "1 run(s): 1 completed; 1 folder(s) set aside by --rerun or --start-over not listed"
+
+
+def test_a_run_starts_with_a_banner_and_ends_with_a_summary_line(tmp_path: Path) -> None:
+    """What a user reads first and last: where and how it trains, then status, steps, losses, throughput, folder."""
+    out = subprocess.run([sys.executable, "-m", "gptpar", "train", "model.n_layer=1", "model.n_embd=32",
+                          "model.n_head=2", "data.max_chars=4000", "data.seq_len=16", "data.tokenizer=bytes",
+                          "train.batch_size=4", "train.max_steps=3", "train.eval_every=2", "log.progress=lines",
+                          "log.every=1", "log.run_id=r", f"log.runs_dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    folder = tmp_path / "r"
+    # 1 block of width 32 (12·32² + 13·32), ln_f, and token (256 bytes + specials) and position tables of width 32.
+    vocab = json.loads(Path(folder / "rank0.jsonl").read_text().splitlines()[0])["vocab_size"]
+    parameters = 12 * 32 * 32 + 13 * 32 + 2 * 32 + (vocab + 256) * 32
+    assert lines[0] == f"gptpar: training in this process: {folder}"
+    assert re.fullmatch(rf"gptpar: 1 rank\(s\) \(pp=1 x dp=1 x tp=1\) on cpu \(gloo\); GPT-2 of {parameters:,} "
+                        rf"parameters \(1 layers, width 32, 2 heads\); tokenizer bytes \(vocab {vocab}\); fp32; "
+                        r"steps 1-3", lines[1]), lines[1]
+    records = [json.loads(line) for line in (folder / "rank0.jsonl").read_text().splitlines()]
+    last_step = [r for r in records if r["kind"] == "step"][-1]
+    val = [r["val_loss"] for r in records if "val_loss" in r][-1]
+    assert re.fullmatch(rf"gptpar: run completed: 3/3 steps, loss {last_step['loss']:.4f}, val_loss {val:.4f}, "
+                        rf"[\d,]+ tok/s, \d:\d\d:\d\d in {re.escape(str(folder))}", lines[-1]), lines[-1]
+
+
+def test_the_planned_config_names_files_absolutely_for_ranks_that_run_elsewhere(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("hello")
+    cfg = load_config(None, ["data.source=text:a.txt, ~/b.txt", "data.dir=cache", "train.dump_grads=grads",
+                             "data.tokenizer=bytes", "log.run_id=r"])
+    planned = plan_run(cfg, "dp").cfg
+    assert planned.data.source == f"text:{tmp_path}/a.txt,{Path.home()}/b.txt"
+    assert (planned.data.dir, planned.train.dump_grads) == (f"{tmp_path}/cache", f"{tmp_path}/grads")
+    assert plan_run(load_config(None, ["data.source=stdlib", "data.tokenizer=bytes", "log.run_id=s"]),
+                    "dp").cfg.data.source == "stdlib"

@@ -145,9 +145,9 @@ def test_a_missing_package_is_one_line_naming_the_setting_and_the_extra(tmp_path
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stderr.splitlines() == [
-        "gptpar: error: log.tensorboard=true needs the tensorboard package: pip install 'gptpar[tensorboard]' "
+        "gptpar: error: log.tensorboard=true needs the tensorboard extra: pip install 'gptpar[tensorboard]' "
         "(or make install)",
-        "gptpar: error: log.wandb=offline needs the wandb package: pip install 'gptpar[wandb]' (or make install)"]
+        "gptpar: error: log.wandb=offline needs the wandb extra: pip install 'gptpar[wandb]' (or make install)"]
     assert read_rank_log(tmp_path / "a" / "rank0.jsonl").final["status"] == "failed"
 
 

@@ -1,4 +1,5 @@
-"""Data: sources, tokenizers, cached token arrays, blocks of seq_len + 1 tokens, and DP partitions.
+"""Data: sources, tokenizers, cached token arrays, blocks of seq_len + 1 tokens, translation pairs (translation.py)
+and DP partitions.
 
 The submit side uses the tokenizer module without torch, so the torch-backed names below (the
 assignment's `DataPartitioner`, `Partition`, `partition_dataset` among them) are imported when first used.

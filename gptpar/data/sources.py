@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from gptpar.config import DataConfig
-from gptpar.errors import GptparError
+from gptpar.errors import GptparError, require_extra
 from gptpar.hub import hub_reachable
 
 TINYSHAKESPEARE_URL = (
@@ -92,26 +92,27 @@ def tinyshakespeare_path(cfg: DataConfig) -> Path:
 
 
 def text_paths(source: str) -> list[Path]:
-    """The files named by `text:PATH[,PATH...]`, each checked to exist."""
-    paths = [p.strip() for p in source.removeprefix("text:").split(",") if p.strip()]
+    """The files named by `KIND:PATH[,PATH...]` (text:, or translation's jsonl: and tsv:), each checked to exist."""
+    kind, _, rest = source.partition(":")
+    paths = [p.strip() for p in rest.split(",") if p.strip()]
     if not paths:
-        raise GptparError(f"data.source=text: names no file (got {source!r}); use text:PATH[,PATH...]")
+        raise GptparError(f"data.source={kind}: names no file (got {source!r}); use {kind}:PATH[,PATH...]")
     missing = [p for p in paths if not Path(p).expanduser().is_file()]
     if missing:
-        raise GptparError(f"data.source=text: no such file: {missing[0]}")
+        raise GptparError(f"data.source={kind}: no such file: {missing[0]}")
     return [Path(p).expanduser() for p in paths]
 
 
-def read_text_file(path: Path) -> str:
+def read_text_file(path: Path, kind: str = "text") -> str:
     """One document: the file as UTF-8 text, with universal newlines; anything else is refused."""
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise GptparError(f"data.source=text: {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at "
+        raise GptparError(f"data.source={kind}: {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at "
                           f"offset {exc.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
     if "\x00" in text:
-        raise GptparError(f"data.source=text: {path} is not UTF-8 text (a NUL byte at offset "
+        raise GptparError(f"data.source={kind}: {path} is not UTF-8 text (a NUL byte at offset "
                           f"{data.index(0)}: a binary file?)")
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
@@ -121,18 +122,23 @@ def text_files(paths: list[Path], max_chars: int) -> str:
     return _truncate((read_text_file(p) for p in paths), max_chars)
 
 
-def hf_text(spec: str, cfg: DataConfig) -> str:
-    """A hub dataset's `text` column; with `data.streaming` only the needed rows are read."""
-    import datasets
-
+def hf_split(spec: str, cfg: DataConfig, split: str):
+    """One split of a hub dataset (`datasets.Dataset`, or an iterable one with `data.streaming`). The hub is
+    probed first, so an offline machine uses the local cache and fails in one line instead of retrying."""
+    datasets = require_extra("datasets", f"data.source=hf:{spec}", "hf")
     name, _, config = spec.partition(":")
     reachable = hub_reachable(cfg.hub_timeout_s)
     try:
-        ds = datasets.load_dataset(name, config or None, split="train", streaming=cfg.streaming)
+        return datasets.load_dataset(name, config or None, split=split, streaming=cfg.streaming)
     except Exception as exc:
         where = "reachable" if reachable else "unreachable (and the dataset is not in the local cache)"
         raise GptparError(f"data.source=hf:{spec}: cannot load the dataset; the Hugging Face hub is "
                           f"{where}: {str(exc).splitlines()[0][:200]}") from None
+
+
+def hf_text(spec: str, cfg: DataConfig) -> str:
+    """A hub dataset's `text` column; with `data.streaming` only the needed rows are read."""
+    ds = hf_split(spec, cfg, "train")
     if "text" not in (ds.column_names or []):
         raise GptparError(f"data.source=hf:{spec}: the dataset has no 'text' column "
                           f"(columns: {ds.column_names})")

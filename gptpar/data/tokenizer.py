@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -15,30 +16,43 @@ from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
 
 
-class Encoder(Protocol):
-    def __call__(self, text: str) -> np.ndarray: ...
+class EachEncoder(Protocol):
+    def __call__(self, texts: list[str]) -> list[np.ndarray]: ...
+
+
+class Decoder(Protocol):
+    def __call__(self, ids: Sequence[int]) -> str: ...
 
 
 @dataclass
 class Tokenizer:
     name: str  # identifies the vocabulary in cache keys
     vocab_size: int
-    encode: Encoder
+    encode_each: EachEncoder  # one int32 array per text: translation keeps its sentences apart
+    decode: Decoder  # ids below vocab_size back to text (BLEU scores detokenized output)
+
+    def encode(self, text: str) -> np.ndarray:
+        """A corpus, encoded by lines: the Rust tokenizer parallelises a batch and never sees a huge string."""
+        pieces = self.encode_each(text.splitlines(keepends=True))
+        return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
 
 
 def bytes_tokenizer() -> Tokenizer:
-    def encode(text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
-    return Tokenizer("bytes", 256, encode)
+    def encode_each(texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) for text in texts]
+
+    def decode(ids: Sequence[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+    return Tokenizer("bytes", 256, encode_each, decode)
 
 
 def _from_hf_tokenizer(name: str, hf_tokenizer) -> Tokenizer:
-    def encode(text: str) -> np.ndarray:
-        # Encode line batches: the Rust tokenizer parallelises them and never sees a huge string.
-        lines = text.splitlines(keepends=True)
-        ids = hf_tokenizer.encode_batch(lines) if lines else []
-        return np.fromiter((i for enc in ids for i in enc.ids), dtype=np.int32)
-    return Tokenizer(name, hf_tokenizer.get_vocab_size(), encode)
+    def encode_each(texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(enc.ids, dtype=np.int32) for enc in hf_tokenizer.encode_batch(texts)] if texts else []
+
+    def decode(ids: Sequence[int]) -> str:
+        return hf_tokenizer.decode(list(ids))
+    return Tokenizer(name, hf_tokenizer.get_vocab_size(), encode_each, decode)
 
 
 def gpt2_tokenizer(timeout_s: float) -> Tokenizer | None:

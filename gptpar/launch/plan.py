@@ -20,6 +20,7 @@ from gptpar.run.folder import RunFolder, in_use, run_folder
 from gptpar.run.names import derived_run_id, replaced_name
 
 KINDS = ("dp", "pp")
+FILE_SOURCES = ("text", "jsonl", "tsv")  # data.source kinds that name local files
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,20 @@ JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a fold
 LIVE_JOB_STATES = ("pending", "running")
 
 
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve()) if path else ""
+
+
+def absolute_paths(cfg: Config) -> dict[str, str]:
+    """The config's file paths made absolute, as the submitter means them: ranks run in the run folder
+    (local processes) or wherever a job starts, so a relative path would name another file there."""
+    kind, _, files = cfg.data.source.partition(":")
+    paths = {"data.dir": _absolute(cfg.data.dir), "train.dump_grads": _absolute(cfg.train.dump_grads)}
+    if kind in FILE_SOURCES and files:
+        paths["data.source"] = f"{kind}:" + ",".join(_absolute(p.strip()) for p in files.split(",") if p.strip())
+    return paths
+
+
 def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None = None, run_id: str = "",
              write: bool = True, start_over: bool = False, job_state: JobState | None = None) -> Point:
     """Resolve the submit side: job kind, absolute runs folder, run id (explicit, or derived once
@@ -102,7 +117,7 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
     name = run_id or cfg.log.run_id or derived_run_id(cfg.log.name)
     folder = run_folder(root, name, "log.run_id" if not run_id else "sweep point")
-    cfg = updated(cfg, {"log.runs_dir": str(root), "log.run_id": folder.name,
+    cfg = updated(cfg, {"log.runs_dir": str(root), "log.run_id": folder.name, **absolute_paths(cfg),
                         "data.tokenizer": resolve_tokenizer_choice(cfg.data)})
     point = Point(cfg, folder)
     if write:

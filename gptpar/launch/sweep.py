@@ -1,4 +1,4 @@
-"""Sweeps: a base config expanded over `grid` axes (cartesian) and `zip` axes (paired).
+"""Sweeps: a base config expanded over `grid` axes (cartesian) and `zip` axes (paired), `repeats` times.
 
 Each point gets a deterministic folder `runs/<sweep>/<key=value,...>` (gptpar.run.names.point_name),
 so re-running a sweep finds its earlier points: completed, pending and running ones are skipped,
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gptpar.config import ConfigError, apply_dict, load_config, parse_override, read_yaml, validate
+from gptpar.config import ConfigError, config_layers, overrides_tree, parse_override, read_yaml, resolve_layers
 from gptpar.errors import GptparError
 from gptpar.launch.backend import choose_backend, scheduler_state
 from gptpar.launch.plan import LIVE_JOB_STATES, Point, make_folder, plan_run, set_aside, shaped, write_point
@@ -32,8 +32,10 @@ from gptpar.run.folder import config_diff
 from gptpar.run.names import point_name, short_hash, slug
 from gptpar.run.state import read_run
 from gptpar.run.sweeps import write_sweep_record
+from gptpar.user_defaults import user_layers
 
-SWEEP_KEYS = ("name", "kind", "config", "base", "grid", "zip")
+SWEEP_KEYS = ("name", "kind", "config", "base", "grid", "zip", "repeats")
+MAX_REPEATS = 100
 
 
 def _axes(data: dict[str, Any], key: str, path: Path) -> dict[str, list[Any]]:
@@ -67,11 +69,23 @@ def expand(path: str | Path) -> tuple[str, str, list[tuple[str, list[str]]]]:
         raise GptparError(f"{path}: zip axes must have equal lengths, got {', '.join(map(str, lengths))}")
     zip_rows = list(zip(*zipped.values(), strict=True)) if zipped else [()]
     grid_rows = list(itertools.product(*grid.values()))
-    points = []
-    for zrow, grow in itertools.product(zip_rows, grid_rows):
-        pairs = [f"{k}={v}" for k, v in zip(keys, (*zrow, *grow), strict=True)]
-        points.append((point_name(pairs), pairs))
+    rows = [[f"{k}={v}" for k, v in zip(keys, (*zrow, *grow), strict=True)]
+            for zrow, grow in itertools.product(zip_rows, grid_rows)]
+    repeats = _repeats(data, path)
+    if repeats > 1 and "launch.repeat" in seen:
+        raise GptparError(f"{path}: launch.repeat is an axis and repeats={repeats} numbers the repeats too; keep one")
+    # Repeats go round the whole sweep before a point runs again, so a drift of the machine spreads over
+    # every point instead of favouring the first ones; the report measures run-to-run spread from them.
+    points = [(point_name(pairs), pairs) for pairs in (
+        [*row, f"launch.repeat={r}"] if repeats > 1 else row for r in range(repeats) for row in rows)]
     return name, kind, _distinct(path, points)
+
+
+def _repeats(data: dict[str, Any], path: Path) -> int:
+    repeats = data.get("repeats", 1)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or not 1 <= repeats <= MAX_REPEATS:
+        raise GptparError(f"{path}: repeats must be an integer from 1 to {MAX_REPEATS}, got {repeats!r}")
+    return repeats
 
 
 def _distinct(path: Path, points: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
@@ -96,10 +110,10 @@ def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
     points = []
     for name_of_point, point_overrides in expanded:
         try:
-            cfg = apply_dict(load_config(base_path), data.get("base"), origin=str(path))
-            cfg = apply_dict(cfg, _nest(list(overrides)), origin="command line")
-            cfg = apply_dict(cfg, _nest(point_overrides), origin=f"{path} point {name_of_point}")
-            validate(cfg)
+            layers = [*user_layers(), *config_layers(base_path), (str(path), data.get("base")),
+                      ("command line", overrides_tree(overrides)),
+                      (f"{path} point {name_of_point}", overrides_tree(point_overrides))]
+            cfg = resolve_layers(layers)[0]
             if cfg.log.run_id:
                 raise ConfigError(f"log.run_id={cfg.log.run_id!r} is set, but a sweep names each point's folder "
                                   "itself; drop log.run_id")
@@ -124,16 +138,6 @@ def _sets_dp(base_path: Path | None, data: dict[str, Any], overrides: Sequence[s
     in_yaml = any(isinstance(s, dict) and isinstance(s.get("parallel"), dict) and "dp" in s["parallel"]
                   for s in sections)
     return in_yaml or any(parse_override(o)[0] == "parallel.dp" for o in overrides)
-
-
-def _nest(overrides: list[str]) -> dict[str, dict[str, Any]]:
-    """`section.key=value` strings as the section mapping apply_dict takes."""
-    tree: dict[str, dict[str, Any]] = {}
-    for text in overrides:
-        key, value = parse_override(text)
-        section, _, name = key.partition(".")
-        tree.setdefault(section, {})[name] = value
-    return tree
 
 
 def point_state(point: Point) -> str:

@@ -1,8 +1,11 @@
 """The course assignment's names for one-process pipelining (`WithDevice`, `split_module`,
-`_split_module`, `clock_cycles`, `Pipe`) and GPT-2's model/pipeline modes, kept importable here;
-the code lives in gptpar.parallel.pipeline."""
+`_split_module`, `clock_cycles`, `_clock_cycles`, `Pipe`, `GPT2LMHeadModelParallel` and its
+`GPT2ModelParallel`) and GPT-2's model/pipeline modes, kept importable here; the code lives in
+gptpar.parallel.pipeline."""
 
 from gptpar.parallel.pipeline.gpt2 import (
+    GPT2LMHeadModelParallel,
+    GPT2ModelParallel,
     ParallelGPT2,
     build_parallel_model,
     input_device,
@@ -15,13 +18,14 @@ from gptpar.parallel.pipeline.pipe import (
     PipeError,
     PipeStats,
     WithDevice,
+    _clock_cycles,
     _split_module,
     clock_cycles,
     split_module,
 )
 
 __all__ = [
-    "ModelParallel", "ParallelGPT2", "Pipe", "PipeError", "PipeStats", "WithDevice", "_split_module",
-    "build_parallel_model", "clock_cycles", "input_device", "output_device", "resolve_devices",
-    "split_module",
+    "GPT2LMHeadModelParallel", "GPT2ModelParallel", "ModelParallel", "ParallelGPT2", "Pipe", "PipeError", "PipeStats",
+    "WithDevice", "_clock_cycles", "_split_module", "build_parallel_model", "clock_cycles", "input_device",
+    "output_device", "resolve_devices", "split_module",
 ]

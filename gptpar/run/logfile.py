@@ -30,7 +30,8 @@ from gptpar.atomic import write_error
 
 SCHEMA_VERSION = 2
 
-# Required fields of each record kind; every record also carries "kind" and "time" (unix seconds).
+# Required fields of each record kind; every record also carries "kind" and "time" (unix seconds). Optional ones
+# include `bleu` in epoch records of data.task=translation (corpus BLEU 0-100, or null with train.bleu_samples=0).
 SCHEMA: dict[str, tuple[str, ...]] = {
     "header": (
         "schema_version", "run_id", "config", "rank", "world_size", "coords", "sizes",
@@ -288,7 +289,8 @@ def format_record(record: dict[str, Any]) -> str:
         return f"eval at step {get('step')}: val_loss {_number(get('val_loss'), '.4f')}"
     if kind == "epoch":
         return (f"epoch {get('epoch')}: {get('steps')} steps in {_number(get('training_time_s'), '.1f')} s, "
-                f"{_number(get('tokens_per_s'), ',.0f')} tok/s, val_loss {_number(get('val_loss'), '.4f')}")
+                f"{_number(get('tokens_per_s'), ',.0f')} tok/s, val_loss {_number(get('val_loss'), '.4f')}"
+                + (f", bleu {_number(get('bleu'), '.2f')}" if "bleu" in record else ""))
     if kind == "header":
         return (f"start (restart {get('restart')}): rank {get('rank')} of {get('world_size')} on {get('host')}, "
                 f"{get('device')}, {get('total_steps', '?')} steps in all")

@@ -27,15 +27,13 @@ restart does again (it ignores steps at or below the last one it has).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Protocol
 
 from gptpar.config import LogConfig
-from gptpar.errors import GptparError
+from gptpar.errors import require_extra
 from gptpar.run.logfile import Mirror
 
 TB_FOLDER = "tb"
@@ -66,15 +64,6 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
             if isinstance(record.get(name), (int, float)) and not isinstance(record[name], bool)}
 
 
-def _require(module: str, setting: str, extra: str) -> ModuleType:
-    """Import an optional package, or fail at start in one line that says how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise GptparError(f"{setting} needs the {extra} package: pip install 'gptpar[{extra}]' "
-                          "(or make install)") from None
-
-
 class TensorBoardSink:
     """Rank 0's scalars in tb/, every rank's throughput in tb/rank<R>/; writers open at the first step
     record, whose step is the purge step of this start."""
@@ -82,7 +71,7 @@ class TensorBoardSink:
     name = "TensorBoard"
 
     def __init__(self, run_dir: Path, rank: int):
-        self._writer = _require("torch.utils.tensorboard", "log.tensorboard=true", "tensorboard").SummaryWriter
+        self._writer = require_extra("torch.utils.tensorboard", "log.tensorboard=true", "tensorboard").SummaryWriter
         self.folder = Path(run_dir) / TB_FOLDER
         self.rank = rank
         self.main: Any = None  # rank 0's writer of the run's scalars
@@ -117,7 +106,7 @@ class WandbSink:
     name = "W&B"
 
     def __init__(self, run_dir: Path, project: str, mode: str):
-        self.wandb = _require("wandb", f"log.wandb={mode}", "wandb")
+        self.wandb = require_extra("wandb", f"log.wandb={mode}", "wandb")
         self.run_dir, self.project, self.mode = Path(run_dir), project, mode
         self.run: Any = None
         self.exit_code = 0  # 1 once the final record says failed: W&B then marks the run failed

@@ -5,6 +5,8 @@ Data parallelism enters through the data shard (the grid's dp coordinate) and th
 to logits, and the multi-process pipeline (parallel.pp > 1) through its engine, which runs a step's
 forwards and backwards on this rank's stages; the loop itself does not change. `run_rank` is the entry
 point of a rank: it joins the process group once, claims the run folder, trains, and leaves the group once.
+data.task=translation runs under every layout: its masked loss is token-weighted over the whole step (micro-batches,
+pipeline chunks, replicas), and its BLEU is decoded wherever the layout lets a forward run (see `translate`).
 """
 
 from __future__ import annotations
@@ -18,26 +20,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.profiler import record_function
+from transformers import GPT2LMHeadModel
 
-from gptpar.config import Config, grid_sizes, resolve_for_launch, updated
+from gptpar.config import Config, example_width, fixed_width, grid_sizes, resolve_for_launch, updated
 from gptpar.data import BlockDataset, load_tokens, partition_dataset
+from gptpar.data.translation import TranslationData, load_translation, target_tokens
 from gptpar.errors import GptparError
 from gptpar.model import build_model, count_params, initial_value, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
-from gptpar.parallel.pipeline.engine import PipelineEngine
-from gptpar.parallel.pipeline.gpt2 import build_parallel_model
+from gptpar.parallel.pipeline.engine import PipelineEngine, Weight, by_rows
+from gptpar.parallel.pipeline.gpt2 import build_parallel_model, plain_gpt2_state
 from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
-from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model
-from gptpar.parallel.tensor_parallel.state import CheckpointLayout, counts_in_norm
+from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model, whole_logits
+from gptpar.parallel.tensor_parallel.state import CheckpointLayout, counts_in_norm, whole
 from gptpar.run.folder import RunFolder, run_folder
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
 from gptpar.run.sinks import open_sinks
 from gptpar.run.state import read_run, resume_hint
+from gptpar.train.bleu import corpus_bleu, decode_validation, require_sacrebleu
 from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
+from gptpar.train.grad_dump import dump_gradients
 from gptpar.train.memory import state_bytes
 from gptpar.train.optim import clip_gradients, learning_rate, make_optimizer
 from gptpar.train.precision import Precision
@@ -60,15 +67,26 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.precision = Precision.from_config(t, info.device)  # first: a device that cannot run it fails at once
-        tokens = load_tokens(cfg.data)
-        self.train_set = BlockDataset(tokens.train, cfg.data.seq_len, "train")
-        self.val_set = BlockDataset(tokens.val, cfg.data.seq_len, "validation")
-        self.vocab_size, self.tokenizer = tokens.vocab_size, tokens.tokenizer
+        # data.task=translation: pairs of varying length, padded per batch (collate; to one width where shapes are
+        # fixed), the loss on target tokens only.
+        self.translation: TranslationData | None = None
+        self.collate = None
+        if cfg.data.task == "translation":
+            if t.bleu_samples:
+                require_sacrebleu()  # now, not after the first epoch
+            self.translation = data = load_translation(cfg.data, fixed_width(cfg))
+            self.train_set, self.val_set, self.collate = data.train, data.val, data.collate
+            self.vocab_size, self.tokenizer = data.vocab_size, data.tokenizer.name
+        else:
+            tokens = load_tokens(cfg.data)
+            self.train_set = BlockDataset(tokens.train, cfg.data.seq_len, "train")
+            self.val_set = BlockDataset(tokens.val, cfg.data.seq_len, "validation")
+            self.vocab_size, self.tokenizer = tokens.vocab_size, tokens.tokenizer
         self.micro_batch = t.batch_size // t.grad_accum  # global, over all replicas
         if len(self.train_set) < self.micro_batch:
             raise GptparError(f"train.batch_size={t.batch_size} exceeds the {len(self.train_set)} training "
-                              "blocks of the corpus; lower it or use a larger corpus")
-        model = build_model(cfg.model, tokens.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=cfg.data.seq_len,
+                              "examples of the corpus; lower it or use a larger corpus")
+        model = build_model(cfg.model, self.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=example_width(cfg),
                             init_device=cfg.model.init_device)
         self.n_params, self.gpt2 = count_params(model), model.config  # whole, before any sharding
         self.pipeline = grid.size("pp") > 1
@@ -85,8 +103,9 @@ class Trainer:
         if self.tp_group is not None:
             model = shard_model(model, cfg.parallel, grid, info.device)
         prepare_blocks(model, cfg, info.device)  # in place, before any wrapper or stage split sees the blocks
-        self.loss_fn = loss_function(cfg.parallel, grid, tokens.vocab_size)
+        self.loss_fn = loss_function(cfg.parallel, grid, self.vocab_size)
         self.loss_context = loss_context(cfg.parallel, grid)
+        self.whole_logits = whole_logits(cfg.parallel, grid, self.vocab_size)  # what decoding reads
         if self.pipeline:
             self.net = PipelineEngine(model, cfg, grid, info.device)
         elif self.tp_group is not None:
@@ -123,7 +142,7 @@ class Trainer:
 
     def _loader(self, epoch: int):
         return partition_dataset(self.grid.coord("dp"), self.grid.size("dp"), self.train_set, self.micro_batch,
-                                 seed=self.cfg.train.seed, epoch=epoch)
+                                 self.collate, seed=self.cfg.train.seed, epoch=epoch)
 
     def _batches(self, epoch: int, skip_steps: int) -> Iterator[list[Batch]]:
         """The epoch's optimizer steps, each a list of grad_accum micro-batches; resumed steps are skipped."""
@@ -132,14 +151,41 @@ class Trainer:
         while chunk := list(islice(micro, accum)):
             yield chunk
 
-    def _dp_mean(self, value: float) -> float:
-        """The mean of a scalar over the data-parallel replicas (one small all-reduce)."""
+    def _dp_sum(self, *values: float) -> list[float]:
+        """Scalars summed over the data-parallel replicas (one small all-reduce)."""
         if self.dp_group is None:
-            return value
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.info.device)
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.info.device)
         with comm_span("all_reduce"):
             dist.all_reduce(tensor, group=self.dp_group)
-        return float(tensor.item()) / self.grid.size("dp")
+        return tensor.tolist()
+
+    def _dp_mean(self, value: float) -> float:
+        """The mean of a scalar over the data-parallel replicas."""
+        return self._dp_sum(value)[0] / self.grid.size("dp")
+
+    def _target_share(self, micro_batches: list[Batch]) -> float:
+        """N / R: the step's target tokens on all R replicas (one small all-reduce), per replica."""
+        return self._dp_sum(sum(target_tokens(y) for _, y in micro_batches))[0] / self.grid.size("dp")
+
+    def _loss_divisors(self, micro_batches: list[Batch]) -> list[float]:
+        """What each micro-batch's mean loss is divided by so that the step's gradient, once the sync has averaged
+        it over the R replicas, is that of the mean over every token of the step: the micro-step count for blocks
+        of equal size; for translation, whose micro-batches hold different numbers n_i of target tokens (N in the
+        step over all replicas), N / (R n_i). A rank's loss is then R times its share of the global mean, and the
+        mean over ranks is the token-weighted mean, whatever the split."""
+        if self.translation is None:
+            return [len(micro_batches)] * len(micro_batches)
+        share = self._target_share(micro_batches)
+        return [share / target_tokens(y) for _, y in micro_batches]
+
+    def _chunk_weight(self, micro_batches: list[Batch]) -> Weight | None:
+        """`_loss_divisors` for the pipeline engine, which cuts micro-batches into chunks of its own: None (equal
+        shares) for blocks; for translation a chunk's n target tokens over N / R, as a multiplier."""
+        if self.translation is None:
+            return None
+        share = self._target_share(micro_batches)
+        return lambda labels: target_tokens(labels) / share
 
     def _forward_backward(self, micro_batches: list[Batch]) -> float:
         """The step's mean-loss gradients into .grad (not yet reduced); returns the loss (a pipeline's on every
@@ -148,13 +194,14 @@ class Trainer:
         precision = self.precision
         if self.pipeline:
             with self.sync.accumulating(is_last_micro_step=False), record_function("forward_backward"):
-                return self.net.train_step(micro_batches, precision.loss_scale, precision.autocast)
-        total = 0.0
+                return self.net.train_step(micro_batches, precision.loss_scale, precision.autocast,
+                                           self._chunk_weight(micro_batches))
+        total, divisors = 0.0, self._loss_divisors(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context():
                 with record_function("forward"), precision.autocast():
                     logits = self.sync.module(x.to(self.net.input_device, non_blocking=True))
-                    loss = self.loss_fn(logits, y.to(logits.device, non_blocking=True)) / len(micro_batches)
+                    loss = self.loss_fn(logits, y.to(logits.device, non_blocking=True)) / divisors[i]
                 with record_function("backward"):
                     precision.scale(loss).backward()
             total += loss.item()
@@ -180,6 +227,8 @@ class Trainer:
                 self.sync.after_step()
         if self.memory is None:
             self.memory = state_bytes(self.net, self.optimizer) | self.sync.memory_fields()
+        if t.dump_grads and self.step + 1 == self.total_steps:  # the run's last step, synced, not yet zeroed
+            dump_gradients(self.net.original_parameters(), t.dump_grads, self.info.rank)
         self.sync.zero_grad()
         return total, grad_norm
 
@@ -203,21 +252,81 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean validation loss over the first eval_batches of every replica's shard, averaged over replicas."""
+        """Mean validation loss over the first eval_batches of every replica's shard, averaged over replicas
+        (for translation weighted by target tokens, which differ from batch to batch)."""
         replicas = self.grid.size("dp")
         batch = min(self.micro_batch, len(self.val_set) // replicas * replicas)
         if batch < replicas:
             return None
         self.net.eval()
         self.precision.set_matmul_precision()
-        loader = partition_dataset(self.grid.coord("dp"), replicas, self.val_set, batch, seed=0, epoch=0)
+        loader = partition_dataset(self.grid.coord("dp"), replicas, self.val_set, batch, self.collate, seed=0, epoch=0)
+        batches = list(islice(loader, self.cfg.train.eval_batches))
         with self.precision.autocast(), self.loss_context():
             if self.pipeline:
-                losses = [self.net.eval_loss(x, y) for x, y in islice(loader, self.cfg.train.eval_batches)]
+                weight = target_tokens if self.translation is not None else by_rows
+                losses = [self.net.eval_loss(x, y, weight) for x, y in batches]
             else:
                 losses = [self.loss_fn(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
-                          for x, y in islice(loader, self.cfg.train.eval_batches)]
+                          for x, y in batches]
+        if self.translation is not None:
+            counts = [target_tokens(y) for _, y in batches]
+            loss_sum, count = self._dp_sum(sum(loss * n for loss, n in zip(losses, counts, strict=True)), sum(counts))
+            return loss_sum / count
         return self._dp_mean(sum(losses) / len(losses))
+
+    @torch.no_grad()
+    def translate(self, samples: int) -> list[str]:
+        """Greedy translations of the first `samples` validation sources, decoded by the replicas in shares of
+        per-replica micro-batches and gathered (every rank returns all). Tensor parallelism decodes on every rank
+        of the tp group in lockstep (its forward is a collective); the multi-process pipeline on its model gathered
+        whole (`_whole_model`), one rank per replica, while the other ranks keep in step."""
+        self.net.eval()
+        self.precision.set_matmul_precision()
+        batch, device = self.micro_batch // self.grid.size("dp"), self.info.device
+        with self.precision.autocast():
+            if not self.pipeline:
+                return decode_validation(self._decode_logits, self.translation, samples, batch, self.dp_group, device)
+            model = self._whole_model()
+            forward = (lambda ids: model(ids.to(device)).logits) if model is not None else None
+            return decode_validation(forward, self.translation, samples, batch, dist.group.WORLD, device,
+                                     (self.grid.coord("dp"), self.grid.size("dp")))
+
+    def _decode_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The whole logits of `ids`, right-padded to the batches' fixed width where there is one (sequence
+        parallelism's equal shards): causal attention keeps the real positions' logits as they were."""
+        if (width := self.translation.width) is not None:
+            ids = F.pad(ids, (0, width - ids.size(1)), value=self.translation.eos)
+        return self.whole_logits(self.net(ids.to(self.net.input_device)))
+
+    def _whole_model(self) -> GPT2LMHeadModel | None:
+        """The pipeline's model as one GPT2LMHeadModel on each replica's first-stage rank of tp coordinate 0 (None
+        on the others): every stage's parameters made whole over the tp group and gathered over the pp group, named
+        as the checkpoint export names them (`plain_gpt2_state`). Memory: while it decodes, that rank holds a
+        second, whole copy of the parameters (no gradients, no optimizer state) beside its stage, and the gathered
+        pieces once more on the host; a model that cannot fit one device whole cannot be scored this way
+        (train.bleu_samples=0 turns BLEU off)."""
+        pieces = {name: whole(p, self.tp_group).cpu() for name, p in self.net.named_parameters()}  # tp collectives
+        if self.grid.coord("tp") != 0:
+            return None
+        first = self.grid.coord("pp") == 0
+        gathered: list[Any] | None = [None] * self.grid.size("pp") if first else None
+        with comm_span("gather"):
+            dist.gather_object(pieces, gathered, dst=self.grid.group_ranks("pp")[0], group=self.grid.group("pp"))
+        if not first:
+            return None
+        with torch.device("meta"):
+            model = GPT2LMHeadModel(self.gpt2)
+        state = plain_gpt2_state({name: p for piece in gathered for name, p in piece.items()}, self.vocab_size)
+        model.load_state_dict(state, assign=True)
+        return model.to(self.info.device).eval()
+
+    def bleu(self) -> float | None:
+        """Corpus BLEU of the first train.bleu_samples validation pairs' translations; None when it is off
+        (train.bleu_samples=0) or the task is not translation."""
+        data = self.translation
+        samples = min(self.cfg.train.bleu_samples, len(data.val)) if data is not None else 0
+        return corpus_bleu(self.translate(samples), data.val.references[:samples]) if samples else None
 
     def banner(self) -> str:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
@@ -251,7 +360,6 @@ class Trainer:
         cfg, info = self.cfg, self.info
         progress = Progress(cfg.log, info.rank, info.world_size, self.total_steps, self.step)
         progress.message(self.banner())
-        micro_tokens = self.micro_batch // self.grid.size("dp") * cfg.data.seq_len
         status, loss = "completed", math.nan
         first_step = self.step
         profiler = StepProfiler(cfg.train, info.device, self.folder.trace_path(info.rank))
@@ -275,7 +383,7 @@ class Trainer:
                     step_time = time.perf_counter() - start
                     self.step += 1
                     profiler.end(self.step)
-                    tokens = micro_tokens * len(micro_batches)
+                    tokens = sum(x.numel() for x, _ in micro_batches)  # positions run, translation's padding too
                     epoch_time += step_time
                     epoch_rates.append(tokens / step_time)
                     pipeline = self.net.step_fields() if self.pipeline else {}
@@ -297,11 +405,13 @@ class Trainer:
                         self._save()
                 if status == "completed" and self.step > epoch_start_step:
                     val = self.evaluate()
+                    scores = {"bleu": self.bleu()} if self.translation is not None else {}
                     self.log.log("epoch", epoch=epoch, training_time_s=epoch_time,
                                  tokens_per_s=sum(epoch_rates) / len(epoch_rates), val_loss=val,
-                                 steps=self.step - epoch_start_step)
+                                 steps=self.step - epoch_start_step, **scores)
                     progress.message(f"epoch {epoch}: {epoch_time:.2f} s" +
-                                     (f", val_loss {val:.4f}" if val is not None else ""))
+                                     (f", val_loss {val:.4f}" if val is not None else "") +
+                                     (f", bleu {scores['bleu']:.2f}" if scores.get("bleu") is not None else ""))
             self._save()
         finally:
             progress.close()

@@ -5,7 +5,8 @@ show` run), so what is measured is what was planned. Activations and their gradi
 torch.distributed point-to-point messages between the ranks of the grid's `pp` group:
 
 - Shapes are known ahead: a stage's input is (micro-batch rows, seq_len, n_embd), derived from the batch
-  every rank of a replica loads itself. No rank ever asks another for a shape.
+  every rank of a replica loads itself (translation pads every batch to one width for it). No rank ever asks
+  another for a shape.
 - Each run of consecutive send/receive actions is posted as one `batch_isend_irecv` (on NCCL one group
   call, so a send and the receive beside it cannot wait on each other); receives are waited for before
   the compute that needs them, sends only at the end of the step. Sends and receives of one pair of
@@ -33,7 +34,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
-from gptpar.config import Config, pp_split_counts
+from gptpar.config import Config, example_width, pp_split_counts
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.pipeline.gpt2 import PipelineStage, balanced_sizes, original_name, pipeline_stages
@@ -44,6 +45,12 @@ from gptpar.train.memory import SavedBytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Key = tuple[int, int]  # (micro-batch, stage)
+Weight = Callable[[torch.Tensor], float]  # a chunk's weight in a mean loss, from its labels
+
+
+def by_rows(labels: torch.Tensor) -> float:
+    """Each row weighs the same: the mean over equal-length language-model blocks."""
+    return labels.size(0)
 
 
 @dataclass
@@ -123,7 +130,7 @@ class PipelineEngine(nn.Module):
         choice: list[Any] = [None]
         if dist.get_rank() == 0:
             choice[0] = balanced_sizes(model, self.n_stages, cfg.parallel.balance, separate_head=True,
-                                       sample=(max(1, micro_rows), cfg.data.seq_len), device=device)
+                                       sample=(max(1, micro_rows), example_width(cfg)), device=device)
         dist.broadcast_object_list(choice, src=0)
         return choice[0]
 
@@ -162,26 +169,30 @@ class PipelineEngine(nn.Module):
     # --- one step ---------------------------------------------------------------------------------
 
     def train_step(self, micro_batches: list[Batch], loss_scale: float = 1.0,
-                   autocast: Callable[[], AbstractContextManager] = nullcontext) -> float:
+                   autocast: Callable[[], AbstractContextManager] = nullcontext, weight: Weight | None = None
+                   ) -> float:
         """Forwards and backwards of every micro-step's batch through the schedule; .grad holds the
         gradient of the mean loss times `loss_scale` (fp16's, not yet averaged over replicas); each forward runs
-        under `autocast()` (a new context each time), backwards outside it. Returns the (unscaled) loss on every
-        rank."""
+        under `autocast()` (a new context each time), backwards outside it. Each chunk's mean loss counts `weight`
+        of its labels (translation: its share of the step's target tokens), by default an equal share
+        1 / (micro-steps * chunks). Returns the (unscaled) loss on every rank."""
         self.train()
         self.stats = StepStats()
         start = time.perf_counter()
-        scale = 1.0 / (len(micro_batches) * self.chunks)
+        equal = 1.0 / (len(micro_batches) * self.chunks)
+        weight = weight or (lambda _labels: equal)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in micro_batches:
-            total += self._run_schedule(x, y, scale, start, loss_scale, autocast)
+            total += self._run_schedule(x, y, weight, start, loss_scale, autocast)
         loss = self._share(total)
         self.stats.window_s = time.perf_counter() - start
         return loss
 
-    def _run_schedule(self, x: torch.Tensor, y: torch.Tensor, scale: float, start: float, loss_scale: float,
+    def _run_schedule(self, x: torch.Tensor, y: torch.Tensor, weight: Weight, start: float, loss_scale: float,
                       autocast: Callable[[], AbstractContextManager]) -> torch.Tensor:
         xs = x.to(self.device, non_blocking=True).chunk(self.chunks)
         ys = y.to(self.device, non_blocking=True).chunk(self.chunks)
+        scales = [weight(labels) for labels in y.chunk(self.chunks)]  # on the host: no device sync in the schedule
         shape = (xs[0].size(0), xs[0].size(1) // self.seq_shards, self.width)
         inputs: dict[Key, torch.Tensor] = {}
         outputs: dict[Key, torch.Tensor] = {}
@@ -209,7 +220,7 @@ class PipelineEngine(nn.Module):
                     with SavedBytes(self.stages.parameters()) as counter, autocast():
                         out = stage(inp)
                         if stage.is_last:
-                            loss = self.loss_fn(out, ys[action.microbatch]) * scale
+                            loss = self.loss_fn(out, ys[action.microbatch]) * scales[action.microbatch]
                             total += loss.detach()
                             out = loss * loss_scale
                     outputs[key] = out
@@ -276,8 +287,9 @@ class PipelineEngine(nn.Module):
     # --- evaluation ----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Mean loss of a batch, forward only: micro-batch after micro-batch, stage after stage."""
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, weight: Weight = by_rows) -> float:
+        """Mean loss of a batch, forward only: micro-batch after micro-batch, stage after stage; each micro-batch's
+        mean weighted by `weight` of its labels (rows; translation: target tokens)."""
         self.eval()
         x, y = x.to(self.device), y.to(self.device)
         rows = max(1, math.ceil(x.size(0) / self.chunks))
@@ -295,12 +307,12 @@ class PipelineEngine(nn.Module):
                         dist.recv(hidden, self.peers[(s - 1) % self.ranks])
                 out = stage(hidden)
                 if stage.is_last:
-                    total += self.loss_fn(out, ym).double() * xm.size(0)
+                    total += self.loss_fn(out, ym).double() * weight(ym)
                 else:
                     with comm_span("send", phase="issue"):
                         sends.append(dist.isend(out.to(self.dtype).contiguous(), self.peers[(s + 1) % self.ranks]))
         for work in sends:
             with comm_span("send", phase="wait"):
                 work.wait()
-        return self._share(total) / x.size(0)
+        return self._share(total) / weight(y)
 

@@ -21,7 +21,8 @@ import time
 
 import torch
 from torch import nn
-from transformers import GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.modeling_outputs import CausalLMOutput
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
@@ -199,7 +200,8 @@ def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: st
     if n > len(blocks):
         raise GptparError(f"parallel.devices lists {n} stages but the model has only {len(blocks)} "
                           "transformer blocks; list at most that many devices")
-    untie = devices[0] != devices[-1]
+    # A model staged before (the assignment's parallelize() then _prepare_pipeline_parallel()) is untied already.
+    untie = devices[0] != devices[-1] and model.lm_head.weight is tr.wte.weight
     sizes = balanced_sizes(model, n, balance, untie, device=devices[0])
     implicit = model.config._attn_implementation in _IMPLICIT_CAUSAL
     children: list[nn.Module] = [Embedding(tr.wte, tr.wpe, tr.drop).to(devices[0])]
@@ -279,13 +281,17 @@ class ParallelGPT2(nn.Module):
     """`forward(input_ids) -> logits` in the configured `parallel.pp_mode`.
 
     Inputs go to `input_device`; logits come back on `output_device`. `single` runs on the first
-    listed device, or on the rank's own device when none is listed.
+    listed device, or on the rank's own device when none is listed. A pipeline cuts a batch into
+    `parallel.chunks` micro-batches, or into micro-batches of `split_size` rows when one is given.
     """
 
-    def __init__(self, model: GPT2LMHeadModel, pcfg: ParallelConfig, rank_device: torch.device) -> None:
+    def __init__(self, model: GPT2LMHeadModel, pcfg: ParallelConfig, rank_device: torch.device,
+                 split_size: int | None = None) -> None:
         super().__init__()
         devices = resolve_devices(pcfg.devices)  # checked even in single mode: a missing GPU is an error
-        self.mode, self.chunks = pcfg.pp_mode, pcfg.chunks
+        self.mode, self.chunks, self.split_size = pcfg.pp_mode, pcfg.chunks, split_size
+        # Kept out of the module tree: the stages wrap its modules, which state_dict() would otherwise list twice.
+        self.__dict__["gpt2"] = model
         if self.mode == "single":
             device = devices[0] if pcfg.devices.strip() else rank_device
             # A model still on the meta device (model.init_device=meta under fsdp) is materialised by its sync.
@@ -295,7 +301,8 @@ class ParallelGPT2(nn.Module):
             return
         seq, per_stage = gpt2_stages(model, devices, pcfg.balance)
         if self.mode == "pipeline_parallel":
-            self.runner: nn.Module = Pipe(seq, split_size=1, balance=per_stage)
+            rows = 1 if split_size is None else split_size  # None: forward passes each batch's own
+            self.runner: nn.Module = Pipe(seq, split_size=rows, balance=per_stage)
         else:
             self.runner = ModelParallel(seq, balance=per_stage)
         self.input_device, self.output_device = devices[0], devices[-1]
@@ -307,12 +314,60 @@ class ParallelGPT2(nn.Module):
         stats = getattr(self.runner, "stats", None) if self.mode == "pipeline_parallel" else None
         return sum(stats.bubble) / len(stats.bubble) if stats else None
 
+    def original_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters under their GPT2LMHeadModel names in every mode (an untied head's copy as lm_head.weight),
+        as the multi-process engine's `original_parameters()` gives them."""
+        return dict(self.gpt2.named_parameters())
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.mode == "single":
             return self.model(input_ids.to(self.input_device)).logits
         if self.mode == "pipeline_parallel":
-            return self.runner(input_ids, split_size=micro_batch_size(input_ids.size(0), self.chunks))
+            rows = micro_batch_size(input_ids.size(0), self.chunks) if self.split_size is None else None
+            return self.runner(input_ids, split_size=rows)  # None: the Pipe's own split_size
         return self.runner(input_ids)
+
+
+class GPT2LMHeadModelParallel(nn.Module):
+    """The assignment's `GPT2LMHeadModelParallel` over transformers' GPT-2, for code written against it.
+
+    The model runs whole on the first of `devices` (empty: every visible GPU, else the CPU) until
+    `parallelize()` spreads its blocks over them (the whole batch visits the stages in turn) or
+    `_prepare_pipeline_parallel(split_size)` runs them as a GPipe pipeline on micro-batches of
+    `split_size` rows; both are `ParallelGPT2`'s modes. Unlike the assignment's, whose pipeline
+    holds the blocks only, the stages hold the embeddings and the LM head too, so there is no
+    headless twin: `GPT2ModelParallel` names this class, and forward returns the LM's output
+    (`.logits`). The GPT2LMHeadModel is `self.model`, so state_dict() keeps GPT-2's own keys.
+    """
+
+    def __init__(self, config: GPT2Config | GPT2LMHeadModel, devices: str = "") -> None:
+        super().__init__()
+        self.model = config if isinstance(config, GPT2LMHeadModel) else GPT2LMHeadModel(config)
+        self.devices = devices
+        self._run_as("single")
+
+    def _run_as(self, mode: str, split_size: int | None = None) -> None:
+        net = ParallelGPT2(self.model, ParallelConfig(pp_mode=mode, devices=self.devices),
+                           resolve_devices(self.devices)[0], split_size)
+        self.__dict__["net"] = net  # out of the module tree: its stages are self.model's own modules
+
+    @property
+    def pipeline_parallel(self) -> bool:
+        return self.net.mode == "pipeline_parallel"
+
+    def parallelize(self) -> None:
+        """Model parallelism: the blocks spread over the devices, the whole batch visiting them in turn."""
+        self._run_as("model_parallel")
+
+    def _prepare_pipeline_parallel(self, split_size: int = 1) -> None:
+        """Pipeline parallelism: the same stages, fed micro-batches of `split_size` rows."""
+        self._run_as("pipeline_parallel", split_size)
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        return CausalLMOutput(logits=self.net(input_ids))
+
+
+GPT2ModelParallel = GPT2LMHeadModelParallel  # the assignment's name (see the class docstring)
 
 
 def build_parallel_model(model: GPT2LMHeadModel, pcfg: ParallelConfig,

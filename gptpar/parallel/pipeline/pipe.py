@@ -44,15 +44,26 @@ class PipeError(RuntimeError):
 
 
 class WithDevice(nn.Module):
-    """Pins a module without parameters (or with parameters already there) to a device."""
+    """Pins a module without parameters (or with parameters already there) to a device.
+
+    Keeps them as `_module` and `_device` (read through `module` and `device`) as the assignment's does,
+    so code and state_dict keys (`_module.*`) written for that class work with this one."""
 
     def __init__(self, module: nn.Module, device: torch.device | str) -> None:
         super().__init__()
-        self.module = module
-        self.device = torch.device(device)
+        self._module = module
+        self._device = torch.device(device)
+
+    @property
+    def module(self) -> nn.Module:
+        return self._module
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self._module(*args, **kwargs)
 
 
 def _tensor_devices(module: nn.Module) -> set[torch.device]:
@@ -73,8 +84,11 @@ def _device_of(index: int, module: nn.Module) -> torch.device | None:
     return next(iter(devices), None)
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
-    return module.module if isinstance(module, WithDevice) else module
+def _layers(module: nn.Module) -> list[nn.Module]:
+    """What a child puts into its partition: WithDevice unwrapped, an nn.Sequential's own children (one level,
+    as the assignment's `_assemble_partition` flattens them), so a partition is a flat list of layers."""
+    module = module.module if isinstance(module, WithDevice) else module
+    return list(module.children()) if isinstance(module, nn.Sequential) else [module]
 
 
 def split_module(seq: nn.Sequential, balance: list[int] | None = None
@@ -83,7 +97,8 @@ def split_module(seq: nn.Sequential, balance: list[int] | None = None
 
     Without `balance`, a new partition starts wherever the device changes; a child without tensors
     or WithDevice joins the current partition. With `balance` (children per partition, as in
-    torchgpipe), partitions may share a device: that is how two CPU stages are made.
+    torchgpipe), partitions may share a device: that is how two CPU stages are made. A child that
+    is an nn.Sequential counts as one child here and is flattened into its partition.
     """
     children = list(seq.children())
     if not children:
@@ -110,18 +125,21 @@ def split_module(seq: nn.Sequential, balance: list[int] | None = None
             raise GptparError(f"partition of children {group[0]}..{group[-1]} spans devices "
                               f"{', '.join(sorted(map(str, found)))}; one partition runs on one device")
         dev = found.pop() if found else (part_devices[-1] if part_devices else torch.device("cpu"))
-        partitions.append(nn.Sequential(*(_unwrap(children[i]) for i in group)))
+        partitions.append(nn.Sequential(*(layer for i in group for layer in _layers(children[i]))))
         part_devices.append(dev)
     return partitions, part_devices
 
 
-_split_module = split_module
+_split_module = split_module  # the assignment's name
 
 
 def clock_cycles(num_batches: int, num_partitions: int) -> Iterator[list[tuple[int, int]]]:
     """GPipe forward schedule: clock k runs micro-batch i on partition k - i, for every valid pair."""
     for k in range(num_batches + num_partitions - 1):
         yield [(i, k - i) for i in range(max(0, k - num_partitions + 1), min(k + 1, num_batches))]
+
+
+_clock_cycles = clock_cycles  # the assignment's name
 
 
 @dataclass(frozen=True)
@@ -318,7 +336,7 @@ class Pipe(nn.Module):
     workers too (captured at each forward); backwards run outside it.
     """
 
-    def __init__(self, module: nn.Sequential, split_size: int, balance: list[int] | None = None) -> None:
+    def __init__(self, module: nn.Sequential, split_size: int = 1, balance: list[int] | None = None) -> None:
         super().__init__()
         if split_size < 1:
             raise ValueError(f"split_size must be >= 1, got {split_size}")

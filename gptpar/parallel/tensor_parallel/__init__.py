@@ -20,12 +20,14 @@ from transformers import GPT2LMHeadModel
 from gptpar.config import ParallelConfig
 from gptpar.model import lm_loss
 from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.tensor_parallel.comm import gather_last_dim
 from gptpar.parallel.tensor_parallel.gpt2 import TensorParallelGPT2, shard_gpt2, tensor_parallel_forward
 from gptpar.parallel.tensor_parallel.loss import vocab_parallel_loss
 from gptpar.parallel.tensor_parallel.torch_plan import loss_context as torch_loss_context
 from gptpar.parallel.tensor_parallel.torch_plan import parallelize_gpt2, torch_lm_loss
 
-__all__ = ["TensorParallelGPT2", "loss_context", "loss_function", "shard_model", "tensor_parallel_forward"]
+__all__ = ["TensorParallelGPT2", "loss_context", "loss_function", "shard_model", "tensor_parallel_forward",
+           "whole_logits"]
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -47,6 +49,17 @@ def loss_function(pcfg: ParallelConfig, grid: RankGrid, vocab: int) -> Loss:
     if pcfg.tp_impl == "torch":
         return torch_lm_loss
     return functools.partial(vocab_parallel_loss, vocab=vocab, group=grid.group("tp"))
+
+
+def whole_logits(pcfg: ParallelConfig, grid: RankGrid, vocab: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What turns the model's output into the whole logits that greedy decoding reads: loss parallelism leaves each
+    rank its vocabulary columns (a DTensor under tp_impl=torch), gathered here over the tp group (a collective)."""
+    if grid.size("tp") == 1 or not pcfg.loss_parallel:
+        return lambda logits: logits
+    if pcfg.tp_impl == "torch":
+        return lambda logits: logits.full_tensor()[..., :vocab]
+    group = grid.group("tp")
+    return lambda logits: gather_last_dim(logits, group)[..., :vocab]
 
 
 def loss_context(pcfg: ParallelConfig, grid: RankGrid) -> Callable[[], contextlib.AbstractContextManager[Any]]:

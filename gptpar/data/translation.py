@@ -1,0 +1,179 @@
+"""German-to-English pairs for `data.task=translation`: read, tokenized, and served as `source <sep> target <eos>`.
+
+Sources: `jsonl:TRAIN[,VALID]` (one object per line, `{"de": ..., "en": ...}` or the hub's own
+`{"translation": {"de": ..., "en": ...}}`), `tsv:TRAIN[,VALID]` (`de<TAB>en` per line) and `hf:NAME[:CONFIG]`
+(the `train` and `validation` splits, rows of either form). One local file is split by position: the last
+`data.val_fraction` of its pairs is held out. `data.max_chars` caps the training pairs read (0: all).
+
+The tokenizer is the run's (`data.tokenizer`: GPT-2's, or a BPE trained on both sides of the training pairs);
+two ids past its vocabulary are reserved for <sep> and <eos>, so no text can be mistaken for them.
+
+Labels are the inputs shifted by one, as for language modelling, with every position that predicts a source
+token or <sep> (and padding) set to IGNORE: the loss counts target tokens and <eos> only. Batches are padded on
+the right to their longest example, or to one fixed width where shapes must not vary (gptpar.config.fixed_width);
+causal attention means no real position ever sees the padding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from filelock import FileLock
+from torch.utils.data import Dataset
+
+from gptpar.config import DataConfig
+from gptpar.data.sources import cache_dir, hf_split, read_text_file, text_paths
+from gptpar.data.tokenizer import Tokenizer, get_tokenizer
+from gptpar.errors import GptparError
+
+SOURCE_LANG, TARGET_LANG = "de", "en"
+IGNORE = -100  # the label cross-entropy skips (torch's ignore_index)
+Pair = tuple[str, str]
+
+
+def row_pair(row: Any, where: str) -> Pair:
+    """(de, en) of a row `{"de", "en"}` or `{"translation": {"de", "en"}}`; `where` names it in the error."""
+    inner = row.get("translation", row) if isinstance(row, dict) else None
+    pair = tuple(inner.get(lang) for lang in (SOURCE_LANG, TARGET_LANG)) if isinstance(inner, dict) else ()
+    if len(pair) != 2 or not all(isinstance(text, str) for text in pair):
+        raise GptparError(f"{where}: expected an object with {SOURCE_LANG!r} and {TARGET_LANG!r} strings (or "
+                          f"{{\"translation\": {{...}}}}), got {str(row)[:80]}")
+    return pair
+
+
+def _file_pairs(kind: str, path: Path) -> list[Pair]:
+    """The pairs of one jsonl or tsv file; blank lines are skipped, a bad line fails naming file and line."""
+    pairs = []
+    for number, line in enumerate(read_text_file(path, kind).split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"data.source={kind}: {path}:{number}"
+        if kind == "tsv":
+            fields = line.split("\t")
+            if len(fields) != 2:
+                raise GptparError(f"{where}: expected {SOURCE_LANG}<TAB>{TARGET_LANG}, got {len(fields)} field(s)")
+            pairs.append((fields[0], fields[1]))
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise GptparError(f"{where}: not valid JSON ({exc.msg})") from None
+        pairs.append(row_pair(row, where))
+    return pairs
+
+
+def _capped(pairs: Iterable[Pair], max_chars: int) -> list[Pair]:
+    """Pairs until their characters (both sides) reach `max_chars`; 0 keeps all."""
+    kept, total = [], 0
+    for pair in pairs:
+        if max_chars and total >= max_chars:
+            break
+        kept.append(pair)
+        total += len(pair[0]) + len(pair[1])
+    return kept
+
+
+def read_pairs(cfg: DataConfig) -> tuple[list[Pair], list[Pair]]:
+    """The (train, validation) pairs of `data.source`."""
+    source = cfg.source
+    if source.startswith("hf:"):
+        spec = source[3:]
+        rows = {split: hf_split(spec, cfg, split) for split in ("train", "validation")}
+        train = _capped((row_pair(r, f"data.source={source} (train)") for r in rows["train"]), cfg.max_chars)
+        return train, [row_pair(r, f"data.source={source} (validation)") for r in rows["validation"]]
+    kind = source.partition(":")[0]
+    paths = text_paths(source)
+    if len(paths) > 2:
+        raise GptparError(f"data.source={kind}: names {len(paths)} files; use {kind}:TRAIN or {kind}:TRAIN,VALID")
+    pairs = _file_pairs(kind, paths[0])
+    if len(paths) == 2:
+        return _capped(pairs, cfg.max_chars), _file_pairs(kind, paths[1])
+    cut = int(len(pairs) * (1 - cfg.val_fraction))
+    return _capped(pairs[:cut], cfg.max_chars), pairs[cut:]
+
+
+class PairDataset(Dataset):
+    """Tokenized pairs, cut to the configured lengths; items are (inputs, labels) of one example."""
+
+    def __init__(self, pairs: list[Pair], tokenizer: Tokenizer, cfg: DataConfig, split: str):
+        if not pairs:
+            raise GptparError(f"data.source={cfg.source}: the {split} split has no pairs; raise data.val_fraction, "
+                              "name a validation file (jsonl:TRAIN,VALID) or use more data")
+        self.sep, self.eos = tokenizer.vocab_size, tokenizer.vocab_size + 1
+        sources = tokenizer.encode_each([de for de, _ in pairs])
+        targets = tokenizer.encode_each([en for _, en in pairs])
+        self.sources = [ids[:cfg.max_source_len] for ids in sources]
+        self.targets = [ids[:cfg.max_target_len] for ids in targets]
+        self.references = [en.strip() for _, en in pairs]
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        source = self.sources[index]
+        ids = torch.from_numpy(np.concatenate([source, [self.sep], self.targets[index], [self.eos]]).astype(np.int64))
+        labels = ids[1:].clone()
+        labels[:len(source)] = IGNORE  # the positions that predict source tokens and <sep>
+        return ids[:-1], labels
+
+    def prompt(self, index: int) -> list[int]:
+        """What decoding starts from: the source and <sep>."""
+        return [*self.sources[index].tolist(), self.sep]
+
+
+def target_tokens(labels: torch.Tensor) -> int:
+    """The labels the loss counts: target tokens and <eos>."""
+    return int((labels != IGNORE).sum())
+
+
+def pad_batch(examples: Sequence[tuple[torch.Tensor, torch.Tensor]], pad: int, width: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Examples right-padded to `width` positions (None: the longest): inputs with `pad`, labels with IGNORE."""
+    width = width or max(len(x) for x, _ in examples)
+    inputs = torch.full((len(examples), width), pad, dtype=torch.int64)
+    labels = torch.full((len(examples), width), IGNORE, dtype=torch.int64)
+    for row, (x, y) in enumerate(examples):
+        inputs[row, :len(x)], labels[row, :len(y)] = x, y
+    return inputs, labels
+
+
+@dataclass
+class TranslationData:
+    train: PairDataset
+    val: PairDataset
+    tokenizer: Tokenizer
+    vocab_size: int  # the tokenizer's and <sep>, <eos>
+    max_new_tokens: int  # what decoding may generate: max_target_len tokens and <eos>
+    width: int | None = None  # every batch padded to it where shapes are fixed; None: to its longest example
+
+    @property
+    def eos(self) -> int:
+        return self.train.eos
+
+    def collate(self, examples: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        return pad_batch(examples, self.eos, self.width)
+
+    def text(self, ids: Sequence[int]) -> str:
+        """Generated ids as text; <sep> or <eos> inside them (an untrained model emits anything) are dropped."""
+        return self.tokenizer.decode([i for i in ids if i < self.tokenizer.vocab_size]).strip()
+
+
+def load_translation(cfg: DataConfig, width: int | None = None) -> TranslationData:
+    """The tokenized splits, batched to `width` positions (None: each batch to its longest example). One rank at
+    a time gets the tokenizer, so a BPE is trained once and the others load it from the cache; each rank tokenizes
+    the pairs itself (seconds, even for IWSLT's 160k pairs)."""
+    train_pairs, val_pairs = read_pairs(cfg)
+    tokenizers = cache_dir(cfg) / "tokenizers"
+    tokenizers.mkdir(exist_ok=True)
+    with FileLock(str(tokenizers / ".lock")):
+        both_sides = "\n".join(text for pair in train_pairs for text in pair)
+        tokenizer = get_tokenizer(cfg, both_sides, tokenizers)
+    return TranslationData(PairDataset(train_pairs, tokenizer, cfg, "train"),
+                           PairDataset(val_pairs, tokenizer, cfg, "validation"), tokenizer, tokenizer.vocab_size + 2,
+                           cfg.max_target_len + 1, width)

@@ -1,0 +1,66 @@
+"""The user's own defaults: set a profile and an account once, not in every command.
+
+They sit beneath every config file, from lowest to highest: the profile of a known cluster detected
+from this host (a shipped profile's `detect:`), the user file (`$GPTPAR_USER_CONFIG`, else
+`$XDG_CONFIG_HOME/gptpar/config.yaml`, else `~/.config/gptpar/config.yaml`; any config keys), then
+SBATCH_ACCOUNT, GPTPAR_ACCOUNT and GPTPAR_PROFILE. They apply only where a config is first resolved
+(`gptpar train` as the submitter, `submit`, `sweep`, `config show`, `doctor`), so the run's config.yaml
+records them; a job's ranks read that file alone and never these defaults.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import socket
+import typing
+from pathlib import Path
+
+from gptpar.config import Config, Layer, config_layers, nested, read_yaml, resolve_layers
+from gptpar.launch.profiles import load_profile, profile_names
+
+# (variable, key), lowest first: GPTPAR_ACCOUNT wins over SLURM's own SBATCH_ACCOUNT.
+ENV_KEYS = (("SBATCH_ACCOUNT", "launch.account"), ("GPTPAR_ACCOUNT", "launch.account"),
+            ("GPTPAR_PROFILE", "launch.profile"))
+
+
+def user_file(env: typing.Mapping[str, str]) -> Path:
+    if env.get("GPTPAR_USER_CONFIG"):
+        return Path(env["GPTPAR_USER_CONFIG"]).expanduser()
+    config_home = Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return config_home / "gptpar" / "config.yaml"
+
+
+def detected_profile(hostname: str, env: typing.Mapping[str, str]) -> tuple[str, str] | None:
+    """The shipped profile whose `detect:` matches this host, and the mark that matched: a host-name
+    pattern, or a variable a site sets on every node (NERSC_HOST=perlmutter). Only such reliable marks count."""
+    for name in profile_names():
+        detect = load_profile(name).get("detect") or {}
+        if any(fnmatch.fnmatch(hostname, pattern) for pattern in detect.get("hostnames") or ()):
+            return name, f"host {hostname}"
+        for var, value in (detect.get("env") or {}).items():
+            if env.get(var) == str(value):
+                return name, f"{var}={value}"
+    return None
+
+
+def user_layers(env: typing.Mapping[str, str] | None = None, hostname: str | None = None) -> list[Layer]:
+    """The user's defaults as config layers, lowest first, each named for `gptpar config show`."""
+    env = os.environ if env is None else env
+    hostname = socket.gethostname() if hostname is None else hostname
+    layers: list[Layer] = []
+    detected = detected_profile(hostname, env)
+    if detected:
+        layers.append((f"detected cluster ({detected[1]})", nested({"launch.profile": detected[0]})))
+    path = user_file(env)
+    if path.is_file():
+        layers.append((f"user file {path}", read_yaml(path)))
+    layers += [(f"environment {var}", nested({key: env[var]})) for var, key in ENV_KEYS if env.get(var)]
+    return layers
+
+
+def resolve_config(path: str | Path | None, overrides: typing.Iterable[str], user: bool = True
+                   ) -> tuple[Config, dict[str, str]]:
+    """The config a command resolves first, with where each key came from; `user=False` for a job's
+    ranks, which take their config file as it is."""
+    return resolve_layers([*(user_layers() if user else []), *config_layers(path, overrides)])

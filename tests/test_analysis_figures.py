@@ -1,0 +1,276 @@
+"""Figures a reader trusts: file names used once and counted truly, series by the keys that matter with short
+legends outside the axes, axes from 0 that say what they count, error bars that say what they are, the speedup
+figure with its ideals and without flagged results, loss against tokens and time, formats and dpi, and no
+matplotlib warning reaching the user. Each figure is inspected as drawn (analysis.canvas.write is wrapped)."""
+
+from __future__ import annotations
+
+import re
+import struct
+import warnings
+from pathlib import Path
+
+import pytest
+from logsets import T0, dp_run, engine_run
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+import analysis.canvas as canvas
+import analysis.figures as figures
+from analysis.canvas import FigureSet
+from analysis.report import report
+from gptpar.cli import main as gptpar_main
+from gptpar.errors import GptparError
+
+LATER = T0 + 3600.0
+
+
+@pytest.fixture
+def drawn(monkeypatch: pytest.MonkeyPatch) -> dict[str, Figure]:
+    """Every figure the report writes, by file name, kept for inspection after it is written."""
+    kept: dict[str, Figure] = {}
+    write = canvas.write
+
+    def keep(fig: Figure, path: Path, dpi: int | None = None) -> None:
+        write(fig, path, dpi)
+        kept[path.name] = fig
+
+    monkeypatch.setattr(canvas, "write", keep)
+    return kept
+
+
+def legend_labels(fig: Figure) -> list[str]:
+    return [text.get_text() for legend in fig.legends for text in legend.get_texts()]
+
+
+def titles(fig: Figure) -> str:
+    return " ".join([ax.get_title() for ax in fig.axes] + ([fig._suptitle.get_text()] if fig._suptitle else []))
+
+
+def dashed(ax) -> list[tuple[list[float], list[float]]]:
+    return [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines() if line.get_linestyle() == "--"]
+
+
+def points(ax) -> list[tuple[list[float], list[float]]]:
+    """The marker lines of an axes' error-bar series (marker o, drawn with a solid or no line)."""
+    return [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()
+            if line.get_marker() == "o" and line.get_linestyle() in ("-", "None") and line.get_markersize() < 10]
+
+
+def png_width(path: Path) -> int:
+    return struct.unpack(">I", path.read_bytes()[16:20])[0]
+
+
+def pipeline_sweep(runs: Path) -> None:
+    """Sweep pp: model parallel at 100 tokens/s against the pipeline at 1, 2, 4 chunks (150, 130, 150: chunks=1 at
+    1.5x is flagged)."""
+    pipe = {"devices": "cpu,cpu"}
+    dp_run(runs / "pp" / "mp", [100.0], pp_mode="model_parallel", **pipe)
+    for chunks, rate in ((1, 150.0), (2, 130.0), (4, 150.0)):
+        dp_run(runs / "pp" / f"m{chunks}", [rate], pp_mode="pipeline_parallel", chunks=chunks, **pipe)
+
+
+def rich_set(runs: Path) -> None:
+    """Runs that draw every figure but two (a swept key besides the GPU count, memory at two sizes): a DP sweep with
+    repeats, BLEU and memory records, the pipeline sweep and an engine sweep."""
+    for i, rate in enumerate((90.0, 95.0)):
+        dp_run(runs / "dp" / f"dp1-r{i}", [100.0], bleu=[10.0, 15.0], memory=[(1000, 4000, 4000, 8000)],
+               **{"launch.repeat": i})
+        dp_run(runs / "dp" / f"dp2-r{i}", [rate, rate], bleu=[11.0, 17.0], memory=[(1000, 4000, 4000, 4000)] * 2,
+               **{"launch.repeat": i, "parallel.dp_sync": "zero1"})
+    pipeline_sweep(runs)
+    for chunks in (2, 4):
+        engine_run(runs / "eng" / f"m{chunks}", [0.3, 0.2], chunks=chunks)
+
+
+def test_figure_names_are_unique_and_their_count_is_the_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    long = "a-sweep-whose-name-runs-on-" * 5  # 135 characters shared by four sweeps
+    for i in range(4):
+        dp_run(tmp_path / "runs" / f"{long}{i}" / "dp1", [100.0])
+    dp_run(tmp_path / "runs" / "adhoc", [100.0])
+    assert gptpar_main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    count, = re.findall(r"figures: (\d+) in", out)
+    files = sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".png")
+    listed = sorted(line.strip() for line in out.split("figures:")[1].splitlines()[1:])
+    assert int(count) == len(files) == len(listed) and listed == files
+    losses = [name for name in files if name.startswith("loss_")]
+    assert len(losses) == 5 and "loss_top-level.png" in losses
+    assert max(len(name) for name in files) <= len("loss_") + canvas.NAME_MAX + len(".png")
+
+
+def test_a_name_written_twice_in_one_report_gets_a_hash(tmp_path: Path) -> None:
+    figs = FigureSet(tmp_path)
+    for identity in ("one", "two"):
+        with canvas.plt.rc_context(canvas.STYLE):
+            figs.save(canvas.plt.figure(), "same", identity)
+    assert figs.written[0].name == "same.png" and re.fullmatch(r"same-[0-9a-f]{8}\.png", figs.written[1].name)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in figs.written)
+
+
+def test_runs_that_differ_only_in_length_or_evaluation_are_one_series(tmp_path: Path,
+                                                                      drawn: dict[str, Figure]) -> None:
+    dp_run(tmp_path / "s" / "dp1", [100.0])
+    dp_run(tmp_path / "s" / "dp2", [90.0, 90.0], **{"train.max_steps": 40, "train.eval_every": 5})
+    dp_run(tmp_path / "s" / "dp4", [80.0] * 4, **{"train.eval_batches": 2, "train.epochs": 3})
+    report(tmp_path, tmp_path / "out", now=LATER)
+    assert legend_labels(drawn["throughput_vs_gpus.png"]) == ["s"]
+    assert points(drawn["throughput_vs_gpus.png"].axes[0]) == [([1, 2, 4], [100.0, 180.0, 320.0])]
+    report(tmp_path, tmp_path / "out", now=LATER, group_by=["train.max_steps"])
+    assert legend_labels(drawn["throughput_vs_gpus.png"]) == ["max_steps=0", "max_steps=40"]
+
+
+def test_x_and_group_by_name_the_axis_and_the_lines(tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    for dp in (1, 2):
+        for bucket in (1.0, 25.0):
+            dp_run(tmp_path / "runs" / "b" / f"dp{dp}-{bucket:g}", [100.0 - bucket] * dp,
+                   **{"parallel.bucket_mb": bucket})
+    argv = ["report", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), "--x", "parallel.bucket_mb"]
+    assert gptpar_main([*argv, "--group-by", "sweep,gpus"]) == 0
+    fig = drawn["throughput_vs_bucket_mb.png"]
+    assert legend_labels(fig) == ["ranks=1", "ranks=2"] and fig.axes[0].get_xlabel() == "parallel.bucket_mb"
+    assert points(fig.axes[0]) == [([1.0, 25.0], [99.0, 75.0]), ([1.0, 25.0], [198.0, 150.0])]
+    assert {"time_vs_bucket_mb.png", "speedup_vs_bucket_mb.png"} <= set(drawn)
+    assert "throughput_vs_gpus.png" not in drawn
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--group-by", "parallel.nope"], "gptpar: error: --group-by 'parallel.nope': not a config key of any run "
+                                      "(section.key, such as parallel.dp_sync) nor one of gpus, sweep"),
+    (["--x", "bucket_mb"], "gptpar: error: --x 'bucket_mb': not a config key of any run (section.key, such as "
+                           "parallel.dp_sync) nor one of gpus, sweep"),
+])
+def test_an_unknown_key_is_one_line_and_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                       option: list[str], message: str) -> None:
+    dp_run(tmp_path / "runs" / "r", [100.0])
+    assert gptpar_main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "out"), *option]) == 2
+    assert capsys.readouterr().err.strip() == message
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option, message", [
+    (["--format", "jpg"], "gptpar: error: --format 'jpg': figures are written as png, pdf, svg"),
+    (["--dpi", "0"], "gptpar: error: --dpi 0: must be a positive number of dots per inch"),
+    (["--dpi", "-5"], "gptpar: error: --dpi -5: must be a positive number of dots per inch"),
+])
+def test_a_bad_format_or_dpi_is_one_line_before_any_run_is_read(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                option: list[str], message: str) -> None:
+    # The runs folder does not exist: the option is refused before the runs are looked for.
+    assert gptpar_main(["report", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out"), *option]) == 2
+    assert capsys.readouterr().err.strip() == message
+    with pytest.raises(GptparError, match="--format 'gif'"):
+        report(tmp_path / "nowhere", tmp_path / "out", fmt="gif")
+
+
+def test_figures_in_each_format_and_dpi(tmp_path: Path) -> None:
+    dp_run(tmp_path / "runs" / "s" / "dp1", [100.0])
+    dp_run(tmp_path / "runs" / "s" / "dp2", [90.0, 90.0])
+    out = tmp_path / "out"
+    for fmt, magic in (("svg", b"<?xml"), ("pdf", b"%PDF")):
+        result = report(tmp_path / "runs", out, now=LATER, fmt=fmt)
+        assert result.figures and all(p.suffix == f".{fmt}" and p.read_bytes().startswith(magic)
+                                      for p in result.figures)
+    assert not list(out.glob("*.svg"))  # the pdf report removed the svg figures it replaced
+    widths = {dpi: png_width(report(tmp_path / "runs", tmp_path / f"out{dpi}", now=LATER, dpi=dpi).figures[0])
+              for dpi in (100, 200)}
+    assert widths[200] / widths[100] == pytest.approx(2.0, rel=0.03)
+
+
+def test_scaling_axes_start_at_zero_and_count_ranks_or_gpus(tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    for device, sweep in (("cpu", "cpus"), ("cuda:0", "gpus")):
+        dp_run(tmp_path / sweep / "r" / "dp1", [100.0], device=device)
+        dp_run(tmp_path / sweep / "r" / "dp2", [90.0, 90.0], device=device)
+        report(tmp_path / sweep, tmp_path / f"out-{sweep}", now=LATER)
+        counted, word = ("ranks (CPU processes)", "ranks") if device == "cpu" else ("GPUs", "GPUs")
+        for name in ("time_vs_gpus.png", "throughput_vs_gpus.png"):
+            ax = drawn[name].axes[0]
+            assert ax.get_ylim()[0] == 0.0
+            assert ax.get_xlabel() == f"{counted}: data-parallel ranks × devices per replica"
+        assert titles(drawn["throughput_vs_gpus.png"]).startswith(f"Throughput vs {word} (dashed: ideal")
+
+
+def test_error_bars_say_what_they_are(tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    dp_run(tmp_path / "one" / "s" / "dp1", [100.0])
+    report(tmp_path / "one", tmp_path / "out", now=LATER)
+    assert "error bars: ± sample std over its kept epochs (or steps)" in titles(drawn["throughput_vs_gpus.png"])
+    for i in range(3):
+        dp_run(tmp_path / "rep" / "s" / f"dp1-r{i}", [100.0 + 10 * i], **{"launch.repeat": i})
+    report(tmp_path / "rep", tmp_path / "out", now=LATER)
+    fig = drawn["throughput_vs_gpus.png"]
+    assert "error bars: min-max over the 3 runs at a point (its repeats), marker at their mean" in " ".join(
+        titles(fig).split())
+    caps = sorted(y for line in fig.axes[0].get_lines() if line.get_marker() == "_" for y in line.get_ydata())
+    assert caps == [100.0, 120.0] and points(fig.axes[0]) == [([1], [110.0])]
+
+
+def test_the_speedup_figure_has_its_ideals_and_leaves_flagged_results_out(tmp_path: Path,
+                                                                        drawn: dict[str, Figure]) -> None:
+    dp_run(tmp_path / "sup" / "dp1", [100.0])
+    dp_run(tmp_path / "sup" / "dp2", [120.0, 120.0])  # 120% efficient: flagged
+    dp_run(tmp_path / "sup" / "dp4", [90.0] * 4)
+    report(tmp_path, tmp_path / "out", now=LATER)
+    fig = drawn["speedup_vs_gpus.png"]
+    speed, efficiency = fig.axes
+    assert points(speed) == [([1, 4], [1.0, 3.6])] and dashed(speed) == [([1, 4], [1.0, 4.0])]
+    assert points(efficiency) == [([1, 4], [1.0, 0.9])] and dashed(efficiency) == [([0, 1], [1.0, 1.0])]
+    assert "⚠ flagged, not plotted: dp2 (see summary.md)" in titles(fig)
+    # Where its throughput is drawn, the flagged point is ringed.
+    rings = [line for line in drawn["throughput_vs_gpus.png"].axes[0].get_lines() if line.get_markersize() >= 10]
+    assert [list(line.get_xdata()) for line in rings] == [[2]]
+
+
+def test_the_pipeline_figure_compares_with_model_parallel_and_its_bound(tmp_path: Path,
+                                                                        drawn: dict[str, Figure]) -> None:
+    pipeline_sweep(tmp_path)
+    report(tmp_path, tmp_path / "out", now=LATER)
+    time_ax, rate_ax, speed_ax, bubble_ax = drawn["pipeline_vs_model_parallel.png"].axes
+    assert all(ax.get_ylim()[0] == 0.0 for ax in (time_ax, rate_ax, speed_ax, bubble_ax))
+    assert points(speed_ax) == [([2, 4], [1.3, 1.5])]  # m1 (1.5x at chunks=1) is flagged, not plotted
+    assert "flagged, not plotted: m1" in speed_ax.get_title()
+    bound, = dashed(speed_ax)
+    assert bound == ([1, 2, 3, 4], pytest.approx([1.0, 4 / 3, 1.5, 1.6]))  # p*m/(m+p-1), p = 2
+    assert [line.get_ydata()[0] for line in rate_ax.get_lines() if line.get_linestyle() == "--"] == [100.0]
+
+
+def test_loss_is_drawn_against_steps_tokens_and_time(tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    dp_run(tmp_path / "s" / "dp2", [100.0, 50.0])  # 200 tokens a step; the slower rank's steps take 2 s
+    report(tmp_path, tmp_path / "out", now=LATER)
+    steps, tokens, seconds = drawn["loss_s.png"].axes
+    assert [list(ax.get_lines()[0].get_xdata()) for ax in (steps, tokens, seconds)] == [
+        [1, 2, 3, 4], [200, 400, 600, 800], [2.0, 4.0, 6.0, 8.0]]
+    assert list(seconds.get_lines()[1].get_xdata()) == [4.0, 8.0]  # validation at the epochs' last steps
+    assert all(float(tick).is_integer() for tick in steps.get_xticks())
+
+
+def test_every_figure_draws_without_a_warning_and_with_its_legend_outside_the_axes(
+        tmp_path: Path, drawn: dict[str, Figure], recwarn: pytest.WarningsRecorder) -> None:
+    rich_set(tmp_path / "runs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    assert not recwarn.list and not any("matplotlib warned" in message for message in result.skipped)
+    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 12
+    assert [message.split(":")[0] for message in result.skipped] == [
+        "figure throughput_vs_<axis>.png skipped", "figure memory_vs_world_size.png skipped"]
+    for name, fig in drawn.items():
+        renderer = FigureCanvasAgg(fig).get_renderer()  # a closed figure has lost its canvas
+        fig.draw(renderer)
+        right = max(ax.get_window_extent(renderer).x1 for ax in fig.axes)
+        legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+        assert legends, name
+        assert all(legend.get_window_extent(renderer).x0 >= right - 1 for legend in legends), name
+
+
+def test_a_warning_matplotlib_raises_becomes_a_line_of_the_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   recwarn: pytest.WarningsRecorder) -> None:
+    def noisy(runs, figs) -> bool:
+        warnings.warn("Glyph 9888 missing from font(s) DejaVu Sans.", UserWarning, stacklevel=1)
+        return True
+
+    dp_run(tmp_path / "runs" / "r", [100.0])
+    monkeypatch.setattr(figures, "_losses", noisy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    assert "figure loss_*.png: matplotlib warned: Glyph 9888 missing from font(s) DejaVu Sans." in result.skipped
+    assert not recwarn.list
