@@ -107,7 +107,8 @@ class EpochPoint:
     epoch: int
     step: int | None  # its last step (None: no step record of the epoch was kept)
     val_loss: float | None  # the mean over replicas of a finite val_loss
-    bleu: float | None  # corpus BLEU (0-100) where a rank logged a number
+    bleu: float | None  # corpus BLEU (0-100) of validation pairs where a rank logged a number
+    test_bleu: float | None = None  # the same of test pairs, where the source has a test split
 
 
 @dataclass
@@ -178,6 +179,10 @@ class RunMetrics:
     def final_bleu(self) -> float | None:
         """The BLEU of the last epoch that has one."""
         return next((p.bleu for p in reversed(self.epoch_points) if p.bleu is not None), None)
+
+    @property
+    def final_test_bleu(self) -> float | None:
+        return next((p.test_bleu for p in reversed(self.epoch_points) if p.test_bleu is not None), None)
 
 
 def flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -380,19 +385,24 @@ def _progress(ranks: list[RankLog], replicas: set[int]) -> tuple[dict[int, tuple
 
 def _epoch_points(m: RunMetrics, ranks: list[RankLog], replica_logs: list[RankLog],
                   ends: dict[int, int]) -> list[EpochPoint]:
-    """Every epoch a replica recorded: its last step, the replicas' mean finite val_loss, and the BLEU that one
-    rank logged (any rank: a pipeline's first stage may be the one); a BLEU that is not a number is warned about."""
+    """Every epoch a replica recorded: its last step, the replicas' mean finite val_loss, and the BLEU and test
+    BLEU that one rank logged (any rank: a pipeline's first stage may be the one)."""
     points = []
     for epoch in sorted(set().union(*(log.epochs for log in replica_logs))):
         vals = [v for log in replica_logs if _finite(v := log.epochs.get(epoch, {}).get("val_loss"))]
-        logged = [(log.rank, log.epochs[epoch]["bleu"]) for log in ranks
-                  if log.epochs.get(epoch, {}).get("bleu") is not None]
-        bleu = next((float(v) for _, v in logged if _finite(v)), None)
-        if logged and bleu is None:
-            m.warnings.append(f"{m.run}: epoch {epoch}'s bleu (rank {logged[0][0]}) is not a number: "
-                              f"{logged[0][1]!r}; left out")
-        points.append(EpochPoint(epoch, ends.get(epoch), statistics.fmean(vals) if vals else None, bleu))
+        points.append(EpochPoint(epoch, ends.get(epoch), statistics.fmean(vals) if vals else None,
+                                 *(_logged_score(m, ranks, epoch, key) for key in ("bleu", "test_bleu"))))
     return points
+
+
+def _logged_score(m: RunMetrics, ranks: list[RankLog], epoch: int, key: str) -> float | None:
+    """An epoch's score as the first rank that logged a number gives it; one that is not a number is warned about."""
+    logged = [(log.rank, log.epochs[epoch][key]) for log in ranks if log.epochs.get(epoch, {}).get(key) is not None]
+    score = next((float(v) for _, v in logged if _finite(v)), None)
+    if logged and score is None:
+        m.warnings.append(f"{m.run}: epoch {epoch}'s {key} (rank {logged[0][0]}) is not a number: "
+                          f"{logged[0][1]!r}; left out")
+    return score
 
 
 def _mean_max(values: list[float]) -> tuple[float, float] | None:

@@ -62,9 +62,10 @@ class FigureSet:
 
 
 def write(fig: plt.Figure, path: Path, dpi: int | None = None) -> None:
-    """Save a figure (its format from the path's suffix) with whatever lies outside its axes, and close it."""
+    """Save a figure (its format from the path's suffix) and close it; constrained layout keeps the legends outside
+    the axes inside the figure, so one draw suffices (a tight bounding box would draw it twice)."""
     try:
-        fig.savefig(path, dpi=dpi or "figure", bbox_inches="tight")
+        fig.savefig(path, dpi=dpi or "figure")
     except OSError as exc:  # a full disk: the writer's error does not name the file
         raise write_error(path, exc) from None
     finally:

@@ -21,7 +21,7 @@ CSV_COLUMNS = (
     "dp_sync", "mem_params", *(f"mem_{part}_bytes_{stat}" for part in MEMORY_COLUMNS for stat in ("mean", "max")),
     "mem_closed_form_bytes", "mem_ratio", "mem_flagged", "mem_gathered_peak_bytes_mean", "mem_gathered_peak_bytes_max",
     "peak_mem_bytes_mean", "peak_mem_bytes_max", "job_tokens_per_s_std", "baseline_runs", "ideal_speedup", "repeats",
-    "noise", "noise_basis", "flag", "final_bleu",
+    "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -97,7 +97,7 @@ def row(r: RunMetrics) -> dict[str, Any]:
             mem.params, *(stat[part] for part in MEMORY_COLUMNS for stat in (mem.mean, mem.max)), mem.closed_form,
             mem.ratio, bool(mem.mismatched), *(mem.gathered_peak or (None, None))]),
         *(r.peak_mem or (None, None)), r.job_tokens_std, r.baseline_runs or None, r.ideal_speedup, r.repeats,
-        r.noise, r.noise_basis, r.flag, r.final_bleu,
+        r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 
@@ -230,16 +230,17 @@ def _bleu_section(shown: list[RunMetrics]) -> list[str]:
     runs = [r for r in shown if r.final_bleu is not None]
     if not runs:
         return []
-    lines = ["", "## BLEU per epoch", "", "| run | epoch | step | training time (s) | train loss | val loss | BLEU |",
-             "|" + "---|" * 7]
+    lines = ["", "## BLEU per epoch", "", "| run | epoch | step | training time (s) | train loss | val loss | BLEU | "
+             "test BLEU |", "|" + "---|" * 8]
     for r in runs:
         losses = dict(r.loss_curve)
         for p in r.epoch_points:
             seconds = r.progress[p.step][1] if p.step in r.progress else None
             lines.append(f"| {r.run_id} | {p.epoch} | {p.step if p.step is not None else '–'} | "
                          f"{_fmt(seconds, '.1f')} | {_fmt(losses.get(p.step), '.3f')} | {_fmt(p.val_loss, '.3f')} | "
-                         f"{_fmt(p.bleu, '.2f')} |")
-    return [*lines, "", "BLEU: corpus BLEU (0-100) from the epoch record; training time: the slowest rank's step "
+                         f"{_fmt(p.bleu, '.2f')} | {_fmt(p.test_bleu, '.2f')} |")
+    return [*lines, "", "BLEU, test BLEU: corpus BLEU (0-100) of validation and test pairs from the epoch record "
+            "(– where the source has no test split); training time: the slowest rank's step "
             "times summed up to the epoch's last step; train loss: that step's (the mean over replicas)."]
 
 

@@ -64,9 +64,10 @@ class DataConfig:
                     "`source <sep> target <eos>`, the loss on target tokens only, BLEU at each epoch end "
                     "(data.source jsonl:, tsv: or hf:).", choices=TASKS)
     source: str = opt("stdlib", "stdlib | tinyshakespeare | synthetic | text:PATH[,PATH...] | "
-                      "hf:NAME[:CONFIG]; with data.task=translation jsonl:TRAIN[,VALID] (objects with de and en, or "
-                      "{\"translation\": {...}}) | tsv:TRAIN[,VALID] (de, a tab, en) | hf:NAME[:CONFIG] (e.g. "
-                      "hf:bbaaaa/iwslt14-de-en-preprocess).")
+                      "hf:NAME[:CONFIG]; with data.task=translation jsonl:TRAIN[,VALID[,TEST]] (objects with de and "
+                      "en, or {\"translation\": {...}}) | tsv:TRAIN[,VALID[,TEST]] (de, a tab, en) | "
+                      "hf:NAME[:CONFIG] (e.g. hf:bbaaaa/iwslt14-de-en-preprocess; its test split when it has one); "
+                      "a TEST split is only decoded and scored (test_bleu).")
     tokenizer: str = opt("auto", "auto: GPT-2 BPE from the hub, else a BPE trained on the corpus; "
                          "gpt2; bpe; bytes (256 symbols).", choices=("auto", "gpt2", "bpe", "bytes"))
     vocab_size: int = opt(4096, "Vocabulary of a trained BPE (and of synthetic data).", min=257,
@@ -107,7 +108,8 @@ class TrainConfig:
     eval_every: int = opt(50, "Evaluate every N steps (and at each epoch end); 0 only at epoch end.",
                           min=0)
     eval_batches: int = opt(8, "Validation batches per evaluation.", min=1, max=1_000_000)
-    bleu_samples: int = opt(200, "data.task=translation: validation pairs greedily decoded and scored with sacrebleu "
+    bleu_samples: int = opt(200, "data.task=translation: validation (and test, where the source has a test split) "
+                            "pairs greedily decoded and scored with sacrebleu "
                             "(corpus BLEU) at each epoch end, sharded over the data-parallel replicas (with "
                             "parallel.pp > 1 on the model gathered whole onto one rank per replica); 0 disables "
                             "BLEU.", min=0, max=1_000_000_000)

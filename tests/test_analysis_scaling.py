@@ -155,19 +155,21 @@ def test_a_pipeline_at_one_chunk_faster_than_model_parallel_beyond_the_noise_is_
 
 
 def test_bleu_per_epoch_beside_the_losses(tmp_path: Path) -> None:
-    dp_run(tmp_path / "runs" / "mt" / "a", [100.0], bleu=[12.5, 20.0])
+    dp_run(tmp_path / "runs" / "mt" / "a", [100.0], bleu=[12.5, 20.0], test_bleu=[11.0, 18.5])
     dp_run(tmp_path / "runs" / "mt" / "b", [100.0])  # no BLEU: nothing BLEU-related for it
     result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
     by = {m.run: m for m in result.runs}
-    assert by["mt/a"].epoch_points == [EpochPoint(1, 2, 2.0, 12.5), EpochPoint(2, 4, 2.0, 20.0)]
-    assert by["mt/a"].final_bleu == 20.0 and by["mt/b"].final_bleu is None
+    assert by["mt/a"].epoch_points == [EpochPoint(1, 2, 2.0, 12.5, 11.0), EpochPoint(2, 4, 2.0, 20.0, 18.5)]
+    assert (by["mt/a"].final_bleu, by["mt/a"].final_test_bleu) == (20.0, 18.5)
+    assert by["mt/b"].final_bleu is None and by["mt/b"].final_test_bleu is None
     section = result.summary_md.read_text().split("## BLEU per epoch")[1].split("\n## ")[0]
     # Steps take 1 s; the loss of step s is 4 - 0.1 s.
-    assert "| a | 1 | 2 | 2.0 | 3.800 | 2.000 | 12.50 |" in section
-    assert "| a | 2 | 4 | 4.0 | 3.600 | 2.000 | 20.00 |" in section
+    assert "| a | 1 | 2 | 2.0 | 3.800 | 2.000 | 12.50 | 11.00 |" in section
+    assert "| a | 2 | 4 | 4.0 | 3.600 | 2.000 | 20.00 | 18.50 |" in section
     assert "| b |" not in section
     with open(result.summary_csv, newline="") as f:
-        assert {row["run"]: row["final_bleu"] for row in csv.DictReader(f)} == {"mt/a": "20", "mt/b": ""}
+        rows = {row["run"]: (row["final_bleu"], row["final_test_bleu"]) for row in csv.DictReader(f)}
+    assert rows == {"mt/a": ("20", "18.5"), "mt/b": ("", "")}
     assert "bleu_mt.png" in {p.name for p in result.figures}
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from gptpar.config import ConfigError, config_from_dict, resolve_layers
 from gptpar.errors import GptparError
-from gptpar.launch.sweep import expand
+from gptpar.launch.sweep import expand, run_sweep
 from gptpar.user_defaults import detected_profile, resolve_config, user_layers
 
 REPO = Path(__file__).resolve().parents[1]
@@ -109,13 +109,18 @@ def test_user_defaults_are_recorded_in_the_run_and_never_read_by_a_jobs_rank(tmp
                                                           "expected a number, got 'fast'")
 
 
-def test_repeats_go_round_the_whole_sweep_and_are_numbered(tmp_path: Path) -> None:
+def test_repeats_go_round_the_whole_sweep_and_are_numbered(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     sweep = tmp_path / "s.yaml"
     sweep.write_text("name: s\nrepeats: 2\nzip: {launch.gpus: [1, 2], train.batch_size: [8, 16]}\n")
     names = [name for name, _ in expand(sweep)[2]]
     assert names == ["launch.gpus=1,train.batch_size=8,launch.repeat=0", "launch.gpus=2,train.batch_size=16,"
                      "launch.repeat=0", "launch.gpus=1,train.batch_size=8,launch.repeat=1",
                      "launch.gpus=2,train.batch_size=16,launch.repeat=1"]
+    # One job array per round and shape, submitted round by round (locally they run in this order).
+    assert run_sweep(sweep, dry_run=True, runs_dir=str(tmp_path / "runs")) == 0
+    arrays = [line.removeprefix("# points: ") for line in capsys.readouterr().out.splitlines()
+              if line.startswith("# points: ")]
+    assert arrays == names
     sweep.write_text("name: s\nrepeats: 0\nzip: {launch.gpus: [1, 2]}\n")
     with pytest.raises(GptparError, match="repeats must be an integer from 1 to 100, got 0"):
         expand(sweep)

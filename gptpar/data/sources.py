@@ -122,9 +122,10 @@ def text_files(paths: list[Path], max_chars: int) -> str:
     return _truncate((read_text_file(p) for p in paths), max_chars)
 
 
-def hf_split(spec: str, cfg: DataConfig, split: str):
-    """One split of a hub dataset (`datasets.Dataset`, or an iterable one with `data.streaming`). The hub is
-    probed first, so an offline machine uses the local cache and fails in one line instead of retrying."""
+def hf_split(spec: str, cfg: DataConfig, split: str | None):
+    """One split of a hub dataset (`datasets.Dataset`, or an iterable one with `data.streaming`); split None: every
+    split the dataset has, by name (what an optional split is looked up in). The hub is probed first, so an offline
+    machine uses the local cache and fails in one line instead of retrying."""
     datasets = require_extra("datasets", f"data.source=hf:{spec}", "hf")
     name, _, config = spec.partition(":")
     reachable = hub_reachable(cfg.hub_timeout_s)

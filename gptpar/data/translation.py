@@ -1,9 +1,10 @@
 """German-to-English pairs for `data.task=translation`: read, tokenized, and served as `source <sep> target <eos>`.
 
-Sources: `jsonl:TRAIN[,VALID]` (one object per line, `{"de": ..., "en": ...}` or the hub's own
-`{"translation": {"de": ..., "en": ...}}`), `tsv:TRAIN[,VALID]` (`de<TAB>en` per line) and `hf:NAME[:CONFIG]`
-(the `train` and `validation` splits, rows of either form). One local file is split by position: the last
-`data.val_fraction` of its pairs is held out. `data.max_chars` caps the training pairs read (0: all).
+Sources: `jsonl:TRAIN[,VALID[,TEST]]` (one object per line, `{"de": ..., "en": ...}` or the hub's own
+`{"translation": {"de": ..., "en": ...}}`), `tsv:TRAIN[,VALID[,TEST]]` (`de<TAB>en` per line) and `hf:NAME[:CONFIG]`
+(the `train` and `validation` splits, and `test` where the dataset has one; rows of either form). One local file is
+split by position: the last `data.val_fraction` of its pairs is held out. `data.max_chars` caps the training pairs
+read (0: all). A test split is optional: it is only decoded and scored (`test_bleu`), never trained or evaluated on.
 
 The tokenizer is the run's (`data.tokenizer`: GPT-2's, or a BPE trained on both sides of the training pairs);
 two ids past its vocabulary are reserved for <sep> and <eos>, so no text can be mistaken for them.
@@ -17,7 +18,7 @@ causal attention means no real position ever sees the padding.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,23 +80,34 @@ def _capped(pairs: Iterable[Pair], max_chars: int) -> list[Pair]:
     return kept
 
 
-def read_pairs(cfg: DataConfig) -> tuple[list[Pair], list[Pair]]:
-    """The (train, validation) pairs of `data.source`."""
+def _hub_pairs(source: str, rows: Iterable[Any], split: str) -> Iterator[Pair]:
+    """One hub split's rows as pairs; a bad row's error names the split."""
+    return (row_pair(row, f"data.source={source} ({split})") for row in rows)
+
+
+def read_pairs(cfg: DataConfig) -> tuple[list[Pair], list[Pair], list[Pair] | None]:
+    """The (train, validation, test) pairs of `data.source`; test is None where the source has no test split."""
     source = cfg.source
     if source.startswith("hf:"):
-        spec = source[3:]
-        rows = {split: hf_split(spec, cfg, split) for split in ("train", "validation")}
-        train = _capped((row_pair(r, f"data.source={source} (train)") for r in rows["train"]), cfg.max_chars)
-        return train, [row_pair(r, f"data.source={source} (validation)") for r in rows["validation"]]
+        splits = hf_split(source[3:], cfg, None)  # every split: whether there is a test split is the dataset's
+        missing = [split for split in ("train", "validation") if split not in splits]
+        if missing:
+            raise GptparError(f"data.source={source}: the dataset has no {missing[0]!r} split "
+                              f"(it has {', '.join(splits) or 'none'})")
+        train = _capped(_hub_pairs(source, splits["train"], "train"), cfg.max_chars)
+        test = list(_hub_pairs(source, splits["test"], "test")) if "test" in splits else None
+        return train, list(_hub_pairs(source, splits["validation"], "validation")), test
     kind = source.partition(":")[0]
     paths = text_paths(source)
-    if len(paths) > 2:
-        raise GptparError(f"data.source={kind}: names {len(paths)} files; use {kind}:TRAIN or {kind}:TRAIN,VALID")
+    if len(paths) > 3:
+        raise GptparError(f"data.source={kind}: names {len(paths)} files; use {kind}:TRAIN, {kind}:TRAIN,VALID or "
+                          f"{kind}:TRAIN,VALID,TEST")
     pairs = _file_pairs(kind, paths[0])
-    if len(paths) == 2:
-        return _capped(pairs, cfg.max_chars), _file_pairs(kind, paths[1])
+    test = _file_pairs(kind, paths[2]) if len(paths) == 3 else None
+    if len(paths) > 1:
+        return _capped(pairs, cfg.max_chars), _file_pairs(kind, paths[1]), test
     cut = int(len(pairs) * (1 - cfg.val_fraction))
-    return _capped(pairs[:cut], cfg.max_chars), pairs[cut:]
+    return _capped(pairs[:cut], cfg.max_chars), pairs[cut:], None
 
 
 class PairDataset(Dataset):
@@ -103,8 +115,9 @@ class PairDataset(Dataset):
 
     def __init__(self, pairs: list[Pair], tokenizer: Tokenizer, cfg: DataConfig, split: str):
         if not pairs:
-            raise GptparError(f"data.source={cfg.source}: the {split} split has no pairs; raise data.val_fraction, "
-                              "name a validation file (jsonl:TRAIN,VALID) or use more data")
+            hint = "" if split == "test" else ("; raise data.val_fraction, name a validation file "
+                                               "(jsonl:TRAIN,VALID) or use more data")
+            raise GptparError(f"data.source={cfg.source}: the {split} split has no pairs{hint}")
         self.sep, self.eos = tokenizer.vocab_size, tokenizer.vocab_size + 1
         sources = tokenizer.encode_each([de for de, _ in pairs])
         targets = tokenizer.encode_each([en for _, en in pairs])
@@ -151,6 +164,7 @@ class TranslationData:
     vocab_size: int  # the tokenizer's and <sep>, <eos>
     max_new_tokens: int  # what decoding may generate: max_target_len tokens and <eos>
     width: int | None = None  # every batch padded to it where shapes are fixed; None: to its longest example
+    test: PairDataset | None = None  # the source's test split, only decoded and scored; None: it has none
 
     @property
     def eos(self) -> int:
@@ -168,7 +182,7 @@ def load_translation(cfg: DataConfig, width: int | None = None) -> TranslationDa
     """The tokenized splits, batched to `width` positions (None: each batch to its longest example). One rank at
     a time gets the tokenizer, so a BPE is trained once and the others load it from the cache; each rank tokenizes
     the pairs itself (seconds, even for IWSLT's 160k pairs)."""
-    train_pairs, val_pairs = read_pairs(cfg)
+    train_pairs, val_pairs, test_pairs = read_pairs(cfg)
     tokenizers = cache_dir(cfg) / "tokenizers"
     tokenizers.mkdir(exist_ok=True)
     with FileLock(str(tokenizers / ".lock")):
@@ -176,4 +190,5 @@ def load_translation(cfg: DataConfig, width: int | None = None) -> TranslationDa
         tokenizer = get_tokenizer(cfg, both_sides, tokenizers)
     return TranslationData(PairDataset(train_pairs, tokenizer, cfg, "train"),
                            PairDataset(val_pairs, tokenizer, cfg, "validation"), tokenizer, tokenizer.vocab_size + 2,
-                           cfg.max_target_len + 1, width)
+                           cfg.max_target_len + 1, width,
+                           PairDataset(test_pairs, tokenizer, cfg, "test") if test_pairs is not None else None)

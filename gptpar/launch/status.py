@@ -114,7 +114,8 @@ def any_live(rows: list[StatusRow]) -> bool:
 
 def completion(folder: RunFolder) -> tuple[str, str]:
     """A finished run's state and what it achieved, in one line (printed when `gptpar train` returns). The
-    validation loss (and a translation run's BLEU) is the latest logged: every replica logs the one over replicas."""
+    validation loss (and a translation run's BLEU, and test BLEU) is the latest logged: every replica logs the one
+    over replicas."""
     run, job = _read(folder)
     if run.state != "completed":
         return run.state, f"gptpar: run {run.state}" + (f": {run.detail}" if run.detail else "")
@@ -122,8 +123,10 @@ def completion(folder: RunFolder) -> tuple[str, str]:
     replicas = _replicas(run)
     records = sorted((*replicas[0].evals.values(), *replicas[0].epochs.values()), key=lambda r: r["time"])
     val = next((r["val_loss"] for r in reversed(records) if isinstance(r.get("val_loss"), float)), None)
-    bleu = next((r["bleu"] for r in reversed(records) if isinstance(r.get("bleu"), float)), None)  # translation
+    bleu, test_bleu = (next((r[key] for r in reversed(records) if isinstance(r.get(key), float)), None)
+                       for key in ("bleu", "test_bleu"))  # translation
     return run.state, (f"gptpar: run completed: {cells[4]} steps, loss {cells[5]}"
                        + (f", val_loss {val:.4f}" if val is not None else "")
                        + (f", bleu {bleu:.2f}" if bleu is not None else "")
+                       + (f", test_bleu {test_bleu:.2f}" if test_bleu is not None else "")
                        + f", {cells[6]} tok/s, {cells[3]} in {folder.path}")

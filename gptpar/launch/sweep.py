@@ -227,14 +227,15 @@ def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "", overr
     todo = [p for p in points if p.folder.name in again or not p.folder.rank_logs() or point_state(p) not in
             ("completed", "diverged", "pending", "running")]
     skipped = len(points) - len(todo)
-    groups: dict[Any, list[Point]] = {}
+    # One job array per round of repeats and job shape, in sweep order: locally the rounds run one after another.
+    groups: dict[tuple[int, Any], list[Point]] = {}
     for point in todo:
-        groups.setdefault(resolve(point.cfg, kind), []).append(point)
+        groups.setdefault((point.cfg.launch.repeat, resolve(point.cfg, kind)), []).append(point)
     where = backend.where if backend else "nowhere (dry run)"
     print(f"sweep {name}: {len(points)} point(s), {skipped} skipped (done or queued), {len(todo)} to run on {where}",
           flush=True)
     failures = 0
-    for spec, members in groups.items():
+    for (_, spec), members in groups.items():
         out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else members[0].folder.job_dir
         if backend is None:
             print(f"# points: {', '.join(p.folder.name for p in members)}")

@@ -31,7 +31,8 @@ from gptpar.atomic import write_error
 SCHEMA_VERSION = 2
 
 # Required fields of each record kind; every record also carries "kind" and "time" (unix seconds). Optional ones
-# include `bleu` in epoch records of data.task=translation (corpus BLEU 0-100, or null with train.bleu_samples=0).
+# include `bleu` in epoch records of data.task=translation (corpus BLEU 0-100, or null with train.bleu_samples=0), and
+# `test_bleu` (the same of the test split's pairs) where the source has a test split and train.bleu_samples > 0.
 SCHEMA: dict[str, tuple[str, ...]] = {
     "header": (
         "schema_version", "run_id", "config", "rank", "world_size", "coords", "sizes",
@@ -290,7 +291,8 @@ def format_record(record: dict[str, Any]) -> str:
     if kind == "epoch":
         return (f"epoch {get('epoch')}: {get('steps')} steps in {_number(get('training_time_s'), '.1f')} s, "
                 f"{_number(get('tokens_per_s'), ',.0f')} tok/s, val_loss {_number(get('val_loss'), '.4f')}"
-                + (f", bleu {_number(get('bleu'), '.2f')}" if "bleu" in record else ""))
+                + (f", bleu {_number(get('bleu'), '.2f')}" if "bleu" in record else "")
+                + (f", test_bleu {_number(get('test_bleu'), '.2f')}" if "test_bleu" in record else ""))
     if kind == "header":
         return (f"start (restart {get('restart')}): rank {get('rank')} of {get('world_size')} on {get('host')}, "
                 f"{get('device')}, {get('total_steps', '?')} steps in all")

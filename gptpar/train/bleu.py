@@ -1,4 +1,4 @@
-"""Greedy decoding of validation sources and their corpus BLEU (sacrebleu), for `data.task=translation`.
+"""Greedy decoding of validation (and test) sources and their corpus BLEU (sacrebleu), for `data.task=translation`.
 
 Decoding calls the one forward every layout has (input ids -> logits: one device, layer-split, GPipe, any DP
 sync, tensor parallelism) on right-padded rows, each row reading the logits at its own last position. Without a
@@ -19,7 +19,7 @@ from types import ModuleType
 import torch
 import torch.distributed as dist
 
-from gptpar.data.translation import TranslationData
+from gptpar.data.translation import PairDataset, TranslationData
 from gptpar.errors import require_extra
 from gptpar.parallel.comm import comm_span
 
@@ -91,18 +91,20 @@ def _no_model(ids: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def decode_validation(forward: Forward | None, data: TranslationData, samples: int, batch_size: int,
-                      group: dist.ProcessGroup | None, device: torch.device, share: tuple[int, int] | None = None
-                      ) -> list[str]:
-    """Greedy translations of the first `samples` validation sources, decoded in interleaved shares and gathered
-    over `group`, so every rank returns all of them. Share (i, n) takes samples i, i + n, ... (default: the rank's
-    place in `group` and its size). A rank without a model (`forward` None) takes none and keeps in step, so no
-    rank waits in one collective for the whole decoding, which parallel.timeout_s would cut."""
+def decode_split(forward: Forward | None, data: TranslationData, split: PairDataset, samples: int, batch_size: int,
+                 group: dist.ProcessGroup | None, device: torch.device, share: tuple[int, int] | None = None
+                 ) -> list[str]:
+    """Greedy translations of the first `samples` sources of `split` (data.val or data.test; all of them if it has
+    fewer), decoded in interleaved shares and gathered over `group`, so every rank returns all of them. Share (i, n)
+    takes samples i, i + n, ... (default: the rank's place in `group` and its size). A rank without a model
+    (`forward` None) takes none and keeps in step, so no rank waits in one collective for the whole decoding, which
+    parallel.timeout_s would cut."""
+    samples = min(samples, len(split))
     rank, replicas = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     index, count = share or (rank, replicas)
     mine = list(range(index, samples, count)) if forward is not None else []
     any_rank = _any_rank(group, device) if group is not None else bool
-    tokens = greedy_decode(forward or _no_model, [data.val.prompt(i) for i in mine], data.eos, data.max_new_tokens,
+    tokens = greedy_decode(forward or _no_model, [split.prompt(i) for i in mine], data.eos, data.max_new_tokens,
                            batch_size, any_rank)
     texts = {i: data.text(ids) for i, ids in zip(mine, tokens, strict=True)}
     if group is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -26,7 +26,7 @@ from transformers import GPT2LMHeadModel
 
 from gptpar.config import Config, example_width, fixed_width, grid_sizes, resolve_for_launch, updated
 from gptpar.data import BlockDataset, load_tokens, partition_dataset
-from gptpar.data.translation import TranslationData, load_translation, target_tokens
+from gptpar.data.translation import PairDataset, TranslationData, load_translation, target_tokens
 from gptpar.errors import GptparError
 from gptpar.model import build_model, count_params, initial_value, materialize
 from gptpar.parallel import make_grad_sync
@@ -42,7 +42,7 @@ from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
 from gptpar.run.sinks import open_sinks
 from gptpar.run.state import read_run, resume_hint
-from gptpar.train.bleu import corpus_bleu, decode_validation, require_sacrebleu
+from gptpar.train.bleu import corpus_bleu, decode_split, require_sacrebleu
 from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
 from gptpar.train.grad_dump import dump_gradients
 from gptpar.train.memory import state_bytes
@@ -276,21 +276,24 @@ class Trainer:
         return self._dp_mean(sum(losses) / len(losses))
 
     @torch.no_grad()
-    def translate(self, samples: int) -> list[str]:
-        """Greedy translations of the first `samples` validation sources, decoded by the replicas in shares of
-        per-replica micro-batches and gathered (every rank returns all). Tensor parallelism decodes on every rank
-        of the tp group in lockstep (its forward is a collective); the multi-process pipeline on its model gathered
-        whole (`_whole_model`), one rank per replica, while the other ranks keep in step."""
+    def translate(self, samples: int, splits: Sequence[PairDataset]) -> list[list[str]]:
+        """Greedy translations of the first `samples` sources of each split (validation, test), decoded by the
+        replicas in shares of per-replica micro-batches and gathered (every rank returns all). Tensor parallelism
+        decodes on every rank of the tp group in lockstep (its forward is a collective); the multi-process pipeline
+        on its model gathered whole once for all the splits (`_whole_model`), one rank per replica, while the other
+        ranks keep in step."""
         self.net.eval()
         self.precision.set_matmul_precision()
         batch, device = self.micro_batch // self.grid.size("dp"), self.info.device
         with self.precision.autocast():
-            if not self.pipeline:
-                return decode_validation(self._decode_logits, self.translation, samples, batch, self.dp_group, device)
-            model = self._whole_model()
-            forward = (lambda ids: model(ids.to(device)).logits) if model is not None else None
-            return decode_validation(forward, self.translation, samples, batch, dist.group.WORLD, device,
-                                     (self.grid.coord("dp"), self.grid.size("dp")))
+            if self.pipeline:
+                model = self._whole_model()
+                forward = (lambda ids: model(ids.to(device)).logits) if model is not None else None
+                group, share = dist.group.WORLD, (self.grid.coord("dp"), self.grid.size("dp"))
+            else:
+                forward, group, share = self._decode_logits, self.dp_group, None
+            return [decode_split(forward, self.translation, split, samples, batch, group, device, share)
+                    for split in splits]
 
     def _decode_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """The whole logits of `ids`, right-padded to the batches' fixed width where there is one (sequence
@@ -321,12 +324,19 @@ class Trainer:
         model.load_state_dict(state, assign=True)
         return model.to(self.info.device).eval()
 
-    def bleu(self) -> float | None:
-        """Corpus BLEU of the first train.bleu_samples validation pairs' translations; None when it is off
-        (train.bleu_samples=0) or the task is not translation."""
-        data = self.translation
-        samples = min(self.cfg.train.bleu_samples, len(data.val)) if data is not None else 0
-        return corpus_bleu(self.translate(samples), data.val.references[:samples]) if samples else None
+    def bleu(self) -> dict[str, float | None]:
+        """The epoch record's BLEU fields: `bleu`, corpus BLEU of the first train.bleu_samples validation pairs'
+        translations (None when train.bleu_samples=0), and `test_bleu`, the same of the test split's, only where
+        the source has one and BLEU is on; {} when the task is not translation."""
+        data, samples = self.translation, self.cfg.train.bleu_samples
+        if data is None:
+            return {}
+        if not samples:
+            return {"bleu": None}
+        scored = {"bleu": data.val} | ({"test_bleu": data.test} if data.test is not None else {})
+        texts = self.translate(samples, list(scored.values()))
+        return {key: corpus_bleu(hypotheses, split.references[:len(hypotheses)])
+                for (key, split), hypotheses in zip(scored.items(), texts, strict=True)}
 
     def banner(self) -> str:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
@@ -405,13 +415,14 @@ class Trainer:
                         self._save()
                 if status == "completed" and self.step > epoch_start_step:
                     val = self.evaluate()
-                    scores = {"bleu": self.bleu()} if self.translation is not None else {}
+                    scores = self.bleu()
                     self.log.log("epoch", epoch=epoch, training_time_s=epoch_time,
                                  tokens_per_s=sum(epoch_rates) / len(epoch_rates), val_loss=val,
                                  steps=self.step - epoch_start_step, **scores)
                     progress.message(f"epoch {epoch}: {epoch_time:.2f} s" +
                                      (f", val_loss {val:.4f}" if val is not None else "") +
-                                     (f", bleu {scores['bleu']:.2f}" if scores.get("bleu") is not None else ""))
+                                     "".join(f", {key} {score:.2f}" for key, score in scores.items()
+                                             if score is not None))
             self._save()
         finally:
             progress.close()
