@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import REPO
 
 from gptpar.config import load_config
@@ -73,6 +74,19 @@ def test_config_yaml_is_written_once_and_a_different_config_is_refused(tmp_path:
     with pytest.raises(GptparError, match=r"holds a different config \(train.lr: 0.0006 -> 0.1\)"):
         plan_run(changed)
     assert point.folder.config_path.read_text() == text
+
+
+def test_a_folder_written_before_a_key_existed_holds_the_same_config_at_that_keys_default(tmp_path: Path) -> None:
+    """A requeue or a re-run sweep after an upgrade that added a config key is not refused; a new value is."""
+    cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"])
+    folder = plan_run(cfg).folder
+    older = yaml.safe_load(folder.config_path.read_text())
+    del older["launch"]["repeat"], older["train"]["dump_grads"]
+    folder.config_path.write_text(yaml.safe_dump(older))
+    assert plan_run(cfg).folder == folder
+    with pytest.raises(GptparError, match=r"holds a different config \(launch.repeat: 0 -> 1\)"):
+        plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes",
+                                    "launch.repeat=1"]))
 
 
 def test_a_live_folder_is_refused_naming_its_holder(tmp_path: Path) -> None:

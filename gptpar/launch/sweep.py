@@ -28,7 +28,7 @@ from gptpar.launch.plan import LIVE_JOB_STATES, Point, make_folder, plan_run, se
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.submit import report_started
-from gptpar.run.folder import config_diff
+from gptpar.run.folder import completed, config_diff
 from gptpar.run.names import point_name, short_hash, slug
 from gptpar.run.state import read_run
 from gptpar.run.sweeps import write_sweep_record
@@ -158,7 +158,7 @@ def stale_points(points: Sequence[Point]) -> list[tuple[Point, dict[str, Any]]]:
     found = []
     for point in points:
         saved = point.folder.read_config()
-        if saved is not None and saved != point.cfg.to_dict():
+        if saved is not None and (saved := completed(saved)) != point.cfg.to_dict():
             found.append((point, saved))
     return found
 

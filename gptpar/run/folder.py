@@ -78,7 +78,7 @@ class RunFolder:
         saved = self.read_config()
         if saved is None:
             atomic_write_text(self.config_path, to_yaml(cfg))
-        elif saved != cfg.to_dict():
+        elif (saved := completed(saved)) != cfg.to_dict():
             raise GptparError(f"run folder {self.path} holds a different config ({config_diff(saved, cfg.to_dict())}); "
                               f"use another log.run_id, or {again}")
 
@@ -111,6 +111,16 @@ class RunFolder:
     def holder(self) -> dict[str, Any] | None:
         """Who runs in this folder now (host, pid, job id), or None when nobody does."""
         return RunLock(self.path / LOCK_FILE).holder()
+
+
+def completed(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config with the keys a later gptpar added at their defaults: a folder written before a key
+    existed holds the same config as one that leaves the key at its default, so a requeue or a re-run sweep
+    after an upgrade is not refused."""
+    defaults = Config().to_dict()
+    filled = {section: {**values, **(saved.get(section) or {})} if isinstance(saved.get(section, {}), dict)
+              else saved[section] for section, values in defaults.items()}
+    return {**filled, **{section: values for section, values in saved.items() if section not in defaults}}
 
 
 def config_diff(old: dict[str, Any], new: dict[str, Any], limit: int = 4) -> str:
