@@ -17,6 +17,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import datasets
@@ -223,17 +224,22 @@ DP_CASES = [
 ]
 
 
-def _dp_worker(info: RankInfo, corpus: str, runs: Path) -> None:
-    for name, overrides in DP_CASES:
-        result = _train_and_decode(make_config([*translation(corpus), *overrides], runs, name), info)
+def _cases_worker(info: RankInfo, corpus: str, runs: Path, run: Callable[..., dict],
+                  cases: list[tuple[str, list[str]]]) -> None:
+    for name, overrides in cases:
+        result = run(make_config([*translation(corpus), *overrides], runs, name), info)
         torch.save(result, runs / f"{name}.rank{info.rank}.pt")
+
+
+def _two_ranks(run: Callable[..., dict], cases: list[tuple[str, list[str]]], corpus: str, runs: Path) -> Path:
+    """Every case on one pair of gloo ranks, each rank's result saved as <case>.rank<R>.pt under runs."""
+    spawn_local(_cases_worker, 2, corpus, runs, run, cases, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+    return runs
 
 
 @pytest.fixture(scope="module")
 def dp_runs(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    runs = tmp_path_factory.mktemp("dp")
-    spawn_local(_dp_worker, 2, corpus, runs, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
-    return runs
+    return _two_ranks(_train_and_decode, DP_CASES, corpus, tmp_path_factory.mktemp("dp"))
 
 
 @pytest.fixture(scope="module")
@@ -337,17 +343,10 @@ def _run_and_decode(cfg, info: RankInfo) -> dict:
             "params": named_params(trainer)}
 
 
-def _engine_worker(info: RankInfo, corpus: str, runs: Path) -> None:
-    for name, (overrides, _) in ENGINE_CASES.items():
-        result = _run_and_decode(make_config([*translation(corpus), *SHORT, *overrides], runs, name), info)
-        torch.save(result, runs / f"{name}.rank{info.rank}.pt")
-
-
 @pytest.fixture(scope="module")
 def engine_runs(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    runs = tmp_path_factory.mktemp("engines")
-    spawn_local(_engine_worker, 2, corpus, runs, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
-    return runs
+    cases = [(name, [*SHORT, *overrides]) for name, (overrides, _) in ENGINE_CASES.items()]
+    return _two_ranks(_run_and_decode, cases, corpus, tmp_path_factory.mktemp("engines"))
 
 
 @pytest.fixture(scope="module")
