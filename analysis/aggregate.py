@@ -41,7 +41,7 @@ from typing import Any
 
 from analysis.mfu import device_label, model_shape, utilisation
 from analysis.trace import RankTrace
-from gptpar.parallel.pipeline.schedules import Action, Timeline, closed_form_bubble
+from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
 from gptpar.run.state import RunLog, replica_indices

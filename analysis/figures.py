@@ -40,7 +40,7 @@ from analysis.canvas import (
 )
 from analysis.grouping import Mark, Spread, marks, run_labels, series
 from analysis.scaling import repeat_points
-from gptpar.parallel.pipeline.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
+from gptpar.strategies.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 from gptpar.run.names import slug
 
 CHUNKS = "parallel.chunks"

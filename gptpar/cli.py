@@ -206,7 +206,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from gptpar.parallel.pipeline.schedules import (
+    from gptpar.strategies.schedules import (
         closed_form_bubble,
         peak_activations,
         schedule,

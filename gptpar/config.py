@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from gptpar.errors import GptparError
-from gptpar.parallel.pipeline.schedules import SCHEDULES, make_plan
+from gptpar.strategies.schedules import SCHEDULES, make_plan
 from gptpar.presets import PRESETS
 
 

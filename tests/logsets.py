@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from gptpar.config import Config
-from gptpar.parallel.pipeline.schedules import COMPUTE, schedule, simulate
+from gptpar.strategies.schedules import COMPUTE, schedule, simulate
 from gptpar.run.logfile import RankLogger
 
 T0 = 1_700_000_000.0  # the clock of every synthetic record; tests pass `now` relative to it

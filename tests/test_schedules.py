@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from gptpar.errors import GptparError
-from gptpar.parallel.pipeline.schedules import (
+from gptpar.strategies.schedules import (
     Action,
     closed_form_bubble,
     peak_activations,
