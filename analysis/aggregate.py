@@ -41,11 +41,12 @@ from typing import Any
 
 from analysis.mfu import device_label, model_shape, utilisation
 from analysis.trace import RankTrace
-from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
 from gptpar.run.state import RunLog, replica_indices
 from gptpar.run.sweeps import stale_runs
+from gptpar.strategies.data_parallel import STATE_BYTES, closed_form_state_bytes
+from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
 
 TOP_LEVEL = "top-level"  # the sweep of the runs that are not in a sweep folder
 GPU_KEYS = ("parallel.dp", "parallel.pp", "parallel.devices", "launch.gpus", "launch.nodes")
@@ -60,24 +61,8 @@ NON_AXIS_PREFIXES = ("log.", "launch.")
 NON_AXIS_KEYS = ("data.dir", "train.seed", *NEUTRAL_KEYS, *GPU_KEYS, *PIPELINE_KEYS)
 
 
-# Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), and the parts each
-# data-parallel strategy shards over its W replicas; every rank holds the other parts whole.
-STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
-SHARDED_STATE: dict[str, tuple[str, ...]] = {
-    "naive": (), "bucketed": (), "ddp": (), "zero1": ("optimizer",), "zero2": ("grads", "optimizer"),
-    "fsdp": ("params", "grads", "optimizer"), "fsdp2": ("params", "grads", "optimizer"),
-}
 # Measured over closed form within this share + bytes still matches: sharded buffers are padded to multiples of W.
 MEMORY_REL_TOL, MEMORY_ABS_TOL = 0.01, 4096
-
-
-def closed_form_state_bytes(strategy: str, n: float, w: int) -> float | None:
-    """Bytes of training state one rank holds for n parameters with w data-parallel ranks, unpadded, so that a
-    measured count can be checked against what the strategy promises; None for a strategy without one."""
-    sharded = SHARDED_STATE.get(strategy)
-    if sharded is None:
-        return None
-    return math.fsum(n * size / (w if part in sharded else 1) for part, size in STATE_BYTES.items())
 
 
 @dataclass

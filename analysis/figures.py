@@ -20,7 +20,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, PercentFormatter
 from matplotlib.transforms import blended_transform_factory
 
-from analysis.aggregate import SHARDED_STATE, STATE_BYTES, MemoryUse, RunMetrics, key_value, sweep_axes
+from analysis.aggregate import MemoryUse, RunMetrics, key_value, sweep_axes
 from analysis.canvas import (
     FORMATS,
     NAME_MAX,
@@ -40,8 +40,9 @@ from analysis.canvas import (
 )
 from analysis.grouping import Mark, Spread, marks, run_labels, series
 from analysis.scaling import repeat_points
-from gptpar.strategies.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 from gptpar.run.names import slug
+from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
+from gptpar.strategies.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 
 CHUNKS = "parallel.chunks"
 JOB_RATE = "job tokens/s (all replicas' / slowest rank's time)"
@@ -405,8 +406,8 @@ LINE_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown"
 
 
 def _strategy_order(strategy: str) -> tuple[int, str]:
-    """Strategies in SHARDED_STATE's order (least sharded first), any other after them by name."""
-    order = [*SHARDED_STATE]
+    """Strategies in the table's order (least sharded first), any other after them by name."""
+    order = [*DP_STRATEGIES]
     return (order.index(strategy) if strategy in order else len(order), strategy)
 
 

@@ -8,8 +8,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, SHARDED_STATE, STATE_BYTES, RunMetrics
+from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, RunMetrics
 from analysis.scaling import repeat_points
+from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
 
 MEMORY_COLUMNS = (*STATE_BYTES, "total")  # the keys of MemoryUse.mean and .max
 CSV_COLUMNS = (
@@ -64,8 +65,8 @@ BUBBLE_NOTE = (
 def _closed_forms() -> str:
     """The closed forms of the memory footnote, written from the table that computes them so the two agree."""
     forms: dict[str, list[str]] = {}
-    for strategy, sharded in SHARDED_STATE.items():
-        form = " + ".join(f"{size}N" + ("/W" if part in sharded else "") for part, size in STATE_BYTES.items())
+    for strategy, row in DP_STRATEGIES.items():
+        form = " + ".join(f"{size}N" + ("/W" if part in row.sharded else "") for part, size in STATE_BYTES.items())
         forms.setdefault(form, []).append(strategy)
     return "; ".join(f"{', '.join(names)}: {form}" for form, names in forms.items())
 

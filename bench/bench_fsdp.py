@@ -58,10 +58,11 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2LMHeadModel
 
-from gptpar.config import Config, ModelConfig, ParallelConfig, grid_sizes, load_config
+from gptpar.config import Config, ModelConfig, ParallelConfig, load_config
 from gptpar.model import gpt2_config
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
-from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 from gptpar.run.folder import run_folder
@@ -121,10 +122,10 @@ class Run:
         if cfg is None:
             return
         try:
-            grid = RankGrid(grid_sizes(cfg), info.rank, info.world_size, info.device.type)
+            grid = ParallelDims.build(info, grid_sizes(cfg))
             folder = run_folder(cfg.log.runs_dir, cfg.log.run_id)
             folder.path.mkdir(parents=True, exist_ok=True)
-            self.trainer = Trainer(cfg, info, grid, folder, RankLogger(folder.path, info.rank))
+            self.trainer = Trainer(cfg, grid, folder, RankLogger(folder.path, info.rank))
             self.batches = self.trainer._batches(0, 0)
         except Exception as exc:  # reported as a failed row, not a crash
             self.error = one_line(exc)

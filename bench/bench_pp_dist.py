@@ -48,14 +48,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import pipelining
 
-from gptpar.config import Config, ParallelConfig, grid_sizes, load_config
+from gptpar.config import Config, ParallelConfig, load_config
 from gptpar.model import build_model, lm_loss
-from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.pipeline.engine import PipelineEngine
 from gptpar.parallel.pipeline.gpt2 import pipeline_stages
-from gptpar.strategies.schedules import closed_form_bubble, peak_activations, schedule, simulate
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
+from gptpar.strategies.schedules import closed_form_bubble, peak_activations, schedule, simulate
 
 VOCAB = 256
 RANKS = 2
@@ -101,7 +102,7 @@ def torch_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class Ours:
     """One of our engine's schedules (or the no-pipelining baseline) with its own model and per-rep stats."""
 
-    def __init__(self, label: str, name: str, virtual: int, args: argparse.Namespace, grid: RankGrid,
+    def __init__(self, label: str, name: str, virtual: int, args: argparse.Namespace, grid: ParallelDims,
                  x: torch.Tensor, y: torch.Tensor) -> None:
         self.label, self.name, self.virtual = label, name, virtual
         sequential = label == NO_PIPE
@@ -197,8 +198,7 @@ def rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
     """Every variant lives side by side for the whole run, so each repetition can visit all of them."""
     torch.set_num_threads(1)
     x, y = batch_tensors(args)
-    grid = RankGrid(grid_sizes(engine_config(args, "1f1b", 1, args.chunks, args.batch)), info.rank,
-                    info.world_size, "cpu")
+    grid = ParallelDims.build(info, grid_sizes(engine_config(args, "1f1b", 1, args.chunks, args.batch)))
     ours = [Ours(NO_PIPE, "gpipe", 1, args, grid, x, y)]
     ours += [Ours(name, name, v, args, grid, x, y) for name, v in OURS]
     split = {o.virtual: o.engine.blocks_per_stage for o in ours}

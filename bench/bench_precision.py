@@ -29,9 +29,10 @@ from typing import Any
 
 import torch
 
-from gptpar.config import Config, grid_sizes, load_config
+from gptpar.config import Config, load_config
 from gptpar.model import lm_loss
-from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
@@ -66,10 +67,10 @@ def make_trainer(args: argparse.Namespace, info: RankInfo, runs: Path, precision
         f"train.batch_size={args.batch}", "train.warmup_steps=0", f"train.threads={args.threads}",
         f"train.precision={precision}", f"train.activation_checkpointing={checkpointing}",
         f"log.runs_dir={runs}", f"log.run_id={precision}-{checkpointing}", "log.progress=none"])
-    grid = RankGrid(grid_sizes(cfg), 0, 1, info.device.type)
+    grid = ParallelDims.build(info, grid_sizes(cfg))
     folder = run_folder(cfg.log.runs_dir, cfg.log.run_id)
     folder.path.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, info, grid, folder, RankLogger(folder.path, 0))
+    return Trainer(cfg, grid, folder, RankLogger(folder.path, 0))
 
 
 def forward_saved_bytes(trainer: Trainer) -> int:

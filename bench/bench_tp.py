@@ -70,7 +70,7 @@ from bench_fsdp import (  # noqa: E402
 
 from gptpar.config import ModelConfig, ParallelConfig  # noqa: E402
 from gptpar.model import build_model, lm_loss  # noqa: E402
-from gptpar.parallel.grid import RankGrid  # noqa: E402
+from gptpar.parallel.dims import ParallelDims  # noqa: E402
 from gptpar.parallel.process_group import RankInfo  # noqa: E402
 from gptpar.parallel.tensor_parallel import (  # noqa: E402
     loss_context,
@@ -178,7 +178,7 @@ class WireCounter(CommDebugMode):
 class Variant:
     """One row's model (this rank's pieces, or the whole replica under DDP), optimizer and batch."""
 
-    def __init__(self, row: Row, args: argparse.Namespace, info: RankInfo, grid: RankGrid, n_layer: int) -> None:
+    def __init__(self, row: Row, args: argparse.Namespace, info: RankInfo, grid: ParallelDims, n_layer: int) -> None:
         self.row, self.times, self.error = row, [], None
         self.memory: dict[str, int] | None = None
         self.volumes: list[dict[str, int]] = []  # comm.VOLUME after each step (ours)
@@ -187,7 +187,7 @@ class Variant:
         except Exception as exc:  # reported as a failed row, not a crash
             self.error = one_line(exc)
 
-    def _build(self, row: Row, args: argparse.Namespace, info: RankInfo, grid: RankGrid, n_layer: int) -> None:
+    def _build(self, row: Row, args: argparse.Namespace, info: RankInfo, grid: ParallelDims, n_layer: int) -> None:
         whole = build_model(model_config(args, n_layer), args.vocab, seed=0, seq_len=args.seq)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
         x, self.y = tokens[:, :-1], tokens[:, 1:]
@@ -231,7 +231,7 @@ def counted_step(variant: Variant, world: int) -> dict[str, Any]:
     return {"wire": dict(counter.volume), "calls": counter.get_total_counts(), "volume": variant.volumes[-1]}
 
 
-def built(row: Row, args: argparse.Namespace, info: RankInfo, grid: RankGrid, n_layer: int) -> Variant:
+def built(row: Row, args: argparse.Namespace, info: RankInfo, grid: ParallelDims, n_layer: int) -> Variant:
     """Built in the same order on every rank (construction communicates), every rank agreeing on any error."""
     variant = Variant(row, args, info, grid, n_layer)
     variant.error = agree_error(variant.error)
@@ -253,7 +253,7 @@ def round_robin(variants: list[Variant], warmup: int, reps: int) -> None:
 
 def rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
     torch.set_num_threads(1)
-    grid = RankGrid({"tp": info.world_size}, info.rank, info.world_size, "cpu")
+    grid = ParallelDims.build(info, {"tp": info.world_size})
     variants = [built(row, args, info, grid, args.n_layer) for row in rows_of(args)]
     round_robin(variants, args.warmup, args.reps)
     results: dict[str, Any] = {}

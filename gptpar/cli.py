@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from gptpar import __version__
-from gptpar.config import reference_markdown, split_config_args, to_yaml_with_origins, world_size
+from gptpar.config import reference_markdown, split_config_args, to_yaml_with_origins
 from gptpar.errors import GptparError
+from gptpar.parallel.grid import world_size
 
 CONFIG_ARGS = "[CONFIG.yaml] [section.key=value ...]"
 
@@ -208,6 +209,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_schedule(args: argparse.Namespace) -> int:
     from gptpar.strategies.schedules import (
         closed_form_bubble,
+        make_plan,
         peak_activations,
         schedule,
         simulate,
@@ -215,7 +217,8 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     )
 
     ranks = schedule(args.name, args.pp, args.chunks, args.virtual)
-    timeline = simulate(ranks, args.cost_f, args.cost_b, args.cost_w, split_backward=args.name == "zb1p")
+    split = make_plan(args.name, args.pp, args.chunks, args.virtual).split_backward
+    timeline = simulate(ranks, args.cost_f, args.cost_b, args.cost_w, split_backward=split)
     print(f"{args.name}: P={args.pp} ranks, m={args.chunks} micro-batches, V={args.virtual} stage(s) per rank; "
           f"costs F={args.cost_f:g} B={args.cost_b:g} W={args.cost_w:g} (a whole backward is B+W)")
     if timeline.makespan <= 200:

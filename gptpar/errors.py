@@ -11,6 +11,10 @@ class GptparError(Exception):
     """A problem with the user's input or environment, explained in one line."""
 
 
+class ConfigError(GptparError):
+    """A bad config value; the message is one line naming the key and what is allowed."""
+
+
 def require_extra(module: str, setting: str, extra: str) -> ModuleType:
     """Import a package of an optional extra, or fail in one line that says how to install it."""
     try:

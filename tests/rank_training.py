@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from gptpar.config import Config, grid_sizes, load_config, updated
-from gptpar.parallel.grid import RankGrid
+from gptpar.config import Config, load_config, updated
+from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.state import whole
 from gptpar.parallel.tensor_parallel.torch_plan import whole_parameters
@@ -33,10 +34,10 @@ def make_config(overrides: list[str], runs: Path, name: str) -> Config:
 
 
 def make_trainer(cfg: Config, info: RankInfo) -> Trainer:
-    grid = RankGrid(grid_sizes(cfg), info.rank, info.world_size, info.device.type)
+    grid = ParallelDims.build(info, grid_sizes(cfg))
     folder = run_folder(cfg.log.runs_dir, cfg.log.run_id)
     folder.path.mkdir(parents=True, exist_ok=True)
-    return Trainer(cfg, info, grid, folder, RankLogger(folder.path, info.rank))
+    return Trainer(cfg, grid, folder, RankLogger(folder.path, info.rank))
 
 
 def train_steps(trainer: Trainer, count: int) -> list[float]:

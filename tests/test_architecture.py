@@ -15,7 +15,7 @@ from gptpar.cli import build_parser
 
 LIBRARY = sorted([*(REPO / "gptpar").rglob("*.py"), *(REPO / "analysis").glob("*.py")])
 HEAVY = ("torch", "transformers", "gptpar.train", "gptpar.model", "gptpar.parallel.process_group",
-         "gptpar.parallel.grid", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline.pipe",
+         "gptpar.parallel.dims", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline.pipe",
          "gptpar.parallel.pipeline.gpt2", "gptpar.parallel.tensor_parallel")
 
 

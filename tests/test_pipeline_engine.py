@@ -18,9 +18,10 @@ import torch
 from rank_training import BASE, STEPS, make_config, make_trainer, named_params, reference_run, saved_ranks, train_steps
 from torch import nn
 
-from gptpar.config import ParallelConfig, grid_sizes, load_config, updated
+from gptpar.config import ParallelConfig, load_config, updated
 from gptpar.errors import GptparError
 from gptpar.model import build_model
+from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 from gptpar.train.checkpoint import export_checkpoint, load_checkpoint

@@ -12,8 +12,9 @@ import torch.distributed as dist
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
+from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.env import Layout, expand_nodelist, free_port, is_slurm_step, layout_from_env, slurm_port
-from gptpar.parallel.grid import RankGrid, coordinates
+from gptpar.parallel.grid import coordinates
 from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed
 from gptpar.parallel.spawn import spawn_local
 
@@ -178,17 +179,21 @@ def test_grid_coordinates_are_row_major_with_tp_fastest() -> None:
     assert len({tuple(c.values()) for c in coords}) == 12
 
 
+def _cpu_rank(rank: int, world_size: int) -> RankInfo:
+    return RankInfo("single", rank, world_size, 0, 1, "127.0.0.1", 29500, "gloo", torch.device("cpu"))
+
+
 def test_grid_refuses_a_shape_that_does_not_fill_the_job() -> None:
     with pytest.raises(GptparError, match=r"rank grid pp=1 x dp=3 x tp=1 needs 3 ranks but the job has 4"):
-        RankGrid({"dp": 3}, 0, 4, "cpu")
+        ParallelDims.build(_cpu_rank(0, 4), {"dp": 3})
     with pytest.raises(GptparError, match="unknown dimension"):
-        RankGrid({"ep": 2}, 0, 2, "cpu")
-    alone = RankGrid({"dp": 1}, 0, 1, "cpu")
+        ParallelDims.build(_cpu_rank(0, 2), {"ep": 2})
+    alone = ParallelDims.build(_cpu_rank(0, 1), {"dp": 1})
     assert alone.sizes == {"pp": 1, "dp": 1, "tp": 1} and alone.group("dp") is None and alone.mesh is None
 
 
 def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
-    grid = RankGrid(sizes, info.rank, info.world_size, info.device.type)
+    grid = ParallelDims.build(info, sizes)
     members = {}
     for dim in ("pp", "dp", "tp"):
         group = grid.group(dim)

@@ -2,7 +2,7 @@
 rank grid, the run folder (id, absolute runs folder, config.yaml written once) and the tokenizer.
 
 `gptpar submit`, `gptpar sweep` and a `gptpar train` that starts its own ranks all come through
-`plan_run`; the ranks then only add what the launcher tells them (gptpar.config.resolve_for_launch).
+`plan_run`; the ranks then only check it against what the launcher started (gptpar.parallel.grid.launched_config).
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpar.config import Config, ConfigError, grid_sizes, updated, world_size
+from gptpar.config import Config, ConfigError, updated
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
+from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
 from gptpar.run.folder import RunFolder, in_use, run_folder
 from gptpar.run.names import derived_run_id, replaced_name
 
@@ -57,7 +58,7 @@ def shaped(cfg: Config, kind: str, dp_set: bool | None = None) -> Config:
         mode = cfg.parallel.pp_mode if cfg.parallel.pp_mode != "single" else "pipeline_parallel"
         return updated(cfg, {"parallel.dp": 1, "parallel.pp_mode": mode})
     ranks = max(cfg.launch.gpus, 1) * cfg.launch.nodes
-    others = world_size(cfg) // cfg.parallel.dp
+    others = ranks_per_replica(cfg)
     if ranks % others:
         raise GptparError(f"launch.gpus x launch.nodes = {ranks} GPUs do not divide into the grid's other "
                           f"dimensions ({others} ranks per replica)")

@@ -1,21 +1,35 @@
-"""The rank grid: every rank's coordinates along the named dimensions (pp, dp, tp) and its process
-groups along each, on torch's DeviceMesh. Every parallelism asks the grid "who am I", never the
-global rank: data shards follow the `dp` coordinate, gradients are averaged in the `dp` group.
+"""The rank grid as arithmetic, torch-free so the login side shapes jobs with it: the named dimensions (pp, dp,
+tp), their sizes from a config, a rank's coordinates and the members of its group along a dimension, and the one
+rule that fills parallel.dp from a launched rank count.
 
-Ranks are laid out row-major over GRID_DIMS (pp slowest, tp fastest), so a tensor-parallel group
-is a run of consecutive ranks: with one task per GPU and tasks filled node by node, it stays on
-one node, the fastest link.
+Ranks are laid out row-major over GRID_DIMS (pp slowest, tp fastest), so a tensor-parallel group is a run of
+consecutive ranks: with one task per GPU and tasks filled node by node, it stays on one node, the fastest link.
+A new dimension (experts, context) is one more name here and one more size in `grid_sizes`.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from gptpar.config import Config, updated
+from gptpar.errors import ConfigError
 
-from gptpar.config import GRID_DIMS
-from gptpar.errors import GptparError
+GRID_DIMS = ("pp", "dp", "tp")
+
+
+def grid_sizes(cfg: Config) -> dict[str, int]:
+    """Size of each grid dimension; every launcher and log follows this one function."""
+    return {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp}
+
+
+def world_size(cfg: Config) -> int:
+    """Ranks (processes, one per GPU on a cluster) the config needs: the product of the grid sizes."""
+    return math.prod(grid_sizes(cfg).values())
+
+
+def ranks_per_replica(cfg: Config) -> int:
+    """Ranks of one model replica: the grid's dimensions other than dp."""
+    return world_size(cfg) // cfg.parallel.dp
 
 
 def coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
@@ -26,37 +40,23 @@ def coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
     return {dim: coords[dim] for dim in GRID_DIMS}
 
 
-class RankGrid:
-    """This rank's place in the grid, with a DeviceMesh (and its sub-groups) when there are peers."""
+def group_ranks(rank: int, sizes: dict[str, int], dim: str) -> list[int]:
+    """Global ranks of `rank`'s group along `dim` (those differing from it only there), in coordinate order."""
+    stride = math.prod(sizes[d] for d in GRID_DIMS[GRID_DIMS.index(dim) + 1:])
+    base = rank - coordinates(rank, sizes)[dim] * stride
+    return [base + i * stride for i in range(sizes[dim])]
 
-    def __init__(self, sizes: dict[str, int], rank: int, world_size: int, device_type: str):
-        unknown = set(sizes) - set(GRID_DIMS)
-        if unknown:
-            raise GptparError(f"rank grid: unknown dimension(s) {', '.join(sorted(unknown))}; "
-                              f"dimensions: {', '.join(GRID_DIMS)}")
-        self.sizes = {dim: int(sizes.get(dim, 1)) for dim in GRID_DIMS}
-        shape = " x ".join(f"{dim}={n}" for dim, n in self.sizes.items())
-        if math.prod(self.sizes.values()) != world_size:
-            raise GptparError(f"rank grid {shape} needs {math.prod(self.sizes.values())} ranks but the job has "
-                              f"{world_size}")
-        self.rank, self.world_size = rank, world_size
-        self.coords = coordinates(rank, self.sizes)
-        self.mesh: DeviceMesh | None = None
-        if world_size > 1:
-            self.mesh = init_device_mesh(device_type, tuple(self.sizes.values()), mesh_dim_names=GRID_DIMS)
 
-    def size(self, dim: str) -> int:
-        return self.sizes[dim]
-
-    def coord(self, dim: str) -> int:
-        return self.coords[dim]
-
-    def group(self, dim: str) -> dist.ProcessGroup | None:
-        """The process group of the ranks that differ from this one only along `dim` (None alone)."""
-        return self.mesh.get_group(dim) if self.mesh is not None and self.sizes[dim] > 1 else None
-
-    def group_ranks(self, dim: str) -> list[int]:
-        """Global ranks of this rank's group along `dim`, in coordinate order."""
-        stride = math.prod(self.sizes[d] for d in GRID_DIMS[GRID_DIMS.index(dim) + 1:])
-        base = self.rank - self.coords[dim] * stride
-        return [base + i * stride for i in range(self.sizes[dim])]
+def launched_config(cfg: Config, launched: int) -> Config:
+    """A rank's check of its config against the rank count its launcher started (srun, torchrun): they must
+    agree, except that a config asking for one replica takes as many as the launcher started (`srun gptpar
+    train` with N tasks trains with dp=N, as the submit side's job shape does); any other mismatch is one line."""
+    if launched == world_size(cfg):
+        return cfg
+    other = ranks_per_replica(cfg)
+    if cfg.parallel.dp != 1 or launched % other:
+        shape = " x ".join(f"parallel.{d}={n}" for d, n in grid_sizes(cfg).items() if n > 1 or d == "dp")
+        raise ConfigError(f"the config asks for {world_size(cfg)} ranks ({shape}) but the "
+                          f"launcher started {launched}; set parallel.dp={launched // other or 1} or launch "
+                          f"{world_size(cfg)} tasks")
+    return updated(cfg, {"parallel.dp": launched // other})

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from gptpar.errors import GptparError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb1p")
 COMPUTE = ("F", "B", "W")
 
 
@@ -89,24 +88,26 @@ def _interleaved(plan: Plan, rank: int) -> list[tuple[str, int, int]]:
 
 
 def make_plan(name: str, ranks: int, microbatches: int, virtual: int = 1) -> Plan:
-    """Check a schedule's shape, with one line naming what does not fit."""
-    if name not in SCHEDULES:
+    """Check a schedule's shape against its row of SCHEDULES, with one line naming what does not fit."""
+    row = SCHEDULES.get(name)
+    if row is None:
         raise GptparError(f"parallel.pp_schedule={name!r} is not allowed; choose one of: {', '.join(SCHEDULES)}")
     if ranks < 1 or microbatches < 1 or virtual < 1:
         raise GptparError(f"a pipeline needs at least one rank, micro-batch and stage per rank (got P={ranks}, "
                           f"m={microbatches}, V={virtual})")
-    if name == "interleaved_1f1b":
+    if row.interleaved:
         if virtual < 2:
-            raise GptparError("parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual >= 2")
+            raise GptparError(f"parallel.pp_schedule={name} needs parallel.pp_virtual >= 2")
         if microbatches % ranks:
             raise GptparError(f"parallel.chunks={microbatches} must be a multiple of parallel.pp={ranks} for "
-                              "interleaved_1f1b")
+                              f"{name}")
     elif virtual != 1:
-        raise GptparError(f"parallel.pp_virtual={virtual} needs parallel.pp_schedule=interleaved_1f1b")
-    if name != "gpipe" and microbatches < ranks:
+        interleaved = " or ".join(n for n, r in SCHEDULES.items() if r.interleaved)
+        raise GptparError(f"parallel.pp_virtual={virtual} needs parallel.pp_schedule={interleaved}")
+    if row.fills_pipeline and microbatches < ranks:
         raise GptparError(f"parallel.chunks={microbatches} is below parallel.pp={ranks}: {name} needs at least one "
                           "micro-batch per stage to fill the pipeline")
-    return Plan(name, ranks, virtual, microbatches, split_backward=name == "zb1p")
+    return Plan(name, ranks, virtual, microbatches, split_backward=row.split_backward)
 
 
 def _with_communication(plan: Plan, rank: int, compute: list[tuple[str, int, int]]) -> list[Action]:
@@ -130,7 +131,7 @@ def _with_communication(plan: Plan, rank: int, compute: list[tuple[str, int, int
 def schedule(name: str, ranks: int, microbatches: int, virtual: int = 1) -> list[list[Action]]:
     """Each rank's ordered actions for one training step."""
     plan = make_plan(name, ranks, microbatches, virtual)
-    return [_with_communication(plan, r, BUILDERS[name](plan, r)) for r in range(ranks)]
+    return [_with_communication(plan, r, SCHEDULES[name].build(plan, r)) for r in range(ranks)]
 
 
 def _zero_bubble_h1(plan: Plan, rank: int) -> list[tuple[str, int, int]]:
@@ -148,10 +149,6 @@ def _zero_bubble_h1(plan: Plan, rank: int) -> list[tuple[str, int, int]]:
         if i >= rank:
             order.append(("W", i - rank, rank))
     return order + [("W", i, rank) for i in range(max(0, m - rank), m)]
-
-
-BUILDERS: dict[str, Callable[[Plan, int], list[tuple[str, int, int]]]] = {
-    "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved_1f1b": _interleaved, "zb1p": _zero_bubble_h1}
 
 
 @dataclass
@@ -207,13 +204,8 @@ def simulate(ranks_actions: list[list[Action]], cost_f: float = 1.0, cost_b: flo
 
 
 def closed_form_bubble(name: str, ranks: int, microbatches: int, virtual: int = 1) -> float:
-    """The idle share of a rank in theory, for unit costs F = B = W = 1."""
-    p, m = ranks, microbatches
-    if name == "zb1p":
-        return (p - 1) / (3 * m + p - 1)
-    if name == "interleaved_1f1b":
-        return (p - 1) / (virtual * m + p - 1)
-    return (p - 1) / (m + p - 1)
+    """The idle share of a rank in theory, for unit costs F = B = W = 1 (the schedule's row)."""
+    return SCHEDULES[name].bubble(ranks, microbatches, virtual)
 
 
 def peak_activations(actions: list[Action]) -> int:
@@ -239,3 +231,32 @@ def text_chart(timeline: Timeline, ranks: int) -> str:
         for t in range(int(round(start)), int(round(end))):
             rows[r][t] = mark
     return "\n".join(f"rank {r}: {''.join(row)}" for r, row in enumerate(rows))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One row of the schedule table: how a rank's compute order is built and what the schedule is, so that
+    the config, the engine, `gptpar schedule` and the analysis read one place. A new schedule is a builder
+    function plus a row here."""
+
+    build: Callable[[Plan, int], list[tuple[str, int, int]]]  # a rank's (kind, micro-batch, stage) order
+    split_backward: bool  # B is the input-gradient pass and W the weight-gradient pass, run apart
+    interleaved: bool  # V >= 2 model chunks per rank, micro-batches in groups of P
+    fills_pipeline: bool  # needs at least P micro-batches (m >= P)
+    bubble: Callable[[int, int, int], float]  # closed-form idle share for P, m, V at unit costs
+    help: str
+
+
+def _plain_bubble(p: int, m: int, v: int) -> float:
+    return (p - 1) / (m + p - 1)
+
+
+SCHEDULES: dict[str, Schedule] = {
+    "gpipe": Schedule(_gpipe, False, False, False, _plain_bubble, "all forwards, then all backwards"),
+    "1f1b": Schedule(_one_f_one_b, False, False, True, _plain_bubble,
+                     "warm-up forwards, then one forward one backward (P - r activations held)"),
+    "interleaved_1f1b": Schedule(_interleaved, False, True, True, lambda p, m, v: (p - 1) / (v * m + p - 1),
+                                 "Megatron's 1F1B over V model chunks per rank"),
+    "zb1p": Schedule(_zero_bubble_h1, True, False, True, lambda p, m, v: (p - 1) / (3 * m + p - 1),
+                     "ZB-H1: 1F1B with the weight-gradient pass postponed into the bubble"),
+}

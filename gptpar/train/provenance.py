@@ -13,8 +13,7 @@ import torch
 import transformers
 
 from gptpar.config import Config, config_digest
-from gptpar.parallel.grid import RankGrid
-from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.dims import ParallelDims
 from gptpar.run.logfile import SCHEMA_VERSION
 
 SLURM_FIELDS = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
@@ -42,13 +41,13 @@ def job_id() -> str:
     return fields.get("job_id", "")
 
 
-def header_fields(cfg: Config, info: RankInfo, grid: RankGrid, restart: int) -> dict[str, Any]:
+def header_fields(cfg: Config, dims: ParallelDims, restart: int) -> dict[str, Any]:
     """The fields of a segment's header that are known before data and model exist."""
     return dict(
         schema_version=SCHEMA_VERSION, run_id=cfg.log.run_id, config=cfg.to_dict(), config_digest=config_digest(cfg),
-        rank=info.rank, world_size=info.world_size, coords=dict(grid.coords), sizes=dict(grid.sizes),
-        restart=restart, host=socket.gethostname(), device=str(info.device),
-        device_name=torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
+        rank=dims.rank, world_size=dims.world_size, coords=dict(dims.coords), sizes=dict(dims.sizes),
+        restart=restart, host=socket.gethostname(), device=str(dims.device),
+        device_name=torch.cuda.get_device_name(dims.device) if dims.device.type == "cuda" else "cpu",
         torch_version=torch.__version__, transformers_version=transformers.__version__, git_commit=git_commit(),
-        slurm=slurm_fields(), start_time=time.time(), launcher=info.launcher, precision=cfg.train.precision,
+        slurm=slurm_fields(), start_time=time.time(), launcher=dims.launcher, precision=cfg.train.precision,
         activation_checkpointing=cfg.train.activation_checkpointing)

@@ -24,14 +24,15 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
-from gptpar.config import Config, example_width, fixed_width, grid_sizes, resolve_for_launch, updated
+from gptpar.config import Config, example_width, fixed_width, updated
 from gptpar.data import BlockDataset, load_tokens, partition_dataset
 from gptpar.data.translation import PairDataset, TranslationData, load_translation, target_tokens
 from gptpar.errors import GptparError
 from gptpar.model import build_model, count_params, initial_value, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.comm import comm_span
-from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.grid import grid_sizes, launched_config
 from gptpar.parallel.pipeline.engine import PipelineEngine, Weight, by_rows
 from gptpar.parallel.pipeline.gpt2 import build_parallel_model, plain_gpt2_state
 from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
@@ -42,6 +43,7 @@ from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
 from gptpar.run.sinks import open_sinks
 from gptpar.run.state import read_run, resume_hint
+from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.train.bleu import corpus_bleu, decode_split, require_sacrebleu
 from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
 from gptpar.train.grad_dump import dump_gradients
@@ -61,12 +63,12 @@ FINISHED = ("completed", "diverged")  # states in which a start trains nothing
 class Trainer:
     """Set-up (data, model, sync, optimizer), the step loop, evaluation, checkpoints and step logs."""
 
-    def __init__(self, cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFolder, log: RankLogger):
-        self.cfg, self.info, self.grid, self.folder, self.log = cfg, info, grid, folder, log
+    def __init__(self, cfg: Config, dims: ParallelDims, folder: RunFolder, log: RankLogger):
+        self.cfg, self.dims, self.folder, self.log = cfg, dims, folder, log
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.precision = Precision.from_config(t, info.device)  # first: a device that cannot run it fails at once
+        self.precision = Precision.from_config(t, dims.device)  # first: a device that cannot run it fails at once
         # data.task=translation: pairs of varying length, padded per batch (collate; to one width where shapes are
         # fixed), the loss on target tokens only.
         self.translation: TranslationData | None = None
@@ -89,34 +91,35 @@ class Trainer:
         model = build_model(cfg.model, self.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=example_width(cfg),
                             init_device=cfg.model.init_device)
         self.n_params, self.gpt2 = count_params(model), model.config  # whole, before any sharding
-        self.pipeline = grid.size("pp") > 1
-        self.dp_group, self.tp_group = grid.group("dp"), grid.group("tp")
+        self.pipeline = dims.size("pp") > 1
+        self.dp_group, self.tp_group = dims.group("dp"), dims.group("tp")
         # Our tensor parallelism leaves plain tensors that are pieces (torch's are DTensors that know it themselves):
         # checkpoints and the gradient norm must be told which.
         self.tp_pieces = self.tp_group is not None and cfg.parallel.tp_impl == "gptpar"
         # model.init_device=meta: fsdp materialises only this rank's shards; every other layout the whole model
         # (tensor parallelism cuts its pieces from the whole model).
-        shards_only = (cfg.model.init_device == "meta" and cfg.parallel.dp_sync == "fsdp" and self.dp_group is not None
+        shards_only = (cfg.model.init_device == "meta" and DP_STRATEGIES[cfg.parallel.dp_sync].materialises_shards
+                       and self.dp_group is not None
                        and self.tp_group is None)
         if cfg.model.init_device == "meta" and not shards_only:
-            materialize(model, t.seed, info.device)
+            materialize(model, t.seed, dims.device)
         if self.tp_group is not None:
-            model = shard_model(model, cfg.parallel, grid, info.device)
-        prepare_blocks(model, cfg, info.device)  # in place, before any wrapper or stage split sees the blocks
-        self.loss_fn = loss_function(cfg.parallel, grid, self.vocab_size)
-        self.loss_context = loss_context(cfg.parallel, grid)
-        self.whole_logits = whole_logits(cfg.parallel, grid, self.vocab_size)  # what decoding reads
+            model = shard_model(model, cfg.parallel, dims, dims.device)
+        prepare_blocks(model, cfg, dims.device)  # in place, before any wrapper or stage split sees the blocks
+        self.loss_fn = loss_function(cfg.parallel, dims, self.vocab_size)
+        self.loss_context = loss_context(cfg.parallel, dims)
+        self.whole_logits = whole_logits(cfg.parallel, dims, self.vocab_size)  # what decoding reads
         if self.pipeline:
-            self.net = PipelineEngine(model, cfg, grid, info.device)
+            self.net = PipelineEngine(model, cfg, dims, dims.device)
         elif self.tp_group is not None:
-            self.net = TensorParallelGPT2(model, info.device)
+            self.net = TensorParallelGPT2(model, dims.device)
         else:
-            self.net = build_parallel_model(model, cfg.parallel, info.device)
+            self.net = build_parallel_model(model, cfg.parallel, dims.device)
         initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, self.gpt2, t.seed))
                    if shards_only else None)
-        mesh = grid.mesh["dp"] if grid.mesh is not None and self.dp_group is not None else None
-        self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group, info.device, initial, mesh)
-        self.checkpoint_layout = CheckpointLayout(self.net, self.sync, grid) if self.tp_pieces else None
+        mesh = dims.mesh["dp"] if dims.mesh is not None and self.dp_group is not None else None
+        self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group, dims.device, initial, mesh)
+        self.checkpoint_layout = CheckpointLayout(self.net, self.sync, dims) if self.tp_pieces else None
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
@@ -141,7 +144,7 @@ class Trainer:
         self.precision.load_state_dict(state)
 
     def _loader(self, epoch: int):
-        return partition_dataset(self.grid.coord("dp"), self.grid.size("dp"), self.train_set, self.micro_batch,
+        return partition_dataset(self.dims.coord("dp"), self.dims.size("dp"), self.train_set, self.micro_batch,
                                  self.collate, seed=self.cfg.train.seed, epoch=epoch)
 
     def _batches(self, epoch: int, skip_steps: int) -> Iterator[list[Batch]]:
@@ -155,18 +158,18 @@ class Trainer:
         """Scalars summed over the data-parallel replicas (one small all-reduce)."""
         if self.dp_group is None:
             return list(values)
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.info.device)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.dims.device)
         with comm_span("all_reduce"):
             dist.all_reduce(tensor, group=self.dp_group)
         return tensor.tolist()
 
     def _dp_mean(self, value: float) -> float:
         """The mean of a scalar over the data-parallel replicas."""
-        return self._dp_sum(value)[0] / self.grid.size("dp")
+        return self._dp_sum(value)[0] / self.dims.size("dp")
 
     def _target_share(self, micro_batches: list[Batch]) -> float:
         """N / R: the step's target tokens on all R replicas (one small all-reduce), per replica."""
-        return self._dp_sum(sum(target_tokens(y) for _, y in micro_batches))[0] / self.grid.size("dp")
+        return self._dp_sum(sum(target_tokens(y) for _, y in micro_batches))[0] / self.dims.size("dp")
 
     def _loss_divisors(self, micro_batches: list[Batch]) -> list[float]:
         """What each micro-batch's mean loss is divided by so that the step's gradient, once the sync has averaged
@@ -228,7 +231,7 @@ class Trainer:
         if self.memory is None:
             self.memory = state_bytes(self.net, self.optimizer) | self.sync.memory_fields()
         if t.dump_grads and self.step + 1 == self.total_steps:  # the run's last step, synced, not yet zeroed
-            dump_gradients(self.net.original_parameters(), t.dump_grads, self.info.rank)
+            dump_gradients(self.net.original_parameters(), t.dump_grads, self.dims.rank)
         self.sync.zero_grad()
         return total, grad_norm
 
@@ -239,12 +242,12 @@ class Trainer:
         if self.pipeline:
             self.net.sum_tied_gradients()
             targets = [p for p in self.net.parameters() if p.grad is not None]
-            groups, counted = [self.grid.group("pp")], self.net.counted_parameters()
+            groups, counted = [self.dims.group("pp")], self.net.counted_parameters()
         else:
             (targets, group), counted = self.sync.clip_targets(), None
             groups = [group] if group is not None else []
         if self.tp_pieces:
-            owners, tp_rank = self.sync.owners(), self.grid.coord("tp")
+            owners, tp_rank = self.sync.owners(), self.dims.coord("tp")
             counted = [t for t in (targets if counted is None else counted)
                        if counts_in_norm(owners.get(id(t), t), tp_rank)]
             groups.append(self.tp_group)
@@ -254,13 +257,13 @@ class Trainer:
     def evaluate(self) -> float | None:
         """Mean validation loss over the first eval_batches of every replica's shard, averaged over replicas
         (for translation weighted by target tokens, which differ from batch to batch)."""
-        replicas = self.grid.size("dp")
+        replicas = self.dims.size("dp")
         batch = min(self.micro_batch, len(self.val_set) // replicas * replicas)
         if batch < replicas:
             return None
         self.net.eval()
         self.precision.set_matmul_precision()
-        loader = partition_dataset(self.grid.coord("dp"), replicas, self.val_set, batch, self.collate, seed=0, epoch=0)
+        loader = partition_dataset(self.dims.coord("dp"), replicas, self.val_set, batch, self.collate, seed=0, epoch=0)
         batches = list(islice(loader, self.cfg.train.eval_batches))
         with self.precision.autocast(), self.loss_context():
             if self.pipeline:
@@ -284,12 +287,12 @@ class Trainer:
         ranks keep in step."""
         self.net.eval()
         self.precision.set_matmul_precision()
-        batch, device = self.micro_batch // self.grid.size("dp"), self.info.device
+        batch, device = self.micro_batch // self.dims.size("dp"), self.dims.device
         with self.precision.autocast():
             if self.pipeline:
                 model = self._whole_model()
                 forward = (lambda ids: model(ids.to(device)).logits) if model is not None else None
-                group, share = dist.group.WORLD, (self.grid.coord("dp"), self.grid.size("dp"))
+                group, share = dist.group.WORLD, (self.dims.coord("dp"), self.dims.size("dp"))
             else:
                 forward, group, share = self._decode_logits, self.dp_group, None
             return [decode_split(forward, self.translation, split, samples, batch, group, device, share)
@@ -310,19 +313,19 @@ class Trainer:
         pieces once more on the host; a model that cannot fit one device whole cannot be scored this way
         (train.bleu_samples=0 turns BLEU off)."""
         pieces = {name: whole(p, self.tp_group).cpu() for name, p in self.net.named_parameters()}  # tp collectives
-        if self.grid.coord("tp") != 0:
+        if self.dims.coord("tp") != 0:
             return None
-        first = self.grid.coord("pp") == 0
-        gathered: list[Any] | None = [None] * self.grid.size("pp") if first else None
+        first = self.dims.coord("pp") == 0
+        gathered: list[Any] | None = [None] * self.dims.size("pp") if first else None
         with comm_span("gather"):
-            dist.gather_object(pieces, gathered, dst=self.grid.group_ranks("pp")[0], group=self.grid.group("pp"))
+            dist.gather_object(pieces, gathered, dst=self.dims.group_ranks("pp")[0], group=self.dims.group("pp"))
         if not first:
             return None
         with torch.device("meta"):
             model = GPT2LMHeadModel(self.gpt2)
         state = plain_gpt2_state({name: p for piece in gathered for name, p in piece.items()}, self.vocab_size)
         model.load_state_dict(state, assign=True)
-        return model.to(self.info.device).eval()
+        return model.to(self.dims.device).eval()
 
     def bleu(self) -> dict[str, float | None]:
         """The epoch record's BLEU fields: `bleu`, corpus BLEU of the first train.bleu_samples validation pairs'
@@ -340,9 +343,9 @@ class Trainer:
 
     def banner(self) -> str:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
-        layout = " x ".join(f"{dim}={n}" for dim, n in self.grid.sizes.items())
+        layout = " x ".join(f"{dim}={n}" for dim, n in self.dims.sizes.items())
         g = self.gpt2
-        return (f"gptpar: {self.info.world_size} rank(s) ({layout}) on {self.info.device} ({self.info.backend}); "
+        return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
                 f"GPT-2 of {self.n_params:,} parameters ({g.n_layer} layers, width {g.n_embd}, {g.n_head} heads); "
                 f"tokenizer {self.tokenizer} (vocab {self.vocab_size}); {self.cfg.train.precision}; "
                 f"steps {self.step + 1}-{self.total_steps}")
@@ -356,8 +359,8 @@ class Trainer:
         "requeued" (USR2) wins over "stopped" (TERM, INT); None to go on."""
         request = stop_request()
         outcomes = (None, "stopped", "requeued")
-        flag = torch.tensor([float(outcomes.index(request[0] if request else None))], device=self.info.device)
-        if self.info.world_size > 1:
+        flag = torch.tensor([float(outcomes.index(request[0] if request else None))], device=self.dims.device)
+        if self.dims.world_size > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return outcomes[int(flag.item())]
 
@@ -367,12 +370,12 @@ class Trainer:
     def run(self) -> tuple[str, float]:
         """Train from the last checkpoint to the end, or until a stop is asked for (gptpar.train.preemption);
         returns (status, last loss): completed, stopped or requeued."""
-        cfg, info = self.cfg, self.info
-        progress = Progress(cfg.log, info.rank, info.world_size, self.total_steps, self.step)
+        cfg, dims = self.cfg, self.dims
+        progress = Progress(cfg.log, dims.rank, dims.world_size, self.total_steps, self.step)
         progress.message(self.banner())
         status, loss = "completed", math.nan
         first_step = self.step
-        profiler = StepProfiler(cfg.train, info.device, self.folder.trace_path(info.rank))
+        profiler = StepProfiler(cfg.train, dims.device, self.folder.trace_path(dims.rank))
         try:
             while self.step < self.total_steps and status == "completed":
                 epoch = self.step // self.steps_per_epoch
@@ -388,8 +391,8 @@ class Trainer:
                     data_time = time.perf_counter() - start
                     loss, grad_norm = self._train_step(micro_batches)
                     global_loss = self._dp_mean(loss)
-                    if info.device.type == "cuda":
-                        torch.cuda.synchronize(info.device)
+                    if dims.device.type == "cuda":
+                        torch.cuda.synchronize(dims.device)
                     step_time = time.perf_counter() - start
                     self.step += 1
                     profiler.end(self.step)
@@ -402,8 +405,8 @@ class Trainer:
                                  grad_norm=grad_norm, skipped=self.precision.skipped,
                                  loss_scale=self.precision.step_scale, tokens=tokens,
                                  step_time_s=step_time, tokens_per_s=tokens / step_time, data_time_s=data_time,
-                                 peak_mem_bytes=peak_memory_bytes(info.device), bubble=self.net.bubble, **pipeline)
-                    progress.update(self.step, global_loss, tokens * self.grid.size("dp") / step_time)
+                                 peak_mem_bytes=peak_memory_bytes(dims.device), bubble=self.net.bubble, **pipeline)
+                    progress.update(self.step, global_loss, tokens * self.dims.size("dp") / step_time)
                     if self.step == first_step + 1:
                         self.log.log("memory", step=self.step, **self.memory)
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
@@ -456,15 +459,15 @@ def claim_run_folder(cfg: Config, info: RankInfo, stack: contextlib.ExitStack) -
     return named, run_folder(named.log.runs_dir, run_id), state
 
 
-def _train_in_folder(cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFolder) -> dict[str, Any]:
-    log = RankLogger(folder.path, info.rank)
+def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict[str, Any]:
+    log = RankLogger(folder.path, dims.rank)
     restart = segments(log.path)
     trainer = None
     try:
-        log.mirror = open_sinks(cfg.log, info.rank, folder.path)  # closed by log.close()
-        trainer = Trainer(cfg, info, grid, folder, log)
+        log.mirror = open_sinks(cfg.log, dims.rank, folder.path)  # closed by log.close()
+        trainer = Trainer(cfg, dims, folder, log)
         load_checkpoint(folder.path, {"trainer": trainer})
-        log.log("header", **header_fields(cfg, info, grid, restart), tokenizer=trainer.tokenizer,
+        log.log("header", **header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
                 vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
                 total_steps=trainer.total_steps)
         status, loss = trainer.run()
@@ -473,21 +476,21 @@ def _train_in_folder(cfg: Config, info: RankInfo, grid: RankGrid, folder: RunFol
                 signal=request[1] if request else None)
     except BaseException as exc:
         if trainer is None:  # set-up failed: the segment still says who failed and why
-            log.log("header", **header_fields(cfg, info, grid, restart))
+            log.log("header", **header_fields(cfg, dims, restart))
         log.log("final", status="failed", step=trainer.step if trainer else 0,
                 error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
         raise
     finally:
         log.close()
     if status == "requeued" and can_requeue():
-        if info.world_size > 1:
+        if dims.world_size > 1:
             dist.barrier()  # every rank's final record is on disk before SLURM kills the job
-        if info.rank == 0:
+        if dims.rank == 0:
             requeue_current_job()
     elif status != "completed":  # stopped, or a requeue asked for where no scheduler restarts the run
         status = "stopped"
-        if info.rank == 0 and info.launcher != "local":  # the local launcher says it for its ranks
-            launcher = info.launcher if not can_requeue() else "slurm"
+        if dims.rank == 0 and dims.launcher != "local":  # the local launcher says it for its ranks
+            launcher = dims.launcher if not can_requeue() else "slurm"
             print(f"gptpar: run {folder.path} stopped at step {trainer.step}{_by(stop_request())}; "
                   f"{resume_hint(folder, launcher)}", flush=True)
     return {"status": status, "step": trainer.step, "loss": loss, "run_dir": str(folder.path)}
@@ -509,8 +512,8 @@ def run_rank(cfg: Config) -> dict[str, Any]:
 def _run_rank(cfg: Config) -> dict[str, Any]:
     info = init_distributed(cfg.parallel)
     try:
-        launched = resolve_for_launch(cfg, info.world_size)  # checked before the folder is touched
-        grid = RankGrid(grid_sizes(launched), info.rank, info.world_size, info.device.type)
+        launched = launched_config(cfg, info.world_size)  # checked before the folder is touched
+        dims = ParallelDims.build(info, grid_sizes(launched))
         with contextlib.ExitStack() as stack:
             submitted, folder, state = claim_run_folder(cfg, info, stack)  # config.yaml: as submitted
             cfg = updated(launched, {"log.run_id": submitted.log.run_id})
@@ -518,6 +521,6 @@ def _run_rank(cfg: Config) -> dict[str, Any]:
                 if info.rank == 0:
                     print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)
                 return {"status": state, "run_dir": str(folder.path)}
-            return _train_in_folder(cfg, info, grid, folder)
+            return _train_in_folder(cfg, dims, folder)
     finally:
         destroy_distributed()

@@ -1,6 +1,6 @@
 """Data parallelism: one gradient-sync interface over every strategy, so the trainer's loop is the same:
 
-    sync = make_grad_sync(model, cfg.parallel, grid.group("dp"))
+    sync = make_grad_sync(model, cfg.parallel, dims.group("dp"))
     for i, (x, y) in enumerate(micro_batches):
         with sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1):
             (lm_loss(sync.module(x), y) / len(micro_batches)).backward()
@@ -8,17 +8,18 @@
     optimizer.step()       # optimizer built on sync.model.parameters()
     sync.zero_grad()       # not optimizer.zero_grad(): keeps the bucketed reducer copy-free
 
-naive: the assignment's per-parameter all-reduce after backward (naive.py); bucketed: our
-overlapped reducer (bucketed.py); ddp: torch's DistributedDataParallel as the reference (ddp.py);
-zero1: the bucketed reducer with the optimizer state sharded over the group; zero2: gradients
-reduce-scattered into shards too, bucket by bucket during backward (zero.py, on sharded.py); fsdp:
-ours, parameters sharded too and gathered per block (fsdp.py); fsdp2: torch's fully_shard on the
-same units (fsdp2.py). The trainer also calls sync.after_step() after optimizer.step(),
-builds the optimizer on sync.optimizer_params() (a sharded optimizer steps shards of the parameters)
-and clips over sync.clip_targets().
+Which class runs `parallel.dp_sync` is the strategy's row of gptpar/strategies/data_parallel.py: naive (the
+assignment's per-parameter all-reduce, naive.py), bucketed (our overlapped reducer, bucketed.py), ddp (torch's
+DistributedDataParallel as the reference, ddp.py), zero1/zero2 (optimizer state, then gradients too, sharded;
+zero.py on sharded.py), fsdp (ours, parameters sharded too and gathered per block, fsdp.py), fsdp2 (torch's
+fully_shard on the same units, fsdp2.py). The trainer also calls sync.after_step() after optimizer.step(),
+builds the optimizer on sync.optimizer_params() (a sharded optimizer steps shards of the parameters) and clips
+over sync.clip_targets().
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 import torch.distributed as dist
@@ -26,14 +27,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gptpar.config import ParallelConfig
-from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
+from gptpar.parallel.data_parallel.base import GradSync, InitialValue, SyncSetup, broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync
 from gptpar.parallel.data_parallel.ddp import DDPSync
 from gptpar.parallel.data_parallel.fsdp import FSDPSync
 from gptpar.parallel.data_parallel.fsdp2 import FSDP2Sync
 from gptpar.parallel.data_parallel.naive import NaiveSync, average_gradients
-from gptpar.parallel.data_parallel.sharded import InitialValue
 from gptpar.parallel.data_parallel.zero import ZeroOneSync, ZeroTwoSync
+from gptpar.strategies.data_parallel import DP_STRATEGIES
 
 __all__ = ["BucketedSync", "DDPSync", "FSDP2Sync", "FSDPSync", "GradSync", "InitialValue", "NaiveSync",
            "ZeroOneSync", "ZeroTwoSync", "average_gradients", "broadcast_state", "make_grad_sync"]
@@ -44,21 +45,13 @@ def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGr
                    mesh: DeviceMesh | None = None) -> GradSync:
     """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one.
     The model must already be on its device and identical on all replicas up to a broadcast from the
-    group's first rank (done here), except under fsdp with `initial`: then it is on the meta device and
-    fsdp materialises this rank's shards on `device`. `mesh` is the group's DeviceMesh within the job's grid, which
-    fsdp2 needs to shard parameters that torch's tensor parallelism already made DTensors on the grid."""
+    group's first rank (done here), except for a strategy that materialises its shards (fsdp) given
+    `initial`: then it is on the meta device and the strategy materialises this rank's shards on `device`.
+    `mesh` is the group's DeviceMesh within the job's grid, which fsdp2 needs to shard parameters that
+    torch's tensor parallelism already made DTensors on the grid."""
     if group is None:
         return GradSync(model)
-    if pcfg.dp_sync == "naive":
-        return NaiveSync(model, group)
-    if pcfg.dp_sync == "ddp":
-        return DDPSync(model, pcfg.bucket_mb, group)
-    if pcfg.dp_sync == "zero1":
-        return ZeroOneSync(model, pcfg.bucket_mb, group)
-    if pcfg.dp_sync == "zero2":
-        return ZeroTwoSync(model, pcfg.bucket_mb, group)
-    if pcfg.dp_sync == "fsdp":
-        return FSDPSync(model, group, device or next(model.parameters()).device, initial)
-    if pcfg.dp_sync == "fsdp2":
-        return FSDP2Sync(model, group, mesh)
-    return BucketedSync(model, pcfg.bucket_mb, group)
+    module, _, name = DP_STRATEGIES[pcfg.dp_sync].sync.partition(":")
+    strategy = getattr(importlib.import_module(module), name)
+    return strategy.from_setup(SyncSetup(model, group, pcfg, device or next(model.parameters()).device, initial,
+                                         mesh))

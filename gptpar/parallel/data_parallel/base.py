@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from gptpar.config import ParallelConfig
+
+# (parameter name, shape) -> the parameter's whole initial value on CPU, the same on every rank: how fsdp
+# materialises only its shards of a model built on the meta device.
+InitialValue = Callable[[str, torch.Size], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SyncSetup:
+    """Everything a strategy may be built from; each strategy's `from_setup` takes what it needs."""
+
+    model: nn.Module
+    group: dist.ProcessGroup
+    pcfg: ParallelConfig
+    device: torch.device
+    initial: InitialValue | None = None  # set when the model is on the meta device (a strategy that materialises)
+    mesh: DeviceMesh | None = None  # the dp group's mesh within the job's grid (torch's DTensor parameters)
 
 
 def broadcast_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -40,6 +60,12 @@ class GradSync:
         self.model = model
         self.module: nn.Module = model
         self.comm_wait_s: float | None = 0.0
+
+    @classmethod
+    def from_setup(cls, setup: SyncSetup) -> GradSync:
+        """Build the strategy from what the trainer has (the table in gptpar/strategies/data_parallel.py names
+        the class)."""
+        return cls(setup.model)
 
     @contextlib.contextmanager
     def accumulating(self, is_last_micro_step: bool) -> Iterator[None]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import comm_span
-from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
+from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 
 
 @dataclass
@@ -74,6 +74,10 @@ def _make_bucket(params: list[nn.Parameter]) -> _Bucket:
 
 class BucketedSync(GradSync):
     name = "bucketed"
+
+    @classmethod
+    def from_setup(cls, setup: SyncSetup) -> GradSync:
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None):
         super().__init__(model)

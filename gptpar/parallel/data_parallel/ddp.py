@@ -8,11 +8,15 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.data_parallel.base import GradSync
+from gptpar.parallel.data_parallel.base import GradSync, SyncSetup
 
 
 class DDPSync(GradSync):
     name = "ddp"
+
+    @classmethod
+    def from_setup(cls, setup: SyncSetup) -> GradSync:
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None):
         super().__init__(model)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import all_gather, comm_span
-from gptpar.parallel.data_parallel.base import broadcast_state
+from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
 from gptpar.parallel.data_parallel.sharded import InitialValue, Unit, UnitSync
 
@@ -46,6 +46,10 @@ from gptpar.parallel.data_parallel.sharded import InitialValue, Unit, UnitSync
 class FSDPSync(UnitSync):
     name = "fsdp"
     shards_parameters = True
+
+    @classmethod
+    def from_setup(cls, setup: SyncSetup) -> GradSync:
+        return cls(setup.model, setup.group, setup.device, setup.initial)
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, device: torch.device,
                  initial: InitialValue | None = None):

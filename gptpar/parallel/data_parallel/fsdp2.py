@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from transformers import GPT2LMHeadModel
 
-from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
+from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -30,6 +30,10 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 
 class FSDP2Sync(GradSync):
     name = "fsdp2"
+
+    @classmethod
+    def from_setup(cls, setup: SyncSetup) -> GradSync:
+        return cls(setup.model, setup.group, setup.mesh)
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, mesh: DeviceMesh | None = None):
         super().__init__(model)

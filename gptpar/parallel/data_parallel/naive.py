@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import comm_span
-from gptpar.parallel.data_parallel.base import GradSync, broadcast_state
+from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 
 
 def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
@@ -31,6 +31,10 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) 
 
 class NaiveSync(GradSync):
     name = "naive"
+
+    @classmethod
+    def from_setup(cls, setup: SyncSetup) -> GradSync:
+        return cls(setup.model, setup.group)
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None):
         super().__init__(model)

@@ -27,10 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import comm_span, reduce_scatter
-from gptpar.parallel.data_parallel.base import GradSync
-
-# (parameter name, shape) -> the parameter's whole initial value on CPU, the same on every rank.
-InitialValue = Callable[[str, torch.Size], torch.Tensor]
+from gptpar.parallel.data_parallel.base import GradSync, InitialValue
 
 
 class Piece(NamedTuple):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import all_gather, comm_span
-from gptpar.parallel.data_parallel.base import broadcast_state
+from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
 from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync
 
@@ -43,6 +43,10 @@ class ZeroOneSync(ShardedOptimizer, BucketedSync):
 
 class ZeroTwoSync(UnitSync):
     name = "zero2"
+
+    @classmethod
+    def from_setup(cls, setup: SyncSetup) -> GradSync:
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup):
         super().__init__(model, group)

@@ -34,13 +34,14 @@ from torch import nn
 from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
-from gptpar.config import Config, example_width, pp_split_counts
+from gptpar.config import Config, example_width
 from gptpar.parallel.comm import comm_span
-from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.gpt2 import PipelineStage, balanced_sizes, original_name, pipeline_stages
-from gptpar.strategies.schedules import COMPUTE, Action, schedule
 from gptpar.parallel.pipeline.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
 from gptpar.parallel.tensor_parallel import loss_function
+from gptpar.strategies.pipeline import pp_split_counts
+from gptpar.strategies.schedules import COMPUTE, Action, schedule
 from gptpar.train.memory import SavedBytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -73,7 +74,7 @@ class StepStats:
         return max(0.0, 1.0 - sum(self.busy().values()) / self.window_s)
 
 
-def tied_group(grid: RankGrid) -> dist.ProcessGroup | None:
+def tied_group(grid: ParallelDims) -> dist.ProcessGroup | None:
     """The group of this rank's pipeline's first and last stage (same dp and tp coordinates), which hold
     the two copies of the tied embedding. Every rank creates every pair's group, in the same order."""
     stride = grid.world_size // grid.size("pp")
@@ -91,7 +92,7 @@ class PipelineEngine(nn.Module):
     checkpoint's parameters); `train_step` runs one optimizer step's forwards and backwards and returns the
     pipeline's loss on every rank; `computes_loss` says whether this rank is the one that computed it."""
 
-    def __init__(self, model: GPT2LMHeadModel, cfg: Config, grid: RankGrid, device: torch.device) -> None:
+    def __init__(self, model: GPT2LMHeadModel, cfg: Config, grid: ParallelDims, device: torch.device) -> None:
         super().__init__()
         p = cfg.parallel
         self.ranks, self.virtual, self.chunks = p.pp, p.pp_virtual, p.chunks

@@ -19,7 +19,7 @@ from transformers import GPT2LMHeadModel
 
 from gptpar.config import ParallelConfig
 from gptpar.model import lm_loss
-from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.tensor_parallel.comm import gather_last_dim
 from gptpar.parallel.tensor_parallel.gpt2 import TensorParallelGPT2, shard_gpt2, tensor_parallel_forward
 from gptpar.parallel.tensor_parallel.loss import vocab_parallel_loss
@@ -32,36 +32,36 @@ __all__ = ["TensorParallelGPT2", "loss_context", "loss_function", "shard_model",
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def shard_model(model: GPT2LMHeadModel, pcfg: ParallelConfig, grid: RankGrid, device: torch.device
+def shard_model(model: GPT2LMHeadModel, pcfg: ParallelConfig, dims: ParallelDims, device: torch.device
                 ) -> GPT2LMHeadModel:
     """`model` (whole, the same on every rank) moved to `device` and cut into this rank's tensor-parallel pieces
     by parallel.tp_impl, in place."""
     model.to(device)
     if pcfg.tp_impl == "torch":
-        return parallelize_gpt2(model, grid.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
-    return shard_gpt2(model, grid.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
+        return parallelize_gpt2(model, dims.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
+    return shard_gpt2(model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
 
 
-def loss_function(pcfg: ParallelConfig, grid: RankGrid, vocab: int) -> Loss:
+def loss_function(pcfg: ParallelConfig, dims: ParallelDims, vocab: int) -> Loss:
     """The language-model loss of what the model returns: whole logits, or vocabulary shards (loss_parallel)."""
-    if grid.size("tp") == 1 or not pcfg.loss_parallel:
+    if dims.size("tp") == 1 or not pcfg.loss_parallel:
         return lm_loss
     if pcfg.tp_impl == "torch":
         return torch_lm_loss
-    return functools.partial(vocab_parallel_loss, vocab=vocab, group=grid.group("tp"))
+    return functools.partial(vocab_parallel_loss, vocab=vocab, group=dims.group("tp"))
 
 
-def whole_logits(pcfg: ParallelConfig, grid: RankGrid, vocab: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def whole_logits(pcfg: ParallelConfig, dims: ParallelDims, vocab: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """What turns the model's output into the whole logits that greedy decoding reads: loss parallelism leaves each
     rank its vocabulary columns (a DTensor under tp_impl=torch), gathered here over the tp group (a collective)."""
-    if grid.size("tp") == 1 or not pcfg.loss_parallel:
+    if dims.size("tp") == 1 or not pcfg.loss_parallel:
         return lambda logits: logits
     if pcfg.tp_impl == "torch":
         return lambda logits: logits.full_tensor()[..., :vocab]
-    group = grid.group("tp")
+    group = dims.group("tp")
     return lambda logits: gather_last_dim(logits, group)[..., :vocab]
 
 
-def loss_context(pcfg: ParallelConfig, grid: RankGrid) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+def loss_context(pcfg: ParallelConfig, dims: ParallelDims) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """What must enclose the loss and its backward: torch's loss_parallel() for its sharded logits, else nothing."""
-    return functools.partial(torch_loss_context, grid.size("tp") > 1 and pcfg.loss_parallel and pcfg.tp_impl == "torch")
+    return functools.partial(torch_loss_context, dims.size("tp") > 1 and pcfg.loss_parallel and pcfg.tp_impl == "torch")

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from gptpar.parallel.data_parallel.base import GradSync
-from gptpar.parallel.grid import RankGrid
+from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.tensor_parallel.comm import all_gather_dim
 from gptpar.parallel.tensor_parallel.layers import TPShard
 
@@ -92,10 +92,10 @@ class CheckpointLayout:
     parameters become DTensors under GPT-2's names; the flat shards of a sharding sync (zero1, zero2, fsdp), which
     cut across pieces, are stored per tensor-parallel rank under `tp<r>/<key>`, loadable with the same parallel.tp."""
 
-    def __init__(self, net: nn.Module, sync: GradSync, grid: RankGrid):
+    def __init__(self, net: nn.Module, sync: GradSync, dims: ParallelDims):
         self.shards = sharded_names(dict(net.named_parameters(remove_duplicate=False)))
         self.optimizer_shards = {f"state.{name}": spec for name, spec in self.shards.items()}
-        self.mesh, self.rank = grid.mesh["tp"], grid.coord("tp")
+        self.mesh, self.rank = dims.mesh["tp"], dims.coord("tp")
         self.sharded_optimizer, self.sharded_parameters = sync.shards_optimizer, sync.shards_parameters
 
     def save(self, model: dict[str, Any], optimizer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

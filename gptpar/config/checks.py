@@ -1,0 +1,104 @@
+"""Checks of a config as a whole: those that involve several keys, then each strategy table's own check
+(gptpar/strategies: the data-parallel strategies, the pipeline and tensor parallelism validate their own keys),
+and the values the rest of gptpar derives from validated keys."""
+
+from __future__ import annotations
+
+from gptpar.config.schema import Config, TrainConfig
+from gptpar.errors import ConfigError
+from gptpar.presets import PRESETS
+from gptpar.strategies import STRATEGY_CHECKS
+
+TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
+PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use model.init_device=meta; "
+                      "use model.init_device=cpu or model.init=random")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that involve several keys, then each parallelism's check of its own keys."""
+    t, p = cfg.train, cfg.parallel
+    per_step = p.dp * t.grad_accum
+    if t.batch_size % per_step:
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} does not divide by parallel.dp*train.grad_accum="
+            f"{p.dp}*{t.grad_accum}; use a multiple of {per_step}")
+    if cfg.model.init == "pretrained" and cfg.model.init_device == "meta":
+        raise ConfigError(PRETRAINED_ON_META)
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
+    checkpoint_interval(t.activation_checkpointing)
+    profiled_steps(t)
+    for check in STRATEGY_CHECKS:
+        check(cfg)
+    _validate_task(cfg)
+
+
+def checkpoint_interval(setting: str) -> int:
+    """`train.activation_checkpointing` as k: every k-th block recomputes its activations (0: none)."""
+    text = setting.strip()
+    if text in ("none", "block"):
+        return {"none": 0, "block": 1}[text]
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ConfigError(f"train.activation_checkpointing={text!r} is not allowed; use none, block or a positive "
+                      "integer k (every k-th block)")
+
+
+def checkpointed_indices(n_layer: int, k: int) -> list[int]:
+    """The blocks that recompute their activations under interval k: i % k == 0, so block 0 always and
+    ceil(n_layer / k) in all (none for k = 0). The trainer and the HFU count both follow this."""
+    return list(range(0, n_layer, k)) if k else []
+
+
+def profiled_steps(t: TrainConfig) -> tuple[int, int] | None:
+    """`train.profile_steps` as (first, last) optimizer steps, 1-based and inclusive; None when empty."""
+    text = t.profile_steps.strip()
+    if not text:
+        return None
+    first, _, last = text.partition("-")
+    if first.isdigit() and (last or first).isdigit() and 1 <= int(first) <= int(last or first):
+        return int(first), int(last or first)
+    raise ConfigError(f"train.profile_steps={text!r} is not allowed; use A-B with 1 <= A <= B (steps, 1-based), "
+                      "e.g. 3-5, or empty for none")
+
+
+
+def _validate_task(cfg: Config) -> None:
+    """data.task against the source, the model's context and the engines that can train it."""
+    d, p = cfg.data, cfg.parallel
+    if d.task == "lm":
+        if d.source.startswith(TRANSLATION_SOURCES[:2]):
+            raise ConfigError(f"data.source={d.source!r} holds translation pairs; set data.task=translation")
+        return
+    if not d.source.startswith(TRANSLATION_SOURCES):
+        raise ConfigError(f"data.task=translation reads pairs: data.source={d.source!r} is not allowed; use "
+                          "jsonl:PATH, tsv:PATH or hf:NAME (e.g. hf:bbaaaa/iwslt14-de-en-preprocess)")
+    if cfg.model.init == "pretrained":
+        raise ConfigError("data.task=translation adds two tokens (<sep>, <eos>) to the vocabulary, which pretrained "
+                          "weights lack; use model.init=random")
+    positions, width = d.max_source_len + d.max_target_len + 1, example_width(cfg)
+    n_positions = cfg.model.n_positions or PRESETS[cfg.model.preset][3]
+    if width > n_positions:
+        padded = f" ({width} padded to a multiple of parallel.tp={p.tp})" if width != positions else ""
+        raise ConfigError(f"data.max_source_len + data.max_target_len + 1 = {positions}{padded} positions exceed "
+                          f"model.n_positions={n_positions}; lower them or raise model.n_positions")
+
+
+def example_width(cfg: Config) -> int:
+    """The positions of the longest example: data.seq_len, or for translation source, <sep> and target (rounded up
+    to a multiple of parallel.tp under sequence parallelism, whose sequence shards must be equal)."""
+    d, p = cfg.data, cfg.parallel
+    if d.task == "lm":
+        return d.seq_len
+    shards = p.tp if p.tp > 1 and p.sequence_parallel else 1
+    return -(-(d.max_source_len + d.max_target_len + 1) // shards) * shards
+
+
+def fixed_width(cfg: Config) -> int | None:
+    """The width every translation batch is padded to where shapes must not vary from batch to batch: under the
+    multi-process pipeline (its stages allocate receive buffers from the shape) and sequence parallelism (equal
+    shards); None elsewhere, where each batch is padded to its longest example, and for lm (blocks of one width)."""
+    p = cfg.parallel
+    fixed = cfg.data.task == "translation" and (p.pp > 1 or (p.tp > 1 and p.sequence_parallel))
+    return example_width(cfg) if fixed else None
+

@@ -1,0 +1,31 @@
+"""The README's config reference, generated from the schema so that it cannot go stale
+(`make config-reference` writes it; a test checks it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gptpar.config.schema import Config, _section_class
+
+
+def reference_markdown() -> str:
+    """The README's config reference, generated so that it cannot go stale."""
+    lines = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(_section_class(section.name)):
+            meta = f.metadata
+            extra = f" One of: {', '.join(meta['choices'])}." if meta.get("choices") else ""
+            default = f.default if f.default != "" else '""'
+            lines.append(f"| `{section.name}.{f.name}` | `{default}` | {meta['help']}{extra} |")
+    return "\n".join(lines)
+
+
+
+REFERENCE_START, REFERENCE_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
+
+
+def readme_with_reference(readme: str) -> str:
+    """The README text with the generated reference between its two markers."""
+    head, _, rest = readme.partition(REFERENCE_START)
+    _, _, tail = rest.partition(REFERENCE_END)
+    return f"{head}{REFERENCE_START}\n{reference_markdown()}\n{REFERENCE_END}{tail}"

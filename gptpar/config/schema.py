@@ -1,0 +1,219 @@
+"""The config's schema: one frozen dataclass per section, every field with its help text, allowed values and
+range in its metadata, so validation, error messages and the README's config reference all come from here.
+Choices that name strategies are the strategy tables themselves (gptpar/strategies), read live."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptpar.presets import PRESETS
+from gptpar.strategies.data_parallel import DP_STRATEGIES, either
+from gptpar.strategies.schedules import SCHEDULES
+from gptpar.strategies.tensor_parallel import TP_IMPLS
+
+PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
+TASKS = ("lm", "translation")
+
+
+def opt(default: Any, help: str, choices: typing.Collection[str] | None = None, min: float | None = None,
+        max: float | None = None) -> Any:
+    """A dataclass field with its documentation and constraints attached."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    preset: str = opt("gpt2-tiny", "Named GPT-2 shape (gptpar/presets.py).",
+                      choices=tuple(PRESETS))
+    n_layer: int = opt(0, "Transformer blocks; 0 keeps the preset's.", min=0, max=4096)
+    n_embd: int = opt(0, "Hidden width; 0 keeps the preset's.", min=0, max=65_536)
+    n_head: int = opt(0, "Attention heads; 0 keeps the preset's.", min=0, max=4096)
+    n_positions: int = opt(0, "Context length of the position table; 0 keeps the preset's.", min=0,
+                           max=1_048_576)
+    dropout: float = opt(0.0, "Dropout on embeddings, attention and residuals.", min=0.0, max=1.0)
+    init: str = opt("random", "random: seeded random weights; pretrained: hub weights (needs the hub).",
+                    choices=("random", "pretrained"))
+    init_device: str = opt("cpu", "Where the model is built: cpu builds it whole; meta builds it without memory and "
+                           "lets each rank materialise only what it holds (its shard under parallel.dp_sync=fsdp), "
+                           "seeded per parameter so the values equal a cpu build.", choices=("cpu", "meta"))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str = opt("lm", "lm: next-token prediction on blocks of text; translation: German-to-English pairs as "
+                    "`source <sep> target <eos>`, the loss on target tokens only, BLEU at each epoch end "
+                    "(data.source jsonl:, tsv: or hf:).", choices=TASKS)
+    source: str = opt("stdlib", "stdlib | tinyshakespeare | synthetic | text:PATH[,PATH...] | "
+                      "hf:NAME[:CONFIG]; with data.task=translation jsonl:TRAIN[,VALID[,TEST]] (objects with de and "
+                      "en, or {\"translation\": {...}}) | tsv:TRAIN[,VALID[,TEST]] (de, a tab, en) | "
+                      "hf:NAME[:CONFIG] (e.g. hf:bbaaaa/iwslt14-de-en-preprocess; its test split when it has one); "
+                      "a TEST split is only decoded and scored (test_bleu).")
+    tokenizer: str = opt("auto", "auto: GPT-2 BPE from the hub, else a BPE trained on the corpus; "
+                         "gpt2; bpe; bytes (256 symbols).", choices=("auto", "gpt2", "bpe", "bytes"))
+    vocab_size: int = opt(4096, "Vocabulary of a trained BPE (and of synthetic data).", min=257,
+                          max=16_777_216)
+    seq_len: int = opt(128, "Tokens per example; a block holds seq_len + 1 tokens.", min=2,
+                       max=1_048_576)
+    max_source_len: int = opt(64, "data.task=translation: source tokens kept per pair (longer sources are cut); an "
+                              "example has at most max_source_len + max_target_len + 1 positions, the width every "
+                              "batch is padded to under parallel.pp > 1 or sequence parallelism (rounded up to a "
+                              "multiple of parallel.tp there).", min=1,
+                              max=1_048_576)
+    max_target_len: int = opt(64, "data.task=translation: target tokens kept per pair (then the end token), and the "
+                              "most tokens greedy decoding generates before it.", min=1, max=1_048_576)
+    val_fraction: float = opt(0.1, "Share of the corpus held out for validation.", min=0.0, max=0.5)
+    max_chars: int = opt(2_000_000, "Characters of text read from the corpus; 0 reads all.", min=0)
+    synthetic_tokens: int = opt(1_000_000, "Corpus length of the synthetic source.", min=1000,
+                                max=4_294_967_296)
+    dir: str = opt("", "Data and cache directory; empty uses $GPTPAR_DATA_DIR or ~/.cache/gptpar.")
+    streaming: bool = opt(False, "Stream hf: datasets instead of downloading them whole.")
+    hub_timeout_s: float = opt(3.0, "Seconds to wait when probing the Hugging Face hub.", min=0.1,
+                               max=600.0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = opt(16, "Global batch (sequences per optimizer step, over all DP ranks).", min=1,
+                          max=16_777_216)
+    grad_accum: int = opt(1, "Micro-steps per optimizer step.", min=1, max=65_536)
+    epochs: int = opt(1, "Passes over the training split.", min=1, max=1_000_000)
+    max_steps: int = opt(0, "Stop after this many optimizer steps; 0 runs all epochs.", min=0)
+    lr: float = opt(6e-4, "Peak learning rate.", min=0.0)
+    min_lr: float = opt(6e-5, "Learning rate at the end of the cosine decay.", min=0.0)
+    warmup_steps: int = opt(10, "Linear warm-up steps.", min=0)
+    weight_decay: float = opt(0.1, "AdamW weight decay (matrices only).", min=0.0)
+    beta1: float = opt(0.9, "AdamW beta1.", min=0.0, max=1.0)
+    beta2: float = opt(0.95, "AdamW beta2.", min=0.0, max=1.0)
+    grad_clip: float = opt(1.0, "Gradient-norm clip; 0 disables it.", min=0.0)
+    eval_every: int = opt(50, "Evaluate every N steps (and at each epoch end); 0 only at epoch end.",
+                          min=0)
+    eval_batches: int = opt(8, "Validation batches per evaluation.", min=1, max=1_000_000)
+    bleu_samples: int = opt(200, "data.task=translation: validation (and test, where the source has a test split) "
+                            "pairs greedily decoded and scored with sacrebleu "
+                            "(corpus BLEU) at each epoch end, sharded over the data-parallel replicas (with "
+                            "parallel.pp > 1 on the model gathered whole onto one rank per replica); 0 disables "
+                            "BLEU.", min=0, max=1_000_000_000)
+    seed: int = opt(1337, "Seed of weights, data order and dropout.")
+    checkpoint_every: int = opt(0, "Save a checkpoint every N steps; 0 only at the end and on signal.",
+                                min=0)
+    threads: int = opt(0, "torch intra-op threads per rank; 0 leaves torch's default.", min=0,
+                       max=4096)
+    precision: str = opt("fp32", "fp32; bf16 (autocast, fp32 master weights and optimizer state; CPUs too); fp16 "
+                         "(autocast and a dynamic loss scale, overflowing steps skipped and logged; GPUs only); tf32 "
+                         "(fp32 with TF32 matmuls, Ampere or newer GPUs).", choices=PRECISIONS)
+    activation_checkpointing: str = opt("none", "Recompute block activations in backward instead of keeping them: "
+                                        "none, block (every block) or an integer k (every k-th block).")
+    compile: bool = opt(False, "torch.compile each transformer block (needs a C++ compiler; minutes on a CPU).")
+    profile_steps: str = opt("", "Profile steps A-B (e.g. 3-5) with torch.profiler into runs/<id>/trace/rank<R>.json "
+                             "(Chrome trace, viewable in Perfetto; `gptpar trace` analyses them); empty: none.")
+    dump_grads: str = opt("", "Folder where each rank saves the gradients of the run's last step, synced and as the "
+                          "optimizer applied them, as model<RANK>_gradients.pth ({GPT-2 parameter name: tensor}, the "
+                          "assignment's check); empty: none. Not with sharded gradients (zero2, fsdp, fsdp2) or tp.")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = opt(1, "Data-parallel ranks (spawned locally when not under SLURM or torchrun).", min=1,
+                  max=65_536)
+    dp_sync: str = opt("bucketed", "Data-parallel strategy (the table in gptpar/strategies/data_parallel.py): " +
+                       "; ".join(f"{name}: {row.help}" + (" (not with parallel.pp > 1)" if row.without_pipeline else "")
+                                 for name, row in DP_STRATEGIES.items()) + ".",
+                       choices=DP_STRATEGIES)
+    pp: int = opt(1, "Pipeline stages, each its own rank (the multi-process engine); the job has "
+                  "dp * pp ranks. 1 keeps the one-process modes of parallel.pp_mode.", min=1, max=4096)
+    pp_schedule: str = opt("1f1b", "Schedule of the multi-process pipeline (parallel.pp > 1).",
+                           choices=SCHEDULES)  # the table in gptpar/strategies/schedules.py
+    pp_virtual: int = opt(1, "Model chunks per pipeline rank (interleaved_1f1b needs >= 2).", min=1,
+                          max=256)
+    pp_split: str = opt("", "Blocks per pipeline stage, e.g. 3,3,2 (pp * pp_virtual numbers); empty "
+                        "balances them by parallel.balance.")
+    tp: int = opt(1, "Tensor-parallel ranks per model replica: attention heads, MLP columns and the vocabulary split "
+                  "over them (neighbouring ranks, so one node); the job has pp * dp * tp ranks.", min=1, max=4096)
+    tp_impl: str = opt("gptpar", "Tensor parallelism: " + "; ".join(
+        f"{name} ({impl.help}; with dp > 1 only dp_sync="
+        f"{either([sync for sync, row in DP_STRATEGIES.items() if name in row.tensor_parallel])}"
+        f"{'' if impl.with_pipeline else '; not with parallel.pp > 1'})" for name, impl in TP_IMPLS.items()) + ".",
+                       choices=TP_IMPLS)
+    sequence_parallel: bool = opt(False, "With parallel.tp > 1: layer norms, dropout and residuals on sequence shards, "
+                                  "all-gather and reduce-scatter instead of all-reduce (Megatron-SP); data.seq_len "
+                                  "must divide by tp (translation pads its batches to a multiple of tp).")
+    loss_parallel: bool = opt(False, "With parallel.tp > 1: the cross-entropy on vocabulary shards, never gathering "
+                              "the whole logits.")
+    bucket_mb: float = opt(25.0, "Bucket size of the bucketed reducer, in MB.", min=0.001,
+                           max=1_048_576.0)
+    backend: str = opt("auto", "auto: nccl when CUDA is visible, else gloo.",
+                       choices=("auto", "gloo", "nccl"))
+    timeout_s: float = opt(120.0, "Seconds before a dead or hung rank fails the job.", min=1.0,
+                           max=2_592_000.0)
+    pp_mode: str = opt("single", "One-process modes (parallel.pp = 1): single | model_parallel (layers "
+                       "split over devices) | pipeline_parallel (GPipe micro-batches over threads).",
+                       choices=("single", "model_parallel", "pipeline_parallel"))
+    chunks: int = opt(4, "Micro-batches per batch in pipeline_parallel mode and in the multi-process "
+                      "pipeline (parallel.pp > 1).", min=1, max=65_536)
+    devices: str = opt("", "Comma-separated devices of the model/pipeline stages, e.g. cuda:0,cuda:1 "
+                       "or cpu,cpu; empty uses every visible GPU, else one CPU.")
+    balance: str = opt("layers", "How blocks are spread over stages: equal block counts, equal parameter "
+                       "counts, or equal measured forward+backward time (embeddings and head included).",
+                       choices=("layers", "params", "time"))
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    profile: str = opt("local", "Cluster profile: a name in gptpar/launch/profiles/ or a path to a .yaml file.")
+    cluster: str = opt("auto", "auto: SLURM when reachable, else local processes.",
+                       choices=("auto", "slurm", "local"))
+    partition: str = opt("", "SLURM partition; empty uses the profile's default.")
+    account: str = opt("", "SLURM account (-A).")
+    qos: str = opt("", "SLURM QOS (-q).")
+    constraint: str = opt("", "SLURM constraint (-C).")
+    gpu_type: str = opt("", "GPU type, e.g. v100-32; empty uses the profile's.")
+    gpus: int = opt(1, "GPUs per node (one task per GPU for DP).", min=0, max=256)
+    nodes: int = opt(1, "Nodes.", min=1, max=65_536)
+    cpus_per_task: int = opt(0, "CPUs per task; 0 uses the profile's default.", min=0, max=4096)
+    time: str = opt("00:30:00", "Walltime, HH:MM:SS or D-HH:MM:SS.")
+    signal_s: int = opt(120, "Seconds before the time limit at which USR2 asks for checkpoint+requeue.",
+                        min=0, max=2_592_000)
+    max_concurrent: int = opt(4, "Concurrent array tasks of a sweep.", min=1, max=65_536)
+    venv: str = opt("", "Virtualenv activated in job scripts; empty uses this checkout's .venv.")
+    repeat: int = opt(0, "Which repetition of a sweep point this run is (a sweep's `repeats`); it changes nothing "
+                      "in training and lets the report measure run-to-run spread.", min=0, max=1000)
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    runs_dir: str = opt("runs", "Where run folders are written.")
+    run_id: str = opt("", "Run folder name; empty derives NAME-<timestamp>.")
+    name: str = opt("run", "Human name of the run, the prefix of its run id.")
+    every: int = opt(10, "Print progress every N steps (plain-line mode).", min=1)
+    progress: str = opt("auto", "auto: a bar on a terminal, lines otherwise.",
+                        choices=("auto", "bar", "lines", "none"))
+    tensorboard: bool = opt(False, "Also write step scalars to runs/<id>/tb/ (needs the tensorboard extra); the "
+                            "JSONL log stays the source of truth.")
+    wandb: str = opt("off", "Also log to Weights & Biases (needs the wandb extra): offline writes runs/<id>/wandb/ "
+                     "for a later `wandb sync`, online streams (needs internet).", choices=("off", "offline", "online"))
+    wandb_project: str = opt("gptpar", "W&B project of log.wandb runs.")
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _section_class(name: str) -> type:
+    return typing.get_type_hints(Config)[name]
+
