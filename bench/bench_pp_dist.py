@@ -51,8 +51,8 @@ from torch.distributed import pipelining
 from gptpar.config import Config, ParallelConfig, grid_sizes, load_config
 from gptpar.model import build_model, lm_loss
 from gptpar.parallel.grid import RankGrid
-from gptpar.parallel.pipeline.engine import PipelineEngine
-from gptpar.parallel.pipeline.gpt2 import pipeline_stages
+from gptpar.parallel.pipeline.engine.executor import PipelineEngine
+from gptpar.parallel.pipeline.one_process.gpt2 import pipeline_stages
 from gptpar.strategies.schedules import closed_form_bubble, peak_activations, schedule, simulate
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local

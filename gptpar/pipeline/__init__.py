@@ -3,7 +3,7 @@
 `GPT2ModelParallel`) and GPT-2's model/pipeline modes, kept importable here; the code lives in
 gptpar.parallel.pipeline."""
 
-from gptpar.parallel.pipeline.gpt2 import (
+from gptpar.parallel.pipeline.one_process.gpt2 import (
     GPT2LMHeadModelParallel,
     GPT2ModelParallel,
     ParallelGPT2,
@@ -12,7 +12,7 @@ from gptpar.parallel.pipeline.gpt2 import (
     output_device,
     resolve_devices,
 )
-from gptpar.parallel.pipeline.pipe import (
+from gptpar.parallel.pipeline.one_process.pipe import (
     ModelParallel,
     Pipe,
     PipeError,

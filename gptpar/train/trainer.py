@@ -32,8 +32,8 @@ from gptpar.model import build_model, count_params, initial_value, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
-from gptpar.parallel.pipeline.engine import PipelineEngine, Weight, by_rows
-from gptpar.parallel.pipeline.gpt2 import build_parallel_model, plain_gpt2_state
+from gptpar.parallel.pipeline.engine.executor import PipelineEngine, Weight, by_rows
+from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model, plain_gpt2_state
 from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
 from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model, whole_logits
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout, counts_in_norm, whole

@@ -26,7 +26,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
-from gptpar.parallel.pipeline.pipe import ModelParallel, Pipe, micro_batch_size
+from gptpar.parallel.pipeline.one_process.pipe import ModelParallel, Pipe, micro_batch_size
 
 # Attention implementations that apply the causal mask themselves when given no mask.
 _IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
