@@ -15,8 +15,8 @@ from gptpar.cli import build_parser
 
 LIBRARY = sorted([*(REPO / "gptpar").rglob("*.py"), *(REPO / "analysis").glob("*.py")])
 HEAVY = ("torch", "transformers", "gptpar.train", "gptpar.model", "gptpar.parallel.process_group",
-         "gptpar.parallel.grid", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline.one_process.pipe",
-         "gptpar.parallel.pipeline.one_process.gpt2", "gptpar.parallel.tensor_parallel")
+         "gptpar.parallel.grid", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline", "gptpar.pipeline",
+         "gptpar.parallel.tensor_parallel", "gptpar.tensor_bytes")
 
 
 def module_name(path: Path) -> str:

@@ -1,7 +1,7 @@
 """The course assignment's names for one-process pipelining (`WithDevice`, `split_module`,
 `_split_module`, `clock_cycles`, `_clock_cycles`, `Pipe`, `GPT2LMHeadModelParallel` and its
 `GPT2ModelParallel`) and GPT-2's model/pipeline modes, kept importable here; the code lives in
-gptpar.parallel.pipeline."""
+gptpar.parallel.pipeline.one_process."""
 
 from gptpar.parallel.pipeline.one_process.gpt2 import (
     GPT2LMHeadModelParallel,

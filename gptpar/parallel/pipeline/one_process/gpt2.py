@@ -1,5 +1,5 @@
-"""GPT-2 cut into stages on devices, run whole (`single`), layer-split (`model_parallel`) or as a
-GPipe pipeline (`pipeline_parallel`).
+"""GPT-2 in one process: cut into stages on devices, run whole (`single`), layer-split (`model_parallel`) or
+as a GPipe pipeline (`pipeline_parallel`).
 
 The stages wrap the original model's submodules, so its parameters stay the same objects and
 `model.state_dict()` of the original GPT2LMHeadModel remains the checkpoint format.
@@ -16,8 +16,6 @@ across devices on every step to keep the tie would cost a vocab x width transfer
 from __future__ import annotations
 
 import itertools
-import statistics
-import time
 
 import torch
 from torch import nn
@@ -26,10 +24,8 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
+from gptpar.parallel.pipeline.gpt2_cuts import Block, Embedding, Head, balanced_sizes, implicit_causal, untie_lm_head
 from gptpar.parallel.pipeline.one_process.pipe import ModelParallel, Pipe, micro_batch_size
-
-# Attention implementations that apply the causal mask themselves when given no mask.
-_IMPLICIT_CAUSAL = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
 def resolve_devices(spec: str) -> list[torch.device]:
@@ -58,140 +54,6 @@ def resolve_devices(spec: str) -> list[torch.device]:
     return devices
 
 
-def stage_sizes(weights: list[int], n_stages: int, first: int = 0, last: int = 0) -> list[int]:
-    """Contiguous blocks per stage (at least one each) minimising the heaviest stage's load.
-
-    `first` and `last` are fixed loads of the first and last stage (embeddings, head).
-    Among equally good cuts, earlier stages get more blocks: the last stage carries the LM head.
-    """
-    n_blocks = len(weights)
-    prefix = [0, *itertools.accumulate(weights)]
-    inf = float("inf")
-    # best[s][k]: lowest possible heaviest load when the first s stages hold the first k blocks.
-    best = [[inf] * (n_blocks + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n_blocks + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0
-    for s in range(1, n_stages + 1):
-        fixed = (first if s == 1 else 0) + (last if s == n_stages else 0)
-        for k in range(s, n_blocks - (n_stages - s) + 1):
-            for a in range(k - 1, s - 2, -1):
-                load = max(best[s - 1][a], prefix[k] - prefix[a] + fixed)
-                if load < best[s][k]:
-                    best[s][k], cut[s][k] = load, a
-    sizes, k = [], n_blocks
-    for s in range(n_stages, 0, -1):
-        sizes.append(k - cut[s][k])
-        k = cut[s][k]
-    return sizes[::-1]
-
-
-def _even_sizes(n_blocks: int, n_stages: int) -> list[int]:
-    base, extra = divmod(n_blocks, n_stages)
-    return [base + (i < extra) for i in range(n_stages)]
-
-
-class Embedding(nn.Module):
-    """Token plus position embeddings, then dropout, as GPT2Model does it."""
-
-    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.size(1), device=input_ids.device)
-        return self.drop(self.wte(input_ids) + self.wpe(positions))
-
-
-def causal_mask(hidden: torch.Tensor) -> torch.Tensor:
-    """Additive (1, 1, T, T) mask hiding future positions, for attention that needs it explicit."""
-    t = hidden.size(1)
-    future = torch.ones(t, t, dtype=torch.bool, device=hidden.device).triu(1)
-    mask = torch.zeros(t, t, dtype=hidden.dtype, device=hidden.device)
-    return mask.masked_fill(future, torch.finfo(hidden.dtype).min)[None, None]
-
-
-class Block(nn.Module):
-    """A GPT2Block that carries hidden states only, whatever the transformers version returns."""
-
-    def __init__(self, block: nn.Module, implicit_causal: bool) -> None:
-        super().__init__()
-        self.block, self.implicit_causal = block, implicit_causal
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        mask = None if self.implicit_causal else causal_mask(hidden)
-        out = self.block(hidden, attention_mask=mask)
-        return out[0] if isinstance(out, tuple) else out
-
-
-class Head(nn.Module):
-    """Final layer norm and LM head."""
-
-    def __init__(self, ln_f: nn.Module, lm_head: nn.Linear) -> None:
-        super().__init__()
-        self.ln_f, self.lm_head = ln_f, lm_head
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(hidden))
-
-
-def untie_lm_head(model: GPT2LMHeadModel) -> None:
-    """Give the LM head its own copy of the embedding matrix (see the module docstring)."""
-    wte = model.transformer.wte.weight
-    head = nn.Parameter(wte.detach().clone())
-    head.__dict__.update(wte.__dict__)  # what describes the tensor (a tensor-parallel piece's layout) holds for both
-    model.lm_head.weight = head
-    model.config.tie_word_embeddings = False
-
-
-def _timed(fn) -> float:
-    """Median seconds of a few calls (the first, which may allocate, left out)."""
-    times = []
-    for _ in range(4):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-def measured_loads(model: GPT2LMHeadModel, sample: tuple[int, int], device: torch.device
-                   ) -> tuple[float, float, float]:
-    """Forward+backward seconds of the embeddings, one block and the final norm with LM head on a
-    (micro-batch, seq_len) sample: GPT-2's blocks are all alike, so one block stands for each."""
-    tr = model.transformer
-    implicit = model.config._attn_implementation in _IMPLICIT_CAUSAL
-    embed = Embedding(tr.wte, tr.wpe, tr.drop).to(device)
-    block, head = Block(tr.h[0], implicit).to(device), Head(tr.ln_f, model.lm_head).to(device)
-    ids = torch.zeros(sample, dtype=torch.long, device=device)
-    hidden = torch.zeros(*sample, model.config.n_embd, device=device, requires_grad=True)
-
-    def run(module: nn.Module, x: torch.Tensor) -> None:
-        module(x).float().square().mean().backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    loads = tuple(_timed(lambda m=m, x=x: run(m, x)) for m, x in ((embed, ids), (block, hidden), (head, hidden)))
-    model.zero_grad(set_to_none=True)
-    return loads
-
-
-def balanced_sizes(model: GPT2LMHeadModel, n_stages: int, balance: str, separate_head: bool,
-                   sample: tuple[int, int] = (1, 64), device: torch.device | None = None) -> list[int]:
-    """Blocks per stage under parallel.balance: equal counts (`layers`), equal parameter counts
-    (`params`, the head counted on the last stage when it is a copy of its own) or equal measured
-    time (`time`, on `device` with a `sample` of (micro-batch, seq_len) tokens)."""
-    tr = model.transformer
-    blocks = list(tr.h)
-    if balance == "params":
-        numel = [sum(p.numel() for p in b.parameters()) for b in blocks]
-        first = sum(p.numel() for p in (*tr.wte.parameters(), *tr.wpe.parameters()))
-        last = sum(p.numel() for p in tr.ln_f.parameters()) + (model.lm_head.weight.numel() if separate_head else 0)
-        return stage_sizes(numel, n_stages, first, last)
-    if balance == "time":
-        first, block, last = measured_loads(model, sample, device or torch.device("cpu"))
-        return stage_sizes([block] * len(blocks), n_stages, first, last)
-    return _even_sizes(len(blocks), n_stages)
-
-
 def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: str
                 ) -> tuple[nn.Sequential, list[int]]:
     """The model as [Embedding, Block..., Head] placed on `devices`, and children per stage."""
@@ -203,7 +65,7 @@ def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: st
     # A model staged before (the assignment's parallelize() then _prepare_pipeline_parallel()) is untied already.
     untie = devices[0] != devices[-1] and model.lm_head.weight is tr.wte.weight
     sizes = balanced_sizes(model, n, balance, untie, device=devices[0])
-    implicit = model.config._attn_implementation in _IMPLICIT_CAUSAL
+    implicit = implicit_causal(model)
     children: list[nn.Module] = [Embedding(tr.wte, tr.wpe, tr.drop).to(devices[0])]
     starts = [0, *itertools.accumulate(sizes)]
     for dev, (a, b) in zip(devices, itertools.pairwise(starts), strict=True):
@@ -215,66 +77,6 @@ def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: st
     per_stage[0] += 1
     per_stage[-1] += 1
     return nn.Sequential(*children), per_stage
-
-
-class PipelineStage(nn.Module):
-    """One stage of the multi-process pipeline: contiguous blocks, with the embeddings on the first
-    stage and the final norm and LM head on the last. Blocks keep their model index in their names
-    (`blocks.5.block...`), so checkpoint keys say which block a tensor belongs to."""
-
-    def __init__(self, model: GPT2LMHeadModel, index: int, n_stages: int, first_block: int, n_blocks: int) -> None:
-        super().__init__()
-        tr = model.transformer
-        implicit = model.config._attn_implementation in _IMPLICIT_CAUSAL
-        self.index, self.is_first, self.is_last = index, index == 0, index == n_stages - 1
-        self.embed = Embedding(tr.wte, tr.wpe, tr.drop) if self.is_first else None
-        self.blocks = nn.ModuleDict({str(i): Block(tr.h[i], implicit)
-                                     for i in range(first_block, first_block + n_blocks)})
-        self.head = Head(tr.ln_f, model.lm_head) if self.is_last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed(x) if self.embed is not None else x
-        for block in self.blocks.values():
-            hidden = block(hidden)
-        return self.head(hidden) if self.head is not None else hidden
-
-
-def original_name(name: str) -> str:
-    """The GPT2LMHeadModel name of a PipelineStage parameter (`blocks.5.block.attn.c_attn.weight` is
-    `transformer.h.5.attn.c_attn.weight`), so a pipeline's stages can be compared with one model."""
-    part, _, rest = name.partition(".")
-    if part == "blocks":
-        index, _, inner = rest.partition(".")
-        return f"transformer.h.{index}.{inner.removeprefix('block.')}"
-    return rest if rest.startswith("lm_head.") else f"transformer.{rest}"
-
-
-def plain_gpt2_state(model_state: dict[str, torch.Tensor], vocab_size: int | None = None) -> dict[str, torch.Tensor]:
-    """A checkpoint's model state under GPT2LMHeadModel's own names and shapes, whichever wrapper wrote it: the
-    one-process `ParallelGPT2` (`model.` prefix) or the pipeline engine's stages (`stages.<s>.` and stage names);
-    tensor parallelism's fused q, k, v columns stored as (in, 3, out) are flattened back and its padded vocabulary
-    rows cut to `vocab_size`. The tied LM head appears as `lm_head.weight` beside `transformer.wte.weight`, as
-    GPT2LMHeadModel.state_dict() has it."""
-    plain = {}
-    for key, value in model_state.items():
-        name = original_name(key.split(".", 2)[2]) if key.startswith("stages.") else key.removeprefix("model.")
-        if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")) and value.dim() == 2 + name.endswith("weight"):
-            value = value.flatten(-2)
-        if vocab_size is not None and name in ("transformer.wte.weight", "lm_head.weight"):
-            value = value[:vocab_size]
-        plain[name] = value
-    if "lm_head.weight" not in plain and "transformer.wte.weight" in plain:
-        plain["lm_head.weight"] = plain["transformer.wte.weight"]
-    return plain
-
-
-def pipeline_stages(model: GPT2LMHeadModel, stage_ids: list[int], sizes: list[int]) -> list[PipelineStage]:
-    """The listed stages of the model cut into len(sizes) stages of sizes[s] blocks. The LM head gets
-    its own copy of the embedding matrix (the first and last stage live on different ranks; the
-    engine sums the two copies' gradients every step, which keeps them equal)."""
-    untie_lm_head(model)
-    starts = [0, *itertools.accumulate(sizes)]
-    return [PipelineStage(model, s, len(sizes), starts[s], sizes[s]) for s in stage_ids]
 
 
 class ParallelGPT2(nn.Module):
