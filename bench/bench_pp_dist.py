@@ -52,8 +52,8 @@ from gptpar.config import Config, ParallelConfig, load_config
 from gptpar.model import build_model, lm_loss
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes
-from gptpar.parallel.pipeline.engine import PipelineEngine
-from gptpar.parallel.pipeline.gpt2 import pipeline_stages
+from gptpar.parallel.pipeline.engine.executor import PipelineEngine
+from gptpar.parallel.pipeline.engine.stages import pipeline_stages
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 from gptpar.strategies.schedules import closed_form_bubble, peak_activations, schedule, simulate
@@ -108,7 +108,7 @@ class Ours:
         sequential = label == NO_PIPE
         self.chunks = 1 if sequential else args.chunks
         cfg = engine_config(args, name, virtual, self.chunks, args.batch // args.chunks if sequential else args.batch)
-        self.engine = PipelineEngine(build_model(cfg.model, VOCAB, seed=0), cfg, grid, torch.device("cpu"))
+        self.engine = PipelineEngine(build_model(cfg.model, VOCAB, seed=0), cfg, grid, torch.device("cpu"), lm_loss)
         self.batches = list(zip(x.chunk(args.chunks), y.chunk(args.chunks), strict=True)) if sequential else [(x, y)]
         self.error: str | None = None
         self.times: list[float] = []

@@ -10,7 +10,7 @@ Setup (and why):
   `--warmup` repetitions are dropped; the median step time over the rest gives tokens/s, shown as a ratio to
   fp32 without checkpointing.
 - Activation memory is measured where autograd keeps it, the same way on every device: the bytes of the
-  distinct storages one training forward saves for backward (`gptpar.train.memory.SavedBytes`, parameters
+  distinct storages one training forward saves for backward (`gptpar.tensor_bytes.SavedBytes`, parameters
   left out). On CUDA the allocator's peak over a step (`torch.cuda.max_memory_allocated`) is shown too; a CPU
   has no allocator peak to read.
 
@@ -36,7 +36,7 @@ from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
-from gptpar.train.memory import saved_activation_bytes
+from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.trainer import Trainer
 
 MB = 2**20

@@ -17,7 +17,7 @@ Setup (and why):
   ("inside the noise" when their min-max step times overlap).
 - Memory per rank: params + grads + optimizer state of this rank's pieces (gptpar.train.memory.state_bytes,
   after the first optimizer step), the bytes autograd saves for backward in one forward + loss
-  (gptpar.train.memory.saved_activation_bytes) and, measured, the growth of the process's peak RSS over one step
+  (gptpar.tensor_bytes.saved_activation_bytes) and, measured, the growth of the process's peak RSS over one step
   (the peak reset first via /proc/self/clear_refs; it includes the gradients, the logits and every temporary).
 - Communication per step per rank, in elements on the wire (ring terms: all-reduce 2(W-1)/W of the payload,
   all-gather and reduce-scatter (W-1)/W of the whole tensor): counted by ours in comm.VOLUME (reset every step),
@@ -80,7 +80,8 @@ from gptpar.parallel.tensor_parallel import (  # noqa: E402
 )
 from gptpar.parallel.tensor_parallel.comm import VOLUME  # noqa: E402
 from gptpar.parallel.tensor_parallel.layers import padded_vocab  # noqa: E402
-from gptpar.train.memory import saved_activation_bytes, state_bytes  # noqa: E402
+from gptpar.tensor_bytes import saved_activation_bytes  # noqa: E402
+from gptpar.train.memory import state_bytes  # noqa: E402
 
 MB = 2**20
 

@@ -15,8 +15,8 @@ from gptpar.cli import build_parser
 
 LIBRARY = sorted([*(REPO / "gptpar").rglob("*.py"), *(REPO / "analysis").glob("*.py")])
 HEAVY = ("torch", "transformers", "gptpar.train", "gptpar.model", "gptpar.parallel.process_group",
-         "gptpar.parallel.dims", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline.pipe",
-         "gptpar.parallel.pipeline.gpt2", "gptpar.parallel.tensor_parallel")
+         "gptpar.parallel.dims", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline", "gptpar.pipeline",
+         "gptpar.parallel.tensor_parallel", "gptpar.tensor_bytes")
 
 
 def module_name(path: Path) -> str:

@@ -541,7 +541,7 @@ def test_tokenizer_auto_is_decided_once_at_submission_and_recorded(tmp_path: Pat
 def test_a_device_that_is_not_there_is_an_error_not_a_cpu_run() -> None:
     from gptpar.config import ParallelConfig
     from gptpar.model import build_model
-    from gptpar.parallel.pipeline.gpt2 import build_parallel_model
+    from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 
     cfg = load_config(None, ["parallel.devices=cuda:0"])
     model = build_model(cfg.model, 300, 0)

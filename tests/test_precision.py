@@ -22,7 +22,7 @@ from torch import nn
 
 from gptpar.config import ParallelConfig, updated
 from gptpar.errors import GptparError
-from gptpar.parallel.pipeline.pipe import Pipe
+from gptpar.parallel.pipeline.one_process.pipe import Pipe
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 from gptpar.run.logfile import RankLog, rank_log_path, read_rank_log

@@ -17,10 +17,10 @@ from rank_training import make_config, make_trainer, named_params, reference_run
 from gptpar.config import ModelConfig, ParallelConfig, checkpointed_indices, load_config
 from gptpar.errors import GptparError
 from gptpar.model import build_model, lm_loss
-from gptpar.parallel.pipeline.gpt2 import build_parallel_model
+from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.train.memory import saved_activation_bytes
+from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.recompute import checkpoint_blocks, compile_blocks, prepare_blocks
 
 TINY = ModelConfig(n_layer=4, n_embd=32, n_head=2, dropout=0.2)

@@ -1,6 +1,7 @@
 """Everything about ranks and parallelism: where a rank sits (env, process_group, grid), how local
 ranks are started for tests (spawn), and one folder per parallelism: data_parallel/ (naive,
-bucketed, ddp) and pipeline/ (the one-process GPipe Pipe and GPT-2 model/pipeline parallelism).
+bucketed, ddp, the sharded ones), pipeline/ (one_process/: GPipe `Pipe` and GPT-2's model/pipeline
+modes in one process; engine/: the multi-process pipeline) and tensor_parallel/.
 
 `gptpar.parallel.env` is importable without torch (the launch side uses it), so the names re-exported
 here, `average_gradients` (the assignment's) and `make_grad_sync`, are imported when first used.

@@ -1,9 +1,9 @@
 """The course assignment's names for one-process pipelining (`WithDevice`, `split_module`,
 `_split_module`, `clock_cycles`, `_clock_cycles`, `Pipe`, `GPT2LMHeadModelParallel` and its
 `GPT2ModelParallel`) and GPT-2's model/pipeline modes, kept importable here; the code lives in
-gptpar.parallel.pipeline."""
+gptpar.parallel.pipeline.one_process."""
 
-from gptpar.parallel.pipeline.gpt2 import (
+from gptpar.parallel.pipeline.one_process.gpt2 import (
     GPT2LMHeadModelParallel,
     GPT2ModelParallel,
     ParallelGPT2,
@@ -12,7 +12,7 @@ from gptpar.parallel.pipeline.gpt2 import (
     output_device,
     resolve_devices,
 )
-from gptpar.parallel.pipeline.pipe import (
+from gptpar.parallel.pipeline.one_process.pipe import (
     ModelParallel,
     Pipe,
     PipeError,

@@ -37,7 +37,7 @@ from gptpar.atomic import probe_space, write_error
 from gptpar.errors import GptparError
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
-from gptpar.parallel.pipeline.gpt2 import plain_gpt2_state
+from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
 
 CHECKPOINT_DIR = "checkpoint"
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages

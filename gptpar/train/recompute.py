@@ -27,7 +27,7 @@ from transformers import GPT2LMHeadModel
 
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices
 from gptpar.errors import GptparError
-from gptpar.parallel.pipeline.gpt2 import resolve_devices
+from gptpar.parallel.pipeline.one_process.gpt2 import resolve_devices
 
 
 def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -33,8 +33,9 @@ from gptpar.parallel import make_grad_sync
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes, launched_config
-from gptpar.parallel.pipeline.engine import PipelineEngine, Weight, by_rows
-from gptpar.parallel.pipeline.gpt2 import build_parallel_model, plain_gpt2_state
+from gptpar.parallel.pipeline.engine.executor import PipelineEngine, Weight, by_rows
+from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
+from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
 from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model, whole_logits
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout, counts_in_norm, whole
@@ -110,7 +111,7 @@ class Trainer:
         self.loss_context = loss_context(cfg.parallel, dims)
         self.whole_logits = whole_logits(cfg.parallel, dims, self.vocab_size)  # what decoding reads
         if self.pipeline:
-            self.net = PipelineEngine(model, cfg, dims, dims.device)
+            self.net = PipelineEngine(model, cfg, dims, dims.device, self.loss_fn)
         elif self.tp_group is not None:
             self.net = TensorParallelGPT2(model, dims.device)
         else:

@@ -37,15 +37,17 @@ from transformers import GPT2LMHeadModel
 from gptpar.config import Config, example_width
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.pipeline.gpt2 import PipelineStage, balanced_sizes, original_name, pipeline_stages
-from gptpar.parallel.pipeline.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
-from gptpar.parallel.tensor_parallel import loss_function
+from gptpar.parallel.pipeline.engine.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
+from gptpar.parallel.pipeline.engine.stages import PipelineStage, pipeline_stages
+from gptpar.parallel.pipeline.gpt2_cuts import balanced_sizes
+from gptpar.parallel.pipeline.gpt2_names import original_name
 from gptpar.strategies.pipeline import pp_split_counts
 from gptpar.strategies.schedules import COMPUTE, Action, schedule
-from gptpar.train.memory import SavedBytes
+from gptpar.tensor_bytes import SavedBytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Key = tuple[int, int]  # (micro-batch, stage)
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, labels) -> mean loss
 Weight = Callable[[torch.Tensor], float]  # a chunk's weight in a mean loss, from its labels
 
 
@@ -90,9 +92,12 @@ def tied_group(grid: ParallelDims) -> dist.ProcessGroup | None:
 class PipelineEngine(nn.Module):
     """This rank's pipeline stages and its schedule. `stages` holds the stage modules (the optimizer's and
     checkpoint's parameters); `train_step` runs one optimizer step's forwards and backwards and returns the
-    pipeline's loss on every rank; `computes_loss` says whether this rank is the one that computed it."""
+    pipeline's loss on every rank; `computes_loss` says whether this rank is the one that computed it. `loss_fn` is
+    the caller's loss of the last stage's output and the labels (whole logits, or tensor parallelism's vocabulary
+    shards), so the engine needs no other parallelism's code."""
 
-    def __init__(self, model: GPT2LMHeadModel, cfg: Config, grid: ParallelDims, device: torch.device) -> None:
+    def __init__(self, model: GPT2LMHeadModel, cfg: Config, grid: ParallelDims, device: torch.device,
+                 loss_fn: Loss) -> None:
         super().__init__()
         p = cfg.parallel
         self.ranks, self.virtual, self.chunks = p.pp, p.pp_virtual, p.chunks
@@ -104,7 +109,7 @@ class PipelineEngine(nn.Module):
         self.n_stages = p.pp * p.pp_virtual
         self.width = model.config.n_embd
         self.seq_shards = p.tp if p.tp > 1 and p.sequence_parallel else 1  # stages exchange sequence shards
-        self.loss_fn = loss_function(p, grid, model.config.vocab_size)
+        self.loss_fn = loss_fn
         replica_batch = cfg.train.batch_size // (p.dp * cfg.train.grad_accum)
         sizes = pp_split_counts(p) or self._balanced(model, cfg, replica_batch // p.chunks, device)
         self.stage_ids = [self.rank + k * p.pp for k in range(p.pp_virtual)]
