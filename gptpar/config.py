@@ -19,8 +19,9 @@ from typing import Any
 import yaml
 
 from gptpar.errors import GptparError
-from gptpar.strategies.schedules import SCHEDULES, make_plan
+from gptpar.markdown import between_markers
 from gptpar.presets import PRESETS
+from gptpar.strategies.schedules import SCHEDULES, make_plan
 
 
 class ConfigError(GptparError):
@@ -720,12 +721,6 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-
-REFERENCE_START, REFERENCE_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-
-
 def readme_with_reference(readme: str) -> str:
     """The README text with the generated reference between its two markers."""
-    head, _, rest = readme.partition(REFERENCE_START)
-    _, _, tail = rest.partition(REFERENCE_END)
-    return f"{head}{REFERENCE_START}\n{reference_markdown()}\n{REFERENCE_END}{tail}"
+    return between_markers(readme, "config-reference", reference_markdown())
