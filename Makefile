@@ -17,7 +17,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install lock test lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis figures config-reference clean
+.PHONY: install lock test lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis figures config-reference log-reference clean
 
 install: $(STAMP)
 
@@ -78,6 +78,10 @@ figures: install
 # Rewrite the README's config reference from the config classes (tests/test_readme.py checks it).
 config-reference: install
 	$(PY) -c "import pathlib, gptpar.config as c; p = pathlib.Path('README.md'); p.write_text(c.readme_with_reference(p.read_text()))"
+
+# Rewrite the README's log schema table from the record classes (tests/test_readme.py checks it).
+log-reference: install
+	$(PY) -c "import pathlib, gptpar.run.records as r; p = pathlib.Path('README.md'); p.write_text(r.readme_with_reference(p.read_text()))"
 
 clean:
 	rm -rf $(RUNS) $(FIGURES) .pytest_cache

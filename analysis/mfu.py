@@ -99,7 +99,7 @@ def device_label(header: dict[str, Any], params: dict[str, Any]) -> tuple[str, s
         device = str(header["device_name"])
     elif device.startswith("cuda") and gpu_type:
         device = str(gpu_type)
-    raw = str(header.get("precision") or header.get("dtype") or "fp32").removeprefix("torch.")
+    raw = str(header.get("precision") or "fp32").removeprefix("torch.")
     return device, PRECISIONS.get(raw, raw)
 
 

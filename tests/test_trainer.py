@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 from gptpar.config import TrainConfig, config_from_dict, load_config
-from gptpar.run.logfile import SCHEMA, validate_record
+from gptpar.run.logfile import validate_record
+from gptpar.run.records import RECORDS
 from gptpar.train.optim import learning_rate
 from gptpar.train.trainer import run_rank as train
 
@@ -58,7 +59,7 @@ def test_log_follows_the_schema(real_text_run):
     for record in records:
         validate_record(record)
     kinds = [r["kind"] for r in records]
-    assert kinds[0] == "header" and kinds[-1] == "final" and set(kinds) == set(SCHEMA)
+    assert kinds[0] == "header" and kinds[-1] == "final" and set(kinds) == set(RECORDS)
     header = records[0]
     assert header["rank"] == 0 and header["world_size"] == 1 and header["restart"] == 0
     assert header["coords"] == {"pp": 0, "dp": 0, "tp": 0} and header["sizes"] == {"pp": 1, "dp": 1, "tp": 1}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from gptpar.config.schema import Config, _section_class
+from gptpar.markdown import between_markers
 
 
 def reference_markdown() -> str:
@@ -20,12 +21,6 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-
-REFERENCE_START, REFERENCE_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-
-
 def readme_with_reference(readme: str) -> str:
     """The README text with the generated reference between its two markers."""
-    head, _, rest = readme.partition(REFERENCE_START)
-    _, _, tail = rest.partition(REFERENCE_END)
-    return f"{head}{REFERENCE_START}\n{reference_markdown()}\n{REFERENCE_END}{tail}"
+    return between_markers(readme, "config-reference", reference_markdown())

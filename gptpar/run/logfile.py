@@ -1,4 +1,4 @@
-"""The per-rank JSONL log: its schema, its one writer and its one reader.
+"""The per-rank JSONL log: its one writer and its one reader (its records are defined in gptpar.run.records).
 
 One file per rank per run, appended and fsync-ed record by record: a killed job keeps every record
 it wrote. A restarted job appends a new segment (a header first) to the same file; the reader
@@ -20,41 +20,25 @@ import operator
 import os
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol
 
 import orjson
 
 from gptpar.atomic import write_error
+from gptpar.run.records import RECORDS, Record, StepRecord, names, validate_record
 
 SCHEMA_VERSION = 2
 
-# Required fields of each record kind; every record also carries "kind" and "time" (unix seconds). Optional ones
-# include `bleu` in epoch records of data.task=translation (corpus BLEU 0-100, or null with train.bleu_samples=0), and
-# `test_bleu` (the same of the test split's pairs) where the source has a test split and train.bleu_samples > 0.
-SCHEMA: dict[str, tuple[str, ...]] = {
-    "header": (
-        "schema_version", "run_id", "config", "rank", "world_size", "coords", "sizes",
-        "restart", "host", "device", "torch_version", "transformers_version", "git_commit",
-        "slurm", "start_time",
-    ),
-    "step": (
-        "step", "epoch", "loss", "lr", "grad_norm", "tokens", "step_time_s", "tokens_per_s",
-        "data_time_s", "peak_mem_bytes",
-    ),
-    "eval": ("step", "epoch", "val_loss"),
-    "memory": ("step", "params", "params_bytes", "grads_bytes", "optimizer_bytes"),
-    "epoch": ("epoch", "training_time_s", "tokens_per_s", "val_loss", "steps"),
-    "final": ("status", "step"),
-}
-FINAL_STATUSES = ("completed", "failed", "requeued", "stopped")  # stopped: SIGTERM/SIGINT, resumable
 NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 # Numeric fields that may hold a non-finite value (written as one of NON_FINITE's strings).
-MAY_DIVERGE = ("loss", "global_loss", "grad_norm", "val_loss")
+MAY_DIVERGE = tuple(dict.fromkeys(f.name for cls in RECORDS.values() for f in fields(cls)
+                                  if f.metadata["may_diverge"]))
 RANK_GLOB, RANK_FILE = "rank*.jsonl", re.compile(r"rank(\d+)\.jsonl")
 # The step fields the analysis reads; the hot path checks only these (the writer validated the rest).
-STEP_FIELDS = operator.itemgetter("time", "step", "epoch", "loss", "tokens", "step_time_s", "tokens_per_s")
+STEP_FIELDS = operator.itemgetter(*names(StepRecord, "time", "step", "epoch", "loss", "tokens", "step_time_s",
+                                         "tokens_per_s"))
 
 
 def rank_log_path(run_dir: str | Path, rank: int) -> Path:
@@ -64,18 +48,6 @@ def rank_log_path(run_dir: str | Path, rank: int) -> Path:
 def rank_of(path: Path) -> int | None:
     match = RANK_FILE.fullmatch(path.name)
     return int(match.group(1)) if match else None
-
-
-def validate_record(record: dict[str, Any]) -> None:
-    """Raise ValueError naming the first missing field, so a bad log is reported precisely."""
-    kind = record.get("kind")
-    if kind not in SCHEMA:
-        raise ValueError(f"unknown record kind {kind!r}; allowed: {', '.join(SCHEMA)}")
-    missing = [k for k in (*SCHEMA[kind], "time") if k not in record]
-    if missing:
-        raise ValueError(f"{kind} record lacks field(s): {', '.join(missing)}")
-    if kind == "final" and record["status"] not in FINAL_STATUSES:
-        raise ValueError(f"final status {record['status']!r}; allowed: {', '.join(FINAL_STATUSES)}")
 
 
 def _finite_or_text(value: Any) -> Any:
@@ -117,8 +89,15 @@ class RankLogger:
         except OSError as exc:
             raise write_error(self.path, exc) from exc
 
+    def write(self, record: Record) -> dict[str, Any]:
+        """Append a typed record; returns it as written."""
+        return self._append(record.fields())
+
     def log(self, kind: str, **fields: Any) -> dict[str, Any]:
-        record = {"kind": kind, "time": time.time(), **fields}
+        """Append a record from loose fields (a test's or a tool's partial or legacy record); `time` defaults to now."""
+        return self._append({"kind": kind, "time": time.time(), **fields})
+
+    def _append(self, record: dict[str, Any]) -> dict[str, Any]:
         validate_record(record)
         data = encode(record)
         fd = self._file.fileno()

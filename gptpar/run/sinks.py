@@ -35,14 +35,15 @@ from typing import Any, Protocol
 from gptpar.config import LogConfig
 from gptpar.errors import require_extra
 from gptpar.run.logfile import Mirror
+from gptpar.run.records import EvalRecord, StepRecord, names
 
 TB_FOLDER = "tb"
 THROUGHPUT_TAG = "throughput/tokens_per_s"
 # The fields each record kind mirrors, as `<prefix>/<field>`; None: every numeric field but the step.
 MIRRORED: dict[str, tuple[str, tuple[str, ...] | None]] = {
-    "step": ("train", ("loss", "global_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes",
-                       "bubble", "loss_scale")),
-    "eval": ("eval", ("val_loss",)),
+    "step": ("train", names(StepRecord, "loss", "global_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
+                            "peak_mem_bytes", "bubble", "loss_scale")),
+    "eval": ("eval", names(EvalRecord, "val_loss")),
     "memory": ("memory", None),
 }
 TB_FLUSH_S = 10  # how stale a live TensorBoard may be; a killed job loses at most this much of the mirror

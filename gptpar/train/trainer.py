@@ -42,6 +42,7 @@ from gptpar.parallel.tensor_parallel.state import CheckpointLayout, counts_in_no
 from gptpar.run.folder import RunFolder, run_folder
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
+from gptpar.run.records import EpochRecord, EvalRecord, FinalRecord, HeaderRecord, MemoryRecord, StepRecord
 from gptpar.run.sinks import open_sinks
 from gptpar.run.state import read_run, resume_hint
 from gptpar.strategies.data_parallel import DP_STRATEGIES
@@ -401,18 +402,18 @@ class Trainer:
                     epoch_time += step_time
                     epoch_rates.append(tokens / step_time)
                     pipeline = self.net.step_fields() if self.pipeline else {}
-                    self.log.log("step", step=self.step, epoch=epoch, loss=self.logged_loss(loss),
-                                 global_loss=global_loss, lr=self.optimizer.param_groups[0]["lr"],
-                                 grad_norm=grad_norm, skipped=self.precision.skipped,
-                                 loss_scale=self.precision.step_scale, tokens=tokens,
-                                 step_time_s=step_time, tokens_per_s=tokens / step_time, data_time_s=data_time,
-                                 peak_mem_bytes=peak_memory_bytes(dims.device), bubble=self.net.bubble, **pipeline)
+                    self.log.write(StepRecord(
+                        step=self.step, epoch=epoch, loss=self.logged_loss(loss), global_loss=global_loss,
+                        lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, skipped=self.precision.skipped,
+                        loss_scale=self.precision.step_scale, tokens=tokens, step_time_s=step_time,
+                        tokens_per_s=tokens / step_time, data_time_s=data_time,
+                        peak_mem_bytes=peak_memory_bytes(dims.device), bubble=self.net.bubble, **pipeline))
                     progress.update(self.step, global_loss, tokens * self.dims.size("dp") / step_time)
                     if self.step == first_step + 1:
-                        self.log.log("memory", step=self.step, **self.memory)
+                        self.log.write(MemoryRecord(step=self.step, **self.memory))
                     if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
                         val = self.evaluate()
-                        self.log.log("eval", step=self.step, epoch=epoch, val_loss=val)
+                        self.log.write(EvalRecord(step=self.step, epoch=epoch, val_loss=val))
                         if val is not None:
                             progress.message(f"step {self.step}: val_loss {val:.4f}")
                     if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
@@ -420,9 +421,9 @@ class Trainer:
                 if status == "completed" and self.step > epoch_start_step:
                     val = self.evaluate()
                     scores = self.bleu()
-                    self.log.log("epoch", epoch=epoch, training_time_s=epoch_time,
-                                 tokens_per_s=sum(epoch_rates) / len(epoch_rates), val_loss=val,
-                                 steps=self.step - epoch_start_step, **scores)
+                    self.log.write(EpochRecord(epoch=epoch, training_time_s=epoch_time,
+                                               tokens_per_s=sum(epoch_rates) / len(epoch_rates), val_loss=val,
+                                               steps=self.step - epoch_start_step, **scores))
                     progress.message(f"epoch {epoch}: {epoch_time:.2f} s" +
                                      (f", val_loss {val:.4f}" if val is not None else "") +
                                      "".join(f", {key} {score:.2f}" for key, score in scores.items()
@@ -468,18 +469,18 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
         log.mirror = open_sinks(cfg.log, dims.rank, folder.path)  # closed by log.close()
         trainer = Trainer(cfg, dims, folder, log)
         load_checkpoint(folder.path, {"trainer": trainer})
-        log.log("header", **header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
-                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
-                total_steps=trainer.total_steps)
+        log.write(HeaderRecord(**header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
+                               vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
+                               total_steps=trainer.total_steps))
         status, loss = trainer.run()
         request = stop_request() if status != "completed" else None  # this rank's own signal, if any
-        log.log("final", status=status, step=trainer.step, loss=trainer.logged_loss(loss),
-                signal=request[1] if request else None)
+        log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),
+                              signal=request[1] if request else None))
     except BaseException as exc:
         if trainer is None:  # set-up failed: the segment still says who failed and why
-            log.log("header", **header_fields(cfg, dims, restart))
-        log.log("final", status="failed", step=trainer.step if trainer else 0,
-                error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500])
+            log.write(HeaderRecord(**header_fields(cfg, dims, restart)))
+        log.write(FinalRecord(status="failed", step=trainer.step if trainer else 0,
+                              error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500]))
         raise
     finally:
         log.close()
