@@ -3,7 +3,7 @@
 Setup (and why):
 - `--world` (2) gloo ranks, each its own process (spawn_local) with `torch.set_num_threads(1)`: on this
   2-core box every rank owns one core, as if it were its own device.
-- Every strategy trains through the trainer's own step (`Trainer._train_step`, the code `gptpar train`
+- Every strategy trains through the trainer's own step (`Trainer.train_step`, the code `gptpar train`
   runs: AdamW, gradient clipping, the sync's before/after-step hooks), on synthetic tokens, one trainer
   (and model) per strategy, all alive in the same processes for the speed measurement.
 - One step = forward+backward of `--batch` sequences per rank, gradient sync and the optimizer step.
@@ -126,13 +126,13 @@ class Run:
             folder = run_folder(cfg.log.runs_dir, cfg.log.run_id)
             folder.path.mkdir(parents=True, exist_ok=True)
             self.trainer = Trainer(cfg, grid, folder, RankLogger(folder.path, info.rank))
-            self.batches = self.trainer._batches(0, 0)
+            self.batches = self.trainer.batches(0, 0)
         except Exception as exc:  # reported as a failed row, not a crash
             self.error = one_line(exc)
 
     def step(self) -> None:
         assert self.trainer is not None
-        self.trainer._train_step(next(self.batches))
+        self.trainer.train_step(next(self.batches))
         self.trainer.step += 1
 
 

@@ -3,7 +3,7 @@ recomputed blocks, side by side in one run.
 
 Setup (and why):
 - One process on this machine's device (CUDA when visible, else the CPU), one trainer per variant, each
-  training through the trainer's own step (`Trainer._train_step`: autocast, the loss scale, AdamW, clipping),
+  training through the trainer's own step (`Trainer.train_step`: autocast, the loss scale, AdamW, clipping),
   on synthetic tokens. Variants: train.precision in fp32 and bf16 (on a GPU also tf32 and fp16) times
   train.activation_checkpointing in none and block.
 - Variants run round-robin each repetition (the order rotating) so background load hits all alike; the first
@@ -75,7 +75,7 @@ def make_trainer(args: argparse.Namespace, info: RankInfo, runs: Path, precision
 
 def forward_saved_bytes(trainer: Trainer) -> int:
     """Bytes one training forward (and its loss) saves for backward, under the variant's autocast."""
-    x, y = next(trainer._batches(0, 0))[0]
+    x, y = next(trainer.batches(0, 0))[0]
     device = trainer.net.input_device
 
     def forward() -> torch.Tensor:
@@ -91,7 +91,7 @@ def timed_step(trainer: Trainer, batches, device: torch.device) -> tuple[float, 
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    trainer._train_step(next(batches))
+    trainer.train_step(next(batches))
     trainer.step += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -106,7 +106,7 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, dict[st
         runs = Path(tmp)
         trainers = {v: make_trainer(args, info, runs, *v) for v in variants(device)}
         rows = {v: {"saved_bytes": forward_saved_bytes(t), "times": [], "peaks": []} for v, t in trainers.items()}
-        streams = {v: t._batches(0, 0) for v, t in trainers.items()}
+        streams = {v: t.batches(0, 0) for v, t in trainers.items()}
         order = list(trainers)
         for rep in range(args.warmup + args.reps):
             for v in order[rep % len(order):] + order[:rep % len(order)]:

@@ -1,6 +1,6 @@
 """Training on a rank through the trainer's own step, for the equality tests of every parallelism.
 
-Spawned ranks build a `Trainer` from a config, train a few steps with `Trainer._train_step` (the code
+Spawned ranks build a `Trainer` from a config, train a few steps with `Trainer.train_step` (the code
 `gptpar train` runs) and save losses and parameters under their GPT2LMHeadModel names; `reference_run`
 trains the same config as one process on the same global batch.
 """
@@ -41,10 +41,10 @@ def make_trainer(cfg: Config, info: RankInfo) -> Trainer:
 
 
 def train_steps(trainer: Trainer, count: int) -> list[float]:
-    batches = trainer._batches(0, trainer.step)
+    batches = trainer.batches(0, trainer.step)
     losses = []
     for _ in range(count):
-        loss, _ = trainer._train_step(next(batches))
+        loss, _ = trainer.train_step(next(batches))
         trainer.step += 1
         losses.append(loss)
     return losses
@@ -69,7 +69,7 @@ def resumed_run(cfg: Config, info: RankInfo) -> dict:
     and parameters of the second trainer) and the parameters that were saved."""
     first = make_trainer(cfg, info)
     train_steps(first, 1)
-    first._save()
+    first.checkpoints.save()
     saved = named_params(first)
     second = make_trainer(cfg, info)
     assert load_checkpoint(second.folder.path, {"trainer": second})

@@ -184,10 +184,10 @@ def single_process_dump(tmp_path: Path, name: str, overrides: list[str]) -> dict
     folder = tmp_path / name
     cfg = make_config([*overrides, f"train.max_steps={STEPS}", f"train.dump_grads={folder}"], tmp_path / "runs", name)
     trainer = make_trainer(cfg, SINGLE)
-    batches = trainer._batches(0, 0)
+    batches = trainer.batches(0, 0)
     for _ in range(STEPS):
         assert not (folder / "model0_gradients.pth").exists()
-        trainer._train_step(next(batches))
+        trainer.train_step(next(batches))
         trainer.step += 1
     assert sorted(p.name for p in folder.iterdir()) == ["model0_gradients.pth"]
     return torch.load(folder / "model0_gradients.pth")

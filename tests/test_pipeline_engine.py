@@ -57,7 +57,7 @@ def _engine_worker(info: RankInfo, cases: list[tuple[str, list[str]]], runs: Pat
             resumed_cfg = updated(cfg, {"log.run_id": "resumed"})
             first = make_trainer(resumed_cfg, info)
             train_steps(first, 1)
-            first._save()
+            first.checkpoints.save()
             torch.save(named_params(first), runs / f"saved.rank{info.rank}.pt")
             second = make_trainer(resumed_cfg, info)
             assert load_checkpoint(second.folder.path, {"trainer": second})

@@ -159,13 +159,13 @@ def _parallel_worker(info: RankInfo, runs: Path) -> None:
     cfg = make_config([*TEXT, *dict(PARALLEL_CASES)["bf16-pp2"]], runs, "scaled")
     plain, scaled = make_trainer(updated(cfg, {"log.run_id": "plain"}), info), make_trainer(cfg, info)
     scaled.precision = Precision(torch.bfloat16, info.device, DynamicLossScaler())
-    batch = next(plain._batches(0, 0))
-    norms = [plain._train_step(batch)[1], scaled._train_step(batch)[1]]
+    batch = next(plain.batches(0, 0))
+    norms = [plain.train_step(batch)[1], scaled.train_step(batch)[1]]
     scaled.step += 1
     before = named_params(scaled)
     if info.rank == 1:
         _poison(next(p for n, p in scaled.net.named_parameters() if ".blocks." in n), lambda: True)
-    scaled._train_step(next(scaled._batches(0, 1)))
+    scaled.train_step(next(scaled.batches(0, 1)))
     unchanged = all(torch.equal(p, before[n]) for n, p in named_params(scaled).items())
     torch.save({"norms": norms, "skipped": scaled.precision.skipped, "unchanged": unchanged,
                 "scale": scaled.precision.loss_scale}, runs / f"scaled.rank{info.rank}.pt")

@@ -2,7 +2,7 @@
 compositions DP x TP, FSDP x TP and PP x TP on 4 ranks, each equal to one process; checkpoints resume exactly.
 
 The vocabulary (301) does not divide by 2, so the padding of the vocabulary-parallel layers is exercised too.
-Every spawned rank trains through `Trainer._train_step` and saves its losses and whole parameters.
+Every spawned rank trains through `Trainer.train_step` and saves its losses and whole parameters.
 """
 
 from __future__ import annotations

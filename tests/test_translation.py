@@ -200,7 +200,7 @@ def test_batched_greedy_decoding_equals_one_sentence_at_a_time() -> None:
 
 def _train_and_decode(cfg, info: RankInfo) -> dict:
     trainer = make_trainer(cfg, info)
-    counts = [target_tokens(y) for _, y in next(trainer._batches(0, 0))]
+    counts = [target_tokens(y) for _, y in next(trainer.batches(0, 0))]
     losses = train_steps(trainer, STEPS)
     splits = [split for split in (trainer.translation.val, trainer.translation.test) if split is not None]
     return {"losses": losses, "val": trainer.evaluate(), "bleu": trainer.bleu(),
@@ -333,7 +333,7 @@ def _run_and_decode(cfg, info: RankInfo) -> dict:
     first step's batch widths, the decoded sentences before (a random model seldom stops early, so every sentence
     is long) and after, and the whole parameters this rank holds."""
     trainer = make_trainer(cfg, info)
-    widths = [x.size(1) for x, _ in next(trainer._batches(0, 0))]
+    widths = [x.size(1) for x, _ in next(trainer.batches(0, 0))]
     untrained = trainer.translate(16, [trainer.translation.val])
     trainer.log.log("header", **header_fields(cfg, info, trainer.grid, restart=0))
     trainer.run()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any
 
@@ -24,39 +24,37 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
-from gptpar.config import Config, example_width, fixed_width, updated
-from gptpar.data import BlockDataset, load_tokens, partition_dataset
-from gptpar.data.translation import PairDataset, TranslationData, load_translation, target_tokens
+from gptpar.config import Config, example_width, updated
+from gptpar.data import partition_dataset
+from gptpar.data.training import load_training_data
+from gptpar.data.translation import PairDataset, target_tokens
 from gptpar.errors import GptparError
-from gptpar.model import build_model, count_params, initial_value, materialize
-from gptpar.parallel import make_grad_sync
+from gptpar.model import build_model, count_params
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes, launched_config
-from gptpar.parallel.pipeline.engine.executor import PipelineEngine, Weight, by_rows
+from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
 from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
-from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
-from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model, whole_logits
-from gptpar.parallel.tensor_parallel.state import CheckpointLayout, counts_in_norm, whole
+from gptpar.parallel.tensor_parallel.state import counts_in_norm, whole
 from gptpar.run.folder import RunFolder, run_folder
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.names import derived_run_id
-from gptpar.run.records import EpochRecord, EvalRecord, FinalRecord, HeaderRecord, MemoryRecord, StepRecord
+from gptpar.run.records import FinalRecord, HeaderRecord, StepRecord
 from gptpar.run.sinks import open_sinks
 from gptpar.run.state import read_run, resume_hint
-from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.train.bleu import corpus_bleu, decode_split, require_sacrebleu
-from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state, save_checkpoint
+from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state
+from gptpar.train.components import Checkpointing, Evaluation, Metrics
 from gptpar.train.grad_dump import dump_gradients
 from gptpar.train.memory import state_bytes
 from gptpar.train.optim import clip_gradients, learning_rate, make_optimizer
+from gptpar.train.parallelize import parallelize
 from gptpar.train.precision import Precision
 from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
 from gptpar.train.profiling import StepProfiler
 from gptpar.train.progress import Progress, peak_memory_bytes
 from gptpar.train.provenance import header_fields, job_id
-from gptpar.train.recompute import prepare_blocks
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 FINISHED = ("completed", "diverged")  # states in which a start trains nothing
@@ -71,21 +69,11 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.precision = Precision.from_config(t, dims.device)  # first: a device that cannot run it fails at once
-        # data.task=translation: pairs of varying length, padded per batch (collate; to one width where shapes are
-        # fixed), the loss on target tokens only.
-        self.translation: TranslationData | None = None
-        self.collate = None
-        if cfg.data.task == "translation":
-            if t.bleu_samples:
-                require_sacrebleu()  # now, not after the first epoch
-            self.translation = data = load_translation(cfg.data, fixed_width(cfg))
-            self.train_set, self.val_set, self.collate = data.train, data.val, data.collate
-            self.vocab_size, self.tokenizer = data.vocab_size, data.tokenizer.name
-        else:
-            tokens = load_tokens(cfg.data)
-            self.train_set = BlockDataset(tokens.train, cfg.data.seq_len, "train")
-            self.val_set = BlockDataset(tokens.val, cfg.data.seq_len, "validation")
-            self.vocab_size, self.tokenizer = tokens.vocab_size, tokens.tokenizer
+        if cfg.data.task == "translation" and t.bleu_samples:
+            require_sacrebleu()  # now, not after the first epoch
+        data = load_training_data(cfg)
+        self.train_set, self.val_set, self.collate = data.train, data.val, data.collate
+        self.vocab_size, self.tokenizer, self.translation = data.vocab_size, data.tokenizer, data.translation
         self.micro_batch = t.batch_size // t.grad_accum  # global, over all replicas
         if len(self.train_set) < self.micro_batch:
             raise GptparError(f"train.batch_size={t.batch_size} exceeds the {len(self.train_set)} training "
@@ -93,41 +81,18 @@ class Trainer:
         model = build_model(cfg.model, self.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=example_width(cfg),
                             init_device=cfg.model.init_device)
         self.n_params, self.gpt2 = count_params(model), model.config  # whole, before any sharding
-        self.pipeline = dims.size("pp") > 1
         self.dp_group, self.tp_group = dims.group("dp"), dims.group("tp")
-        # Our tensor parallelism leaves plain tensors that are pieces (torch's are DTensors that know it themselves):
-        # checkpoints and the gradient norm must be told which.
-        self.tp_pieces = self.tp_group is not None and cfg.parallel.tp_impl == "gptpar"
-        # model.init_device=meta: fsdp materialises only this rank's shards; every other layout the whole model
-        # (tensor parallelism cuts its pieces from the whole model).
-        shards_only = (cfg.model.init_device == "meta" and DP_STRATEGIES[cfg.parallel.dp_sync].materialises_shards
-                       and self.dp_group is not None
-                       and self.tp_group is None)
-        if cfg.model.init_device == "meta" and not shards_only:
-            materialize(model, t.seed, dims.device)
-        if self.tp_group is not None:
-            model = shard_model(model, cfg.parallel, dims, dims.device)
-        prepare_blocks(model, cfg, dims.device)  # in place, before any wrapper or stage split sees the blocks
-        self.loss_fn = loss_function(cfg.parallel, dims, self.vocab_size)
-        self.loss_context = loss_context(cfg.parallel, dims)
-        self.whole_logits = whole_logits(cfg.parallel, dims, self.vocab_size)  # what decoding reads
-        if self.pipeline:
-            self.net = PipelineEngine(model, cfg, dims, dims.device, self.loss_fn)
-        elif self.tp_group is not None:
-            self.net = TensorParallelGPT2(model, dims.device)
-        else:
-            self.net = build_parallel_model(model, cfg.parallel, dims.device)
-        initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, self.gpt2, t.seed))
-                   if shards_only else None)
-        mesh = dims.mesh["dp"] if dims.mesh is not None and self.dp_group is not None else None
-        self.sync = make_grad_sync(self.net, cfg.parallel, self.dp_group, dims.device, initial, mesh)
-        self.checkpoint_layout = CheckpointLayout(self.net, self.sync, dims) if self.tp_pieces else None
+        wrapped = parallelize(model, cfg, dims, self.vocab_size)
+        self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
+        self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
+        self.checkpoint_layout = wrapped.checkpoint_layout
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps:
             self.total_steps = min(self.total_steps, t.max_steps)
         self.step = 0
+        self.checkpoints = Checkpointing(folder, t.checkpoint_every, self)
         self.memory: dict[str, int] | None = None  # training state bytes, counted at this start's first step
 
     def state_dict(self) -> dict[str, Any]:
@@ -145,11 +110,11 @@ class Trainer:
         self.step = int(state["step"])
         self.precision.load_state_dict(state)
 
-    def _loader(self, epoch: int):
+    def _loader(self, epoch: int) -> Iterable[Batch]:
         return partition_dataset(self.dims.coord("dp"), self.dims.size("dp"), self.train_set, self.micro_batch,
                                  self.collate, seed=self.cfg.train.seed, epoch=epoch)
 
-    def _batches(self, epoch: int, skip_steps: int) -> Iterator[list[Batch]]:
+    def batches(self, epoch: int, skip_steps: int) -> Iterator[list[Batch]]:
         """The epoch's optimizer steps, each a list of grad_accum micro-batches; resumed steps are skipped."""
         accum = self.cfg.train.grad_accum
         micro = iter(islice(self._loader(epoch), skip_steps * accum, self.steps_per_epoch * accum))
@@ -192,7 +157,7 @@ class Trainer:
         share = self._target_share(micro_batches)
         return lambda labels: target_tokens(labels) / share
 
-    def _forward_backward(self, micro_batches: list[Batch]) -> float:
+    def forward_backward_step(self, micro_batches: list[Batch]) -> float:
         """The step's mean-loss gradients into .grad (not yet reduced); returns the loss (a pipeline's on every
         stage). The data-parallel sync may reduce during the last micro-step's backward, a pipeline's only
         in finish(), after the last micro-batch's backward on each stage."""
@@ -212,14 +177,16 @@ class Trainer:
             total += loss.item()
         return total
 
-    def _train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+        """One optimizer step on the step's micro-batches: the learning rate, forward and backward, the sync, the
+        clipped global norm, the optimizer (skipped on an fp16 overflow); returns (loss, grad norm)."""
         t = self.cfg.train
         lr = learning_rate(self.step, t, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.net.train()
         self.precision.set_matmul_precision()
-        total = self._forward_backward(micro_batches)
+        total = self.forward_backward_step(micro_batches)
         self.sync.finish()
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         targets, groups, counted = self._norm_plan()
@@ -248,7 +215,7 @@ class Trainer:
         else:
             (targets, group), counted = self.sync.clip_targets(), None
             groups = [group] if group is not None else []
-        if self.tp_pieces:
+        if self.checkpoint_layout is not None:  # our tensor-parallel pieces
             owners, tp_rank = self.sync.owners(), self.dims.coord("tp")
             counted = [t for t in (targets if counted is None else counted)
                        if counts_in_norm(owners.get(id(t), t), tp_rank)]
@@ -366,69 +333,55 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return outcomes[int(flag.item())]
 
-    def _save(self) -> None:
-        save_checkpoint(self.folder.path, {"trainer": self})
+    def _timed_step(self, batches: Iterator[list[Batch]], epoch: int) -> tuple[float, StepRecord]:
+        """The next step, from fetching its micro-batches to its global loss (every rank's clock stops after the
+        same collectives, and after the GPU's queue drained), as this rank's loss and its step record."""
+        start = time.perf_counter()
+        micro_batches = next(batches)
+        data_time = time.perf_counter() - start
+        loss, grad_norm = self.train_step(micro_batches)
+        global_loss = self._dp_mean(loss)
+        if self.dims.device.type == "cuda":
+            torch.cuda.synchronize(self.dims.device)
+        step_time = time.perf_counter() - start
+        self.step += 1
+        tokens = sum(x.numel() for x, _ in micro_batches)  # positions run, translation's padding too
+        pipeline = self.net.step_fields() if self.pipeline else {}
+        return loss, StepRecord(
+            step=self.step, epoch=epoch, loss=self.logged_loss(loss), global_loss=global_loss,
+            lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, skipped=self.precision.skipped,
+            loss_scale=self.precision.step_scale, tokens=tokens, step_time_s=step_time,
+            tokens_per_s=tokens / step_time, data_time_s=data_time,
+            peak_mem_bytes=peak_memory_bytes(self.dims.device), bubble=self.net.bubble, **pipeline)
 
     def run(self) -> tuple[str, float]:
         """Train from the last checkpoint to the end, or until a stop is asked for (gptpar.train.preemption);
-        returns (status, last loss): completed, stopped or requeued."""
+        returns (status, last loss): completed, stopped or requeued. The components decide their own cadence."""
         cfg, dims = self.cfg, self.dims
         progress = Progress(cfg.log, dims.rank, dims.world_size, self.total_steps, self.step)
         progress.message(self.banner())
-        status, loss = "completed", math.nan
-        first_step = self.step
+        metrics = Metrics(self.log, progress, dims.size("dp"))
+        evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.bleu, self.log, progress)
         profiler = StepProfiler(cfg.train, dims.device, self.folder.trace_path(dims.rank))
+        status, loss = "completed", math.nan
         try:
             while self.step < self.total_steps and status == "completed":
                 epoch = self.step // self.steps_per_epoch
-                epoch_start_step, epoch_time, epoch_rates = self.step, 0.0, []
-                batches = self._batches(epoch, self.step - epoch * self.steps_per_epoch)
+                metrics.begin_epoch(self.step)
+                batches = self.batches(epoch, self.step - epoch * self.steps_per_epoch)
                 while self.step < min(self.total_steps, (epoch + 1) * self.steps_per_epoch):
                     if (stop := self._stop_status()) is not None:  # at a step boundary, never after the last
                         status = stop
                         break
                     profiler.begin(self.step + 1)
-                    start = time.perf_counter()
-                    micro_batches = next(batches)
-                    data_time = time.perf_counter() - start
-                    loss, grad_norm = self._train_step(micro_batches)
-                    global_loss = self._dp_mean(loss)
-                    if dims.device.type == "cuda":
-                        torch.cuda.synchronize(dims.device)
-                    step_time = time.perf_counter() - start
-                    self.step += 1
+                    loss, record = self._timed_step(batches, epoch)
                     profiler.end(self.step)
-                    tokens = sum(x.numel() for x, _ in micro_batches)  # positions run, translation's padding too
-                    epoch_time += step_time
-                    epoch_rates.append(tokens / step_time)
-                    pipeline = self.net.step_fields() if self.pipeline else {}
-                    self.log.write(StepRecord(
-                        step=self.step, epoch=epoch, loss=self.logged_loss(loss), global_loss=global_loss,
-                        lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, skipped=self.precision.skipped,
-                        loss_scale=self.precision.step_scale, tokens=tokens, step_time_s=step_time,
-                        tokens_per_s=tokens / step_time, data_time_s=data_time,
-                        peak_mem_bytes=peak_memory_bytes(dims.device), bubble=self.net.bubble, **pipeline))
-                    progress.update(self.step, global_loss, tokens * self.dims.size("dp") / step_time)
-                    if self.step == first_step + 1:
-                        self.log.write(MemoryRecord(step=self.step, **self.memory))
-                    if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                        val = self.evaluate()
-                        self.log.write(EvalRecord(step=self.step, epoch=epoch, val_loss=val))
-                        if val is not None:
-                            progress.message(f"step {self.step}: val_loss {val:.4f}")
-                    if cfg.train.checkpoint_every and self.step % cfg.train.checkpoint_every == 0:
-                        self._save()
-                if status == "completed" and self.step > epoch_start_step:
-                    val = self.evaluate()
-                    scores = self.bleu()
-                    self.log.write(EpochRecord(epoch=epoch, training_time_s=epoch_time,
-                                               tokens_per_s=sum(epoch_rates) / len(epoch_rates), val_loss=val,
-                                               steps=self.step - epoch_start_step, **scores))
-                    progress.message(f"epoch {epoch}: {epoch_time:.2f} s" +
-                                     (f", val_loss {val:.4f}" if val is not None else "") +
-                                     "".join(f", {key} {score:.2f}" for key, score in scores.items()
-                                             if score is not None))
-            self._save()
+                    metrics.after_step(record, self.memory)
+                    evaluation.after_step(self.step, epoch)
+                    self.checkpoints.after_step(self.step)
+                if status == "completed" and metrics.epoch_steps(self.step):
+                    metrics.end_epoch(epoch, self.step, evaluation.at_epoch_end())
+            self.checkpoints.save()
         finally:
             progress.close()
             profiler.close()  # a run stopped inside the profiled steps keeps what was recorded

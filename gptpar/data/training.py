@@ -1,0 +1,35 @@
+"""What a run trains and validates on, whatever the task: language modelling's blocks of seq_len + 1 tokens, or
+translation's pairs (padded per batch, to one width where shapes are fixed, the loss on target tokens only)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from gptpar.config import Config, fixed_width
+from gptpar.data.blocks import BlockDataset
+from gptpar.data.corpus import load_tokens
+from gptpar.data.translation import TranslationData, load_translation
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    train: Dataset
+    val: Dataset
+    collate: Callable[[Any], Any] | None  # how examples become a batch (None: the default stacking)
+    vocab_size: int
+    tokenizer: str
+    translation: TranslationData | None = None  # the pairs, their tokenizer and decoding width (translation only)
+
+
+def load_training_data(cfg: Config) -> TrainingData:
+    if cfg.data.task == "translation":
+        data = load_translation(cfg.data, fixed_width(cfg))
+        return TrainingData(data.train, data.val, data.collate, data.vocab_size, data.tokenizer.name, data)
+    tokens = load_tokens(cfg.data)
+    return TrainingData(BlockDataset(tokens.train, cfg.data.seq_len, "train"),
+                        BlockDataset(tokens.val, cfg.data.seq_len, "validation"), None, tokens.vocab_size,
+                        tokens.tokenizer)

@@ -1,0 +1,78 @@
+"""How one rank's model is wrapped by every parallelism, in the order they apply (picotron's visible wrapping,
+torchtitan's `parallelize`): each step reads the grid (ParallelDims) and the config, and none reaches into
+another's files.
+
+1. materialise a model built on the meta device, unless its data-parallel strategy materialises only its shards;
+2. tensor parallelism cuts this rank's pieces of every layer;
+3. recompute and compile, block by block, before any wrapper or stage split sees the blocks;
+4. the loss for this layout (on vocabulary shards under loss parallelism);
+5. the multi-process pipeline keeps this rank's stages, or the one-process modes place the whole model;
+6. data parallelism wraps the result with the strategy parallel.dp_sync names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import GPT2LMHeadModel
+
+from gptpar.config import Config
+from gptpar.model import initial_value, materialize
+from gptpar.parallel import make_grad_sync
+from gptpar.parallel.data_parallel.base import GradSync
+from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine
+from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
+from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model, whole_logits
+from gptpar.parallel.tensor_parallel.state import CheckpointLayout
+from gptpar.strategies.data_parallel import DP_STRATEGIES
+from gptpar.train.recompute import prepare_blocks
+
+
+@dataclass
+class Parallelized:
+    """The model as this rank runs it, and what the step needs from the parallelisms that wrapped it."""
+
+    net: nn.Module  # token ids to logits on this rank; the pipeline engine runs whole steps of its stages
+    sync: GradSync  # data parallelism around `net`: sync.module is what a forward calls
+    loss_fn: Loss
+    loss_context: Callable[[], AbstractContextManager[Any]]  # what every loss computation runs under
+    whole_logits: Callable[[torch.Tensor], torch.Tensor]  # the whole vocabulary's logits, for decoding
+    # Our tensor parallelism leaves plain tensors that are pieces (torch's are DTensors that know it themselves):
+    # checkpoints and the gradient norm are told which through this layout; None where nothing is such a piece.
+    checkpoint_layout: CheckpointLayout | None
+    pipeline: bool  # net is the multi-process pipeline's engine
+
+
+def parallelize(model: GPT2LMHeadModel, cfg: Config, dims: ParallelDims, vocab_size: int) -> Parallelized:
+    """`model` whole (or on the meta device) as every rank built it, wrapped for this rank in the module's order."""
+    p, seed, device = cfg.parallel, cfg.train.seed, dims.device
+    dp_group, tp_group = dims.group("dp"), dims.group("tp")
+    shards_only = (cfg.model.init_device == "meta" and DP_STRATEGIES[p.dp_sync].materialises_shards
+                   and dp_group is not None and tp_group is None)
+    if cfg.model.init_device == "meta" and not shards_only:  # 1
+        materialize(model, seed, device)
+    if tp_group is not None:  # 2
+        model = shard_model(model, p, dims, device)
+    prepare_blocks(model, cfg, device)  # 3, in place
+    loss_fn = loss_function(p, dims, vocab_size)  # 4
+    pipeline = dims.size("pp") > 1
+    if pipeline:  # 5
+        net: nn.Module = PipelineEngine(model, cfg, dims, device, loss_fn)
+    elif tp_group is not None:
+        net = TensorParallelGPT2(model, device)
+    else:
+        net = build_parallel_model(model, p, device)
+    gpt2 = model.config
+    initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, gpt2, seed))
+               if shards_only else None)
+    mesh = dims.mesh["dp"] if dims.mesh is not None and dp_group is not None else None
+    sync = make_grad_sync(net, p, dp_group, device, initial, mesh)  # 6
+    pieces = tp_group is not None and p.tp_impl == "gptpar"
+    return Parallelized(net, sync, loss_fn, loss_context(p, dims), whole_logits(p, dims, vocab_size),
+                        CheckpointLayout(net, sync, dims) if pieces else None, pipeline)
