@@ -91,6 +91,54 @@ def test_the_log_format_has_one_writer_and_one_reader() -> None:
     assert not offenders, offenders
 
 
+# The floors of the package, lowest first: a module imports only from its own floor or below (at run time; an
+# `if TYPE_CHECKING:` import is a type hint, not a dependency). The config and the strategy tables sit low so that
+# every side reads them; the parallelisms, the run folder, data and model above them; the trainer above those.
+FLOORS = (
+    ("gptpar", "gptpar.errors", "gptpar.presets", "gptpar.markdown", "gptpar.atomic", "gptpar.hub",
+     "gptpar.tensor_bytes"),
+    ("gptpar.strategies",),
+    ("gptpar.config",),
+    ("gptpar.data", "gptpar.model", "gptpar.run", "gptpar.parallel"),
+    ("gptpar.train", "gptpar.pipeline"),
+    ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "analysis"),
+    ("gptpar.cli", "gptpar.__main__"),
+)
+
+
+def floor(module: str) -> int:
+    """The floor of the longest prefix of `module` that FLOORS names."""
+    best = max(((len(prefix), level) for level, names in enumerate(FLOORS) for prefix in names
+                if module == prefix or module.startswith(prefix + ".")), default=None)
+    assert best is not None, f"{module} is on no floor: add it to FLOORS"
+    return best[1]
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """Modules of gptpar and analysis a file imports when it runs (anywhere but under `if TYPE_CHECKING:`)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m.split(".")[0] in ("gptpar", "analysis")}
+
+
+def test_no_import_points_upward() -> None:
+    upward = [f"{module_name(path)} (floor {floor(module_name(path))}) imports {target} (floor {floor(target)})"
+              for path in LIBRARY for target in sorted(runtime_imports(path))
+              if floor(target) > floor(module_name(path))]
+    assert not upward, upward
+
+
 def subcommands() -> list[str]:
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return sorted(sub.choices)
