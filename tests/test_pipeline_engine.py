@@ -50,7 +50,7 @@ def _engine_worker(info: RankInfo, cases: list[tuple[str, list[str]]], runs: Pat
         trainer = make_trainer(cfg, info)
         losses = train_steps(trainer, STEPS)
         val = trainer.evaluate()
-        record = {"losses": losses, "val": val, "params": named_params(trainer), "coords": trainer.grid.coords,
+        record = {"losses": losses, "val": val, "params": named_params(trainer), "coords": trainer.dims.coords,
                   "computes_loss": trainer.net.computes_loss, "stats": trainer.net.stats, "memory": trainer.memory}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
         if name == "1f1b":  # resume: one step, a checkpoint, a new trainer from it, one more step

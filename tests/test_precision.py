@@ -120,7 +120,7 @@ def test_the_trainer_skips_overflowing_steps_logs_them_and_recovers(tmp_path: Pa
     train_steps(trainer, 1)
     assert trainer.precision.skipped and trainer.precision.loss_scale == 2.0**15 and not trainer.optimizer.state
     assert all(torch.equal(p, initial[n]) for n, p in named_params(trainer).items())
-    trainer.log.log("header", **header_fields(cfg, CPU, trainer.grid, 0))  # as `gptpar train` starts its log
+    trainer.log.log("header", **header_fields(cfg, trainer.dims, 0))  # as `gptpar train` starts its log
     assert trainer.run()[0] == "completed"  # steps 2 (skipped), 3 and 4, logged
     steps = list(_log(trainer.folder.path).steps.values())
     assert [(r["step"], r["skipped"], r["loss_scale"]) for r in steps] == [

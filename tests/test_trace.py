@@ -114,7 +114,7 @@ def _traced_worker(info: RankInfo, runs: Path) -> None:
     cfg = make_config(["parallel.dp=2", "parallel.dp_sync=bucketed", "parallel.bucket_mb=0.01", "train.max_steps=3",
                        "train.eval_every=0", "train.profile_steps=2-3", "log.progress=none"], runs, "traced")
     trainer = make_trainer(cfg, info)
-    trainer.log.log("header", **header_fields(cfg, info, trainer.grid, 0), vocab_size=trainer.vocab_size)
+    trainer.log.log("header", **header_fields(cfg, trainer.dims, 0), vocab_size=trainer.vocab_size)
     trainer.run()
     trainer.log.log("final", status="completed", step=trainer.step)
 

@@ -335,7 +335,7 @@ def _run_and_decode(cfg, info: RankInfo) -> dict:
     trainer = make_trainer(cfg, info)
     widths = [x.size(1) for x, _ in next(trainer.batches(0, 0))]
     untrained = trainer.translate(16, [trainer.translation.val])
-    trainer.log.log("header", **header_fields(cfg, info, trainer.grid, restart=0))
+    trainer.log.log("header", **header_fields(cfg, trainer.dims, restart=0))
     trainer.run()
     log = read_rank_log(trainer.log.path)
     return {"losses": [log.steps[step]["global_loss"] for step in sorted(log.steps)], "epoch": log.epochs[0],
