@@ -46,8 +46,15 @@ def check(cfg: Config) -> None:
         composing = [name for name, impl in TP_IMPLS.items() if impl.with_pipeline]
         raise ConfigError(f"parallel.tp_impl={p.tp_impl} does not compose with parallel.pp > 1; use parallel.tp_impl="
                           f"{either(composing)} for pipeline x tensor parallelism")
-    if p.dp > 1 and p.tp_impl not in DP_STRATEGIES[p.dp_sync].tensor_parallel:
-        syncs = [name for name, row in DP_STRATEGIES.items() if p.tp_impl in row.tensor_parallel]
-        others = [name for name in TP_IMPLS if name in DP_STRATEGIES[p.dp_sync].tensor_parallel]
-        raise ConfigError(f"parallel.tp_impl={p.tp_impl} with parallel.dp={p.dp} needs parallel.dp_sync={either(syncs)}"
-                          f", not {p.dp_sync}" + (f"; or use parallel.tp_impl={either(others)}" if others else ""))
+    row = DP_STRATEGIES[p.dp_sync]
+    if p.dp > 1 and p.tp_impl not in row.tensor_parallel:
+        syncs = [name for name, r in DP_STRATEGIES.items() if p.tp_impl in r.tensor_parallel]
+        same = [name for name in syncs if DP_STRATEGIES[name].sharded == row.sharded]
+        others = [name for name in TP_IMPLS if name in row.tensor_parallel]
+        if same:  # the strategy that shards the same state the way this implementation's parameters need
+            offer = f"use parallel.dp_sync={same[0]} ({DP_STRATEGIES[same[0]].help.split(',')[0]}) instead"
+        else:
+            offer = f"it needs parallel.dp_sync={either(syncs)}"
+        alternative = f"; or use parallel.tp_impl={either(others)}" if others else ""
+        raise ConfigError(f"parallel.tp_impl={p.tp_impl} with parallel.dp={p.dp} does not compose with "
+                          f"parallel.dp_sync={p.dp_sync}: {offer}{alternative}")
