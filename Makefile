@@ -75,7 +75,7 @@ bench-analysis: install
 figures: install
 	$(GPTPAR) report $(RUNS) --out $(FIGURES)
 
-# Rewrite the README's config reference from the config classes (tests/test_readme.py checks it).
+# Rewrite the README's config reference from the config classes (tests/e2e/test_readme.py checks it).
 config-reference: install
 	$(PY) -c "import pathlib, gptpar.config as c; p = pathlib.Path('README.md'); p.write_text(c.readme_with_reference(p.read_text()))"
 

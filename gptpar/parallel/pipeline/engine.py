@@ -10,7 +10,7 @@ torch.distributed point-to-point messages between the ranks of the grid's `pp` g
 - Each run of consecutive send/receive actions is posted as one `batch_isend_irecv` (on NCCL one group
   call, so a send and the receive beside it cannot wait on each other); receives are waited for before
   the compute that needs them, sends only at the end of the step. Sends and receives of one pair of
-  ranks come in the same order on both sides (tests/test_schedules.py checks every schedule), because
+  ranks come in the same order on both sides (tests/strategies/test_schedules.py checks every schedule), because
   NCCL matches messages by order, not by tag.
 - The tied embedding/LM-head matrix has a copy on the first and on the last stage; `sum_tied_gradients`
   adds the two copies' gradients each step, as Megatron-LM does, so both copies take the same update and

@@ -23,7 +23,7 @@ from gptpar.run.state import read_run
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(not slurm_reachable(), reason="no SLURM cluster answers sinfo (make cluster-up)")]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GPTPAR = str(REPO / ".venv" / "bin" / "gptpar")
 TINY = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.tokenizer=bytes", "data.seq_len=32",
         "data.synthetic_tokens=20000", "train.batch_size=8", "train.max_steps=3", "train.eval_every=0",

@@ -38,7 +38,7 @@ from gptpar.run.logfile import RankLogger
 from gptpar.run.names import replaced
 from gptpar.run.sweeps import SWEEP_RECORD, read_sweep_record, stale_runs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAKE_SINFO_ERROR = "sinfo: error: slurm_load_partitions: Unable to contact slurm controller (connect failure)"
 
 

@@ -16,12 +16,12 @@ from gptpar.run.logfile import SCHEMA
 
 README = (REPO / "README.md").read_text()
 CI = (REPO / ".ci" / "run").read_text()
-SLURM_TESTS = (REPO / "tests" / "test_slurm.py").read_text()
+SLURM_TESTS = (REPO / "tests" / "launch" / "test_slurm.py").read_text()
 
 # Commands that .ci/run itself runs.
 BY_CI = ["make demo", "make test", "make figures", "make cluster-up NODES=2 GPUS_PER_NODE=2", "make cluster-status",
          "make cluster-down", "make install"]
-# Commands tests/test_slurm.py runs against the local cluster (the string it must contain).
+# Commands tests/launch/test_slurm.py runs against the local cluster (the string it must contain).
 BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"',
                   "sbatch --cpus-per-task=1 jobs/pp.sbatch": '"--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")',
                   ".venv/bin/gptpar sweep sweeps/ci_small.yaml": '"ci_small.yaml"'}
@@ -57,12 +57,12 @@ CLUSTER_ONLY = [
     ".venv/bin/gptpar submit pp --gpus 4 --nodes 2 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
     'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
 ]
-# Commands that need the Hugging Face hub (tests/test_translation.py runs the same keys on a local fixture).
+# Commands that need the Hugging Face hub (tests/data/test_translation.py runs the same keys on a local fixture).
 NEEDS_HUB = [
     ".venv/bin/gptpar train data.task=translation data.source=hf:bbaaaa/iwslt14-de-en-preprocess data.max_chars=0 "
     "model.preset=gpt2-mini train.epochs=10 train.batch_size=64",
 ]
-# Commands that write the reader's own files (tests/test_user_defaults.py covers what they set up).
+# Commands that write the reader's own files (tests/launch/test_user_defaults.py covers what they set up).
 USERS_OWN = [
     "mkdir -p ~/.config/gptpar",
     "printf 'launch:\\n  profile: bridges2\\n  account: abc123\\n' > ~/.config/gptpar/config.yaml",

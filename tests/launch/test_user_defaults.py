@@ -15,7 +15,7 @@ from gptpar.errors import GptparError
 from gptpar.launch.sweep import expand, run_sweep
 from gptpar.user_defaults import detected_profile, resolve_config, user_layers
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.source=stdlib", "data.max_chars=4000",
         "data.seq_len=16", "data.tokenizer=bytes", "train.batch_size=4", "train.max_steps=1", "train.eval_every=0",
         "log.progress=none"]

@@ -24,8 +24,8 @@ from gptpar.run.logfile import RankLogger
 from gptpar.run.state import read_run
 from gptpar.train import preemption
 
-EXPECTED = Path(__file__).with_name("expected")
-REPO = Path(__file__).resolve().parents[1]
+EXPECTED = Path(__file__).parents[1] / "expected"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _script(kind: str, overrides: list[str], run_dirs: list[str], out: str = "/scratch/runs/x/job") -> str:

@@ -1,8 +1,8 @@
 """The process-level cases of the reliability issue: signals, hangs, concurrency, dead runs.
 
 Each case starts real `gptpar` processes, because only a process can be signalled, stopped, killed or
-raced; the in-process cases of the same issue live in tests/test_hostile.py and
-tests/test_hostile_runs.py. Runs are tiny; a test waits on log records with a deadline and sends its
+raced; the in-process cases of the same issue live in tests/e2e/test_hostile.py and
+tests/e2e/test_hostile_runs.py. Runs are tiny; a test waits on log records with a deadline and sends its
 signal once the run is mid-training (every run here has far more steps than it gets to train).
 """
 
