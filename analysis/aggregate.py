@@ -41,11 +41,11 @@ from typing import Any
 
 from analysis.mfu import device_label, model_shape, utilisation
 from analysis.trace import RankTrace
-from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
 from gptpar.run.state import RunLog, replica_indices
 from gptpar.run.sweeps import stale_runs
+from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
 
 TOP_LEVEL = "top-level"  # the sweep of the runs that are not in a sweep folder
 GPU_KEYS = ("parallel.dp", "parallel.pp", "parallel.devices", "launch.gpus", "launch.nodes")

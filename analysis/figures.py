@@ -40,8 +40,8 @@ from analysis.canvas import (
 )
 from analysis.grouping import Mark, Spread, marks, run_labels, series
 from analysis.scaling import repeat_points
-from gptpar.strategies.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 from gptpar.run.names import slug
+from gptpar.strategies.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 
 CHUNKS = "parallel.chunks"
 JOB_RATE = "job tokens/s (all replicas' / slowest rank's time)"

@@ -53,9 +53,9 @@ from gptpar.model import build_model, lm_loss
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.pipeline.engine import PipelineEngine
 from gptpar.parallel.pipeline.gpt2 import pipeline_stages
-from gptpar.strategies.schedules import closed_form_bubble, peak_activations, schedule, simulate
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
+from gptpar.strategies.schedules import closed_form_bubble, peak_activations, schedule, simulate
 
 VOCAB = 256
 RANKS = 2

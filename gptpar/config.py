@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from gptpar.errors import GptparError
-from gptpar.strategies.schedules import SCHEDULES, make_plan
 from gptpar.presets import PRESETS
+from gptpar.strategies.schedules import SCHEDULES, make_plan
 
 
 class ConfigError(GptparError):

@@ -38,9 +38,9 @@ from gptpar.config import Config, example_width, pp_split_counts
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.grid import RankGrid
 from gptpar.parallel.pipeline.gpt2 import PipelineStage, balanced_sizes, original_name, pipeline_stages
-from gptpar.strategies.schedules import COMPUTE, Action, schedule
 from gptpar.parallel.pipeline.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
 from gptpar.parallel.tensor_parallel import loss_function
+from gptpar.strategies.schedules import COMPUTE, Action, schedule
 from gptpar.train.memory import SavedBytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]
