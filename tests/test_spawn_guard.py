@@ -56,4 +56,5 @@ def test_a_slow_test_starts_processes_and_an_unmarked_one_fails_in_a_real_sessio
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "1 failed, 1 passed" in out.stdout, out.stdout
-    assert "FAILED test_inner.py::test_unmarked_spawn" in out.stdout and f"Failed: {SPAWN_HINT}" in out.stdout, out.stdout
+    assert "FAILED test_inner.py::test_unmarked_spawn" in out.stdout, out.stdout
+    assert f"Failed: {SPAWN_HINT}" in out.stdout, out.stdout

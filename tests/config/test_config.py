@@ -71,6 +71,7 @@ def test_bad_yaml_names_file_and_line(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+@pytest.mark.slow
 def test_cli_error_is_one_line_exit_2():
     out = subprocess.run([sys.executable, "-m", "gptpar.cli", "config", "show", "train.lr=fast"],
                          capture_output=True, text=True)
@@ -79,6 +80,7 @@ def test_cli_error_is_one_line_exit_2():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_cli_config_show_prints_resolved_yaml(tmp_path):
     out = subprocess.run([sys.executable, "-m", "gptpar.cli", "config", "show", "parallel.dp=2"],
                          capture_output=True, text=True, check=True)

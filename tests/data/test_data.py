@@ -106,6 +106,7 @@ def _load_and_count(cfg: DataConfig, counter: str, out: str) -> None:
     np.save(out, np.asarray(load_tokens(cfg).train))
 
 
+@pytest.mark.slow
 def test_concurrent_ranks_tokenize_once(tmp_path):
     cfg = DataConfig(source="stdlib", max_chars=80_000, vocab_size=600, dir=str(tmp_path / "shared-fs"))
     counter = tmp_path / "count.txt"

@@ -249,6 +249,7 @@ def one_process(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.parametrize("name", [name for name, _ in DP_CASES])
+@pytest.mark.slow
 def test_two_replicas_train_and_decode_like_one_process(corpus: str, dp_runs: Path, one_process: dict,
                                                         name: str) -> None:
     ranks = saved_ranks(dp_runs, name)
@@ -286,6 +287,7 @@ def test_the_one_process_pipeline_trains_and_decodes_like_one_device(corpus: str
     assert result["bleu"] == ({"bleu": pytest.approx(one_process["bleu"]["bleu"])} if bleu_samples else {"bleu": None})
 
 
+@pytest.mark.slow
 def test_bleu_rises_far_above_copying_the_source(corpus: str, tmp_path: Path, capsys) -> None:
     """The whole run (`gptpar train`'s code): every epoch record carries BLEU, which climbs to a learnt model's, and
     the test split's."""
@@ -356,6 +358,7 @@ def short_single(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 @pytest.mark.parametrize("name", list(ENGINE_CASES))
+@pytest.mark.slow
 def test_the_pipeline_engine_and_tensor_parallelism_train_and_decode_like_one_process(
         engine_runs: Path, short_single: dict, name: str) -> None:
     ranks, width = saved_ranks(engine_runs, name), ENGINE_CASES[name][1]

@@ -65,6 +65,7 @@ def test_launch_and_analysis_never_import_torch_or_the_trainer(path: Path) -> No
     assert not heavy, f"{path.name} imports {heavy}"
 
 
+@pytest.mark.slow
 def test_the_login_side_loads_without_torch() -> None:
     modules = [module_name(p) for p in LIBRARY if p.parent.name in ("launch", "analysis")]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in [*modules, "gptpar.cli", "gptpar.run.state"])
@@ -102,6 +103,7 @@ def test_every_subcommand_is_known() -> None:
 
 
 @pytest.mark.parametrize("command", subcommands())
+@pytest.mark.slow
 def test_every_subcommand_answers_help_with_options_and_examples(command: str) -> None:
     out = subprocess.run([sys.executable, "-m", "gptpar", command, "--help"], capture_output=True, text=True,
                          cwd=REPO, timeout=60)
@@ -110,6 +112,7 @@ def test_every_subcommand_answers_help_with_options_and_examples(command: str) -
     assert "options:" in out.stdout and f"examples:\n  gptpar {command}" in out.stdout
 
 
+@pytest.mark.slow
 def test_version_and_python_dash_m() -> None:
     from gptpar import __version__
 
@@ -118,6 +121,7 @@ def test_version_and_python_dash_m() -> None:
         assert (out.returncode, out.stdout.strip()) == (0, f"gptpar {__version__}")
 
 
+@pytest.mark.slow
 def test_bad_options_use_the_one_error_format() -> None:
     out = subprocess.run([sys.executable, "-m", "gptpar", "submit", "dp", "--gpus", "two"], capture_output=True,
                          text=True, cwd=REPO, timeout=60)

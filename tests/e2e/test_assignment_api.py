@@ -199,6 +199,7 @@ def assert_same_gradients(got: dict[str, torch.Tensor], want: dict[str, torch.Te
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 def test_two_ranks_dump_the_same_synced_gradients_of_the_last_step(tmp_path: Path) -> None:
     """`gptpar train parallel.dp=2 --dump-grads DIR`, then the assignment's check. The files must also equal one
     process's on the same global batch: a dump before the sync holds each rank's own gradient, one after

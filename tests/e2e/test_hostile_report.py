@@ -209,6 +209,7 @@ def run_limited(code: str, tmp_path: Path, timeout: float = 120) -> dict:
     return said
 
 
+@pytest.mark.slow
 def test_a_log_record_on_a_full_disk_is_one_line_and_leaves_no_torn_line(tmp_path: Path) -> None:
     said = run_limited(f"""
         import os
@@ -235,6 +236,7 @@ def test_a_log_record_on_a_full_disk_is_one_line_and_leaves_no_torn_line(tmp_pat
     assert log.records == 2 and not log.steps and log.final["status"] == "failed"
 
 
+@pytest.mark.slow
 def test_a_checkpoint_on_a_full_disk_is_one_line_and_keeps_the_last_good_one(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     said = run_limited(f"""
@@ -259,6 +261,7 @@ def test_a_checkpoint_on_a_full_disk_is_one_line_and_keeps_the_last_good_one(tmp
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoint"]  # no half-written checkpoint.tmp
 
 
+@pytest.mark.slow
 def test_a_token_cache_on_a_full_disk_is_one_line_and_is_built_once_space_is_back(tmp_path: Path) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 2000)
@@ -281,6 +284,7 @@ def test_a_token_cache_on_a_full_disk_is_one_line_and_is_built_once_space_is_bac
     assert said["tokens"] > 50_000
 
 
+@pytest.mark.slow
 def test_a_report_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
     Rank(tmp_path / "runs" / "r", 0, config()).header().step(1).epoch(1, 1.0, 100.0).final(step=1)
     said = run_limited(f"""
@@ -299,6 +303,7 @@ def test_a_report_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.slow
 def test_training_on_a_full_disk_stops_with_one_line(tmp_path: Path, dp: int) -> None:
     """dp=2: DCP gathers the ranks' errors without their causes, so each rank finds out by itself."""
     pytest.importorskip("resource")
@@ -325,6 +330,7 @@ def test_training_on_a_full_disk_stops_with_one_line(tmp_path: Path, dp: int) ->
     assert not (run / "checkpoint.tmp").exists()
 
 
+@pytest.mark.slow
 def test_a_log_record_on_a_full_tmpfs_says_no_space_left(tmp_path: Path) -> None:
     mount = tmp_path / "small"
     mount.mkdir()
@@ -361,6 +367,7 @@ def test_a_log_record_on_a_full_tmpfs_says_no_space_left(tmp_path: Path) -> None
 
 # --- The global loss of data-parallel runs (item 10) ------------------------------------------------
 
+@pytest.mark.slow
 def test_a_real_two_rank_run_logs_one_global_loss_the_mean_of_both(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "gptpar", "train", "parallel.dp=2", *TINY,
                           f"log.runs_dir={tmp_path / 'runs'}", "log.run_id=dp2"], capture_output=True, text=True,

@@ -292,6 +292,7 @@ FAILING_SINFO = f"#!/bin/sh\necho '{FAKE_SINFO_ERROR}' >&2\nexit 1\n"
     (FAILING_SINFO, "local", FAKE_SINFO_ERROR),
     (None, "bridges2", "no SLURM client (sinfo) on PATH"),
 ])
+@pytest.mark.slow
 def test_submit_fails_when_slurm_does_not_answer(tmp_path, monkeypatch, capsys, sinfo, profile, reason):
     stub_path(tmp_path, monkeypatch, sinfo)
     monkeypatch.setattr(local_module, "run_ranks", lambda *a: pytest.fail("trained on the login node"))
@@ -305,6 +306,7 @@ def test_submit_fails_when_slurm_does_not_answer(tmp_path, monkeypatch, capsys, 
     assert not runs.exists()  # nothing was written
 
 
+@pytest.mark.slow
 def test_a_sweep_fails_the_same_way_and_touches_no_folder(tmp_path, monkeypatch):
     stub_path(tmp_path, monkeypatch, FAILING_SINFO)
     sweep = write_sweep(tmp_path / "s.yaml", "name: away\ngrid: {train.lr: [0.001, 0.002]}\n"
@@ -383,6 +385,7 @@ def test_a_sweep_folder_that_is_a_link_out_of_the_runs_folder_is_refused(tmp_pat
     one_line(exc.value)
 
 
+@pytest.mark.slow
 def test_the_plain_dp_job_script_names_its_run_by_job_id_only(tmp_path):
     """jobs/dp.sbatch with a hostile job name: the folder is RUNS/dp-<job id>, nothing else."""
     script = (REPO / "jobs" / "dp.sbatch").read_text()
@@ -426,6 +429,7 @@ def test_a_newline_in_the_profile_path_is_refused_in_one_line(tmp_path):
     one_line(exc.value)
 
 
+@pytest.mark.slow
 def test_a_profile_path_with_shell_syntax_runs_nothing(tmp_path):
     marker = tmp_path / "pwned"
     path = hostile_profile(tmp_path, "$(touch pwned);`touch pwned` && touch pwned '\".yaml")

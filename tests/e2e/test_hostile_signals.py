@@ -27,6 +27,8 @@ from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.state import read_run
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
         "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.eval_every=0",
         "train.threads=1", "log.progress=none"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import tomllib
 from conftest import REPO
 from packaging.requirements import Requirement
@@ -36,6 +37,7 @@ def test_heavy_parts_are_extras_and_the_runtime_needs_none_of_them() -> None:
     assert {canonicalize_name(Requirement(r).name) for r in extras["dev"]} == {"pytest", "pytest-timeout", "ruff"}
 
 
+@pytest.mark.slow
 def test_training_and_the_report_run_without_the_extras_and_an_hf_source_names_its_extra(tmp_path) -> None:
     hide = f"import sys; sys.modules.update(dict.fromkeys({list(EXTRAS_ONLY)!r}, None)); from gptpar.cli import main"
     tiny = ["train", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.source=stdlib",

@@ -113,6 +113,7 @@ def run_here(command: str, folder) -> subprocess.CompletedProcess:
     return out
 
 
+@pytest.mark.slow
 def test_readme_commands_in_order_run(tmp_path):
     outputs = [run_here(command, tmp_path) for command in RUN_HERE_IN_ORDER]
     runs = tmp_path / "runs"
@@ -121,6 +122,7 @@ def test_readme_commands_in_order_run(tmp_path):
 
 
 @pytest.mark.parametrize("command", RUN_HERE)
+@pytest.mark.slow
 def test_readme_command_runs(command, tmp_path):
     argv = shlex.split(command)
     if "status" in argv:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -13,6 +14,8 @@ from gptpar.model import build_model, count_params
 from gptpar.parallel.env import free_port
 from gptpar.run.logfile import read_rank_log
 from gptpar.train.checkpoint import export_checkpoint
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 COMMON = ["model.n_layer=2", "data.seq_len=32", "data.source=synthetic", "data.vocab_size=300",
           "train.batch_size=8", "train.max_steps=3", "train.eval_every=0", "train.threads=1", "log.progress=none"]

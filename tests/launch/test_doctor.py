@@ -12,6 +12,7 @@ from gptpar import doctor
 from gptpar.cli import main
 
 
+@pytest.mark.slow
 def test_doctor_on_this_machine_runs_every_check_and_exits_0() -> None:
     out = subprocess.run([sys.executable, "-m", "gptpar", "doctor"], capture_output=True, text=True, cwd=REPO,
                          timeout=120)
@@ -22,6 +23,7 @@ def test_doctor_on_this_machine_runs_every_check_and_exits_0() -> None:
     assert lines[-1].endswith("0 broken")
 
 
+@pytest.mark.slow  # the doctor asks sinfo wherever a SLURM client is installed (CI's cluster)
 def test_a_package_that_does_not_import_is_broken_and_exits_1(monkeypatch: pytest.MonkeyPatch,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(doctor, "REQUIRED", (*doctor.REQUIRED, "gptpar_no_such_package"))

@@ -47,6 +47,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.slow
 def test_rendered_scripts_match_recorded(name: str) -> None:
     kind, overrides, dirs = CASES[name]
     text = _script(kind, overrides, dirs)
@@ -99,6 +100,7 @@ def test_hostile_header_values_are_refused(field: str, tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.slow
 def test_hostile_body_values_run_nothing(tmp_path: Path) -> None:
     """Hostile name, venv and run folder reach the script quoted: executing it runs nothing else."""
     marker = tmp_path / "pwned"

@@ -20,7 +20,7 @@ from gptpar.launch.slurm import clean_env, slurm_reachable
 from gptpar.run.folder import RunFolder
 from gptpar.run.state import read_run
 
-pytestmark = [pytest.mark.slurm,
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(not slurm_reachable(), reason="no SLURM cluster answers sinfo (make cluster-up)")]
 
 REPO = Path(__file__).resolve().parents[2]

@@ -66,6 +66,7 @@ def test_the_user_file_is_found_under_xdg_config_home_and_bad_content_is_one_lin
         resolve_layers(user_layers({"XDG_CONFIG_HOME": str(tmp_path)}, "vm"))
 
 
+@pytest.mark.slow
 def test_config_show_names_where_each_value_came_from_and_stays_loadable(tmp_path: Path) -> None:
     user = tmp_path / "user.yaml"
     user.write_text("launch: {profile: bridges2}\n")
@@ -80,6 +81,7 @@ def test_config_show_names_where_each_value_came_from_and_stays_loadable(tmp_pat
     assert (shown.launch.profile, shown.launch.account, shown.train.lr) == ("bridges2", "abc123", 0.01)
 
 
+@pytest.mark.slow
 def test_submit_uses_the_users_profile_and_account(tmp_path: Path) -> None:
     env = {"GPTPAR_PROFILE": "bridges2", "GPTPAR_ACCOUNT": "abc123"}
     out = _gptpar("submit", "dp", "--gpus", "4", "--dry-run", f"log.runs_dir={tmp_path}", env=env)
@@ -90,6 +92,7 @@ def test_submit_uses_the_users_profile_and_account(tmp_path: Path) -> None:
     assert out.returncode == 2 and "limit of 2 GPUs per node on profile local" in out.stderr
 
 
+@pytest.mark.slow
 def test_user_defaults_are_recorded_in_the_run_and_never_read_by_a_jobs_rank(tmp_path: Path) -> None:
     user = tmp_path / "user.yaml"
     user.write_text("launch: {account: abc123}\ntrain: {lr: 0.003}\n")

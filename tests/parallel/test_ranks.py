@@ -134,6 +134,7 @@ def _report_worker(info: RankInfo, out_dir: Path) -> None:
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(fields))
 
 
+@pytest.mark.slow
 def test_spawn_local_runs_one_real_group(tmp_path: Path) -> None:
     spawn_local(_report_worker, 3, tmp_path, pcfg=ParallelConfig(dp=3, backend="auto"))
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
@@ -150,6 +151,7 @@ def _raising_worker(info: RankInfo) -> None:
 
 
 @pytest.mark.timeout(90)  # a hang guard, not a timing assertion: the job must end on its own
+@pytest.mark.slow
 def test_rank_raising_mid_training_fails_job_naming_rank() -> None:
     with pytest.raises(GptparError, match=r"^rank 1 failed: ValueError: boom at step 3$"):
         spawn_local(_raising_worker, 2, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
@@ -162,6 +164,7 @@ def _hanging_worker(info: RankInfo) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.slow
 def test_hung_rank_fails_job_after_timeout() -> None:
     # Rank 0's all-reduce gives up after parallel.timeout_s; its failure then takes rank 1 down.
     with pytest.raises(GptparError, match=r"^rank 0 failed: .*Timed out waiting 3000ms"):
@@ -211,6 +214,7 @@ def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
     ({"pp": 2, "dp": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0}, [0, 1], [1]),
                           2: ({"pp": 1, "dp": 0, "tp": 0}, [2, 3], [2])}),
 ])
+@pytest.mark.slow
 def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, sizes, expected) -> None:
     spawn_local(_grid_worker, 4, sizes, tmp_path, pcfg=ParallelConfig(dp=4, backend="gloo", timeout_s=60))
     results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}

@@ -347,6 +347,7 @@ def test_top_level_runs_are_one_sweep_compared_within_their_config(tmp_path: Pat
     assert by["a2"].speedup == pytest.approx(1.8) and by["b2"].speedup == pytest.approx(2.0)
 
 
+@pytest.mark.slow
 def test_worker_processes_give_the_serial_answer(tmp_path: Path) -> None:
     sweep_set(tmp_path)
     serial = analyse_runs(tmp_path, now=LATER, workers=1)

@@ -126,6 +126,7 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return runs / "traced"
 
 
+@pytest.mark.slow
 def test_a_two_rank_bucketed_run_writes_traces_that_show_its_all_reduces(traced_run: Path) -> None:
     for rank in (0, 1):
         trace = json.loads(RunFolder(traced_run).trace_path(rank).read_text())
@@ -140,6 +141,7 @@ def test_a_two_rank_bucketed_run_writes_traces_that_show_its_all_reduces(traced_
         assert r.compute_s + r.idle_s <= r.wall_s and len(r.top_ops) == 5
 
 
+@pytest.mark.slow
 def test_gptpar_trace_prints_a_table_or_json_lines(traced_run: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["trace", str(traced_run), "--top", "3"]) == 0
     out = capsys.readouterr().out
@@ -165,6 +167,7 @@ def test_gptpar_trace_errors_are_one_line(tmp_path: Path, capsys: pytest.Capture
     assert captured.out.splitlines()[1].split()[:2] == ["0", "cpu"]
 
 
+@pytest.mark.slow
 def test_the_report_shows_each_traced_runs_overlap_as_the_mean_over_its_ranks(traced_run: Path) -> None:
     result = report(traced_run.parent, traced_run.parent / "figures")
     (m,) = [r for r in result.runs if r.run_id == "traced"]

@@ -89,6 +89,7 @@ def test_a_folder_written_before_a_key_existed_holds_the_same_config_at_that_key
                                     "launch.repeat=1"]))
 
 
+@pytest.mark.slow
 def test_a_live_folder_is_refused_naming_its_holder(tmp_path: Path) -> None:
     cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=live", "data.tokenizer=bytes"])
     folder = plan_run(cfg).folder
@@ -105,6 +106,7 @@ def test_a_live_folder_is_refused_naming_its_holder(tmp_path: Path) -> None:
     assert folder.holder() is None  # released with the context, and with the process
 
 
+@pytest.mark.slow
 def test_a_run_that_fails_before_its_first_record_is_failed_with_its_error(tmp_path: Path) -> None:
     from gptpar.train.trainer import run_rank
 
@@ -161,6 +163,7 @@ def _recording_venv(tmp_path: Path) -> tuple[Path, Path]:
     return venv, records
 
 
+@pytest.mark.slow
 def test_the_local_backend_runs_the_command_of_the_slurm_script(tmp_path: Path) -> None:
     venv, records = _recording_venv(tmp_path)
     cfg = load_config(None, [f"launch.venv={venv}", "launch.gpus=2", "data.tokenizer=bytes", "train.batch_size=8"])
@@ -235,6 +238,7 @@ def test_status_is_a_table_of_each_runs_job_progress_and_speed(tmp_path: Path, c
     assert out[-1] == "1 run(s): 1 completed; 1 folder(s) set aside by --rerun or --start-over not listed"
 
 
+@pytest.mark.slow
 def test_a_run_starts_with_a_banner_and_ends_with_a_summary_line(tmp_path: Path) -> None:
     """What a user reads first and last: where and how it trains, then status, steps, losses, throughput, folder."""
     out = subprocess.run([sys.executable, "-m", "gptpar", "train", "model.n_layer=1", "model.n_embd=32",

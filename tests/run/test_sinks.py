@@ -19,6 +19,8 @@ from wandb.proto import wandb_internal_pb2
 from gptpar.run.logfile import read_rank_log
 from gptpar.train.trainer import Trainer, run_rank
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 RUN = ["model.n_layer=2", "data.synthetic_tokens=4000", "train.max_steps=4", "train.eval_every=2",
        "log.progress=none"]
 STEP_TAGS = {"train/loss": "loss", "train/global_loss": "global_loss", "train/lr": "lr", "train/grad_norm": "grad_norm",

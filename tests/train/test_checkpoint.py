@@ -151,6 +151,7 @@ def _two_rank_save_load(info: RankInfo, run_dir: Path) -> None:
     torch.save({"step": state.step, "model": state.model.module.state_dict()}, run_dir / f"rank{info.rank}.pt")
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_save_and_load(tmp_path: Path) -> None:
     spawn_local(_two_rank_save_load, 2, tmp_path)
     expected = build(seed=0)

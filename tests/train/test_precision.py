@@ -53,6 +53,7 @@ def _train(tmp_path: Path, precision: str) -> Path:
     return Path(run_rank(cfg)["run_dir"])
 
 
+@pytest.mark.slow
 def test_bf16_on_a_cpu_trains_within_bf16_rounding_of_fp32_and_says_so_in_its_log(tmp_path: Path) -> None:
     fp32, bf16 = _train(tmp_path, "fp32"), _train(tmp_path, "bf16")
     fp32_log, bf16_log = _log(fp32), _log(bf16)
@@ -109,6 +110,7 @@ def _poison(param: nn.Parameter, when) -> None:
     param.register_hook(lambda grad: torch.full_like(grad, math.inf) if when() else None)
 
 
+@pytest.mark.slow
 def test_the_trainer_skips_overflowing_steps_logs_them_and_recovers(tmp_path: Path) -> None:
     """The fp16 scaler on an autocast-free fp32 model (fp16 itself needs a GPU): an inf in one gradient skips
     steps 1 and 2; the data and the lr schedule move on, the weights and the optimizer do not."""
@@ -179,6 +181,7 @@ def parallel_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("name", [name for name, _ in PARALLEL_CASES])
+@pytest.mark.slow
 def test_bf16_on_two_ranks_trains_like_one_bf16_process(parallel_runs: Path, name: str) -> None:
     overrides = [*TEXT, *dict(PARALLEL_CASES)[name]]
     ranks = [torch.load(parallel_runs / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
@@ -195,6 +198,7 @@ def test_bf16_on_two_ranks_trains_like_one_bf16_process(parallel_runs: Path, nam
     assert diff.abs().mean() < PARALLEL_PARAM_TOL
 
 
+@pytest.mark.slow
 def test_the_loss_scale_reaches_the_pipeline_engine_and_an_overflow_on_one_stage_skips_every_stage(
         parallel_runs: Path) -> None:
     ranks = [torch.load(parallel_runs / f"scaled.rank{r}.pt", weights_only=False) for r in range(2)]

@@ -143,6 +143,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("name", [name for name, _ in CASES])
+@pytest.mark.slow
 def test_checkpointed_ranks_train_like_one_plain_process(results: Path, name: str) -> None:
     overrides = [o for o in dict(CASES)[name] if not o.startswith("train.activation_checkpointing")]
     ref = reference_run(make_config(overrides, results, name))

@@ -43,6 +43,7 @@ def real_text_run(tmp_path_factory):
     return cfg, result, Path(result["run_dir"])
 
 
+@pytest.mark.slow
 def test_loss_clearly_falls_on_real_text(real_text_run):
     _, result, run_dir = real_text_run
     steps = [r for r in read_records(run_dir / "rank0.jsonl") if r["kind"] == "step"]
@@ -52,6 +53,7 @@ def test_loss_clearly_falls_on_real_text(real_text_run):
     assert result["status"] == "completed" and result["step"] == 40
 
 
+@pytest.mark.slow
 def test_log_follows_the_schema(real_text_run):
     cfg, _, run_dir = real_text_run
     records = read_records(run_dir / "rank0.jsonl")
@@ -72,6 +74,7 @@ def test_log_follows_the_schema(real_text_run):
     assert config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text())) == cfg
 
 
+@pytest.mark.slow
 def test_epochs_each_get_a_record(tmp_path):
     cfg = load_config(None, [*TINY, "data.source=synthetic", "data.synthetic_tokens=4000", "data.vocab_size=300",
                              "train.batch_size=8", "train.epochs=2", "train.eval_every=0",
@@ -85,6 +88,7 @@ def test_epochs_each_get_a_record(tmp_path):
     assert [r["epoch"] for r in records if r["kind"] == "step"] == [0] * steps_per_epoch + [1] * steps_per_epoch
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_the_full_batch(tmp_path):
     common = [*TINY, "data.source=synthetic", "data.vocab_size=300", "train.batch_size=8", "train.max_steps=3",
               "train.eval_every=0", f"log.runs_dir={tmp_path}"]
@@ -108,6 +112,7 @@ def _gptpar(args: list[str]) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_with_the_same_losses(tmp_path):
     """SIGKILL mid-run, start it again: steps continue from the checkpoint with identical losses."""
     common = [*TINY, "data.source=synthetic", "data.vocab_size=300", "train.batch_size=8", "train.max_steps=12",

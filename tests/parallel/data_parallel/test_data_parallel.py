@@ -139,6 +139,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: b
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.slow
 def test_ranks_end_bitwise_identical(run, strategy: str, accum: int) -> None:
     world, load = run
     first = load(f"{strategy}-accum{accum}")
@@ -148,6 +149,7 @@ def test_ranks_end_bitwise_identical(run, strategy: str, accum: int) -> None:
         assert_same(first["params"], other["params"], exact=True)
 
 
+@pytest.mark.slow
 def test_strategies_agree(run) -> None:
     _, load = run
     naive = load("naive-accum1")
@@ -157,6 +159,7 @@ def test_strategies_agree(run) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.slow
 def test_dp_equals_single_process_on_the_global_batch(run, strategy: str) -> None:
     world, load = run
     ref = reference(world)
@@ -169,6 +172,7 @@ def test_dp_equals_single_process_on_the_global_batch(run, strategy: str) -> Non
 
 
 @pytest.mark.parametrize("strategy", ["naive", "bucketed"])
+@pytest.mark.slow
 def test_parameter_unused_on_some_ranks_still_syncs(run, strategy: str) -> None:
     world, load = run
     local = [branchy_grads(r) for r in range(world)]

@@ -63,6 +63,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("name", list(ALL))
+@pytest.mark.slow
 def test_zero_trains_like_one_process_and_keeps_the_replicas_bitwise_equal(results: Path, name: str) -> None:
     ranks = saved_ranks(results, name)
     ref = reference_run(make_config(ALL[name], results, name))
@@ -75,6 +76,7 @@ def test_zero_trains_like_one_process_and_keeps_the_replicas_bitwise_equal(resul
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero1-w4", "zero2-w4", "fsdp", "fsdp-w4"])
+@pytest.mark.slow
 def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, name: str) -> None:
     ranks = saved_ranks(results, name)
     n = ranks[0]["memory"]["params"]
@@ -91,6 +93,7 @@ def test_the_shards_are_disjoint_and_cover_every_parameter_once(results: Path, n
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero1-w4", "zero2-w4"])
+@pytest.mark.slow
 def test_memory_is_the_closed_form(results: Path, name: str) -> None:
     """ZeRO-1: 4N + 4N + 8N/W; ZeRO-2: 4N + (4N + 8N)/W; N/W is the shard, padded to a multiple of W (ZeRO-2: each
     bucket's)."""
@@ -108,6 +111,7 @@ def test_memory_is_the_closed_form(results: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2", "fsdp", "fsdp2"])
+@pytest.mark.slow
 def test_a_resumed_run_continues_bitwise_where_it_stopped(results: Path, name: str) -> None:
     """Each rank saves its own shard's optimizer state (keys name the parameter and range) and loads it back."""
     straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
@@ -123,6 +127,7 @@ def test_zero1_with_a_pipeline_is_a_one_line_error() -> None:
 
 
 @pytest.mark.parametrize("name", ["fsdp2", "fsdp2-w4"])
+@pytest.mark.slow
 def test_fsdp2_holds_a_shard_of_everything(results: Path, name: str) -> None:
     """FSDP2: parameters, gradients and AdamW state all sharded on dim 0, each parameter padded to W rows:
     per rank 4 + 4 + 8 bytes for each of sum_p ceil(rows_p / W) * row_size_p elements, about 16N/W."""
@@ -139,6 +144,7 @@ def test_fsdp2_holds_a_shard_of_everything(results: Path, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["zero1", "fsdp", "fsdp2"])
+@pytest.mark.slow
 def test_export_consolidates_a_sharded_checkpoint_into_whole_tensors(results: Path, name: str, tmp_path: Path) -> None:
     """`gptpar checkpoint export` (one process) writes every parameter whole, whatever shards the ranks saved
     (fsdp: every rank's pieces of each parameter, joined), also under GPT2LMHeadModel's names."""
@@ -160,6 +166,7 @@ def _units(params: dict[str, torch.Tensor], world: int) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("name", ["fsdp", "fsdp-accum", "fsdp-meta", "fsdp-w4"])
+@pytest.mark.slow
 def test_fsdp_holds_16n_over_w_and_its_in_flight_units_are_the_closed_form(results: Path, name: str) -> None:
     """Per rank: 4 bytes of parameter shard and 4 of gradient shard per element of every unit's padded shard, 8 of AdamW
     state per element it owns; in flight at most the root's parameters and flat gradient plus four block buffers
@@ -179,6 +186,7 @@ def test_fsdp_holds_16n_over_w_and_its_in_flight_units_are_the_closed_form(resul
         assert memory["gathered_peak_bytes"] == 4 * (2 * root + 4 * block)
 
 
+@pytest.mark.slow
 def test_deferred_initialisation_materialises_the_same_model_as_a_normal_build(results: Path) -> None:
     """model.init_device=meta under fsdp: each rank materialises only its shards, from per-parameter seeds, and the
     gathered model equals a normal build's, as its training equals one process's (the equality test above)."""

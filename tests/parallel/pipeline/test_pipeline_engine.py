@@ -73,6 +73,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("name", [n for n, _ in CASES_2 + CASES_4])
+@pytest.mark.slow
 def test_every_schedule_trains_like_one_process(results: Path, name: str) -> None:
     overrides = dict(CASES_2 + CASES_4)[name]
     ranks = saved_ranks(results, name)
@@ -96,6 +97,7 @@ def test_every_schedule_trains_like_one_process(results: Path, name: str) -> Non
 
 
 @pytest.mark.parametrize("name", ["1f1b", "zb1p-d2"])
+@pytest.mark.slow
 def test_each_stage_holds_the_training_state_of_its_own_parameters(results: Path, name: str) -> None:
     """AdamW fp32 on a stage of N_s parameters: 4 N_s + 4 N_s + 8 N_s bytes; the stages together hold the model
     once plus the LM head's copy of the tied matrix."""
@@ -111,6 +113,7 @@ def test_each_stage_holds_the_training_state_of_its_own_parameters(results: Path
 
 
 @pytest.mark.parametrize("name", ["1f1b-d2", "zb1p-d2"])
+@pytest.mark.slow
 def test_replicas_of_a_stage_stay_bitwise_identical(results: Path, name: str) -> None:
     ranks = saved_ranks(results, name)
     by_stage: dict[int, list[dict]] = {}
@@ -122,6 +125,7 @@ def test_replicas_of_a_stage_stay_bitwise_identical(results: Path, name: str) ->
             assert torch.equal(replicas[0][param], replicas[1][param]), f"stage {stage}: {param}"
 
 
+@pytest.mark.slow
 def test_a_resumed_pipeline_continues_bitwise_where_it_stopped(results: Path) -> None:
     straight, resumed = saved_ranks(results, "1f1b"), saved_ranks(results, "resumed")
     for a, b in zip(straight, resumed, strict=True):
@@ -130,6 +134,7 @@ def test_a_resumed_pipeline_continues_bitwise_where_it_stopped(results: Path) ->
             assert torch.equal(a["params"][param], b["params"][param]), param
 
 
+@pytest.mark.slow
 def test_each_rank_times_its_actions_and_holds_the_activations_its_schedule_allows(results: Path) -> None:
     gpipe, one_f_one_b, zb = (saved_ranks(results, n) for n in ("gpipe", "1f1b", "zb1p"))
     for ranks, kinds in ((gpipe, {"F", "B"}), (one_f_one_b, {"F", "B"}), (zb, {"F", "B", "W"})):
@@ -155,6 +160,7 @@ def _raising_stage_worker(info: RankInfo, runs: Path) -> None:
     train_steps(trainer, 1)
 
 
+@pytest.mark.slow
 def test_a_stage_that_raises_fails_the_job_in_bounded_time_naming_its_rank(tmp_path: Path) -> None:
     start = time.monotonic()
     with pytest.raises(GptparError, match=r"^rank 1 failed: RuntimeError: stage 1 broke$"):
@@ -180,6 +186,7 @@ def test_schedule_shapes_and_batches_that_do_not_fit_are_one_line_errors() -> No
     assert math.prod(grid_sizes(load_config(None, [*BASE, "parallel.pp=2", "parallel.dp=2"])).values()) == 4
 
 
+@pytest.mark.slow
 def test_export_writes_a_pipeline_checkpoint_as_one_gpt2_model(results: Path, tmp_path: Path) -> None:
     """`gptpar checkpoint export` of a pipeline run: every stage's tensors under GPT2LMHeadModel's names, loadable
     into one model."""

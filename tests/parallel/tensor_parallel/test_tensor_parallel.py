@@ -94,6 +94,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("name", list(ALL))
+@pytest.mark.slow
 def test_tensor_parallel_trains_like_one_process(results: Path, name: str) -> None:
     ranks = saved_ranks(results, name)
     ref = reference_run(make_config(ALL[name], results, name))
@@ -112,6 +113,7 @@ def test_tensor_parallel_trains_like_one_process(results: Path, name: str) -> No
 
 
 @pytest.mark.parametrize("name", list(RESUMED))
+@pytest.mark.slow
 def test_a_resumed_tensor_parallel_run_continues_exactly(results: Path, name: str) -> None:
     straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
     for a, b in zip(straight, resumed, strict=True):
@@ -121,6 +123,7 @@ def test_a_resumed_tensor_parallel_run_continues_exactly(results: Path, name: st
             torch.testing.assert_close(b["params"][param], value, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_dropout_masks_agree_where_replicated_and_differ_where_sharded(results: Path) -> None:
     ranks = saved_ranks(results, "dropout")
     for key in ("replicated", "after"):  # the shared stream stays in step across a sharded draw
@@ -129,6 +132,7 @@ def test_dropout_masks_agree_where_replicated_and_differ_where_sharded(results: 
     assert all(torch.equal(r["sharded"], r["replayed"]) for r in ranks)  # a recompute draws the same mask
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_exports_as_a_whole_gpt2(results: Path, tmp_path: Path) -> None:
     """Pieces rebuilt whole: q, k, v columns in GPT-2's order, the vocabulary padding cut off."""
     exported = torch.load(export_checkpoint(results / "resumed-tp2-sp-lp", tmp_path / "model.pt"), weights_only=False)

@@ -11,6 +11,7 @@ import copy
 import itertools
 import math
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -28,6 +29,8 @@ from gptpar.parallel.tensor_parallel.torch_plan import (
     whole_parameters,
 )
 from gptpar.train.optim import clip_gradients
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 VOCAB, TOL = 301, 1e-5
 
