@@ -17,7 +17,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install lock test lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis figures config-reference log-reference clean
+.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis figures config-reference log-reference clean
 
 install: $(STAMP)
 
@@ -45,6 +45,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q --durations=20
+
+# The part that starts no process (no spawned ranks, CLI runs or SLURM): under 2 minutes.
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" --durations=10
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -75,7 +79,7 @@ bench-analysis: install
 figures: install
 	$(GPTPAR) report $(RUNS) --out $(FIGURES)
 
-# Rewrite the README's config reference from the config classes (tests/test_readme.py checks it).
+# Rewrite the README's config reference from the config classes (tests/e2e/test_readme.py checks it).
 config-reference: install
 	$(PY) -c "import pathlib, gptpar.config as c; p = pathlib.Path('README.md'); p.write_text(c.readme_with_reference(p.read_text()))"
 

@@ -1,14 +1,51 @@
-"""Shared fixtures: an isolated data cache per test session, and the shared corpus when present."""
+"""Shared fixtures: an isolated data cache per test session, and the shared corpus when present; and the guard
+that keeps `-m "not slow"` fast: a test not marked slow cannot start a process."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing.process
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+SPAWN_HINT = "this test starts a process: mark it @pytest.mark.slow"
+# Every way a test starts a process: subprocess (and the `gptpar` CLI, sys.executable -m ..., the local launcher),
+# multiprocessing and torch.multiprocessing (spawn_local), and the os calls underneath neither.
+SPAWN_ENTRIES = [(subprocess.Popen, "_execute_child"), (multiprocessing.process.BaseProcess, "start"),
+                 *((os, name) for name in ("system", "fork", "forkpty", "posix_spawn", "posix_spawnp")
+                   if hasattr(os, name))]
+
+
+def _refuse_process(*args, **kwargs):
+    pytest.fail(SPAWN_HINT)  # an outcome exception: `except Exception` in the code under test cannot swallow it
+
+
+@contextlib.contextmanager
+def processes_refused() -> Iterator[None]:
+    """Within, starting a child process fails the test with SPAWN_HINT."""
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in SPAWN_ENTRIES]
+    try:
+        for owner, name, _ in saved:
+            setattr(owner, name, _refuse_process)
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A test not marked slow runs (setup of fixtures of every scope included) with processes refused."""
+    if item.get_closest_marker("slow"):
+        return (yield)
+    with processes_refused():
+        return (yield)
 
 
 @pytest.fixture(scope="session")

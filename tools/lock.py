@@ -1,7 +1,7 @@
 """Print the tested lock: every package gptpar and all its extras need, with the version installed here.
 
 `make lock` writes it to requirements.lock after the test suite passed with those versions; torch and its
-own dependencies are left to TORCH_SPEC (a CPU, CUDA or ROCm build). tests/test_packaging.py checks the
+own dependencies are left to TORCH_SPEC (a CPU, CUDA or ROCm build). tests/e2e/test_packaging.py checks the
 lock against pyproject.toml and against this environment.
 """
 

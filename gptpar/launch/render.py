@@ -2,7 +2,7 @@
 
 The header holds only validated plain tokens (see profiles.SAFE_TOKEN and safe_path) because
 #SBATCH lines are comments that quoting cannot protect; every value in the script body goes
-through shlex.quote. So a hostile run name or path cannot run anything (tests/test_launch.py).
+through shlex.quote. So a hostile run name or path cannot run anything (tests/launch/test_launch.py).
 """
 
 from __future__ import annotations

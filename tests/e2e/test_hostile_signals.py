@@ -1,0 +1,389 @@
+"""The process-level cases of the reliability issue: signals, hangs, concurrency, dead runs.
+
+Each case starts real `gptpar` processes, because only a process can be signalled, stopped, killed or
+raced; the in-process cases of the same issue live in tests/e2e/test_hostile.py and
+tests/e2e/test_hostile_runs.py. Runs are tiny; a test waits on log records with a deadline and sends its
+signal once the run is mid-training (every run here has far more steps than it gets to train).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gptpar.run.folder import RunFolder
+from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
+from gptpar.run.state import read_run
+
+pytestmark = pytest.mark.slow  # every test here starts processes
+
+TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
+        "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.eval_every=0",
+        "train.threads=1", "log.progress=none"]
+STEPS = 400  # ~140 steps an epoch: a signal sent once the first step is logged lands well before the end
+RESUMABLE = ["train.epochs=3", f"train.max_steps={STEPS}"]
+ENDLESS = ["train.epochs=1000", "train.max_steps=1000000"]  # stopped by the test, never by itself
+DEADLINE_S = 120.0  # a hang guard while waiting on records: never a timing claim
+
+
+def _gptpar(runs: Path, *words: str, command: tuple[str, ...] = ("train",)) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gptpar", *command, *TINY, f"log.runs_dir={runs}", *words],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _finish(proc: subprocess.Popen, timeout: float = DEADLINE_S) -> tuple[int, list[str], str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out.splitlines(), err
+
+
+def _log(run: Path, rank: int) -> RankLog | None:
+    try:
+        return read_rank_log(run / f"rank{rank}.jsonl") if (run / f"rank{rank}.jsonl").is_file() else None
+    except CorruptLog:
+        return None
+
+
+def _wait_for_steps(proc: subprocess.Popen, run: Path, ranks: int = 1) -> None:
+    """Until every rank has logged a step of its current segment (the process must keep running)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        logs = [_log(run, rank) for rank in range(ranks)]
+        if all(log is not None and log.final is None and log.steps for log in logs):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"gptpar exited ({proc.returncode}) before training: {proc.communicate()}")
+        time.sleep(0.02)
+    pytest.fail(f"no step record in {run} within {DEADLINE_S:g} s")
+
+
+def _rank_pids(launcher: int) -> dict[int, int]:
+    """The local launcher's rank processes, by the RANK their environment gives them."""
+    pids = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher:
+                continue
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        rank = next((int(e[5:]) for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            pids[rank] = int(stat.parent.name)
+    return pids
+
+
+def _losses(run: Path, key: str = "loss") -> dict[int, float]:
+    log = _log(run, 0)
+    assert log is not None
+    return {step: record[key] for step, record in log.steps.items()}
+
+
+def _resume(run: Path) -> str:
+    return f"`gptpar train {run / 'config.yaml'}` resumes it from its checkpoint"
+
+
+def _stopped_everywhere(run: Path, ranks: int, status: str, sig: str) -> int:
+    """Every rank's last segment ends with a `status` final record at one shared step boundary."""
+    finals = [_log(run, rank).final for rank in range(ranks)]
+    assert [(f["status"], f["signal"]) for f in finals] == [(status, sig)] * ranks, finals
+    step = finals[0]["step"]
+    assert step > 0 and {f["step"] for f in finals} == {step}
+    assert all(max(_log(run, rank).steps) == step for rank in range(ranks))  # nothing half-done after it
+    assert (run / "checkpoint").is_dir()
+    return step
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """One uninterrupted run (started at once, so it trains while the first test waits for its own)."""
+    runs = tmp_path_factory.mktemp("reference")
+    proc = _gptpar(runs, *RESUMABLE, "log.run_id=straight")
+
+    def losses() -> dict[int, float]:
+        code, _, err = _finish(proc)
+        assert code == 0, err
+        return _losses(runs / "straight")
+
+    yield losses
+    if proc.poll() is None:
+        proc.kill()
+
+
+def _resumes_with_the_same_losses(run: Path, step: int, reference, again: subprocess.Popen, dp: bool) -> None:
+    """Started again, the run resumes right after the stop and reproduces the uninterrupted losses."""
+    code, out, err = _finish(again)
+    assert code == 0, err
+    assert read_run(RunFolder(run)).state == "completed"
+    for rank in range(2 if dp else 1):
+        log = _log(run, rank)
+        assert [h["restart"] for h in log.headers] == [0, 1]
+        assert sorted(log.steps) == list(range(1, STEPS + 1))  # each step once, none lost
+        records = [json.loads(line) for line in (run / f"rank{rank}.jsonl").read_text().splitlines()]
+        second = records[max(i for i, r in enumerate(records) if r["kind"] == "header"):]
+        assert next(r["step"] for r in second if r["kind"] == "step") == step + 1  # from the checkpoint on
+    if dp:  # the mean loss over both replicas is the one-process loss (test_train_dp: the same model)
+        assert _losses(run, "global_loss") == pytest.approx(reference(), rel=1e-5)
+    else:
+        assert _losses(run) == pytest.approx(reference(), rel=1e-6)
+
+
+# 1. SIGTERM: a clean stop with a checkpoint and a final record on every rank; no requeue.
+
+def test_sigterm_stops_a_run_at_a_step_boundary_and_running_it_again_resumes(tmp_path, reference):
+    proc = _gptpar(tmp_path, *RESUMABLE, "log.run_id=termed")
+    run = tmp_path / "termed"
+    _wait_for_steps(proc, run)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    step = _stopped_everywhere(run, 1, "stopped", "SIGTERM")
+    assert step < STEPS and code == 1 and err == ""
+    assert out == [f"gptpar: run {run} stopped at step {step} by SIGTERM; {_resume(run)}"]
+    state = read_run(RunFolder(run))
+    assert (state.state, state.detail) == ("stopped", f"stopped at step {step} by SIGTERM; {_resume(run)}")
+    again = subprocess.Popen([sys.executable, "-m", "gptpar", "train", str(run / "config.yaml")],  # as the hint says
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _resumes_with_the_same_losses(run, step, reference, again, dp=False)
+
+
+DP2 = ("parallel.dp=2", "parallel.dp_sync=bucketed")  # the default, whose .grad are views of its buckets
+
+
+def test_sigterm_to_the_local_launcher_stops_every_rank_and_running_it_again_resumes(tmp_path, reference):
+    proc = _gptpar(tmp_path, *RESUMABLE, "log.run_id=termed", *DP2)
+    run = tmp_path / "termed"
+    _wait_for_steps(proc, run, ranks=2)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    step = _stopped_everywhere(run, 2, "stopped", "SIGTERM")
+    assert step < STEPS and code == 1 and err == ""
+    assert out[1:] == [f"gptpar: run stopped: stopped at step {step} by SIGTERM; {_resume(run)}"]
+    again = _gptpar(tmp_path, *RESUMABLE, "log.run_id=termed", *DP2)  # the same command
+    _resumes_with_the_same_losses(run, step, reference, again, dp=True)
+
+
+def test_gptpar_cancel_stops_a_local_run_and_gptpar_logs_follows_it_to_its_end(tmp_path):
+    """`gptpar logs -f` prints rank 0's records as lines while the run lives and returns when it ends; `gptpar
+    cancel` interrupts it at a step boundary, and afterwards finds nothing to cancel."""
+    proc = _gptpar(tmp_path, *ENDLESS, "log.run_id=cancelled", *DP2)
+    run = tmp_path / "cancelled"
+    _wait_for_steps(proc, run, ranks=2)
+    follow = subprocess.Popen([sys.executable, "-m", "gptpar", "logs", str(run), "-f", "-n", "2"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def cancel() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gptpar", "cancel", "cancelled", "--runs-dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=DEADLINE_S)
+
+    time.sleep(3)  # let the follower print a few live steps
+    first = cancel()
+    assert first.returncode == 0 and first.stderr == "", first.stderr
+    assert first.stdout.startswith(f"{run}: interrupted pid ") and "stop at the next step boundary" in first.stdout
+    assert _finish(proc)[0] == 1
+    finals = [_log(run, rank).final for rank in (0, 1)]  # the signal went to rank 0, which holds the folder
+    assert [(f["status"], f["signal"]) for f in finals] == [("stopped", "SIGINT"), ("stopped", None)]
+    assert finals[0]["step"] == finals[1]["step"] == max(_log(run, 1).steps)  # one step boundary everywhere
+    again = cancel()
+    assert again.returncode == 0 and again.stdout == f"{run}: nothing to cancel: no process runs it\n"
+    code, lines, err = _finish(follow)
+    assert code == 0, err
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) > 2 and all(" loss " in line and " tok/s " in line for line in steps)
+    assert f"final: stopped at step {finals[0]['step']} (by SIGINT)" in lines
+    assert lines[-1].startswith("state: stopped")
+
+
+PP2 = ("model.n_layer=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p", "train.epochs=3",
+       "train.max_steps=120")
+
+
+def test_sigterm_to_a_pipeline_stops_every_stage_at_one_step_and_running_it_again_resumes(tmp_path):
+    """The multi-process pipeline stops, checkpoints and resumes like any run: its stages hold different
+    parameters, each saved by its own rank, and the resumed losses are the uninterrupted pipeline's."""
+    straight = _gptpar(tmp_path, "log.run_id=straight", *PP2)
+    proc = _gptpar(tmp_path, "log.run_id=termed", *PP2)
+    run = tmp_path / "termed"
+    _wait_for_steps(proc, run, ranks=2)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = _finish(proc)
+    step = _stopped_everywhere(run, 2, "stopped", "SIGTERM")
+    assert step < 120 and code == 1 and err == ""
+    again = _gptpar(tmp_path, "log.run_id=termed", *PP2)
+    code, _, err = _finish(again)
+    assert code == 0, err
+    assert _finish(straight)[0] == 0
+    for rank in (0, 1):
+        log = _log(run, rank)
+        assert [h["restart"] for h in log.headers] == [0, 1] and sorted(log.steps) == list(range(1, 121))
+    assert _losses(run, "global_loss") == _losses(tmp_path / "straight", "global_loss")  # bitwise: same ranks
+
+
+# 2. Ctrl-C on the launcher of local ranks.
+
+def test_ctrl_c_on_the_launcher_leaves_every_rank_s_final_record_and_one_line(tmp_path):
+    proc = _gptpar(tmp_path, *ENDLESS, "log.run_id=interrupted", "parallel.dp=2")
+    run = tmp_path / "interrupted"
+    _wait_for_steps(proc, run, ranks=2)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    code, out, err = _finish(proc)
+    assert time.monotonic() - sent < 30  # a hang guard: in practice the next step boundary plus exit
+    step = _stopped_everywhere(run, 2, "stopped", "SIGINT")
+    assert code != 0 and err == ""
+    assert out == [f"gptpar: 2 ranks as local processes on this machine: {run}",
+                   f"gptpar: run stopped: stopped at step {step} by SIGINT; {_resume(run)}"]
+
+
+# 3. USR2 sent to the launcher of local ranks.
+
+def test_usr2_to_the_launcher_reaches_every_rank_and_reads_as_stopped_outside_slurm(tmp_path):
+    proc = _gptpar(tmp_path, *ENDLESS, "log.run_id=preempted", "parallel.dp=2")
+    run = tmp_path / "preempted"
+    _wait_for_steps(proc, run, ranks=2)
+    proc.send_signal(signal.SIGUSR2)
+    code, out, err = _finish(proc)
+    step = _stopped_everywhere(run, 2, "requeued", "SIGUSR2")
+    detail = (f"stopped at step {step} by SIGUSR2 (a requeue request, but no scheduler restarts a "
+              f"run outside SLURM); {_resume(run)}")
+    state = read_run(RunFolder(run))
+    assert (state.state, state.detail) == ("stopped", detail)  # not "pending": nothing will restart it
+    assert code != 0 and err == "" and out[1:] == [f"gptpar: run stopped: {detail}"]
+
+
+# 4. A hung rank fails the whole job, and is the rank named (a killed one: see the submit test, 7).
+
+HANG_TIMEOUT_S = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hung_rank(tmp_path_factory: pytest.TempPathFactory):
+    """A dp=2 run whose rank 1 is stopped (SIGSTOP) once both ranks train. It starts with the module and a
+    thread watches it, so its parallel.timeout_s runs out while the other tests run."""
+    runs = tmp_path_factory.mktemp("hung")
+    proc = _gptpar(runs, *ENDLESS, "log.run_id=hung", "parallel.dp=2", f"parallel.timeout_s={HANG_TIMEOUT_S}")
+    result: dict = {"run": runs / "hung", "pids": {}}
+
+    def watch() -> None:
+        try:
+            _wait_for_steps(proc, runs / "hung", ranks=2)
+            result["pids"] = _rank_pids(proc.pid)
+            sent = time.monotonic()
+            os.kill(result["pids"][1], signal.SIGSTOP)
+            result["code"], result["out"], result["err"] = _finish(proc)
+            result["waited_s"] = time.monotonic() - sent
+        except BaseException as exc:  # pytest.fail included: the test re-raises it
+            result["error"] = exc
+
+    thread = threading.Thread(target=watch, name="hung-rank", daemon=True)
+    thread.start()
+
+    def outcome() -> dict:
+        thread.join(2 * DEADLINE_S)
+        if "error" in result:
+            raise result["error"]
+        return result
+
+    yield outcome
+    for pid in [proc.pid, *result["pids"].values()]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank):
+    result = hung_rank()
+    assert result["waited_s"] < HANG_TIMEOUT_S + 30  # a hang guard: in practice the timeout plus a second
+    state = read_run(RunFolder(result["run"]))
+    assert state.state == "failed"
+    assert re.fullmatch(r"rank 1 stopped responding after step \d+: no final record, and rank 0 lost contact "
+                        rf"with it; rank1\.err: gptpar: rank 1 \(pid {result['pids'][1]}\) was stopped by "
+                        "SIGSTOP; killed by the launcher after rank 0 failed", state.detail), state.detail
+    assert "gloo" not in state.detail and "Timed out" not in state.detail  # not rank 0's raw timeout text
+    assert result["code"] != 0 and result["out"][1:] == [f"gptpar: run failed: {state.detail}"]
+
+
+# 5 and 6. Runs started together; a run killed with SIGKILL.
+
+def test_runs_started_together_with_default_ids_get_one_folder_each(tmp_path):
+    """The folder (and its id) is fixed when the run is planned, before torch loads: the runs are stopped
+    there, once each has its folder, since what they would train next changes nothing about it."""
+    procs = [_gptpar(tmp_path, *ENDLESS, "log.name=together") for _ in range(4)]
+    deadline = time.monotonic() + DEADLINE_S
+    try:
+        while len(list(tmp_path.glob("together*/config.yaml"))) < 4 and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), [_finish(p) for p in procs if p.poll() is not None]
+            time.sleep(0.02)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    folders = sorted(tmp_path.glob("together*"))
+    assert len(folders) == 4
+    ids = [yaml.safe_load((folder / "config.yaml").read_text())["log"]["run_id"] for folder in folders]
+    assert ids == [folder.name for folder in folders]
+
+
+@pytest.fixture(scope="module")
+def one_folder_race(tmp_path_factory: pytest.TempPathFactory):
+    """Four runs into one explicit log.run_id, started together: the winner trains on; the others' ends."""
+    runs = tmp_path_factory.mktemp("race")
+    procs = [_gptpar(runs, *ENDLESS, "log.run_id=shared") for _ in range(4)]
+    deadline = time.monotonic() + DEADLINE_S
+    while sum(p.poll() is None for p in procs) > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    losers = {p.pid: _finish(p) for p in procs if p.poll() is not None}
+    (winner,) = [p for p in procs if p.poll() is None]
+    _wait_for_steps(winner, runs / "shared")
+    yield runs / "shared", winner, losers
+    if winner.poll() is None:
+        winner.kill()
+
+
+def test_runs_started_together_into_one_folder_leave_it_to_exactly_one(one_folder_race):
+    run, winner, losers = one_folder_race
+    assert len(losers) == 3
+    holder = f"host {socket.gethostname()} pid {winner.pid}"
+    for code, out, err in losers.values():
+        assert (code, out) == (2, [])
+        assert err.splitlines() == [f"gptpar: error: run folder {run} is in use by {holder}; wait for it to end, "
+                                    "or use another log.run_id"]
+    assert {p.name for p in run.iterdir()} <= {"config.yaml", ".lock", "rank0.jsonl", "checkpoint"}
+    assert len(_log(run, 0).headers) == 1  # the winner's segment only
+
+
+def test_a_run_killed_with_sigkill_reads_as_failed_at_once(one_folder_race):
+    run, winner, _ = one_folder_race
+    assert read_run(RunFolder(run)).state == "running"
+    winner.kill()
+    winner.wait(30)
+    state = read_run(RunFolder(run))  # no delay: the lock died with the process
+    assert state.state == "failed"
+    assert state.detail == "rank 0 died without a final record (last record 0 min ago)"
+
+
+# 7. A failed local submit says which rank failed and why; 4. a rank killed with SIGKILL is the one named.
+
+def test_a_failed_local_submit_names_the_rank_that_was_killed_and_why(tmp_path):
+    proc = _gptpar(tmp_path, *ENDLESS, "log.run_id=killed", "launch.cluster=local",
+                   command=("submit", "dp", "--gpus", "2"))
+    run = tmp_path / "killed"
+    _wait_for_steps(proc, run, ranks=2)
+    rank1 = _rank_pids(proc.pid)[1]
+    os.kill(rank1, signal.SIGKILL)
+    code, out, err = _finish(proc)
+    assert code == 1, err
+    assert out[0] == f"dp run {run}: 2 rank(s) on local processes on this machine"
+    assert re.fullmatch(rf"killed: failed \(job {re.escape(socket.gethostname())}:{proc.pid}\): rank 1 stopped "
+                        r"responding after step \d+: no final record, and rank 0 lost contact with it; rank1\.err: "
+                        rf"gptpar: rank 1 \(pid {rank1}\) was killed by SIGKILL", out[-1]), out

@@ -1,0 +1,54 @@
+"""One tested lock; runtime, extras and dev tools apart; the core runs without any extra installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import tomllib
+from conftest import REPO
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+sys.path.insert(0, str(REPO / "tools"))
+import lock  # noqa: E402
+
+EXTRAS_ONLY = ("datasets", "sacrebleu", "tensorboard", "wandb", "pandas", "pytest", "ruff")
+
+
+def _pins() -> dict[str, str]:
+    lines = (REPO / "requirements.lock").read_text().splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
+def test_the_lock_is_what_pyproject_needs_at_the_versions_tested_here() -> None:
+    assert _pins() == lock.closure(lock.declared()), "run `make lock` after `make test` passes"
+    for req in (r for r in lock.declared() if canonicalize_name(r.name) not in lock.SEPARATE):
+        assert req.specifier.contains(_pins()[canonicalize_name(req.name)]), req
+
+
+def test_heavy_parts_are_extras_and_the_runtime_needs_none_of_them() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    runtime = {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
+    assert runtime.isdisjoint(EXTRAS_ONLY)
+    extras = project["optional-dependencies"]
+    assert {"hf", "translation", "tensorboard", "wandb", "all", "dev"} <= set(extras)
+    assert {canonicalize_name(Requirement(r).name) for r in extras["dev"]} == {"pytest", "pytest-timeout", "ruff"}
+
+
+@pytest.mark.slow
+def test_training_and_the_report_run_without_the_extras_and_an_hf_source_names_its_extra(tmp_path) -> None:
+    hide = f"import sys; sys.modules.update(dict.fromkeys({list(EXTRAS_ONLY)!r}, None)); from gptpar.cli import main"
+    tiny = ["train", "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.source=stdlib",
+            "data.max_chars=4000", "data.seq_len=16", "data.tokenizer=bytes", "train.batch_size=4",
+            "train.max_steps=2", "train.eval_every=0", "log.progress=none", f"log.runs_dir={tmp_path}"]
+    for argv in (tiny, ["report", str(tmp_path), "--out", str(tmp_path / "figures")]):
+        out = subprocess.run([sys.executable, "-c", f"{hide}; sys.exit(main({argv!r}))"], capture_output=True,
+                             text=True, cwd=REPO, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", f"{hide}; sys.exit(main({[*tiny, 'data.source=hf:x/y']!r}))"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("gptpar: error: data.source=hf:x/y needs the hf extra: pip install 'gptpar[hf]' "
+                                  "(or make install)")

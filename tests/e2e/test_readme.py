@@ -1,0 +1,148 @@
+"""The README stays true: its config reference is generated, and every command it shows is run
+by CI, by a test, or here (or is marked as needing a real GPU cluster)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+from conftest import REPO
+
+from gptpar.config import readme_with_reference
+from gptpar.run import records
+
+README = (REPO / "README.md").read_text()
+CI = (REPO / ".ci" / "run").read_text()
+SLURM_TESTS = (REPO / "tests" / "launch" / "test_slurm.py").read_text()
+
+# Commands that .ci/run itself runs.
+BY_CI = ["make demo", "make test", "make figures", "make cluster-up NODES=2 GPUS_PER_NODE=2", "make cluster-status",
+         "make cluster-down", "make install"]
+# Commands tests/launch/test_slurm.py runs against the local cluster (the string it must contain).
+BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"',
+                  "sbatch --cpus-per-task=1 jobs/pp.sbatch": '"--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")',
+                  ".venv/bin/gptpar sweep sweeps/ci_small.yaml": '"ci_small.yaml"'}
+# Commands this test runs as written, from a scratch folder.
+RUN_HERE = [
+    ".venv/bin/gptpar train train.max_steps=20",
+    ".venv/bin/gptpar train parallel.dp=2 parallel.dp_sync=ddp train.max_steps=20",
+    ".venv/bin/gptpar train parallel.pp_mode=pipeline_parallel parallel.devices=cpu,cpu parallel.chunks=4 "
+    "train.max_steps=5",
+    ".venv/bin/gptpar train parallel.pp=2 parallel.pp_schedule=zb1p parallel.chunks=4 train.max_steps=5",
+    ".venv/bin/gptpar schedule show 1f1b --pp 4 --chunks 8 --out figures/1f1b.png",
+    ".venv/bin/gptpar config show parallel.dp=2",
+    ".venv/bin/gptpar config show",
+    ".venv/bin/gptpar schedule show zb1p --pp 4 --chunks 8",
+    ".venv/bin/gptpar status",
+    ".venv/bin/gptpar submit dp --gpus 2 --dry-run",
+    ".venv/bin/gptpar doctor launch.profile=bridges2 launch.account=abc123",
+    ".venv/bin/gptpar train parallel.tp=2 parallel.sequence_parallel=true parallel.loss_parallel=true "
+    "train.max_steps=5",
+    ".venv/bin/gptpar train parallel.tp=2 parallel.dp=2 parallel.dp_sync=fsdp train.max_steps=5",
+]
+# Commands this test runs as written, one after the other in one scratch folder (a later one reads an earlier run).
+RUN_HERE_IN_ORDER = [
+    ".venv/bin/gptpar train train.precision=bf16 train.activation_checkpointing=block train.max_steps=5",
+    ".venv/bin/gptpar train parallel.dp=2 train.profile_steps=3-4 train.max_steps=5 log.run_id=traced",
+    ".venv/bin/gptpar trace traced --top 5",
+    ".venv/bin/gptpar train log.tensorboard=true log.wandb=offline train.max_steps=5",
+]
+# Commands that need a real GPU cluster (an account, CUDA wheels, environment modules).
+CLUSTER_ONLY = [
+    "module load anaconda3",
+    "sbatch jobs/pp.sbatch",
+    ".venv/bin/gptpar submit pp --gpus 4 --nodes 2 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
+    'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
+]
+# Commands that need the Hugging Face hub (tests/data/test_translation.py runs the same keys on a local fixture).
+NEEDS_HUB = [
+    ".venv/bin/gptpar train data.task=translation data.source=hf:bbaaaa/iwslt14-de-en-preprocess data.max_chars=0 "
+    "model.preset=gpt2-mini train.epochs=10 train.batch_size=64",
+]
+# Commands that write the reader's own files (tests/launch/test_user_defaults.py covers what they set up).
+USERS_OWN = [
+    "mkdir -p ~/.config/gptpar",
+    "printf 'launch:\\n  profile: bridges2\\n  account: abc123\\n' > ~/.config/gptpar/config.yaml",
+]
+
+
+def readme_commands() -> list[str]:
+    """Every command line of the README's bash blocks, comments stripped."""
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def test_every_readme_command_is_accounted_for():
+    known = {*BY_CI, *BY_SLURM_TESTS, *RUN_HERE, *RUN_HERE_IN_ORDER, *CLUSTER_ONLY, *USERS_OWN, *NEEDS_HUB}
+    unaccounted = [c for c in readme_commands() if c not in known]
+    assert not unaccounted, f"README commands run by nothing: {unaccounted}"
+    stale = sorted(known - set(readme_commands()))
+    assert not stale, f"commands listed here but gone from the README: {stale}"
+
+
+def test_ci_and_slurm_tests_run_their_commands():
+    for command in BY_CI:
+        assert re.search(rf"^{re.escape(command)}$", CI, flags=re.M), f".ci/run does not run {command!r}"
+    for command, needle in BY_SLURM_TESTS.items():
+        assert needle in SLURM_TESTS, command
+
+
+def test_config_reference_is_current():
+    assert readme_with_reference(README) == README, "run `make config-reference` and commit README.md"
+
+
+def test_log_reference_is_current():
+    assert records.readme_with_reference(README) == README, "run `make log-reference` and commit README.md"
+    section = README.split("## Log schema")[1].split("\n## ")[0]
+    assert "<!-- log-reference:start -->" in section
+
+
+def run_here(command: str, folder) -> subprocess.CompletedProcess:
+    argv = shlex.split(command)
+    argv[0] = str(REPO / argv[0])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}",
+           "WANDB_DIR": str(folder), "WANDB_CACHE_DIR": str(folder), "WANDB_CONFIG_DIR": str(folder)}
+    out = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out
+
+
+@pytest.mark.slow
+def test_readme_commands_in_order_run(tmp_path):
+    outputs = [run_here(command, tmp_path) for command in RUN_HERE_IN_ORDER]
+    runs = tmp_path / "runs"
+    assert "overlap share" in outputs[2].stdout and "rank 1: top 5 ops" in outputs[2].stdout
+    assert list(runs.glob("*/tb/events.out.tfevents.*")) and list(runs.glob("*/wandb/offline-run-*"))
+
+
+@pytest.mark.parametrize("command", RUN_HERE)
+@pytest.mark.slow
+def test_readme_command_runs(command, tmp_path):
+    argv = shlex.split(command)
+    if "status" in argv:
+        (tmp_path / "runs").mkdir()
+    out = run_here(command, tmp_path)
+    if argv[1] == "train":
+        assert list((tmp_path / "runs").glob("*/rank0.jsonl")), "no run folder written"
+    if "--dry-run" in argv:
+        assert out.stdout.startswith("#!/bin/bash") and "srun" in out.stdout
+
+
+def test_the_bridges2_preset_table_is_the_closed_form():
+    from analysis.aggregate import closed_form_state_bytes
+    from analysis.mfu import block_parameters
+    from gptpar.presets import PRESETS
+
+    rows = re.findall(r"^  \| `(gpt2[\w-]*)` \| (\d+) M \| (.*) \|$", README, flags=re.M)
+    assert [name for name, _, _ in rows] == ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
+    for name, millions, cells in rows:
+        n_layer, n_embd, _, n_positions = PRESETS[name]
+        n = n_layer * block_parameters(n_embd) + 2 * n_embd + (50257 + n_positions) * n_embd
+        assert int(millions) == round(n / 1e6)
+        expected = [closed_form_state_bytes(s, n, w) / 2**30 for s, w in (("ddp", 1), ("zero2", 4), ("fsdp", 4),
+                                                                           ("fsdp", 8))]
+        assert cells.split(" | ") == [f"{gib:.1f} GiB" for gib in expected], name

@@ -1,0 +1,277 @@
+"""End to end on the real local SLURM cluster (make cluster-up NODES=2 GPUS_PER_NODE=2).
+
+Every job is submitted at once by a module fixture and checked on its outputs: SLURM/run state,
+a log from every rank, the requeue continuing without a lost or repeated step, and figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from gptpar.launch.backend import scheduler_state
+from gptpar.launch.slurm import clean_env, slurm_reachable
+from gptpar.run.folder import RunFolder
+from gptpar.run.state import read_run
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
+              pytest.mark.skipif(not slurm_reachable(), reason="no SLURM cluster answers sinfo (make cluster-up)")]
+
+REPO = Path(__file__).resolve().parents[2]
+GPTPAR = str(REPO / ".venv" / "bin" / "gptpar")
+TINY = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.tokenizer=bytes", "data.seq_len=32",
+        "data.synthetic_tokens=20000", "train.batch_size=8", "train.max_steps=3", "train.eval_every=0",
+        "train.eval_batches=1", "train.threads=1", "launch.time=00:05:00"]
+REQUEUE_STEPS = 60  # below the 70-step epoch of the 20000-token synthetic corpus
+
+
+def run_state(run: Path) -> str:
+    """What `gptpar status` says: the run's records and lock, plus SLURM's word on its job."""
+    folder = RunFolder(run)
+    return read_run(folder, scheduler=scheduler_state(folder)).state
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def read_job_record(run: Path) -> dict[str, str]:
+    return RunFolder(run).read_job_record()
+
+
+def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(cmd, cwd=cwd, env=env or clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def _wait(run_dir: Path, timeout_s: float = 300) -> str:
+    """Poll the run's state until it leaves pending/running (bounded: a stuck job fails the test)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = run_state(run_dir)
+        if state not in ("pending", "running"):
+            return state
+        time.sleep(1)
+    raise AssertionError(f"{run_dir} still {run_state(run_dir)} after {timeout_s} s")
+
+
+def _release(job_id: str) -> None:
+    """SLURM holds a requeued job for ~2 minutes (BeginTime); start it sooner so the test stays short,
+    but not at once: a restart before the node has cleaned up is killed ("Job credential revoked")."""
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+5"], check=True, env=clean_env())
+
+
+def _ranks(run_dir: Path) -> list[int]:
+    return sorted(int(p.stem.removeprefix("rank")) for p in run_dir.glob("rank*.jsonl"))
+
+
+def _final(run_dir: Path, rank: int = 0) -> dict:
+    return [r for r in read_records(run_dir / f"rank{rank}.jsonl") if r["kind"] == "final"][-1]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Submit every scenario up front, so the cluster runs them side by side."""
+    work = tmp_path_factory.mktemp("slurm-e2e", numbered=True)
+    runs = work / "runs"
+    common = [*TINY, f"log.runs_dir={runs}"]
+    _run(["make", "-f", str(REPO / "jobs" / "Makefile.launch"), "submit-dp", "GPUS=2", f"VENV={REPO / '.venv'}",
+          f"ARGS={' '.join([*common, 'log.run_id=dp2'])}"], REPO)
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU",
+          "log.run_id=dp_2nodes"], work)
+    _run([GPTPAR, "submit", "pp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", "parallel.pp=2",
+          "parallel.chunks=2", "log.run_id=pp_engine_2nodes"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", "parallel.tp=2",
+          "parallel.sequence_parallel=true", "parallel.loss_parallel=true", "log.run_id=tp_2nodes"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, f"train.max_steps={REQUEUE_STEPS}",
+          "train.checkpoint_every=0", "log.run_id=requeue"], work)
+    env = {**clean_env(), "VENV": str(REPO / ".venv"), "RUNS": str(runs), "OVERRIDES": " ".join(TINY)}
+    # The script asks for Bridges-2's 5 CPUs per GPU; the local nodes have 2, and a command-line option
+    # overrides the script's own.
+    pp_job = _run(["sbatch", "--parsable", "--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")], work, env).strip()
+    (work / "pp_job").write_text(pp_job)
+    _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(runs)], work)
+    return work
+
+
+def test_requeue_continues_without_lost_or_repeated_steps(work: Path) -> None:
+    """First, so the signal lands while the job is still training."""
+    run = work / "runs" / "requeue"
+    job_id = read_job_record(run)["job_id"]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not any(r["kind"] == "step" for r in read_records(run / "rank0.jsonl")):
+        time.sleep(0.2)
+    # The same USR2 that --signal=USR2@N sends to every task before the time limit, sent now.
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True, env=clean_env())
+    while time.monotonic() < deadline:
+        info = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                              env=clean_env()).stdout
+        if "JobState=PENDING" in info and "Restarts=1" in info:
+            break
+        time.sleep(0.5)
+    _release(job_id)
+    assert _wait(run) == "completed"
+    records = read_records(run / "rank0.jsonl")
+    headers = [r for r in records if r["kind"] == "header"]
+    finals = [(r["status"], r["step"]) for r in records if r["kind"] == "final"]
+    assert [h["restart"] for h in headers] == [0, 1]
+    assert [f[0] for f in finals] == ["requeued", "completed"]
+    assert 0 < finals[0][1] < REQUEUE_STEPS == finals[1][1]  # stopped mid-run, finished after restart
+    steps = [r["step"] for r in records if r["kind"] == "step"]
+    assert steps == list(range(1, REQUEUE_STEPS + 1))  # none lost, none repeated
+
+
+def test_make_submit_dp_two_gpus(work: Path) -> None:
+    run = work / "runs" / "dp2"
+    assert _wait(run) == "completed"
+    assert _ranks(run) == [0, 1]
+    assert all(_final(run, r)["status"] == "completed" for r in (0, 1))
+    assert (run / "job" / "submit.sbatch").is_file() and list((run / "job").glob("slurm-*.out"))
+
+
+def test_sbatch_pp_script(work: Path) -> None:
+    """jobs/pp.sbatch as a user sbatch-es it: its run and its output land where `gptpar logs` looks."""
+    job_id = (work / "pp_job").read_text()
+    run = work / "runs" / f"pp-{job_id}"
+    deadline = time.monotonic() + 300
+    while not (run / "rank0.jsonl").is_file() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert _wait(run) == "completed"
+    header = read_records(run / "rank0.jsonl")[0]
+    assert header["config"]["parallel"]["pp_mode"] == "pipeline_parallel" and header["world_size"] == 1
+    assert (run / "job" / f"slurm-{job_id}.out").read_text().startswith(f"gptpar pp: job {job_id} restart 0")
+    logs = subprocess.run([GPTPAR, "logs", str(run)], capture_output=True, text=True, cwd=work, timeout=60)
+    assert f"slurm-{job_id}.out" in logs.stdout and logs.stdout.rstrip().endswith("state: completed")
+
+
+def test_two_node_data_parallel(work: Path) -> None:
+    run = work / "runs" / "dp_2nodes"
+    assert _wait(run) == "completed"
+    assert _ranks(run) == [0, 1, 2, 3]
+    nodelists = {read_records(run / f"rank{r}.jsonl")[0]["slurm"]["job_nodelist"] for r in range(4)}
+    assert nodelists == {"node[1-2]"}  # one job spanning both nodes
+
+
+def test_pipeline_engine_runs_its_stages_on_two_nodes_with_a_replica_each(work: Path) -> None:
+    """parallel.pp=2 on 2 nodes x 2 GPUs: stage 0's two replicas on node1, stage 1's on node2 (pp is the
+    grid's slowest dimension), so every activation crosses nodes and each dp group stays on one."""
+    run = work / "runs" / "pp_engine_2nodes"
+    assert _wait(run) == "completed"
+    assert _ranks(run) == [0, 1, 2, 3]
+    records = {r: read_records(run / f"rank{r}.jsonl") for r in range(4)}
+    headers = {r: recs[0] for r, recs in records.items()}
+    assert {r: (h["coords"]["pp"], h["coords"]["dp"], h["slurm"]["node"]) for r, h in headers.items()} == {
+        0: (0, 0, "node1"), 1: (0, 1, "node1"), 2: (1, 0, "node2"), 3: (1, 1, "node2")}
+    for rank, recs in records.items():
+        steps = [r for r in recs if r["kind"] == "step"]
+        assert [s["step"] for s in steps] == [1, 2, 3]
+        assert all((s["loss"] is None) == (rank < 2) and isinstance(s["global_loss"], float) for s in steps)
+        assert all(len(s["pp_timeline"]) == 2 * 2 and 0 <= s["bubble"] < 1 for s in steps)  # 2 F + 2 B
+    last = {s["global_loss"] for recs in records.values() for s in recs if s["kind"] == "step" and s["step"] == 3}
+    assert len(last) == 1  # one loss for the job: every stage and replica reports the same mean
+
+
+def test_tensor_parallel_groups_stay_on_one_node_and_replicas_span_two(work: Path) -> None:
+    """parallel.tp=2 on 2 nodes x 2 GPUs: dp=2 replicas of a TP=2 group, each group's ranks on one node (tp is the
+    grid's fastest dimension), gradients averaged across the nodes; one loss for the job."""
+    run = work / "runs" / "tp_2nodes"
+    assert _wait(run) == "completed"
+    records = {r: read_records(run / f"rank{r}.jsonl") for r in _ranks(run)}
+    headers = {r: recs[0] for r, recs in records.items()}
+    assert {r: (h["coords"]["dp"], h["coords"]["tp"], h["slurm"]["node"]) for r, h in headers.items()} == {
+        0: (0, 0, "node1"), 1: (0, 1, "node1"), 2: (1, 0, "node2"), 3: (1, 1, "node2")}
+    steps = {(s["step"], s["global_loss"]) for recs in records.values() for s in recs if s["kind"] == "step"}
+    assert sorted(step for step, _ in steps) == [1, 2, 3]  # every rank logged the same loss at each step
+
+
+def test_small_sweep_and_rerun_skips_done_points(work: Path) -> None:
+    sweep = work / "runs" / "ci_small"
+    points = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name != "_jobs")
+    assert len(points) == 4
+    assert [_wait(p) for p in points] == ["completed"] * 4
+    assert len({read_job_record(p)["job_id"].split("_")[0] for p in points}) == 1  # one job array
+    out = _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(work / "runs")], work)
+    assert "4 skipped" in out and "0 to run" in out
+
+
+def test_figures_from_the_runs(work: Path) -> None:
+    if not (REPO / "analysis" / "report.py").is_file():
+        pytest.skip("analysis/report.py is not there yet")
+    for run in ("dp2", f"pp-{(work / 'pp_job').read_text()}", "dp_2nodes"):
+        _wait(work / "runs" / run)
+    out = work / "figures"
+    _run([GPTPAR, "report", str(work / "runs"), "--out", str(out)], work)
+    assert list(out.glob("*.png")) or list(out.glob("*.pdf"))
+
+
+def test_several_ranks_from_a_one_task_step_as_in_an_interactive_session(work: Path) -> None:
+    """Inside `srun --pty bash` (one task), `gptpar train parallel.dp=2` starts its two ranks on the node."""
+    runs = work / "runs"
+    result = subprocess.run(["srun", "-p", "GPU-shared", "-n1", "--gres=gpu:2", "--time=5", GPTPAR, "train",
+                             *TINY, f"log.runs_dir={runs}", "parallel.dp=2", "log.run_id=interactive"],
+                            cwd=work, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = runs / "interactive"
+    assert _wait(run) == "completed" and _ranks(run) == [0, 1]
+    headers = [read_records(run / f"rank{r}.jsonl")[0] for r in (0, 1)]
+    assert [h["launcher"] for h in headers] == ["local", "local"]  # spawned here, not SLURM tasks
+
+
+def test_gptpar_cancel_stops_a_running_slurm_job_at_a_step_boundary(work: Path) -> None:
+    """`gptpar cancel` scancels the run's job; SLURM's TERM reaches the rank, which stops at a step boundary and
+    says so; a second cancel finds nothing to cancel."""
+    runs, run = work / "runs", work / "runs" / "cancelled"
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, f"log.runs_dir={runs}", "train.epochs=1000",
+          "train.max_steps=1000000", "log.run_id=cancelled"], work)
+    deadline = time.monotonic() + 300
+    while not any(r["kind"] == "step" for r in (read_records(run / "rank0.jsonl") if (run / "rank0.jsonl").is_file()
+                                                   else [])):
+        assert time.monotonic() < deadline, "the job never logged a step"
+        time.sleep(1)
+    out = _run([GPTPAR, "cancel", "cancelled", "--runs-dir", str(runs)], work)
+    assert out.startswith(f"{run}: cancelled SLURM job ") and out.rstrip().endswith("(running)")
+    assert _wait(run) == "stopped"
+    assert _final(run)["signal"] == "SIGTERM"
+    again = _run([GPTPAR, "cancel", str(run)], work)
+    assert again.startswith(f"{run}: nothing to cancel: SLURM job ")
+
+
+def test_no_stray_jobs_left(work: Path) -> None:
+    if shutil.which("squeue") is None:
+        pytest.skip("no squeue")
+    mine = subprocess.run(["squeue", "-h", "-o", "%i %j"], capture_output=True, text=True, env=clean_env()).stdout
+    assert str(work) not in mine and os.path.isdir(work)
+
+
+def test_real_time_limit_signal_requeues_until_done(tmp_path: Path) -> None:
+    """A real 1-minute limit: SLURM sends USR2 launch.signal_s before it, the trainer checkpoints
+    and requeues, and the job goes round until training is done, every step logged exactly once."""
+    steps = 250  # longer than one segment's ~20 s of training between start and signal
+    run = tmp_path / "runs" / "limit"
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, "data.seq_len=64", "train.batch_size=16",
+          "train.epochs=1000", f"train.max_steps={steps}", "launch.time=00:01:00", "launch.signal_s=40",
+          f"log.runs_dir={tmp_path / 'runs'}", "log.run_id=limit"], tmp_path)
+    job_id = read_job_record(run)["job_id"]
+    deadline, released = time.monotonic() + 600, 0
+    while time.monotonic() < deadline and run_state(run) in ("pending", "running"):
+        info = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                              env=clean_env()).stdout
+        restarts = int(info.split("Restarts=")[1].split()[0]) if "Restarts=" in info else 0
+        if "JobState=PENDING" in info and restarts > released:
+            _release(job_id)
+            released = restarts
+        time.sleep(1)
+    assert run_state(run) == "completed"
+    records = read_records(run / "rank0.jsonl")
+    restarts = [r["restart"] for r in records if r["kind"] == "header"]
+    finals = [r["status"] for r in records if r["kind"] == "final"]
+    assert len(restarts) >= 2 and restarts == list(range(len(restarts)))
+    assert finals == ["requeued"] * (len(restarts) - 1) + ["completed"]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, steps + 1))

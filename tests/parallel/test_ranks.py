@@ -1,0 +1,231 @@
+"""Rank layout from torchrun/SLURM environments, backend/device choice, and real spawned gloo groups."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gptpar.config import ParallelConfig
+from gptpar.errors import GptparError
+from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.env import Layout, expand_nodelist, free_port, is_slurm_step, layout_from_env, slurm_port
+from gptpar.parallel.grid import coordinates
+from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed
+from gptpar.parallel.spawn import spawn_local
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node1", ["node1"]),
+    ("a1,b2", ["a1", "b2"]),
+    ("gpu[001-003,007]", ["gpu001", "gpu002", "gpu003", "gpu007"]),
+    ("a1,b[2-3]", ["a1", "b2", "b3"]),
+    ("r[08-11]", ["r08", "r09", "r10", "r11"]),
+    ("v[9-10]", ["v9", "v10"]),
+    ("n[1-2]-ib[3-4]", ["n1-ib3", "n1-ib4", "n2-ib3", "n2-ib4"]),
+    ("c[1,3],gpu[01-02].psc", ["c1", "c3", "gpu01.psc", "gpu02.psc"]),
+    ("rack[1-2]n[5]", ["rack1n5", "rack2n5"]),
+    ("", []),
+])
+def test_expand_nodelist(nodelist: str, hosts: list[str]) -> None:
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["gpu[1-3", "gpu1-3]", "gpu[a-c]", "gpu[5-2]"])
+def test_expand_nodelist_rejects_malformed(bad: str) -> None:
+    with pytest.raises(GptparError, match="node list"):
+        expand_nodelist(bad)
+
+
+def test_slurm_port_is_deterministic_unprivileged_and_distinct_per_job() -> None:
+    ports = {slurm_port(job) for job in range(1000, 1100)}
+    assert len(ports) == 100
+    assert all(20000 <= p < 40000 for p in ports)
+    assert slurm_port("123456") == slurm_port(123456) == 20000 + 123456 % 20000
+    assert slurm_port("4242_7") == slurm_port("42427")  # array job ids keep their digits
+
+
+def test_torchrun_env() -> None:
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "h0", "MASTER_PORT": "29400", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}
+    assert layout_from_env(env) == Layout("torchrun", 5, 8, 1, 4, "h0", 29400)
+
+
+SRUN = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+        "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[012-013]", "SLURM_JOB_ID": "98765",
+        "SLURM_STEP_ID": "0"}
+
+
+def test_slurm_step_env() -> None:
+    layout = layout_from_env(SRUN)
+    assert layout == Layout("slurm", 6, 8, 2, 4, "gpu012", 20000 + 98765 % 20000)
+
+
+def test_slurm_explicit_master_wins_and_ntasks_per_node() -> None:
+    env = {**SRUN, "MASTER_ADDR": "login1", "MASTER_PORT": "31000", "SLURM_NTASKS_PER_NODE": "2"}
+    layout = layout_from_env(env)
+    assert (layout.master_addr, layout.master_port, layout.local_world_size) == ("login1", 31000, 2)
+
+
+def test_slurm_heterogeneous_tasks_per_node() -> None:
+    env = {**SRUN, "SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NTASKS": "11", "SLURM_NODEID": "2"}
+    assert layout_from_env(env).local_world_size == 3
+    with pytest.raises(GptparError, match="SLURM_TASKS_PER_NODE"):
+        layout_from_env({**SRUN, "SLURM_TASKS_PER_NODE": "4x2"})
+
+
+def test_sbatch_script_without_srun_is_not_a_rank() -> None:
+    batch = {k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"} | {"SLURM_PROCID": "0"}
+    assert not is_slurm_step(batch)
+    assert layout_from_env(batch).launcher == "single"
+    one_task = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "7"}
+    assert layout_from_env(one_task) == Layout("slurm", 0, 1, 0, 1, "n1", 20007)
+
+
+def test_no_launcher_is_single() -> None:
+    assert layout_from_env({}) == Layout("single", 0, 1, 0, 1, "127.0.0.1", 29500)
+
+
+def test_backend_choice() -> None:
+    assert choose_backend("auto", 0) == "gloo"
+    assert choose_backend("auto", 2) == "nccl"
+    assert choose_backend("gloo", 4) == "gloo"
+    with pytest.raises(GptparError, match="parallel.backend=nccl"):
+        choose_backend("nccl", 0)
+
+
+def _layout(launcher: str, local_rank: int, local_world: int) -> Layout:
+    return Layout(launcher, local_rank, local_world, local_rank, local_world, "h", 1)
+
+
+def test_device_choice() -> None:
+    assert choose_device("gloo", _layout("torchrun", 1, 2), 2) == torch.device("cpu")
+    assert choose_device("nccl", _layout("torchrun", 3, 4), 4) == torch.device("cuda:3")
+    # SLURM binding one GPU per task: every task sees exactly its own device as cuda:0.
+    assert choose_device("nccl", _layout("slurm", 3, 4), 1) == torch.device("cuda:0")
+    with pytest.raises(GptparError, match="4 ranks on this node need 4 GPUs but only 2 are visible"):
+        choose_device("nccl", _layout("slurm", 3, 4), 2)
+    with pytest.raises(GptparError, match="only 1 are visible"):
+        choose_device("nccl", _layout("torchrun", 1, 2), 1)
+
+
+def test_single_process_needs_no_group() -> None:
+    info = init_distributed(ParallelConfig(backend="gloo"), env={})
+    assert (info.rank, info.world_size, info.launcher, info.device.type) == (0, 1, "single", "cpu")
+    assert not dist.is_initialized()
+
+
+def test_missing_peer_fails_init_within_timeout_naming_rank() -> None:
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    with pytest.raises(GptparError, match=r"rank 0/2: joining the process group .* parallel.timeout_s=1"):
+        init_distributed(ParallelConfig(backend="gloo", timeout_s=1), env=env)
+    assert not dist.is_initialized()
+
+
+def _report_worker(info: RankInfo, out_dir: Path) -> None:
+    total = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(total)
+    fields = {"rank": info.rank, "world": info.world_size, "local_rank": info.local_rank,
+              "launcher": info.launcher, "backend": info.backend, "device": str(info.device),
+              "sum": total.item(), "group_size": dist.get_world_size()}
+    (out_dir / f"rank{info.rank}.json").write_text(json.dumps(fields))
+
+
+@pytest.mark.slow
+def test_spawn_local_runs_one_real_group(tmp_path: Path) -> None:
+    spawn_local(_report_worker, 3, tmp_path, pcfg=ParallelConfig(dp=3, backend="auto"))
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    for r, rep in enumerate(reports):
+        assert rep == {"rank": r, "world": 3, "local_rank": r, "launcher": "spawn", "backend": "gloo",
+                       "device": "cpu", "sum": 6.0, "group_size": 3}
+
+
+def _raising_worker(info: RankInfo) -> None:
+    for step in range(1000):
+        dist.all_reduce(torch.ones(4))
+        if info.rank == 1 and step == 3:
+            raise ValueError("boom at step 3")
+
+
+@pytest.mark.timeout(90)  # a hang guard, not a timing assertion: the job must end on its own
+@pytest.mark.slow
+def test_rank_raising_mid_training_fails_job_naming_rank() -> None:
+    with pytest.raises(GptparError, match=r"^rank 1 failed: ValueError: boom at step 3$"):
+        spawn_local(_raising_worker, 2, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+
+
+def _hanging_worker(info: RankInfo) -> None:
+    if info.rank == 1:
+        time.sleep(3600)
+    dist.all_reduce(torch.ones(4))
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_hung_rank_fails_job_after_timeout() -> None:
+    # Rank 0's all-reduce gives up after parallel.timeout_s; its failure then takes rank 1 down.
+    with pytest.raises(GptparError, match=r"^rank 0 failed: .*Timed out waiting 3000ms"):
+        spawn_local(_hanging_worker, 2, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=3))
+
+
+def test_grid_coordinates_are_row_major_with_tp_fastest() -> None:
+    sizes = {"pp": 2, "dp": 3, "tp": 2}
+    coords = [coordinates(r, sizes) for r in range(12)]
+    assert coords[0] == {"pp": 0, "dp": 0, "tp": 0}
+    assert coords[1] == {"pp": 0, "dp": 0, "tp": 1}  # tensor-parallel neighbours are consecutive ranks
+    assert coords[2] == {"pp": 0, "dp": 1, "tp": 0}
+    assert coords[11] == {"pp": 1, "dp": 2, "tp": 1}
+    assert len({tuple(c.values()) for c in coords}) == 12
+
+
+def _cpu_rank(rank: int, world_size: int) -> RankInfo:
+    return RankInfo("single", rank, world_size, 0, 1, "127.0.0.1", 29500, "gloo", torch.device("cpu"))
+
+
+def test_grid_refuses_a_shape_that_does_not_fill_the_job() -> None:
+    with pytest.raises(GptparError, match=r"rank grid pp=1 x dp=3 x tp=1 needs 3 ranks but the job has 4"):
+        ParallelDims.build(_cpu_rank(0, 4), {"dp": 3})
+    with pytest.raises(GptparError, match="unknown dimension"):
+        ParallelDims.build(_cpu_rank(0, 2), {"ep": 2})
+    alone = ParallelDims.build(_cpu_rank(0, 1), {"dp": 1})
+    assert alone.sizes == {"pp": 1, "dp": 1, "tp": 1} and alone.group("dp") is None and alone.mesh is None
+
+
+def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
+    grid = ParallelDims.build(info, sizes)
+    members = {}
+    for dim in ("pp", "dp", "tp"):
+        group = grid.group(dim)
+        if group is None:
+            members[dim] = [info.rank]
+            continue
+        # Each rank contributes a one-hot of its global rank: the sum is exactly the group's membership.
+        onehot = torch.zeros(info.world_size)
+        onehot[info.rank] = 1
+        dist.all_reduce(onehot, group=group)
+        members[dim] = [r for r in range(info.world_size) if onehot[r] == 1]
+    result = {"coords": grid.coords, "members": members,
+              "group_ranks": {d: grid.group_ranks(d) for d in ("pp", "dp", "tp")}}
+    (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.parametrize("sizes, expected", [
+    ({"dp": 2, "tp": 2}, {0: ({"pp": 0, "dp": 0, "tp": 0}, [0, 2], [0, 1]),
+                          3: ({"pp": 0, "dp": 1, "tp": 1}, [1, 3], [2, 3])}),
+    ({"pp": 2, "dp": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0}, [0, 1], [1]),
+                          2: ({"pp": 1, "dp": 0, "tp": 0}, [2, 3], [2])}),
+])
+@pytest.mark.slow
+def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, sizes, expected) -> None:
+    spawn_local(_grid_worker, 4, sizes, tmp_path, pcfg=ParallelConfig(dp=4, backend="gloo", timeout_s=60))
+    results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
+    for rank, (coords, dp_members, tp_members) in expected.items():
+        assert results[rank]["coords"] == coords
+        assert results[rank]["members"]["dp"] == dp_members == results[rank]["group_ranks"]["dp"]
+        assert results[rank]["members"]["tp"] == tp_members == results[rank]["group_ranks"]["tp"]
+    pp_members = {tuple(r["members"]["pp"]) for r in results.values()}
+    assert pp_members == ({(0, 2), (1, 3)} if sizes.get("pp") == 2 else {(0,), (1,), (2,), (3,)})

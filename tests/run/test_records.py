@@ -1,0 +1,150 @@
+"""The record classes are the log's one schema: what the trainer writes parses into them with no key they do not
+declare, and the readers (the analysis, the run state, `gptpar status` and `gptpar logs`) read no key they lack."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+from conftest import REPO
+
+from gptpar.config import load_config
+from gptpar.errors import GptparError
+from gptpar.run.logfile import encode
+from gptpar.run.records import (
+    ABSENT,
+    DECLARED,
+    RECORDS,
+    EpochRecord,
+    FinalRecord,
+    StepRecord,
+    names,
+    parse,
+    validate_record,
+)
+from gptpar.train.trainer import run_rank
+
+READERS = sorted([*(REPO / "analysis").glob("*.py"), *(REPO / "gptpar" / "run").glob("*.py"),
+                  REPO / "gptpar" / "launch" / "status.py"])
+TINY = ["model.n_layer=2", "data.seq_len=32", "data.tokenizer=bytes", "data.source=synthetic", "train.max_steps=4",
+        "train.eval_every=2", "log.progress=none"]
+
+# String keys these files read from dicts that are not log records (config keys, with a dot, and SLURM's
+# environment variables are told apart by their spelling).
+GRID = {"dp", "pp", "tp"}  # inside a header's coords and sizes
+MEMORY_PARTS = {"total", "grads", "optimizer"}  # analysis.aggregate.MemoryUse's breakdown
+FIELD_METADATA = {"help", "choices", "may_diverge"}
+OTHER_DICTS = {
+    "analysis/aggregate.py": GRID | MEMORY_PARTS,
+    "analysis/figures.py": MEMORY_PARTS | {"F", "B", "W"},  # a timeline's action kinds
+    "analysis/report.py": {"fork"},  # a multiprocessing start method
+    "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s"},  # a trace's per-rank totals
+    "analysis/trace.py": {"traceEvents", "name", "cat", "ts", "dur", "ph", "pid", "tid", "calls", "where", "self_s",
+                          "nccl"},
+    "gptpar/run/folder.py": {"job_id", "pid", "flock", "heartbeat"},  # the run lock's JSON
+    "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
+    "gptpar/run/records.py": FIELD_METADATA,
+    "gptpar/run/state.py": GRID | {"job_id", "pid", "MemoryError", "out of memory", "oom-kill"},  # error texts too
+    "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
+}
+
+
+def string_keys(tree: ast.AST) -> list[tuple[str, int]]:
+    """(key, line) of every `x["key"]`, `x.get("key")`, `get("key")` and `"key" in x` of a module."""
+    found = []
+    for node in ast.walk(tree):
+        key = None
+        if isinstance(node, ast.Subscript):
+            key = node.slice
+        elif isinstance(node, ast.Call) and node.args and (
+                isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+                or isinstance(node.func, ast.Name) and node.func.id == "get"):
+            key = node.args[0]
+        elif isinstance(node, ast.Compare) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+            key = node.left
+        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+            found.append((key.value, node.lineno))
+    return found
+
+
+def test_readers_read_only_declared_fields() -> None:
+    declared = set().union(*DECLARED.values()) | {"kind"}
+    undeclared = []
+    for path in READERS:
+        name = path.relative_to(REPO).as_posix()
+        allowed = declared | OTHER_DICTS.get(name, set())
+        undeclared += [f"{name}:{line}: {key!r}" for key, line in string_keys(ast.parse(path.read_text()))
+                       if key not in allowed and "." not in key and not key.isupper()]
+    assert not undeclared, "keys no record class declares (add the field to gptpar/run/records.py):\n" + "\n".join(
+        undeclared)
+
+
+def test_a_key_list_cannot_name_an_undeclared_field() -> None:
+    assert names(StepRecord, "loss", "bubble") == ("loss", "bubble")
+    with pytest.raises(ValueError, match="StepRecord has no field"):
+        names(StepRecord, "val_loss")
+
+
+def test_a_record_is_written_as_before() -> None:
+    """Keys in the order the trainer always wrote them, absent fields left out, null kept, non-finite as text."""
+    record = FinalRecord(time=5.0, status="stopped", step=3, loss=float("nan"), signal=None)
+    assert encode(record.fields()) == b'{"kind":"final","time":5.0,"status":"stopped","step":3,"loss":"NaN",' \
+                                      b'"signal":null}\n'
+    epoch = EpochRecord(time=1.0, epoch=0, training_time_s=2.0, tokens_per_s=3.0, val_loss=None, steps=4, bleu=None)
+    assert list(epoch.fields()) == ["kind", "time", "epoch", "training_time_s", "tokens_per_s", "val_loss", "steps",
+                                    "bleu"]
+    assert epoch.test_bleu is ABSENT and parse(epoch.fields()) == epoch
+
+
+def test_parse_names_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="final status 'paused'"):
+        validate_record({"kind": "final", "time": 1.0, "status": "paused", "step": 0})
+    with pytest.raises(ValueError, match="undeclared field"):
+        parse({"kind": "final", "time": 1.0, "status": "failed", "step": 0, "eror": "x"}, strict=True)
+    assert parse({"kind": "final", "time": 1.0, "status": "failed", "step": 0, "newer": 1}).step == 0
+
+
+def written(run_dir: Path) -> list[dict]:
+    return [orjson.loads(line) for path in sorted(run_dir.glob("rank*.jsonl"))
+            for line in path.read_bytes().splitlines()]
+
+
+def assert_declared(records: list[dict], kinds: set[str]) -> None:
+    for record in records:
+        assert list(parse(record, strict=True).fields()) == list(record), record["kind"]  # same keys, same order
+    assert {r["kind"] for r in records} == kinds
+
+
+def test_every_record_a_single_rank_run_writes_is_declared(tmp_path: Path) -> None:
+    result = run_rank(load_config(None, [*TINY, f"log.runs_dir={tmp_path}", "log.run_id=one"]))
+    assert_declared(written(Path(result["run_dir"])), set(RECORDS))
+
+
+def test_the_records_of_a_failed_set_up_are_declared(tmp_path: Path) -> None:
+    cfg = load_config(None, [*TINY, "data.source=text:/nonexistent.txt", f"log.runs_dir={tmp_path}",
+                             "log.run_id=failed"])
+    with pytest.raises(GptparError):
+        run_rank(cfg)
+    records = written(tmp_path / "failed")
+    assert_declared(records, {"header", "final"})
+    assert records[-1]["status"] == "failed" and "error" in records[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.pp=2", "parallel.chunks=2"], ["parallel.dp=2", "parallel.dp_sync=fsdp"]],
+                         ids=["pipeline", "fsdp"])
+def test_every_record_a_two_rank_run_writes_is_declared(tmp_path: Path, layout: list[str]) -> None:
+    """The optional fields only some strategies write: the pipeline's pp_* step fields, fsdp's gathered peak."""
+    out = subprocess.run([sys.executable, "-m", "gptpar", "train", *layout, *TINY, f"log.runs_dir={tmp_path}",
+                          "log.run_id=two"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = written(tmp_path / "two")
+    assert_declared(records, set(RECORDS))
+    optional = "pp_timeline" if "parallel.pp=2" in layout else "gathered_peak_bytes"
+    assert any(optional in r for r in records)

@@ -1,0 +1,220 @@
+"""Mixed precision (`train.precision`): bf16 trains like fp32 within bf16's rounding, on one process, on two
+data-parallel ranks and through the two-stage pipeline engine; fp16's loss scaler skips overflowing steps on a real
+trainer, on every rank, and recovers; the precisions a CPU cannot run are one-line errors.
+
+bf16 runs a small byte-level text model whose loss falls fast, so "it trains" shows in six steps. Its losses stay
+within BF16_LOSS_TOL of fp32's step by step (they differ by ~1e-3: bf16 keeps 8 bits of mantissa) yet differ from
+them (autocast ran). Two ranks or two stages in bf16 agree with one bf16 process: losses within PARALLEL_LOSS_TOL,
+parameters within a mean |difference| of PARALLEL_PARAM_TOL after two AdamW steps (measured: ~4e-5 against one
+bf16 process, ~1.3e-4 against fp32; a missing or wrong gradient moves many parameters by a whole step, 1e-2).
+fp16 needs a GPU, so its scaler runs here with an autocast-free fp32 model or under bf16 autocast: the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from rank_training import STEPS, make_config, make_trainer, named_params, reference_run, train_steps
+from torch import nn
+
+from gptpar.config import ParallelConfig, updated
+from gptpar.errors import GptparError
+from gptpar.parallel.pipeline.one_process.pipe import Pipe
+from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.spawn import spawn_local
+from gptpar.run.logfile import RankLog, rank_log_path, read_rank_log
+from gptpar.train.checkpoint import load_checkpoint
+from gptpar.train.optim import learning_rate
+from gptpar.train.precision import DynamicLossScaler, Precision
+from gptpar.train.provenance import header_fields
+from gptpar.train.trainer import run_rank
+
+TEXT = ["data.source=stdlib", "data.tokenizer=bytes", "data.max_chars=40000", "train.eval_every=0",
+        "log.progress=none"]
+BF16_LOSS_TOL = 0.02
+PARALLEL_LOSS_TOL = 1e-3
+PARALLEL_PARAM_TOL = 1e-4  # mean |difference|: 1% of one AdamW step at lr 0.01
+TIED = {"lm_head.weight": "transformer.wte.weight"}  # the pipeline's head copy of the tied matrix
+CPU = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
+               launcher="single", backend="gloo", device=torch.device("cpu"))
+PARALLEL_CASES = [("bf16-dp2", ["parallel.dp=2", "parallel.dp_sync=bucketed", "train.precision=bf16"]),
+                  ("bf16-pp2", ["parallel.pp=2", "parallel.chunks=2", "train.precision=bf16"])]
+
+
+def _log(run_dir: Path) -> RankLog:
+    return read_rank_log(rank_log_path(run_dir, 0))
+
+
+def _train(tmp_path: Path, precision: str) -> Path:
+    cfg = make_config([*TEXT, "train.max_steps=6", f"train.precision={precision}"], tmp_path, precision)
+    return Path(run_rank(cfg)["run_dir"])
+
+
+@pytest.mark.slow
+def test_bf16_on_a_cpu_trains_within_bf16_rounding_of_fp32_and_says_so_in_its_log(tmp_path: Path) -> None:
+    fp32, bf16 = _train(tmp_path, "fp32"), _train(tmp_path, "bf16")
+    fp32_log, bf16_log = _log(fp32), _log(bf16)
+    assert bf16_log.header["precision"] == "bf16"
+    steps = list(bf16_log.steps.values())
+    losses, reference = [r["loss"] for r in steps], [r["loss"] for r in fp32_log.steps.values()]
+    assert losses[-1] < losses[0] - 1.0, losses  # it trains
+    assert losses == pytest.approx(reference, abs=BF16_LOSS_TOL)
+    assert losses != reference  # autocast ran: bf16 rounds differently from fp32
+    assert bf16_log.epochs[0]["val_loss"] == pytest.approx(fp32_log.epochs[0]["val_loss"], abs=BF16_LOSS_TOL)
+    assert all(r["skipped"] is False and r["loss_scale"] is None for r in steps)  # bf16 needs no loss scale
+
+
+@pytest.mark.parametrize("precision", ["fp16", "tf32"])
+def test_fp16_and_tf32_on_a_cpu_are_one_line_set_up_errors(tmp_path: Path, precision: str) -> None:
+    cfg = make_config([f"train.precision={precision}"], tmp_path, precision)
+    with pytest.raises(GptparError) as error:
+        make_trainer(cfg, CPU)
+    message = str(error.value)
+    assert f"train.precision={precision}" in message and "CUDA GPU" in message and "\n" not in message
+
+
+def test_the_loss_scaler_skips_an_overflow_halves_the_scale_and_grows_it_after_clean_steps() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    precision = Precision(None, torch.device("cpu"), DynamicLossScaler(scale=8.0, growth_interval=2))
+    x = torch.randn(3, 4)
+
+    def step(overflow: bool) -> bool:
+        optimizer.zero_grad()
+        precision.scale(model(x).square().mean()).backward()
+        if overflow:
+            model.weight.grad[0, 0] = math.inf
+        stepped = precision.unscale(list(model.parameters()))
+        if stepped:
+            optimizer.step()
+        return stepped
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert not step(overflow=True) and precision.skipped and precision.step_scale == 8.0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()) and not optimizer.state
+    assert precision.loss_scale == 4.0
+    assert step(overflow=False) and not precision.skipped and precision.loss_scale == 4.0
+    model.zero_grad()
+    model(x).square().mean().backward()
+    unscaled = model.weight.grad.clone()
+    assert step(overflow=False) and precision.step_scale == 4.0 and precision.loss_scale == 8.0  # 2 clean steps
+    torch.testing.assert_close(model.weight.grad, unscaled)  # the scaled backward, divided by its scale
+
+
+def _poison(param: nn.Parameter, when) -> None:
+    """A real gradient hook that makes `param`'s gradient all inf whenever `when()` says so."""
+    param.register_hook(lambda grad: torch.full_like(grad, math.inf) if when() else None)
+
+
+@pytest.mark.slow
+def test_the_trainer_skips_overflowing_steps_logs_them_and_recovers(tmp_path: Path) -> None:
+    """The fp16 scaler on an autocast-free fp32 model (fp16 itself needs a GPU): an inf in one gradient skips
+    steps 1 and 2; the data and the lr schedule move on, the weights and the optimizer do not."""
+    cfg = make_config(["train.max_steps=4"], tmp_path, "overflow")
+    trainer = make_trainer(cfg, CPU)
+    trainer.precision = Precision(None, CPU.device, DynamicLossScaler(growth_interval=2))
+    initial = named_params(trainer)
+    _poison(trainer.net.get_parameter("model.transformer.h.0.mlp.c_fc.weight"), lambda: trainer.step < 2)
+    train_steps(trainer, 1)
+    assert trainer.precision.skipped and trainer.precision.loss_scale == 2.0**15 and not trainer.optimizer.state
+    assert all(torch.equal(p, initial[n]) for n, p in named_params(trainer).items())
+    trainer.log.log("header", **header_fields(cfg, trainer.dims, 0))  # as `gptpar train` starts its log
+    assert trainer.run()[0] == "completed"  # steps 2 (skipped), 3 and 4, logged
+    steps = list(_log(trainer.folder.path).steps.values())
+    assert [(r["step"], r["skipped"], r["loss_scale"]) for r in steps] == [
+        (2, True, 2.0**15), (3, False, 2.0**14), (4, False, 2.0**14)]
+    assert steps[0]["grad_norm"] == math.inf and all(math.isfinite(r["loss"]) for r in steps)
+    assert [r["lr"] for r in steps] == [learning_rate(s, cfg.train, 4) for s in (1, 2, 3)]
+    assert {int(s["step"]) for s in trainer.optimizer.state.values()} == {2}  # two of four steps stepped
+    assert trainer.precision.loss_scale == 2.0**15  # two clean steps in a row: grown
+    resumed = make_trainer(cfg, CPU)
+    resumed.precision = Precision(None, CPU.device, DynamicLossScaler(scale=1.0))
+    assert load_checkpoint(resumed.folder.path, {"trainer": resumed}) and resumed.precision.loss_scale == 2.0**15
+
+
+def test_a_one_process_pipe_runs_its_partitions_under_the_callers_autocast() -> None:
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    x = torch.randn(6, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = seq(x)
+        pipe = Pipe(seq, split_size=2, balance=[2, 1])
+        out = pipe(x)
+    assert out.dtype == torch.bfloat16  # the last partition ran in a worker thread, under autocast
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in seq.parameters())
+    pipe.close()
+
+
+def _parallel_worker(info: RankInfo, runs: Path) -> None:
+    for name, overrides in PARALLEL_CASES:
+        trainer = make_trainer(make_config([*TEXT, *overrides], runs, name), info)
+        record = {"losses": train_steps(trainer, STEPS), "val": trainer.evaluate(), "params": named_params(trainer)}
+        torch.save(record, runs / f"{name}.rank{info.rank}.pt")
+    # A loss scale through the pipeline engine (with bf16: fp16 needs a GPU): the same gradient norm as without
+    # one; then an overflow on the last stage only skips the step on both stages.
+    cfg = make_config([*TEXT, *dict(PARALLEL_CASES)["bf16-pp2"]], runs, "scaled")
+    plain, scaled = make_trainer(updated(cfg, {"log.run_id": "plain"}), info), make_trainer(cfg, info)
+    scaled.precision = Precision(torch.bfloat16, info.device, DynamicLossScaler())
+    batch = next(plain.batches(0, 0))
+    norms = [plain.train_step(batch)[1], scaled.train_step(batch)[1]]
+    scaled.step += 1
+    before = named_params(scaled)
+    if info.rank == 1:
+        _poison(next(p for n, p in scaled.net.named_parameters() if ".blocks." in n), lambda: True)
+    scaled.train_step(next(scaled.batches(0, 1)))
+    unchanged = all(torch.equal(p, before[n]) for n, p in named_params(scaled).items())
+    torch.save({"norms": norms, "skipped": scaled.precision.skipped, "unchanged": unchanged,
+                "scale": scaled.precision.loss_scale}, runs / f"scaled.rank{info.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    runs = tmp_path_factory.mktemp("precision")
+    spawn_local(_parallel_worker, 2, runs, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+    return runs
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PARALLEL_CASES])
+@pytest.mark.slow
+def test_bf16_on_two_ranks_trains_like_one_bf16_process(parallel_runs: Path, name: str) -> None:
+    overrides = [*TEXT, *dict(PARALLEL_CASES)[name]]
+    ranks = [torch.load(parallel_runs / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
+    ref = reference_run(make_config(overrides, parallel_runs, name))
+    fp32 = reference_run(make_config([*overrides, "train.precision=fp32"], parallel_runs, f"{name}-fp32"))
+    # Replicas each report their shard's loss (their mean is the batch's); pipeline stages all report the batch's.
+    losses = [sum(step) / 2 for step in zip(*(r["losses"] for r in ranks), strict=True)]
+    assert losses == pytest.approx(ref["losses"], abs=PARALLEL_LOSS_TOL)
+    assert losses != fp32["losses"]  # the ranks ran under autocast
+    assert ranks[0]["val"] == pytest.approx(ref["val"], abs=PARALLEL_LOSS_TOL)
+    params = {**ranks[1]["params"], **ranks[0]["params"]}  # a pipeline: each rank holds its stages
+    assert set(params) - set(TIED) == set(ref["params"])
+    diff = torch.cat([(value - ref["params"][TIED.get(p, p)]).flatten() for p, value in params.items()])
+    assert diff.abs().mean() < PARALLEL_PARAM_TOL
+
+
+@pytest.mark.slow
+def test_the_loss_scale_reaches_the_pipeline_engine_and_an_overflow_on_one_stage_skips_every_stage(
+        parallel_runs: Path) -> None:
+    ranks = [torch.load(parallel_runs / f"scaled.rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank in ranks:
+        plain, scaled = rank["norms"]
+        assert scaled == pytest.approx(plain, rel=1e-3)  # scaled by 2**16 in backward, unscaled before clipping
+        assert rank["skipped"] and rank["unchanged"] and rank["scale"] == 2.0**15
+
+
+def test_each_step_sets_its_own_tf32_flags_so_trainers_of_two_precisions_can_share_a_process() -> None:
+    tf32, fp32 = Precision(None, CPU.device, tf32=True), Precision(None, CPU.device)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        tf32.set_matmul_precision()
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        fp32.set_matmul_precision()
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
