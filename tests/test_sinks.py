@@ -17,7 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2
 
 from gptpar.run.logfile import read_rank_log
-from gptpar.train.trainer import Trainer, run_rank
+from gptpar.train.entry import run_rank
+from gptpar.train.trainer import Trainer
 
 RUN = ["model.n_layer=2", "data.synthetic_tokens=4000", "train.max_steps=4", "train.eval_every=2",
        "log.progress=none"]
