@@ -16,7 +16,6 @@ from typing import NoReturn
 from gptpar import __version__
 from gptpar.config import reference_markdown, split_config_args, to_yaml_with_origins
 from gptpar.errors import GptparError
-from gptpar.parallel.grid import world_size
 
 CONFIG_ARGS = "[CONFIG.yaml] [section.key=value ...]"
 
@@ -41,7 +40,7 @@ def _resolved(words: list[str], user: bool = True):
 
 def _train_here(cfg) -> int:
     """Train as this process's rank; the exit code says whether the run ended as it should."""
-    from gptpar.train.trainer import run_rank
+    from gptpar.train.entry import run_rank
 
     return 0 if run_rank(cfg)["status"] in ("completed", "diverged", "requeued") else 1
 
@@ -58,40 +57,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gptpar.train.preemption import install_preemption_handler
 
     install_preemption_handler()  # before torch is imported: a job's USR2 may come early
+    from gptpar.launch.train_command import train_here_or_start_ranks, users_own_command
     from gptpar.parallel.env import layout_from_env
 
     layout = layout_from_env(os.environ)
     if args.dump_grads is not None:
         args.words = [*args.words, f"train.dump_grads={args.dump_grads}"]
-    # One rank of a job that srun/torchrun/gptpar started trains here, on its config file alone; but a one-task
-    # SLURM step (an interactive `srun --pty bash`, or `srun -n1 gptpar train`) is the user's own command: it
-    # resolves the config as a submitter does and, asked for several ranks, starts them on this node.
-    user_step = layout.launcher == "single" or (layout.launcher == "slurm" and layout.world_size == 1)
-    cfg = _config(args, user=user_step)
-    one_task_step = user_step and layout.launcher == "slurm" and world_size(cfg) > 1
-    if layout.launcher != "single" and not one_task_step:
-        return _train_here(cfg)
-    from gptpar.launch.backend import scheduler_state
-    from gptpar.launch.plan import plan_run
-    from gptpar.launch.status import completion
-
-    # No launcher: this process is the submitter. --start-over sets an existing folder aside first.
-    point = plan_run(cfg, start_over=args.start_over, job_state=scheduler_state)
-    ranks = world_size(point.cfg)
-    if ranks == 1:
-        if cfg.log.progress != "none":
-            print(f"gptpar: training in this process: {point.folder.path}", flush=True)
-        code = _train_here(point.cfg)
-        if code == 0 and cfg.log.progress != "none":
-            print(completion(point.folder)[1], flush=True)
-        return code
-    from gptpar.launch.local import run_ranks
-
-    print(f"gptpar: {ranks} ranks as local processes on this machine: {point.folder.path}", flush=True)
-    run_ranks(point, ranks)
-    state, line = completion(point.folder)
-    print(line, flush=True)
-    return 0 if state in ("completed", "diverged", "pending") else 1
+    cfg = _config(args, user=users_own_command(layout))
+    return train_here_or_start_ranks(cfg, layout, args.start_over, _train_here)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -163,10 +136,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     import time
 
     from gptpar.launch.backend import scheduler_state
-    from gptpar.launch.plan import LIVE_JOB_STATES
     from gptpar.run.folder import RunFolder
     from gptpar.run.logfile import format_record, read_new_records
-    from gptpar.run.state import read_run
+    from gptpar.run.state import LIVE_JOB_STATES, read_run
 
     folder = RunFolder(_run_path(args))
     files = sorted(p for p in folder.job_dir.glob("*") if p.suffix in (".out", ".err") and p.stat().st_size)

@@ -18,10 +18,11 @@ from typing import Protocol
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.local import LocalBackend
-from gptpar.launch.plan import LIVE_JOB_STATES, Point
+from gptpar.launch.plan import Point
 from gptpar.launch.profiles import JobSpec
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, read_rank_log
+from gptpar.run.state import LIVE_JOB_STATES
 
 
 class Backend(Protocol):

@@ -1,15 +1,15 @@
 """The submit side's resolution of a config, done once before anything runs: the job's shape from the
-rank grid, the run folder (id, absolute runs folder, config.yaml written once) and the tokenizer.
+rank grid, absolute file paths and the tokenizer; the run is named and its config.yaml written by
+gptpar.run.start.
 
-`gptpar submit`, `gptpar sweep` and a `gptpar train` that starts its own ranks all come through
-`plan_run`; the ranks then only check it against what the launcher started (gptpar.parallel.grid.launched_config).
+`gptpar submit`, `gptpar sweep` and a `gptpar train` that starts its own ranks (or trains in this process)
+all come through `plan_run`; the ranks then only check it against what the launcher started
+(gptpar.parallel.grid.launched_config) and claim its folder (gptpar.run.claim).
 """
 
 from __future__ import annotations
 
-import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +17,8 @@ from gptpar.config import Config, ConfigError, updated
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
 from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
-from gptpar.run.folder import RunFolder, in_use, run_folder
-from gptpar.run.names import derived_run_id, replaced_name
+from gptpar.run.folder import RunFolder
+from gptpar.run.start import JobState, named_run, write_folder
 
 KINDS = ("dp", "pp")
 FILE_SOURCES = ("text", "jsonl", "tsv")  # data.source kinds that name local files
@@ -89,10 +89,6 @@ def job_shape(cfg: Config) -> Shape:
     return Shape(launch.nodes, per_node, gpus)
 
 
-JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
-LIVE_JOB_STATES = ("pending", "running")
-
-
 def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve()) if path else ""
 
@@ -110,68 +106,18 @@ def absolute_paths(cfg: Config) -> dict[str, str]:
 def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None = None, run_id: str = "",
              write: bool = True, start_over: bool = False, job_state: JobState | None = None) -> Point:
     """Resolve the submit side: job kind, absolute runs folder, run id (explicit, or derived once
-    here), concrete tokenizer; then write config.yaml (unless `write` is False, as for --dry-run).
-    A folder that is live or holds a different config is refused; `start_over` sets a folder that
-    is not live aside first (see write_point)."""
+    by gptpar.run.start.named_run), concrete tokenizer; then write config.yaml (unless `write` is False,
+    as for --dry-run). A folder that is live or holds a different config is refused; `start_over` sets a
+    folder that is not live aside first (see gptpar.run.start.write_folder)."""
     if kind is not None:
         cfg = shaped(cfg, kind)
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
-    name = run_id or cfg.log.run_id or derived_run_id(cfg.log.name)
-    folder = run_folder(root, name, "log.run_id" if not run_id else "sweep point")
-    cfg = updated(cfg, {"log.runs_dir": str(root), "log.run_id": folder.name, **absolute_paths(cfg),
+    cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point")
+    cfg = updated(cfg, {"log.runs_dir": str(root), **absolute_paths(cfg),
                         "data.tokenizer": resolve_tokenizer_choice(cfg.data)})
-    point = Point(cfg, folder)
     if write:
-        write_point(point, start_over, job_state)
-    return point
-
-
-def write_point(point: Point, start_over: bool = False, job_state: JobState | None = None,
-                again: str = "pass --start-over to set the old folder aside and start over") -> None:
-    """Write a planned point's config.yaml. A live folder is refused naming its holder; a folder that
-    holds a different config is refused with what changed (`again` says how to start over), unless
-    `start_over`, which first moves any existing folder aside (set_aside)."""
-    folder = point.folder
-    holder = folder.holder()
-    if holder is not None:
-        raise GptparError(in_use(folder.path, holder))
-    if start_over and folder.path.is_dir() and any(folder.path.iterdir()):
-        set_aside(folder, job_state)
-    make_folder(folder.path)
-    folder.write_config(point.cfg, again)
-
-
-def make_folder(path: Path) -> None:
-    """Create a run (or sweep) folder; an unwritable runs folder is one line naming it."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
-        raise GptparError(f"cannot create run folder {path}: {exc.strerror or exc}{where}; "
-                          "check log.runs_dir (or --runs-dir)") from None
-
-
-def set_aside(folder: RunFolder, job_state: JobState | None = None) -> Path:
-    """Start a run folder over: move it to `<folder>.replaced-<time>` (never deleted: an edit made by
-    mistake can be undone by renaming it back, and a rename cannot be cut off half-way). A folder
-    whose run is live (its lock is held) or whose job is pending or running is refused."""
-    state = job_state(folder) if job_state is not None else None
-    if state in LIVE_JOB_STATES:
-        job = folder.read_job_record().get("job_id", "?")
-        raise GptparError(f"run folder {folder.path} has a {state} job ({job}); wait for it to end or cancel it "
-                          "before starting over")
-    target = folder.path.with_name(replaced_name(folder.name))
-    for n in range(1, 1000):
-        if not target.exists():
-            break
-        target = folder.path.with_name(f"{replaced_name(folder.name)}.{n}")
-    with folder.hold():  # refuses a live folder, naming its holder; the lock moves with the folder
-        try:
-            os.rename(folder.path, target)
-        except OSError as exc:
-            raise GptparError(f"cannot set run folder {folder.path} aside as {target.name}: "
-                              f"{exc.strerror or exc}") from None
-    return target
+        write_folder(folder, cfg, start_over, job_state)
+    return Point(cfg, folder)
 
 
 def rank_command(cfg: Config) -> list[str]:

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptpar.launch.backend import job_of, job_state
-from gptpar.launch.plan import LIVE_JOB_STATES
 from gptpar.run.folder import RunFolder, find_runs
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
-from gptpar.run.state import STATES, RunLog, last_step, read_run, replica_indices
+from gptpar.run.state import LIVE_JOB_STATES, STATES, RunLog, last_step, read_run, replica_indices
 
 COLUMNS = ("STATE", "RUN", "JOB", "ELAPSED", "STEP", "LOSS", "TOK/S", "NODES", "RESTARTS")
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from gptpar.config import Config
 from gptpar.launch.backend import Backend, choose_backend
-from gptpar.launch.plan import Point, plan_run, write_point
+from gptpar.launch.plan import Point, plan_run
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
+from gptpar.run.start import write_folder
 from gptpar.run.state import read_run
 
 
@@ -20,7 +21,7 @@ def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
         print(render_script([point], spec, point.folder.name, point.folder.job_dir), end="")
         return 0
     backend = choose_backend(point.cfg.launch.cluster, point.cfg.launch.profile)
-    write_point(point, again="move the old folder away to start over")
+    write_folder(point.folder, point.cfg, again="move the old folder away to start over")
     print(f"{kind} run {point.folder.path}: {spec.nodes * spec.tasks_per_node} rank(s) on {backend.where}",
           flush=True)
     (job_id,) = backend.submit([point], spec, point.folder.name, point.folder.job_dir)

@@ -24,13 +24,14 @@ from typing import Any
 from gptpar.config import ConfigError, config_layers, overrides_tree, parse_override, read_yaml, resolve_layers
 from gptpar.errors import GptparError
 from gptpar.launch.backend import choose_backend, scheduler_state
-from gptpar.launch.plan import LIVE_JOB_STATES, Point, make_folder, plan_run, set_aside, shaped, write_point
+from gptpar.launch.plan import Point, plan_run, shaped
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.submit import report_started
 from gptpar.run.folder import completed, config_diff
 from gptpar.run.names import point_name, short_hash, slug
-from gptpar.run.state import read_run
+from gptpar.run.start import make_folder, set_aside, write_folder
+from gptpar.run.state import LIVE_JOB_STATES, read_run
 from gptpar.run.sweeps import write_sweep_record
 from gptpar.user_defaults import user_layers
 
@@ -200,7 +201,7 @@ def prepare(path: Path, name: str, kind: str, points: Sequence[Point], overrides
         print(f"sweep {name}: {point.folder.name}: old results set aside as {moved.name}", flush=True)
     for point in points:
         if point.folder.read_config() is None:
-            write_point(point, again="add --rerun to start it over")
+            write_folder(point.folder, point.cfg, again="add --rerun to start it over")
 
 
 def _live(point: Point) -> str:

@@ -1,5 +1,6 @@
 """The only code that knows a run folder: names, paths, the config written once, the lock of a live run,
-the per-rank JSONL format (writer and reader), and a run's state.
+making a folder and setting one aside (start.py), a rank's claim on it (claim.py), the per-rank JSONL
+format (writer and reader), and a run's state.
 
 Layout of a run folder, the same on every cluster:
     config.yaml        the resolved config, written once at submission (or at `gptpar train` start)

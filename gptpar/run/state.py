@@ -30,6 +30,8 @@ from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 STATES = ("pending", "running", "completed", "diverged", "requeued", "stopped", "failed", "timeout", "oom",
           "corrupt")
 SCHEDULER_STATES = ("pending", "running", "completed", "failed", "timeout", "oom")
+LIVE_JOB_STATES = ("pending", "running")  # a job in these states must not have its folder touched
+FINISHED = ("completed", "diverged")  # states in which a start trains nothing
 REQUEUE_GRACE_S = 60.0  # a "requeued" final record precedes the scheduler showing the job pending
 # A final error saying that a rank lost contact with its peers: the consequence of another rank's death or hang.
 PEER_LOST = re.compile(r"gloo|nccl|connection (?:reset|closed|refused)|broken pipe|timed out waiting|"

@@ -3,15 +3,14 @@
 Data parallelism enters through the data shard (the grid's dp coordinate) and the gradient sync
 (the grid's dp group), one-process model/pipeline parallelism through the module that maps token ids
 to logits, and the multi-process pipeline (parallel.pp > 1) through its engine, which runs a step's
-forwards and backwards on this rank's stages; the loop itself does not change. `run_rank` is the entry
-point of a rank: it joins the process group once, claims the run folder, trains, and leaves the group once.
+forwards and backwards on this rank's stages; the loop itself does not change. A rank's life around the
+loop (process group, run folder, final record) is gptpar.train.entry's.
 data.task=translation runs under every layout: its masked loss is token-weighted over the whole step (micro-batches,
 pipeline chunks, replicas), and its BLEU is decoded wherever the layout lets a forward run (see `translate`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -24,7 +23,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 from transformers import GPT2LMHeadModel
 
-from gptpar.config import Config, example_width, updated
+from gptpar.config import Config, example_width
 from gptpar.data import partition_dataset
 from gptpar.data.training import load_training_data
 from gptpar.data.translation import PairDataset, target_tokens
@@ -32,32 +31,25 @@ from gptpar.errors import GptparError
 from gptpar.model import build_model, count_params
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.grid import grid_sizes, launched_config
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
 from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
-from gptpar.parallel.process_group import RankInfo, destroy_distributed, init_distributed
 from gptpar.parallel.tensor_parallel.state import counts_in_norm, whole
-from gptpar.run.folder import RunFolder, run_folder
-from gptpar.run.logfile import RankLogger, segments
-from gptpar.run.names import derived_run_id
-from gptpar.run.records import FinalRecord, HeaderRecord, StepRecord
-from gptpar.run.sinks import open_sinks
-from gptpar.run.state import read_run, resume_hint
+from gptpar.run.folder import RunFolder
+from gptpar.run.logfile import RankLogger
+from gptpar.run.records import StepRecord
 from gptpar.train.bleu import corpus_bleu, decode_split, require_sacrebleu
-from gptpar.train.checkpoint import load_checkpoint, load_model_state, model_state
+from gptpar.train.checkpoint import load_model_state, model_state
 from gptpar.train.components import Checkpointing, Evaluation, Metrics
 from gptpar.train.grad_dump import dump_gradients
 from gptpar.train.memory import state_bytes
 from gptpar.train.optim import clip_gradients, learning_rate, make_optimizer
 from gptpar.train.parallelize import parallelize
 from gptpar.train.precision import Precision
-from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
+from gptpar.train.preemption import stop_request
 from gptpar.train.profiling import StepProfiler
 from gptpar.train.progress import Progress, peak_memory_bytes
-from gptpar.train.provenance import header_fields, job_id
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-FINISHED = ("completed", "diverged")  # states in which a start trains nothing
 
 
 class Trainer:
@@ -387,95 +379,3 @@ class Trainer:
             profiler.close()  # a run stopped inside the profiled steps keeps what was recorded
         return status, loss
 
-
-def claim_run_folder(cfg: Config, info: RankInfo, stack: contextlib.ExitStack) -> tuple[Config, RunFolder, str]:
-    """Rank 0 names the run (when the config does not), writes config.yaml if there is none yet, reads
-    the run's state and, unless it is finished, takes the folder's lock (held until `stack` closes).
-    Every rank learns the outcome, so none writes into a folder that rank 0 refused.
-    Returns the config with its run id, the folder, and the run's state before this start."""
-    answer: list[Any] = [None, None, None]
-    if info.rank == 0:
-        try:
-            named = updated(cfg, {"log.run_id": cfg.log.run_id or derived_run_id(cfg.log.name)})
-            folder = run_folder(named.log.runs_dir, named.log.run_id)
-            folder.write_config(named)
-            state = read_run(folder).state if folder.rank_logs() else "new"
-            if state not in FINISHED:
-                stack.enter_context(folder.hold(job_id()))
-            answer = [named.log.run_id, state, None]
-        except GptparError as exc:
-            answer = [None, None, str(exc)]
-    if info.world_size > 1:
-        dist.broadcast_object_list(answer, src=0)
-    run_id, state, error = answer
-    if error is not None:
-        raise GptparError(error if info.rank == 0 else f"rank 0 refused the run folder: {error}")
-    named = updated(cfg, {"log.run_id": run_id})
-    return named, run_folder(named.log.runs_dir, run_id), state
-
-
-def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict[str, Any]:
-    log = RankLogger(folder.path, dims.rank)
-    restart = segments(log.path)
-    trainer = None
-    try:
-        log.mirror = open_sinks(cfg.log, dims.rank, folder.path)  # closed by log.close()
-        trainer = Trainer(cfg, dims, folder, log)
-        load_checkpoint(folder.path, {"trainer": trainer})
-        log.write(HeaderRecord(**header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
-                               vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
-                               total_steps=trainer.total_steps))
-        status, loss = trainer.run()
-        request = stop_request() if status != "completed" else None  # this rank's own signal, if any
-        log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),
-                              signal=request[1] if request else None))
-    except BaseException as exc:
-        if trainer is None:  # set-up failed: the segment still says who failed and why
-            log.write(HeaderRecord(**header_fields(cfg, dims, restart)))
-        log.write(FinalRecord(status="failed", step=trainer.step if trainer else 0,
-                              error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500]))
-        raise
-    finally:
-        log.close()
-    if status == "requeued" and can_requeue():
-        if dims.world_size > 1:
-            dist.barrier()  # every rank's final record is on disk before SLURM kills the job
-        if dims.rank == 0:
-            requeue_current_job()
-    elif status != "completed":  # stopped, or a requeue asked for where no scheduler restarts the run
-        status = "stopped"
-        if dims.rank == 0 and dims.launcher != "local":  # the local launcher says it for its ranks
-            launcher = dims.launcher if not can_requeue() else "slurm"
-            print(f"gptpar: run {folder.path} stopped at step {trainer.step}{_by(stop_request())}; "
-                  f"{resume_hint(folder, launcher)}", flush=True)
-    return {"status": status, "step": trainer.step, "loss": loss, "run_dir": str(folder.path)}
-
-
-def _by(request: tuple[str, str] | None) -> str:
-    if request is None:
-        return " (asked for on another rank)"
-    why = " (a requeue request, but no scheduler restarts a run outside SLURM)" if request[0] == "requeued" else ""
-    return f" by {request[1]}{why}"
-
-
-def run_rank(cfg: Config) -> dict[str, Any]:
-    """Train as one rank of the job the environment describes (a single process when it describes none)."""
-    with stop_signals():
-        return _run_rank(cfg)
-
-
-def _run_rank(cfg: Config) -> dict[str, Any]:
-    info = init_distributed(cfg.parallel)
-    try:
-        launched = launched_config(cfg, info.world_size)  # checked before the folder is touched
-        dims = ParallelDims.build(info, grid_sizes(launched))
-        with contextlib.ExitStack() as stack:
-            submitted, folder, state = claim_run_folder(cfg, info, stack)  # config.yaml: as submitted
-            cfg = updated(launched, {"log.run_id": submitted.log.run_id})
-            if state in FINISHED:
-                if info.rank == 0:
-                    print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)
-                return {"status": state, "run_dir": str(folder.path)}
-            return _train_in_folder(cfg, dims, folder)
-    finally:
-        destroy_distributed()

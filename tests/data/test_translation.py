@@ -35,8 +35,8 @@ from gptpar.parallel.spawn import spawn_local
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import format_record, read_rank_log
 from gptpar.train.bleu import corpus_bleu, greedy_decode, require_sacrebleu
+from gptpar.train.entry import run_rank
 from gptpar.train.provenance import header_fields
-from gptpar.train.trainer import run_rank
 
 DE = "hund katze haus baum auto buch tisch stuhl apfel brot wasser milch vogel fisch blume stadt".split()
 EN = "dog cat house tree car book table chair apple bread water milk bird fish flower city".split()

@@ -86,12 +86,12 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> Recorder:
 
 @pytest.fixture
 def no_trainer(monkeypatch: pytest.MonkeyPatch):
-    """`gptpar train` in-process without torch: the trainer module is a stand-in that records its calls,
+    """`gptpar train` in-process without torch: the rank entry module is a stand-in that records its calls,
     and the signal handlers the CLI installs are put back afterwards."""
     calls: list = []
-    fake = types.ModuleType("gptpar.train.trainer")
+    fake = types.ModuleType("gptpar.train.entry")
     fake.run_rank = lambda cfg: calls.append(cfg) or {"status": "completed"}
-    monkeypatch.setitem(sys.modules, "gptpar.train.trainer", fake)
+    monkeypatch.setitem(sys.modules, "gptpar.train.entry", fake)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
     yield calls
     for sig, handler in saved.items():

@@ -27,7 +27,7 @@ from gptpar.run.records import (
     parse,
     validate_record,
 )
-from gptpar.train.trainer import run_rank
+from gptpar.train.entry import run_rank
 
 READERS = sorted([*(REPO / "analysis").glob("*.py"), *(REPO / "gptpar" / "run").glob("*.py"),
                   REPO / "gptpar" / "launch" / "status.py"])

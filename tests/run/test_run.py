@@ -108,7 +108,7 @@ def test_a_live_folder_is_refused_naming_its_holder(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_run_that_fails_before_its_first_record_is_failed_with_its_error(tmp_path: Path) -> None:
-    from gptpar.train.trainer import run_rank
+    from gptpar.train.entry import run_rank
 
     cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=nodata", "data.source=text:/no/such.txt",
                              "data.tokenizer=bytes", "log.progress=none"])

@@ -17,7 +17,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2
 
 from gptpar.run.logfile import read_rank_log
-from gptpar.train.trainer import Trainer, run_rank
+from gptpar.train.entry import run_rank
+from gptpar.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

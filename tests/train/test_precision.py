@@ -27,10 +27,10 @@ from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 from gptpar.run.logfile import RankLog, rank_log_path, read_rank_log
 from gptpar.train.checkpoint import load_checkpoint
+from gptpar.train.entry import run_rank
 from gptpar.train.optim import learning_rate
 from gptpar.train.precision import DynamicLossScaler, Precision
 from gptpar.train.provenance import header_fields
-from gptpar.train.trainer import run_rank
 
 TEXT = ["data.source=stdlib", "data.tokenizer=bytes", "data.max_chars=40000", "train.eval_every=0",
         "log.progress=none"]

@@ -13,8 +13,8 @@ import yaml
 from gptpar.config import TrainConfig, config_from_dict, load_config
 from gptpar.run.logfile import validate_record
 from gptpar.run.records import RECORDS
+from gptpar.train.entry import run_rank as train
 from gptpar.train.optim import learning_rate
-from gptpar.train.trainer import run_rank as train
 
 TINY = ["model.n_layer=2", "data.seq_len=32", "data.tokenizer=bytes", "train.warmup_steps=2",
         "log.progress=none"]

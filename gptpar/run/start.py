@@ -1,0 +1,73 @@
+"""Starting a run in its folder: the run named (once), the folder made, its config.yaml written, and an
+old folder set aside to start over. The submit side (gptpar.launch.plan) does all of it before any rank
+starts; a rank started without a submit side only names its run here too (gptpar.run.claim)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from gptpar.config import Config, updated
+from gptpar.errors import GptparError
+from gptpar.run.folder import RunFolder, in_use, run_folder
+from gptpar.run.names import derived_run_id, replaced_name
+from gptpar.run.state import LIVE_JOB_STATES
+
+JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
+
+
+def named_run(cfg: Config, run_id: str = "", runs_dir: str | Path | None = None,
+              key: str = "log.run_id") -> tuple[Config, RunFolder]:
+    """A run's config with its id, and its folder under `runs_dir` (by default log.runs_dir). The id is
+    `run_id` (a sweep point's, or the one rank 0 chose), else log.run_id, else derived here: the one place a
+    run is named, so a run id is derived once per run. `key` names the id's origin in a refusal."""
+    folder = run_folder(runs_dir or cfg.log.runs_dir, run_id or cfg.log.run_id or derived_run_id(cfg.log.name), key)
+    return updated(cfg, {"log.run_id": folder.name}), folder
+
+
+def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
+                 again: str = "pass --start-over to set the old folder aside and start over") -> None:
+    """Make a run's folder and write its config.yaml. A live folder is refused naming its holder; a folder that
+    holds a different config is refused with what changed (`again` says how to start over), unless
+    `start_over`, which first moves any existing folder aside (set_aside)."""
+    holder = folder.holder()
+    if holder is not None:
+        raise GptparError(in_use(folder.path, holder))
+    if start_over and folder.path.is_dir() and any(folder.path.iterdir()):
+        set_aside(folder, job_state)
+    make_folder(folder.path)
+    folder.write_config(cfg, again)
+
+
+def make_folder(path: Path) -> None:
+    """Create a run (or sweep) folder; an unwritable runs folder is one line naming it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise GptparError(f"cannot create run folder {path}: {exc.strerror or exc}{where}; "
+                          "check log.runs_dir (or --runs-dir)") from None
+
+
+def set_aside(folder: RunFolder, job_state: JobState | None = None) -> Path:
+    """Start a run folder over: move it to `<folder>.replaced-<time>` (never deleted: an edit made by
+    mistake can be undone by renaming it back, and a rename cannot be cut off half-way). A folder
+    whose run is live (its lock is held) or whose job is pending or running is refused."""
+    state = job_state(folder) if job_state is not None else None
+    if state in LIVE_JOB_STATES:
+        job = folder.read_job_record().get("job_id", "?")
+        raise GptparError(f"run folder {folder.path} has a {state} job ({job}); wait for it to end or cancel it "
+                          "before starting over")
+    target = folder.path.with_name(replaced_name(folder.name))
+    for n in range(1, 1000):
+        if not target.exists():
+            break
+        target = folder.path.with_name(f"{replaced_name(folder.name)}.{n}")
+    with folder.hold():  # refuses a live folder, naming its holder; the lock moves with the folder
+        try:
+            os.rename(folder.path, target)
+        except OSError as exc:
+            raise GptparError(f"cannot set run folder {folder.path} aside as {target.name}: "
+                              f"{exc.strerror or exc}") from None
+    return target

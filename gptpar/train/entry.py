@@ -1,0 +1,99 @@
+"""What a rank does from start to exit: join the process group, check its config against the ranks the
+launcher started, claim the run folder, train, write the final record, then ask SLURM to requeue the job
+or say the run stopped, and leave the group. The config arrives resolved (gptpar.launch.plan wrote it),
+so a rank only checks it (gptpar.parallel.grid.launched_config) and claims its folder (gptpar.run.claim,
+which names the run only for ranks started on a config file with no run id).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch.distributed as dist
+
+from gptpar.config import Config
+from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.grid import grid_sizes, launched_config
+from gptpar.parallel.process_group import destroy_distributed, init_distributed
+from gptpar.run.claim import claim_run_folder
+from gptpar.run.folder import RunFolder
+from gptpar.run.logfile import RankLogger, segments
+from gptpar.run.records import FinalRecord, HeaderRecord
+from gptpar.run.sinks import open_sinks
+from gptpar.run.start import named_run
+from gptpar.run.state import FINISHED, resume_hint
+from gptpar.train.checkpoint import load_checkpoint
+from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
+from gptpar.train.provenance import header_fields, job_id
+from gptpar.train.trainer import Trainer
+
+
+def run_rank(cfg: Config) -> dict[str, Any]:
+    """Train as one rank of the job the environment describes (a single process when it describes none)."""
+    with stop_signals():
+        return _run_rank(cfg)
+
+
+def _run_rank(cfg: Config) -> dict[str, Any]:
+    info = init_distributed(cfg.parallel)
+    try:
+        launched = launched_config(cfg, info.world_size)  # checked before the folder is touched
+        dims = ParallelDims.build(info, grid_sizes(launched))
+        with contextlib.ExitStack() as stack:
+            folder, state = claim_run_folder(cfg, info, _from_rank_zero, stack, job_id())  # config.yaml: as submitted
+            if state in FINISHED:
+                if info.rank == 0:
+                    print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)
+                return {"status": state, "run_dir": str(folder.path)}
+            return _train_in_folder(named_run(launched, folder.name)[0], dims, folder)
+    finally:
+        destroy_distributed()
+
+
+def _from_rank_zero(answer: list[Any]) -> None:
+    dist.broadcast_object_list(answer, src=0)
+
+
+def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict[str, Any]:
+    log = RankLogger(folder.path, dims.rank)
+    restart = segments(log.path)
+    trainer = None
+    try:
+        log.mirror = open_sinks(cfg.log, dims.rank, folder.path)  # closed by log.close()
+        trainer = Trainer(cfg, dims, folder, log)
+        load_checkpoint(folder.path, {"trainer": trainer})
+        log.write(HeaderRecord(**header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
+                               vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
+                               total_steps=trainer.total_steps))
+        status, loss = trainer.run()
+        request = stop_request() if status != "completed" else None  # this rank's own signal, if any
+        log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),
+                              signal=request[1] if request else None))
+    except BaseException as exc:
+        if trainer is None:  # set-up failed: the segment still says who failed and why
+            log.write(HeaderRecord(**header_fields(cfg, dims, restart)))
+        log.write(FinalRecord(status="failed", step=trainer.step if trainer else 0,
+                              error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500]))
+        raise
+    finally:
+        log.close()
+    if status == "requeued" and can_requeue():
+        if dims.world_size > 1:
+            dist.barrier()  # every rank's final record is on disk before SLURM kills the job
+        if dims.rank == 0:
+            requeue_current_job()
+    elif status != "completed":  # stopped, or a requeue asked for where no scheduler restarts the run
+        status = "stopped"
+        if dims.rank == 0 and dims.launcher != "local":  # the local launcher says it for its ranks
+            launcher = dims.launcher if not can_requeue() else "slurm"
+            print(f"gptpar: run {folder.path} stopped at step {trainer.step}{_by(stop_request())}; "
+                  f"{resume_hint(folder, launcher)}", flush=True)
+    return {"status": status, "step": trainer.step, "loss": loss, "run_dir": str(folder.path)}
+
+
+def _by(request: tuple[str, str] | None) -> str:
+    if request is None:
+        return " (asked for on another rank)"
+    why = " (a requeue request, but no scheduler restarts a run outside SLURM)" if request[0] == "requeued" else ""
+    return f" by {request[1]}{why}"
