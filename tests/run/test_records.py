@@ -49,6 +49,7 @@ OTHER_DICTS = {
     "gptpar/run/folder.py": {"job_id", "pid", "flock", "heartbeat"},  # the run lock's JSON
     "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
     "gptpar/run/records.py": FIELD_METADATA,
+    "gptpar/run/start.py": {"job_id"},  # the job record of a folder set aside
     "gptpar/run/state.py": GRID | {"job_id", "pid", "MemoryError", "out of memory", "oom-kill"},  # error texts too
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
 }
