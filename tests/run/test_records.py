@@ -121,11 +121,13 @@ def assert_declared(records: list[dict], kinds: set[str]) -> None:
     assert {r["kind"] for r in records} == kinds
 
 
+@pytest.mark.slow
 def test_every_record_a_single_rank_run_writes_is_declared(tmp_path: Path) -> None:
     result = run_rank(load_config(None, [*TINY, f"log.runs_dir={tmp_path}", "log.run_id=one"]))
     assert_declared(written(Path(result["run_dir"])), set(RECORDS))
 
 
+@pytest.mark.slow
 def test_the_records_of_a_failed_set_up_are_declared(tmp_path: Path) -> None:
     cfg = load_config(None, [*TINY, "data.source=text:/nonexistent.txt", f"log.runs_dir={tmp_path}",
                              "log.run_id=failed"])
