@@ -16,6 +16,8 @@ from typing import NoReturn
 from gptpar import __version__
 from gptpar.config import reference_markdown, split_config_args, to_yaml_with_origins
 from gptpar.errors import GptparError
+from gptpar.strategies.data_parallel import either
+from gptpar.strategies.schedules import SCHEDULES
 
 CONFIG_ARGS = "[CONFIG.yaml] [section.key=value ...]"
 
@@ -378,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
              "  gptpar schedule show interleaved_1f1b --pp 4 --chunks 8 --virtual 2 --out interleaved.png\n"
              "  gptpar schedule show zb1p --pp 4 --chunks 8 --cost-b 1.5 --cost-w 0.5")
     p.add_argument("action", choices=("show",))
-    p.add_argument("name", metavar="SCHEDULE", help="gpipe, 1f1b, interleaved_1f1b or zb1p")
+    p.add_argument("name", metavar="SCHEDULE", help=either(list(SCHEDULES)))
     p.add_argument("--pp", type=_positive, default=4, help="pipeline ranks P (default: 4)")
     p.add_argument("--chunks", type=_positive, default=8, help="micro-batches per step m (default: 8)")
     p.add_argument("--virtual", type=_positive, default=1, help="stages per rank V, for interleaved_1f1b")
