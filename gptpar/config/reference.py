@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gptpar.config.schema import Config, _section_class
+from gptpar.config.schema import Config, section_class
 from gptpar.markdown import between_markers
 
 
@@ -13,7 +13,7 @@ def reference_markdown() -> str:
     """The README's config reference, generated so that it cannot go stale."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
     for section in dataclasses.fields(Config):
-        for f in dataclasses.fields(_section_class(section.name)):
+        for f in dataclasses.fields(section_class(section.name)):
             meta = f.metadata
             extra = f" One of: {', '.join(meta['choices'])}." if meta.get("choices") else ""
             default = f.default if f.default != "" else '""'

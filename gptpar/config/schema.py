@@ -214,6 +214,7 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
-def _section_class(name: str) -> type:
+def section_class(name: str) -> type:
+    """The dataclass of a config section by its name (the reference walks every section's fields)."""
     return typing.get_type_hints(Config)[name]
 
