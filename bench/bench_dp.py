@@ -1,11 +1,12 @@
 """Data-parallel benchmark: gradient-sync strategies side by side, all-reduce bandwidth, scaling.
 
 Everything is measured in one run on the same machine so the printed ratios compare like with like:
-- step time, tokens/s and communication wait of naive, bucketed and ddp on `--world` gloo ranks,
-  plus a `local` row (same ranks, no gradient sync) whose step time is the compute floor;
+- step time (each step's slowest rank), tokens/s and communication wait of naive, bucketed and ddp on `--world`
+  gloo ranks, plus a `local` row (same ranks, no gradient sync) whose step time is the compute floor;
   "exposed comm" = strategy step time - local step time (the communication backward did not hide);
 - all-reduce algorithm bandwidth (bytes / time) and bus bandwidth (algbw * 2(n-1)/n, as nccl-tests);
-- scaling efficiency: tokens/s of W ranks / (W * tokens/s of 1 process) at the same per-rank batch.
+- scaling efficiency: tokens/s of W ranks / (W * tokens/s of 1 process) at the same per-rank batch; the one
+  process runs on rank 0 while its peers wait, in the same round-robin as the modes.
 
 Run: .venv/bin/python bench/bench_dp.py   (see --help; `make bench-dp`)
 """
@@ -31,6 +32,7 @@ from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 
 MODES = ("local", "naive", "bucketed", "ddp")
+SINGLE = "one process"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,10 +56,10 @@ def make_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Namespace, n: int,
-                communicate: bool) -> list[tuple[float, float]]:
+                communicate: bool, together: bool = True) -> list[tuple[float, float]]:
     """(seconds, finish() wait) of each of n training steps after one warm-up step.
 
-    Ranks meet at a barrier before each step, so a step's time is that of the slowest rank and
+    Ranks running `together` meet at a barrier before each step, so every rank times the same step and
     background load on this shared machine spoils single steps rather than whole runs.
     """
     gen = torch.Generator().manual_seed(1)
@@ -65,7 +67,7 @@ def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Names
     x, y = tokens[:, :-1], tokens[:, 1:]
     samples = []
     for _ in range(n + 1):
-        if dist.is_initialized():
+        if together:
             dist.barrier()
         start, wait0 = time.perf_counter(), sync.comm_wait_s or 0.0
         with sync.accumulating(is_last_micro_step=communicate):
@@ -97,8 +99,16 @@ def allreduce_bandwidth(world: int, max_mb: int) -> list[dict[str, float]]:
     return rows
 
 
+def slowest_rank(samples: list[tuple[float, float]]) -> list[list[float]]:
+    """Each step's (seconds, wait) on the rank that took longest: a step ends when its last rank does."""
+    table = torch.tensor(samples, dtype=torch.float64)
+    dist.all_reduce(table, op=dist.ReduceOp.MAX)
+    return table.tolist()
+
+
 def rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
-    """All strategies live side by side; rounds rotate their order so load drift hits each alike."""
+    """All strategies and the one-process baseline live side by side; rounds rotate their order so load drift
+    hits each alike. The baseline runs on rank 0 alone while its peers wait at a barrier."""
     torch.set_num_threads(args.threads)
     runs = {}
     for mode in MODES:
@@ -106,27 +116,28 @@ def rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
         pcfg = ParallelConfig(dp=info.world_size, dp_sync="bucketed" if mode == "local" else mode,
                               bucket_mb=args.bucket_mb)
         runs[mode] = (make_grad_sync(model, pcfg, dist.group.WORLD), torch.optim.AdamW(model.parameters(), lr=1e-4))
-    samples: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    single = make_model(args)
+    runs[SINGLE] = (GradSync(single), torch.optim.AdamW(single.parameters(), lr=1e-4))
+    samples: dict[str, list[tuple[float, float]]] = {m: [] for m in runs}
+    order = [*MODES, SINGLE]
     for r in range(args.rounds):
-        for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
-            samples[mode] += timed_steps(*runs[mode], args, args.steps, communicate=mode != "local")
+        for mode in order[r % len(order):] + order[:r % len(order)]:
+            if mode == SINGLE:
+                if info.rank == 0:
+                    samples[mode] += timed_steps(*runs[mode], args, args.steps, communicate=True, together=False)
+                dist.barrier()
+            else:
+                samples[mode] += timed_steps(*runs[mode], args, args.steps, communicate=mode != "local")
+    slowest = {m: slowest_rank(samples[m]) for m in MODES}
     bandwidth = allreduce_bandwidth(info.world_size, args.max_mb)
     if info.rank == 0:
-        medians = {m: [statistics.median(column) for column in zip(*samples[m], strict=True)]
-                   for m in MODES}
-        out.write_text(json.dumps({"modes": medians, "bandwidth": bandwidth}))
+        medians = {m: [statistics.median(column) for column in zip(*slowest[m], strict=True)] for m in MODES}
+        single_s = statistics.median(step for step, _ in samples[SINGLE])
+        out.write_text(json.dumps({"modes": medians, "bandwidth": bandwidth, "single_step_s": single_s}))
 
 
-def single_process(args: argparse.Namespace) -> float:
-    torch.set_num_threads(args.threads)
-    model = make_model(args)
-    sync = GradSync(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    samples = [s for _ in range(args.rounds) for s in timed_steps(sync, opt, args, args.steps, True)]
-    return statistics.median(step for step, _ in samples)
-
-
-def report(args: argparse.Namespace, res: dict, single_s: float, n_params: int) -> dict:
+def report(args: argparse.Namespace, res: dict, n_params: int) -> dict:
+    single_s = res["single_step_s"]
     tokens = args.batch * args.seq
     modes = res["modes"]
     local = modes["local"][0]
@@ -152,7 +163,7 @@ def report(args: argparse.Namespace, res: dict, single_s: float, n_params: int) 
         tps = args.world * tokens / modes[mode][0]
         scaling[mode] = tps / (args.world * single_tps)
         print(f"  {mode:<9} {args.world} ranks: {tps:>7.0f} tok/s, efficiency {scaling[mode]:.2f}")
-    return {"single_step_s": single_s, "scaling_efficiency": scaling, **res}
+    return {"scaling_efficiency": scaling, **res}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,8 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         result_file = Path(tmp) / "rank0.json"
         spawn_local(rank_main, args.world, args, result_file, pcfg=pcfg)
         res = json.loads(result_file.read_text())
-    single_s = single_process(args)
-    full = report(args, res, single_s, count_params(make_model(args)))
+    full = report(args, res, count_params(make_model(args)))
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), **full}, indent=1))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")

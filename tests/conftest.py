@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated data cache per test session, and the shared corpus when present; and the guard
+"""Shared fixtures: an isolated data cache per test session, the shared corpus when present, the pool of gloo
+ranks the equality tests run on; and the guard
 that keeps `-m "not slow"` fast: a test not marked slow cannot start a process."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gloo_pool import GlooPools
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -46,6 +48,14 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
     with processes_refused():
         return (yield)
+
+
+@pytest.fixture(scope="session")
+def gloo_pool() -> Iterator[GlooPools]:
+    """The session's 2-, 4- and 8-rank gloo groups, each started on first use (see gloo_pool.py)."""
+    pools = GlooPools()
+    yield pools
+    pools.close()
 
 
 @pytest.fixture(scope="session")

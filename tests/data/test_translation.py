@@ -23,15 +23,15 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from gloo_pool import GlooPools
 from rank_training import STEPS, make_config, make_trainer, named_params, saved_ranks, train_steps
 
-from gptpar.config import ConfigError, DataConfig, ModelConfig, ParallelConfig, fixed_width, load_config, updated
+from gptpar.config import ConfigError, DataConfig, ModelConfig, fixed_width, load_config, updated
 from gptpar.data.translation import IGNORE, load_translation, read_pairs, target_tokens
 from gptpar.errors import GptparError
 from gptpar.launch.status import completion
 from gptpar.model import build_model
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import format_record, read_rank_log
 from gptpar.train.bleu import corpus_bleu, greedy_decode, require_sacrebleu
@@ -231,15 +231,16 @@ def _cases_worker(info: RankInfo, corpus: str, runs: Path, run: Callable[..., di
         torch.save(result, runs / f"{name}.rank{info.rank}.pt")
 
 
-def _two_ranks(run: Callable[..., dict], cases: list[tuple[str, list[str]]], corpus: str, runs: Path) -> Path:
+def _two_ranks(pool: GlooPools, run: Callable[..., dict], cases: list[tuple[str, list[str]]], corpus: str,
+               runs: Path) -> Path:
     """Every case on one pair of gloo ranks, each rank's result saved as <case>.rank<R>.pt under runs."""
-    spawn_local(_cases_worker, 2, corpus, runs, run, cases, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+    pool.run(2, _cases_worker, corpus, runs, run, cases)
     return runs
 
 
 @pytest.fixture(scope="module")
-def dp_runs(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _two_ranks(_train_and_decode, DP_CASES, corpus, tmp_path_factory.mktemp("dp"))
+def dp_runs(corpus: str, tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
+    return _two_ranks(gloo_pool, _train_and_decode, DP_CASES, corpus, tmp_path_factory.mktemp("dp"))
 
 
 @pytest.fixture(scope="module")
@@ -346,9 +347,9 @@ def _run_and_decode(cfg, info: RankInfo) -> dict:
 
 
 @pytest.fixture(scope="module")
-def engine_runs(corpus: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def engine_runs(corpus: str, tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     cases = [(name, [*SHORT, *overrides]) for name, (overrides, _) in ENGINE_CASES.items()]
-    return _two_ranks(_run_and_decode, cases, corpus, tmp_path_factory.mktemp("engines"))
+    return _two_ranks(gloo_pool, _run_and_decode, cases, corpus, tmp_path_factory.mktemp("engines"))
 
 
 @pytest.fixture(scope="module")

@@ -202,8 +202,6 @@ def test_small_sweep_and_rerun_skips_done_points(work: Path) -> None:
 
 
 def test_figures_from_the_runs(work: Path) -> None:
-    if not (REPO / "analysis" / "report.py").is_file():
-        pytest.skip("analysis/report.py is not there yet")
     for run in ("dp2", f"pp-{(work / 'pp_job').read_text()}", "dp_2nodes"):
         _wait(work / "runs" / run)
     out = work / "figures"

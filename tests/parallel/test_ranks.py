@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pool import GlooPools
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
@@ -220,8 +221,9 @@ def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
                           2: ({"pp": 1, "dp": 0, "tp": 0}, [2, 3], [2])}),
 ])
 @pytest.mark.slow
-def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, sizes, expected) -> None:
-    spawn_local(_grid_worker, 4, sizes, tmp_path, pcfg=ParallelConfig(dp=4, backend="gloo", timeout_s=60))
+def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, sizes, expected,
+                                                             gloo_pool: GlooPools) -> None:
+    gloo_pool.run(4, _grid_worker, sizes, tmp_path)
     results = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)}
     for rank, (coords, dp_members, tp_members) in expected.items():
         assert results[rank]["coords"] == coords

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_pool import GlooPools
 from rank_training import make_config, make_trainer
 
 from analysis.report import report
 from analysis.trace import analyse, analyse_run, difference, intersection, length, read_events, union
 from gptpar.cli import main
-from gptpar.config import ParallelConfig, TrainConfig
+from gptpar.config import TrainConfig
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.run.folder import RunFolder
 from gptpar.train.profiling import StepProfiler
 from gptpar.train.provenance import header_fields
@@ -120,9 +120,9 @@ def _traced_worker(info: RankInfo, runs: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def traced_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def traced_run(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("trace")
-    spawn_local(_traced_worker, 2, runs, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+    gloo_pool.run(2, _traced_worker, runs)
     return runs / "traced"
 
 

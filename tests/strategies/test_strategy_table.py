@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pool import GlooPools
 from rank_training import STEPS, make_config, make_trainer, named_params, reference_run, saved_ranks, train_steps
 from torch import nn
 
 from gptpar.config import ConfigError, load_config, reference_markdown
 from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.strategies.data_parallel import DP_STRATEGIES, DataParallelStrategy, closed_form_state_bytes
 from gptpar.strategies.schedules import SCHEDULES, make_plan
 
@@ -85,10 +85,10 @@ def _example_worker(info: RankInfo, runs: Path) -> None:
 
 
 @pytest.mark.slow
-def test_an_example_strategy_of_one_module_and_one_row_trains_like_one_process(tmp_path: Path) -> None:
-    from gptpar.config import ParallelConfig
+def test_an_example_strategy_of_one_module_and_one_row_trains_like_one_process(tmp_path: Path,
+                                                                                gloo_pool: GlooPools) -> None:
 
-    spawn_local(_example_worker, 2, tmp_path, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+    gloo_pool.run(2, _example_worker, tmp_path)
     ranks = saved_ranks(tmp_path, "example")
     ref = reference_run(make_config([], tmp_path, "example"))
     mean = [sum(losses) / len(ranks) for losses in zip(*(r["losses"] for r in ranks), strict=True)]

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from gloo_pool import GlooPools
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.train.checkpoint import (
     CHECKPOINT_DIR,
     checkpoint_dir,
@@ -152,8 +152,8 @@ def _two_rank_save_load(info: RankInfo, run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_save_and_load(tmp_path: Path) -> None:
-    spawn_local(_two_rank_save_load, 2, tmp_path)
+def test_two_gloo_ranks_save_and_load(tmp_path: Path, gloo_pool: GlooPools) -> None:
+    gloo_pool.run(2, _two_rank_save_load, tmp_path)
     expected = build(seed=0)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"rank{rank}.pt")

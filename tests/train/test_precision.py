@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_pool import GlooPools
 from rank_training import STEPS, make_config, make_trainer, named_params, reference_run, train_steps
 from torch import nn
 
-from gptpar.config import ParallelConfig, updated
+from gptpar.config import updated
 from gptpar.errors import GptparError
 from gptpar.parallel.pipeline.one_process.pipe import Pipe
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.run.logfile import RankLog, rank_log_path, read_rank_log
 from gptpar.train.checkpoint import load_checkpoint
 from gptpar.train.entry import run_rank
@@ -174,9 +174,9 @@ def _parallel_worker(info: RankInfo, runs: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def parallel_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def parallel_runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("precision")
-    spawn_local(_parallel_worker, 2, runs, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+    gloo_pool.run(2, _parallel_worker, runs)
     return runs
 
 

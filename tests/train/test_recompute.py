@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_pool import GlooPools
 from rank_training import make_config, make_trainer, named_params, reference_run, train_steps
 
 from gptpar.config import ModelConfig, ParallelConfig, checkpointed_indices, load_config
@@ -19,7 +20,6 @@ from gptpar.errors import GptparError
 from gptpar.model import build_model, lm_loss
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.recompute import checkpoint_blocks, compile_blocks, prepare_blocks
 
@@ -136,9 +136,9 @@ def _worker(info: RankInfo, runs: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("recompute")
-    spawn_local(_worker, 2, runs, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+    gloo_pool.run(2, _worker, runs)
     return runs
 
 

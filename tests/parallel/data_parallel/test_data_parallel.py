@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_pool import GlooPools
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -22,7 +23,6 @@ from gptpar.model import build_model, lm_loss
 from gptpar.parallel.data_parallel import GradSync, make_grad_sync
 from gptpar.parallel.data_parallel.bucketed import plan_buckets
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 
 VOCAB, SEQ, STEPS, LR, SEED, GLOBAL_BATCH = 128, 16, 3, 0.1, 7, 8
 STRATEGIES = ("naive", "bucketed", "ddp")
@@ -117,10 +117,10 @@ def reference(world: int) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
-def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools):
     world = request.param
     out = tmp_path_factory.mktemp(f"dp{world}")
-    spawn_local(dp_worker, world, out, pcfg=ParallelConfig(dp=world, backend="gloo", timeout_s=60))
+    gloo_pool.run(world, dp_worker, out)
 
     def load(name: str, rank: int = 0) -> dict:
         return torch.load(out / f"{name}-rank{rank}.pt")

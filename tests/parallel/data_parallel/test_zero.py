@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_pool import GlooPools
 from rank_training import make_config, make_trainer, named_params, reference_run, resumed_run, saved_ranks, train_steps
 
-from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.train.checkpoint import export_checkpoint
 
 CASES = [
@@ -55,10 +54,10 @@ def _zero_worker(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]],
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("zero")
-    spawn_local(_zero_worker, 2, runs, CASES, True, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
-    spawn_local(_zero_worker, 4, runs, CASES_4, False, pcfg=ParallelConfig(dp=4, backend="gloo", timeout_s=60))
+    gloo_pool.run(2, _zero_worker, runs, CASES, True)
+    gloo_pool.run(4, _zero_worker, runs, CASES_4, False)
     return runs
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_pool import GlooPools
 from rank_training import BASE, STEPS, make_config, make_trainer, named_params, reference_run, saved_ranks, train_steps
 from torch import nn
 
@@ -66,10 +67,10 @@ def _engine_worker(info: RankInfo, cases: list[tuple[str, list[str]]], runs: Pat
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("pp-engine")
-    spawn_local(_engine_worker, 2, CASES_2, runs, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
-    spawn_local(_engine_worker, 4, CASES_4, runs, pcfg=ParallelConfig(dp=4, backend="gloo", timeout_s=60))
+    gloo_pool.run(2, _engine_worker, CASES_2, runs)
+    gloo_pool.run(4, _engine_worker, CASES_4, runs)
     return runs
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from gloo_pool import GlooPools
 from rank_training import (
     STEPS,
     make_config,
@@ -23,10 +24,9 @@ from rank_training import (
 )
 from transformers import GPT2LMHeadModel
 
-from gptpar.config import ConfigError, ModelConfig, ParallelConfig, load_config
+from gptpar.config import ConfigError, ModelConfig, load_config
 from gptpar.model import gpt2_config
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.parallel.tensor_parallel.layers import dropout
 from gptpar.train.checkpoint import export_checkpoint
 
@@ -45,12 +45,12 @@ CASES_4 = {
     "dp2-tp2": [*TP, "parallel.dp=2"],
     "dp2-tp2-ddp-sp": [*TP, "parallel.dp=2", "parallel.dp_sync=ddp", *SP_LP],
     "zero2-tp2": [*TP, "parallel.dp=2", "parallel.dp_sync=zero2", "parallel.bucket_mb=0.01"],
-    "fsdp2-tp2": [*TP, "parallel.dp=2", "parallel.dp_sync=fsdp", *SP_LP],
+    "fsdp-tp2": [*TP, "parallel.dp=2", "parallel.dp_sync=fsdp", *SP_LP],
     "fsdp2-tp2-torch": [*TP, *TORCH, "parallel.dp=2", "parallel.dp_sync=fsdp2"],
     "pp2-tp2": [*TP, "parallel.pp=2", "parallel.chunks=2"],
     "pp2-tp2-sp-lp": [*TP, "parallel.pp=2", "parallel.chunks=2", *SP_LP],
 }
-RESUMED = {"tp2-sp-lp": 2, "fsdp2-tp2": 4, "zero2-tp2": 4, "dp2-tp2": 4, "pp2-tp2-sp-lp": 4}
+RESUMED = {"tp2-sp-lp": 2, "fsdp-tp2": 4, "zero2-tp2": 4, "dp2-tp2": 4, "pp2-tp2-sp-lp": 4}
 ALL = CASES_2 | CASES_4
 
 
@@ -86,10 +86,10 @@ def _dropout_masks(info: RankInfo, runs: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("tp")
     for world, cases in ((2, CASES_2), (4, CASES_4)):
-        spawn_local(_worker, world, runs, cases, pcfg=ParallelConfig(dp=world, backend="gloo", timeout_s=60))
+        gloo_pool.run(world, _worker, runs, cases)
     return runs
 
 

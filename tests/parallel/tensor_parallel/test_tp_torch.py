@@ -13,13 +13,13 @@ import math
 
 import pytest
 import torch
+from gloo_pool import GlooPools
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from gptpar.config import ModelConfig, ParallelConfig
+from gptpar.config import ModelConfig
 from gptpar.model import build_model, lm_loss
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.spawn import spawn_local
 from gptpar.parallel.tensor_parallel.gpt2 import tensor_parallel_forward
 from gptpar.parallel.tensor_parallel.torch_plan import (
     loss_context,
@@ -99,5 +99,5 @@ def _worker(info: RankInfo) -> None:
         _check_case(mesh, sp, lp)
 
 
-def test_torch_tensor_parallel_equals_one_process() -> None:
-    spawn_local(_worker, 2, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=60))
+def test_torch_tensor_parallel_equals_one_process(gloo_pool: GlooPools) -> None:
+    gloo_pool.run(2, _worker)
