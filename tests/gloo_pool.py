@@ -2,7 +2,8 @@
 
 Starting W fresh Python processes costs W imports of torch and transformers (about 5 s each on two cores), which
 used to be paid again by every module's fixture. A pool rank keeps its process group and runs each function it is
-sent, `fn(rank_info, *args)` as `spawn_local` would, with the calling test's environment and working folder. The
+sent, `fn(rank_info, *args)` as `spawn_local` would, with the calling test's environment and working folder (a
+task may also leave the group, as `gptpar.train.entry.run_rank` does: the next one joins a fresh one). The
 first failure tears the pool down (its peers may be stuck in a collective) and is raised naming its rank, and the
 next call starts a fresh pool.
 """
@@ -27,25 +28,25 @@ TASK_TIMEOUT_S = 900  # a whole module's cases on 8 ranks sharing two cores
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", LAUNCHER_MARKER)
 
 
-def _serve(index: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
-    """A pool rank: join the group once, then run each task sent, reporting (rank, time, error or None)."""
-    rank_env = {"RANK": str(index), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(index),
-                "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                LAUNCHER_MARKER: "spawn"}
-    os.environ.update(rank_env)
-    info = init_distributed(ParallelConfig(dp=world_size, backend="gloo", timeout_s=60))
+def _serve(index: int, world_size: int, tasks: Any, results: Any) -> None:
+    """A pool rank: run each task sent in the group (joined at the first, and again after a task that left it),
+    reporting (rank, time, error or None)."""
     while (task := tasks.get()) is not None:
-        fn, args, env, cwd = task
+        fn, args, env, cwd, port = task
         os.environ.clear()
-        os.environ.update({**env, **rank_env})
+        os.environ.update({**env, "RANK": str(index), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(index),
+                           "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                           LAUNCHER_MARKER: "spawn"})
         os.chdir(cwd)
         try:
+            info = init_distributed(ParallelConfig(dp=world_size, backend="gloo", timeout_s=60))  # a no-op if joined
             fn(info, *args)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which names the rank
             results.put((index, time.time(), f"{type(exc).__name__}: {exc}".splitlines()[0]))
         else:
             results.put((index, time.time(), None))
-    dist.barrier()  # as spawn_local does: no rank tears the group down while a peer still uses it
+    if dist.is_initialized():
+        dist.barrier()  # as spawn_local does: no rank tears the group down while a peer still uses it
     destroy_distributed()
 
 
@@ -58,11 +59,10 @@ class GlooPool:
 
     def _start(self) -> None:
         context = mp.get_context("spawn")
-        port = free_port()
         self._tasks = [context.SimpleQueue() for _ in range(self.world_size)]
         self._results = context.Queue()
-        self._processes = [context.Process(target=_serve, args=(i, self.world_size, port, self._tasks[i],
-                                                                 self._results), daemon=True)
+        self._processes = [context.Process(target=_serve, args=(i, self.world_size, self._tasks[i], self._results),
+                                           daemon=True)
                            for i in range(self.world_size)]
         for process in self._processes:
             process.start()
@@ -72,8 +72,9 @@ class GlooPool:
         if not self._processes:
             self._start()
         env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+        port = free_port()  # where the ranks meet if they are not in a group (the first task, or after one left)
         for tasks in self._tasks:
-            tasks.put((fn, args, env, os.getcwd()))
+            tasks.put((fn, args, env, os.getcwd(), port))
         failures = []
         done = 0
         deadline = time.monotonic() + TASK_TIMEOUT_S

@@ -21,12 +21,18 @@ from gptpar.parallel.tensor_parallel.torch_plan import whole_parameters
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
 from gptpar.train.checkpoint import load_checkpoint
+from gptpar.train.entry import run_rank
 from gptpar.train.trainer import Trainer
 
 STEPS = 2
 BASE = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
         "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.warmup_steps=0",
         "train.lr=0.01", "train.grad_clip=0.5", "train.threads=1", "parallel.timeout_s=60"]
+
+
+def train_as_gptpar_does(info: RankInfo, overrides: list[str]) -> None:
+    """What `gptpar train` runs on each rank (header, training, final record), for a test on the gloo pool."""
+    run_rank(load_config(None, overrides))
 
 
 def make_config(overrides: list[str], runs: Path, name: str) -> Config:

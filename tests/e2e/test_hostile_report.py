@@ -22,7 +22,9 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO
+from gloo_pool import GlooPools
 from logsets import T0, Rank, config
+from rank_training import train_as_gptpar_does
 
 from analysis.report import analyse_runs, report
 from gptpar.cli import main as gptpar_main
@@ -368,11 +370,9 @@ def test_a_log_record_on_a_full_tmpfs_says_no_space_left(tmp_path: Path) -> None
 # --- The global loss of data-parallel runs (item 10) ------------------------------------------------
 
 @pytest.mark.slow
-def test_a_real_two_rank_run_logs_one_global_loss_the_mean_of_both(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "gptpar", "train", "parallel.dp=2", *TINY,
-                          f"log.runs_dir={tmp_path / 'runs'}", "log.run_id=dp2"], capture_output=True, text=True,
-                         cwd=REPO, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_a_real_two_rank_run_logs_one_global_loss_the_mean_of_both(tmp_path: Path, gloo_pool: GlooPools) -> None:
+    gloo_pool.run(2, train_as_gptpar_does, ["parallel.dp=2", *TINY, f"log.runs_dir={tmp_path / 'runs'}",
+                                            "log.run_id=dp2"])
     logs = [read_rank_log(tmp_path / "runs" / "dp2" / f"rank{r}.jsonl") for r in range(2)]
     assert sorted(logs[0].steps) == sorted(logs[1].steps) == [1, 2, 3]
     for step in (1, 2, 3):

@@ -45,7 +45,7 @@ RUN_HERE = [
 ]
 # Commands this test runs as written, one after the other in one scratch folder (a later one reads an earlier run).
 RUN_HERE_IN_ORDER = [
-    ".venv/bin/gptpar train train.precision=bf16 train.activation_checkpointing=block train.max_steps=5",
+    ".venv/bin/gptpar train train.precision=bf16 train.activation_checkpointing=block train.max_steps=2",
     ".venv/bin/gptpar train parallel.dp=2 train.profile_steps=3-4 train.max_steps=5 log.run_id=traced",
     ".venv/bin/gptpar trace traced --top 5",
     ".venv/bin/gptpar train log.tensorboard=true log.wandb=offline train.max_steps=5",

@@ -4,14 +4,13 @@ declare, and the readers (the analysis, the run state, `gptpar status` and `gptp
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import orjson
 import pytest
 from conftest import REPO
+from gloo_pool import GlooPools
+from rank_training import train_as_gptpar_does
 
 from gptpar.config import load_config
 from gptpar.errors import GptparError
@@ -141,12 +140,10 @@ def test_the_records_of_a_failed_set_up_are_declared(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["parallel.pp=2", "parallel.chunks=2"], ["parallel.dp=2", "parallel.dp_sync=fsdp"]],
                          ids=["pipeline", "fsdp"])
-def test_every_record_a_two_rank_run_writes_is_declared(tmp_path: Path, layout: list[str]) -> None:
+def test_every_record_a_two_rank_run_writes_is_declared(tmp_path: Path, layout: list[str],
+                                                        gloo_pool: GlooPools) -> None:
     """The optional fields only some strategies write: the pipeline's pp_* step fields, fsdp's gathered peak."""
-    out = subprocess.run([sys.executable, "-m", "gptpar", "train", *layout, *TINY, f"log.runs_dir={tmp_path}",
-                          "log.run_id=two"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
+    gloo_pool.run(2, train_as_gptpar_does, [*layout, *TINY, f"log.runs_dir={tmp_path}", "log.run_id=two"])
     records = written(tmp_path / "two")
     assert_declared(records, set(RECORDS))
     optional = "pp_timeline" if "parallel.pp=2" in layout else "gathered_peak_bytes"
