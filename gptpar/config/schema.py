@@ -89,6 +89,10 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1.", min=0.0, max=1.0)
     beta2: float = opt(0.95, "AdamW beta2.", min=0.0, max=1.0)
     grad_clip: float = opt(1.0, "Gradient-norm clip; 0 disables it.", min=0.0)
+    fused_optimizer: bool = opt(True, "AdamW as one fused kernel (CPUs and GPUs), or foreach where a device or dtype "
+                                "has no fused kernel (the log header's fast_path says which ran); false: torch's "
+                                "default (foreach on GPUs, a loop over the tensors on CPUs). The same updates up to "
+                                "fp32 rounding.")
     eval_every: int = opt(50, "Evaluate every N steps (and at each epoch end); 0 only at epoch end.",
                           min=0)
     eval_batches: int = opt(8, "Validation batches per evaluation.", min=1, max=1_000_000)

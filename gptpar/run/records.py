@@ -84,6 +84,9 @@ class HeaderRecord(Record):
     vocab_size: int | Absent = optional("The tokenizer's vocabulary size (absent when set-up failed).")
     stage_devices: list[str] | Absent = optional("The devices this rank drives (absent when set-up failed).")
     total_steps: int | Absent = optional("The steps this run trains in all (absent when set-up failed).")
+    fast_path: dict[str, Any] | Absent = optional(
+        "What the step's fast path resolved to on this rank: `optimizer` (fused, foreach or for-loop) (absent when "
+        "set-up failed).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -65,7 +65,7 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
         load_checkpoint(folder.path, {"trainer": trainer})
         log.write(HeaderRecord(**header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
                                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
-                               total_steps=trainer.total_steps))
+                               total_steps=trainer.total_steps, fast_path=trainer.fast_path()))
         status, loss = trainer.run()
         request = stop_request() if status != "completed" else None  # this rank's own signal, if any
         log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),

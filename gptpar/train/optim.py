@@ -8,8 +8,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _default_to_fused_or_foreach, _get_fused_kernels_supported_devices
 
 from gptpar.config import TrainConfig
+
+# How AdamW updates: one fused kernel over all tensors, one kernel per operation over all of them, or a loop over the
+# tensors (what torch itself picks on CPUs; on GPUs it picks foreach).
+OPTIMIZER_KINDS = ("fused", "foreach", "for-loop")
 
 
 def learning_rate(step: int, t: TrainConfig, total_steps: int) -> float:
@@ -20,12 +25,34 @@ def learning_rate(step: int, t: TrainConfig, total_steps: int) -> float:
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 
+def optimizer_kind(tensors: list[torch.Tensor], fused: bool) -> str:
+    """Which AdamW implementation runs (OPTIMIZER_KINDS). With train.fused_optimizer the fused kernel where torch has
+    one for every tensor's device and dtype (torch checks only at the first step, so this checks here), else
+    foreach; without it torch's own default, named."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    if fused and all(t.device.type in _get_fused_kernels_supported_devices() and t.is_floating_point() for t in local):
+        return "fused"
+    if fused:
+        return "foreach"
+    return "foreach" if _default_to_fused_or_foreach(local, differentiable=False)[1] else "for-loop"
+
+
 def make_optimizer(params: list[tuple[torch.Tensor, bool]], t: TrainConfig) -> torch.optim.AdamW:
     """AdamW over (tensor, decays) pairs: matrices are decayed, biases and norm gains not, as GPT-2
-    training does (the pairs come from the gradient sync, whose tensors may be shards of parameters)."""
+    training does (the pairs come from the gradient sync, whose tensors may be shards of parameters).
+    `optimizer_kind` picks the implementation; all give the same update up to fp32 rounding."""
     groups = [{"params": [p for p, decays in params if decays], "weight_decay": t.weight_decay},
               {"params": [p for p, decays in params if not decays], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    kind = optimizer_kind([p for p, _ in params], t.fused_optimizer)
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kind]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **flags)
+
+
+def kind_of(optimizer: torch.optim.Optimizer) -> str:
+    """The OPTIMIZER_KINDS name of what `make_optimizer` built, for the log header."""
+    if optimizer.defaults.get("fused"):
+        return "fused"
+    return "foreach" if optimizer.defaults.get("foreach") else "for-loop"
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, groups: Sequence[dist.ProcessGroup] = (),

@@ -42,7 +42,7 @@ from gptpar.train.checkpoint import load_model_state, model_state
 from gptpar.train.components import Checkpointing, Evaluation, Metrics
 from gptpar.train.grad_dump import dump_gradients
 from gptpar.train.memory import state_bytes
-from gptpar.train.optim import clip_gradients, learning_rate, make_optimizer
+from gptpar.train.optim import clip_gradients, kind_of, learning_rate, make_optimizer
 from gptpar.train.parallelize import parallelize
 from gptpar.train.precision import Precision
 from gptpar.train.preemption import stop_request
@@ -310,6 +310,10 @@ class Trainer:
                 f"GPT-2 of {self.n_params:,} parameters ({g.n_layer} layers, width {g.n_embd}, {g.n_head} heads); "
                 f"tokenizer {self.tokenizer} (vocab {self.vocab_size}); {self.cfg.train.precision}; "
                 f"steps {self.step + 1}-{self.total_steps}")
+
+    def fast_path(self) -> dict[str, Any]:
+        """What the log header records of the fast path as it resolved on this rank."""
+        return {"optimizer": kind_of(self.optimizer)}
 
     def logged_loss(self, loss: float) -> float | None:
         """The loss as this rank's log reports it: a pipeline stage that does not compute it says null."""
