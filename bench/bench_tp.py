@@ -3,8 +3,8 @@
 Setup (and why):
 - `--world` (2) gloo ranks, each its own process (spawn_local) with `torch.set_num_threads(1)`: on this 2-core
   box every rank owns one core, as if it were its own device.
-- One GPT-2 (`--preset` with `--n-layer`, `--n-embd`, `--n-head` overrides; `--vocab` 50257, GPT-2's own, which
-  does not divide by 2, so the vocabulary padding is exercised), built from the same seed on every rank and cut
+- One GPT-2 (`--preset` with `--n-layer`, `--n-embd`, `--n-head` overrides; `--vocab` 50257, GPT-2's own, its
+  token table padded to 50,304 rows as model.pad_vocab pads it), built from the same seed on every rank and cut
   per row by the package's own entry points (gptpar.parallel.tensor_parallel: shard_model, loss_function,
   loss_context, tensor_parallel_forward), exactly as the trainer does for parallel.tp_impl=gptpar|torch.
 - Rows: ours TP=W, ours TP=W +SP (sequence parallelism), torch TP=W, torch TP=W +SP, all with loss parallelism
@@ -79,7 +79,6 @@ from gptpar.parallel.tensor_parallel import (  # noqa: E402
     tensor_parallel_forward,
 )
 from gptpar.parallel.tensor_parallel.comm import VOLUME  # noqa: E402
-from gptpar.parallel.tensor_parallel.layers import padded_vocab  # noqa: E402
 from gptpar.tensor_bytes import saved_activation_bytes  # noqa: E402
 from gptpar.train.memory import state_bytes  # noqa: E402
 
@@ -189,7 +188,7 @@ class Variant:
             self.error = one_line(exc)
 
     def _build(self, row: Row, args: argparse.Namespace, info: RankInfo, grid: ParallelDims, n_layer: int) -> None:
-        whole = build_model(model_config(args, n_layer), args.vocab, seed=0, seq_len=args.seq)
+        whole = build_model(model_config(args, n_layer), args.vocab, seed=0, seq_len=args.seq, shards=args.world)
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(1))
         x, self.y = tokens[:, :-1], tokens[:, 1:]
         if row.impl == "ddp":
@@ -304,7 +303,7 @@ def closed_comm(row: Row, args: argparse.Namespace) -> dict[str, float]:
     DDP: every gradient all-reduced once (the tied head once), the blocks' and the rest."""
     w, b, s, h, n_layer = args.world, args.batch, args.seq, args.n_embd, args.n_layer
     ar, r = 2 * (w - 1) / w, (w - 1) / w
-    meta = build_model(model_config(args, n_layer), args.vocab, seed=0, init_device="meta")
+    meta = build_model(model_config(args, n_layer), args.vocab, seed=0, init_device="meta", shards=w)
     if row.impl == "ddp":
         per_block = sum(p.numel() for p in meta.transformer.h[0].parameters())  # 12h^2 + 13h
         total = sum(p.numel() for p in meta.parameters())
@@ -314,7 +313,7 @@ def closed_comm(row: Row, args: argparse.Namespace) -> dict[str, float]:
         block_sp, embed_sp = (6 if row.impl == "gptpar" else 4) * h * ar, s * h * r + 2 * h * ar
     return {"blocks": n_layer * (4 * b * s * h * ar + block_sp),
             "embed_head": 2 * b * s * h * ar + embed_sp,
-            "loss": 3 * b * s * ar if row.lp else b * s * padded_vocab(args.vocab, w) * r}
+            "loss": 3 * b * s * ar if row.lp else b * s * meta.config.vocab_size * r}
 
 
 # --- report ---------------------------------------------------------------------------------------------

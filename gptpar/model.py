@@ -3,6 +3,11 @@
 Random weights are drawn per parameter, from a generator seeded by the run seed and the parameter's
 name, so a model built on the meta device can be materialised later, or only in part (a rank's
 shard), with exactly the values a plain CPU build gives.
+
+The token table may be padded past the tokenizer's vocabulary (model.pad_vocab, and a multiple of the
+tensor-parallel ranks): matmul shapes that run fast, and equal vocabulary shards. The padded rows start at
+zero, `PaddedHead` sets their logits to -inf, and the real rows get the values of an unpadded build, so
+training is the unpadded model's; checkpoint exports cut the padding off again.
 """
 
 from __future__ import annotations
@@ -52,29 +57,95 @@ def gpt2_config(cfg: ModelConfig, vocab_size: int, seq_len: int | None = None) -
     )
 
 
+def padded_vocab(vocab: int, multiple: int) -> int:
+    """The vocabulary rounded up to a multiple."""
+    return -(-vocab // multiple) * multiple
+
+
+def tokenizer_vocab(config: GPT2Config) -> int:
+    """The tokenizer's vocabulary of a model whose token table (config.vocab_size rows) may be padded past it; a
+    config that gptpar did not pad has none."""
+    return getattr(config, "unpadded_vocab_size", config.vocab_size)
+
+
+def pad_config(config: GPT2Config, multiple: int) -> GPT2Config:
+    """`config` (of the tokenizer's vocabulary) with its token table padded to a multiple, in place."""
+    config.unpadded_vocab_size = tokenizer_vocab(config)
+    config.vocab_size = padded_vocab(config.unpadded_vocab_size, multiple)
+    return config
+
+
+class PaddedHead(nn.Module):
+    """GPT-2's LM head over a token table padded past the tokenizer's `vocab` rows: the padded columns of its logits
+    are set to -inf, so they never win an argmax, take no probability in a softmax and get no gradient (their rows
+    stay zero). A module of its own, not an nn.Linear, so that nothing that rewrites linear layers (the pipeline's
+    split backward) drops the mask."""
+
+    def __init__(self, n_embd: int, padded: int, vocab: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(padded, n_embd))
+        self.vocab = vocab
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        with torch.no_grad():  # the matmul's backward never reads its output: marking it in place is safe
+            logits[..., self.vocab:] = float("-inf")
+        return logits
+
+
+def empty_model(config: GPT2Config) -> GPT2LMHeadModel:
+    """A GPT2LMHeadModel of `config` on the meta device, its head a `PaddedHead` where the table is padded."""
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+        if tokenizer_vocab(config) < config.vocab_size:
+            model.lm_head = PaddedHead(config.n_embd, config.vocab_size, tokenizer_vocab(config))
+            if config.tie_word_embeddings:
+                model.lm_head.weight = model.transformer.wte.weight
+    _check_tied(model)
+    return model
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int, hub_timeout_s: float = 3.0,
-                seq_len: int | None = None, init_device: str = "cpu") -> GPT2LMHeadModel:
+                seq_len: int | None = None, init_device: str = "cpu", shards: int = 1) -> GPT2LMHeadModel:
     """The same seed gives the same weights on every rank, which data parallelism relies on.
 
     Pass seq_len (data.seq_len) so that a block longer than the context fails here, in one line,
     for every parallel mode, instead of as an index error inside the first forward pass.
     init_device="meta" returns the model unmaterialised (no memory); `materialize` fills it later,
-    on any device, with the values a "cpu" build has.
+    on any device, with the values a "cpu" build has. The token table is padded to a multiple of
+    model.pad_vocab and of `shards` (parallel.tp: the vocabulary is split into that many equal pieces).
     """
     if init_device not in INIT_DEVICES:
         raise GptparError(f"model.init_device={init_device!r} is not one of {', '.join(INIT_DEVICES)}")
+    multiple = math.lcm(cfg.pad_vocab, shards)
     if cfg.init == "pretrained":
         if init_device == "meta":
             raise GptparError(PRETRAINED_ON_META)
-        return _pretrained(cfg, vocab_size, hub_timeout_s, seq_len)
-    config = gpt2_config(cfg, vocab_size, seq_len)
+        return pad_vocabulary(_pretrained(cfg, vocab_size, hub_timeout_s, seq_len), multiple)
+    config = pad_config(gpt2_config(cfg, vocab_size, seq_len), multiple)
     torch.manual_seed(seed)  # dropout draws from the global generator; the weights no longer do
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(config)
-    _check_tied(model)
+    model = empty_model(config)
     if init_device == "cpu":
         materialize(model, seed, torch.device("cpu"))
     return model
+
+
+@torch.no_grad()
+def pad_vocabulary(model: GPT2LMHeadModel, multiple: int) -> GPT2LMHeadModel:
+    """A real (pretrained) model with its token table padded to a multiple: the same weights, zero rows after them
+    (what a random build pads with)."""
+    config = pad_config(model.config, multiple)
+    if config.vocab_size == config.unpadded_vocab_size:
+        return model
+    padded = empty_model(config)
+    state = {name: F.pad(value, (0, 0, 0, config.vocab_size - value.size(0)))
+             if name in ("transformer.wte.weight", "lm_head.weight") else value
+             for name, value in model.state_dict().items()}
+    padded.load_state_dict(state, assign=True)
+    if config.tie_word_embeddings:  # assign put two padded copies in place of the one shared matrix
+        padded.lm_head.weight = padded.transformer.wte.weight
+    _check_tied(padded)
+    return padded
 
 
 def _pretrained(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len: int | None = None
@@ -128,7 +199,8 @@ def initial_value(name: str, shape: torch.Size, config: GPT2Config, seed: int) -
     """The float32 CPU initial value of the GPT2LMHeadModel parameter `name` of full shape `shape`.
 
     Drawn on CPU from a generator seeded by (seed, name), so it is the same on every device and
-    rank, and a shard of a parameter is the same slice of this tensor.
+    rank, and a shard of a parameter is the same slice of this tensor. A padded token table's rows
+    past the tokenizer's vocabulary are zeros, the others what an unpadded table gets.
     """
     if name == "lm_head.weight" and config.tie_word_embeddings:
         name = "transformer.wte.weight"  # one matrix under two names
@@ -141,6 +213,9 @@ def initial_value(name: str, shape: torch.Size, config: GPT2Config, seed: int) -
     if kind == "residual":
         std /= math.sqrt(2 * config.n_layer)
     generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
+    if name in ("transformer.wte.weight", "lm_head.weight") and shape[0] > tokenizer_vocab(config):
+        real = initial_value(name, torch.Size([tokenizer_vocab(config), *shape[1:]]), config, seed)
+        return F.pad(real, (0, 0, 0, shape[0] - real.size(0)))  # a padded table's extra rows are zeros
     return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
 
 

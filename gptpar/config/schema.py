@@ -35,6 +35,11 @@ class ModelConfig:
     n_positions: int = opt(0, "Context length of the position table; 0 keeps the preset's.", min=0,
                            max=1_048_576)
     dropout: float = opt(0.0, "Dropout on embeddings, attention and residuals.", min=0.0, max=1.0)
+    pad_vocab: int = opt(64, "Pad the token table (embedding and tied LM head) to a multiple of N rows (50,257 -> "
+                         "50,304 at 64; with parallel.tp > 1 a multiple of tp too), for matmul shapes that run fast: "
+                         "the padded rows start at zero, their logits are -inf (never predicted, never in the loss, "
+                         "no gradient), so losses equal the unpadded model's; exports cut the padding off. 1: no "
+                         "padding beyond tp's.", min=1, max=65_536)
     init: str = opt("random", "random: seeded random weights; pretrained: hub weights (needs the hub).",
                     choices=("random", "pretrained"))
     init_device: str = opt("cpu", "Where the model is built: cpu builds it whole; meta builds it without memory and "

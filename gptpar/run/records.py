@@ -85,8 +85,8 @@ class HeaderRecord(Record):
     stage_devices: list[str] | Absent = optional("The devices this rank drives (absent when set-up failed).")
     total_steps: int | Absent = optional("The steps this run trains in all (absent when set-up failed).")
     fast_path: dict[str, Any] | Absent = optional(
-        "What the step's fast path resolved to on this rank: `optimizer` (fused, foreach or for-loop) (absent when "
-        "set-up failed).")
+        "What the step's fast path resolved to on this rank: `optimizer` (fused, foreach or for-loop), `vocab_rows` "
+        "(the token table's rows, padded by model.pad_vocab and parallel.tp) (absent when set-up failed).")
 
 
 @dataclass(frozen=True, kw_only=True)

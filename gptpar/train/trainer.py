@@ -28,7 +28,7 @@ from gptpar.data import partition_dataset
 from gptpar.data.training import load_training_data
 from gptpar.data.translation import PairDataset, target_tokens
 from gptpar.errors import GptparError
-from gptpar.model import build_model, count_params
+from gptpar.model import build_model, count_params, empty_model
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
@@ -71,7 +71,7 @@ class Trainer:
             raise GptparError(f"train.batch_size={t.batch_size} exceeds the {len(self.train_set)} training "
                               "examples of the corpus; lower it or use a larger corpus")
         model = build_model(cfg.model, self.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=example_width(cfg),
-                            init_device=cfg.model.init_device)
+                            init_device=cfg.model.init_device, shards=dims.size("tp"))
         self.n_params, self.gpt2 = count_params(model), model.config  # whole, before any sharding
         self.dp_group, self.tp_group = dims.group("dp"), dims.group("tp")
         wrapped = parallelize(model, cfg, dims, self.vocab_size)
@@ -282,10 +282,9 @@ class Trainer:
             dist.gather_object(pieces, gathered, dst=self.dims.group_ranks("pp")[0], group=self.dims.group("pp"))
         if not first:
             return None
-        with torch.device("meta"):
-            model = GPT2LMHeadModel(self.gpt2)
-        state = plain_gpt2_state({name: p for piece in gathered for name, p in piece.items()}, self.vocab_size)
-        model.load_state_dict(state, assign=True)
+        model = empty_model(self.gpt2)
+        model.load_state_dict(plain_gpt2_state({name: p for piece in gathered for name, p in piece.items()}),
+                              assign=True)
         return model.to(self.dims.device).eval()
 
     def bleu(self) -> dict[str, float | None]:
@@ -306,14 +305,15 @@ class Trainer:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
         layout = " x ".join(f"{dim}={n}" for dim, n in self.dims.sizes.items())
         g = self.gpt2
+        table = f", token table padded to {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
                 f"GPT-2 of {self.n_params:,} parameters ({g.n_layer} layers, width {g.n_embd}, {g.n_head} heads); "
-                f"tokenizer {self.tokenizer} (vocab {self.vocab_size}); {self.cfg.train.precision}; "
+                f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); {self.cfg.train.precision}; "
                 f"steps {self.step + 1}-{self.total_steps}")
 
     def fast_path(self) -> dict[str, Any]:
         """What the log header records of the fast path as it resolved on this rank."""
-        return {"optimizer": kind_of(self.optimizer)}
+        return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.gpt2.vocab_size}
 
     def logged_loss(self, loss: float) -> float | None:
         """The loss as this rank's log reports it: a pipeline stage that does not compute it says null."""

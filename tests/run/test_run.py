@@ -249,12 +249,15 @@ def test_a_run_starts_with_a_banner_and_ends_with_a_summary_line(tmp_path: Path)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     folder = tmp_path / "r"
-    # 1 block of width 32 (12·32² + 13·32), ln_f, and token (256 bytes + specials) and position tables of width 32.
+    # 1 block of width 32 (12·32² + 13·32), ln_f, and token (256 bytes + specials, padded to a multiple of
+    # model.pad_vocab=64) and position tables of width 32.
     vocab = json.loads(Path(folder / "rank0.jsonl").read_text().splitlines()[0])["vocab_size"]
-    parameters = 12 * 32 * 32 + 13 * 32 + 2 * 32 + (vocab + 256) * 32
+    rows = -(-vocab // 64) * 64
+    parameters = 12 * 32 * 32 + 13 * 32 + 2 * 32 + (rows + 256) * 32
+    table = f", token table padded to {rows} rows" if rows > vocab else ""
     assert lines[0] == f"gptpar: training in this process: {folder}"
     assert re.fullmatch(rf"gptpar: 1 rank\(s\) \(pp=1 x dp=1 x tp=1\) on cpu \(gloo\); GPT-2 of {parameters:,} "
-                        rf"parameters \(1 layers, width 32, 2 heads\); tokenizer bytes \(vocab {vocab}\); fp32; "
+                        rf"parameters \(1 layers, width 32, 2 heads\); tokenizer bytes \(vocab {vocab}{table}\); fp32; "
                         r"steps 1-3", lines[1]), lines[1]
     records = [json.loads(line) for line in (folder / "rank0.jsonl").read_text().splitlines()]
     last_step = [r for r in records if r["kind"] == "step"][-1]

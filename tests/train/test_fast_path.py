@@ -3,13 +3,18 @@ records what it resolved to. One process, the trainer's own step (`Trainer.train
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from rank_training import make_config, make_trainer, named_params, train_steps
 
+from gptpar.config import ModelConfig
+from gptpar.errors import GptparError
+from gptpar.model import build_model, pad_vocabulary
 from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.tensor_parallel.layers import check_vocab_split
 from gptpar.train.optim import kind_of
 
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
@@ -38,3 +43,40 @@ def test_fused_adamw_trains_as_the_plain_optimizer(tmp_path: Path) -> None:
     assert kind_of(fused[2].optimizer) == "fused" and fused[2].fast_path()["optimizer"] == "fused"
     assert kind_of(plain[2].optimizer) == "for-loop"  # torch's own choice on a CPU
     assert_same_training(fused, plain)
+
+
+def test_a_padded_vocabulary_trains_as_the_unpadded_model(tmp_path: Path) -> None:
+    """300 tokens padded to 320 rows: the real rows start and train as the unpadded table's, the padded ones stay
+    zero (never in the loss, no gradient)."""
+    padded = trained(tmp_path, "padded", ["model.pad_vocab=64"])
+    plain = trained(tmp_path, "plain", ["model.pad_vocab=1"])
+    table = padded[1]["transformer.wte.weight"]
+    assert table.shape[0] == 320 and plain[1]["transformer.wte.weight"].shape[0] == 300
+    assert not table[300:].any()
+    padded[1]["transformer.wte.weight"] = table[:300]
+    assert_same_training(padded, plain)
+
+
+def test_padded_logits_never_win_and_the_real_rows_are_the_unpadded_draw() -> None:
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2)
+    padded, plain = build_model(cfg, 301, seed=3), build_model(replace(cfg, pad_vocab=1), 301, seed=3)
+    assert torch.equal(padded.transformer.wte.weight[:301], plain.transformer.wte.weight)
+    assert padded.lm_head.weight is padded.transformer.wte.weight  # still tied
+    ids = torch.randint(0, 301, (2, 8), generator=torch.Generator().manual_seed(0))
+    logits = padded(ids).logits
+    assert logits.shape[-1] == 320 and torch.isneginf(logits[..., 301:]).all()
+    torch.testing.assert_close(logits[..., :301], plain(ids).logits)
+    # A pretrained model (real weights) is padded the same way, after the fact.
+    repadded = pad_vocabulary(build_model(replace(cfg, pad_vocab=1), 301, seed=3), 64)
+    assert torch.equal(repadded.transformer.wte.weight, padded.transformer.wte.weight)
+    assert repadded.lm_head.weight is repadded.transformer.wte.weight
+    torch.testing.assert_close(repadded(ids).logits, logits)
+
+
+def test_tensor_parallelism_and_pad_vocab_agree_on_one_padded_size() -> None:
+    """The table is padded once, to a multiple of both (the vocabulary-parallel layers then split it as it is)."""
+    cfg = ModelConfig(n_layer=2, n_embd=32, n_head=2)
+    assert build_model(cfg, 301, seed=0, shards=3, init_device="meta").config.vocab_size == 384  # lcm(64, 3) = 192
+    assert build_model(replace(cfg, pad_vocab=1), 301, seed=0, shards=2, init_device="meta").config.vocab_size == 302
+    with pytest.raises(GptparError, match=r"301 rows do not split into parallel.tp=2 equal pieces; .*shards=2"):
+        check_vocab_split(301, 2)

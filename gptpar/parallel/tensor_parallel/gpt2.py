@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2LMHeadModel
 
+from gptpar.model import tokenizer_vocab
 from gptpar.parallel.tensor_parallel.layers import (
     ColumnParallelConv1D,
     Dropout,
@@ -104,7 +105,7 @@ def shard_gpt2(model: GPT2LMHeadModel, group: dist.ProcessGroup, sequence_parall
         tr.ln_f = SequenceParallelLayerNorm(tr.ln_f, group)
     for i, block in enumerate(tr.h):
         tr.h[i] = TensorParallelBlock(block, group, sequence_parallel)
-    model.lm_head = VocabParallelHead(tr.wte.weight, model.config.vocab_size, group, sequence_parallel,
+    model.lm_head = VocabParallelHead(tr.wte.weight, tokenizer_vocab(model.config), group, sequence_parallel,
                                       loss_parallel)
     return model
 

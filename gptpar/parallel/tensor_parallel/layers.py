@@ -5,8 +5,8 @@ Each layer is cut from the whole layer of an unsharded model, so T ranks togethe
   gathered from sequence shards (`gather_sequence`);
 - `RowParallelConv1D`: input rows split; the partial outputs summed (`reduce_from_tp`) or reduce-scattered into
   sequence shards (`reduce_scatter_sequence`); the bias, replicated, added once after the sum;
-- `VocabParallelEmbedding` and `VocabParallelHead`: the tied vocabulary matrix split by rows (the vocabulary
-  padded to a multiple of T, padding rows zero and masked out of the loss);
+- `VocabParallelEmbedding` and `VocabParallelHead`: the tied vocabulary matrix split by rows (the token table
+  built padded to a multiple of T by gptpar.model.build_model, padding rows zero and masked out of the loss);
 - `SequenceParallelLayerNorm`: replicated parameters that see only this rank's sequence shard, so their
   gradients are summed over the group (`copy_to_tp` on the parameter itself, which leaves .grad whole before any
   data-parallel hook sees it); `SequenceShardedPositions`: the position rows of this rank's shard, whose
@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gptpar.errors import GptparError
 from gptpar.parallel.tensor_parallel.comm import (
     copy_to_tp,
     gather_last_dim,
@@ -44,27 +45,26 @@ from gptpar.parallel.tensor_parallel.comm import (
 @dataclass(frozen=True)
 class TPShard:
     """A parameter split along `dim` into T equal pieces, rank r's piece holding the r-th slice of each of `parts`
-    equal blocks of the whole dim (3 for the fused q, k, v columns, else 1); `whole` is the unpadded length of
-    `dim` (the vocabulary before padding)."""
+    equal blocks of the whole dim (3 for the fused q, k, v columns, else 1)."""
 
     dim: int
     parts: int
-    whole: int
 
 
-def _shard(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int, padded: int | None = None
-           ) -> nn.Parameter:
-    """Rank `rank`'s piece of `tensor` (see TPShard), zero-padded along dim to `padded` first."""
-    whole = tensor.size(dim)
-    if padded is not None and padded > whole:
-        pad_shape = list(tensor.shape)
-        pad_shape[dim] = padded - whole
-        tensor = torch.cat([tensor, tensor.new_zeros(pad_shape)], dim)
+def _shard(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> nn.Parameter:
+    """Rank `rank`'s piece of `tensor` (see TPShard)."""
     blocks = tensor.detach().chunk(parts, dim)
     piece = torch.cat([block.chunk(size, dim)[rank] for block in blocks], dim).clone()
     param = nn.Parameter(piece)
-    param.tp_shard = TPShard(dim, parts, whole)
+    param.tp_shard = TPShard(dim, parts)
     return param
+
+
+def check_vocab_split(rows: int, size: int) -> None:
+    """The token table must split into equal vocabulary pieces: gptpar.model.build_model pads it for that."""
+    if rows % size:
+        raise GptparError(f"the token table's {rows} rows do not split into parallel.tp={size} equal pieces; build "
+                          f"the model with gptpar.model.build_model(..., shards={size}), which pads it")
 
 
 def _group_place(group: dist.ProcessGroup) -> tuple[int, int]:
@@ -164,11 +164,6 @@ class SequenceShardedPositions(nn.Module):
         return own_rows(F.embedding(positions, self.weight), self.group)
 
 
-def padded_vocab(vocab: int, size: int) -> int:
-    """The vocabulary rounded up to a multiple of the group size."""
-    return -(-vocab // size) * size
-
-
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the (padded) token table; a token outside them contributes zeros, and the ranks'
     partial embeddings are summed (or reduce-scattered into sequence shards)."""
@@ -176,8 +171,9 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, wte: nn.Embedding, group: dist.ProcessGroup, sequence_parallel: bool):
         super().__init__()
         rank, size = _group_place(group)
+        check_vocab_split(wte.weight.size(0), size)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _shard(wte.weight, 0, 1, rank, size, padded_vocab(wte.weight.size(0), size))
+        self.weight = _shard(wte.weight, 0, 1, rank, size)
         self.start = rank * self.weight.size(0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -191,7 +187,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class VocabParallelHead(nn.Module):
     """The LM head on this rank's vocabulary rows (the embedding's own Parameter: the tie holds). Returns this
-    rank's logits (loss parallelism: the loss reads the shards) or, gathered, the whole unpadded logits."""
+    rank's logits (loss parallelism: the loss reads the shards) or, gathered, the whole logits of the `vocab`
+    real tokens."""
 
     def __init__(self, weight: nn.Parameter, vocab: int, group: dist.ProcessGroup, sequence_parallel: bool,
                  loss_parallel: bool):

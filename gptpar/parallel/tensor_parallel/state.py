@@ -1,7 +1,7 @@
 """What the rest of gptpar needs to know about a tensor-parallel model's pieces, in one place:
 
 - `whole`: a parameter rebuilt whole from the group's pieces (in GPT-2's own layout: q, k, v columns in order,
-  the vocabulary unpadded), for comparisons and exports;
+  the token table as built, padded), for comparisons and exports;
 - `as_dtensors` / `as_local`: a checkpoint's state with each piece wrapped as a DTensor sharded over the group's
   mesh, so DCP stores every piece once under its GPT-2 name with the whole shape (the fused q, k, v columns as
   (in, 3, out/3), the vocabulary padded) instead of T different tensors under one key, and back;
@@ -37,7 +37,7 @@ def whole(param: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     gathered = all_gather_dim(param.detach(), spec.dim, group, counted=False).movedim(spec.dim, 0)
     # (rank, part, n) -> (part, rank, n): each part's slices in rank order.
     per_part = gathered.unflatten(0, (dist.get_world_size(group), spec.parts, -1)).transpose(0, 1).flatten(0, 2)
-    return per_part[:spec.whole].movedim(0, spec.dim)
+    return per_part.movedim(0, spec.dim)
 
 
 def _view(local: torch.Tensor, spec: TPShard) -> tuple[torch.Tensor, int]:

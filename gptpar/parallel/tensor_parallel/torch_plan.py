@@ -19,7 +19,7 @@ three. Every parameter ends up a DTensor (sharded, or replicated via `distribute
 got mixed torch.Tensor and DTensor"), and with one kind it returns the global norm. Every gradient ends up with
 its parameter's placements (`_grad_like_param`).
 
-Vocabulary: the token table is zero-padded to a multiple of T (`padded_vocab`) and split by rows
+Vocabulary: the token table, built padded to a multiple of T (gptpar.model.build_model), is split by rows
 (`RowwiseParallel` on the Embedding: out-of-range tokens masked, partial sums all-reduced, or reduce-scattered
 into sequence shards with SP). The LM head is the same DTensor Parameter (the tie is restored after
 `parallelize_module`, which wraps every parameter anew), column-parallel on the vocabulary; its output is the whole
@@ -58,8 +58,8 @@ from torch.distributed.tensor.parallel import (
 from transformers import GPT2LMHeadModel
 
 from gptpar.errors import GptparError
-from gptpar.model import lm_loss
-from gptpar.parallel.tensor_parallel.layers import padded_vocab
+from gptpar.model import lm_loss, tokenizer_vocab
+from gptpar.parallel.tensor_parallel.layers import check_vocab_split
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -121,17 +121,6 @@ class TorchBlock(nn.Module):
         return hidden + self.mlp(self.ln_2(hidden))
 
 
-class PaddedEmbedding(nn.Embedding):
-    """The token table zero-padded to a multiple of the group size; `vocab` is the real vocabulary."""
-
-    def __init__(self, wte: nn.Embedding, size: int):
-        with torch.device("meta"):
-            super().__init__(padded_vocab(wte.num_embeddings, size), wte.embedding_dim)
-        self.vocab = wte.num_embeddings
-        pad = wte.weight.new_zeros(self.num_embeddings - self.vocab, self.embedding_dim)
-        self.weight = nn.Parameter(torch.cat([wte.weight.detach(), pad]))
-
-
 def _replicate(module: nn.Module, mesh: DeviceMesh, output: Placement = Replicate()) -> None:
     """Make `module`'s parameters replicated DTensors; its tensor inputs are taken as replicated and its output
     is returned as a local tensor after redistributing it to `output` (Shard(d): this rank's slice)."""
@@ -170,9 +159,9 @@ def parallelize_gpt2(model: GPT2LMHeadModel, mesh: DeviceMesh, sequence_parallel
         raise GptparError(f"model.n_head={cfg.n_head} must divide by parallel.tp={size}")
     residual = Shard(1) if sequence_parallel else Replicate()
 
-    tr.wte = PaddedEmbedding(tr.wte, size)
-    vocab = tr.wte.vocab
-    with torch.device("meta"):
+    check_vocab_split(tr.wte.num_embeddings, size)
+    vocab = tokenizer_vocab(cfg)
+    with torch.device("meta"):  # a plain Linear (not gptpar's PaddedHead): the hooks below mask or trim the padding
         model.lm_head = nn.Linear(cfg.n_embd, tr.wte.num_embeddings, bias=False)
     model.lm_head.weight = tr.wte.weight
     for i, block in enumerate(tr.h):
@@ -267,9 +256,7 @@ def _whole(model: nn.Module, prefix: str, of: Callable[[nn.Parameter], torch.Ten
             if tensor is None:
                 continue
             full = _full(tensor)
-            if isinstance(module, PaddedEmbedding):
-                full = full[:module.vocab]
-            elif isinstance(module, nn.Linear) and field == "weight":
+            if isinstance(module, nn.Linear) and field == "weight":
                 full = full.t()  # back to Conv1D's in x out
             out[f"{name}.{field}" if name else field] = full.contiguous()
     return out
@@ -277,7 +264,7 @@ def _whole(model: nn.Module, prefix: str, of: Callable[[nn.Parameter], torch.Ten
 
 def whole_parameters(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every parameter of a `parallelize_gpt2` model whole, under GPT2LMHeadModel's own names and layouts (c_attn
-    (in, 3 * out) with q, k, v columns in order, Conv1D weights in x out, the vocabulary unpadded, the tied
+    (in, 3 * out) with q, k, v columns in order, Conv1D weights in x out, the token table as built (padded), the tied
     lm_head.weight omitted as GPT2LMHeadModel.named_parameters omits it), names prefixed with `prefix`.
     A collective over the mesh: call it on every rank."""
     return _whole(model, prefix, lambda p: p)

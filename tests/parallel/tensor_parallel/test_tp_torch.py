@@ -1,8 +1,9 @@
 """PyTorch's tensor parallelism on GPT-2 (`parallel.tp_impl=torch`) equals one process: logits, loss, every gradient,
 the parameters and the clipped gradient norm, with and without sequence and loss parallelism.
 
-One spawn of 2 gloo ranks runs the four cases on a tiny model whose vocabulary (301) does not divide by 2, so the
-padding is exercised; each rank asserts, and a failing assertion fails spawn_local with its message.
+One spawn of 2 gloo ranks runs the four cases on a tiny model whose vocabulary (301) does not divide by 2, so its
+token table is built padded to 302 rows (no model.pad_vocab padding beyond tp's) and the masking of the padding is
+exercised; each rank asserts, and a failing assertion fails spawn_local with its message.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 def _check_case(mesh, sp: bool, lp: bool) -> None:
     case = f"sp={sp} lp={lp}"
-    model = build_model(ModelConfig(n_layer=2, n_embd=32, n_head=4), VOCAB, 0, seq_len=16)
+    model = build_model(ModelConfig(n_layer=2, n_embd=32, n_head=4, pad_vocab=1), VOCAB, 0, seq_len=16, shards=2)
     ref = copy.deepcopy(model)
     parallelize_gpt2(model, mesh, sp, lp)
     gen = torch.Generator().manual_seed(1)
@@ -57,6 +58,8 @@ def _check_case(mesh, sp: bool, lp: bool) -> None:
     ref_logits = ref(x).logits
     ref_loss = lm_loss(ref_logits, y)
     ref_loss.backward()
+    assert ref_logits.shape[-1] == 302 and torch.isneginf(ref_logits[..., VOCAB:]).all(), case
+    ref_logits = ref_logits[..., :VOCAB]
 
     if lp:
         assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), case
