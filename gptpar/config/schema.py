@@ -14,7 +14,7 @@ from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 from gptpar.strategies.schedules import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
-PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16", "tf32")
 TASKS = ("lm", "translation")
 
 
@@ -111,9 +111,11 @@ class TrainConfig:
                                 min=0)
     threads: int = opt(0, "torch intra-op threads per rank; 0 leaves torch's default.", min=0,
                        max=4096)
-    precision: str = opt("fp32", "fp32; bf16 (autocast, fp32 master weights and optimizer state; CPUs too); fp16 "
-                         "(autocast and a dynamic loss scale, overflowing steps skipped and logged; GPUs only); tf32 "
-                         "(fp32 with TF32 matmuls, Ampere or newer GPUs).", choices=PRECISIONS)
+    precision: str = opt("auto", "auto: bf16 on a CUDA GPU with bf16 (A100, H100), fp16 on older GPUs (V100), fp32 on "
+                         "CPUs, chosen by each rank for its device (the log header records it); fp32; bf16 (autocast, "
+                         "fp32 master weights and optimizer state; CPUs too); fp16 (autocast and a dynamic loss scale, "
+                         "overflowing steps skipped and logged; GPUs only); tf32 (fp32 with TF32 matmuls, Ampere or "
+                         "newer GPUs).", choices=PRECISIONS)
     activation_checkpointing: str = opt("none", "Recompute block activations in backward instead of keeping them: "
                                         "none, block (every block) or an integer k (every k-th block).")
     compile: bool = opt(False, "torch.compile each transformer block (needs a C++ compiler; minutes on a CPU).")

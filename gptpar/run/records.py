@@ -78,7 +78,7 @@ class HeaderRecord(Record):
     slurm: dict[str, str] = required("SLURM job id, array ids, node list, node, restart count ({} outside SLURM).")
     start_time: float = required("Unix seconds when this segment started.")
     launcher: str | Absent = optional("Who started the rank: `slurm`, `torchrun`, `local`, `single`.")
-    precision: str | Absent = optional("train.precision.")
+    precision: str | Absent = optional("train.precision as the rank ran it (`auto` resolved for its device).")
     activation_checkpointing: str | Absent = optional("train.activation_checkpointing.")
     tokenizer: str | Absent = optional("The tokenizer's name (absent when set-up failed before it).")
     vocab_size: int | Absent = optional("The tokenizer's vocabulary size (absent when set-up failed).")

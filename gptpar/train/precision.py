@@ -51,6 +51,17 @@ class DynamicLossScaler:
         self.scale, self.clean_steps = float(state["loss_scale"]), int(state["loss_scale_clean_steps"])
 
 
+def resolve_precision(setting: str, device: torch.device) -> str:
+    """`train.precision` as this rank runs it: `auto` is bf16 on a CUDA GPU with native bf16 (compute capability 8.0
+    and newer), fp16 with the loss scale on older GPUs, fp32 on CPUs (bf16 matmuls are slower than fp32 there)."""
+    if setting != "auto":
+        return setting
+    if device.type != "cuda":
+        return "fp32"
+    with torch.cuda.device(device):
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+
+
 def check_precision(precision: str, device: torch.device) -> None:
     """Refuse, in one line, a precision the rank's device cannot run."""
     key = f"train.precision={precision}"
@@ -78,21 +89,24 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 class Precision:
     """What the trainer needs of `train.precision` on one rank: `autocast()` around forwards and losses,
-    `scale(loss)` before backward and `unscale(params)` between the gradient sync and clipping.
+    `scale(loss)` before backward and `unscale(params)` between the gradient sync and clipping; `name` is the
+    precision it runs (fp32, bf16, fp16 or tf32).
     `scaler` is the fp16 loss scaler (None otherwise); `skipped` and `step_scale` describe the last step."""
 
     def __init__(self, dtype: torch.dtype | None, device: torch.device,
-                 scaler: DynamicLossScaler | None = None, tf32: bool = False) -> None:
+                 scaler: DynamicLossScaler | None = None, tf32: bool = False, name: str = "") -> None:
         self.dtype, self.device, self.scaler, self.tf32 = dtype, device, scaler, tf32
+        self.name = name or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "tf32" if tf32 else "fp32")
         self.skipped = False
         self.step_scale: float | None = None  # the loss scale the last step ran with (None: no scaler)
 
     @classmethod
     def from_config(cls, t: TrainConfig, device: torch.device) -> Precision:
-        """The rank's precision, checked against its device."""
-        check_precision(t.precision, device)
-        return cls(AUTOCAST_DTYPES.get(t.precision), device, DynamicLossScaler() if t.precision == "fp16" else None,
-                   tf32=t.precision == "tf32")
+        """The rank's precision (`auto` resolved for its device), checked against its device."""
+        name = resolve_precision(t.precision, device)
+        check_precision(name, device)
+        return cls(AUTOCAST_DTYPES.get(name), device, DynamicLossScaler() if name == "fp16" else None,
+                   tf32=name == "tf32", name=name)
 
     def set_matmul_precision(self) -> None:
         """TF32 matmuls on under tf32 only, so fp32 means fp32. The flags belong to the process, so every step

@@ -15,6 +15,7 @@ import transformers
 from gptpar.config import Config, config_digest
 from gptpar.parallel.dims import ParallelDims
 from gptpar.run.logfile import SCHEMA_VERSION
+from gptpar.train.precision import resolve_precision
 
 SLURM_FIELDS = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
                 "array_task_id": "SLURM_ARRAY_TASK_ID", "job_nodelist": "SLURM_JOB_NODELIST",
@@ -42,12 +43,14 @@ def job_id() -> str:
 
 
 def header_fields(cfg: Config, dims: ParallelDims, restart: int) -> dict[str, Any]:
-    """The fields of a segment's header that are known before data and model exist."""
+    """The fields of a segment's header that are known before data and model exist (the precision as this rank's
+    device resolves train.precision=auto)."""
     return dict(
         schema_version=SCHEMA_VERSION, run_id=cfg.log.run_id, config=cfg.to_dict(), config_digest=config_digest(cfg),
         rank=dims.rank, world_size=dims.world_size, coords=dict(dims.coords), sizes=dict(dims.sizes),
         restart=restart, host=socket.gethostname(), device=str(dims.device),
         device_name=torch.cuda.get_device_name(dims.device) if dims.device.type == "cuda" else "cpu",
         torch_version=torch.__version__, transformers_version=transformers.__version__, git_commit=git_commit(),
-        slurm=slurm_fields(), start_time=time.time(), launcher=dims.launcher, precision=cfg.train.precision,
+        slurm=slurm_fields(), start_time=time.time(), launcher=dims.launcher,
+        precision=resolve_precision(cfg.train.precision, dims.device),
         activation_checkpointing=cfg.train.activation_checkpointing)

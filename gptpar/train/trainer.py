@@ -308,7 +308,7 @@ class Trainer:
         table = f", token table padded to {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
                 f"GPT-2 of {self.n_params:,} parameters ({g.n_layer} layers, width {g.n_embd}, {g.n_head} heads); "
-                f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); {self.cfg.train.precision}; "
+                f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); {self.precision.name}; "
                 f"steps {self.step + 1}-{self.total_steps}")
 
     def fast_path(self) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from gptpar.model import build_model, pad_vocabulary
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.layers import check_vocab_split
 from gptpar.train.optim import kind_of
+from gptpar.train.precision import resolve_precision
+from gptpar.train.provenance import header_fields
 
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                   launcher="single", backend="gloo", device=torch.device("cpu"))
@@ -80,3 +82,22 @@ def test_tensor_parallelism_and_pad_vocab_agree_on_one_padded_size() -> None:
     assert build_model(replace(cfg, pad_vocab=1), 301, seed=0, shards=2, init_device="meta").config.vocab_size == 302
     with pytest.raises(GptparError, match=r"301 rows do not split into parallel.tp=2 equal pieces; .*shards=2"):
         check_vocab_split(301, 2)
+
+
+@pytest.mark.slow  # the header asks git for the commit
+def test_precision_auto_is_fp32_on_a_cpu_and_the_header_records_it(tmp_path: Path) -> None:
+    auto = trained(tmp_path, "auto", ["train.precision=auto"])
+    fp32 = trained(tmp_path, "fp32", ["train.precision=fp32"])
+    assert auto[2].precision.name == "fp32" and auto[2].precision.dtype is None
+    assert auto[0] == fp32[0]  # the same step exactly
+    header = header_fields(auto[2].cfg, auto[2].dims, 0)
+    assert header["precision"] == "fp32" and header["config"]["train"]["precision"] == "auto"
+    assert "; fp32; " in auto[2].banner()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
+def test_precision_auto_on_a_gpu_is_bf16_where_it_has_bf16_else_fp16() -> None:
+    device = torch.device("cuda", 0)
+    major, _ = torch.cuda.get_device_capability(device)
+    assert resolve_precision("auto", device) == ("bf16" if major >= 8 else "fp16")
+    assert resolve_precision("fp32", device) == "fp32"
