@@ -52,7 +52,7 @@ def train_steps(trainer: Trainer, count: int) -> list[float]:
     for _ in range(count):
         loss, _ = trainer.train_step(next(batches))
         trainer.step += 1
-        losses.append(loss)
+        losses.append(float(loss))
     return losses
 
 

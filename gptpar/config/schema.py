@@ -200,6 +200,9 @@ class LogConfig:
     run_id: str = opt("", "Run folder name; empty derives NAME-<timestamp>.")
     name: str = opt("run", "Human name of the run, the prefix of its run id.")
     every: int = opt(10, "Print progress every N steps (plain-line mode).", min=1)
+    sync_every: int = opt(0, "Read the steps' loss, gradient norm and time back from the device every N steps, so "
+                          "that no step waits for the GPU (the JSONL still gets every step's record; a stop signal "
+                          "is acted on at these reads); 0: 1 on CPUs, 10 on GPUs.", min=0, max=1_000_000)
     progress: str = opt("auto", "auto: a bar on a terminal, lines otherwise.",
                         choices=("auto", "bar", "lines", "none"))
     tensorboard: bool = opt(False, "Also write step scalars to runs/<id>/tb/ (needs the tensorboard extra); the "

@@ -22,8 +22,11 @@ class Checkpointing:
     def __init__(self, folder: RunFolder, every: int, owner: Any):
         self.path, self.every, self.owner = folder.path, every, owner
 
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
     def after_step(self, step: int) -> None:
-        if self.every and step % self.every == 0:
+        if self.due(step):
             self.save()
 
     def save(self) -> None:
@@ -38,8 +41,11 @@ class Evaluation:
                  scores: Callable[[], dict[str, float | None]], log: RankLogger, progress: Progress):
         self.every, self.evaluate, self.scores, self.log, self.progress = every, evaluate, scores, log, progress
 
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
     def after_step(self, step: int, epoch: int) -> None:
-        if not self.every or step % self.every:
+        if not self.due(step):
             return
         val = self.evaluate()
         self.log.write(EvalRecord(step=step, epoch=epoch, val_loss=val))

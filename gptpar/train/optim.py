@@ -56,8 +56,10 @@ def kind_of(optimizer: torch.optim.Optimizer) -> str:
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, groups: Sequence[dist.ProcessGroup] = (),
-                   counted: list[torch.nn.Parameter] | None = None) -> float:
-    """Scale the gradients so that their global norm is at most max_norm (inf: only measure); returns the norm.
+                   counted: list[torch.nn.Parameter] | None = None) -> torch.Tensor:
+    """Scale the gradients so that their global norm is at most max_norm (inf: only measure); returns the norm, a
+    scalar tensor on the device: nothing here waits for the device (the scale factor is computed there, as torch's
+    clip_grad_norm_ does).
 
     Without groups this is torch's clip_grad_norm_. With them (pipeline stages, shards, tensor-parallel pieces),
     the squares are summed over each group's ranks in turn, each rank counting only `counted` (a tensor held by
@@ -67,7 +69,7 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, groups: Se
     grads = [p.grad for p in params if p.grad is not None]
     if not groups:  # also for DTensor gradients (FSDP2, torch's TP), whose norm torch sums over their shards
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
     ids = {id(p) for p in (counted if counted is not None else params)}
     squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     for p in params:
@@ -75,7 +77,7 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, groups: Se
             squares += p.grad.double().square().sum()
     for group in groups:
         dist.all_reduce(squares, group=group)
-    norm = float(squares.sqrt())
-    if math.isfinite(max_norm) and norm > max_norm:
-        torch._foreach_mul_(grads, max_norm / (norm + 1e-6))
+    norm = squares.sqrt()
+    if math.isfinite(max_norm) and grads:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).float())
     return norm

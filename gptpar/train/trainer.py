@@ -36,7 +36,6 @@ from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
 from gptpar.parallel.tensor_parallel.state import counts_in_norm, whole
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
-from gptpar.run.records import StepRecord
 from gptpar.train.bleu import corpus_bleu, decode_split, require_sacrebleu
 from gptpar.train.checkpoint import load_model_state, model_state
 from gptpar.train.components import Checkpointing, Evaluation, Metrics
@@ -48,6 +47,7 @@ from gptpar.train.precision import Precision
 from gptpar.train.preemption import stop_request
 from gptpar.train.profiling import StepProfiler
 from gptpar.train.progress import Progress, peak_memory_bytes
+from gptpar.train.step_records import PendingStep, PendingSteps, StepClock, sync_every
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -113,14 +113,18 @@ class Trainer:
         while chunk := list(islice(micro, accum)):
             yield chunk
 
+    def _dp_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the data-parallel replicas, in place (one small all-reduce; no host wait)."""
+        if self.dp_group is not None:
+            with comm_span("all_reduce"):
+                dist.all_reduce(tensor, group=self.dp_group)
+        return tensor
+
     def _dp_sum(self, *values: float) -> list[float]:
         """Scalars summed over the data-parallel replicas (one small all-reduce)."""
         if self.dp_group is None:
             return list(values)
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.dims.device)
-        with comm_span("all_reduce"):
-            dist.all_reduce(tensor, group=self.dp_group)
-        return tensor.tolist()
+        return self._dp_reduce(torch.tensor(values, dtype=torch.float64, device=self.dims.device)).tolist()
 
     def _dp_mean(self, value: float) -> float:
         """The mean of a scalar over the data-parallel replicas."""
@@ -149,16 +153,16 @@ class Trainer:
         share = self._target_share(micro_batches)
         return lambda labels: target_tokens(labels) / share
 
-    def forward_backward_step(self, micro_batches: list[Batch]) -> float:
+    def forward_backward_step(self, micro_batches: list[Batch]) -> torch.Tensor:
         """The step's mean-loss gradients into .grad (not yet reduced); returns the loss (a pipeline's on every
-        stage). The data-parallel sync may reduce during the last micro-step's backward, a pipeline's only
-        in finish(), after the last micro-batch's backward on each stage."""
+        stage), a float64 scalar left where it was computed. The data-parallel sync may reduce during the last
+        micro-step's backward, a pipeline's only in finish(), after the last micro-batch's backward on each stage."""
         precision = self.precision
         if self.pipeline:
             with self.sync.accumulating(is_last_micro_step=False), record_function("forward_backward"):
-                return self.net.train_step(micro_batches, precision.loss_scale, precision.autocast,
-                                           self._chunk_weight(micro_batches))
-        total, divisors = 0.0, self._loss_divisors(micro_batches)
+                return torch.tensor(self.net.train_step(micro_batches, precision.loss_scale, precision.autocast,
+                                                        self._chunk_weight(micro_batches)), dtype=torch.float64)
+        losses, divisors = [], self._loss_divisors(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context():
                 with record_function("forward"), precision.autocast():
@@ -166,12 +170,14 @@ class Trainer:
                     loss = self.loss_fn(logits, y.to(logits.device, non_blocking=True)) / divisors[i]
                 with record_function("backward"):
                     precision.scale(loss).backward()
-            total += loss.item()
-        return total
+            losses.append(loss.detach())
+        return torch.stack(losses).double().sum()
 
-    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the step's micro-batches: the learning rate, forward and backward, the sync, the
-        clipped global norm, the optimizer (skipped on an fp16 overflow); returns (loss, grad norm)."""
+        clipped global norm, the optimizer (skipped on an fp16 overflow); returns (loss, grad norm) as scalar
+        tensors left on the device: nothing in the step waits for the device (fp16's overflow check aside), and
+        the loop reads them every log.sync_every steps (gptpar.train.step_records)."""
         t = self.cfg.train
         lr = learning_rate(self.step, t, self.total_steps)
         for group in self.optimizer.param_groups:
@@ -183,7 +189,7 @@ class Trainer:
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         targets, groups, counted = self._norm_plan()
         # An fp16 overflow skips the step on every rank: the data is consumed and the lr moves on, the weights not.
-        grad_norm = math.inf
+        grad_norm = torch.tensor(math.inf)
         if self.precision.unscale(targets):
             grad_norm = clip_gradients(targets, max_norm, groups, counted)
             with record_function("optimizer"):
@@ -313,11 +319,17 @@ class Trainer:
 
     def fast_path(self) -> dict[str, Any]:
         """What the log header records of the fast path as it resolved on this rank."""
-        return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.gpt2.vocab_size}
+        return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.gpt2.vocab_size,
+                "sync_every": sync_every(self.cfg.log.sync_every, self.dims.device)}
 
-    def logged_loss(self, loss: float) -> float | None:
+    @property
+    def computes_loss(self) -> bool:
+        """False on a pipeline stage that does not compute the loss."""
+        return not self.pipeline or self.net.computes_loss
+
+    def logged_loss(self, loss: float | None) -> float | None:
         """The loss as this rank's log reports it: a pipeline stage that does not compute it says null."""
-        return None if self.pipeline and not self.net.computes_loss else loss
+        return loss if self.computes_loss else None
 
     def _stop_status(self) -> str | None:
         """A stop asked for on any rank (gptpar.train.preemption) stops every rank at the same step:
@@ -329,52 +341,64 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return outcomes[int(flag.item())]
 
-    def _timed_step(self, batches: Iterator[list[Batch]], epoch: int) -> tuple[float, StepRecord]:
+    def _timed_step(self, batches: Iterator[list[Batch]], epoch: int) -> PendingStep:
         """The next step, from fetching its micro-batches to its global loss (every rank's clock stops after the
-        same collectives, and after the GPU's queue drained), as this rank's loss and its step record."""
+        same collectives), its numbers (loss, global loss, grad norm) and time still on the device."""
+        clock, device = StepClock(self.dims.device), self.dims.device
         start = time.perf_counter()
         micro_batches = next(batches)
         data_time = time.perf_counter() - start
         loss, grad_norm = self.train_step(micro_batches)
-        global_loss = self._dp_mean(loss)
-        if self.dims.device.type == "cuda":
-            torch.cuda.synchronize(self.dims.device)
-        step_time = time.perf_counter() - start
+        global_loss = self._dp_reduce(loss.to(device, torch.float64, copy=True)) / self.dims.size("dp")
+        clock.stop()
         self.step += 1
         tokens = sum(x.numel() for x, _ in micro_batches)  # positions run, translation's padding too
         pipeline = self.net.step_fields() if self.pipeline else {}
-        return loss, StepRecord(
-            step=self.step, epoch=epoch, loss=self.logged_loss(loss), global_loss=global_loss,
-            lr=self.optimizer.param_groups[0]["lr"], grad_norm=grad_norm, skipped=self.precision.skipped,
-            loss_scale=self.precision.step_scale, tokens=tokens, step_time_s=step_time,
-            tokens_per_s=tokens / step_time, data_time_s=data_time,
-            peak_mem_bytes=peak_memory_bytes(self.dims.device), bubble=self.net.bubble, **pipeline)
+        fields = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"],
+                      skipped=self.precision.skipped, loss_scale=self.precision.step_scale, tokens=tokens,
+                      data_time_s=data_time, peak_mem_bytes=peak_memory_bytes(device), bubble=self.net.bubble,
+                      **pipeline)
+        values = torch.stack([t.to(device, torch.float64) for t in (loss, global_loss, grad_norm)])
+        return PendingStep(values, clock, fields, has_loss=self.computes_loss)
 
-    def run(self) -> tuple[str, float]:
+    def run(self) -> tuple[str, float | None]:
         """Train from the last checkpoint to the end, or until a stop is asked for (gptpar.train.preemption);
-        returns (status, last loss): completed, stopped or requeued. The components decide their own cadence."""
+        returns (status, last loss): completed, stopped or requeued. The components decide their own cadence.
+        Step records are fetched from the device every log.sync_every steps, and before an evaluation, a
+        checkpoint or an epoch's end, so the log keeps its order; a stop is agreed on at those fetches."""
         cfg, dims = self.cfg, self.dims
         progress = Progress(cfg.log, dims.rank, dims.world_size, self.total_steps, self.step)
         progress.message(self.banner())
         metrics = Metrics(self.log, progress, dims.size("dp"))
         evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.bleu, self.log, progress)
         profiler = StepProfiler(cfg.train, dims.device, self.folder.trace_path(dims.rank))
+        pending, every = PendingSteps(), sync_every(cfg.log.sync_every, dims.device)
         status, loss = "completed", math.nan
+
+        def write_pending() -> None:
+            nonlocal loss
+            for record in pending.fetch():
+                metrics.after_step(record, self.memory)
+                loss = record.loss
+
         try:
             while self.step < self.total_steps and status == "completed":
                 epoch = self.step // self.steps_per_epoch
                 metrics.begin_epoch(self.step)
                 batches = self.batches(epoch, self.step - epoch * self.steps_per_epoch)
                 while self.step < min(self.total_steps, (epoch + 1) * self.steps_per_epoch):
-                    if (stop := self._stop_status()) is not None:  # at a step boundary, never after the last
+                    # At a step boundary where records are fetched, never after the last step.
+                    if self.step % every == 0 and (stop := self._stop_status()) is not None:
                         status = stop
                         break
                     profiler.begin(self.step + 1)
-                    loss, record = self._timed_step(batches, epoch)
+                    pending.add(self._timed_step(batches, epoch))
                     profiler.end(self.step)
-                    metrics.after_step(record, self.memory)
+                    if self.step % every == 0 or evaluation.due(self.step) or self.checkpoints.due(self.step):
+                        write_pending()
                     evaluation.after_step(self.step, epoch)
                     self.checkpoints.after_step(self.step)
+                write_pending()
                 if status == "completed" and metrics.epoch_steps(self.step):
                     metrics.end_epoch(epoch, self.step, evaluation.at_epoch_end())
             self.checkpoints.save()

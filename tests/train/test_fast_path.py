@@ -3,6 +3,7 @@ records what it resolved to. One process, the trainer's own step (`Trainer.train
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from gptpar.errors import GptparError
 from gptpar.model import build_model, pad_vocabulary
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.layers import check_vocab_split
+from gptpar.train.entry import run_rank
 from gptpar.train.optim import kind_of
 from gptpar.train.precision import resolve_precision
 from gptpar.train.provenance import header_fields
@@ -101,3 +103,30 @@ def test_precision_auto_on_a_gpu_is_bf16_where_it_has_bf16_else_fp16() -> None:
     major, _ = torch.cuda.get_device_capability(device)
     assert resolve_precision("auto", device) == ("bf16" if major >= 8 else "fp16")
     assert resolve_precision("fp32", device) == "fp32"
+
+
+def records(run_dir: Path, *kinds: str) -> list[dict]:
+    lines = (run_dir / "rank0.jsonl").read_text().splitlines()
+    return [r for line in lines if (r := json.loads(line))["kind"] in kinds]
+
+
+@pytest.mark.slow  # run_rank's header asks git for the commit
+def test_steps_read_back_every_sync_every_steps_still_log_every_step_in_order(tmp_path: Path) -> None:
+    """log.sync_every=3 over 7 steps with an evaluation every 2: every step's record, in order, each evaluation after
+    its step's record, the same numbers as reading every step back."""
+    runs = {}
+    for every in (1, 3):
+        cfg = make_config([f"log.sync_every={every}", "train.max_steps=7", "train.eval_every=2", "log.progress=none"],
+                          tmp_path, f"sync{every}")
+        result = run_rank(cfg)
+        runs[every] = Path(result["run_dir"])
+        assert result["status"] == "completed"
+    order = [(r["kind"], r["step"]) for r in records(runs[3], "step", "eval")]
+    assert order == [(r["kind"], r["step"]) for r in records(runs[1], "step", "eval")]
+    assert [s for kind, s in order if kind == "step"] == list(range(1, 8))
+    assert [s for kind, s in order if kind == "eval"] == [2, 4, 6]
+    assert all(order.index(("step", s)) < order.index(("eval", s)) for s in (2, 4, 6))
+    steps = {every: records(run, "step") for every, run in runs.items()}
+    for field in ("loss", "global_loss", "grad_norm", "lr"):
+        assert [r[field] for r in steps[3]] == [r[field] for r in steps[1]], field
+    assert records(runs[3], "header")[0]["fast_path"]["sync_every"] == 3

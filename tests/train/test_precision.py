@@ -162,7 +162,7 @@ def _parallel_worker(info: RankInfo, runs: Path) -> None:
     plain, scaled = make_trainer(updated(cfg, {"log.run_id": "plain"}), info), make_trainer(cfg, info)
     scaled.precision = Precision(torch.bfloat16, info.device, DynamicLossScaler())
     batch = next(plain.batches(0, 0))
-    norms = [plain.train_step(batch)[1], scaled.train_step(batch)[1]]
+    norms = [float(plain.train_step(batch)[1]), float(scaled.train_step(batch)[1])]
     scaled.step += 1
     before = named_params(scaled)
     if info.rank == 1:

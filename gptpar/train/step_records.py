@@ -1,0 +1,87 @@
+"""Step records without a host synchronisation inside the step (`log.sync_every`).
+
+A GPU runs ahead of the Python that queues its work; reading a number back (`loss.item()`) makes the host wait
+until the queue has drained, and the next step's kernels start only after the host has queued them again. So a
+step keeps its loss, global loss and gradient norm on the device, its time as two CUDA events (the time between
+them on the GPU's own clock, waits for the host included), and the records of `sync_every` steps are fetched
+together: one transfer, one wait. On a CPU every operation has finished when it returns: the step is timed with
+perf_counter and nothing is gained by waiting (the default there is 1). The JSONL still gets every step's record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gptpar.run.records import StepRecord
+
+GPU_SYNC_EVERY = 10  # log.sync_every=0 on a GPU
+
+
+def sync_every(setting: int, device: torch.device) -> int:
+    """`log.sync_every` for this rank's device: 0 is 1 on a CPU, GPU_SYNC_EVERY on a GPU."""
+    return setting or (GPU_SYNC_EVERY if device.type == "cuda" else 1)
+
+
+class StepClock:
+    """One step's time: CUDA events on a GPU (recording one never waits), perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = device.type == "cuda"
+        if self.events:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.start, self.elapsed = time.perf_counter(), 0.0
+
+    def stop(self) -> None:
+        if self.events:
+            self.end.record()
+        else:
+            self.elapsed = time.perf_counter() - self.start
+
+    def seconds(self) -> float:
+        """The step's seconds (on a GPU, waits for its end event: call it when fetching)."""
+        if not self.events:
+            return self.elapsed
+        self.end.synchronize()
+        return self.begin.elapsed_time(self.end) / 1000.0
+
+
+@dataclass
+class PendingStep:
+    """A step whose numbers are not yet on the host: `values` (loss, global_loss, grad_norm) on the device, `clock`,
+    and the record's other fields, known on the host already. `has_loss`: False on a pipeline stage that does not
+    compute the loss (its record says null)."""
+
+    values: torch.Tensor
+    clock: StepClock
+    fields: dict[str, Any]
+    has_loss: bool = True
+
+
+class PendingSteps:
+    """The steps taken since the last fetch."""
+
+    def __init__(self) -> None:
+        self.steps: list[PendingStep] = []
+
+    def add(self, step: PendingStep) -> None:
+        self.steps.append(step)
+
+    def fetch(self) -> list[StepRecord]:
+        """Every pending step's record, their device numbers read in one transfer."""
+        if not self.steps:
+            return []
+        numbers = torch.stack([s.values for s in self.steps]).tolist()
+        records = []
+        for step, (loss, global_loss, grad_norm) in zip(self.steps, numbers, strict=True):
+            seconds = step.clock.seconds()
+            records.append(StepRecord(loss=loss if step.has_loss else None, global_loss=global_loss,
+                                      grad_norm=grad_norm, step_time_s=seconds,
+                                      tokens_per_s=step.fields["tokens"] / seconds, **step.fields))
+        self.steps = []
+        return records
