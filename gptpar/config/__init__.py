@@ -15,6 +15,7 @@ from gptpar.config.checks import (
     fixed_width,
     profiled_steps,
     validate,
+    whole_compile_obstacle,
 )
 from gptpar.config.reference import readme_with_reference, reference_markdown
 from gptpar.config.schema import (
@@ -54,5 +55,5 @@ __all__ = [
     "checkpoint_interval", "checkpointed_indices", "config_digest", "config_from_dict", "config_layers",
     "example_width", "fixed_width", "load_config", "nested", "overrides_tree", "parse_override", "profiled_steps",
     "read_yaml", "readme_with_reference", "reference_markdown", "resolve_layers", "split_config_args", "to_yaml",
-    "to_yaml_with_origins", "updated", "validate",
+    "to_yaml_with_origins", "updated", "validate", "whole_compile_obstacle",
 ]

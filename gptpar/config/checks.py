@@ -8,6 +8,7 @@ from gptpar.config.schema import Config, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import PRESETS
 from gptpar.strategies import STRATEGY_CHECKS
+from gptpar.strategies.data_parallel import DP_STRATEGIES
 
 TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
 PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use model.init_device=meta; "
@@ -28,9 +29,24 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     checkpoint_interval(t.activation_checkpointing)
     profiled_steps(t)
+    if t.compile == "model" and (obstacle := whole_compile_obstacle(cfg)):
+        raise ConfigError(f"train.compile=model compiles the whole model as one graph, but {obstacle}; use "
+                          "train.compile=blocks")
     for check in STRATEGY_CHECKS:
         check(cfg)
     _validate_task(cfg)
+
+
+def whole_compile_obstacle(cfg: Config) -> str:
+    """Why train.compile=model cannot capture this layout's model as one graph ("" when it can): the pipelines and
+    tensor parallelism split it over stages or ranks, our fsdp gathers each block in hooks."""
+    p = cfg.parallel
+    if p.pp > 1 or p.pp_mode != "single":
+        return "a pipeline runs it stage by stage" if p.pp > 1 else f"parallel.pp_mode={p.pp_mode} splits it"
+    if p.tp > 1:
+        return f"parallel.tp={p.tp} runs it as pieces joined by collectives"
+    row = DP_STRATEGIES[p.dp_sync]
+    return f"parallel.dp_sync={p.dp_sync} {row.without_whole_compile}" if p.dp > 1 and row.without_whole_compile else ""
 
 
 def checkpoint_interval(setting: str) -> int:

@@ -15,6 +15,7 @@ from gptpar.strategies.schedules import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "tf32")
+COMPILE_MODES = ("auto", "false", "true", "blocks", "model")
 TASKS = ("lm", "translation")
 
 
@@ -118,7 +119,15 @@ class TrainConfig:
                          "newer GPUs).", choices=PRECISIONS)
     activation_checkpointing: str = opt("none", "Recompute block activations in backward instead of keeping them: "
                                         "none, block (every block) or an integer k (every k-th block).")
-    compile: bool = opt(False, "torch.compile each transformer block (needs a C++ compiler; minutes on a CPU).")
+    compile: str = opt("auto", "torch.compile (inductor needs a C++ compiler; minutes on a CPU): model compiles "
+                       "the whole model as one graph (one process, or parallel.dp_sync other than fsdp, without tp, pp "
+                       "or the one-process pipeline modes; a data-parallel sync then reduces after the whole backward "
+                       "instead of overlapping it); blocks (true: the same) compiles each transformer block; false: "
+                       "none; auto: false on CPUs, on a GPU model for one replica of one process, else blocks.",
+                       choices=COMPILE_MODES)
+    compile_backend: str = opt("inductor", "torch.compile's backend: inductor (generated kernels, the fast one); "
+                               "aot_eager (traces forward and backward and runs them eagerly: no C++ compiler, for "
+                               "checks).", choices=("inductor", "aot_eager"))
     profile_steps: str = opt("", "Profile steps A-B (e.g. 3-5) with torch.profiler into runs/<id>/trace/rank<R>.json "
                              "(Chrome trace, viewable in Perfetto; `gptpar trace` analyses them); empty: none.")
     dump_grads: str = opt("", "Folder where each rank saves the gradients of the run's last step, synced and as the "

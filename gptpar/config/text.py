@@ -76,7 +76,8 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
             value = ""
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}: expected a string, got {value!r}")
-        value = str(value)
+        # YAML reads true/false as booleans: a key that was a boolean once (train.compile) still loads.
+        value = str(value).lower() if isinstance(value, bool) else str(value)
     if meta.get("choices") and value not in meta["choices"]:
         raise ConfigError(f"{key}: {value!r} is not allowed; choose one of: {', '.join(meta['choices'])}")
     if meta.get("min") is not None and value < meta["min"]:

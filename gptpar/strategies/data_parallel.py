@@ -31,6 +31,7 @@ class DataParallelStrategy:
     without_pipeline: str = ""  # why it cannot sync a stage of the multi-process pipeline; "" if it can
     tensor_parallel: tuple[str, ...] = ("gptpar",)  # parallel.tp_impl values it composes with at dp > 1
     materialises_shards: bool = False  # with model.init_device=meta it builds only its shards itself
+    without_whole_compile: str = ""  # why train.compile=model cannot capture its model in one graph; "" if it can
 
     @property
     def whole_gradients(self) -> bool:
@@ -59,7 +60,9 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
                                   ("grads", "optimizer"), _NOT_SHARDED_YET),
     "fsdp": DataParallelStrategy(f"{_PACKAGE}.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered "
                                  "per block", ("params", "grads", "optimizer"), _NOT_SHARDED_YET,
-                                 materialises_shards=True),
+                                 materialises_shards=True,
+                                 without_whole_compile="gathers and frees each block's parameters in hooks around the "
+                                                       "block, which one whole-model graph cannot hold"),
     "fsdp2": DataParallelStrategy(f"{_PACKAGE}.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
                                   ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",)),
 }

@@ -1,8 +1,11 @@
-"""Activation checkpointing and torch.compile of GPT-2's transformer blocks, leaving the module tree alone.
+"""Activation checkpointing and torch.compile of GPT-2 (each transformer block, or the whole model), leaving the
+module tree alone.
 
-Both act on each block instance, never on the tree: parameter names, state dicts, checkpoints and the
+Both act on module instances, never on the tree: parameter names, state dicts, checkpoints and the
 pipeline's split by block are the same with or without them, and every parallelism that wraps or splits
 the model afterwards (fsdp's hooks, the pipeline's stages, Pipe's partitions) finds the blocks it expects.
+Whole-model compilation (`train.compile=model`) gives one graph for forward and one for backward, with no
+Python between the layers, where the layout runs the model as one piece (gptpar.config.whole_compile_obstacle).
 
 Checkpointing replaces a block's `forward` by one that runs the original under non-reentrant
 `torch.utils.checkpoint`: forward keeps only the block's input, backward runs the block again to get the
@@ -25,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import GPT2LMHeadModel
 
-from gptpar.config import Config, checkpoint_interval, checkpointed_indices
+from gptpar.config import Config, checkpoint_interval, checkpointed_indices, whole_compile_obstacle
 from gptpar.errors import GptparError
 from gptpar.parallel.pipeline.one_process.gpt2 import resolve_devices
 
@@ -53,16 +56,39 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def compile_blocks(model: GPT2LMHeadModel, device: torch.device, backend: str | Callable = "inductor") -> None:
-    """torch.compile each block in place (names kept). Compilation is lazy, so a small function is compiled and run
-    on `device` first: a backend that cannot work here fails now, as one line, not inside the first step."""
+def check_compiler(device: torch.device, backend: str | Callable = "inductor", key: str = "train.compile=true"
+                   ) -> None:
+    """Compilation is lazy, so a small function is compiled and run on `device` first: a backend that cannot work
+    here fails now, as one line naming `key`, not inside the first step."""
     try:
         torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.ones(2, device=device))
     except Exception as exc:  # whatever torch raises (no C++ compiler, unsupported platform): one line
-        raise GptparError(f"train.compile=true: torch.compile does not work here ({_reason(exc)}); "
+        raise GptparError(f"{key}: torch.compile does not work here ({_reason(exc)}); "
                           "set train.compile=false") from None
-    for block in model.transformer.h:
-        block.compile(backend=backend)
+
+
+def compile_blocks(model: GPT2LMHeadModel, device: torch.device, backend: str | Callable = "inductor",
+                   whole: bool = False) -> None:
+    """torch.compile each block (or with `whole` the model itself) in place: names kept, and wrappers applied
+    afterwards call the compiled forward."""
+    check_compiler(device, backend, f"train.compile={'model' if whole else 'blocks'}")
+    for module in [model] if whole else model.transformer.h:
+        module.compile(backend=backend)
+
+
+def compile_mode(cfg: Config, device: torch.device) -> str:
+    """train.compile as this rank runs it: false, blocks or model (`true` is blocks, as before there was model);
+    `auto` is false on a CPU (compiling takes minutes there), on a GPU model for one replica of one process (where
+    data parallelism would lose its overlap of communication with backward) and blocks elsewhere."""
+    setting = cfg.train.compile
+    if setting in ("false", "blocks", "model"):
+        return setting
+    if setting == "true":
+        return "blocks"
+    if device.type != "cuda":
+        return "false"
+    one_replica = cfg.parallel.dp == 1 and not whole_compile_obstacle(cfg)
+    return "model" if one_replica else "blocks"
 
 
 def _check_pipe_dropout(cfg: Config) -> None:
@@ -86,5 +112,5 @@ def prepare_blocks(model: GPT2LMHeadModel, cfg: Config, device: torch.device) ->
     if k:
         _check_pipe_dropout(cfg)
         checkpoint_blocks(model, k)
-    if cfg.train.compile:
-        compile_blocks(model, device)
+    if (mode := compile_mode(cfg, device)) != "false":
+        compile_blocks(model, device, cfg.train.compile_backend, whole=mode == "model")

@@ -47,6 +47,7 @@ from gptpar.train.precision import Precision
 from gptpar.train.preemption import stop_request
 from gptpar.train.profiling import StepProfiler
 from gptpar.train.progress import Progress, peak_memory_bytes
+from gptpar.train.recompute import compile_mode
 from gptpar.train.step_records import PendingStep, PendingSteps, StepClock, sync_every
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -320,7 +321,8 @@ class Trainer:
     def fast_path(self) -> dict[str, Any]:
         """What the log header records of the fast path as it resolved on this rank."""
         return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.gpt2.vocab_size,
-                "sync_every": sync_every(self.cfg.log.sync_every, self.dims.device)}
+                "sync_every": sync_every(self.cfg.log.sync_every, self.dims.device),
+                "compile": compile_mode(self.cfg, self.dims.device)}
 
     @property
     def computes_loss(self) -> bool:

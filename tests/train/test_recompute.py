@@ -113,7 +113,8 @@ def test_a_compiler_that_fails_is_a_one_line_error_naming_the_key() -> None:
     def broken(graph, inputs):
         raise RuntimeError("no working C++ compiler found\ndetails")
 
-    with pytest.raises(GptparError, match=r"^train.compile=true: .*RuntimeError: no working C\+\+ compiler found\); "):
+    with pytest.raises(GptparError,
+                       match=r"^train.compile=blocks: .*RuntimeError: no working C\+\+ compiler found\); "):
         compile_blocks(build_model(TINY, VOCAB, seed=1), CPU, backend=broken)
 
 
