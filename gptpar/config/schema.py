@@ -95,6 +95,11 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1.", min=0.0, max=1.0)
     beta2: float = opt(0.95, "AdamW beta2.", min=0.0, max=1.0)
     grad_clip: float = opt(1.0, "Gradient-norm clip; 0 disables it.", min=0.0)
+    chunked_loss: bool = opt(True, "The cross-entropy over chunks of rows, each in fp32 in turn (forward keeps one "
+                             "log-sum-exp per row, backward recomputes each chunk's softmax into the logits' "
+                             "gradient), never an fp32 copy of the whole logits; false: F.cross_entropy on the fp32 "
+                             "logits. The same gradients up to fp32 rounding. parallel.loss_parallel's vocabulary-"
+                             "parallel loss replaces either.")
     fused_optimizer: bool = opt(True, "AdamW as one fused kernel (CPUs and GPUs), or foreach where a device or dtype "
                                 "has no fused kernel (the log header's fast_path says which ran); false: torch's "
                                 "default (foreach on GPUs, a loop over the tensors on CPUs). The same updates up to "

@@ -87,7 +87,8 @@ class HeaderRecord(Record):
     fast_path: dict[str, Any] | Absent = optional(
         "What the step's fast path resolved to on this rank: `optimizer` (fused, foreach or for-loop), `vocab_rows` "
         "(the token table's rows, padded by model.pad_vocab and parallel.tp), `sync_every` (log.sync_every for the "
-        "device), `compile` (false, blocks or model) (absent when set-up failed).")
+        "device), `compile` (false, blocks or model), `loss` (chunked, plain or vocabulary-parallel) (absent when "
+        "set-up failed).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,7 @@ from gptpar.data import partition_dataset
 from gptpar.data.training import load_training_data
 from gptpar.data.translation import PairDataset, target_tokens
 from gptpar.errors import GptparError
-from gptpar.model import build_model, count_params, empty_model
+from gptpar.model import build_model, chunked_lm_loss, count_params, empty_model, lm_loss
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
@@ -108,11 +108,12 @@ class Trainer:
                                  self.collate, seed=self.cfg.train.seed, epoch=epoch)
 
     def batches(self, epoch: int, skip_steps: int) -> Iterator[list[Batch]]:
-        """The epoch's optimizer steps, each a list of grad_accum micro-batches; resumed steps are skipped."""
-        accum = self.cfg.train.grad_accum
+        """The epoch's optimizer steps, each a list of grad_accum micro-batches; resumed steps are skipped. On a GPU
+        they are in pinned memory, so the step's non-blocking copies to the device never wait for it."""
+        accum, pin = self.cfg.train.grad_accum, self.dims.device.type == "cuda"
         micro = iter(islice(self._loader(epoch), skip_steps * accum, self.steps_per_epoch * accum))
         while chunk := list(islice(micro, accum)):
-            yield chunk
+            yield [(x.pin_memory(), y.pin_memory()) for x, y in chunk] if pin else chunk
 
     def _dp_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the data-parallel replicas, in place (one small all-reduce; no host wait)."""
@@ -322,7 +323,8 @@ class Trainer:
         """What the log header records of the fast path as it resolved on this rank."""
         return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.gpt2.vocab_size,
                 "sync_every": sync_every(self.cfg.log.sync_every, self.dims.device),
-                "compile": compile_mode(self.cfg, self.dims.device)}
+                "compile": compile_mode(self.cfg, self.dims.device),
+                "loss": {chunked_lm_loss: "chunked", lm_loss: "plain"}.get(self.loss_fn, "vocabulary-parallel")}
 
     @property
     def computes_loss(self) -> bool:

@@ -13,9 +13,10 @@ from rank_training import make_config, make_trainer, named_params, train_steps
 
 from gptpar.config import ModelConfig
 from gptpar.errors import GptparError
-from gptpar.model import build_model, pad_vocabulary
+from gptpar.model import build_model, chunked_lm_loss, lm_loss, pad_vocabulary
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.layers import check_vocab_split
+from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.entry import run_rank
 from gptpar.train.optim import kind_of
 from gptpar.train.precision import resolve_precision
@@ -130,3 +131,55 @@ def test_steps_read_back_every_sync_every_steps_still_log_every_step_in_order(tm
     for field in ("loss", "global_loss", "grad_norm", "lr"):
         assert [r[field] for r in steps[3]] == [r[field] for r in steps[1]], field
     assert records(runs[3], "header")[0]["fast_path"]["sync_every"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_loss_gives_the_plain_loss_and_gradients_and_keeps_no_fp32_logits(dtype: torch.dtype) -> None:
+    """Several chunks, -100 targets (translation's source positions) and -inf padded columns: the plain loss's value
+    and logits gradient (fp32: rel 1e-5; bf16: each rounded once from the same fp32 numbers), while autograd keeps
+    the logits as they are (bf16: half the bytes of the plain loss's fp32 log-probabilities)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 8, 70, generator=gen).to(dtype)
+    logits[..., 64:] = float("-inf")
+    targets = torch.randint(0, 64, (3, 8), generator=gen)
+    targets[0, :5] = -100
+    grads, losses, saved = [], [], []
+    for loss_fn in (lm_loss, lambda x, y: chunked_lm_loss(x, y, chunk_elements=5 * 70)):
+        x = logits.clone().requires_grad_()
+        saved.append(saved_activation_bytes(lambda x=x, f=loss_fn: f(x, targets), []))
+        loss = loss_fn(x, targets)
+        (0.5 * loss).backward()  # a divisor (gradient accumulation) or a loss scale reaches the gradient
+        losses.append(loss.item())
+        grads.append(x.grad)
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert grads[1].dtype == dtype and not grads[1][..., 64:].any() and not grads[1][0, :5].any()
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-7)
+    if dtype == torch.bfloat16:
+        assert saved[1] < 0.6 * saved[0], saved
+
+
+def test_the_chunked_loss_trains_as_the_plain_one(tmp_path: Path) -> None:
+    chunked = trained(tmp_path, "chunked", ["train.chunked_loss=true"])
+    plain = trained(tmp_path, "plain", ["train.chunked_loss=false"])
+    assert chunked[2].fast_path()["loss"] == "chunked" and plain[2].fast_path()["loss"] == "plain"
+    assert_same_training(chunked, plain)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
+def test_the_default_step_on_a_gpu_never_waits_for_the_gpu(tmp_path: Path) -> None:
+    """torch.cuda.set_sync_debug_mode("error") raises on any operation that makes the host wait for the device: none
+    runs in gptpar's default step (bf16 there, so no fp16 overflow check), once compiled and warmed up."""
+    device = torch.device("cuda", 0)
+    info = replace(SINGLE, backend="nccl", device=device)
+    trainer = make_trainer(make_config([], tmp_path, "no-sync"), info)
+    batches = trainer.batches(0, 0)
+    trainer.train_step(next(batches))  # compiles, creates the optimizer state, counts the memory once
+    trainer.step += 1
+    torch.cuda.synchronize(device)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(2):
+            trainer.train_step(next(batches))
+            trainer.step += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

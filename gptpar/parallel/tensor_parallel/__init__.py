@@ -42,10 +42,11 @@ def shard_model(model: GPT2LMHeadModel, pcfg: ParallelConfig, dims: ParallelDims
     return shard_gpt2(model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
 
 
-def loss_function(pcfg: ParallelConfig, dims: ParallelDims, vocab: int) -> Loss:
-    """The language-model loss of what the model returns: whole logits, or vocabulary shards (loss_parallel)."""
+def loss_function(pcfg: ParallelConfig, dims: ParallelDims, vocab: int, whole: Loss = lm_loss) -> Loss:
+    """The language-model loss of what the model returns: `whole` of whole logits, or the loss of vocabulary shards
+    (loss_parallel)."""
     if dims.size("tp") == 1 or not pcfg.loss_parallel:
-        return lm_loss
+        return whole
     if pcfg.tp_impl == "torch":
         return torch_lm_loss
     return functools.partial(vocab_parallel_loss, vocab=vocab, group=dims.group("tp"))
