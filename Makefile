@@ -17,7 +17,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis figures config-reference log-reference clean
+.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis figures config-reference log-reference clean
 
 install: $(STAMP)
 
@@ -53,7 +53,7 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-bench: bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-analysis
+bench: bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis
 
 bench-dp: install
 	$(PY) bench/bench_dp.py
@@ -72,6 +72,10 @@ bench-tp: install
 
 bench-precision: install
 	$(PY) bench/bench_precision.py
+
+# The training step against a bare PyTorch loop and a tuned reference loop (gpt2-mini fp32 on a CPU, gpt2 on a GPU).
+bench-step: install
+	$(PY) bench/bench_step.py
 
 bench-analysis: install
 	$(PY) bench/bench_analysis.py
