@@ -4,7 +4,7 @@ and the values the rest of gptpar derives from validated keys."""
 
 from __future__ import annotations
 
-from gptpar.config.schema import Config, TrainConfig
+from gptpar.config.schema import RUN_ID_MAX, Config, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import PRESETS
 from gptpar.strategies import STRATEGY_CHECKS
@@ -26,6 +26,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(PRETRAINED_ON_META)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
+    if len(cfg.log.run_id) > RUN_ID_MAX:
+        raise ConfigError(f"log.run_id: {len(cfg.log.run_id)} characters is too long for a folder name; use at most "
+                          f"{RUN_ID_MAX}")
     checkpoint_interval(t.activation_checkpointing)
     profiled_steps(t)
     for check in STRATEGY_CHECKS:

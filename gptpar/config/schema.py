@@ -15,6 +15,9 @@ from gptpar.strategies.schedules import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
 PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
+# A run folder's name: file names have at most 255 bytes, and a folder set aside by --start-over or --rerun gets
+# `.replaced-<YYYYmmdd-HHMMSS>[.N]` appended (run ids are ASCII, gptpar.run.names: a character is a byte).
+RUN_ID_MAX = 200
 TASKS = ("lm", "translation")
 
 
@@ -186,7 +189,7 @@ class LaunchConfig:
 @dataclass(frozen=True)
 class LogConfig:
     runs_dir: str = opt("runs", "Where run folders are written.")
-    run_id: str = opt("", "Run folder name; empty derives NAME-<timestamp>.")
+    run_id: str = opt("", f"Run folder name, at most {RUN_ID_MAX} characters; empty derives NAME-<timestamp>.")
     name: str = opt("run", "Human name of the run, the prefix of its run id.")
     every: int = opt(10, "Print progress every N steps (plain-line mode).", min=1)
     progress: str = opt("auto", "auto: a bar on a terminal, lines otherwise.",

@@ -12,6 +12,7 @@ from pathlib import Path
 from gptpar.config import DataConfig
 from gptpar.errors import GptparError, require_extra
 from gptpar.hub import hub_reachable
+from gptpar.paths import check_path
 
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt")
@@ -20,11 +21,15 @@ TINYSHAKESPEARE_FILE = "tinyshakespeare.txt"
 DOWNLOAD_TIMEOUT_S = 10.0
 
 
-def data_dir(cfg: DataConfig) -> Path:
-    """`data.dir`, else $GPTPAR_DATA_DIR, else ~/.cache/gptpar: shared by every run on the machine."""
+def data_dir(cfg: DataConfig, create: bool = True) -> Path:
+    """`data.dir`, else $GPTPAR_DATA_DIR, else ~/.cache/gptpar: shared by every run on the machine. A file where
+    the folder would be is a one-line error naming the setting that chose it."""
+    setting = "data.dir" if cfg.dir else "GPTPAR_DATA_DIR" if os.environ.get("GPTPAR_DATA_DIR") else "data folder"
     chosen = cfg.dir or os.environ.get("GPTPAR_DATA_DIR") or Path.home() / ".cache" / "gptpar"
-    path = Path(chosen).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    path = check_path(Path(chosen).expanduser(), "folder", setting, "name a folder for data and its caches",
+                      must_exist=False)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -97,10 +102,7 @@ def text_paths(source: str) -> list[Path]:
     paths = [p.strip() for p in rest.split(",") if p.strip()]
     if not paths:
         raise GptparError(f"data.source={kind}: names no file (got {source!r}); use {kind}:PATH[,PATH...]")
-    missing = [p for p in paths if not Path(p).expanduser().is_file()]
-    if missing:
-        raise GptparError(f"data.source={kind}: no such file: {missing[0]}")
-    return [Path(p).expanduser() for p in paths]
+    return [check_path(Path(p).expanduser(), "file", f"data.source={kind}:") for p in paths]
 
 
 def read_text_file(path: Path, kind: str = "text") -> str:

@@ -153,8 +153,13 @@ def run_folder(runs_dir: str | Path, run_id: str, key: str = "log.run_id") -> Ru
     return RunFolder(path)
 
 
+def holds_run(path: Path) -> bool:
+    """Whether a folder is a run's: it holds config.yaml or a rank log (a run started by hand may have no config)."""
+    return (path / CONFIG_FILE).is_file() or any(RANK_FILE.fullmatch(p.name) for p in path.glob(RANK_GLOB))
+
+
 def find_runs(runs_dir: str | Path) -> list[RunFolder]:
-    """Every run folder (one holding config.yaml or rank*.jsonl) under runs_dir, at any depth."""
+    """Every run folder (see holds_run) under runs_dir, at any depth."""
     root = Path(runs_dir)
     found = {p.parent for p in root.rglob(CONFIG_FILE)} | {
         p.parent for p in root.rglob(RANK_GLOB) if RANK_FILE.fullmatch(p.name)}

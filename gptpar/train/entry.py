@@ -58,7 +58,7 @@ def _from_rank_zero(answer: list[Any]) -> None:
 def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict[str, Any]:
     log = RankLogger(folder.path, dims.rank)
     restart = segments(log.path)
-    trainer = None
+    trainer, started = None, False
     try:
         log.mirror = open_sinks(cfg.log, dims.rank, folder.path)  # closed by log.close()
         trainer = Trainer(cfg, dims, folder, log)
@@ -66,12 +66,13 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
         log.write(HeaderRecord(**header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
                                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
                                total_steps=trainer.total_steps))
+        started = True
         status, loss = trainer.run()
         request = stop_request() if status != "completed" else None  # this rank's own signal, if any
         log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),
                               signal=request[1] if request else None))
     except BaseException as exc:
-        if trainer is None:  # set-up failed: the segment still says who failed and why
+        if not started:  # set-up or loading the checkpoint failed: the segment still says who failed and why
             log.write(HeaderRecord(**header_fields(cfg, dims, restart)))
         log.write(FinalRecord(status="failed", step=trainer.step if trainer else 0,
                               error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500]))
