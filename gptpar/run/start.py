@@ -1,6 +1,7 @@
-"""Starting a run in its folder: the run named (once), the folder made, its config.yaml written, and an
-old folder set aside to start over. The submit side (gptpar.launch.plan) does all of it before any rank
-starts; a rank started without a submit side only names its run here too (gptpar.run.claim)."""
+"""Starting a run in its folder: the run named (once), the folder made, its config.yaml written (checked against
+the run's own by gptpar.run.resume), and an old folder set aside to start over. The submit side
+(gptpar.launch.plan) does all of it before any rank starts; a rank started without a submit side only names
+its run here too (gptpar.run.claim)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gptpar.config import Config, updated
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder, in_use, run_folder
 from gptpar.run.names import derived_run_id, replaced_name
+from gptpar.run.resume import check_start
 from gptpar.run.state import LIVE_JOB_STATES
 
 JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
@@ -28,16 +30,16 @@ def named_run(cfg: Config, run_id: str = "", runs_dir: str | Path | None = None,
 
 def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
                  again: str = "pass --start-over to set the old folder aside and start over") -> None:
-    """Make a run's folder and write its config.yaml. A live folder is refused naming its holder; a folder that
-    holds a different config is refused with what changed (`again` says how to start over), unless
-    `start_over`, which first moves any existing folder aside (set_aside)."""
+    """Make a run's folder and write its config.yaml. A live folder is refused naming its holder; a folder whose
+    run has another config is refused with what changed (gptpar.run.resume; `again` says how to start over),
+    unless `start_over`, which first moves any existing folder aside (set_aside)."""
     holder = folder.holder()
     if holder is not None:
         raise GptparError(in_use(folder.path, holder))
     if start_over and folder.path.is_dir() and any(folder.path.iterdir()):
         set_aside(folder, job_state)
     make_folder(folder.path)
-    folder.write_config(cfg, again)
+    check_start(folder, cfg, again=again)
 
 
 def make_folder(path: Path) -> None:
