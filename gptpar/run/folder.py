@@ -28,6 +28,7 @@ from gptpar.run.logfile import RANK_FILE, RANK_GLOB, rank_log_path, rank_of
 from gptpar.run.names import check_run_id
 
 CONFIG_FILE = "config.yaml"
+CHECKPOINT_DIR = "checkpoint"  # gptpar.train.checkpoint writes it (and checkpoint.tmp, checkpoint.old on the way)
 LOCK_FILE = ".lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
@@ -74,6 +75,10 @@ class RunFolder:
     def write_config(self, cfg: Config) -> None:
         """Write config.yaml atomically; whether a start may change it is gptpar.run.resume's to decide."""
         atomic_write_text(self.config_path, to_yaml(cfg))
+
+    def holds_run(self) -> bool:
+        """Whether a run has started here: rank logs, a checkpoint or job/ (config.yaml alone is only planned)."""
+        return bool(self.rank_logs()) or self.job_dir.is_dir() or any(self.path.glob(f"{CHECKPOINT_DIR}*"))
 
     def write_job_record(self, backend: str, job_id: str) -> None:
         self.job_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
-"""Starting a run in its folder: the run named (once), the folder made, its config.yaml written (checked against
-the run's own by gptpar.run.resume), and an old folder set aside to start over. The submit side
-(gptpar.launch.plan) does all of it before any rank starts; a rank started without a submit side only names
-its run here too (gptpar.run.claim)."""
+"""Starting a run in its folder: the run named (once), or named by the folder its config file sits in, the folder
+made, its config.yaml written (checked against the run's own by gptpar.run.resume), and an old folder set aside to
+start over. The submit side (gptpar.launch.plan) does all of it before any rank starts; a rank started without a
+submit side only names its run here too (gptpar.run.claim)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gptpar.config import Config, updated
+from gptpar.config import Config, Layer, nested, updated
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder, in_use, run_folder
 from gptpar.run.names import derived_run_id, replaced_name
@@ -26,6 +26,15 @@ def named_run(cfg: Config, run_id: str = "", runs_dir: str | Path | None = None,
     run is named, so a run id is derived once per run. `key` names the id's origin in a refusal."""
     folder = run_folder(runs_dir or cfg.log.runs_dir, run_id or cfg.log.run_id or derived_run_id(cfg.log.name), key)
     return updated(cfg, {"log.run_id": folder.name}), folder
+
+
+def location_layer(config_file: str | Path) -> list[Layer]:
+    """A config file in a folder that holds a run names that run: the folder is where the run is now (moved or
+    copied), whatever log.runs_dir and log.run_id the file recorded. A config file elsewhere names none."""
+    folder = RunFolder(Path(config_file).resolve().parent)
+    if not folder.holds_run():
+        return []
+    return [(f"run folder {folder.path}", nested({"log.runs_dir": str(folder.path.parent), "log.run_id": folder.name}))]
 
 
 def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
