@@ -1,8 +1,8 @@
 """A rank's claim on its run folder, before it trains: rank 0 checks its config against the run's own and writes
-config.yaml (gptpar.run.resume: a restart runs the config it was trained with), reads the run's state and takes the
-folder's lock; every rank learns the outcome, so none writes
-into a folder that rank 0 refused. A run that a submit side planned arrives named; only ranks started
-without one (torchrun or srun directly on a config file with no log.run_id) have rank 0 name it here."""
+config.yaml (gptpar.run.resume: a restart runs the config it was trained with), reads the run's state and takes
+the folder's lock; every rank learns the outcome, so none writes into a folder that rank 0 refused. A run that a
+submit side planned arrives named; only ranks started without one (torchrun or srun directly on a config file with
+no log.run_id) have rank 0 name it here."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 
 # The keys a run's starts may change: where its folder is and how it logs, how its job is queued, when it evaluates,
 # checkpoints and profiles, where its data is cached, how long a rank waits for a dead peer. None changes what it
-# trains or measures: not train.max_steps or train.epochs (the cosine schedule's length), nor launch.gpus,
-# launch.nodes (the job's shape) or launch.repeat (the run's place among a sweep point's repeats).
+# trains: not train.max_steps or train.epochs (they set the cosine schedule's length), nor launch.gpus, launch.nodes
+# (the job's shape) or launch.repeat (the run's place among a sweep point's repeats).
 RESUMABLE = frozenset({
     *(f"log.{f.name}" for f in dataclasses.fields(LogConfig)),
     *(f"launch.{key}" for key in ("profile", "cluster", "partition", "account", "qos", "constraint", "gpu_type",
@@ -68,14 +68,17 @@ def _refuse_changes(folder: RunFolder, old: dict[str, Any], cfg: Config, what: s
 
 
 def last_config(folder: RunFolder, again: str) -> dict[str, Any] | None:
-    """The config of the run's latest start, as its ranks' log headers recorded it (None before the first start).
-    An unreadable log (damaged, or written by a newer gptpar) is refused in one line: nothing can resume it."""
-    try:
-        headers = [log.header for log in map(read_rank_log, folder.rank_logs()) if log.headers]
-    except CorruptLog as exc:
-        raise GptparError(f"run folder {folder.path} cannot be resumed: {exc}; {again}") from None
-    configs = [h["config"] for h in sorted(headers, key=lambda h: h["time"]) if _recorded(h)]
-    return completed(configs[-1]) if configs else None
+    """The config of the run's latest start, as its log headers recorded it (None before the first start): the
+    first rank log by rank that has one, since every rank of a start runs one config. An unreadable log (damaged,
+    or written by a newer gptpar) is refused in one line: nothing can resume it."""
+    for path in folder.rank_logs():
+        try:
+            configs = [h["config"] for h in read_rank_log(path).headers if _recorded(h)]
+        except CorruptLog as exc:
+            raise GptparError(f"run folder {folder.path} cannot be resumed: {exc}; {again}") from None
+        if configs:
+            return completed(configs[-1])
+    return None
 
 
 def _recorded(header: dict[str, Any]) -> bool:
