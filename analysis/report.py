@@ -85,8 +85,8 @@ def run_table(runs_dir: str | Path = "runs", warmup_epochs: int = 1, warmup_step
     """(every run, the runs shown in the table and figures) with speedups, repeats and flags: what the report and
     the notebook loader (analysis.load) both start from."""
     runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers, peak_flops)
-    shown = [r for r in runs if not r.set_aside and (r.status in ("completed", "diverged")
-                                                     or (include_incomplete and r.status != "corrupt"))]
+    shown = [r for r in runs if not r.set_aside and not r.mixed and (r.status in ("completed", "diverged")
+                                                                     or (include_incomplete and r.status != "corrupt"))]
     apply_speedups(shown)
     return runs, shown
 

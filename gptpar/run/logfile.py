@@ -9,7 +9,8 @@ Every line is valid JSON: a non-finite number (a diverged loss) is written as th
 
 Schema versions: 1 (first release); 2 adds `coords`/`sizes` for every grid dimension (dp, pp, tp),
 `stage_devices` and `config_digest` in the header, `global_loss` in step records, and non-finite
-numbers as strings. Version 1 logs stay readable.
+numbers as strings. Version 1 logs stay readable; a log of a newer version than SCHEMA_VERSION is not read at all
+(its records may mean what this reader cannot know): CorruptLog names the version and the upgrade.
 """
 
 from __future__ import annotations
@@ -205,6 +206,8 @@ def read_rank_log(path: Path, warnings: list[str] | None = None) -> RankLog:
                     continue
                 except KeyError:
                     pass
+            if kind == "header":
+                _check_version(rec)
             validate_record(rec)
             _restore_numbers(rec)
             if kind == "header":
@@ -229,6 +232,13 @@ def read_rank_log(path: Path, warnings: list[str] | None = None) -> RankLog:
         log.last_time = float(records[-1]["time"])
     log.records = len(records)
     return log
+
+
+def _check_version(header: dict[str, Any]) -> None:
+    version = header.get("schema_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise ValueError(f"schema_version {version} is newer than this gptpar reads (up to {SCHEMA_VERSION}); "
+                         "upgrade gptpar (git pull, then make install) to read this run")
 
 
 def segments(path: Path) -> int:

@@ -40,8 +40,8 @@ from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
 from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
 from gptpar.paths import check_path
+from gptpar.run.folder import CHECKPOINT_DIR
 
-CHECKPOINT_DIR = "checkpoint"
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
 # hold different parameters, and a group's index would name different parameters on each stage's rank.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)

@@ -41,7 +41,7 @@ def _run_rank(cfg: Config) -> dict[str, Any]:
         launched = launched_config(cfg, info.world_size)  # checked before the folder is touched
         dims = ParallelDims.build(info, grid_sizes(launched))
         with contextlib.ExitStack() as stack:
-            folder, state = claim_run_folder(cfg, info, _from_rank_zero, stack, job_id())  # config.yaml: as submitted
+            folder, state = claim_run_folder(cfg, launched, info, _from_rank_zero, stack, job_id())
             if state in FINISHED:
                 if info.rank == 0:
                     print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)
