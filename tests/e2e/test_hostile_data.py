@@ -8,17 +8,25 @@ which must refuse before it makes a run folder or starts a rank (the conftest gu
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from rank_training import make_trainer
 
 from gptpar.cli import main as gptpar_main
 from gptpar.config import ConfigError, load_config
+from gptpar.data.translation import load_translation
+from gptpar.errors import GptparError
+from gptpar.parallel.process_group import RankInfo
 
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
         "data.vocab_size=300", "train.batch_size=8", "train.max_steps=2", "train.threads=1", "log.progress=none"]
+LOCAL = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
+                 launcher="single", backend="gloo", device=torch.device("cpu"))
 
 
 def one_line(exc: pytest.ExceptionInfo) -> str:
@@ -53,3 +61,57 @@ def test_pretrained_weights_fix_the_context_whatever_model_n_positions_says() ->
                            "data.seq_len=2048"])
     assert one_line(exc) == ("data.seq_len=2048 is above model.n_positions=1024, the model's context length; lower "
                              "data.seq_len (pretrained weights fix the context length)")
+
+
+# --- item 9: translation pairs dropped by data.max_chars, and splits left empty -----------------------------------
+
+def write_pairs(path: Path, pairs: list[tuple[str, str]]) -> str:
+    path.write_text("".join(json.dumps({"de": de, "en": en}) + "\n" for de, en in pairs))
+    return str(path)
+
+
+@pytest.fixture
+def one_huge_pair(tmp_path: Path) -> list[str]:
+    """The issue's case, scaled down: a first pair longer than data.max_chars, then 50 small ones (and a
+    validation file), as a translation config of a tiny model."""
+    pairs = [("x" * 600, "y" * 600), *((f"hund {i}", f"dog {i}") for i in range(50))]
+    valid = [(f"katze {i}", f"cat {i}") for i in range(8)]
+    files = f"{write_pairs(tmp_path / 'train.jsonl', pairs)},{write_pairs(tmp_path / 'valid.jsonl', valid)}"
+    return ["data.task=translation", f"data.source=jsonl:{files}", "data.tokenizer=bytes", "data.max_source_len=8",
+            "data.max_target_len=8", "train.bleu_samples=0", f"log.runs_dir={tmp_path / 'runs'}"]
+
+
+def test_pairs_dropped_by_max_chars_are_counted_where_too_few_are_left(one_huge_pair: list[str]) -> None:
+    cfg = load_config(None, [*TINY, *one_huge_pair, "data.max_chars=1000", "log.run_id=capped"])
+    with pytest.raises(GptparError) as exc:
+        make_trainer(cfg, LOCAL)
+    assert one_line(exc) == ("train.batch_size=8 exceeds the 1 training examples: data.max_chars=1000 kept 1 of 51 "
+                             "training pairs (dropped 50); raise data.max_chars (0 reads all) or lower "
+                             "train.batch_size")
+
+
+def test_pairs_dropped_by_max_chars_are_said_in_the_banner(one_huge_pair: list[str]) -> None:
+    cfg = load_config(None, [*TINY, *one_huge_pair, "data.max_chars=1300", "log.run_id=capped"])
+    banner = make_trainer(cfg, LOCAL).banner()
+    assert "; data.max_chars=1300 kept 11 of 51 training pairs (dropped 40); fp32; " in banner
+    everything = load_config(None, [*TINY, *one_huge_pair, "data.max_chars=0", "log.run_id=all"])
+    assert "data.max_chars" not in make_trainer(everything, LOCAL).banner()
+
+
+def test_an_empty_split_names_the_file_or_the_key_that_emptied_it(tmp_path: Path) -> None:
+    pairs = [(f"hund {i}", f"dog {i}") for i in range(50)]
+    empty, full = write_pairs(tmp_path / "empty.jsonl", []), write_pairs(tmp_path / "full.jsonl", pairs)
+    one = write_pairs(tmp_path / "one.jsonl", pairs[:1])
+    cases = {
+        (empty, "0.1"): f"data.source=jsonl: {empty} has no pairs; add some or name another file",
+        (f"{full},{empty}", "0.1"): f"data.source=jsonl: {empty} has no pairs; add some or name another file",
+        (full, "0"): (f"data.val_fraction=0 holds out none of the 50 pairs of {full} for validation; raise "
+                      "data.val_fraction or name a validation file (jsonl:TRAIN,VALID)"),
+        (one, "0.1"): (f"data.val_fraction=0.1 leaves none of the 1 pair(s) of {one} for training; add pairs or name "
+                       "a validation file (jsonl:TRAIN,VALID)"),
+    }
+    for (files, val_fraction), message in cases.items():
+        with pytest.raises(GptparError) as exc:
+            load_translation(load_config(None, ["data.task=translation", f"data.source=jsonl:{files}",
+                                                f"data.val_fraction={val_fraction}", "data.tokenizer=bytes"]).data)
+        assert one_line(exc) == message
