@@ -19,6 +19,7 @@ from rank_training import make_trainer
 
 from gptpar.cli import main as gptpar_main
 from gptpar.config import ConfigError, load_config
+from gptpar.data import load_tokens
 from gptpar.data.translation import load_translation
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
@@ -33,6 +34,41 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
     message = str(exc.value)
     assert "\n" not in message and len(message) < 400, message
     return message
+
+
+# --- item 3: a file named twice trains twice and validates on what it trained on -------------------------------
+
+def test_a_text_file_named_twice_or_copied_is_refused_naming_both(tmp_path: Path) -> None:
+    text = "".join(f"line {i} of the corpus\n" for i in range(300))
+    a, copy, other = tmp_path / "a.txt", tmp_path / "copy.txt", tmp_path / "other.txt"
+    a.write_text(text)
+    copy.write_text(text)
+    other.write_text(text.replace("corpus", "cORPUS"))  # the same size, other content: not a duplicate
+    (tmp_path / "link.txt").symlink_to(a)
+    (tmp_path / "sub").mkdir()
+    cases = {f"{a},{a}": f"names {a} twice; list each file once",
+             f"{a},{tmp_path}/sub/../a.txt": f"names {a} twice (as {a} and {tmp_path}/sub/../a.txt); list each",
+             f"{tmp_path / 'link.txt'},{a}": f"names {a} twice (as {tmp_path / 'link.txt'} and {a}); list each",
+             f"{other},{a},{copy}": f"{a} and {copy} have the same content; list it once"}
+    for files, message in cases.items():
+        with pytest.raises(GptparError) as exc:
+            load_tokens(load_config(None, [f"data.source=text:{files}", "data.tokenizer=bytes",
+                                           f"data.dir={tmp_path / 'data'}"]).data)
+        assert one_line(exc).startswith(f"data.source=text: {message}")
+    splits = load_tokens(load_config(None, [f"data.source=text:{a},{other}", "data.tokenizer=bytes",
+                                            f"data.dir={tmp_path / 'data'}"]).data)
+    assert len(splits.train) + len(splits.val) == 2 * len(text) + 1  # two files, one newline between them
+
+
+def test_a_translation_file_that_is_both_train_and_validation_is_refused(tmp_path: Path) -> None:
+    train = tmp_path / "train.tsv"
+    train.write_text("".join(f"hund {i}\tdog {i}\n" for i in range(20)))
+    (tmp_path / "valid.tsv").write_text(train.read_text())
+    for files in (f"{train},{train}", f"{train},{tmp_path / 'valid.tsv'}"):
+        with pytest.raises(GptparError, match=r"^data.source=tsv: .* list (each file|it) once") as exc:
+            load_translation(load_config(None, ["data.task=translation", f"data.source=tsv:{files}",
+                                                "data.tokenizer=bytes"]).data)
+        one_line(exc)
 
 
 # --- item 8: data.seq_len above model.n_positions, refused with the config under every layout --------------------
