@@ -70,6 +70,9 @@ def _validate_task(cfg: Config) -> None:
     if d.task == "lm":
         if d.source.startswith(TRANSLATION_SOURCES[:2]):
             raise ConfigError(f"data.source={d.source!r} holds translation pairs; set data.task=translation")
+        if d.val_fraction == 0:  # every lm source is split by position: nothing would be left to validate on
+            raise ConfigError("data.val_fraction=0 holds out no text for validation, which data.task=lm needs; use "
+                              "a fraction above 0 (the default is 0.1)")
         return
     if not d.source.startswith(TRANSLATION_SOURCES):
         raise ConfigError(f"data.task=translation reads pairs: data.source={d.source!r} is not allowed; use "

@@ -151,3 +151,12 @@ def test_an_empty_split_names_the_file_or_the_key_that_emptied_it(tmp_path: Path
             load_translation(load_config(None, ["data.task=translation", f"data.source=jsonl:{files}",
                                                 f"data.val_fraction={val_fraction}", "data.tokenizer=bytes"]).data)
         assert one_line(exc) == message
+
+
+def test_val_fraction_0_for_language_modelling_names_the_key() -> None:
+    """Every lm source is split by position, so nothing would be left to validate on (the error came from the
+    validation split's blocks and advised lowering data.seq_len)."""
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["data.val_fraction=0"])
+    assert one_line(exc) == ("data.val_fraction=0 holds out no text for validation, which data.task=lm needs; use a "
+                             "fraction above 0 (the default is 0.1)")
