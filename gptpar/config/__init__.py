@@ -9,6 +9,7 @@ it: errors, paths, presets and the torch-free strategy tables only.
 from gptpar.config.checks import (
     PRETRAINED_ON_META,
     TRANSLATION_SOURCES,
+    check_context,
     checkpoint_interval,
     checkpointed_indices,
     example_width,
@@ -50,9 +51,9 @@ from gptpar.errors import ConfigError
 
 __all__ = [
     "PRECISIONS", "PRETRAINED_ON_META", "SECTIONS", "TASKS", "TRANSLATION_SOURCES", "Config", "ConfigError",
-    "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_dict",
-    "checkpoint_interval", "checkpointed_indices", "config_digest", "config_from_dict", "config_layers",
-    "example_width", "fixed_width", "load_config", "nested", "overrides_tree", "parse_override", "profiled_steps",
-    "read_yaml", "readme_with_reference", "reference_markdown", "resolve_layers", "split_config_args", "to_yaml",
-    "to_yaml_with_origins", "updated", "validate",
+    "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "TrainConfig",
+    "apply_dict", "check_context", "checkpoint_interval", "checkpointed_indices", "config_digest",
+    "config_from_dict", "config_layers", "example_width", "fixed_width", "load_config", "nested", "overrides_tree",
+    "parse_override", "profiled_steps", "read_yaml", "readme_with_reference", "reference_markdown",
+    "resolve_layers", "split_config_args", "to_yaml", "to_yaml_with_origins", "updated", "validate",
 ]

@@ -97,12 +97,35 @@ def tinyshakespeare_path(cfg: DataConfig) -> Path:
 
 
 def text_paths(source: str) -> list[Path]:
-    """The files named by `KIND:PATH[,PATH...]` (text:, or translation's jsonl: and tsv:), each checked to exist."""
+    """The files named by `KIND:PATH[,PATH...]` (text:, or translation's jsonl: and tsv:), each checked to exist
+    and to be named once."""
     kind, _, rest = source.partition(":")
     paths = [p.strip() for p in rest.split(",") if p.strip()]
     if not paths:
         raise GptparError(f"data.source={kind}: names no file (got {source!r}); use {kind}:PATH[,PATH...]")
-    return [check_path(Path(p).expanduser(), "file", f"data.source={kind}:") for p in paths]
+    files = [check_path(Path(p).expanduser(), "file", f"data.source={kind}:") for p in paths]
+    _refuse_duplicates(kind, files)
+    return files
+
+
+def _refuse_duplicates(kind: str, files: list[Path]) -> None:
+    """One file named twice, or two with the same content, would train twice on the same text and validate on text
+    it trained on (the held-out tail of one copy, or a validation file that is the training file). Files are the
+    same by resolved path, else by sha256 (read only where sizes match; empty files hold nothing to repeat)."""
+    named: dict[Path, Path] = {}
+    for path in files:
+        first = named.setdefault(path.resolve(), path)
+        if first is not path:
+            spelled = f" (as {first} and {path})" if first != path else ""
+            raise GptparError(f"data.source={kind}: names {path.resolve()} twice{spelled}; list each file once")
+    digests: dict[tuple[int, str], Path] = {}
+    sizes = [path.stat().st_size for path in files]
+    for path, size in zip(files, sizes, strict=True):
+        if size and sizes.count(size) > 1:
+            first = digests.setdefault((size, sha256_of(path)), path)
+            if first is not path:
+                raise GptparError(f"data.source={kind}: {first} and {path} have the same content; list it once "
+                                  "(a copy trains twice, and validates on text it trained on)")
 
 
 def read_text_file(path: Path, kind: str = "text") -> str:

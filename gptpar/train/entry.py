@@ -24,14 +24,14 @@ from gptpar.run.sinks import open_sinks
 from gptpar.run.start import named_run
 from gptpar.run.state import FINISHED, resume_hint
 from gptpar.train.checkpoint import load_checkpoint
-from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
+from gptpar.train.preemption import can_requeue, launcher_watch, requeue_current_job, stop_request, stop_signals
 from gptpar.train.provenance import header_fields, job_id
 from gptpar.train.trainer import Trainer
 
 
 def run_rank(cfg: Config) -> dict[str, Any]:
     """Train as one rank of the job the environment describes (a single process when it describes none)."""
-    with stop_signals():
+    with stop_signals(), launcher_watch():
         return _run_rank(cfg)
 
 
