@@ -1,4 +1,5 @@
-"""ZeRO-1/2/3 (zero1, zero2, our fsdp) and FSDP2 on real gloo groups: one process's training, memory to the byte.
+"""ZeRO-1/2/3 (zero1, zero2, our fsdp) and FSDP2 on real gloo groups: one process's training, memory to the byte;
+resumes of these and of the replicating syncs (naive, ddp).
 
 One spawn of 2 ranks (and one of 4) trains each case through the trainer's own step (AdamW, clipping on) and
 saves losses, parameters and the `memory` counts; the assertions compare them with one process on the same
@@ -20,6 +21,8 @@ from gptpar.parallel.process_group import RankInfo
 from gptpar.train.checkpoint import export_checkpoint
 
 CASES = [
+    ("naive", ["parallel.dp=2", "parallel.dp_sync=naive"]),  # the replicating syncs, for their resume
+    ("ddp", ["parallel.dp=2", "parallel.dp_sync=ddp"]),
     ("zero1", ["parallel.dp=2", "parallel.dp_sync=zero1"]),
     ("zero1-accum", ["parallel.dp=2", "parallel.dp_sync=zero1", "train.grad_accum=2", "parallel.bucket_mb=0.01"]),
     ("zero2", ["parallel.dp=2", "parallel.dp_sync=zero2", "parallel.bucket_mb=0.01"]),
@@ -33,6 +36,7 @@ CASES = [
 CASES_4 = [(f"{sync}-w4", ["parallel.dp=4", f"parallel.dp_sync={sync}"])
            for sync in ("zero1", "zero2", "fsdp", "fsdp2")]
 ALL = dict(CASES + CASES_4)
+RESUMED = ["naive", "ddp", "zero1", "zero2", "fsdp", "fsdp2"]
 
 
 def _zero_worker(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]], resume: bool) -> None:
@@ -48,7 +52,7 @@ def _zero_worker(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]],
                       sync, "shard_size", None), "units": len(getattr(sync, "units", [None])),
                   "pieces": [(p.name, p.start, p.end) for p in getattr(sync, "pieces", [])]}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
-    for name in ("zero1", "zero2", "fsdp", "fsdp2") if resume else ():  # a step, a checkpoint, a new trainer, a step
+    for name in RESUMED if resume else ():  # a step, a checkpoint, a new trainer, a step
         resumed = resumed_run(make_config(dict(CASES)[name], runs, f"resumed-{name}"), info)
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
@@ -109,10 +113,11 @@ def test_memory_is_the_closed_form(results: Path, name: str) -> None:
     assert max(owned) - min(owned) < world * ranks[0]["units"] and sum(owned) == ranks[0]["memory"]["params"]
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2", "fsdp", "fsdp2"])
+@pytest.mark.parametrize("name", RESUMED)
 @pytest.mark.slow
 def test_a_resumed_run_continues_bitwise_where_it_stopped(results: Path, name: str) -> None:
-    """Each rank saves its own shard's optimizer state (keys name the parameter and range) and loads it back."""
+    """Each rank saves its own shard's optimizer state (keys name the parameter and range) and loads it back; naive
+    and ddp save their replicated state once and every replica loads it."""
     straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
     for a, b in zip(straight, resumed, strict=True):
         assert b["losses"] == [a["losses"][1]]
