@@ -6,8 +6,10 @@ cannot run are one-line errors.
 bf16 runs a small byte-level text model whose loss falls fast, so "it trains" shows in six steps. Its losses stay
 within BF16_LOSS_TOL of fp32's step by step (they differ by ~1e-3: bf16 keeps 8 bits of mantissa) yet differ from
 them (autocast ran). Two ranks in bf16 agree with one bf16 process: losses within PARALLEL_LOSS_TOL,
-parameters within a mean |difference| of PARALLEL_PARAM_TOL after two AdamW steps (measured: ~4e-5 against one
-bf16 process, ~1.3e-4 against fp32; a missing or wrong gradient moves many parameters by a whole step, 1e-2).
+parameters within a mean |difference| of PARALLEL_PARAM_TOL after two AdamW steps (measured against one bf16
+process: ~4e-5 for every schedule and data-parallel sync, ~1e-4 for tensor parallelism, whose sharded matmuls sum
+their bf16 partial results in another order; ~1.4e-4 against fp32; a missing or wrong gradient moves many
+parameters by a whole step, 1e-2).
 fp16 needs a GPU, so its scaler runs here with an autocast-free fp32 model or under bf16 autocast: the same code.
 """
 
@@ -40,7 +42,7 @@ TEXT = ["data.source=stdlib", "data.tokenizer=bytes", "data.max_chars=40000", "t
         "log.progress=none"]
 BF16_LOSS_TOL = 0.02
 PARALLEL_LOSS_TOL = 1e-3
-PARALLEL_PARAM_TOL = 1e-4  # mean |difference|: 1% of one AdamW step at lr 0.01
+PARALLEL_PARAM_TOL = 3e-4  # mean |difference|: 3% of one AdamW step at lr 0.01, 3x tensor parallelism's measured
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # the pipeline's head copy of the tied matrix
 CPU = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                launcher="single", backend="gloo", device=torch.device("cpu"))
