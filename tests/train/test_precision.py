@@ -193,14 +193,22 @@ def parallel_runs(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools
     return runs
 
 
+@pytest.fixture(scope="module")
+def one_process(parallel_runs: Path) -> dict[str, dict]:
+    """One process on the same global batch, in bf16 and in fp32: the reference of every case, since the cases differ
+    from it only in parallel.* keys, which reference_run resets."""
+    assert all(key == BF16 or key.startswith("parallel.") for _, overrides in PARALLEL_CASES for key in overrides)
+    return {precision: reference_run(make_config([*TEXT, f"train.precision={precision}"], parallel_runs, precision))
+            for precision in ("bf16", "fp32")}
+
+
 @pytest.mark.parametrize("name", [name for name, _ in PARALLEL_CASES])
 @pytest.mark.slow
-def test_bf16_on_two_ranks_trains_like_one_bf16_process(parallel_runs: Path, name: str) -> None:
-    overrides = [*TEXT, *dict(PARALLEL_CASES)[name]]
+def test_bf16_on_two_ranks_trains_like_one_bf16_process(parallel_runs: Path, one_process: dict[str, dict],
+                                                       name: str) -> None:
     ranks = [torch.load(parallel_runs / f"{name}.rank{r}.pt", weights_only=False) for r in range(2)]
-    ref = reference_run(make_config(overrides, parallel_runs, name))
-    fp32 = reference_run(make_config([*overrides, "train.precision=fp32"], parallel_runs, f"{name}-fp32"))
-    # Replicas each report their shard's loss (their mean is the batch's); pipeline stages all report the batch's.
+    ref, fp32 = one_process["bf16"], one_process["fp32"]
+    # Replicas each report their shard's loss (their mean is the batch's); stages and tensor-parallel ranks the batch's.
     losses = [sum(step) / 2 for step in zip(*(r["losses"] for r in ranks), strict=True)]
     assert losses == pytest.approx(ref["losses"], abs=PARALLEL_LOSS_TOL)
     assert losses != fp32["losses"]  # the ranks ran under autocast
