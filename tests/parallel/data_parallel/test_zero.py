@@ -47,9 +47,9 @@ class LiveStorage:
     """What fsdp holds in flight, measured from storage as the `memory` record's bytes are: the storages of the model's
     whole parameters (a unit's gathered buffer, 0 bytes while freed) and of the buffers their gradients view, summed
     over the distinct live ones at every module's forward, every gradient of a module's output and every parameter's
-    gradient landing. A gradient buffer handed to a reduce-scatter has no Python reference left but lives in the
-    collective until waited for; a weak reference to its storage sees it exactly that long (torch keeps a storage's
-    Python object while the storage lives)."""
+    gradient landing. A gradient buffer handed to a reduce-scatter is no longer reachable from the model; a weak
+    reference to its storage sees it exactly as long as it lives (torch keeps a storage's Python object while the
+    storage lives)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.params = list(model.parameters())
