@@ -214,9 +214,9 @@ def test_figures_from_the_runs(work: Path) -> None:
     assert shapes == {"dp2": ("completed", "2", "single"), pp_run: ("completed", "1", "pipeline_parallel"),
                       "dp_2nodes": ("completed", "4", "single")}
     assert all(float(rows[run]["tokens_per_s_mean"]) > 0 for run in shapes)
-    # 2 and 4 GPUs make the scaling figures, the sbatch pipeline job the pipeline-against-model-parallel one
-    for name in ("speedup_vs_gpus", "throughput_vs_gpus", "time_vs_gpus", "pipeline_vs_model_parallel",
-                 "loss_top-level"):
+    # 2 and 4 GPUs make the scaling figures, the sbatch pipeline job the pipeline-against-model-parallel one (the
+    # speedup figure also needs a finished 1-GPU data-parallel run, which is the requeue test's, not waited for here)
+    for name in ("throughput_vs_gpus", "time_vs_gpus", "pipeline_vs_model_parallel", "loss_top-level"):
         figure = (out / f"{name}.png").read_bytes()
         assert figure.startswith(b"\x89PNG") and len(figure) > 10_000, name
 
