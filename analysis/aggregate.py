@@ -150,6 +150,7 @@ class RunMetrics:
     stitched: list[int] = field(default_factory=list)  # kept epochs timed from step records (restarts)
     stale: str = ""  # why its numbers are not of its sweep's current definition, in one line
     set_aside: bool = False  # a folder --rerun / --start-over moved to <name>.replaced-<time>
+    mixed: str = ""  # why its starts ran different configs: its numbers mix them (left out of table and figures)
     memory: MemoryUse | None = None  # None: no rank logged a memory record (logs older than it)
     peak_mem: tuple[float, float] | None = None  # (mean, max) over ranks of each rank's highest peak_mem_bytes
     traces: list[RankTrace] = field(default_factory=list)  # each rank's profiled steps (train.profile_steps)
@@ -269,7 +270,9 @@ def _warmup(m: RunMetrics, ranks: list[RankLog], figures: list[dict[int, tuple[f
 
 def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int = 5) -> RunMetrics:
     m = RunMetrics(rel, run.run_id, run.sweep or TOP_LEVEL, run.state, run.detail, flatten(run.config),
-                   warnings=list(run.warnings))
+                   mixed=run.mixed, warnings=list(run.warnings))
+    if m.mixed:
+        m.warnings.append(f"run {rel}: {m.mixed}; left out of the table and figures")
     ranks = run.ranks
     if not ranks:
         return m

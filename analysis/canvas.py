@@ -22,6 +22,10 @@ from gptpar.errors import GptparError  # noqa: E402
 from gptpar.run.names import short_hash, slug  # noqa: E402
 
 FORMATS = ("png", "pdf", "svg")
+# The canvas is bounded, so no option or data can ask for an image that exhausts memory (at 100000 dpi a figure
+# is gigapixels): figures are at most MAX_INCHES on a side, drawn at DPI_RANGE dots per inch.
+DPI_RANGE = (10, 600)
+MAX_INCHES = 24.0
 STYLE = {
     "figure.figsize": (8.0, 4.4), "figure.dpi": 110, "axes.grid": True, "grid.alpha": 0.3,
     "axes.spines.top": False, "axes.spines.right": False, "legend.fontsize": 8, "lines.markersize": 5,
@@ -46,10 +50,9 @@ class FigureSet:
 
     def __post_init__(self) -> None:
         """A format or dpi the figures cannot have is a user error, found before any run is read."""
-        if self.fmt not in FORMATS:
-            raise GptparError(f"--format {self.fmt!r}: figures are written as {', '.join(FORMATS)}")
-        if self.dpi <= 0:
-            raise GptparError(f"--dpi {self.dpi}: must be a positive number of dots per inch")
+        check_format(self.fmt, f"--format {self.fmt!r}")
+        if not DPI_RANGE[0] <= self.dpi <= DPI_RANGE[1]:
+            raise GptparError(f"--dpi {self.dpi}: figures are drawn at {DPI_RANGE[0]} to {DPI_RANGE[1]} dots per inch")
 
     def save(self, fig: plt.Figure, stem: str, identity: str = "") -> None:
         """Write and close a figure as <stem>.<format>; a stem already written this report gets a hash of the
@@ -59,6 +62,18 @@ class FigureSet:
             path = self.out_dir / f"{stem}-{short_hash(identity + path.name)}.{self.fmt}"
         write(fig, path, self.dpi)
         self.written.append(path)
+
+
+def check_format(fmt: str, what: str) -> None:
+    """A figure format must be one of FORMATS; `what` names the option that asked for it."""
+    if fmt not in FORMATS:
+        raise GptparError(f"{what}: figures are written as {', '.join(FORMATS)}")
+
+
+def figure_size(width: float, height: float) -> tuple[float, float]:
+    """A figure's size in inches, for a width and height that grow with the data (actions, ranks, bars), at most
+    MAX_INCHES on a side."""
+    return min(width, MAX_INCHES), min(height, MAX_INCHES)
 
 
 def write(fig: plt.Figure, path: Path, dpi: int | None = None) -> None:

@@ -30,6 +30,7 @@ from analysis.canvas import (
     FigureSet,
     draw_marks,
     error_note,
+    figure_size,
     legend,
     plt,
     stem,
@@ -356,7 +357,7 @@ def _timelines(runs: list[RunMetrics], figs: FigureSet) -> bool:
         ranks, simulated = len(trace.idle), simulated_timeline(r, trace)
         cost = ", ".join(f"{kind} {seconds * 1e3:.3g} ms" for kind, seconds in mean_costs(trace).items() if seconds)
         actions = max(sum(row == rank for row, *_ in trace.spans) for rank in range(ranks))
-        fig, axes = plt.subplots(2, 1, sharex=True, figsize=(min(24.0, max(8.0, 0.3 * actions)), 0.9 * ranks + 3))
+        fig, axes = plt.subplots(2, 1, sharex=True, figsize=figure_size(max(8.0, 0.3 * actions), 0.9 * ranks + 3))
         _gantt(axes[0], trace, ranks, f"measured, step {r.pp_trace_step}: bubble {trace.bubble:.3f} "
                                       "(logged idle share, mean over stage ranks)")
         _gantt(axes[1], simulated, ranks, f"simulated with the step's mean {cost}: bubble {simulated.bubble:.3f}")
@@ -428,7 +429,7 @@ def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
         return False
     keys = sorted(groups, key=lambda k: (k[0], *_strategy_order(k[1]), k[2]))
     bars = sum(len(members) for members in groups.values())
-    fig, ax = plt.subplots(figsize=(min(24.0, max(6.4, 0.6 * (bars + len(groups)) + 2)), 4.8))
+    fig, ax = plt.subplots(figsize=figure_size(max(6.4, 0.6 * (bars + len(groups)) + 2), 4.8))
     above = blended_transform_factory(ax.transData, ax.transAxes)
     x, ticks, names, labelled = 0.0, [], [], set[str]()
 
@@ -574,7 +575,7 @@ def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], N
 def schedule_gantt(timeline: Timeline, ranks: int, title: str, path: Path) -> Path:
     """A simulated pipeline schedule's Gantt chart, in cost units."""
     with plt.rc_context(STYLE):
-        fig, ax = plt.subplots(figsize=(max(6.4, timeline.makespan * 0.25), 0.5 * ranks + 1.5))
+        fig, ax = plt.subplots(figsize=figure_size(max(6.4, timeline.makespan * 0.25), 0.5 * ranks + 1.5))
         _gantt(ax, timeline, ranks, title)
         ax.set_xlabel("time (cost units)")
         _gantt_legend(ax)

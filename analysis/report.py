@@ -25,6 +25,7 @@ from analysis.summary import markdown, write_csv
 from analysis.trace import analyse_run
 from gptpar.atomic import write_error
 from gptpar.errors import GptparError
+from gptpar.paths import check_path
 from gptpar.run.folder import RunFolder, find_runs
 from gptpar.run.state import read_run
 
@@ -58,9 +59,7 @@ def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int
                  ) -> list[RunMetrics]:
     """Metrics of every run under runs_dir (runs outside a sweep folder in the sweep "top-level"); peak_flops
     (FLOP/s per device) gives MFU a peak for devices the table lacks, such as a CPU."""
-    runs_dir = Path(runs_dir)
-    if not runs_dir.is_dir():
-        raise GptparError(f"runs directory {str(runs_dir)!r} does not exist")
+    runs_dir = check_path(runs_dir, "folder", "runs directory")
     dirs = find_runs(runs_dir)
     if not dirs:
         raise GptparError(f"no run folders (with config.yaml or rank*.jsonl files) under {str(runs_dir)!r}")
@@ -86,8 +85,8 @@ def run_table(runs_dir: str | Path = "runs", warmup_epochs: int = 1, warmup_step
     """(every run, the runs shown in the table and figures) with speedups, repeats and flags: what the report and
     the notebook loader (analysis.load) both start from."""
     runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers, peak_flops)
-    shown = [r for r in runs if not r.set_aside and (r.status in ("completed", "diverged")
-                                                     or (include_incomplete and r.status != "corrupt"))]
+    shown = [r for r in runs if not r.set_aside and not r.mixed and (r.status in ("completed", "diverged")
+                                                                     or (include_incomplete and r.status != "corrupt"))]
     apply_speedups(shown)
     return runs, shown
 
@@ -99,14 +98,6 @@ def print_warnings(runs: list[RunMetrics]) -> None:
             print(f"warning: {warning}", file=sys.stderr)
         if r.status == "corrupt":
             print(f"warning: run {r.run} is corrupt and left out: {r.detail}", file=sys.stderr)
-
-
-def _check_output(out: Path) -> None:
-    """A report folder that is (or lies under) a file is a user error, found before any run is read."""
-    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        where = "is a file" if blocker == out else f"lies under {blocker}, which is a file"
-        raise GptparError(f"--out {str(out)!r} {where}, not a folder; name a folder for the report")
 
 
 def _write(result: ReportResult, runs_dir: Path, warmup: str, figs: FigureSet) -> None:
@@ -126,8 +117,7 @@ def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmu
            x: str | None = None, fmt: str = "png", dpi: int = 110) -> ReportResult:
     """summary.csv, summary.md and the figures (as fmt at dpi; lines by the group_by keys, against x) of the runs
     under runs_dir, in out_dir."""
-    out = Path(out_dir)
-    _check_output(out)
+    out = check_path(out_dir, "folder", "--out", "name a folder for the report", must_exist=False)  # before any run
     figs = FigureSet(out, fmt, dpi, x, tuple(group_by))
     runs, shown = run_table(runs_dir, warmup_epochs, warmup_steps, include_incomplete, now, workers, peak_flops)
     check_keys(runs, "--group-by", group_by)

@@ -22,7 +22,7 @@ CSV_COLUMNS = (
     "dp_sync", "mem_params", *(f"mem_{part}_bytes_{stat}" for part in MEMORY_COLUMNS for stat in ("mean", "max")),
     "mem_closed_form_bytes", "mem_ratio", "mem_flagged", "mem_gathered_peak_bytes_mean", "mem_gathered_peak_bytes_max",
     "peak_mem_bytes_mean", "peak_mem_bytes_max", "job_tokens_per_s_std", "baseline_runs", "ideal_speedup", "repeats",
-    "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu",
+    "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu", "mixed_configs",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -98,7 +98,7 @@ def row(r: RunMetrics) -> dict[str, Any]:
             mem.params, *(stat[part] for part in MEMORY_COLUMNS for stat in (mem.mean, mem.max)), mem.closed_form,
             mem.ratio, bool(mem.mismatched), *(mem.gathered_peak or (None, None))]),
         *(r.peak_mem or (None, None)), r.job_tokens_std, r.baseline_runs or None, r.ideal_speedup, r.repeats,
-        r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu,
+        r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu, r.mixed,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 
@@ -192,6 +192,12 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
                   "Their numbers come from an older config; run the sweep again to replace them (folders set aside "
                   "by --rerun are left out of the table and figures).", "", "| run | why |", "|---|---|"]
         lines += [f"| {r.run} | {r.stale.replace('|', '/')} |" for r in stale]
+    mixed = [r for r in runs if r.mixed]
+    if mixed:
+        lines += ["", "## Runs whose starts ran different configs (left out of the table and figures)", "",
+                  "A start resumed the run's checkpoint with another config, so its numbers mix the configs; "
+                  "`gptpar train RUN/config.yaml --start-over` runs it again.", "", "| run | why |", "|---|---|"]
+        lines += [f"| {r.run} | {r.mixed.replace('|', '/')} |" for r in mixed]
     others = [r for r in runs if r.status != "completed"]
     if others:
         lines += ["", "## Incomplete, failed or corrupt runs", "", "| run | status | detail |", "|---|---|---|"]

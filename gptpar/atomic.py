@@ -25,6 +25,19 @@ def is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 
 
+def os_error(exc: BaseException) -> OSError | None:
+    """The OSError under `exc`, if any: torch's file writer reports a full disk as a RuntimeError raised while
+    handling the OSError of the write (`[enforce fail at inline_container.cc:672] . unexpected pos ...`)."""
+    seen: set[int] = set()
+    inner: BaseException | None = exc
+    while inner is not None and id(inner) not in seen:
+        if isinstance(inner, OSError):
+            return inner
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    return None
+
+
 def write_error(path: str | Path, exc: OSError, kept: str = "") -> GptparError:
     """The one line for a failed write of `path`; `kept` says what survived (e.g. the last good checkpoint)."""
     reason = exc.strerror or str(exc) or type(exc).__name__
@@ -71,27 +84,32 @@ def _diagnosed(exc: OSError, tmp: str) -> OSError:
     return _write_probe(tmp, "ab") or exc
 
 
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], object]) -> None:
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], object], kept: str = "") -> None:
     """Write through `write(file)` into a temporary file beside `path`, fsync, then rename over it.
 
-    An OSError (a full disk, a parent that is a file) becomes a one-line GptparError naming `path`;
+    An OSError (a full disk, a parent that is a file), also one under the writer's own error (torch.save's),
+    becomes a one-line GptparError naming `path` and saying `kept` (what survived, see write_error);
     the old file, if any, is untouched and no temporary file is left behind."""
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as exc:
-        raise write_error(path, exc) from exc
+        raise write_error(path, exc, kept) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as exc:
-        exc = _diagnosed(exc, tmp)
+    except Exception as exc:
+        cause = os_error(exc)
+        if cause is not None:
+            cause = _diagnosed(cause, tmp)  # writes on where the writer stopped: before the temporary file goes
         Path(tmp).unlink(missing_ok=True)
-        raise write_error(path, exc) from exc
+        if cause is None:
+            raise
+        raise write_error(path, cause, kept) from exc
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

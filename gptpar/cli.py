@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -16,6 +17,7 @@ from typing import NoReturn
 from gptpar import __version__
 from gptpar.config import reference_markdown, split_config_args, to_yaml_with_origins
 from gptpar.errors import GptparError
+from gptpar.paths import check_path
 from gptpar.strategies.data_parallel import either
 from gptpar.strategies.schedules import SCHEDULES
 
@@ -47,11 +49,19 @@ def _train_here(cfg) -> int:
     return 0 if run_rank(cfg)["status"] in ("completed", "diverged", "requeued") else 1
 
 
-def _run_path(args: argparse.Namespace) -> Path:
-    """`RUN` as a folder, or as a name under --runs-dir."""
-    path = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
-    if not path.is_dir():
+def _run_path(args: argparse.Namespace, sweeps: bool = False) -> Path:
+    """`RUN` as a path, or as a name under --runs-dir: a run's folder, or with `sweeps` also a folder of runs."""
+    from gptpar.run.folder import find_runs, holds_run
+
+    places = (Path(args.run), Path(args.runs_dir) / args.run)
+    path = next((p for p in places if p.is_dir()), None) or next((p for p in places if p.exists()), None)
+    if path is None:
         raise GptparError(f"run {args.run!r} not found (as a path or under {args.runs_dir})")
+    check_path(path, "folder", "run", "name a run folder")
+    runs = [] if sweeps or holds_run(path) else find_runs(path)
+    if runs:
+        raise GptparError(f"{str(path)!r} is a folder of {len(runs)} runs, not one run; name one of them (e.g. "
+                          f"{runs[0].path}), or see them all with `gptpar status {path}`")
     return path
 
 
@@ -93,6 +103,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         overrides.append(f"launch.gpus={args.gpus}")
     if args.nodes is not None:
         overrides.append(f"launch.nodes={args.nodes}")
+    if args.runs_dir is not None:
+        overrides.append(f"log.runs_dir={args.runs_dir}")
     return submit(_resolved(overrides)[0], args.kind, dry_run=args.dry_run)
 
 
@@ -108,9 +120,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from gptpar.launch.status import any_live, render_status, status_rows
 
-    root = Path(args.runs_dir)
-    if not root.is_dir():
-        raise GptparError(f"runs folder {str(root)!r} does not exist")
+    root = check_path(args.runs_dir, "folder", "runs folder")
     while True:
         rows, aside = status_rows(root)
         if args.watch and sys.stdout.isatty():
@@ -128,27 +138,22 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from gptpar.launch.backend import cancel_run
     from gptpar.run.folder import RunFolder, find_runs
 
-    path = _run_path(args)
+    path = _run_path(args, sweeps=True)
     for folder in find_runs(path) or [RunFolder(path)]:  # a sweep's (or a runs folder's) runs, or one run
         print(f"{folder.path}: {cancel_run(folder)}")
     return 0
 
 
-def cmd_logs(args: argparse.Namespace) -> int:
+def _print_rank_log(folder, args: argparse.Namespace) -> None:
+    """Rank 0's last --lines records as lines; with -f, each new one while the run is live; then what it wrote as
+    it ended."""
     import time
 
     from gptpar.launch.backend import scheduler_state
-    from gptpar.run.folder import RunFolder
     from gptpar.run.logfile import format_record, read_new_records
     from gptpar.run.state import LIVE_JOB_STATES, read_run
 
-    folder = RunFolder(_run_path(args))
-    files = sorted(p for p in folder.job_dir.glob("*") if p.suffix in (".out", ".err") and p.stat().st_size)
-    for file in files:
-        print(f"==> {file} <==")
-        print("\n".join(file.read_text(errors="replace").splitlines()[-args.lines:]))
     records, offset = read_new_records(folder.rank_log(0), 0)
-    print(f"==> {folder.rank_log(0)} <==")
     print("\n".join(format_record(r) for r in (records[-args.lines:] if args.lines else [])), flush=True)
     try:
         while args.follow and read_run(folder, scheduler=scheduler_state(folder)).state in LIVE_JOB_STATES:
@@ -160,6 +165,24 @@ def cmd_logs(args: argparse.Namespace) -> int:
         pass
     records, _ = read_new_records(folder.rank_log(0), offset)  # what the run wrote as it ended
     print("".join(f"{format_record(r)}\n" for r in records), end="")
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from gptpar.launch.backend import scheduler_state
+    from gptpar.run.folder import RunFolder
+    from gptpar.run.logfile import CorruptLog
+    from gptpar.run.state import read_run
+
+    folder = RunFolder(_run_path(args))
+    files = sorted(p for p in folder.job_dir.glob("*") if p.suffix in (".out", ".err") and p.stat().st_size)
+    for file in files:
+        print(f"==> {file} <==")
+        print("\n".join(file.read_text(errors="replace").splitlines()[-args.lines:]))
+    print(f"==> {folder.rank_log(0)} <==")
+    try:
+        _print_rank_log(folder, args)
+    except CorruptLog as exc:  # said where the records would be; the state below is `corrupt`, as in `gptpar status`
+        print(f"unreadable: {exc}")
     run = read_run(folder, scheduler=scheduler_state(folder))
     print(f"state: {run.state}" + (f" ({run.detail})" if run.detail else ""))
     return 0
@@ -190,6 +213,11 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         text_chart,
     )
 
+    if args.out:  # before the simulation: a chart that cannot be written is refused first
+        from analysis.canvas import check_format
+
+        out = check_path(args.out, "file", "--out", "name a file to write", must_exist=False)
+        check_format(out.suffix.lstrip(".").lower(), f"--out {args.out!r} (by its suffix)")
     ranks = schedule(args.name, args.pp, args.chunks, args.virtual)
     split = make_plan(args.name, args.pp, args.chunks, args.virtual).split_backward
     timeline = simulate(ranks, args.cost_f, args.cost_b, args.cost_w, split_backward=split)
@@ -204,10 +232,9 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     if args.out:
         from analysis.figures import schedule_gantt
 
-        out = Path(args.out)
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
+        except OSError as exc:  # no permission, say; a file in the way was refused above
             raise GptparError(f"cannot create the folder {str(out.parent)!r} for --out ({exc.strerror})") from None
         title = f"{args.name}, P={args.pp}, m={args.chunks}, V={args.virtual}: idle {timeline.bubble:.1%}"
         print(f"wrote {schedule_gantt(timeline, args.pp, title, out)}")
@@ -296,11 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _add(sub, "submit", "submit one run as a job: data-parallel (dp) or the one-process pipeline (pp); "
              "on SLURM when it answers, else as local processes",
              "  gptpar submit dp --gpus 2 --dry-run\n"
-             "  gptpar submit dp --gpus 4 --nodes 2 launch.profile=bridges2 launch.account=abc123\n"
-             "  gptpar submit pp --gpus 2 parallel.chunks=8")
+             "  gptpar submit dp --gpus 8 --nodes 2 launch.profile=bridges2 launch.partition=GPU "
+             "launch.account=abc123\n"
+             "  gptpar submit pp --gpus 2 parallel.chunks=8 --runs-dir runs/pp")
     p.add_argument("kind", choices=("dp", "pp"))
     p.add_argument("--gpus", type=_non_negative, help="GPUs per node (launch.gpus); dp runs one rank per GPU")
     p.add_argument("--nodes", type=_non_negative, help="nodes (launch.nodes)")
+    p.add_argument("--runs-dir", help="where the run folder goes (log.runs_dir)")
     p.add_argument("--dry-run", action="store_true", help="print the job script and submit nothing")
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.set_defaults(handler=cmd_submit)
@@ -416,8 +445,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     dest = next((d for d in ("words", "overrides") if hasattr(args, d)), None)
-    if extra and (dest is None or any(word.startswith("-") for word in extra)):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    options = [word for word in extra if word.startswith("-")]
+    if options or (extra and dest is None):
+        command = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        command.error(f"unrecognized arguments: {' '.join(options or extra)}")  # not the config words beside them
     if extra:
         setattr(args, dest, [*getattr(args, dest), *extra])
     return args
@@ -426,13 +457,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     try:
-        return args.handler(args)
+        code = args.handler(args)
+        sys.stdout.flush()  # here, where a reader that went away is caught, not in Python's own flush at exit
+        return code
     except GptparError as exc:
         print(f"gptpar: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gptpar: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of our output went away (`gptpar status | head -3`): stop quietly with the status of a process
+        # killed by SIGPIPE. What is still buffered goes to /dev/null, so that the flush at exit does not fail again
+        # (as Python's documentation of SIGPIPE advises).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 from gptpar import __version__
 from gptpar.config import Config
 from gptpar.errors import GptparError
+from gptpar.paths import check_path
 
 # What training imports; a failure here is a broken install, not a finding.
 REQUIRED = ("torch", "transformers", "tokenizers", "yaml", "orjson", "matplotlib")
@@ -109,9 +110,18 @@ def _nearest_existing(path: Path) -> Path:
 def _space(cfg: Config) -> Iterator[Check]:
     from gptpar.data.sources import data_dir
 
-    places = {"runs": Path(cfg.log.runs_dir), "data cache": data_dir(cfg.data),
-              "HF cache": Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"))}
-    for name, path in places.items():
+    places: dict[str, Callable[[], Path]] = {
+        "runs": lambda: check_path(cfg.log.runs_dir, "folder", "log.runs_dir", "name a folder for the runs",
+                                   must_exist=False),
+        "data cache": lambda: data_dir(cfg.data, create=False),
+        "HF cache": lambda: check_path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"), "folder",
+                                       "HF_HOME", "name a folder for the Hugging Face cache", must_exist=False)}
+    for name, place in places.items():
+        try:
+            path = place()
+        except GptparError as exc:  # a file where the folder would be: every write there would fail
+            yield Check(f"space: {name}", "finding", str(exc))
+            continue
         free = shutil.disk_usage(_nearest_existing(path)).free
         low = free < LOW_SPACE_BYTES
         yield Check(f"space: {name}", "finding" if low else "ok",

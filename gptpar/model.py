@@ -25,21 +25,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gptpar.config import PRETRAINED_ON_META, ModelConfig
+from gptpar.config import PRETRAINED_ON_META, ModelConfig, check_context
 from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
 from gptpar.presets import PRESETS
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 INIT_DEVICES = ("cpu", "meta")
-
-
-def check_context(seq_len: int | None, n_positions: int, fixed_by: str = "") -> None:
-    """A block of data.seq_len tokens must fit the model's position table."""
-    if seq_len is not None and seq_len > n_positions:
-        fix = fixed_by or "or raise model.n_positions"
-        raise GptparError(f"data.seq_len={seq_len} is above model.n_positions={n_positions}, the model's "
-                          f"context length; lower data.seq_len {fix}")
 
 
 def gpt2_config(cfg: ModelConfig, vocab_size: int, seq_len: int | None = None) -> GPT2Config:
@@ -49,7 +41,7 @@ def gpt2_config(cfg: ModelConfig, vocab_size: int, seq_len: int | None = None) -
     n_head, n_positions = cfg.n_head or n_head, cfg.n_positions or n_positions
     if n_embd % n_head:
         raise GptparError(f"model.n_embd={n_embd} does not divide by model.n_head={n_head}")
-    check_context(seq_len, n_positions)
+    check_context(seq_len, cfg)
     return GPT2Config(
         vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
         n_head=n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
@@ -110,8 +102,8 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, hub_timeout_s: flo
                 seq_len: int | None = None, init_device: str = "cpu", shards: int = 1) -> GPT2LMHeadModel:
     """The same seed gives the same weights on every rank, which data parallelism relies on.
 
-    Pass seq_len (data.seq_len) so that a block longer than the context fails here, in one line,
-    for every parallel mode, instead of as an index error inside the first forward pass.
+    Pass seq_len (data.seq_len) so that a block longer than the context fails here, in one line, instead
+    of as an index error inside the first forward pass (a validated config has refused it already).
     init_device="meta" returns the model unmaterialised (no memory); `materialize` fills it later,
     on any device, with the values a "cpu" build has. The token table is padded to a multiple of
     model.pad_vocab and of `shards` (parallel.tp: the vocabulary is split into that many equal pieces).
@@ -154,7 +146,7 @@ def _pretrained(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len
     if cfg.preset not in HUB_NAMES:
         raise GptparError(f"model.init=pretrained needs model.preset in {', '.join(HUB_NAMES)}, "
                           f"got {cfg.preset!r}")
-    check_context(seq_len, PRESETS[cfg.preset][3], "(pretrained weights fix the context length)")
+    check_context(seq_len, cfg)
     if vocab_size != 50257:
         raise GptparError("model.init=pretrained needs GPT-2's tokenizer: set data.tokenizer=gpt2")
     try:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from gptpar.config import Config, Layer, config_layers, nested, read_yaml, resolve_layers
 from gptpar.launch.profiles import load_profile, profile_names
+from gptpar.paths import check_path
+from gptpar.run.start import location_layer
 
 # (variable, key), lowest first: GPTPAR_ACCOUNT wins over SLURM's own SBATCH_ACCOUNT.
 ENV_KEYS = (("SBATCH_ACCOUNT", "launch.account"), ("GPTPAR_ACCOUNT", "launch.account"),
@@ -53,7 +55,10 @@ def user_layers(env: typing.Mapping[str, str] | None = None, hostname: str | Non
     if detected:
         layers.append((f"detected cluster ({detected[1]})", nested({"launch.profile": detected[0]})))
     path = user_file(env)
-    if path.is_file():
+    if env.get("GPTPAR_USER_CONFIG"):  # a file named on purpose must be there
+        check_path(path, "file", "GPTPAR_USER_CONFIG", "name a YAML file of config defaults, or unset it")
+    if path.exists():  # the default file may be absent, not a folder
+        check_path(path, "file", "user file", "make it a YAML file of config defaults")
         layers.append((f"user file {path}", read_yaml(path)))
     layers += [(f"environment {var}", nested({key: env[var]})) for var, key in ENV_KEYS if env.get(var)]
     return layers
@@ -62,5 +67,7 @@ def user_layers(env: typing.Mapping[str, str] | None = None, hostname: str | Non
 def resolve_config(path: str | Path | None, overrides: typing.Iterable[str], user: bool = True
                    ) -> tuple[Config, dict[str, str]]:
     """The config a command resolves first, with where each key came from; `user=False` for a job's
-    ranks, which take their config file as it is."""
-    return resolve_layers([*(user_layers() if user else []), *config_layers(path, overrides)])
+    ranks, which take their config file as it is. A config file in a run folder names that run where the
+    folder is now (gptpar.run.start.location_layer); the command line still wins."""
+    return resolve_layers([*(user_layers() if user else []), *config_layers(path),
+                           *(location_layer(path) if path else []), *config_layers(None, overrides)])

@@ -69,7 +69,9 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> None:
     """Keep tests off the network and off the user's caches and defaults; never inherit a surrounding job."""
     monkeypatch.setenv("GPTPAR_DATA_DIR", str(data_dir))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("GPTPAR_USER_CONFIG", str(data_dir / "no-user-defaults.yaml"))  # not the tester's own
+    user = data_dir / "no-user-defaults.yaml"  # empty: not the tester's own defaults
+    user.touch()
+    monkeypatch.setenv("GPTPAR_USER_CONFIG", str(user))
     for key in list(os.environ):
         if key.startswith(("SLURM_", "SBATCH_")) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT", "GPTPAR_PROFILE", "GPTPAR_ACCOUNT",

@@ -40,9 +40,9 @@ class Rank:
         self.clock += 1.0
         self.logger.log(kind, time=self.clock, **fields)
 
-    def header(self, restart: int = 0) -> Rank:
-        self._log("header", schema_version=1, run_id=self.path.parent.name, config=self.cfg, rank=self.rank,
-                  world_size=self.sizes["dp"] * self.sizes["pp"], coords=self.coords, sizes=self.sizes,
+    def header(self, restart: int = 0, schema_version: int = 1) -> Rank:
+        self._log("header", schema_version=schema_version, run_id=self.path.parent.name, config=self.cfg,
+                  rank=self.rank, world_size=self.sizes["dp"] * self.sizes["pp"], coords=self.coords, sizes=self.sizes,
                   restart=restart, host="testhost", device=self.device, torch_version="2", transformers_version="5",
                   git_commit="abc", slurm={}, start_time=self.clock, **self.extra)
         return self

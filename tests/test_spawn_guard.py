@@ -49,7 +49,8 @@ def test_a_fast_test_cannot_start_a_multiprocessing_process(method: str) -> None
 @pytest.mark.slow
 def test_a_slow_test_starts_processes_and_an_unmarked_one_fails_in_a_real_session(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", "pass"], check=True)  # the guard is off for a slow test
-    (tmp_path / "conftest.py").write_text((Path(__file__).parent / "conftest.py").read_text())
+    for helper in ("conftest.py", "gloo_pool.py"):  # the guard, and the pool its fixtures import
+        (tmp_path / helper).write_text((Path(__file__).parent / helper).read_text())
     (tmp_path / "test_inner.py").write_text(INNER_TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: starts a process\n")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],

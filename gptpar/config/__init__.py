@@ -3,12 +3,13 @@
 schema.py declares every key with its help text and constraints; text.py reads and writes configs (YAML,
 overrides, layers with their origins); checks.py holds the cross-key checks and calls each parallelism's own
 (gptpar/strategies); reference.py generates the README's reference. The package imports nothing of gptpar above
-it: errors, presets and the torch-free strategy tables only.
+it: errors, paths, presets and the torch-free strategy tables only.
 """
 
 from gptpar.config.checks import (
     PRETRAINED_ON_META,
     TRANSLATION_SOURCES,
+    check_context,
     checkpoint_interval,
     checkpointed_indices,
     example_width,
@@ -51,9 +52,10 @@ from gptpar.errors import ConfigError
 
 __all__ = [
     "PRECISIONS", "PRETRAINED_ON_META", "SECTIONS", "TASKS", "TRANSLATION_SOURCES", "Config", "ConfigError",
-    "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "TrainConfig", "apply_dict",
-    "checkpoint_interval", "checkpointed_indices", "config_digest", "config_from_dict", "config_layers",
-    "example_width", "fixed_width", "load_config", "nested", "overrides_tree", "parse_override", "profiled_steps",
-    "read_yaml", "readme_with_reference", "reference_markdown", "resolve_layers", "split_config_args", "to_yaml",
-    "to_yaml_with_origins", "updated", "validate", "whole_compile_obstacle",
+    "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "TrainConfig",
+    "apply_dict", "check_context", "checkpoint_interval", "checkpointed_indices", "config_digest",
+    "config_from_dict", "config_layers", "example_width", "fixed_width", "load_config", "nested", "overrides_tree",
+    "parse_override", "profiled_steps", "read_yaml", "readme_with_reference", "reference_markdown",
+    "resolve_layers", "split_config_args", "to_yaml", "to_yaml_with_origins", "updated", "validate",
+    "whole_compile_obstacle",
 ]

@@ -4,7 +4,7 @@ and the values the rest of gptpar derives from validated keys."""
 
 from __future__ import annotations
 
-from gptpar.config.schema import Config, TrainConfig
+from gptpar.config.schema import RUN_ID_MAX, Config, ModelConfig, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import PRESETS
 from gptpar.strategies import STRATEGY_CHECKS
@@ -27,6 +27,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(PRETRAINED_ON_META)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
+    if len(cfg.log.run_id) > RUN_ID_MAX:
+        raise ConfigError(f"log.run_id: {len(cfg.log.run_id)} characters is too long for a folder name; use at most "
+                          f"{RUN_ID_MAX}")
     checkpoint_interval(t.activation_checkpointing)
     profiled_steps(t)
     if t.compile == "model" and (obstacle := whole_compile_obstacle(cfg)):
@@ -35,6 +38,7 @@ def validate(cfg: Config) -> None:
     for check in STRATEGY_CHECKS:
         check(cfg)
     _validate_task(cfg)
+    _check_example_fits(cfg)
 
 
 def whole_compile_obstacle(cfg: Config) -> str:
@@ -80,11 +84,14 @@ def profiled_steps(t: TrainConfig) -> tuple[int, int] | None:
 
 
 def _validate_task(cfg: Config) -> None:
-    """data.task against the source, the model's context and the engines that can train it."""
-    d, p = cfg.data, cfg.parallel
+    """data.task against the source and the weights it can train."""
+    d = cfg.data
     if d.task == "lm":
         if d.source.startswith(TRANSLATION_SOURCES[:2]):
             raise ConfigError(f"data.source={d.source!r} holds translation pairs; set data.task=translation")
+        if d.val_fraction == 0:  # every lm source is split by position: nothing would be left to validate on
+            raise ConfigError("data.val_fraction=0 holds out no text for validation, which data.task=lm needs; use "
+                              "a fraction above 0 (the default is 0.1)")
         return
     if not d.source.startswith(TRANSLATION_SOURCES):
         raise ConfigError(f"data.task=translation reads pairs: data.source={d.source!r} is not allowed; use "
@@ -92,9 +99,34 @@ def _validate_task(cfg: Config) -> None:
     if cfg.model.init == "pretrained":
         raise ConfigError("data.task=translation adds two tokens (<sep>, <eos>) to the vocabulary, which pretrained "
                           "weights lack; use model.init=random")
+
+
+def context_length(model: ModelConfig) -> int:
+    """The model's positions: model.n_positions (0: the preset's); pretrained weights fix the preset's."""
+    preset = PRESETS[model.preset][3]
+    return preset if model.init == "pretrained" else model.n_positions or preset
+
+
+def check_context(seq_len: int | None, model: ModelConfig) -> None:
+    """A block of data.seq_len tokens must fit the model's position table (build_model checks it too, for callers
+    that build a model without a validated config)."""
+    n_positions = context_length(model)
+    if seq_len is not None and seq_len > n_positions:
+        pretrained = model.init == "pretrained"
+        fix = "(pretrained weights fix the context length)" if pretrained else "or raise model.n_positions"
+        raise ConfigError(f"data.seq_len={seq_len} is above model.n_positions={n_positions}, the model's "
+                          f"context length; lower data.seq_len {fix}")
+
+
+def _check_example_fits(cfg: Config) -> None:
+    """The longest example fits the position table: checked with the config, so every layout (one process, local
+    ranks, a SLURM job) refuses it before a run folder or a rank exists."""
+    d, p = cfg.data, cfg.parallel
+    if d.task == "lm":
+        check_context(d.seq_len, cfg.model)
+        return
     positions, width = d.max_source_len + d.max_target_len + 1, example_width(cfg)
-    n_positions = cfg.model.n_positions or PRESETS[cfg.model.preset][3]
-    if width > n_positions:
+    if width > (n_positions := context_length(cfg.model)):
         padded = f" ({width} padded to a multiple of parallel.tp={p.tp})" if width != positions else ""
         raise ConfigError(f"data.max_source_len + data.max_target_len + 1 = {positions}{padded} positions exceed "
                           f"model.n_positions={n_positions}; lower them or raise model.n_positions")

@@ -16,6 +16,9 @@ from gptpar.strategies.tensor_parallel import TP_IMPLS
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "tf32")
 COMPILE_MODES = ("auto", "false", "true", "blocks", "model")
+# A run folder's name: file names have at most 255 bytes, and a folder set aside by --start-over or --rerun gets
+# `.replaced-<YYYYmmdd-HHMMSS>[.N]` appended (run ids are ASCII, gptpar.run.names: a character is a byte).
+RUN_ID_MAX = 200
 TASKS = ("lm", "translation")
 
 
@@ -211,7 +214,7 @@ class LaunchConfig:
 @dataclass(frozen=True)
 class LogConfig:
     runs_dir: str = opt("runs", "Where run folders are written.")
-    run_id: str = opt("", "Run folder name; empty derives NAME-<timestamp>.")
+    run_id: str = opt("", f"Run folder name, at most {RUN_ID_MAX} characters; empty derives NAME-<timestamp>.")
     name: str = opt("run", "Human name of the run, the prefix of its run id.")
     every: int = opt(10, "Print progress every N steps (plain-line mode).", min=1)
     sync_every: int = opt(0, "Read the steps' loss, gradient norm and time back from the device every N steps, so "

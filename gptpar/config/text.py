@@ -18,6 +18,7 @@ import yaml
 from gptpar.config.checks import validate
 from gptpar.config.schema import SECTIONS, Config
 from gptpar.errors import ConfigError
+from gptpar.paths import path_problem
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -184,8 +185,9 @@ def split_config_args(words: typing.Sequence[str]) -> tuple[str | None, list[str
 
 def read_yaml(path: str | Path) -> Any:
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
+    problem = path_problem(path, "file")
+    if problem is not None:
+        raise ConfigError(f"config file {str(path)!r} {problem}")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -12,6 +12,7 @@ from pathlib import Path
 from gptpar.config import DataConfig
 from gptpar.errors import GptparError, require_extra
 from gptpar.hub import hub_reachable
+from gptpar.paths import check_path
 
 TINYSHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt")
@@ -20,11 +21,15 @@ TINYSHAKESPEARE_FILE = "tinyshakespeare.txt"
 DOWNLOAD_TIMEOUT_S = 10.0
 
 
-def data_dir(cfg: DataConfig) -> Path:
-    """`data.dir`, else $GPTPAR_DATA_DIR, else ~/.cache/gptpar: shared by every run on the machine."""
+def data_dir(cfg: DataConfig, create: bool = True) -> Path:
+    """`data.dir`, else $GPTPAR_DATA_DIR, else ~/.cache/gptpar: shared by every run on the machine. A file where
+    the folder would be is a one-line error naming the setting that chose it."""
+    setting = "data.dir" if cfg.dir else "GPTPAR_DATA_DIR" if os.environ.get("GPTPAR_DATA_DIR") else "data folder"
     chosen = cfg.dir or os.environ.get("GPTPAR_DATA_DIR") or Path.home() / ".cache" / "gptpar"
-    path = Path(chosen).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    path = check_path(Path(chosen).expanduser(), "folder", setting, "name a folder for data and its caches",
+                      must_exist=False)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
     return path
 
 
@@ -92,15 +97,35 @@ def tinyshakespeare_path(cfg: DataConfig) -> Path:
 
 
 def text_paths(source: str) -> list[Path]:
-    """The files named by `KIND:PATH[,PATH...]` (text:, or translation's jsonl: and tsv:), each checked to exist."""
+    """The files named by `KIND:PATH[,PATH...]` (text:, or translation's jsonl: and tsv:), each checked to exist
+    and to be named once."""
     kind, _, rest = source.partition(":")
     paths = [p.strip() for p in rest.split(",") if p.strip()]
     if not paths:
         raise GptparError(f"data.source={kind}: names no file (got {source!r}); use {kind}:PATH[,PATH...]")
-    missing = [p for p in paths if not Path(p).expanduser().is_file()]
-    if missing:
-        raise GptparError(f"data.source={kind}: no such file: {missing[0]}")
-    return [Path(p).expanduser() for p in paths]
+    files = [check_path(Path(p).expanduser(), "file", f"data.source={kind}:") for p in paths]
+    _refuse_duplicates(kind, files)
+    return files
+
+
+def _refuse_duplicates(kind: str, files: list[Path]) -> None:
+    """One file named twice, or two with the same content, would train twice on the same text and validate on text
+    it trained on (the held-out tail of one copy, or a validation file that is the training file). Files are the
+    same by resolved path, else by sha256 (read only where sizes match; empty files hold nothing to repeat)."""
+    named: dict[Path, Path] = {}
+    for path in files:
+        first = named.setdefault(path.resolve(), path)
+        if first is not path:
+            spelled = f" (as {first} and {path})" if first != path else ""
+            raise GptparError(f"data.source={kind}: names {path.resolve()} twice{spelled}; list each file once")
+    digests: dict[tuple[int, str], Path] = {}
+    sizes = [path.stat().st_size for path in files]
+    for path, size in zip(files, sizes, strict=True):
+        if size and sizes.count(size) > 1:
+            first = digests.setdefault((size, sha256_of(path)), path)
+            if first is not path:
+                raise GptparError(f"data.source={kind}: {first} and {path} have the same content; list it once "
+                                  "(a copy trains twice, and validates on text it trained on)")
 
 
 def read_text_file(path: Path, kind: str = "text") -> str:

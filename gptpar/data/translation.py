@@ -4,7 +4,9 @@ Sources: `jsonl:TRAIN[,VALID[,TEST]]` (one object per line, `{"de": ..., "en": .
 `{"translation": {"de": ..., "en": ...}}`), `tsv:TRAIN[,VALID[,TEST]]` (`de<TAB>en` per line) and `hf:NAME[:CONFIG]`
 (the `train` and `validation` splits, and `test` where the dataset has one; rows of either form). One local file is
 split by position: the last `data.val_fraction` of its pairs is held out. `data.max_chars` caps the training pairs
-read (0: all). A test split is optional: it is only decoded and scored (`test_bleu`), never trained or evaluated on.
+read (0: all); what it dropped is said in the run's banner, and in the error when too few pairs are left to train. A
+split without pairs fails naming its file, or the key that emptied it. A test split is optional: it is only decoded
+and scored (`test_bleu`), never trained or evaluated on.
 
 The tokenizer is the run's (`data.tokenizer`: GPT-2's, or a BPE trained on both sides of the training pairs);
 two ids past its vocabulary are reserved for <sep> and <eos>, so no text can be mistaken for them.
@@ -18,7 +20,7 @@ causal attention means no real position ever sees the padding.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,15 +71,17 @@ def _file_pairs(kind: str, path: Path) -> list[Pair]:
     return pairs
 
 
-def _capped(pairs: Iterable[Pair], max_chars: int) -> list[Pair]:
-    """Pairs until their characters (both sides) reach `max_chars`; 0 keeps all."""
+def _capped(pairs: Iterable[Pair], max_chars: int, offered: int | None) -> tuple[list[Pair], str]:
+    """Pairs until their characters (both sides) reach `max_chars` (0 keeps all), and what the cap dropped of the
+    `offered` pairs (None: not counted, a streamed split) in words naming the key; "" when it dropped none."""
     kept, total = [], 0
     for pair in pairs:
         if max_chars and total >= max_chars:
-            break
+            of, dropped = ("", "the rest") if offered is None else (f" of {offered}", offered - len(kept))
+            return kept, f"data.max_chars={max_chars} kept {len(kept)}{of} training pairs (dropped {dropped})"
         kept.append(pair)
         total += len(pair[0]) + len(pair[1])
-    return kept
+    return kept, ""
 
 
 def _hub_pairs(source: str, rows: Iterable[Any], split: str) -> Iterator[Pair]:
@@ -85,8 +89,19 @@ def _hub_pairs(source: str, rows: Iterable[Any], split: str) -> Iterator[Pair]:
     return (row_pair(row, f"data.source={source} ({split})") for row in rows)
 
 
-def read_pairs(cfg: DataConfig) -> tuple[list[Pair], list[Pair], list[Pair] | None]:
-    """The (train, validation, test) pairs of `data.source`; test is None where the source has no test split."""
+@dataclass(frozen=True)
+class PairSplits:
+    """The pairs of `data.source`, split; no split is empty."""
+
+    train: list[Pair]
+    val: list[Pair]
+    test: list[Pair] | None  # None: the source has no test split
+    capped: str = ""  # what data.max_chars dropped from the training pairs ("" when none), for messages
+
+
+def read_pairs(cfg: DataConfig) -> PairSplits:
+    """The train, validation and test pairs of `data.source`; a split without pairs fails, naming its file or the
+    key that emptied it."""
     source = cfg.source
     if source.startswith("hf:"):
         splits = hf_split(source[3:], cfg, None)  # every split: whether there is a test split is the dataset's
@@ -94,30 +109,46 @@ def read_pairs(cfg: DataConfig) -> tuple[list[Pair], list[Pair], list[Pair] | No
         if missing:
             raise GptparError(f"data.source={source}: the dataset has no {missing[0]!r} split "
                               f"(it has {', '.join(splits) or 'none'})")
-        train = _capped(_hub_pairs(source, splits["train"], "train"), cfg.max_chars)
-        test = list(_hub_pairs(source, splits["test"], "test")) if "test" in splits else None
-        return train, list(_hub_pairs(source, splits["validation"], "validation")), test
+        rows = splits["train"]
+        train, capped = _capped(_hub_pairs(source, rows, "train"), cfg.max_chars,
+                                len(rows) if isinstance(rows, Sized) else None)
+        named = {"train": train, "validation": list(_hub_pairs(source, splits["validation"], "validation")),
+                 "test": list(_hub_pairs(source, splits["test"], "test")) if "test" in splits else None}
+        empty = [split for split, pairs in named.items() if pairs == []]
+        if empty:
+            raise GptparError(f"data.source={source}: the dataset's {empty[0]!r} split has no pairs")
+        return PairSplits(*named.values(), capped)
     kind = source.partition(":")[0]
     paths = text_paths(source)
     if len(paths) > 3:
         raise GptparError(f"data.source={kind}: names {len(paths)} files; use {kind}:TRAIN, {kind}:TRAIN,VALID or "
                           f"{kind}:TRAIN,VALID,TEST")
-    pairs = _file_pairs(kind, paths[0])
-    test = _file_pairs(kind, paths[2]) if len(paths) == 3 else None
-    if len(paths) > 1:
-        return _capped(pairs, cfg.max_chars), _file_pairs(kind, paths[1]), test
-    cut = int(len(pairs) * (1 - cfg.val_fraction))
-    return _capped(pairs[:cut], cfg.max_chars), pairs[cut:], None
+    files = [_file_pairs(kind, path) for path in paths]
+    empty = [path for path, pairs in zip(paths, files, strict=True) if not pairs]
+    if empty:
+        raise GptparError(f"data.source={kind}: {empty[0]} has no pairs; add some or name another file")
+    if len(paths) == 1:
+        files = _held_out(files[0], cfg.val_fraction, f"{kind}:TRAIN,VALID", paths[0])
+    train, capped = _capped(files[0], cfg.max_chars, len(files[0]))
+    return PairSplits(train, files[1], files[2] if len(files) == 3 else None, capped)
+
+
+def _held_out(pairs: list[Pair], val_fraction: float, two_files: str, path: Path) -> list[list[Pair]]:
+    """One file's pairs as [train, validation]: the last `val_fraction` of them is held out; both must have pairs."""
+    cut = int(len(pairs) * (1 - val_fraction))
+    if cut == len(pairs):
+        raise GptparError(f"data.val_fraction={val_fraction:g} holds out none of the {len(pairs)} pairs of {path} "
+                          f"for validation; raise data.val_fraction or name a validation file ({two_files})")
+    if cut == 0:
+        raise GptparError(f"data.val_fraction={val_fraction:g} leaves none of the {len(pairs)} pair(s) of {path} "
+                          f"for training; add pairs or name a validation file ({two_files})")
+    return [pairs[:cut], pairs[cut:]]
 
 
 class PairDataset(Dataset):
     """Tokenized pairs, cut to the configured lengths; items are (inputs, labels) of one example."""
 
-    def __init__(self, pairs: list[Pair], tokenizer: Tokenizer, cfg: DataConfig, split: str):
-        if not pairs:
-            hint = "" if split == "test" else ("; raise data.val_fraction, name a validation file "
-                                               "(jsonl:TRAIN,VALID) or use more data")
-            raise GptparError(f"data.source={cfg.source}: the {split} split has no pairs{hint}")
+    def __init__(self, pairs: list[Pair], tokenizer: Tokenizer, cfg: DataConfig):
         self.sep, self.eos = tokenizer.vocab_size, tokenizer.vocab_size + 1
         sources = tokenizer.encode_each([de for de, _ in pairs])
         targets = tokenizer.encode_each([en for _, en in pairs])
@@ -165,6 +196,7 @@ class TranslationData:
     max_new_tokens: int  # what decoding may generate: max_target_len tokens and <eos>
     width: int | None = None  # every batch padded to it where shapes are fixed; None: to its longest example
     test: PairDataset | None = None  # the source's test split, only decoded and scored; None: it has none
+    capped: str = ""  # what data.max_chars dropped from the training pairs ("" when none), for messages
 
     @property
     def eos(self) -> int:
@@ -182,13 +214,12 @@ def load_translation(cfg: DataConfig, width: int | None = None) -> TranslationDa
     """The tokenized splits, batched to `width` positions (None: each batch to its longest example). One rank at
     a time gets the tokenizer, so a BPE is trained once and the others load it from the cache; each rank tokenizes
     the pairs itself (seconds, even for IWSLT's 160k pairs)."""
-    train_pairs, val_pairs, test_pairs = read_pairs(cfg)
+    pairs = read_pairs(cfg)
     tokenizers = cache_dir(cfg) / "tokenizers"
     tokenizers.mkdir(exist_ok=True)
     with FileLock(str(tokenizers / ".lock")):
-        both_sides = "\n".join(text for pair in train_pairs for text in pair)
+        both_sides = "\n".join(text for pair in pairs.train for text in pair)
         tokenizer = get_tokenizer(cfg, both_sides, tokenizers)
-    return TranslationData(PairDataset(train_pairs, tokenizer, cfg, "train"),
-                           PairDataset(val_pairs, tokenizer, cfg, "validation"), tokenizer, tokenizer.vocab_size + 2,
-                           cfg.max_target_len + 1, width,
-                           PairDataset(test_pairs, tokenizer, cfg, "test") if test_pairs is not None else None)
+    return TranslationData(PairDataset(pairs.train, tokenizer, cfg), PairDataset(pairs.val, tokenizer, cfg), tokenizer,
+                           tokenizer.vocab_size + 2, cfg.max_target_len + 1, width,
+                           PairDataset(pairs.test, tokenizer, cfg) if pairs.test is not None else None, pairs.capped)

@@ -5,9 +5,11 @@ This is also how `gptpar train parallel.dp=N` starts its ranks outside SLURM and
 launcher waits for its ranks and forwards INT/TERM/USR2 to them, so a Ctrl-C, a TERM or a preemption
 signal reaches every rank (each stops at a step boundary with a checkpoint; a third INT/TERM kills
 them). When one rank fails it gives the others a moment to write their final records, then stops
-them; a rank whose process was stopped (SIGSTOP) cannot write anything and is killed at once. Each
-rank's stderr (and the stdout of ranks > 0) goes to job/rank<R>.*; a rank that the launcher saw
-killed by a signal or stopped gets one last line there saying so (gptpar.run.state reads it).
+them; a rank whose process was stopped (SIGSTOP) cannot write anything and is killed at once. A
+launcher killed outright (SIGKILL) forwards nothing: its ranks notice that it is gone and stop the
+same way (gptpar.train.preemption.launcher_watch). Each rank's stderr (and the stdout of ranks > 0)
+goes to job/rank<R>.*; a rank that the launcher saw killed by a signal or stopped gets one last line
+there saying so (gptpar.run.state reads it).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from types import FrameType
 from gptpar.launch.plan import Point, rank_command
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.slurm import clean_env
-from gptpar.parallel.env import LAUNCHER_MARKER, free_port
+from gptpar.parallel.env import LAUNCHER_MARKER, LAUNCHER_PID, free_port
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors get this long to be logged
@@ -32,12 +34,12 @@ KILL_AFTER = 3  # the third INT/TERM kills the ranks (the first stops them at a 
 
 
 def rank_env(rank: int, world: int, port: int, base: dict[str, str]) -> dict[str, str]:
-    """torchrun's variables for one local rank, none of a surrounding job's; OMP_NUM_THREADS splits the
-    machine's cores between the ranks unless the user set it."""
+    """torchrun's variables for one local rank, none of a surrounding job's, and this launcher's pid (its ranks
+    watch it); OMP_NUM_THREADS splits the machine's cores between the ranks unless the user set it."""
     threads = base.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
     return {**clean_env(base), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            LAUNCHER_MARKER: "local", "OMP_NUM_THREADS": threads}
+            LAUNCHER_MARKER: "local", LAUNCHER_PID: str(os.getpid()), "OMP_NUM_THREADS": threads}
 
 
 def run_ranks(point: Point, world: int) -> int:

@@ -30,6 +30,7 @@ class StatusRow:
     nodes: str
     restarts: int
     detail: str
+    mixed: str = ""  # why its starts ran different configs (flagged under the row whatever its state)
 
     def cells(self) -> tuple[str, ...]:
         elapsed = "-" if self.elapsed_s is None else _duration(self.elapsed_s)
@@ -73,7 +74,7 @@ def row_of(run: RunLog, job: Job, root: Path, now: float) -> StatusRow:
         total_steps=max(totals) if totals else None, loss=loss,
         tokens_per_s=sum(r["tokens_per_s"] for r in last) if last else None,
         nodes=",".join(sorted({str(h.get("host", "?")) for h in headers})),
-        restarts=max((int(h.get("restart", 0)) for h in headers), default=0), detail=run.detail)
+        restarts=max((int(h.get("restart", 0)) for h in headers), default=0), detail=run.detail, mixed=run.mixed)
 
 
 def _read(folder: RunFolder, root: Path | None = None, now: float | None = None) -> tuple[RunLog, Job]:
@@ -93,7 +94,8 @@ def status_rows(root: Path, now: float | None = None) -> tuple[list[StatusRow], 
 
 
 def render_status(rows: list[StatusRow], aside: int) -> str:
-    """The table, a line of detail under each run that is not completed, and a count by state."""
+    """The table, a line of detail under each run that is not completed (and a flag under each whose starts ran
+    different configs), and a count by state."""
     cells = [COLUMNS, *(row.cells() for row in rows)]
     widths = [max(len(cell[i]) for cell in cells) for i in range(len(COLUMNS))]
     lines = []
@@ -101,6 +103,8 @@ def render_status(rows: list[StatusRow], aside: int) -> str:
         lines.append("  ".join(text.ljust(width) for text, width in zip(cell, widths, strict=True)).rstrip())
         if row is not None and row.detail and row.state != "completed":
             lines.append(f"    {row.detail}")
+        if row is not None and row.mixed:
+            lines.append(f"    warning: {row.mixed}")
     counts = ", ".join(f"{sum(r.state == s for r in rows)} {s}" for s in STATES if any(r.state == s for r in rows))
     lines.append(f"{len(rows)} run(s): {counts or 'none'}" + (f"; {aside} folder(s) set aside by --rerun or "
                                                                "--start-over not listed" if aside else ""))

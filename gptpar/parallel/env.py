@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from gptpar.errors import GptparError
 
 LAUNCHER_MARKER = "GPTPAR_LAUNCHER"  # set by gptpar's local launchers, so a rank reports which one started it
+LAUNCHER_PID = "GPTPAR_LAUNCHER_PID"  # the local launcher's pid, so its ranks can tell when it is gone
 PORT_BASE, PORT_SPAN = 20000, 20000  # SLURM-derived ports stay in 20000..39999 (unprivileged)
 
 

@@ -1,7 +1,8 @@
-"""A rank's claim on its run folder, before it trains: rank 0 writes config.yaml (the same config again is a
-restart), reads the run's state and takes the folder's lock; every rank learns the outcome, so none writes
-into a folder that rank 0 refused. A run that a submit side planned arrives named; only ranks started
-without one (torchrun or srun directly on a config file with no log.run_id) have rank 0 name it here."""
+"""A rank's claim on its run folder, before it trains: rank 0 checks its config against the run's own and writes
+config.yaml (gptpar.run.resume: a restart runs the config it was trained with), reads the run's state and takes
+the folder's lock; every rank learns the outcome, so none writes into a folder that rank 0 refused. A run that a
+submit side planned arrives named; only ranks started without one (torchrun or srun directly on a config file with
+no log.run_id) have rank 0 name it here."""
 
 from __future__ import annotations
 
@@ -13,22 +14,24 @@ from gptpar.config import Config
 from gptpar.errors import GptparError
 from gptpar.parallel.env import Layout
 from gptpar.run.folder import RunFolder, run_folder
+from gptpar.run.resume import check_start
 from gptpar.run.start import named_run
 from gptpar.run.state import FINISHED, read_run
 
 Share = Callable[[list[Any]], None]  # makes rank 0's list every rank's, in place (a broadcast in the group)
 
 
-def claim_run_folder(cfg: Config, layout: Layout, share: Share, stack: contextlib.ExitStack, job_id: str = ""
-                     ) -> tuple[RunFolder, str]:
-    """Claim the run's folder for this start; the lock (recording `job_id`) is held until `stack` closes,
-    unless the run is already finished. `share` is the group's broadcast, passed in so that the run/ package
-    never imports torch. Returns the folder (its name is the run id) and the run's state before this start."""
+def claim_run_folder(cfg: Config, launched: Config, layout: Layout, share: Share, stack: contextlib.ExitStack,
+                     job_id: str = "") -> tuple[RunFolder, str]:
+    """Claim the run's folder for this start (`cfg`: its config file; `launched`: the config the ranks run, with the
+    launcher's world size); the lock (recording `job_id`) is held until `stack` closes, unless the run is already
+    finished. `share` is the group's broadcast, passed in so that the run/ package never imports torch. Returns the
+    folder (its name is the run id) and the run's state before this start."""
     answer: list[Any] = [None, None, None]
     if layout.rank == 0:
         try:
             named, folder = named_run(cfg)
-            folder.write_config(named)
+            check_start(folder, named, named_run(launched, folder.name)[0], "move the old folder away to start over")
             state = read_run(folder).state if folder.rank_logs() else "new"
             if state not in FINISHED:
                 stack.enter_context(folder.hold(job_id))

@@ -1,4 +1,4 @@
-"""A run folder's paths, its config (written once), its job record, and the lock held by a live run.
+"""A run folder's paths, its config, its job record, and the lock held by a live run.
 
 The lock is an flock on `.lock`, which dies with its process; the file also holds the holder's host,
 pid, job id and a heartbeat, so a run on another node, or on a filesystem without working flock
@@ -13,7 +13,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +28,7 @@ from gptpar.run.logfile import RANK_FILE, RANK_GLOB, rank_log_path, rank_of
 from gptpar.run.names import check_run_id
 
 CONFIG_FILE = "config.yaml"
+CHECKPOINT_DIR = "checkpoint"  # gptpar.train.checkpoint writes it (and checkpoint.tmp, checkpoint.old on the way)
 LOCK_FILE = ".lock"
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
@@ -71,16 +72,13 @@ class RunFolder:
             return None
         return yaml.safe_load(self.config_path.read_text(encoding="utf-8")) or {}
 
-    def write_config(self, cfg: Config, again: str = "delete the folder to start over") -> None:
-        """Write config.yaml once. The same config again is fine (a restart); a different one is
-        refused with what changed (and `again`: how to start over), since a run folder's results
-        belong to one config."""
-        saved = self.read_config()
-        if saved is None:
-            atomic_write_text(self.config_path, to_yaml(cfg))
-        elif (saved := completed(saved)) != cfg.to_dict():
-            raise GptparError(f"run folder {self.path} holds a different config ({config_diff(saved, cfg.to_dict())}); "
-                              f"use another log.run_id, or {again}")
+    def write_config(self, cfg: Config) -> None:
+        """Write config.yaml atomically; whether a start may change it is gptpar.run.resume's to decide."""
+        atomic_write_text(self.config_path, to_yaml(cfg))
+
+    def holds_run(self) -> bool:
+        """Whether a run has started here: rank logs, a checkpoint or job/ (config.yaml alone is only planned)."""
+        return bool(self.rank_logs()) or self.job_dir.is_dir() or any(self.path.glob(f"{CHECKPOINT_DIR}*"))
 
     def write_job_record(self, backend: str, job_id: str) -> None:
         self.job_dir.mkdir(parents=True, exist_ok=True)
@@ -123,11 +121,18 @@ def completed(saved: dict[str, Any]) -> dict[str, Any]:
     return {**filled, **{section: values for section, values in saved.items() if section not in defaults}}
 
 
-def config_diff(old: dict[str, Any], new: dict[str, Any], limit: int = 4) -> str:
-    """The keys whose values differ between two config mappings, as one short line."""
+def config_changes(old: dict[str, Any], new: dict[str, Any], ignore: Collection[str] = ()) -> list[str]:
+    """`key: old -> new` for each key whose value differs between two config mappings, by key, `ignore`d keys left
+    out."""
     flat_old, flat_new = _flatten(old), _flatten(new)
-    changed = [f"{key}: {flat_old.get(key, '(unset)')!r} -> {flat_new.get(key, '(unset)')!r}"
-               for key in sorted(set(flat_old) | set(flat_new)) if flat_old.get(key) != flat_new.get(key)]
+    keys = sorted(key for key in set(flat_old) | set(flat_new) if key not in ignore)
+    return [f"{key}: {flat_old.get(key, '(unset)')!r} -> {flat_new.get(key, '(unset)')!r}"
+            for key in keys if flat_old.get(key) != flat_new.get(key)]
+
+
+def config_diff(old: dict[str, Any], new: dict[str, Any], limit: int = 4, ignore: Collection[str] = ()) -> str:
+    """The keys whose values differ between two config mappings, as one short line."""
+    changed = config_changes(old, new, ignore)
     shown = "; ".join(changed[:limit]) or "no key differs"
     return shown + (f"; and {len(changed) - limit} more" if len(changed) > limit else "")
 
@@ -153,8 +158,13 @@ def run_folder(runs_dir: str | Path, run_id: str, key: str = "log.run_id") -> Ru
     return RunFolder(path)
 
 
+def holds_run(path: Path) -> bool:
+    """Whether a folder is a run's: it holds config.yaml or a rank log (a run started by hand may have no config)."""
+    return (path / CONFIG_FILE).is_file() or any(RANK_FILE.fullmatch(p.name) for p in path.glob(RANK_GLOB))
+
+
 def find_runs(runs_dir: str | Path) -> list[RunFolder]:
-    """Every run folder (one holding config.yaml or rank*.jsonl) under runs_dir, at any depth."""
+    """Every run folder (see holds_run) under runs_dir, at any depth."""
     root = Path(runs_dir)
     found = {p.parent for p in root.rglob(CONFIG_FILE)} | {
         p.parent for p in root.rglob(RANK_GLOB) if RANK_FILE.fullmatch(p.name)}

@@ -9,7 +9,8 @@ Every line is valid JSON: a non-finite number (a diverged loss) is written as th
 
 Schema versions: 1 (first release); 2 adds `coords`/`sizes` for every grid dimension (dp, pp, tp),
 `stage_devices` and `config_digest` in the header, `global_loss` in step records, and non-finite
-numbers as strings. Version 1 logs stay readable.
+numbers as strings. Version 1 logs stay readable; a log of a newer version than SCHEMA_VERSION is not read at all
+(its records may mean what this reader cannot know): CorruptLog names the version and the upgrade.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ class CorruptLog(Exception):
     """A record before the last line is unreadable; the message is `path:line: reason`."""
 
 
+def _not_json(path: Path, line: int, exc: orjson.JSONDecodeError) -> CorruptLog:
+    return CorruptLog(f"{path}:{line}: not valid JSON ({exc.msg})")
+
+
 @dataclass
 class RankLog:
     """One rank's stitched records: the latest record per step (and per epoch, per evaluation)."""
@@ -170,7 +175,7 @@ def _parse(path: Path, warnings: list[str]) -> tuple[list[Any], list[int] | None
             if k == len(numbered) - 1:
                 warnings.append(f"{path}:{number}: skipped a truncated last line ({exc.msg})")
                 break
-            raise CorruptLog(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+            raise _not_json(path, number, exc) from None
         numbers.append(number)
     return records, numbers
 
@@ -201,6 +206,8 @@ def read_rank_log(path: Path, warnings: list[str] | None = None) -> RankLog:
                     continue
                 except KeyError:
                     pass
+            if kind == "header":
+                _check_version(rec)
             validate_record(rec)
             _restore_numbers(rec)
             if kind == "header":
@@ -227,6 +234,13 @@ def read_rank_log(path: Path, warnings: list[str] | None = None) -> RankLog:
     return log
 
 
+def _check_version(header: dict[str, Any]) -> None:
+    version = header.get("schema_version")
+    if isinstance(version, int) and version > SCHEMA_VERSION:
+        raise ValueError(f"schema_version {version} is newer than this gptpar reads (up to {SCHEMA_VERSION}); "
+                         "upgrade gptpar (git pull, then make install) to read this run")
+
+
 def segments(path: Path) -> int:
     """Segments (headers) already in a rank's log: a restarted run numbers its next one with this."""
     return len(read_rank_log(path).headers) if path.is_file() else 0
@@ -234,7 +248,8 @@ def segments(path: Path) -> int:
 
 def read_new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     """The records on the complete lines of `path` after byte `offset`, and the offset after them; a line still
-    being written is left for the next call (following a live log)."""
+    being written is left for the next call (following a live log). An unreadable line is a CorruptLog naming its
+    line number, as read_rank_log names it."""
     try:
         with open(path, "rb") as file:
             file.seek(offset)
@@ -242,13 +257,16 @@ def read_new_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int
     except FileNotFoundError:
         return [], offset
     end = data.rfind(b"\n") + 1
+    lines = data[:end].split(b"\n")
     records = []
-    for line in data[:end].splitlines():
+    for i, line in enumerate(lines):
         if line.strip():
             try:
                 records.append(orjson.loads(line))
             except orjson.JSONDecodeError as exc:
-                raise CorruptLog(f"{path}: a line after byte {offset} is not valid JSON ({exc.msg})") from None
+                with open(path, "rb") as file:  # only now: the lines before `offset`, to number this one
+                    before = file.read(offset).count(b"\n")
+                raise _not_json(path, before + i + 1, exc) from None
             _restore_numbers(records[-1])
     return records, offset + end
 

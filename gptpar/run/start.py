@@ -1,6 +1,7 @@
-"""Starting a run in its folder: the run named (once), the folder made, its config.yaml written, and an
-old folder set aside to start over. The submit side (gptpar.launch.plan) does all of it before any rank
-starts; a rank started without a submit side only names its run here too (gptpar.run.claim)."""
+"""Starting a run in its folder: the run named (once), or named by the folder its config file sits in, the folder
+made, its config.yaml written (checked against the run's own by gptpar.run.resume), and an old folder set aside to
+start over. The submit side (gptpar.launch.plan) does all of it before any rank starts; a rank started without a
+submit side only names its run here too (gptpar.run.claim)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from gptpar.config import Config, updated
+from gptpar.config import Config, Layer, nested, updated
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder, in_use, run_folder
 from gptpar.run.names import derived_run_id, replaced_name
+from gptpar.run.resume import check_start
 from gptpar.run.state import LIVE_JOB_STATES
 
 JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
@@ -26,18 +28,27 @@ def named_run(cfg: Config, run_id: str = "", runs_dir: str | Path | None = None,
     return updated(cfg, {"log.run_id": folder.name}), folder
 
 
+def location_layer(config_file: str | Path) -> list[Layer]:
+    """A config file in a folder that holds a run names that run: the folder is where the run is now (moved or
+    copied), whatever log.runs_dir and log.run_id the file recorded. A config file elsewhere names none."""
+    folder = RunFolder(Path(config_file).resolve().parent)
+    if not folder.holds_run():
+        return []
+    return [(f"run folder {folder.path}", nested({"log.runs_dir": str(folder.path.parent), "log.run_id": folder.name}))]
+
+
 def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
                  again: str = "pass --start-over to set the old folder aside and start over") -> None:
-    """Make a run's folder and write its config.yaml. A live folder is refused naming its holder; a folder that
-    holds a different config is refused with what changed (`again` says how to start over), unless
-    `start_over`, which first moves any existing folder aside (set_aside)."""
+    """Make a run's folder and write its config.yaml. A live folder is refused naming its holder; a folder whose
+    run has another config is refused with what changed (gptpar.run.resume; `again` says how to start over),
+    unless `start_over`, which first moves any existing folder aside (set_aside)."""
     holder = folder.holder()
     if holder is not None:
         raise GptparError(in_use(folder.path, holder))
     if start_over and folder.path.is_dir() and any(folder.path.iterdir()):
         set_aside(folder, job_state)
     make_folder(folder.path)
-    folder.write_config(cfg, again)
+    check_start(folder, cfg, again=again)
 
 
 def make_folder(path: Path) -> None:

@@ -9,7 +9,7 @@ The scheduler's answer is passed in (this module never asks SLURM itself), so `g
   wrote one), timeout / oom (from the scheduler or the job's stderr), requeued (the log says so and
   no scheduler says the job waits), stopped (every rank stopped at a step boundary on SIGTERM or
   Ctrl-C, or on a requeue request where no scheduler restarts the run; running it again resumes),
-  corrupt (an unreadable log).
+  corrupt (an unreadable log: damaged, or written by a newer gptpar).
 - whom a failure is blamed on: a rank's own error first; then a rank that died or hung without a
   final record, when its peers only report losing contact (a collective timed out, a connection
   closed); only then the first of those lost-contact errors.
@@ -26,6 +26,7 @@ from typing import Any
 
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
+from gptpar.run.resume import mixed_configs
 
 STATES = ("pending", "running", "completed", "diverged", "requeued", "stopped", "failed", "timeout", "oom",
           "corrupt")
@@ -49,6 +50,7 @@ class RunLog:
     state: str
     detail: str = ""  # why the run is not completed, in one line
     warnings: list[str] = field(default_factory=list)
+    mixed: str = ""  # why its starts ran different configs (gptpar.run.resume.mixed_configs); "" when they ran one
 
     @property
     def run_id(self) -> str:
@@ -188,7 +190,7 @@ def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: s
         if len(ranks) < world:
             warnings.append(f"{folder.path}: {len(ranks)} rank file(s) for world_size {world}")
     state, detail = decide_state(folder, ranks, scheduler, now)
-    return RunLog(folder, sweep, config, started, state, detail, warnings)
+    return RunLog(folder, sweep, config, started, state, detail, warnings, mixed_configs(started))
 
 
 def replica_indices(ranks: list[RankLog]) -> list[int]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -31,15 +31,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.optim import Optimizer
 
-from gptpar.atomic import probe_space, write_error
+from gptpar.atomic import atomic_write, os_error, probe_space, write_error
 from gptpar.errors import GptparError
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
 from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
+from gptpar.paths import check_path
+from gptpar.run.folder import CHECKPOINT_DIR
 
-CHECKPOINT_DIR = "checkpoint"
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
 # hold different parameters, and a group's index would name different parameters on each stage's rank.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -134,14 +136,7 @@ def _cause(exc: BaseException) -> BaseException:
     torch's file writer reports a full disk as a RuntimeError raised while handling the OSError."""
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
-    seen: set[int] = set()
-    inner: BaseException | None = exc
-    while inner is not None and id(inner) not in seen:
-        if isinstance(inner, OSError):
-            return inner
-        seen.add(id(inner))
-        inner = inner.__cause__ or inner.__context__
-    return exc
+    return os_error(exc) or exc
 
 
 def _existing(run_dir: str | Path) -> Path | None:
@@ -204,23 +199,28 @@ def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
     path = _existing(run_dir)
     if path is None:
         raise GptparError(f"{run_dir} has no checkpoint to export ({checkpoint_dir(run_dir)} does not exist)")
+    out = check_path(out, "file", "--out", "name a file to write", must_exist=False)
     _check_metadata(path)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}{TMP_SUFFIX}")
     try:
-        dcp_to_torch_save(path, tmp)
-        state = torch.load(tmp, weights_only=False)
+        state = _read_whole(path)
         if isinstance(state.get("trainer"), dict) and "model" in state["trainer"]:  # a training run's checkpoint
             if "pieces" in state["trainer"]["model"]:  # fsdp's: every rank's pieces of the parameters
                 state["trainer"]["model"] = join_pieces(state["trainer"]["model"])
             state["gpt2"] = plain_gpt2_state(state["trainer"]["model"], state["trainer"].get("vocab_size"))
-            torch.save(state, tmp)
     except (Exception, CheckpointException) as exc:
-        tmp.unlink(missing_ok=True)
         raise GptparError(f"cannot export checkpoint {path} ({_reason(exc)}); it is damaged") from exc
-    os.replace(tmp, out)  # never leave a half-written file under the name the user asked for
+    # Through a file object: torch.save to a path loses the OSError of a full disk ("basic_ios::clear").
+    atomic_write(out, lambda f: torch.save(state, f), kept=f"the checkpoint {path} is unchanged")
     return out
+
+
+def _read_whole(path: Path) -> dict[str, Any]:
+    """A DCP checkpoint as one plain state dict in memory, as dcp_to_torch_save reads it before it writes (that
+    function writes to a path itself, so its read and write failures could not be told apart)."""
+    state: dict[str, Any] = {}
+    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    return state
 
 
 def model_state(model: nn.Module, optimizer: Optimizer, sync: GradSync | None = None

@@ -24,14 +24,14 @@ from gptpar.run.sinks import open_sinks
 from gptpar.run.start import named_run
 from gptpar.run.state import FINISHED, resume_hint
 from gptpar.train.checkpoint import load_checkpoint
-from gptpar.train.preemption import can_requeue, requeue_current_job, stop_request, stop_signals
+from gptpar.train.preemption import can_requeue, launcher_watch, requeue_current_job, stop_request, stop_signals
 from gptpar.train.provenance import header_fields, job_id
 from gptpar.train.trainer import Trainer
 
 
 def run_rank(cfg: Config) -> dict[str, Any]:
     """Train as one rank of the job the environment describes (a single process when it describes none)."""
-    with stop_signals():
+    with stop_signals(), launcher_watch():
         return _run_rank(cfg)
 
 
@@ -41,7 +41,7 @@ def _run_rank(cfg: Config) -> dict[str, Any]:
         launched = launched_config(cfg, info.world_size)  # checked before the folder is touched
         dims = ParallelDims.build(info, grid_sizes(launched))
         with contextlib.ExitStack() as stack:
-            folder, state = claim_run_folder(cfg, info, _from_rank_zero, stack, job_id())  # config.yaml: as submitted
+            folder, state = claim_run_folder(cfg, launched, info, _from_rank_zero, stack, job_id())
             if state in FINISHED:
                 if info.rank == 0:
                     print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)
@@ -58,7 +58,7 @@ def _from_rank_zero(answer: list[Any]) -> None:
 def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict[str, Any]:
     log = RankLogger(folder.path, dims.rank)
     restart = segments(log.path)
-    trainer = None
+    trainer, started = None, False
     try:
         log.mirror = open_sinks(cfg.log, dims.rank, folder.path)  # closed by log.close()
         trainer = Trainer(cfg, dims, folder, log)
@@ -66,12 +66,13 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
         log.write(HeaderRecord(**header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
                                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
                                total_steps=trainer.total_steps, fast_path=trainer.fast_path()))
+        started = True
         status, loss = trainer.run()
         request = stop_request() if status != "completed" else None  # this rank's own signal, if any
         log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),
                               signal=request[1] if request else None))
     except BaseException as exc:
-        if trainer is None:  # set-up failed: the segment still says who failed and why
+        if not started:  # set-up or loading the checkpoint failed: the segment still says who failed and why
             log.write(HeaderRecord(**header_fields(cfg, dims, restart)))
         log.write(FinalRecord(status="failed", step=trainer.step if trainer else 0,
                               error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500]))

@@ -8,6 +8,9 @@ records the signal; the trainer polls `stop_request()` at each step boundary, ag
 (a requeue wins over a stop), saves, logs a final "requeued" or "stopped" record and, for a requeue,
 calls `requeue_current_job()` on rank 0. A second Ctrl-C raises KeyboardInterrupt at once.
 
+A rank of gptpar's local launcher also stops so when the launcher is gone (`launcher_watch`): killed with
+SIGKILL, it could not pass a signal on, and its ranks would otherwise train to the end unattended.
+
 `scontrol requeue` reruns the job's script, i.e. `gptpar train config.yaml` in the same run folder,
 which resumes from the checkpoint; a stopped run resumes the same way when it is started again.
 """
@@ -23,12 +26,13 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
-from gptpar.parallel.env import layout_from_env
+from gptpar.parallel.env import LAUNCHER_PID, layout_from_env
 
 REQUEUE_SIGNAL = signal.SIGUSR2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SIGNALS = (REQUEUE_SIGNAL, *STOP_SIGNALS)
 _received: dict[int, None] = {}  # the signals received since their handler was installed, in order
+LAUNCHER_POLL_S = 0.5  # how often a local rank checks that its launcher still lives
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
@@ -72,6 +76,36 @@ def stop_signals() -> Iterator[None]:
         for sig, handler in previous.items():
             if handler is not _on_signal:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+@contextmanager
+def launcher_watch(env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """In a rank of gptpar's local launcher (and `stop_signals`), a thread that sends this rank SIGTERM once the
+    launcher is gone, so it stops at the next step boundary with a checkpoint and a `stopped` record. It compares
+    the parent pid with the launcher's: portable, unlike Linux's parent-death signal, which also fires when the
+    launcher's spawning thread ends. Ranks of SLURM, torchrun or one process have no launcher of gptpar's to watch."""
+    env = os.environ if env is None else env
+    launcher = env.get(LAUNCHER_PID)
+    if launcher is None or threading.current_thread() is not threading.main_thread():  # no handler off the main one
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(LAUNCHER_POLL_S):
+            if os.getppid() != int(launcher):
+                print(f"gptpar: rank {env.get('RANK')}: its launcher (pid {launcher}) is gone; stopping at the next "
+                      "step boundary (as on SIGTERM)", file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    thread = threading.Thread(target=watch, name="gptpar-launcher-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()  # before `stop_signals` gives SIGTERM back: a late SIGTERM is still only a request
 
 
 def preemption_requested() -> bool:

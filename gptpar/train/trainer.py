@@ -68,9 +68,12 @@ class Trainer:
         self.train_set, self.val_set, self.collate = data.train, data.val, data.collate
         self.vocab_size, self.tokenizer, self.translation = data.vocab_size, data.tokenizer, data.translation
         self.micro_batch = t.batch_size // t.grad_accum  # global, over all replicas
+        self.capped = data.translation.capped if data.translation else ""  # what data.max_chars dropped
         if len(self.train_set) < self.micro_batch:
+            why = (f": {self.capped}; raise data.max_chars (0 reads all) or lower train.batch_size" if self.capped
+                   else " of the corpus; lower it or use a larger corpus")
             raise GptparError(f"train.batch_size={t.batch_size} exceeds the {len(self.train_set)} training "
-                              "examples of the corpus; lower it or use a larger corpus")
+                              f"examples{why}")
         model = build_model(cfg.model, self.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=example_width(cfg),
                             init_device=cfg.model.init_device, shards=dims.size("tp"))
         self.n_params, self.gpt2 = count_params(model), model.config  # whole, before any sharding
@@ -316,7 +319,8 @@ class Trainer:
         table = f", token table padded to {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
                 f"GPT-2 of {self.n_params:,} parameters ({g.n_layer} layers, width {g.n_embd}, {g.n_head} heads); "
-                f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); {self.precision.name}; "
+                f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); "
+                f"{self.capped + '; ' if self.capped else ''}{self.precision.name}; "
                 f"steps {self.step + 1}-{self.total_steps}")
 
     def fast_path(self) -> dict[str, Any]:

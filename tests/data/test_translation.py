@@ -27,7 +27,7 @@ from gloo_pool import GlooPools
 from rank_training import STEPS, make_config, make_trainer, named_params, saved_ranks, train_steps
 
 from gptpar.config import ConfigError, DataConfig, ModelConfig, fixed_width, load_config, updated
-from gptpar.data.translation import IGNORE, load_translation, read_pairs, target_tokens
+from gptpar.data.translation import IGNORE, PairSplits, load_translation, read_pairs, target_tokens
 from gptpar.errors import GptparError
 from gptpar.launch.status import completion
 from gptpar.model import build_model
@@ -87,19 +87,21 @@ def test_jsonl_and_tsv_pairs_and_their_validation_and_test_splits(tmp_path: Path
     jsonl = write_jsonl(tmp_path / "a.jsonl", pairs)
     (tmp_path / "a.tsv").write_text("".join(f"{de}\t{en}\n\n" for de, en in pairs))  # blank lines are skipped
     for source in (f"jsonl:{jsonl}", f"tsv:{tmp_path / 'a.tsv'}"):
-        assert read_pairs(DataConfig(task="translation", source=source, val_fraction=0.1)) == (pairs[:18], pairs[18:],
-                                                                                               None)
+        assert read_pairs(DataConfig(task="translation", source=source, val_fraction=0.1)) == PairSplits(
+            pairs[:18], pairs[18:], None)
     write_jsonl(tmp_path / "b.jsonl", pairs[:3])
     two_files = DataConfig(task="translation", source=f"jsonl:{jsonl},{tmp_path / 'b.jsonl'}", max_chars=60)
-    train, val, test = read_pairs(two_files)
-    assert val == pairs[:3] and 1 <= len(train) < 20 and test is None  # data.max_chars caps the training pairs only
+    split = read_pairs(two_files)
+    assert split.val == pairs[:3] and 1 <= len(split.train) < 20 and split.test is None  # max_chars caps train only
+    for name, some in (("b", pairs[:3]), ("c", pairs[5:7])):
+        (tmp_path / f"{name}.tsv").write_text("".join(f"{de}\t{en}\n" for de, en in some))
     write_jsonl(tmp_path / "c.jsonl", pairs[5:7])
-    (tmp_path / "c.tsv").write_text("".join(f"{de}\t{en}\n" for de, en in pairs[5:7]))
     for kind in ("jsonl", "tsv"):
-        files = ",".join(str(tmp_path / f"{name}.{kind}") for name in ("a", "a", "c"))  # TRAIN,VALID,TEST
-        assert read_pairs(DataConfig(task="translation", source=f"{kind}:{files}")) == (pairs, pairs, pairs[5:7])
+        files = ",".join(str(tmp_path / f"{name}.{kind}") for name in ("a", "b", "c"))  # TRAIN,VALID,TEST
+        assert read_pairs(DataConfig(task="translation", source=f"{kind}:{files}")) == PairSplits(pairs, pairs[:3],
+                                                                                                  pairs[5:7])
     with pytest.raises(GptparError, match=r"names 4 files; use tsv:TRAIN, tsv:TRAIN,VALID or tsv:TRAIN,VALID,TEST$"):
-        read_pairs(DataConfig(task="translation", source=f"tsv:{files},{files.split(',')[0]}"))
+        read_pairs(DataConfig(task="translation", source=f"tsv:{files},{jsonl}"))
 
 
 @pytest.mark.parametrize(("name", "text", "message"), [
@@ -113,9 +115,10 @@ def test_a_bad_line_fails_in_one_line_naming_it(tmp_path: Path, name: str, text:
                                                 as_test: bool) -> None:
     (tmp_path / name).write_text(text)
     kind = name.split(".")[1]
-    good = tmp_path / f"good.{kind}"
-    good.write_text('{"de": "hund", "en": "dog"}\n' if kind == "jsonl" else "hund\tdog\n")
-    files = f"{good},{good},{tmp_path / name}" if as_test else tmp_path / name  # the bad file as TEST, or as TRAIN
+    good = [tmp_path / f"{split}.{kind}" for split in ("train", "valid")]
+    for path, (de, en) in zip(good, (("hund", "dog"), ("katze", "cat")), strict=True):
+        path.write_text(json.dumps({"de": de, "en": en}) + "\n" if kind == "jsonl" else f"{de}\t{en}\n")
+    files = f"{good[0]},{good[1]},{tmp_path / name}" if as_test else tmp_path / name  # the bad file as TEST or TRAIN
     with pytest.raises(GptparError, match=f"data.source={kind}: .*{message}") as err:
         read_pairs(DataConfig(task="translation", source=f"{kind}:{files}"))
     assert "\n" not in str(err.value)
@@ -141,8 +144,9 @@ def test_a_hub_dataset_is_tested_on_its_test_split_where_it_has_one(tmp_path: Pa
         for split in files:
             (tmp_path / name / f"{split}.jsonl").write_text(
                 "".join(json.dumps({"translation": {"de": de, "en": en}}) + "\n" for de, en in splits[split]))
-    assert read_pairs(DataConfig(task="translation", source=f"hf:{tmp_path / 'three'}")) == tuple(splits.values())
-    assert read_pairs(DataConfig(task="translation", source=f"hf:{tmp_path / 'two'}"))[2] is None
+    assert read_pairs(DataConfig(task="translation", source=f"hf:{tmp_path / 'three'}")) == PairSplits(
+        *splits.values())
+    assert read_pairs(DataConfig(task="translation", source=f"hf:{tmp_path / 'two'}")).test is None
     with pytest.raises(GptparError, match=r": the dataset has no 'validation' split \(it has train\)$"):
         read_pairs(DataConfig(task="translation", source=f"hf:{tmp_path / 'one'}"))
 
@@ -261,7 +265,7 @@ def test_two_replicas_train_and_decode_like_one_process(corpus: str, dp_runs: Pa
     assert ranks[0]["counts"] != ranks[1]["counts"]
     mean = [sum(losses) / 2 for losses in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
     assert mean == pytest.approx(one_process["losses"], rel=1e-5)
-    test_references = [en for _, en in read_pairs(cfg.data)[2][:16]]
+    test_references = [en for _, en in read_pairs(cfg.data).test[:16]]
     for rank in ranks:
         assert rank["val"] == pytest.approx(one_process["val"], rel=1e-5)
         assert rank["hypotheses"] == one_process["hypotheses"]  # both splits decoded in shares, gathered in order
@@ -300,7 +304,7 @@ def test_bleu_rises_far_above_copying_the_source(corpus: str, tmp_path: Path, ca
     log = read_rank_log(tmp_path / "learn" / "rank0.jsonl")
     scores = [log.epochs[e]["bleu"] for e in sorted(log.epochs)]
     tests = [log.epochs[e]["test_bleu"] for e in sorted(log.epochs)]
-    _, val, _ = read_pairs(cfg.data)
+    val = read_pairs(cfg.data).val
     copied = corpus_bleu([de for de, _ in val[:64]], [en for _, en in val[:64]])
     assert len(scores) == len(tests) == 5 and all(isinstance(s, float) for s in scores + tests)
     assert copied < 5 and scores[-1] > 60 and scores[-1] > scores[0] + 40, scores

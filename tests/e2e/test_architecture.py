@@ -96,7 +96,7 @@ def test_the_log_format_has_one_writer_and_one_reader() -> None:
 # `if TYPE_CHECKING:` import is a type hint, not a dependency). The config and the strategy tables sit low so that
 # every side reads them; the parallelisms, the run folder, data and model above them; the trainer above those.
 FLOORS = (
-    ("gptpar", "gptpar.errors", "gptpar.presets", "gptpar.markdown", "gptpar.atomic", "gptpar.hub",
+    ("gptpar", "gptpar.errors", "gptpar.paths", "gptpar.presets", "gptpar.markdown", "gptpar.atomic", "gptpar.hub",
      "gptpar.tensor_bytes"),
     ("gptpar.strategies",),
     ("gptpar.config",),

@@ -182,7 +182,7 @@ def test_text_source_without_a_path_is_one_line(tmp_path, source):
 
 
 def test_a_missing_text_file_is_still_one_line(tmp_path):
-    with pytest.raises(GptparError, match="data.source=text: no such file: .*missing.txt") as exc:
+    with pytest.raises(GptparError, match="data.source=text: '.*missing.txt' does not exist") as exc:
         load_tokens(data_cfg(tmp_path, f"text:{tmp_path / 'missing.txt'}"))
     one_line(exc)
 

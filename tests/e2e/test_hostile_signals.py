@@ -387,3 +387,42 @@ def test_a_failed_local_submit_names_the_rank_that_was_killed_and_why(tmp_path):
     assert re.fullmatch(rf"killed: failed \(job {re.escape(socket.gethostname())}:{proc.pid}\): rank 1 stopped "
                         r"responding after step \d+: no final record, and rank 0 lost contact with it; rank1\.err: "
                         rf"gptpar: rank 1 \(pid {rank1}\) was killed by SIGKILL", out[-1]), out
+
+
+# 8. The local launcher killed with SIGKILL (issue 26): it forwards nothing, so its ranks notice it is gone.
+
+def _alive(pid: int) -> bool:
+    """Still running: a zombie (dead, not yet reaped by whoever adopted it) counts as ended."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_ranks_of_a_local_launcher_killed_with_sigkill_stop_with_a_checkpoint(tmp_path):
+    proc = _gptpar(tmp_path, *ENDLESS, "log.run_id=orphaned", "parallel.dp=2")
+    run = tmp_path / "orphaned"
+    _wait_for_steps(proc, run, ranks=2)
+    ranks = _rank_pids(proc.pid)
+    assert sorted(ranks) == [0, 1]
+    try:
+        proc.kill()
+        proc.wait()
+        killed = time.monotonic()
+        while any(_alive(pid) for pid in ranks.values()) and time.monotonic() - killed < 60:
+            time.sleep(0.1)
+        assert time.monotonic() - killed < 30, "the ranks train on without their launcher"  # a hang guard
+    finally:
+        for pid in ranks.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finals = [_log(run, rank).final for rank in (0, 1)]
+    assert [f["status"] for f in finals] == ["stopped", "stopped"] and "SIGTERM" in {f["signal"] for f in finals}
+    step = finals[0]["step"]
+    assert 0 < step < 1_000_000 and finals[1]["step"] == step == max(_log(run, 1).steps)  # one step boundary
+    assert (run / "checkpoint").is_dir()
+    assert f"its launcher (pid {proc.pid}) is gone; stopping at the next step boundary" in (
+        run / "job" / "rank1.err").read_text()
+    state = read_run(RunFolder(run))
+    assert (state.state, state.detail) == ("stopped", f"stopped at step {step} by SIGTERM; {_resume(run)}")
+    proc.communicate(timeout=DEADLINE_S)  # rank 0 held the launcher's stdout until it ended

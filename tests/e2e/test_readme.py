@@ -54,7 +54,7 @@ RUN_HERE_IN_ORDER = [
 CLUSTER_ONLY = [
     "module load anaconda3",
     "sbatch jobs/pp.sbatch",
-    ".venv/bin/gptpar submit pp --gpus 4 --nodes 2 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
+    ".venv/bin/gptpar submit pp --gpus 4 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
     'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
 ]
 # Commands that need the Hugging Face hub (tests/data/test_translation.py runs the same keys on a local fixture).

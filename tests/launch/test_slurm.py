@@ -6,6 +6,7 @@ a log from every rank, the requeue continuing without a lost or repeated step, a
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
@@ -206,7 +207,18 @@ def test_figures_from_the_runs(work: Path) -> None:
         _wait(work / "runs" / run)
     out = work / "figures"
     _run([GPTPAR, "report", str(work / "runs"), "--out", str(out)], work)
-    assert list(out.glob("*.png")) or list(out.glob("*.pdf"))
+    rows = {row["run"]: row for row in csv.DictReader((out / "summary.csv").open())}
+    pp_run = f"pp-{(work / 'pp_job').read_text()}"
+    shapes = {run: (rows[run]["status"], rows[run]["gpus"], rows[run]["pp_mode"])
+              for run in ("dp2", pp_run, "dp_2nodes")}
+    assert shapes == {"dp2": ("completed", "2", "single"), pp_run: ("completed", "1", "pipeline_parallel"),
+                      "dp_2nodes": ("completed", "4", "single")}
+    assert all(float(rows[run]["tokens_per_s_mean"]) > 0 for run in shapes)
+    # 2 and 4 GPUs make the scaling figures, the sbatch pipeline job the pipeline-against-model-parallel one (the
+    # speedup figure also needs a finished 1-GPU data-parallel run, which is the requeue test's, not waited for here)
+    for name in ("throughput_vs_gpus", "time_vs_gpus", "pipeline_vs_model_parallel", "loss_top-level"):
+        figure = (out / f"{name}.png").read_bytes()
+        assert figure.startswith(b"\x89PNG") and len(figure) > 10_000, name
 
 
 def test_several_ranks_from_a_one_task_step_as_in_an_interactive_session(work: Path) -> None:

@@ -55,7 +55,7 @@ def test_known_clusters_are_detected_only_by_reliable_marks() -> None:
     assert detected_profile("br012.ib.bridges2.psc.edu", {}) == ("bridges2", "host br012.ib.bridges2.psc.edu")
     assert detected_profile("login22", {"NERSC_HOST": "perlmutter"}) == ("perlmutter", "NERSC_HOST=perlmutter")
     assert detected_profile("bridges2", {}) is None and detected_profile("vm", {"NERSC_HOST": "cori"}) is None
-    assert [origin for origin, _ in user_layers({"GPTPAR_USER_CONFIG": "/nonexistent"}, "vm")] == []
+    assert [origin for origin, _ in user_layers({"XDG_CONFIG_HOME": "/nonexistent"}, "vm")] == []
 
 
 def test_the_user_file_is_found_under_xdg_config_home_and_bad_content_is_one_line(tmp_path: Path) -> None:

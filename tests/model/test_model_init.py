@@ -13,7 +13,7 @@ from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.model import build_model, gpt2_config, initial_value, materialize, parameter_seed
 
-TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_positions=64"]
+TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_positions=64", "data.seq_len=64"]
 VOCAB = 300
 
 

@@ -150,8 +150,8 @@ def test_an_unknown_key_is_one_line_and_writes_nothing(tmp_path: Path, capsys: p
 
 @pytest.mark.parametrize("option, message", [
     (["--format", "jpg"], "gptpar: error: --format 'jpg': figures are written as png, pdf, svg"),
-    (["--dpi", "0"], "gptpar: error: --dpi 0: must be a positive number of dots per inch"),
-    (["--dpi", "-5"], "gptpar: error: --dpi -5: must be a positive number of dots per inch"),
+    (["--dpi", "0"], "gptpar: error: --dpi 0: figures are drawn at 10 to 600 dots per inch"),
+    (["--dpi", "-5"], "gptpar: error: --dpi -5: figures are drawn at 10 to 600 dots per inch"),
 ])
 def test_a_bad_format_or_dpi_is_one_line_before_any_run_is_read(tmp_path: Path, capsys: pytest.CaptureFixture,
                                                                 option: list[str], message: str) -> None:

@@ -112,7 +112,7 @@ def test_a_run_that_fails_before_its_first_record_is_failed_with_its_error(tmp_p
 
     cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=nodata", "data.source=text:/no/such.txt",
                              "data.tokenizer=bytes", "log.progress=none"])
-    with pytest.raises(GptparError, match="no such file"):
+    with pytest.raises(GptparError, match="does not exist"):
         run_rank(cfg)
     run = read_run(RunFolder(tmp_path / "nodata"))
     assert run.state == "failed"

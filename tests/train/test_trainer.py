@@ -118,8 +118,7 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path):
     """SIGKILL mid-run, start it again: steps continue from the checkpoint with identical losses."""
     common = [*TINY, "data.source=synthetic", "data.vocab_size=300", "train.batch_size=8", "train.max_steps=12",
               "train.eval_every=0", "train.checkpoint_every=3", "train.threads=1", f"log.runs_dir={tmp_path}"]
-    assert _gptpar([*common, "log.run_id=straight"]).wait(120) == 0
-
+    straight_run = _gptpar([*common, "log.run_id=straight"])  # trains beside the killed one: two cores
     killed = _gptpar([*common, "log.run_id=killed"])
     log = tmp_path / "killed" / "rank0.jsonl"
     deadline = time.time() + 120
@@ -128,6 +127,7 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path):
     killed.send_signal(signal.SIGKILL)
     killed.wait(30)
     assert _gptpar([*common, "log.run_id=killed"]).wait(120) == 0
+    assert straight_run.wait(120) == 0
 
     straight = {r["step"]: r["loss"] for r in read_records(tmp_path / "straight/rank0.jsonl") if r["kind"] == "step"}
     records = read_records(log)

@@ -147,7 +147,8 @@ class UnitSync(ShardedOptimizer, GradSync):
         GradSync.__init__(self, model)
         self.group, self.world_size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self._inflight = self._peak = 0  # bytes of gathered parameters and flat gradients right now, and the most
-        self._pending: tuple[Unit, torch.Tensor, dist.Work] | None = None  # the outstanding reduce-scatter
+        # The outstanding reduce-scatter: its unit, input (the flat gradient), output and work.
+        self._pending: tuple[Unit, torch.Tensor, torch.Tensor, dist.Work] | None = None
 
     def _hook_units(self) -> None:
         """Give every unit its gradient shard (each piece's gradient a view of it) and the gradient hooks."""
@@ -192,7 +193,10 @@ class UnitSync(ShardedOptimizer, GradSync):
             p.grad = None
         flat.div_(self.world_size)
         out = torch.empty_like(u.grad_shard)
-        self._pending = (u, out, reduce_scatter(out, flat, group=self.group, async_op=True))
+        # The flat gradient is held until the reduce-scatter is waited for, so that its bytes are in flight exactly as
+        # long as `_account` counts them on every backend: NCCL keeps a collective's input alive to the end anyway,
+        # gloo reduces a copy and would let it go at once.
+        self._pending = (u, flat, out, reduce_scatter(out, flat, group=self.group, async_op=True))
         u.flat_grad, u.grads_in = None, 0
         self._release(u)
 
@@ -203,14 +207,14 @@ class UnitSync(ShardedOptimizer, GradSync):
         """Wait for the outstanding reduce-scatter and add its result into its unit's gradient shard."""
         if self._pending is None:
             return
-        u, out, work = self._pending
+        u, _, out, work = self._pending
         start = time.perf_counter()
         with comm_span("reduce_scatter", phase="wait"):
             work.wait()
         self.comm_wait_s += time.perf_counter() - start
         u.grad_shard.add_(out)
-        self._account(-u.nbytes)  # its flat gradient is gone with the work
         self._pending = None
+        self._account(-u.nbytes)  # its flat gradient is gone
 
     def finish(self) -> None:
         """Reduce what backward left (a unit some of whose parameters got no gradient) and wait for it all."""

@@ -17,16 +17,26 @@ from pathlib import Path
 import pytest
 import torch
 from gloo_pool import GlooPools
-from rank_training import BASE, STEPS, make_config, make_trainer, named_params, reference_run, saved_ranks, train_steps
+from rank_training import (
+    BASE,
+    STEPS,
+    make_config,
+    make_trainer,
+    named_params,
+    reference_run,
+    resumed_run,
+    saved_ranks,
+    train_steps,
+)
 from torch import nn
 
-from gptpar.config import ParallelConfig, load_config, updated
+from gptpar.config import ParallelConfig, load_config
 from gptpar.errors import GptparError
 from gptpar.model import build_model
 from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
+from gptpar.train.checkpoint import export_checkpoint
 
 # (case name, overrides); the world size is dp * pp.
 CASES_2 = [
@@ -44,6 +54,7 @@ CASES_4 = [
     ("zb1p-d2", ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=zb1p", "parallel.chunks=2",
                  "parallel.dp_sync=naive", "parallel.balance=params"]),
 ]
+RESUMED = ["1f1b", "interleaved", "zb1p"]  # every way a stage's backward runs: whole, per model chunk, split
 
 
 def _engine_worker(info: RankInfo, cases: list[tuple[str, list[str]]], runs: Path) -> None:
@@ -55,16 +66,9 @@ def _engine_worker(info: RankInfo, cases: list[tuple[str, list[str]]], runs: Pat
         record = {"losses": losses, "val": val, "params": named_params(trainer), "coords": trainer.dims.coords,
                   "computes_loss": trainer.net.computes_loss, "stats": trainer.net.stats, "memory": trainer.memory}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
-        if name == "1f1b":  # resume: one step, a checkpoint, a new trainer from it, one more step
-            resumed_cfg = updated(cfg, {"log.run_id": "resumed"})
-            first = make_trainer(resumed_cfg, info)
-            train_steps(first, 1)
-            first.checkpoints.save()
-            torch.save(named_params(first), runs / f"saved.rank{info.rank}.pt")
-            second = make_trainer(resumed_cfg, info)
-            assert load_checkpoint(second.folder.path, {"trainer": second})
-            resumed = {"losses": train_steps(second, 1), "params": named_params(second)}
-            torch.save(resumed, runs / f"resumed.rank{info.rank}.pt")
+        if name in RESUMED:  # one step, a checkpoint, a new trainer from it, one more step
+            resumed = resumed_run(make_config(overrides, runs, f"resumed-{name}"), info)
+            torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +132,10 @@ def test_replicas_of_a_stage_stay_bitwise_identical(results: Path, name: str) ->
             assert torch.equal(replicas[0][param], replicas[1][param]), f"stage {stage}: {param}"
 
 
+@pytest.mark.parametrize("name", RESUMED)
 @pytest.mark.slow
-def test_a_resumed_pipeline_continues_bitwise_where_it_stopped(results: Path) -> None:
-    straight, resumed = saved_ranks(results, "1f1b"), saved_ranks(results, "resumed")
+def test_a_resumed_pipeline_continues_bitwise_where_it_stopped(results: Path, name: str) -> None:
+    straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
     for a, b in zip(straight, resumed, strict=True):
         assert b["losses"] == [a["losses"][1]]
         for param in a["params"]:
@@ -193,8 +198,8 @@ def test_schedule_shapes_and_batches_that_do_not_fit_are_one_line_errors() -> No
 def test_export_writes_a_pipeline_checkpoint_as_one_gpt2_model(results: Path, tmp_path: Path) -> None:
     """`gptpar checkpoint export` of a pipeline run: every stage's tensors under GPT2LMHeadModel's names, loadable
     into one model of the tokenizer's vocabulary (the token table's padding, never trained, cut off)."""
-    saved = {**torch.load(results / "saved.rank0.pt"), **torch.load(results / "saved.rank1.pt")}
-    plain = torch.load(export_checkpoint(results / "resumed", tmp_path / "plain.pt"), weights_only=False)["gpt2"]
+    saved = {param: value for rank in saved_ranks(results, "resumed-1f1b") for param, value in rank["saved"].items()}
+    plain = torch.load(export_checkpoint(results / "resumed-1f1b", tmp_path / "plain.pt"), weights_only=False)["gpt2"]
     model = build_model(replace(make_config([], results, "x").model, pad_vocab=1), 300, seed=0)
     assert set(plain) == set(model.state_dict())
     model.load_state_dict(plain)

@@ -1,5 +1,6 @@
-"""Tensor parallelism through the trainer: ours and torch's at T=2 (with sequence and loss parallelism), and the
-compositions DP x TP, FSDP x TP and PP x TP on 4 ranks, each equal to one process; checkpoints resume exactly.
+"""Tensor parallelism through the trainer: ours and torch's at T=2 (with sequence and loss parallelism), the
+compositions DP x TP, FSDP x TP and PP x TP on 4 ranks and PP x TP x DP (3D) on 8, each equal to one process;
+checkpoints resume exactly.
 
 The vocabulary (301) does not divide by 2: the token table is built padded (to model.pad_vocab's multiple of 64, which
 tp divides), and the masking of the padding in the vocabulary-parallel layers and loss is exercised too.
@@ -51,8 +52,9 @@ CASES_4 = {
     "pp2-tp2": [*TP, "parallel.pp=2", "parallel.chunks=2"],
     "pp2-tp2-sp-lp": [*TP, "parallel.pp=2", "parallel.chunks=2", *SP_LP],
 }
-RESUMED = {"tp2-sp-lp": 2, "fsdp-tp2": 4, "zero2-tp2": 4, "dp2-tp2": 4, "pp2-tp2-sp-lp": 4}
-ALL = CASES_2 | CASES_4
+CASES_8 = {"3d": [*TP, "parallel.pp=2", "parallel.dp=2", "parallel.chunks=2", "model.n_layer=2"]}  # pp x tp x dp
+RESUMED = {"tp2-sp-lp": 2, "fsdp-tp2": 4, "zero2-tp2": 4, "dp2-tp2": 4, "pp2-tp2-sp-lp": 4, "3d": 8}
+ALL = CASES_2 | CASES_4 | CASES_8
 
 
 def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]]) -> None:
@@ -89,7 +91,7 @@ def _dropout_masks(info: RankInfo, runs: Path) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("tp")
-    for world, cases in ((2, CASES_2), (4, CASES_4)):
+    for world, cases in ((2, CASES_2), (4, CASES_4), (8, CASES_8)):
         gloo_pool.run(world, _worker, runs, cases)
     return runs
 

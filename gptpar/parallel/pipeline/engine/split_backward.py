@@ -6,7 +6,9 @@ otherwise wait. The matrix multiplications are where the weight gradients cost (
 as large as the input-gradient one), so every projection of a stage (GPT-2's `Conv1D` layers and the
 LM head) runs through `_DeferrableMatmul`: while a `WeightGradStore` is deferring, its backward returns
 only the input gradient and files (input, output gradient) with the store; `apply` later turns each
-filed pair into the weight and bias gradients, accumulated into `.grad` as autograd would have.
+filed pair into the weight and bias gradients, accumulated into `.grad` as autograd would have. Under autocast the
+pair is kept in the dtype the forward's matmul ran in, so W computes in that dtype too and casts the result to the
+parameter's, as autograd does with an autocast layer's weight gradient.
 Layer norms and embeddings are small and keep their gradients in B. Outside deferral the layer
 computes all gradients at once, so the same module serves every schedule.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -40,8 +43,11 @@ def _accumulate(param: nn.Parameter, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+@torch.no_grad()
 def apply_weight_grads(filed: list[tuple[DeferrableLinear, torch.Tensor, torch.Tensor]]) -> None:
-    """The W pass: each filed layer's weight (and bias) gradient from its input and output gradient."""
+    """The W pass: each filed layer's weight (and bias) gradient from its input and output gradient. Outside
+    autograd's backward, so without grad mode: the saved input still requires grad, and a gradient that recorded
+    its history would keep the micro-batch's graph alive until the next zero_grad."""
     for layer, x, grad_out in filed:
         weight_grad, bias_grad = layer.weight_grads(x, grad_out)
         _accumulate(layer.weight, weight_grad)
@@ -53,16 +59,19 @@ class _DeferrableMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 layer: DeferrableLinear) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.layer = layer
-        out = x @ layer.as_in_out(weight)
-        return out + bias if bias is not None else out
+        # F.linear, as the layer it replaces: under autocast it runs in the autocast dtype, bias included; the input
+        # is saved as the matmul saw it, so the backward's matmuls run in the forward's dtype.
+        out = F.linear(x, layer.as_out_in(weight), bias)
+        ctx.save_for_backward(x.to(out.dtype), weight)
+        ctx.layer, ctx.input_dtype = layer, x.dtype
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         layer: DeferrableLinear = ctx.layer
-        grad_x = grad_out @ layer.as_in_out(weight).t()
+        grad_out = grad_out.to(x.dtype)
+        grad_x = (grad_out @ layer.as_out_in(weight).to(x.dtype)).to(ctx.input_dtype)
         x2d, g2d = x.reshape(-1, x.size(-1)), grad_out.reshape(-1, grad_out.size(-1))
         if layer.store.deferring:
             layer.store.filed.append((layer, x2d, g2d))
@@ -81,12 +90,15 @@ class DeferrableLinear(nn.Module):
         self.in_out = isinstance(layer, Conv1D)
         self.store = store
 
-    def as_in_out(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight if self.in_out else weight.t()
+    def as_out_in(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight as nn.Linear holds it (out x in)."""
+        return weight.t() if self.in_out else weight
 
     def weight_grads(self, x2d: torch.Tensor, g2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        weight_grad = x2d.t() @ g2d if self.in_out else g2d.t() @ x2d
-        return weight_grad, g2d.sum(0) if self.bias is not None else None
+        """In the dtype the forward's matmul ran in (x2d's and g2d's), returned in the parameters' dtype, as autograd
+        casts an autocast matmul's weight gradient back to its fp32 weight."""
+        weight_grad = (x2d.t() @ g2d if self.in_out else g2d.t() @ x2d).to(self.weight.dtype)
+        return weight_grad, g2d.sum(0).to(self.bias.dtype) if self.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _DeferrableMatmul.apply(x, self.weight, self.bias, self)

@@ -1,0 +1,227 @@
+"""A run is what its folder says (issue 26, items 1, 2 and 4): a resumed run runs the config its checkpoint was made
+with, a run folder moved or copied elsewhere resumes where it now is, and a log of a newer schema is refused rather
+than read as something it may not be.
+
+The cases a user meets with a real run start one real run, stopped by SIGTERM at a step boundary with its checkpoint
+(once per module), and give each test its own copy of it; the cases of older or newer logs write those logs with
+the log's own writer (tests/logsets.py), in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from logsets import Rank
+
+from analysis.report import report
+from gptpar.cli import main as gptpar_main
+from gptpar.config import load_config
+from gptpar.errors import GptparError
+from gptpar.launch.plan import plan_run
+from gptpar.run.folder import RunFolder
+from gptpar.run.logfile import CorruptLog, read_rank_log
+from gptpar.run.state import read_run
+from gptpar.user_defaults import resolve_config
+
+TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
+        "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.eval_every=0",
+        "train.threads=1", "log.progress=none"]
+STEPS = 200  # ~130 steps an epoch: a SIGTERM sent once the first step is logged lands well before the end
+DEADLINE_S = 120.0  # a hang guard while waiting on records: never a timing claim
+START_OVER = "pass --start-over to set the old folder aside and start over"
+# What a resumed start may change: where the run is and how it logs, how its job is queued, when it evaluates,
+# checkpoints and profiles, where its data is cached, how long a rank waits for a dead peer.
+RESUMABLE = ("data.dir, data.hub_timeout_s, train.eval_every, train.checkpoint_every, train.profile_steps, "
+             "train.dump_grads, parallel.timeout_s, launch.* (not gpus, nodes, repeat), log.*")
+
+
+def _env(data_dir: Path) -> dict[str, str]:
+    """The environment of a `gptpar` process: the session's data cache, no network, none of the tester's defaults."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "GPTPAR_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1",
+            "GPTPAR_USER_CONFIG": str(data_dir / "no-user-defaults.yaml")}
+
+
+def _gptpar(data_dir: Path, *words: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gptpar", *words], capture_output=True, text=True,
+                          env=_env(data_dir), timeout=DEADLINE_S)
+
+
+def _stepped(run: Path) -> bool:
+    try:
+        return bool(read_rank_log(run / "rank0.jsonl").steps)
+    except (FileNotFoundError, CorruptLog):
+        return False
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> Path:
+    """A run stopped by SIGTERM at a step boundary, with its checkpoint: what a user edits, moves or copies."""
+    runs = tmp_path_factory.mktemp("stopped")
+    run = runs / "a"
+    proc = subprocess.Popen([sys.executable, "-m", "gptpar", "train", *TINY, "train.epochs=3",
+                             f"train.max_steps={STEPS}", f"log.runs_dir={runs}", "log.run_id=a"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(data_dir))
+    deadline = time.monotonic() + DEADLINE_S
+    while not _stepped(run) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=DEADLINE_S)
+    assert read_run(RunFolder(run)).state == "stopped", (out, err)
+    return run
+
+
+def own_copy(stopped: Path, runs: Path) -> Path:
+    """A copy of the stopped run as if it had been started in `runs` (its config.yaml names that runs folder)."""
+    run = Path(shutil.copytree(stopped, runs / stopped.name))
+    edit_config(run, log={"runs_dir": str(runs)})
+    return run
+
+
+def edit_config(run: Path, **sections: dict) -> None:
+    """Change config.yaml's values as a user's editor would."""
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    for section, values in sections.items():
+        saved[section].update(values)
+    (run / "config.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+
+
+def stop_step(run: Path) -> int:
+    return read_rank_log(run / "rank0.jsonl").final["step"]
+
+
+def resumed(run: Path, step: int) -> None:
+    """The run trained on from its checkpoint in this folder: a second segment from step + 1 to the end."""
+    log = read_rank_log(run / "rank0.jsonl")
+    assert [h["restart"] for h in log.headers] == [0, 1] and log.final["status"] == "completed"
+    assert sorted(log.steps) == list(range(1, STEPS + 1))
+    assert min(s for s, r in log.steps.items() if r["time"] > log.headers[1]["time"]) == step + 1
+    assert read_run(RunFolder(run)).state == "completed"
+
+
+def one_line(text: str) -> str:
+    assert "\n" not in text.strip() and len(text) < 600, text
+    return text.strip()
+
+
+def refusal(folder: Path, what: str, diff: str, again: str = START_OVER) -> str:
+    return (f"run folder {folder} {what} ({diff}); a run resumes with the config it was trained with, changing only "
+            f"{RESUMABLE}: undo the change, use another log.run_id, or {again}")
+
+
+# --- Item 1: a resumed run runs the config its checkpoint was made with ---------------------------------------------
+
+@pytest.mark.slow
+def test_a_hand_edited_config_is_refused_naming_the_changed_key(stopped, tmp_path, data_dir):
+    run = own_copy(stopped, tmp_path / "runs")
+    edit_config(run, train={"lr": 0.001})
+    before = (run / "rank0.jsonl").read_bytes()
+    done = _gptpar(data_dir, "train", str(run / "config.yaml"))
+    assert done.returncode == 2 and done.stdout == ""
+    assert one_line(done.stderr) == "gptpar: error: " + refusal(run, "was trained with a different config",
+                                                                "train.lr: 0.0006 -> 0.001")
+    assert (run / "rank0.jsonl").read_bytes() == before  # nothing resumed with the new value
+
+
+@pytest.mark.slow
+def test_a_rank_started_on_the_edited_file_refuses_it_too(stopped, tmp_path):
+    """srun and torchrun start ranks on config.yaml with no submit side in between: rank 0 checks it itself."""
+    from gptpar.train.entry import run_rank
+
+    run = own_copy(stopped, tmp_path / "runs")
+    edit_config(run, train={"seed": 7})
+    with pytest.raises(GptparError) as exc:
+        run_rank(load_config(run / "config.yaml"))
+    assert str(exc.value) == refusal(run, "was trained with a different config", "train.seed: 1337 -> 7",
+                                     "move the old folder away to start over")
+    assert read_run(RunFolder(run)).state == "stopped"
+
+
+def trained(tmp_path: Path, *overrides: str) -> RunFolder:
+    """A planned run that has started once: config.yaml, and a header recording the config its ranks ran."""
+    cfg = plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes",
+                                      *overrides])).cfg
+    Rank(tmp_path / "r", 0, cfg.to_dict()).header(schema_version=2).final("stopped", step=3)
+    return RunFolder(tmp_path / "r")
+
+
+def test_only_keys_that_leave_the_run_as_it_was_may_change_on_resume(tmp_path):
+    folder = trained(tmp_path)
+    path = str(folder.config_path)
+    plan_run(resolve_config(path, ["train.eval_every=7", "launch.time=01:00:00", "log.every=1"])[0])
+    assert folder.read_config()["train"]["eval_every"] == 7 and folder.read_config()["launch"]["time"] == "01:00:00"
+    for key, old, new in [("train.max_steps", 0, 800), ("parallel.dp", 1, 2), ("model.n_layer", 0, 3)]:
+        with pytest.raises(GptparError) as exc:
+            plan_run(resolve_config(path, [f"{key}={new}"])[0])
+        assert str(exc.value) == refusal(folder.path, "holds a different config", f"{key}: {old} -> {new}")
+    assert folder.read_config()["train"]["max_steps"] == 0  # a refused start leaves config.yaml as it was
+
+
+def test_status_and_report_flag_a_run_whose_starts_ran_different_configs(tmp_path, capsys):
+    """A log that a gptpar before this check wrote: the run resumed with another train.lr, then completed."""
+    cfg = load_config(None, ["data.tokenizer=bytes"]).to_dict()
+    rank = Rank(tmp_path / "mixed", 0, cfg).header().step(1).step(2)
+    rank.cfg = {**cfg, "train": {**cfg["train"], "lr": 0.01}}
+    rank.header(restart=1).step(3).step(4).final(step=4)
+    Rank(tmp_path / "plain", 0, cfg).header().step(1).step(2).step(3).step(4).final(step=4)
+    why = "its starts ran different configs (restart 1 of rank 0: train.lr: 0.0006 -> 0.01); its numbers mix them"
+    assert gptpar_main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"    warning: {why}\n" in out and out.count("warning:") == 1
+    result = report(tmp_path, tmp_path / "figures", warmup_steps=0)
+    assert [r.run for r in result.shown] == ["plain"]
+    assert f"warning: run mixed: {why}; left out of the table and figures" in capsys.readouterr().err
+    assert f"| mixed | {why} |" in result.summary_md.read_text()
+
+
+# --- Item 2: a run folder is where it is ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_moved_run_resumes_where_it_now_is(stopped, tmp_path, data_dir):
+    runs = tmp_path / "runs"
+    step = stop_step(own_copy(stopped, runs))
+    moved = Path(shutil.move(runs / "a", tmp_path / "other" / "a"))
+    done = _gptpar(data_dir, "train", str(moved / "config.yaml"))
+    assert done.returncode == 0, done.stderr
+    resumed(moved, step)
+    assert not (runs / "a").exists()  # not started over at its old place
+    assert RunFolder(moved).read_config()["log"]["runs_dir"] == str(tmp_path / "other")
+    shutil.copy(moved / "config.yaml", tmp_path / "myexp.yaml")  # a config file elsewhere names the run it records
+    assert resolve_config(tmp_path / "myexp.yaml", [])[0].log.runs_dir == str(tmp_path / "other")
+
+
+@pytest.mark.slow
+def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_alone(stopped, tmp_path, data_dir):
+    original = own_copy(stopped, tmp_path / "runs")
+    step, before = stop_step(original), (original / "rank0.jsonl").read_bytes()
+    copy = Path(shutil.copytree(original, tmp_path / "other" / "a"))
+    done = _gptpar(data_dir, "train", str(copy / "config.yaml"))
+    assert done.returncode == 0, done.stderr
+    resumed(copy, step)
+    assert (original / "rank0.jsonl").read_bytes() == before
+    assert read_run(RunFolder(original)).state == "stopped"
+
+
+# --- Item 4: a log of a newer schema is refused, not read as completed ----------------------------------------------
+
+def test_a_log_of_a_newer_schema_is_refused_in_one_line(tmp_path, capsys):
+    folder = trained(tmp_path)
+    Rank(tmp_path / "r", 0, folder.read_config()).header(restart=1, schema_version=3).final(step=5)
+    why = (f"{folder.rank_log(0)}:3: schema_version 3 is newer than this gptpar reads (up to 2); upgrade gptpar "
+           "(git pull, then make install) to read this run")
+    run = read_run(folder)
+    assert (run.state, run.detail) == ("corrupt", why)
+    with pytest.raises(GptparError) as exc:  # nor resumed by a gptpar that cannot read it
+        plan_run(load_config(folder.config_path))
+    assert one_line(str(exc.value)) == f"run folder {folder.path} cannot be resumed: {why}; {START_OVER}"
+    assert gptpar_main(["status", str(tmp_path)]) == 0
+    assert "corrupt  r" in capsys.readouterr().out
+    result = report(tmp_path, tmp_path / "figures", include_incomplete=True)
+    assert result.shown == [] and f"run r is corrupt and left out: {why}" in capsys.readouterr().err
