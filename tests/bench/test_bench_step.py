@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_step  # noqa: E402
 
 
+@pytest.mark.slow  # seven trainers and loops built and stepped: about 10 s
 def test_bench_step_times_every_row_and_ends_with_the_two_ratios(capsys: pytest.CaptureFixture[str]) -> None:
     bench_step.main(["--preset", "gpt2-tiny", "--seq", "16", "--batch", "2", "--vocab", "300", "--warmup", "0",
                      "--rounds", "1", "--threads", "1"])
