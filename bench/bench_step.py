@@ -79,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1, help="rounds dropped before measuring")
     ap.add_argument("--rounds", type=int, default=4, help="measured rounds (round-robin over the rows)")
     ap.add_argument("--steps", type=int, default=0, help="steps per row and round (default: 1 on a CPU, 10 on a GPU)")
+    ap.add_argument("--rows", default="", help="comma-separated rows to run (default: all; e.g. bare,tuned,gptpar)")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
     return ap.parse_args(argv)
 
@@ -249,8 +250,11 @@ def build_rows(args: argparse.Namespace, batch: int, runs: Path) -> list[Row]:
     for name, overrides in fast_path_rows(args).items():
         makers[name] = lambda name=name, overrides=overrides: gptpar_step(
             args, info, batch, runs, f"b{batch}-{len(makers)}-{name.split()[-1].replace('=', '-')}", overrides)
+    wanted = set(args.rows.split(",")) if args.rows else set(makers)
+    if unknown := wanted - set(makers):
+        raise SystemExit(f"bench_step: --rows {','.join(sorted(unknown))} is not a row here; rows: {', '.join(makers)}")
     rows = []
-    for name, make in makers.items():
+    for name, make in ((n, m) for n, m in makers.items() if n in wanted):
         row = Row(name)
         try:
             row.runner = make()
