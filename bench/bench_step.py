@@ -9,8 +9,9 @@ Setup (and why):
   - `tuned`: the loop the fastest public PyTorch GPT-2 trainers write (nanoGPT, llm.c's train_gpt2.py): the
     vocabulary padded to a multiple of 64 (and trained, as they do), SDPA attention (transformers' sdpa path:
     flash or memory-efficient kernels on a GPU), fused AdamW (foreach where a device has no fused kernel), whole-model
-    torch.compile where a compiler is usable (`--compile`, on by default only on CUDA: on a CPU compiling takes
-    minutes), bf16 autocast when the compared precision is bf16, and no host synchronisation in the step;
+    torch.compile with the loss inside the compiled graph, as nanoGPT computes it in the model's forward, where a
+    compiler is usable (`--compile`, on by default only on CUDA: on a CPU compiling takes minutes), bf16
+    autocast when the compared precision is bf16, and no host synchronisation in the step;
   - `gptpar`: a Trainer built from a config (the code `gptpar train` runs, not a copy), timed through
     `Trainer.train_step` with the loss and gradient norm read back every `log.sync_every` steps as its loop reads
     them; first with gptpar's defaults for this device, then one row per fast-path option switched from its default.
@@ -110,7 +111,7 @@ class Loop:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # token ids and targets to the mean loss
     batches: Batches
     device: torch.device
     dtype: torch.dtype | None
@@ -120,7 +121,7 @@ class Loop:
         x, y = next(self.batches)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         with torch.autocast(self.device.type, dtype=self.dtype) if self.dtype else contextlib.nullcontext():
-            loss = self.loss(self.model(x).logits, y)
+            loss = self.forward_loss(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0, foreach=self.clip_foreach)
         self.optimizer.step()
@@ -130,12 +131,13 @@ class Loop:
 def bare_loop(args: argparse.Namespace, device: torch.device, batch: int) -> Loop:
     model = build_model(replace(ModelConfig(preset=args.preset), pad_vocab=1), args.vocab, SEED).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=6e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    return Loop(model.train(), optimizer, lm_loss, Batches(batch, args.seq, args.vocab), device,
-                AUTOCAST_DTYPES.get(args.precision))
+    return Loop(model.train(), optimizer, lambda x, y: lm_loss(model(x).logits, y),
+                Batches(batch, args.seq, args.vocab), device, AUTOCAST_DTYPES.get(args.precision))
 
 
 def tuned_loop(args: argparse.Namespace, device: torch.device, batch: int) -> Loop:
-    """nanoGPT's step: a padded (trained) vocabulary, decayed matrices only, fused AdamW, whole-model compile."""
+    """nanoGPT's step: a padded (trained) vocabulary, decayed matrices only, fused AdamW, the model and its loss
+    compiled as one graph (nanoGPT computes the loss inside the compiled forward)."""
     model = build_model(replace(ModelConfig(preset=args.preset), pad_vocab=1), padded_vocab(args.vocab, 64), SEED)
     model = model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -143,8 +145,11 @@ def tuned_loop(args: argparse.Namespace, device: torch.device, batch: int) -> Lo
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     kind = optimizer_kind(params, fused=True)
     optimizer = torch.optim.AdamW(groups, lr=6e-4, betas=(0.9, 0.95), **{kind: True})
-    forward = torch.compile(model) if args.compile == "on" else model
-    return Loop(forward, optimizer, lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+
+    def forward_loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+
+    return Loop(model, optimizer, torch.compile(forward_loss) if args.compile == "on" else forward_loss,
                 Batches(batch, args.seq, args.vocab, pin=device.type == "cuda"), device,
                 AUTOCAST_DTYPES.get(args.precision), clip_foreach=True)
 
@@ -198,8 +203,8 @@ def fast_path_rows(args: argparse.Namespace) -> dict[str, list[str]]:
     """gptpar's default step, then each fast-path option switched from its default on this device (train.precision
     is the compared precision, the same in every row)."""
     cuda = args.device.type == "cuda"
-    switched = ["train.fused_optimizer=false", "model.pad_vocab=1", "train.chunked_loss=false",
-                f"log.sync_every={1 if cuda else 10}"]
+    switched = ["train.fused_optimizer=false", "model.pad_vocab=1",
+                f"train.loss_kernel={'chunked' if cuda else 'plain'}", f"log.sync_every={1 if cuda else 10}"]
     if args.compile == "on":  # auto compiles the model on a GPU and nothing on a CPU
         switched += ["train.compile=false", "train.compile=blocks"] if cuda else ["train.compile=model"]
     return {"gptpar": [], **{f"gptpar {o}": [o] for o in switched}}
@@ -293,16 +298,23 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def fits(args: argparse.Namespace, batch: int) -> bool:
-    """Whether the rows that hold the most train two steps at this batch: the bare loop (fp32 copies of unpadded
+def fits(args: argparse.Namespace, batch: int, rows: int) -> bool:
+    """Whether the rows that hold the most train two steps at this batch beside what the other rows keep between
+    their turns (parameters and optimizer state, measured after the step): the bare loop (fp32 copies of unpadded
     logits) and gptpar's step without compiling (compiled code holds no more)."""
     info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                     launcher="single", backend="gloo", device=args.device)
+    capacity = torch.cuda.get_device_properties(args.device).total_memory
     with tempfile.TemporaryDirectory() as tmp:
         for make in (lambda: bare_loop(args, args.device, batch),
                      lambda: gptpar_step(args, info, batch, Path(tmp), "probe", ["train.compile=false"])):
             try:
-                timed_steps(make(), 2, args.device)
+                runner = make()
+                _, peak = timed_steps(runner, 2, args.device)
+                kept = torch.cuda.memory_allocated(args.device)
+                del runner
+                if peak + (rows - 1) * kept > 0.95 * capacity:
+                    return False
             except torch.cuda.OutOfMemoryError:
                 return False
             finally:
@@ -311,8 +323,9 @@ def fits(args: argparse.Namespace, batch: int) -> bool:
 
 
 def largest_batch(args: argparse.Namespace) -> int:
+    rows = len(args.rows.split(",")) if args.rows else 2 + len(fast_path_rows(args))
     for batch in GPU_BATCHES:
-        if fits(args, batch):
+        if fits(args, batch, rows):
             return batch
     raise SystemExit(f"bench_step: not even a batch of {GPU_BATCHES[-1]} x {args.seq} tokens fits on {args.device}")
 

@@ -70,9 +70,10 @@ def pad_config(config: GPT2Config, multiple: int) -> GPT2Config:
 
 class PaddedHead(nn.Module):
     """GPT-2's LM head over a token table padded past the tokenizer's `vocab` rows: the padded columns of its logits
-    are set to -inf, so they never win an argmax, take no probability in a softmax and get no gradient (their rows
-    stay zero). A module of its own, not an nn.Linear, so that nothing that rewrites linear layers (the pipeline's
-    split backward) drops the mask."""
+    are -inf, so they never win an argmax, take no probability in a softmax and get no gradient (their rows stay
+    zero). The -inf comes as the matmul's bias, which cuBLAS and inductor add in the matmul's own epilogue: no pass
+    over the logits of its own. A module of its own, not an nn.Linear, so that nothing that rewrites linear layers
+    (the pipeline's split backward) drops the mask."""
 
     def __init__(self, n_embd: int, padded: int, vocab: int) -> None:
         super().__init__()
@@ -80,10 +81,9 @@ class PaddedHead(nn.Module):
         self.vocab = vocab
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
-        with torch.no_grad():  # the matmul's backward never reads its output: marking it in place is safe
-            logits[..., self.vocab:] = float("-inf")
-        return logits
+        mask = torch.zeros(self.weight.size(0), dtype=self.weight.dtype, device=self.weight.device)
+        mask[self.vocab:] = float("-inf")
+        return F.linear(hidden, self.weight, mask)
 
 
 def empty_model(config: GPT2Config) -> GPT2LMHeadModel:
@@ -308,7 +308,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def chunked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS
                     ) -> torch.Tensor:
-    """`lm_loss` without an fp32 copy of the whole logits (train.chunked_loss): the same value and gradients up
+    """`lm_loss` without an fp32 copy of the whole logits (train.loss_kernel=chunked): the same value and gradients up
     to fp32 rounding, -100 targets left out of the mean as F.cross_entropy leaves them."""
     return _ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.size(-1)))
 

@@ -16,6 +16,7 @@ from gptpar.strategies.tensor_parallel import TP_IMPLS
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "tf32")
 COMPILE_MODES = ("auto", "false", "true", "blocks", "model")
+LOSS_KERNELS = ("auto", "compiled", "chunked", "plain")
 # A run folder's name: file names have at most 255 bytes, and a folder set aside by --start-over or --rerun gets
 # `.replaced-<YYYYmmdd-HHMMSS>[.N]` appended (run ids are ASCII, gptpar.run.names: a character is a byte).
 RUN_ID_MAX = 200
@@ -98,11 +99,14 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1.", min=0.0, max=1.0)
     beta2: float = opt(0.95, "AdamW beta2.", min=0.0, max=1.0)
     grad_clip: float = opt(1.0, "Gradient-norm clip; 0 disables it.", min=0.0)
-    chunked_loss: bool = opt(True, "The cross-entropy over chunks of rows, each in fp32 in turn (forward keeps one "
-                             "log-sum-exp per row, backward recomputes each chunk's softmax into the logits' "
-                             "gradient), never an fp32 copy of the whole logits; false: F.cross_entropy on the fp32 "
-                             "logits. The same gradients up to fp32 rounding. parallel.loss_parallel's vocabulary-"
-                             "parallel loss replaces either.")
+    loss_kernel: str = opt("auto", "How the cross-entropy runs: compiled (torch.compile fuses it into one pass over "
+                           "the logits each way, never an fp32 copy of them), chunked (a chunk of rows at a time in "
+                           "fp32: forward keeps one log-sum-exp per row, backward recomputes each chunk's softmax), "
+                           "plain (F.cross_entropy on an fp32 copy of the logits); auto: compiled where this rank "
+                           "compiles (train.compile resolves to blocks or model), chunked elsewhere. The same "
+                           "gradients up to fp32 rounding. parallel.loss_parallel's vocabulary-parallel loss "
+                           "replaces any.",
+                           choices=LOSS_KERNELS)
     fused_optimizer: bool = opt(True, "AdamW as one fused kernel (CPUs and GPUs), or foreach where a device or dtype "
                                 "has no fused kernel (the log header's fast_path says which ran); false: torch's "
                                 "default (foreach on GPUs, a loop over the tensors on CPUs). The same updates up to "

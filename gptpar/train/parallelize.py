@@ -22,7 +22,7 @@ from torch import nn
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import Config
-from gptpar.model import chunked_lm_loss, initial_value, lm_loss, materialize
+from gptpar.model import initial_value, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.dims import ParallelDims
@@ -31,7 +31,7 @@ from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model, whole_logits
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout
 from gptpar.strategies.data_parallel import DP_STRATEGIES
-from gptpar.train.recompute import prepare_blocks
+from gptpar.train.recompute import prepare_blocks, whole_logits_loss
 
 
 @dataclass
@@ -60,7 +60,7 @@ def parallelize(model: GPT2LMHeadModel, cfg: Config, dims: ParallelDims, vocab_s
     if tp_group is not None:  # 2
         model = shard_model(model, p, dims, device)
     prepare_blocks(model, cfg, device)  # 3, in place
-    loss_fn = loss_function(p, dims, vocab_size, chunked_lm_loss if cfg.train.chunked_loss else lm_loss)  # 4
+    loss_fn = loss_function(p, dims, vocab_size, whole_logits_loss(cfg, device))  # 4
     pipeline = dims.size("pp") > 1
     if pipeline:  # 5
         net: nn.Module = PipelineEngine(model, cfg, dims, device, loss_fn)

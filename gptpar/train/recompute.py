@@ -6,6 +6,8 @@ pipeline's split by block are the same with or without them, and every paralleli
 the model afterwards (fsdp's hooks, the pipeline's stages, Pipe's partitions) finds the blocks it expects.
 Whole-model compilation (`train.compile=model`) gives one graph for forward and one for backward, with no
 Python between the layers, where the layout runs the model as one piece (gptpar.config.whole_compile_obstacle).
+Where a rank compiles, the loss is compiled too (train.loss_kernel=auto): inductor fuses the cross-entropy into one
+pass over the logits each way, where eager kernels make an fp32 copy and several passes over it.
 
 Checkpointing replaces a block's `forward` by one that runs the original under non-reentrant
 `torch.utils.checkpoint`: forward keeps only the block's input, backward runs the block again to get the
@@ -30,6 +32,7 @@ from transformers import GPT2LMHeadModel
 
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, whole_compile_obstacle
 from gptpar.errors import GptparError
+from gptpar.model import chunked_lm_loss, lm_loss
 from gptpar.parallel.pipeline.one_process.gpt2 import resolve_devices
 
 
@@ -89,6 +92,22 @@ def compile_mode(cfg: Config, device: torch.device) -> str:
         return "false"
     one_replica = cfg.parallel.dp == 1 and not whole_compile_obstacle(cfg)
     return "model" if one_replica else "blocks"
+
+
+def loss_kernel(cfg: Config, device: torch.device) -> str:
+    """train.loss_kernel as this rank runs it: compiled, chunked or plain (auto: compiled where the rank compiles)."""
+    if cfg.train.loss_kernel != "auto":
+        return cfg.train.loss_kernel
+    return "compiled" if compile_mode(cfg, device) != "false" else "chunked"
+
+
+def whole_logits_loss(cfg: Config, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The cross-entropy of whole logits that train.loss_kernel asks for on this rank."""
+    kernel = loss_kernel(cfg, device)
+    if kernel == "compiled":
+        check_compiler(device, cfg.train.compile_backend, "train.loss_kernel=compiled")
+        return torch.compile(lm_loss, backend=cfg.train.compile_backend)
+    return chunked_lm_loss if kernel == "chunked" else lm_loss
 
 
 def _check_pipe_dropout(cfg: Config) -> None:

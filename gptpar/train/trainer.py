@@ -28,7 +28,7 @@ from gptpar.data import partition_dataset
 from gptpar.data.training import load_training_data
 from gptpar.data.translation import PairDataset, target_tokens
 from gptpar.errors import GptparError
-from gptpar.model import build_model, chunked_lm_loss, count_params, empty_model, lm_loss
+from gptpar.model import build_model, count_params, empty_model
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
@@ -47,7 +47,7 @@ from gptpar.train.precision import Precision
 from gptpar.train.preemption import stop_request
 from gptpar.train.profiling import StepProfiler
 from gptpar.train.progress import Progress, peak_memory_bytes
-from gptpar.train.recompute import compile_mode
+from gptpar.train.recompute import compile_mode, loss_kernel
 from gptpar.train.step_records import PendingStep, PendingSteps, StepClock, sync_every
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -328,7 +328,8 @@ class Trainer:
         return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.gpt2.vocab_size,
                 "sync_every": sync_every(self.cfg.log.sync_every, self.dims.device),
                 "compile": compile_mode(self.cfg, self.dims.device),
-                "loss": {chunked_lm_loss: "chunked", lm_loss: "plain"}.get(self.loss_fn, "vocabulary-parallel")}
+                "loss": "vocabulary-parallel" if self.cfg.parallel.loss_parallel and self.dims.size("tp") > 1
+                else loss_kernel(self.cfg, self.dims.device)}
 
     @property
     def computes_loss(self) -> bool:

@@ -21,7 +21,7 @@ def test_bench_step_times_every_row_and_ends_with_the_two_ratios(capsys: pytest.
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| row")]
     names = [row.split(" | ")[0].removeprefix("| ") for row in rows]
     assert names == ["bare", "tuned", "gptpar", "gptpar train.fused_optimizer=false", "gptpar model.pad_vocab=1",
-                     "gptpar train.chunked_loss=false", "gptpar log.sync_every=10"]
+                     "gptpar train.loss_kernel=plain", "gptpar log.sync_every=10"]
     assert all(re.search(r"\| n/a \(unknown peak for cpu\) \| n/a \| \d+\.\d\dx \|$", row) for row in rows), rows
     assert "not compiled" in lines[0] + lines[1]
     assert re.fullmatch(r"gptpar/tuned: \d+\.\d\dx, gptpar/bare: \d+\.\d\dx", lines[-1]), lines[-1]

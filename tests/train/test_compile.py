@@ -48,11 +48,12 @@ def test_whole_model_compilation_where_no_one_graph_holds_the_model_is_one_line(
 
 @pytest.mark.slow  # dynamo traces GPT-2 whole: about 15 s
 def test_the_compiled_model_and_compiled_blocks_train_as_the_eager_model(tmp_path: Path) -> None:
-    eager = make_trainer(make_config(["train.compile=false"], tmp_path, "eager"), SINGLE)
+    # The eager run's loss is F.cross_entropy, which the compiled runs compile with the model (loss_kernel=auto).
+    eager = make_trainer(make_config(["train.compile=false", "train.loss_kernel=plain"], tmp_path, "eager"), SINGLE)
     losses, params = train_steps(eager, 2), named_params(eager)
     for mode in ("model", "blocks"):
         compiled = make_trainer(make_config([f"train.compile={mode}", AOT], tmp_path, mode), SINGLE)
-        assert compiled.fast_path()["compile"] == mode
+        assert compiled.fast_path()["compile"] == mode and compiled.fast_path()["loss"] == "compiled"
         assert train_steps(compiled, 2) == pytest.approx(losses, rel=1e-5), mode
         for name, value in named_params(compiled).items():
             torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -159,12 +159,13 @@ def test_the_chunked_loss_gives_the_plain_loss_and_gradients_and_keeps_no_fp32_l
 
 
 def test_the_chunked_loss_trains_as_the_plain_one(tmp_path: Path) -> None:
-    chunked = trained(tmp_path, "chunked", ["train.chunked_loss=true"])
-    plain = trained(tmp_path, "plain", ["train.chunked_loss=false"])
+    chunked = trained(tmp_path, "chunked", ["train.loss_kernel=chunked"])
+    plain = trained(tmp_path, "plain", ["train.loss_kernel=plain"])
     assert chunked[2].fast_path()["loss"] == "chunked" and plain[2].fast_path()["loss"] == "plain"
     assert_same_training(chunked, plain)
 
 
+@pytest.mark.slow  # inductor compiles the model in a worker process
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
 def test_the_default_step_on_a_gpu_never_waits_for_the_gpu(tmp_path: Path) -> None:
     """torch.cuda.set_sync_debug_mode("error") raises on any operation that makes the host wait for the device: none
