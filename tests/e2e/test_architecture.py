@@ -96,13 +96,13 @@ def test_the_log_format_has_one_writer_and_one_reader() -> None:
 # `if TYPE_CHECKING:` import is a type hint, not a dependency). The config and the strategy tables sit low so that
 # every side reads them; the parallelisms, the run folder, data and model above them; the trainer above those.
 FLOORS = (
-    ("gptpar", "gptpar.errors", "gptpar.presets", "gptpar.markdown", "gptpar.atomic", "gptpar.hub",
+    ("gptpar", "gptpar.errors", "gptpar.presets", "gptpar.markdown", "gptpar.atomic", "gptpar.hub", "gptpar.snapshot",
      "gptpar.tensor_bytes"),
     ("gptpar.strategies",),
     ("gptpar.config",),
     ("gptpar.data", "gptpar.model", "gptpar.run", "gptpar.parallel"),
     ("gptpar.train", "gptpar.pipeline"),
-    ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "analysis"),
+    ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "gptpar.api", "analysis"),
     ("gptpar.cli", "gptpar.__main__"),
 )
 
