@@ -164,9 +164,9 @@ class SubmititBackend:
 
 
 def _one_line(exc: Exception, where: str) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[-1] if lines else type(exc).__name__
-    if type(exc).__name__ == "FailedJobError":  # sbatch refused the job; its last line names what
+    """submitit's error (sbatch's stderr, a Python traceback's message) as one line."""
+    text = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())[:400] or type(exc).__name__
+    if type(exc).__name__ == "FailedJobError":  # sbatch refused the job: its lines name what
         return (f"sbatch refused the submitit job: {text}; fix the launch.* key it names (partition, account, qos, "
                 "constraint, gpus, time), or check the profile with `gptpar doctor`")
     return f"submitit could not submit to {where}: {type(exc).__name__}: {text}"

@@ -229,7 +229,7 @@ def test_a_submitit_job_runs_the_code_it_was_submitted_with(work: Path) -> None:
     header names the commit the snapshot was taken at, clean."""
     run = work / "runs" / "submitit_snapshot"
     waiting = (work / "snapshot_held").read_text()  # when the clone was edited
-    assert "'JobState': 'PENDING'" in waiting and "'Reason': 'PartitionTimeLimit'" in waiting
+    assert "'JobState': 'PENDING'" in waiting and "'TimeLimit': '3-00:00:00'" in waiting
     assert _wait(run) == "completed"
     header = read_records(run / "rank0.jsonl")[0]
     commit = (work / "clone_commit").read_text()
@@ -248,11 +248,26 @@ def test_sbatch_account_and_user_defaults_reach_a_submitit_job_and_wait_returns_
     job = api.submit("dp", gpus=1, overrides=[*TINY, f"log.runs_dir={work / 'runs'}", "log.run_id=submitit_held",
                                               SUBMITIT])
     info = job_info(job.job_id)
-    assert (info["Account"], info["CPUs/Task"], info["JobState"], info["Reason"]) == (
-        "from-sbatch-account", "2", "PENDING", "PartitionTimeLimit")
+    assert (info["Account"], info["CPUs/Task"], info["JobState"], info["TimeLimit"]) == (
+        "from-sbatch-account", "2", "PENDING", UNSTARTABLE[1])
     assert job.state() == "pending"
     assert job.cancel() == f"cancelled SLURM job {job.job_id} (pending)"
     assert job.wait(timeout=60) == "failed"  # SLURM says CANCELLED; it never started
+    # The same API hands a job to gptpar's sbatch script just as well.
+    job = api.submit("dp", gpus=1, overrides=[*TINY, f"log.runs_dir={work / 'runs'}", "log.run_id=sbatch_held"])
+    assert job.submitit is None and job_info(job.job_id)["Account"] == "from-sbatch-account"
+    assert (job.state(), job.cancel(), job.wait(timeout=60)) == (
+        "pending", f"cancelled SLURM job {job.job_id} (pending)", "failed")
+
+
+def test_what_sbatch_refuses_of_a_submitit_job_is_one_line(work: Path) -> None:
+    result = subprocess.run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, f"log.runs_dir={work / 'runs'}",
+                             "log.run_id=submitit_refused", "launch.profile=generic", "launch.partition=nope",
+                             SUBMITIT], cwd=work, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("gptpar: error: sbatch refused the submitit job: sbatch: error: invalid "
+                                    "partition specified: nope; ")
+    assert "fix the launch.* key it names" in result.stderr
 
 
 def test_make_submit_dp_two_gpus(work: Path) -> None:
