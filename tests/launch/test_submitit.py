@@ -1,6 +1,6 @@
 """launch.launcher=submitit without a cluster: the executor's parameters from the job spec, the choice of backend,
 the code snapshot, the Python API's handle, and (slow) a real run on submitit's local executor, equal to the same
-run through `gptpar train`. The SLURM side is in tests/launch/test_slurm.py."""
+run trained as `gptpar train` trains it. The SLURM side is in tests/launch/test_slurm.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from gloo_pool import GlooPools
 from logsets import dp_run
+from rank_training import train_as_gptpar_does
 
 from gptpar import api
 from gptpar.cli import main
@@ -28,7 +30,6 @@ from gptpar.snapshot import SNAPSHOT_FILE, take_snapshot
 from gptpar.train import preemption
 
 REPO = Path(__file__).resolve().parents[2]
-GPTPAR = str(REPO / ".venv" / "bin" / "gptpar")
 TINY = {"model.n_layer": 2, "model.n_embd": 32, "model.n_head": 2, "data.source": "synthetic",
         "data.tokenizer": "bytes", "data.seq_len": 16, "data.synthetic_tokens": 20000, "train.batch_size": 4,
         "train.max_steps": 2, "train.eval_every": 0, "train.threads": 1}
@@ -135,14 +136,13 @@ def test_a_snapshot_holds_the_package_as_it_is_and_is_what_its_python_imports(tm
 
 
 @pytest.mark.slow
-def test_api_submit_on_the_local_executor_trains_as_gptpar_train_does(tmp_path: Path) -> None:
+def test_api_submit_on_the_local_executor_trains_as_gptpar_train_does(tmp_path: Path, gloo_pool: GlooPools) -> None:
     runs = tmp_path / "runs"
     job = api.submit("dp", gpus=2, overrides={**TINY, "launch.cluster": "local", "launch.launcher": "submitit",
                                               "log.runs_dir": runs, "log.run_id": "api"})
-    trained = subprocess.run([GPTPAR, "train", *(f"{k}={v}" for k, v in TINY.items()), "parallel.dp=2",
-                              f"log.runs_dir={runs}", "log.run_id=train"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=300)  # meanwhile, the same run through the local launcher
-    assert trained.returncode == 0, trained.stdout + trained.stderr
+    # Meanwhile, the same run as `gptpar train parallel.dp=2` trains it, on the session's two gloo ranks.
+    gloo_pool.run(2, train_as_gptpar_does, [*(f"{k}={v}" for k, v in TINY.items()), "parallel.dp=2",
+                                            f"log.runs_dir={runs}", "log.run_id=train"])
     assert job.wait(timeout=300) == "completed"
     result = job.result()
     steps = [json.loads(line) for line in (runs / "train" / "rank0.jsonl").read_text().splitlines()]
