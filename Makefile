@@ -28,7 +28,7 @@ $(STAMP): requirements.lock pyproject.toml
 	@echo "installing the tested lock (requirements.lock: every extra and the dev tools)"
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock $(QUIET_PIP)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . $(QUIET_PIP)
-	$(PY) -c "import torch, transformers, datasets, sacrebleu, tensorboard, wandb, pytest, gptpar, analysis"
+	$(PY) -c "import torch, transformers, datasets, sacrebleu, tensorboard, wandb, submitit, pytest, gptpar, analysis"
 	rm -f $(VENV)/.installed*
 	touch $(STAMP)
 	@echo "installed; check this node with: $(GPTPAR) doctor"

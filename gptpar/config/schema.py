@@ -198,6 +198,9 @@ class LaunchConfig:
     profile: str = opt("local", "Cluster profile: a name in gptpar/launch/profiles/ or a path to a .yaml file.")
     cluster: str = opt("auto", "auto: SLURM when reachable, else local processes.",
                        choices=("auto", "slurm", "local"))
+    launcher: str = opt("sbatch", "How a job is handed over: sbatch (gptpar's templated script) or submitit (a Python "
+                        "callable through submitit, run from a snapshot of the code; SLURM or submitit's local "
+                        "executor, as launch.cluster decides).", choices=("sbatch", "submitit"))
     partition: str = opt("", "SLURM partition; empty uses the profile's default.")
     account: str = opt("", "SLURM account (-A).")
     qos: str = opt("", "SLURM QOS (-q).")

@@ -2,7 +2,9 @@
 
 A backend submits the points of one job spec, reports a job's state, and cancels a job (the split
 submitit makes between its core, slurm and local executors). `submit`, `sweep`, `status` and a
-`gptpar train` that starts its own ranks never branch on the backend themselves.
+`gptpar train` that starts its own ranks never branch on the backend themselves. Where a job runs
+(launch.cluster: SLURM or this machine) is decided first, by one rule; how it is handed over
+(launch.launcher: gptpar's sbatch script, or submitit) second.
 """
 
 from __future__ import annotations
@@ -15,19 +17,23 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from gptpar.config import LaunchConfig
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.local import LocalBackend
 from gptpar.launch.plan import Point
 from gptpar.launch.profiles import JobSpec
+from gptpar.launch.render import render_script
+from gptpar.launch.submitit_backend import SubmititBackend, executor_text
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, read_rank_log
 from gptpar.run.state import LIVE_JOB_STATES
 
 
 class Backend(Protocol):
-    name: str
+    name: str  # recorded in job.json; backend_named makes the backend again from it
     where: str  # said to the user before anything runs
+    scheduler: str  # who holds its jobs, as messages name it ("SLURM"); "" where the run's own processes are the job
 
     def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
         """Start (or queue) one job running `points`; returns each point's job id."""
@@ -38,25 +44,44 @@ class Backend(Protocol):
     def cancel(self, job_id: str) -> None: ...
 
 
-def choose_backend(requested: str, profile: str) -> Backend:
+def _cluster(requested: str, profile: str) -> str:
     """`launch.cluster`: local, slurm, or auto. auto takes SLURM when it answers, and local processes
     only where no SLURM client exists at all and the profile is `local`: a failing SLURM on a cluster
     must never turn into training on the login node."""
     if requested == "local":
-        return LocalBackend()
+        return "local"
     reason = slurm.unreachable_reason()
     if reason is None:
-        return slurm.SlurmBackend()
+        return "slurm"
     if requested == "slurm" or shutil.which("sinfo") or profile != "local":
         fix = "start it (make cluster-up)" if profile == "local" else "check the cluster's SLURM (sinfo)"
         shown = profile if profile.isprintable() else repr(profile)
         raise GptparError(f"SLURM unreachable: {reason} (launch.cluster={requested}, launch.profile={shown}); "
                           f"{fix}, or run here with launch.cluster=local")
-    return LocalBackend()
+    return "local"
+
+
+def choose_backend(launch: LaunchConfig) -> Backend:
+    """Where (launch.cluster, by the rule of _cluster), then how (launch.launcher): SLURM through gptpar's sbatch
+    script or through submitit, or this machine as gptpar's local processes or submitit's local executor."""
+    cluster = _cluster(launch.cluster, launch.profile)
+    if launch.launcher == "submitit":
+        return SubmititBackend(cluster)
+    return slurm.SlurmBackend() if cluster == "slurm" else LocalBackend()
 
 
 def backend_named(name: str) -> Backend:
+    """The backend a job record names (Backend.name)."""
+    if name in SubmititBackend.NAMES.values():
+        return SubmititBackend(next(c for c, n in SubmititBackend.NAMES.items() if n == name))
     return slurm.SlurmBackend() if name == "slurm" else LocalBackend()
+
+
+def job_text(points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> str:
+    """What --dry-run prints for one job: the sbatch script, or (launch.launcher=submitit) submitit's parameters."""
+    if points[0].cfg.launch.launcher == "submitit":
+        return executor_text(points, spec, name, output_dir)
+    return render_script(points, spec, name, output_dir)
 
 
 def job_of(folder: RunFolder) -> tuple[str, str] | None:
@@ -86,16 +111,18 @@ def scheduler_state(folder: RunFolder) -> str | None:
 
 
 def cancel_run(folder: RunFolder) -> str:
-    """Stop a folder's run and say what was done: scancel its SLURM job while it is pending or running, else
-    interrupt the process holding the folder on this host (SIGINT: every rank stops at the next step boundary,
-    checkpointed, and the run can be resumed)."""
+    """Stop a folder's run and say what was done: cancel its job while the scheduler holding it (SLURM, or
+    submitit's local executor) says it is pending or running, else interrupt the process holding the folder on
+    this host (SIGINT: every rank stops at the next step boundary, checkpointed, and the run can be resumed)."""
     job = job_of(folder)
-    if job is not None and job[0] == "slurm":
-        state = slurm.SlurmBackend().state(job[1])
+    backend = backend_named(job[0]) if job is not None else None
+    if job is not None and backend.scheduler:
+        state = backend.state(job[1])
         if state not in LIVE_JOB_STATES:
-            return f"nothing to cancel: SLURM job {job[1]} is {state or 'no longer known to SLURM'}"
-        slurm.SlurmBackend().cancel(job[1])
-        return f"cancelled SLURM job {job[1]} ({state})"
+            known = state or f"no longer known to {backend.scheduler}"
+            return f"nothing to cancel: {backend.scheduler} job {job[1]} is {known}"
+        backend.cancel(job[1])
+        return f"cancelled {backend.scheduler} job {job[1]} ({state})"
     holder = folder.holder()
     if holder is None:
         return "nothing to cancel: no process runs it"

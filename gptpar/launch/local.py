@@ -19,7 +19,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -33,10 +33,17 @@ PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors ge
 KILL_AFTER = 3  # the third INT/TERM kills the ranks (the first stops them at a step boundary)
 
 
+def omp_threads(env: Mapping[str, str], ranks_here: int) -> str:
+    """OMP_NUM_THREADS for a rank: the user's, else SLURM's CPUs per task, else this machine's cores split between
+    the ranks it runs, so that ranks sharing a node do not oversubscribe it."""
+    cores = max(1, (os.cpu_count() or 1) // ranks_here)
+    return env.get("OMP_NUM_THREADS") or env.get("SLURM_CPUS_PER_TASK") or str(cores)
+
+
 def rank_env(rank: int, world: int, port: int, base: dict[str, str]) -> dict[str, str]:
     """torchrun's variables for one local rank, none of a surrounding job's, and this launcher's pid (its ranks
-    watch it); OMP_NUM_THREADS splits the machine's cores between the ranks unless the user set it."""
-    threads = base.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
+    watch it); OMP_NUM_THREADS as omp_threads says (the local launcher's ranks run outside any SLURM job)."""
+    threads = omp_threads(clean_env(base), world)
     return {**clean_env(base), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             LAUNCHER_MARKER: "local", LAUNCHER_PID: str(os.getpid()), "OMP_NUM_THREADS": threads}
@@ -143,6 +150,7 @@ class LocalBackend:
 
     name = "local"
     where = "local processes on this machine"
+    scheduler = ""  # the ranks are the job: cancel interrupts them (gptpar.launch.backend.cancel_run)
 
     def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
         ids = []

@@ -121,7 +121,9 @@ def resolve(cfg: Config, kind: str) -> JobSpec:
     shape = job_shape(cfg)
     gpus = max(shape.gpus_per_node, 1)
     cpus = launch.cpus_per_task or max(1, int(prof.get("cpus_per_gpu", 1)) * gpus // shape.tasks_per_node)
-    time_seconds(launch.time)
+    if time_seconds(launch.time) % 60 and launch.launcher == "submitit":
+        raise GptparError(f"launch.time={launch.time}: launch.launcher=submitit takes whole minutes; use a time "
+                          "ending in :00")
     spec = JobSpec(
         kind=kind,
         profile=Path(launch.profile).stem,

@@ -111,7 +111,7 @@ class SlurmBackend:
     """Jobs through sbatch: one job per shape, an array when several points share it."""
 
     name = "slurm"
-    where = "SLURM"
+    where = scheduler = "SLURM"
 
     def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
         """Write each point's job folder and the script, sbatch it; returns each point's job id."""

@@ -1,5 +1,6 @@
 """`gptpar status`: the runs under a folder as a table a user reads like `squeue`, from the run folders (their
-logs and job records) and the scheduler, by the one set of state rules (gptpar.run.state)."""
+logs and job records) and the scheduler, by the one set of state rules (gptpar.run.state); and one run's row
+as Python values (`run_result`: the Python API's and a submitit job's result)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from gptpar.errors import GptparError
 from gptpar.launch.backend import job_of, job_state
 from gptpar.run.folder import RunFolder, find_runs
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
 from gptpar.run.state import LIVE_JOB_STATES, STATES, RunLog, last_step, read_run, replica_indices
 
+FAILURES = ("failed", "timeout", "oom", "corrupt")  # a run in these states has no result, only a reason
 COLUMNS = ("STATE", "RUN", "JOB", "ELAPSED", "STEP", "LOSS", "TOK/S", "NODES", "RESTARTS")
 
 
@@ -133,3 +137,17 @@ def completion(folder: RunFolder) -> tuple[str, str]:
                        + (f", bleu {bleu:.2f}" if bleu is not None else "")
                        + (f", test_bleu {test_bleu:.2f}" if test_bleu is not None else "")
                        + f", {cells[6]} tok/s, {cells[3]} in {folder.path}")
+
+
+def run_result(folder: RunFolder, scheduler: str | None = None) -> dict[str, Any]:
+    """A run's row as Python values, with rank 0's last final record; `scheduler` is its job's state (a job's own
+    tasks pass None). A failed run (FAILURES) has no result: a one-line GptparError says why."""
+    run = read_run(folder, scheduler=scheduler)
+    if run.state in FAILURES:
+        raise GptparError(f"run {folder.path} {run.state}" + (f": {run.detail}" if run.detail else ""))
+    job = job_of(folder)
+    row = row_of(run, job, folder.path.parent, time.time())
+    return {"run_id": folder.name, "run_dir": str(folder.path), "state": run.state, "detail": run.detail,
+            "job_id": job[1] if job else None, "step": row.step, "total_steps": row.total_steps,
+            "final_loss": row.loss, "tokens_per_s": row.tokens_per_s, "elapsed_s": row.elapsed_s,
+            "final": next((log.final for log in run.ranks if log.rank == 0), None)}

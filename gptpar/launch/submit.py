@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 from gptpar.config import Config
-from gptpar.launch.backend import Backend, choose_backend
+from gptpar.launch.backend import Backend, choose_backend, job_text
 from gptpar.launch.plan import Point, plan_run
 from gptpar.launch.profiles import resolve
-from gptpar.launch.render import render_script
 from gptpar.run.start import write_folder
 from gptpar.run.state import read_run
 
 
 def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
-    """Print the job script (--dry-run), or submit it: queued on SLURM, or run now as local processes.
-    Where it runs is decided before anything is written (SLURM unreachable leaves no folder behind),
-    and said before it starts."""
+    """Print the job script (--dry-run), or submit it: queued on SLURM, or run now as local processes."""
+    if dry_run:
+        point = plan_run(cfg, kind, write=False)
+        print(job_text([point], resolve(point.cfg, kind), point.folder.name, point.folder.job_dir), end="")
+        return 0
+    point, backend, job_id = submit_run(cfg, kind)
+    return 0 if report_started(point, backend, job_id) else 1
+
+
+def submit_run(cfg: Config, kind: str) -> tuple[Point, Backend, str]:
+    """Plan one run and hand it to the backend chosen for it; the point, the backend and its job id. Where it runs
+    is decided before anything is written (SLURM unreachable leaves no folder behind), and said before it starts."""
     point = plan_run(cfg, kind, write=False)
     spec = resolve(point.cfg, kind)
-    if dry_run:
-        print(render_script([point], spec, point.folder.name, point.folder.job_dir), end="")
-        return 0
-    backend = choose_backend(point.cfg.launch.cluster, point.cfg.launch.profile)
+    backend = choose_backend(point.cfg.launch)
     write_folder(point.folder, point.cfg, again="move the old folder away to start over")
     print(f"{kind} run {point.folder.path}: {spec.nodes * spec.tasks_per_node} rank(s) on {backend.where}",
           flush=True)
     (job_id,) = backend.submit([point], spec, point.folder.name, point.folder.job_dir)
-    return 0 if report_started(point, backend, job_id) else 1
+    return point, backend, job_id
 
 
 def report_started(point: Point, backend: Backend, job_id: str) -> bool:

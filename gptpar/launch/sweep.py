@@ -23,10 +23,9 @@ from typing import Any
 
 from gptpar.config import ConfigError, config_layers, overrides_tree, parse_override, read_yaml, resolve_layers
 from gptpar.errors import GptparError
-from gptpar.launch.backend import choose_backend, scheduler_state
+from gptpar.launch.backend import Backend, choose_backend, job_text, scheduler_state
 from gptpar.launch.plan import Point, plan_run, shaped
 from gptpar.launch.profiles import resolve
-from gptpar.launch.render import render_script
 from gptpar.launch.submit import report_started
 from gptpar.run.folder import completed, config_diff
 from gptpar.run.names import point_name, short_hash, slug
@@ -213,12 +212,14 @@ def _live(point: Point) -> str:
     return f"{state} job {point.folder.read_job_record().get('job_id', '?')}" if state in LIVE_JOB_STATES else ""
 
 
-def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "", overrides: Sequence[str] = (),
-              wait: bool = False, rerun: bool = False) -> int:
+def submit_sweep(path: str | Path, runs_dir: str = "", overrides: Sequence[str] = (), rerun: bool = False,
+                 dry_run: bool = False) -> tuple[list[Point], Backend | None, int]:
+    """Submit the points of a sweep that are not done or queued (a dry run prints their jobs instead); every
+    point, the backend (None for a dry run) and the count of points that failed to start."""
     path = Path(path)
     name, kind, points = build_points(path, runs_dir, overrides)
     # Where the points run is decided before any folder is touched: an unreachable SLURM leaves none.
-    backend = None if dry_run else choose_backend(points[0].cfg.launch.cluster, points[0].cfg.launch.profile)
+    backend = None if dry_run else choose_backend(points[0].cfg.launch)
     stale = stale_points(points)
     if backend is not None:
         prepare(path, name, kind, points, overrides, rerun)
@@ -240,12 +241,19 @@ def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "", overr
         out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else members[0].folder.job_dir
         if backend is None:
             print(f"# points: {', '.join(p.folder.name for p in members)}")
-            print(render_script(members, spec, f"{name}-{kind}", out), end="")
+            print(job_text(members, spec, f"{name}-{kind}", out), end="")
             continue
         job_ids = backend.submit(members, spec, f"{name}-{kind}", out)
         failures += sum(not report_started(p, backend, j) for p, j in zip(members, job_ids, strict=True))
+    return points, backend, failures
+
+
+def run_sweep(path: str | Path, dry_run: bool = False, runs_dir: str = "", overrides: Sequence[str] = (),
+              wait: bool = False, rerun: bool = False) -> int:
+    points, backend, failures = submit_sweep(path, runs_dir, overrides, rerun, dry_run)
     if wait and backend is not None:
         states = wait_for(points)
         failures = sum(s != "completed" for s in states)
-        print(f"sweep {name}: " + ", ".join(f"{p.folder.name} {s}" for p, s in zip(points, states, strict=True)))
+        print(f"sweep {points[0].folder.path.parent.name}: "
+              + ", ".join(f"{p.folder.name} {s}" for p, s in zip(points, states, strict=True)))
     return 1 if failures else 0

@@ -1,9 +1,11 @@
-"""Who am I: the rank layout read from the environment that torchrun, srun or gptpar's local launcher set.
+"""Who am I: the rank layout read from the environment that torchrun, srun, submitit or gptpar's local launcher set.
 
 Pure functions of an env mapping, importable without torch, so every launcher's quirks are
 unit-tested without a cluster. submitit's TorchDistributedEnvironment is not used: it would treat an
 sbatch batch script as rank 0 of N (see the launcher rule below) and by default rewrites
-CUDA_VISIBLE_DEVICES, which gptpar never does.
+CUDA_VISIBLE_DEVICES, which gptpar never does. A submitit job (launch.launcher=submitit) is read here
+from the variables submitit's JobEnvironment reads: SLURM_* under srun, and SUBMITIT_LOCAL_* on its local
+executor, whose tasks get no SLURM_* at all.
 
 Launcher rule: torchrun's RANK/WORLD_SIZE win. SLURM counts only inside a job *step*
 (SLURM_STEP_ID set, i.e. under srun) or when the job has a single task: an sbatch batch script
@@ -22,6 +24,11 @@ from gptpar.errors import GptparError
 
 LAUNCHER_MARKER = "GPTPAR_LAUNCHER"  # set by gptpar's local launchers, so a rank reports which one started it
 LAUNCHER_PID = "GPTPAR_LAUNCHER_PID"  # the local launcher's pid, so its ranks can tell when it is gone
+SUBMITIT_EXECUTOR = "SUBMITIT_EXECUTOR"  # submitit sets it in its jobs: "slurm", or "local" for its local executor
+# What submitit's local executor gives each task (submitit.local.local.LocalJobEnvironment's variables).
+SUBMITIT_LOCAL = {"job_id": "SUBMITIT_LOCAL_JOB_ID", "num_tasks": "SUBMITIT_LOCAL_NTASKS",
+                  "num_nodes": "SUBMITIT_LOCAL_JOB_NUM_NODES", "global_rank": "SUBMITIT_LOCAL_GLOBALID",
+                  "local_rank": "SUBMITIT_LOCAL_LOCALID"}
 PORT_BASE, PORT_SPAN = 20000, 20000  # SLURM-derived ports stay in 20000..39999 (unprivileged)
 
 
@@ -29,7 +36,7 @@ PORT_BASE, PORT_SPAN = 20000, 20000  # SLURM-derived ports stay in 20000..39999 
 class Layout:
     """Where this process sits, as read from the environment (before backend/device are chosen)."""
 
-    launcher: str  # torchrun | slurm | local (gptpar's launcher) | spawn (spawn_local, tests) | single
+    launcher: str  # torchrun | slurm | submitit | local (gptpar's launcher) | spawn (spawn_local, tests) | single
     rank: int
     world_size: int
     local_rank: int
@@ -91,7 +98,8 @@ def _expand_range(body: str, pattern: str) -> list[str]:
 
 
 def slurm_port(job_id: str | int) -> int:
-    """A port that is the same on every task of a job and differs between jobs sharing a node."""
+    """A port that is the same on every task of a job and differs between jobs sharing a node (SLURM's, or
+    submitit's local executor's)."""
     digits = re.sub(r"\D", "", str(job_id))  # array jobs may look like 1234_5
     return PORT_BASE + int(digits or 0) % PORT_SPAN
 
@@ -117,6 +125,18 @@ def is_slurm_step(env: Mapping[str, str]) -> bool:
     return "SLURM_STEP_ID" in env or int(env.get("SLURM_NTASKS", "1")) == 1
 
 
+def _submitit_local(env: Mapping[str, str]) -> Layout:
+    """A task of submitit's local executor: one node, the rendezvous port derived from its job id (the pid of
+    the executor's controller), as a SLURM job's is."""
+    names = SUBMITIT_LOCAL
+    world = int(env[names["num_tasks"]])
+    nodes = max(1, int(env.get(names["num_nodes"], "1")))
+    addr = env.get("MASTER_ADDR") or "127.0.0.1"
+    port = int(env.get("MASTER_PORT") or slurm_port(env[names["job_id"]]))
+    return Layout("submitit", int(env[names["global_rank"]]), world, int(env.get(names["local_rank"], "0")),
+                  world // nodes, addr, port)
+
+
 def layout_from_env(env: Mapping[str, str]) -> Layout:
     """Read the rank layout; an explicit MASTER_ADDR/MASTER_PORT always wins."""
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -126,6 +146,9 @@ def layout_from_env(env: Mapping[str, str]) -> Layout:
         rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
         addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500))
         return Layout(launcher, rank, world, local_rank, local_world, addr, port)
+    submitit = env.get(SUBMITIT_EXECUTOR)
+    if submitit == "local" and SUBMITIT_LOCAL["global_rank"] in env:
+        return _submitit_local(env)
     if is_slurm_step(env):
         world = int(env.get("SLURM_NTASKS", "1"))
         rank, local_rank = int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0))
@@ -133,7 +156,7 @@ def layout_from_env(env: Mapping[str, str]) -> Layout:
         nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
         addr = env.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1")
         port = int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0")))
-        return Layout("slurm", rank, world, local_rank, local_world, addr, port)
+        return Layout("submitit" if submitit == "slurm" else "slurm", rank, world, local_rank, local_world, addr, port)
     addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500))
     return Layout("single", 0, 1, 0, 1, addr, port)
 

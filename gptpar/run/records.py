@@ -74,10 +74,10 @@ class HeaderRecord(Record):
     device_name: str | Absent = optional("The GPU's name (`cpu` on CPU), for the MFU peak.")
     torch_version: str = required("torch.__version__.")
     transformers_version: str = required("transformers.__version__.")
-    git_commit: str = required("The checkout's commit, or `unknown`.")
+    git_commit: str = required("The checkout's commit (a code snapshot's: the one it was taken at), or `unknown`.")
     slurm: dict[str, str] = required("SLURM job id, array ids, node list, node, restart count ({} outside SLURM).")
     start_time: float = required("Unix seconds when this segment started.")
-    launcher: str | Absent = optional("Who started the rank: `slurm`, `torchrun`, `local`, `single`.")
+    launcher: str | Absent = optional("Who started the rank: `slurm`, `submitit`, `torchrun`, `local`, `single`.")
     precision: str | Absent = optional("train.precision as the rank ran it (`auto` resolved for its device).")
     activation_checkpointing: str | Absent = optional("train.activation_checkpointing.")
     tokenizer: str | Absent = optional("The tokenizer's name (absent when set-up failed before it).")
@@ -87,8 +87,11 @@ class HeaderRecord(Record):
     fast_path: dict[str, Any] | Absent = optional(
         "What the step's fast path resolved to on this rank: `optimizer` (fused, foreach or for-loop), `vocab_rows` "
         "(the token table's rows, padded by model.pad_vocab and parallel.tp), `sync_every` (log.sync_every for the "
-        "device), `compile` (false, blocks or model), `loss` (chunked, plain or vocabulary-parallel) (absent when "
-        "set-up failed).")
+        "device), `compile` (false, blocks or model), `loss` (compiled, chunked, plain or vocabulary-parallel) (absent "
+        "when set-up failed).")
+    code_snapshot: dict[str, Any] | Absent = optional(
+        "The code snapshot the rank ran from (launch.launcher=submitit): its `path`, the `commit` it was taken at "
+        "and whether the tree was `dirty` (absent when the rank ran a checkout or an installed package).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,9 @@ A rank of gptpar's local launcher also stops so when the launcher is gone (`laun
 SIGKILL, it could not pass a signal on, and its ranks would otherwise train to the end unattended.
 
 `scontrol requeue` reruns the job's script, i.e. `gptpar train config.yaml` in the same run folder,
-which resumes from the checkpoint; a stopped run resumes the same way when it is started again.
+which resumes from the checkpoint; a stopped run resumes the same way when it is started again. A rank of a
+submitit job (launch.launcher=submitit) only stops: submitit requeues the job once the rank has exited
+(gptpar.launch.submitit_task).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
-from gptpar.parallel.env import LAUNCHER_PID, layout_from_env
+from gptpar.parallel.env import LAUNCHER_PID, SUBMITIT_EXECUTOR, layout_from_env
 
 REQUEUE_SIGNAL = signal.SIGUSR2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -121,8 +123,10 @@ def stop_request() -> tuple[str, str] | None:
 
 
 def can_requeue(env: Mapping[str, str] | None = None) -> bool:
-    """Only a SLURM job can be requeued; elsewhere a requeue request is a stop."""
-    return bool((os.environ if env is None else env).get("SLURM_JOB_ID"))
+    """Only a SLURM job or a submitit job (on SLURM or its local executor) can be requeued; elsewhere a requeue
+    request is a stop."""
+    env = os.environ if env is None else env
+    return bool(env.get("SLURM_JOB_ID") or env.get(SUBMITIT_EXECUTOR))
 
 
 def _is_rank_zero(env: Mapping[str, str]) -> bool:
@@ -130,14 +134,15 @@ def _is_rank_zero(env: Mapping[str, str]) -> bool:
 
 
 def requeue_current_job() -> bool:
-    """Requeue this SLURM job (rank 0 only); False outside SLURM or on other ranks.
+    """Requeue this SLURM job (rank 0 only); False outside SLURM, on other ranks, and in a submitit job (its
+    checkpoint() requeues the job once this rank has exited).
 
     The job must have been submitted with `--requeue`. SLURM kills the running job and starts it
     again (SLURM_RESTART_COUNT + 1) in the same run folder, where the trainer resumes.
     """
     env = os.environ
     job_id = env.get("SLURM_JOB_ID")
-    if not job_id or not _is_rank_zero(env):
+    if not job_id or not _is_rank_zero(env) or env.get(SUBMITIT_EXECUTOR):
         return False
     result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     if result.returncode != 0:

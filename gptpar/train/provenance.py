@@ -15,6 +15,7 @@ import transformers
 from gptpar.config import Config, config_digest
 from gptpar.parallel.dims import ParallelDims
 from gptpar.run.logfile import SCHEMA_VERSION
+from gptpar.snapshot import running_snapshot
 from gptpar.train.precision import resolve_precision
 
 SLURM_FIELDS = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
@@ -24,6 +25,10 @@ SLURM_FIELDS = {"job_id": "SLURM_JOB_ID", "array_job_id": "SLURM_ARRAY_JOB_ID",
 
 
 def git_commit() -> str:
+    """The commit of the code running: a snapshot's own record (git would answer for whatever checkout holds it)."""
+    snapshot = running_snapshot()
+    if snapshot is not None:
+        return snapshot["commit"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=Path(__file__).resolve().parent)
@@ -45,6 +50,7 @@ def job_id() -> str:
 def header_fields(cfg: Config, dims: ParallelDims, restart: int) -> dict[str, Any]:
     """The fields of a segment's header that are known before data and model exist (the precision as this rank's
     device resolves train.precision=auto)."""
+    snapshot = running_snapshot()
     return dict(
         schema_version=SCHEMA_VERSION, run_id=cfg.log.run_id, config=cfg.to_dict(), config_digest=config_digest(cfg),
         rank=dims.rank, world_size=dims.world_size, coords=dict(dims.coords), sizes=dict(dims.sizes),
@@ -53,4 +59,5 @@ def header_fields(cfg: Config, dims: ParallelDims, restart: int) -> dict[str, An
         torch_version=torch.__version__, transformers_version=transformers.__version__, git_commit=git_commit(),
         slurm=slurm_fields(), start_time=time.time(), launcher=dims.launcher,
         precision=resolve_precision(cfg.train.precision, dims.device),
-        activation_checkpointing=cfg.train.activation_checkpointing)
+        activation_checkpointing=cfg.train.activation_checkpointing,
+        **({"code_snapshot": {k: snapshot[k] for k in ("path", "commit", "dirty")}} if snapshot else {}))

@@ -97,12 +97,13 @@ def test_the_log_format_has_one_writer_and_one_reader() -> None:
 # every side reads them; the parallelisms, the run folder, data and model above them; the trainer above those.
 FLOORS = (
     ("gptpar", "gptpar.errors", "gptpar.paths", "gptpar.presets", "gptpar.markdown", "gptpar.atomic", "gptpar.hub",
+     "gptpar.snapshot",
      "gptpar.tensor_bytes"),
     ("gptpar.strategies",),
     ("gptpar.config",),
     ("gptpar.data", "gptpar.model", "gptpar.run", "gptpar.parallel"),
     ("gptpar.train", "gptpar.pipeline"),
-    ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "analysis"),
+    ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "gptpar.api", "analysis"),
     ("gptpar.cli", "gptpar.__main__"),
 )
 

@@ -80,7 +80,7 @@ class Recorder:
 @pytest.fixture
 def backend(monkeypatch: pytest.MonkeyPatch) -> Recorder:
     recorder = Recorder()
-    monkeypatch.setattr(sweep_module, "choose_backend", lambda cluster, profile: recorder)
+    monkeypatch.setattr(sweep_module, "choose_backend", lambda launch: recorder)
     return recorder
 
 

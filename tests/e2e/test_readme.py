@@ -24,7 +24,10 @@ BY_CI = ["make demo", "make test", "make figures", "make cluster-up NODES=2 GPUS
 # Commands tests/launch/test_slurm.py runs against the local cluster (the string it must contain).
 BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"',
                   "sbatch --cpus-per-task=1 jobs/pp.sbatch": '"--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")',
-                  ".venv/bin/gptpar sweep sweeps/ci_small.yaml": '"ci_small.yaml"'}
+                  ".venv/bin/gptpar sweep sweeps/ci_small.yaml": '"ci_small.yaml"',
+                  ".venv/bin/gptpar submit dp --gpus 2 launch.launcher=submitit":
+                      '"submit", "dp", "--gpus", "2", *common, *FOREVER, SUBMITIT',
+                  ".venv/bin/gptpar sweep sweeps/ci_small.yaml launch.launcher=submitit": 'str(work / "submitit_runs")'}
 # Commands this test runs as written, from a scratch folder.
 RUN_HERE = [
     ".venv/bin/gptpar train train.max_steps=20",
@@ -38,6 +41,7 @@ RUN_HERE = [
     ".venv/bin/gptpar schedule show zb1p --pp 4 --chunks 8",
     ".venv/bin/gptpar status",
     ".venv/bin/gptpar submit dp --gpus 2 --dry-run",
+    ".venv/bin/gptpar submit dp --gpus 2 launch.launcher=submitit --dry-run",
     ".venv/bin/gptpar doctor launch.profile=bridges2 launch.account=abc123",
     ".venv/bin/gptpar train parallel.tp=2 parallel.sequence_parallel=true parallel.loss_parallel=true "
     "train.max_steps=5",
@@ -128,7 +132,9 @@ def test_readme_command_runs(command, tmp_path):
     out = run_here(command, tmp_path)
     if argv[1] == "train":
         assert list((tmp_path / "runs").glob("*/rank0.jsonl")), "no run folder written"
-    if "--dry-run" in argv:
+    if "--dry-run" in argv and "launch.launcher=submitit" in argv:
+        assert out.stdout.startswith("# submitit AutoExecutor(") and "\nslurm_signal_delay_s=120\n" in out.stdout
+    elif "--dry-run" in argv:
         assert out.stdout.startswith("#!/bin/bash") and "srun" in out.stdout
 
 

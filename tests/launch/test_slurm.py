@@ -1,7 +1,8 @@
 """End to end on the real local SLURM cluster (make cluster-up NODES=2 GPUS_PER_NODE=2).
 
 Every job is submitted at once by a module fixture and checked on its outputs: SLURM/run state,
-a log from every rank, the requeue continuing without a lost or repeated step, and figures.
+a log from every rank, the requeue continuing without a lost or repeated step, and figures; through
+gptpar's sbatch script and through submitit (launch.launcher=submitit) alike.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import json
 import os
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from gptpar import api
 from gptpar.launch.backend import scheduler_state
-from gptpar.launch.slurm import clean_env, slurm_reachable
+from gptpar.launch.slurm import clean_env, job_info, slurm_reachable
 from gptpar.run.folder import RunFolder
 from gptpar.run.state import read_run
 
@@ -30,6 +33,14 @@ TINY = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.tokenizer=bytes
         "data.synthetic_tokens=20000", "train.batch_size=8", "train.max_steps=3", "train.eval_every=0",
         "train.eval_batches=1", "train.threads=1", "launch.time=00:05:00"]
 REQUEUE_STEPS = 60  # below the 70-step epoch of the 20000-token synthetic corpus
+LIMIT_STEPS = 250  # longer than one segment's ~20 s of training between a job's start and its USR2
+LIMIT = ["data.seq_len=64", "train.batch_size=16", "train.epochs=1000", f"train.max_steps={LIMIT_STEPS}",
+         "launch.time=00:01:00", "launch.signal_s=40"]  # USR2 20 s after the start
+FOREVER = ["train.epochs=1000", "train.max_steps=1000000"]  # until cancelled
+SUBMITIT = "launch.launcher=submitit"
+# sbatch takes SBATCH_TIMELIMIT over the script's --time; beyond the partitions' 2-day limit, SLURM keeps the job
+# pending (PartitionTimeLimit) until its limit is lowered: a job that cannot start before the test lets it.
+UNSTARTABLE = ("SBATCH_TIMELIMIT", "3-00:00:00")
 
 
 def run_state(run: Path) -> str:
@@ -99,7 +110,41 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pp_job = _run(["sbatch", "--parsable", "--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")], work, env).strip()
     (work / "pp_job").write_text(pp_job)
     _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(runs)], work)
+    # The same through submitit.
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", SUBMITIT,
+          "log.run_id=submitit_dp_2nodes"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, *LIMIT, SUBMITIT, "log.run_id=submitit_limit"], work)
+    limit = work / "runs" / "submitit_limit"  # goes round while the other tests run
+    threading.Thread(target=_release_requeues_until_done, args=(read_job_record(limit)["job_id"], limit),
+                     daemon=True).start()
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", *common, *FOREVER, SUBMITIT, "log.run_id=submitit_cancelled"], work)
+    _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(work / "submitit_runs"),
+          SUBMITIT], work)
+    array = read_job_record(work / "submitit_runs" / "ci_small" / "parallel.dp_sync=naive,train.lr=0.001")
+    (work / "submitit_array").write_text(str(job_info(array["job_id"].split("_")[0])))
+    _submit_from_a_clone_then_edit_it(work, common)
     return work
+
+
+def _submit_from_a_clone_then_edit_it(work: Path, common: list[str]) -> None:
+    """Submit a submitit job that cannot start yet (UNSTARTABLE) from a git clone of the package; break the clone
+    while the job waits, then let it start. A job that ran the clone instead of its snapshot would fail at once."""
+    clone = work / "clone"
+    for name in _run(["git", "ls-files", "--", "gptpar"], REPO).split():
+        (clone / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, clone / name)
+    git = ["git", "-C", str(clone), "-c", "user.name=gptpar", "-c", "user.email=gptpar@localhost"]
+    _run([*git, "init", "-q"], clone)
+    _run([*git, "add", "."], clone)
+    _run([*git, "commit", "-qm", "submitted"], clone)
+    (work / "clone_commit").write_text(_run([*git, "rev-parse", "HEAD"], clone).strip())
+    code = (f"from gptpar import api; print(api.submit('dp', gpus=1, overrides={[*common, SUBMITIT]!r} + "
+            "['log.run_id=submitit_snapshot']).job_id)")
+    env = {**clean_env(), "PYTHONPATH": str(clone), UNSTARTABLE[0]: UNSTARTABLE[1]}
+    job_id = _run([str(REPO / ".venv" / "bin" / "python"), "-c", code], work, env).split()[-1]
+    (work / "snapshot_held").write_text(str(job_info(job_id)))
+    (clone / "gptpar" / "train" / "entry.py").write_text("raise SystemExit('the edited checkout ran')\n")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=00:05:00"], check=True, env=clean_env())
 
 
 def test_requeue_continues_without_lost_or_repeated_steps(work: Path) -> None:
@@ -127,6 +172,106 @@ def test_requeue_continues_without_lost_or_repeated_steps(work: Path) -> None:
     assert 0 < finals[0][1] < REQUEUE_STEPS == finals[1][1]  # stopped mid-run, finished after restart
     steps = [r["step"] for r in records if r["kind"] == "step"]
     assert steps == list(range(1, REQUEUE_STEPS + 1))  # none lost, none repeated
+
+
+def test_gptpar_cancel_stops_a_submitit_job_at_a_step_boundary(work: Path) -> None:
+    """Second, so the job does not hold its GPU long: SLURM's TERM reaches the task, which passes it on to its rank
+    (it stops at a step boundary, checkpointed, and says so)."""
+    runs, run = work / "runs", work / "runs" / "submitit_cancelled"
+    deadline = time.monotonic() + 300
+    while not any(r["kind"] == "step" for r in read_records(run / "rank0.jsonl")):
+        assert time.monotonic() < deadline, "the job never logged a step"
+        time.sleep(0.5)
+    out = _run([GPTPAR, "cancel", "submitit_cancelled", "--runs-dir", str(runs)], work)
+    assert out.startswith(f"{run}: cancelled SLURM job ") and out.rstrip().endswith("(running)")
+    assert _wait(run) == "stopped"
+    assert _final(run)["signal"] == "SIGTERM" and read_job_record(run)["backend"] == "submitit"
+
+
+def test_a_submitit_job_under_a_real_time_limit_requeues_through_checkpoint_until_done(work: Path) -> None:
+    """USR2 launch.signal_s before the 1-minute limit: the rank stops at a step boundary with a checkpoint, then
+    submitit's handler calls the task's checkpoint(), which resubmits it, and submitit requeues the job; round
+    after round until training is done, every step logged exactly once."""
+    run = work / "runs" / "submitit_limit"
+    job_id = read_job_record(run)["job_id"]
+    assert _wait(run, 550) == "completed"  # the fixture's thread releases each requeue
+    records = read_records(run / "rank0.jsonl")
+    restarts = [r["restart"] for r in records if r["kind"] == "header"]
+    assert len(restarts) >= 2 and restarts == list(range(len(restarts)))
+    assert [r["status"] for r in records if r["kind"] == "final"] == ["requeued"] * (len(restarts) - 1) + ["completed"]
+    assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, LIMIT_STEPS + 1))
+    submitit_log = "".join(p.read_text() for p in (run / "job").glob(f"{job_id}_0_log.*"))
+    assert submitit_log.count("Calling checkpoint method.") == len(restarts) - 1
+    assert submitit_log.count(f"Requeued job {job_id}") == len(restarts) - 1
+
+
+def test_submitit_runs_data_parallel_across_two_nodes(work: Path) -> None:
+    run = work / "runs" / "submitit_dp_2nodes"
+    assert _wait(run) == "completed"
+    assert _ranks(run) == [0, 1, 2, 3]
+    headers = [read_records(run / f"rank{r}.jsonl")[0] for r in range(4)]
+    assert [(h["launcher"], h["slurm"]["node"], h["slurm"]["job_nodelist"]) for h in headers] == [
+        ("submitit", "node1", "node[1-2]"), ("submitit", "node1", "node[1-2]"), ("submitit", "node2", "node[1-2]"),
+        ("submitit", "node2", "node[1-2]")]
+    steps = {(s["step"], s["global_loss"]) for r in range(4) for s in read_records(run / f"rank{r}.jsonl")
+             if s["kind"] == "step"}
+    assert sorted(step for step, _ in steps) == [1, 2, 3]  # one loss for the job at each step
+
+
+def test_a_submitit_sweep_is_one_array_running_max_concurrent_points_at_a_time(work: Path) -> None:
+    sweep = work / "submitit_runs" / "ci_small"
+    points = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name != "_jobs")
+    assert len(points) == 4
+    assert [_wait(p) for p in points] == ["completed"] * 4
+    jobs = [read_job_record(p) for p in points]
+    assert {j["backend"] for j in jobs} == {"submitit"} and len({j["job_id"].split("_")[0] for j in jobs}) == 1
+    assert "'ArrayTaskThrottle': '2'" in (work / "submitit_array").read_text()  # ci_small's launch.max_concurrent
+
+
+def test_a_submitit_job_runs_the_code_it_was_submitted_with(work: Path) -> None:
+    """The checkout was edited (broken) while the job waited in the queue; the job ran its snapshot, and its
+    header names the commit the snapshot was taken at, clean."""
+    run = work / "runs" / "submitit_snapshot"
+    waiting = (work / "snapshot_held").read_text()  # when the clone was edited
+    assert "'JobState': 'PENDING'" in waiting and "'TimeLimit': '3-00:00:00'" in waiting
+    assert _wait(run) == "completed"
+    header = read_records(run / "rank0.jsonl")[0]
+    commit = (work / "clone_commit").read_text()
+    assert header["code_snapshot"]["commit"] == header["git_commit"] == commit
+    assert header["code_snapshot"]["dirty"] is False and Path(header["code_snapshot"]["path"]).parent == run / "job"
+    assert (work / "clone" / "gptpar" / "train" / "entry.py").read_text().startswith("raise SystemExit")
+
+
+def test_sbatch_account_and_user_defaults_reach_a_submitit_job_and_wait_returns_once_it_is_cancelled_pending(
+        work: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = work / "user-defaults.yaml"
+    defaults.write_text("launch:\n  cpus_per_task: 2\n")
+    monkeypatch.setenv("GPTPAR_USER_CONFIG", str(defaults))
+    monkeypatch.setenv("SBATCH_ACCOUNT", "from-sbatch-account")
+    monkeypatch.setenv(*UNSTARTABLE)
+    job = api.submit("dp", gpus=1, overrides=[*TINY, f"log.runs_dir={work / 'runs'}", "log.run_id=submitit_held",
+                                              SUBMITIT])
+    info = job_info(job.job_id)
+    assert (info["Account"], info["CPUs/Task"], info["JobState"], info["TimeLimit"]) == (
+        "from-sbatch-account", "2", "PENDING", UNSTARTABLE[1])
+    assert job.state() == "pending"
+    assert job.cancel() == f"cancelled SLURM job {job.job_id} (pending)"
+    assert job.wait(timeout=60) == "failed"  # SLURM says CANCELLED; it never started
+    # The same API hands a job to gptpar's sbatch script just as well.
+    job = api.submit("dp", gpus=1, overrides=[*TINY, f"log.runs_dir={work / 'runs'}", "log.run_id=sbatch_held"])
+    assert job.submitit is None and job_info(job.job_id)["Account"] == "from-sbatch-account"
+    assert (job.state(), job.cancel(), job.wait(timeout=60)) == (
+        "pending", f"cancelled SLURM job {job.job_id} (pending)", "failed")
+
+
+def test_what_sbatch_refuses_of_a_submitit_job_is_one_line(work: Path) -> None:
+    result = subprocess.run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, f"log.runs_dir={work / 'runs'}",
+                             "log.run_id=submitit_refused", "launch.profile=generic", "launch.partition=nope",
+                             SUBMITIT], cwd=work, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("gptpar: error: sbatch refused the submitit job: sbatch: error: invalid "
+                                    "partition specified: nope; ")
+    assert "fix the launch.* key it names" in result.stderr
 
 
 def test_make_submit_dp_two_gpus(work: Path) -> None:
@@ -260,15 +405,8 @@ def test_no_stray_jobs_left(work: Path) -> None:
     assert str(work) not in mine and os.path.isdir(work)
 
 
-def test_real_time_limit_signal_requeues_until_done(tmp_path: Path) -> None:
-    """A real 1-minute limit: SLURM sends USR2 launch.signal_s before it, the trainer checkpoints
-    and requeues, and the job goes round until training is done, every step logged exactly once."""
-    steps = 250  # longer than one segment's ~20 s of training between start and signal
-    run = tmp_path / "runs" / "limit"
-    _run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, "data.seq_len=64", "train.batch_size=16",
-          "train.epochs=1000", f"train.max_steps={steps}", "launch.time=00:01:00", "launch.signal_s=40",
-          f"log.runs_dir={tmp_path / 'runs'}", "log.run_id=limit"], tmp_path)
-    job_id = read_job_record(run)["job_id"]
+def _release_requeues_until_done(job_id: str, run: Path) -> None:
+    """Start each requeue of a job as soon as SLURM may (see _release), until its run has ended."""
     deadline, released = time.monotonic() + 600, 0
     while time.monotonic() < deadline and run_state(run) in ("pending", "running"):
         info = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
@@ -278,6 +416,16 @@ def test_real_time_limit_signal_requeues_until_done(tmp_path: Path) -> None:
             _release(job_id)
             released = restarts
         time.sleep(1)
+
+
+def test_real_time_limit_signal_requeues_until_done(tmp_path: Path) -> None:
+    """A real 1-minute limit: SLURM sends USR2 launch.signal_s before it, the trainer checkpoints
+    and requeues, and the job goes round until training is done, every step logged exactly once."""
+    steps = LIMIT_STEPS
+    run = tmp_path / "runs" / "limit"
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, *LIMIT, f"log.runs_dir={tmp_path / 'runs'}",
+          "log.run_id=limit"], tmp_path)
+    _release_requeues_until_done(read_job_record(run)["job_id"], run)
     assert run_state(run) == "completed"
     records = read_records(run / "rank0.jsonl")
     restarts = [r["restart"] for r in records if r["kind"] == "header"]

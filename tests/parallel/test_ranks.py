@@ -87,6 +87,28 @@ def test_sbatch_script_without_srun_is_not_a_rank() -> None:
     assert layout_from_env(one_task) == Layout("slurm", 0, 1, 0, 1, "n1", 20007)
 
 
+# What submitit's local executor gives its second task of two (its controller's pid is the job id): no SLURM_*.
+SUBMITIT_LOCAL_TASK = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "4321", "SUBMITIT_LOCAL_NTASKS": "2",
+                       "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_NODEID": "0",
+                       "SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_LOCALID": "1"}
+
+
+def test_submitit_local_executor_env_agrees_with_submitits_own_reading(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = layout_from_env(SUBMITIT_LOCAL_TASK)
+    assert layout == Layout("submitit", 1, 2, 1, 2, "127.0.0.1", slurm_port("4321"))
+    for key, value in SUBMITIT_LOCAL_TASK.items():
+        monkeypatch.setenv(key, value)
+    import submitit
+
+    env = submitit.JobEnvironment()  # reads os.environ
+    assert (env.global_rank, env.num_tasks, env.local_rank, env.job_id) == (1, 2, 1, "4321")
+
+
+def test_submitit_on_slurm_reads_srun_and_names_submitit() -> None:
+    assert layout_from_env({**SRUN, "SUBMITIT_EXECUTOR": "slurm"}) == Layout(
+        "submitit", 6, 8, 2, 4, "gpu012", 20000 + 98765 % 20000)
+
+
 def test_no_launcher_is_single() -> None:
     assert layout_from_env({}) == Layout("single", 0, 1, 0, 1, "127.0.0.1", 29500)
 
