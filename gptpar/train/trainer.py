@@ -112,11 +112,23 @@ class Trainer:
 
     def batches(self, epoch: int, skip_steps: int) -> Iterator[list[Batch]]:
         """The epoch's optimizer steps, each a list of grad_accum micro-batches; resumed steps are skipped. On a GPU
-        they are in pinned memory, so the step's non-blocking copies to the device never wait for it."""
-        accum, pin = self.cfg.train.grad_accum, self.dims.device.type == "cuda"
+        each step's batches are pinned and their copies to the device queued (non-blocking) one step ahead: the
+        host never waits for a copy, and the next step's inputs are on their way while this step computes."""
+        accum, device = self.cfg.train.grad_accum, self.dims.device
         micro = iter(islice(self._loader(epoch), skip_steps * accum, self.steps_per_epoch * accum))
-        while chunk := list(islice(micro, accum)):
-            yield [(x.pin_memory(), y.pin_memory()) for x, y in chunk] if pin else chunk
+        steps = iter(lambda: list(islice(micro, accum)), [])
+        if device.type != "cuda":
+            yield from steps
+            return
+        ahead: list[Batch] | None = None
+        for chunk in steps:
+            on_device = [(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
+                         for x, y in chunk]
+            if ahead is not None:
+                yield ahead
+            ahead = on_device
+        if ahead is not None:
+            yield ahead
 
     def _dp_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the data-parallel replicas, in place (one small all-reduce; no host wait)."""
