@@ -60,8 +60,11 @@ def gloo_pool() -> Iterator[GlooPools]:
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One cache for the session, so the corpus is tokenized once across tests."""
-    return tmp_path_factory.mktemp("gptpar-data")
+    """One cache for the session, so the corpus is tokenized once across tests; beside it an empty user defaults
+    file (GPTPAR_USER_CONFIG must name one that exists), there before any fixture starts a gptpar process."""
+    path = tmp_path_factory.mktemp("gptpar-data")
+    (path / "no-user-defaults.yaml").touch()
+    return path
 
 
 @pytest.fixture(autouse=True)
@@ -69,9 +72,7 @@ def _isolated_env(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> None:
     """Keep tests off the network and off the user's caches and defaults; never inherit a surrounding job."""
     monkeypatch.setenv("GPTPAR_DATA_DIR", str(data_dir))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    user = data_dir / "no-user-defaults.yaml"  # empty: not the tester's own defaults
-    user.touch()
-    monkeypatch.setenv("GPTPAR_USER_CONFIG", str(user))
+    monkeypatch.setenv("GPTPAR_USER_CONFIG", str(data_dir / "no-user-defaults.yaml"))  # not the tester's own
     for key in list(os.environ):
         if key.startswith(("SLURM_", "SBATCH_")) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT", "GPTPAR_PROFILE", "GPTPAR_ACCOUNT",

@@ -22,8 +22,8 @@ from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 # (the job's shape) or launch.repeat (the run's place among a sweep point's repeats).
 RESUMABLE = frozenset({
     *(f"log.{f.name}" for f in dataclasses.fields(LogConfig)),
-    *(f"launch.{key}" for key in ("profile", "cluster", "partition", "account", "qos", "constraint", "gpu_type",
-                                  "cpus_per_task", "time", "signal_s", "max_concurrent", "venv")),
+    *(f"launch.{key}" for key in ("launcher", "profile", "cluster", "partition", "account", "qos", "constraint",
+                                  "gpu_type", "cpus_per_task", "time", "signal_s", "max_concurrent", "venv")),
     "train.eval_every", "train.checkpoint_every", "train.profile_steps", "train.dump_grads",
     "data.dir", "data.hub_timeout_s", "parallel.timeout_s",
 })
