@@ -43,16 +43,8 @@ demo: install
 	$(GPTPAR) sweep sweeps/demo_pp_engine.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait
 	$(GPTPAR) report $(DEMO_RUNS) --out $(DEMO_FIGURES)
 
-# The SLURM tests spend most of their time waiting on the scheduler and on real time limits, so they run beside
-# the rest (their own session and temp folder, their report printed after the other's); either failing fails this.
 test: install
-	@slurm_log=$$(mktemp); \
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m slurm --basetemp="$$slurm_log.d" >"$$slurm_log" 2>&1 & \
-	slurm=$$!; rest=0; \
-	$(PY) -m pytest -q --durations=20 -m "not slurm" || rest=$$?; \
-	wait $$slurm && slurm_rc=0 || slurm_rc=$$?; \
-	echo "== the SLURM tests (pytest -m slurm), run beside the rest:"; cat "$$slurm_log"; rm -rf "$$slurm_log" "$$slurm_log.d"; \
-	test $$rest -eq 0 && { test $$slurm_rc -eq 0 || test $$slurm_rc -eq 5; }
+	$(PY) -m pytest -q --durations=20
 
 # The part that starts no process (no spawned ranks, CLI runs or SLURM): under 2 minutes.
 test-fast: install
