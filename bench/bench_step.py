@@ -247,9 +247,14 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:160]
 
 
+def single_rank(device: torch.device) -> RankInfo:
+    """Who-am-I of this one process, as `gptpar train` without a launcher sees itself."""
+    return RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
+                    launcher="single", backend="gloo", device=device)
+
+
 def build_rows(args: argparse.Namespace, batch: int, runs: Path) -> list[Row]:
-    info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
-                    launcher="single", backend="gloo", device=args.device)
+    info = single_rank(args.device)
     makers: dict[str, Callable[[], Any]] = {"bare": lambda: bare_loop(args, args.device, batch),
                                             "tuned": lambda: tuned_loop(args, args.device, batch)}
     for name, overrides in fast_path_rows(args).items():
@@ -302,8 +307,7 @@ def fits(args: argparse.Namespace, batch: int, rows: int) -> bool:
     """Whether the rows that hold the most train two steps at this batch beside what the other rows keep between
     their turns (parameters and optimizer state, measured after the step): the bare loop (fp32 copies of unpadded
     logits) and gptpar's step without compiling (compiled code holds no more)."""
-    info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
-                    launcher="single", backend="gloo", device=args.device)
+    info = single_rank(args.device)
     capacity = torch.cuda.get_device_properties(args.device).total_memory
     with tempfile.TemporaryDirectory() as tmp:
         for make in (lambda: bare_loop(args, args.device, batch),

@@ -59,15 +59,14 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def check_compiler(device: torch.device, backend: str | Callable = "inductor", key: str = "train.compile=true"
-                   ) -> None:
+def check_compiler(device: torch.device, backend: str | Callable = "inductor", key: str = "train.compile=true",
+                   fix: str = "set train.compile=false") -> None:
     """Compilation is lazy, so a small function is compiled and run on `device` first: a backend that cannot work
-    here fails now, as one line naming `key`, not inside the first step."""
+    here fails now, as one line naming `key` and the `fix`, not inside the first step."""
     try:
         torch.compile(lambda x: x.sin() + 1, backend=backend)(torch.ones(2, device=device))
     except Exception as exc:  # whatever torch raises (no C++ compiler, unsupported platform): one line
-        raise GptparError(f"{key}: torch.compile does not work here ({_reason(exc)}); "
-                          "set train.compile=false") from None
+        raise GptparError(f"{key}: torch.compile does not work here ({_reason(exc)}); {fix}") from None
 
 
 def compile_blocks(model: GPT2LMHeadModel, device: torch.device, backend: str | Callable = "inductor",
@@ -105,7 +104,9 @@ def whole_logits_loss(cfg: Config, device: torch.device) -> Callable[[torch.Tens
     """The cross-entropy of whole logits that train.loss_kernel asks for on this rank."""
     kernel = loss_kernel(cfg, device)
     if kernel == "compiled":
-        check_compiler(device, cfg.train.compile_backend, "train.loss_kernel=compiled")
+        if compile_mode(cfg, device) == "false":  # else prepare_blocks has checked the compiler already
+            check_compiler(device, cfg.train.compile_backend, "train.loss_kernel=compiled",
+                           "set train.loss_kernel=chunked")
         return torch.compile(lm_loss, backend=cfg.train.compile_backend)
     return chunked_lm_loss if kernel == "chunked" else lm_loss
 

@@ -15,8 +15,9 @@ from gloo_pool import GlooPools
 from rank_training import make_config, make_trainer, named_params, reference_run, train_steps
 
 from gptpar.config import ConfigError, load_config, read_yaml
+from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
-from gptpar.train.recompute import compile_mode
+from gptpar.train.recompute import check_compiler, compile_mode
 
 CPU = torch.device("cpu")
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
@@ -31,6 +32,17 @@ def test_saved_boolean_settings_still_load_and_true_is_blocks(tmp_path: Path) ->
         assert read_yaml(tmp_path / "config.yaml")["train"]["compile"] is (saved == "true")  # YAML's boolean
         assert cfg.train.compile == saved and compile_mode(cfg, CPU) == mode
     assert compile_mode(load_config(None, []), CPU) == "false"  # auto: no compiling on a CPU
+
+
+def test_a_compiler_that_cannot_work_here_is_one_line_naming_the_key_and_its_fix() -> None:
+    def broken(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> None:
+        raise RuntimeError("no C++ compiler\nmore lines")
+
+    torch._dynamo.reset()
+    with pytest.raises(GptparError) as exc:
+        check_compiler(CPU, broken, "train.loss_kernel=compiled", "set train.loss_kernel=chunked")
+    assert str(exc.value) == ("train.loss_kernel=compiled: torch.compile does not work here (RuntimeError: no C++ "
+                              "compiler); set train.loss_kernel=chunked")
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
