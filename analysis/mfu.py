@@ -2,11 +2,13 @@
 
 Model FLOPs per token (what the model needs, whatever the implementation does):
     6·N + 6·V·d + 12·L·H·Q·T
-N the parameters of the blocks and the final layer norm (2 FLOPs per multiply-add, ×3 for forward
-and backward), 6·V·d the LM head's vocabulary projection (2·V·d forward), 12·L·H·Q·T attention's
-score and value products (L layers, H heads, Q head width, T sequence length). Hardware FLOPs add
-the forward of every block that activation checkpointing recomputes: 2·N_blocks/L + 4·H·Q·T per
-recomputed block. MFU divides model FLOPs, HFU hardware FLOPs, by the devices' dense peak.
+N the parameters of the blocks and the final norm (2 FLOPs per multiply-add, ×3 for forward and
+backward; the architecture's blocks: GPT-2's 12d² + 13d, or the Llama family's grouped-query attention
+and gated MLP, gptpar.presets.ModelShape.block_parameters), 6·V·d the LM head's vocabulary
+projection (2·V·d forward, tied or not), 12·L·H·Q·T attention's score and value products over every
+query head (L layers, H heads, Q head width, T sequence length). Hardware FLOPs add the forward of
+every block that activation checkpointing recomputes: 2·N_blocks/L + 4·H·Q·T per recomputed block.
+MFU divides model FLOPs, HFU hardware FLOPs, by the devices' dense peak.
 
 An MFU against a guessed peak is worse than none, so an unknown device (a CPU included) gets an
 explicit "n/a" naming it unless the user gives its peak (`gptpar report --peak-flops`), and an MFU
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gptpar.config import checkpoint_interval, checkpointed_indices
-from gptpar.presets import PRESETS
+from gptpar.presets import PRESETS, ModelShape
 
 DATASHEETS = "NVIDIA datasheets, dense Tensor Core peaks (without sparsity); fp32 is the non-Tensor-Core peak"
 # Dense peak FLOP/s per GPU, by a fragment of the lower-cased device name (first match wins, so the
@@ -47,9 +49,7 @@ PRECISIONS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": 
 class Shape:
     """What the FLOPs of one trained token depend on."""
 
-    n_layer: int
-    n_embd: int
-    n_head: int
+    model: ModelShape
     seq_len: int
     vocab_size: int
     recomputed_blocks: int = 0  # blocks whose forward activation checkpointing runs twice
@@ -57,28 +57,26 @@ class Shape:
 
 def model_shape(params: dict[str, Any], vocab_size: int) -> Shape:
     """The shape of a flattened resolved config (the preset with its overrides) and its vocabulary."""
-    n_layer, n_embd, n_head, _ = PRESETS[params.get("model.preset", "gpt2-tiny")]
-    n_layer = params.get("model.n_layer") or n_layer
+    preset = PRESETS[params.get("model.preset", "gpt2-tiny")]
+    model = preset.overridden(str(params.get("model.arch", "auto")), *(int(params.get(f"model.{key}") or 0) for key in
+                              ("n_layer", "n_embd", "n_head", "n_positions", "n_kv_head")))
     every = checkpoint_interval(str(params.get("train.activation_checkpointing", "none")))
-    return Shape(n_layer, params.get("model.n_embd") or n_embd, params.get("model.n_head") or n_head,
-                 params.get("data.seq_len", 128), vocab_size, len(checkpointed_indices(n_layer, every)))
-
-
-def block_parameters(n_embd: int) -> int:
-    """One block: qkv and output projections, the 4x MLP, two layer norms (weights and biases)."""
-    return 12 * n_embd * n_embd + 13 * n_embd
+    return Shape(model, params.get("data.seq_len", 128), vocab_size,
+                 len(checkpointed_indices(model.n_layer, every)))
 
 
 def flops_per_token(shape: Shape) -> float:
     """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T (module docstring)."""
-    n_params = shape.n_layer * block_parameters(shape.n_embd) + 2 * shape.n_embd
-    attention = 12.0 * shape.n_layer * shape.n_embd * shape.seq_len  # H·Q = d
-    return 6.0 * n_params + 6.0 * shape.vocab_size * shape.n_embd + attention
+    m = shape.model
+    n_params = m.n_layer * m.block_parameters() + m.norm_parameters()
+    attention = 12.0 * m.n_layer * m.n_head * m.head_dim * shape.seq_len
+    return 6.0 * n_params + 6.0 * shape.vocab_size * m.n_embd + attention
 
 
 def hardware_flops_per_token(shape: Shape) -> float:
     """Model FLOPs plus one more forward of every recomputed block (2 FLOPs per weight, 4·H·Q·T attention)."""
-    recompute_forward = 2.0 * block_parameters(shape.n_embd) + 4.0 * shape.n_embd * shape.seq_len
+    m = shape.model
+    recompute_forward = 2.0 * m.block_parameters() + 4.0 * m.n_head * m.head_dim * shape.seq_len
     return flops_per_token(shape) + shape.recomputed_blocks * recompute_forward
 
 

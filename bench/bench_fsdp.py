@@ -59,7 +59,7 @@ import torch.distributed as dist
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import Config, ModelConfig, ParallelConfig, load_config
-from gptpar.model import gpt2_config
+from gptpar.model import model_config
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes
@@ -277,7 +277,7 @@ def unit_params(preset: str, n_layer: int, vocab: int) -> tuple[int, int]:
     """Parameters of fsdp's root unit (embeddings, final norm, tied head once) and of one block, counted on a
     model built on the meta device (no memory)."""
     with torch.device("meta"):
-        model = GPT2LMHeadModel(gpt2_config(ModelConfig(preset=preset, n_layer=n_layer), vocab))
+        model = GPT2LMHeadModel(model_config(ModelConfig(preset=preset, n_layer=n_layer), vocab))
     blocks = transformer_blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in in_blocks)

@@ -338,8 +338,7 @@ def largest_batch(args: argparse.Namespace) -> int:
 
 
 def summarise(args: argparse.Namespace, batch: int, rows: list[Row]) -> list[dict[str, Any]]:
-    n_layer, n_embd, n_head, _ = PRESETS[args.preset]
-    shape = Shape(n_layer, n_embd, n_head, args.seq, args.vocab)
+    shape = Shape(PRESETS[args.preset], args.seq, args.vocab)
     tokens = batch * args.seq
     out = []
     for row in rows:

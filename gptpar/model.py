@@ -1,4 +1,5 @@
-"""GPT-2 from transformers, randomly initialised from a named shape (or loaded from the hub).
+"""The model of a config: any architecture gptpar describes (gptpar/models), randomly initialised from a named shape
+(or GPT-2 loaded from the hub).
 
 Random weights are drawn per parameter, from a generator seeded by the run seed and the parameter's
 name, so a model built on the meta device can be materialised later, or only in part (a rank's
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,31 +23,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
 
 from gptpar.config import PRETRAINED_ON_META, ModelConfig, check_context
 from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
-from gptpar.presets import PRESETS
+from gptpar.models import architecture, find_model
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 INIT_DEVICES = ("cpu", "meta")
 
 
-def gpt2_config(cfg: ModelConfig, vocab_size: int, seq_len: int | None = None) -> GPT2Config:
+def model_config(cfg: ModelConfig, vocab_size: int, seq_len: int | None = None) -> PretrainedConfig:
     """The transformers config of cfg; with seq_len (data.seq_len), checks that a block fits."""
-    n_layer, n_embd, n_head, n_positions = PRESETS[cfg.preset]
-    n_layer, n_embd = cfg.n_layer or n_layer, cfg.n_embd or n_embd
-    n_head, n_positions = cfg.n_head or n_head, cfg.n_positions or n_positions
-    if n_embd % n_head:
-        raise GptparError(f"model.n_embd={n_embd} does not divide by model.n_head={n_head}")
+    shape = cfg.shape()
+    if shape.n_embd % shape.n_head:
+        raise GptparError(f"model.n_embd={shape.n_embd} does not divide by model.n_head={shape.n_head}")
     check_context(seq_len, cfg)
-    return GPT2Config(
-        vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
-        n_head=n_head, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout,
-        use_cache=False, tie_word_embeddings=True, bos_token_id=vocab_size - 1,
-        eos_token_id=vocab_size - 1, attn_implementation="sdpa",
-    )
+    return architecture(shape.arch).config_of(shape, vocab_size, cfg.dropout)
 
 
 def padded_vocab(vocab: int, multiple: int) -> int:
@@ -55,13 +48,13 @@ def padded_vocab(vocab: int, multiple: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def tokenizer_vocab(config: GPT2Config) -> int:
+def tokenizer_vocab(config: PretrainedConfig) -> int:
     """The tokenizer's vocabulary of a model whose token table (config.vocab_size rows) may be padded past it; a
     config that gptpar did not pad has none."""
     return getattr(config, "unpadded_vocab_size", config.vocab_size)
 
 
-def pad_config(config: GPT2Config, multiple: int) -> GPT2Config:
+def pad_config(config: PretrainedConfig, multiple: int) -> PretrainedConfig:
     """`config` (of the tokenizer's vocabulary) with its token table padded to a multiple, in place."""
     config.unpadded_vocab_size = tokenizer_vocab(config)
     config.vocab_size = padded_vocab(config.unpadded_vocab_size, multiple)
@@ -69,7 +62,7 @@ def pad_config(config: GPT2Config, multiple: int) -> GPT2Config:
 
 
 class PaddedHead(nn.Module):
-    """GPT-2's LM head over a token table padded past the tokenizer's `vocab` rows: the padded columns of its logits
+    """The LM head over a token table padded past the tokenizer's `vocab` rows: the padded columns of its logits
     are -inf, so they never win an argmax, take no probability in a softmax and get no gradient (their rows stay
     zero). The -inf comes as the matmul's bias, which cuBLAS and inductor add in the matmul's own epilogue: no pass
     over the logits of its own. A module of its own, not an nn.Linear, so that nothing that rewrites linear layers
@@ -86,20 +79,21 @@ class PaddedHead(nn.Module):
         return F.linear(hidden, self.weight, mask)
 
 
-def empty_model(config: GPT2Config) -> GPT2LMHeadModel:
-    """A GPT2LMHeadModel of `config` on the meta device, its head a `PaddedHead` where the table is padded."""
+def empty_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The model of `config` on the meta device, its head a `PaddedHead` where the table is padded."""
+    arch = architecture(config)
     with torch.device("meta"):
-        model = GPT2LMHeadModel(config)
+        model = arch.model_class(config)
         if tokenizer_vocab(config) < config.vocab_size:
-            model.lm_head = PaddedHead(config.n_embd, config.vocab_size, tokenizer_vocab(config))
+            model.lm_head = PaddedHead(config.hidden_size, config.vocab_size, tokenizer_vocab(config))
             if config.tie_word_embeddings:
-                model.lm_head.weight = model.transformer.wte.weight
+                model.lm_head.weight = arch.token_embedding(model).weight
     _check_tied(model)
     return model
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int, hub_timeout_s: float = 3.0,
-                seq_len: int | None = None, init_device: str = "cpu", shards: int = 1) -> GPT2LMHeadModel:
+                seq_len: int | None = None, init_device: str = "cpu", shards: int = 1) -> PreTrainedModel:
     """The same seed gives the same weights on every rank, which data parallelism relies on.
 
     Pass seq_len (data.seq_len) so that a block longer than the context fails here, in one line, instead
@@ -115,7 +109,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, hub_timeout_s: flo
         if init_device == "meta":
             raise GptparError(PRETRAINED_ON_META)
         return pad_vocabulary(_pretrained(cfg, vocab_size, hub_timeout_s, seq_len), multiple)
-    config = pad_config(gpt2_config(cfg, vocab_size, seq_len), multiple)
+    config = pad_config(model_config(cfg, vocab_size, seq_len), multiple)
     torch.manual_seed(seed)  # dropout draws from the global generator; the weights no longer do
     model = empty_model(config)
     if init_device == "cpu":
@@ -124,19 +118,19 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, hub_timeout_s: flo
 
 
 @torch.no_grad()
-def pad_vocabulary(model: GPT2LMHeadModel, multiple: int) -> GPT2LMHeadModel:
+def pad_vocabulary(model: PreTrainedModel, multiple: int) -> PreTrainedModel:
     """A real (pretrained) model with its token table padded to a multiple: the same weights, zero rows after them
     (what a random build pads with)."""
     config = pad_config(model.config, multiple)
     if config.vocab_size == config.unpadded_vocab_size:
         return model
-    padded = empty_model(config)
+    padded, arch = empty_model(config), architecture(config)
     state = {name: F.pad(value, (0, 0, 0, config.vocab_size - value.size(0)))
-             if name in ("transformer.wte.weight", "lm_head.weight") else value
+             if name in (arch.token_table, "lm_head.weight") else value
              for name, value in model.state_dict().items()}
     padded.load_state_dict(state, assign=True)
     if config.tie_word_embeddings:  # assign put two padded copies in place of the one shared matrix
-        padded.lm_head.weight = padded.transformer.wte.weight
+        padded.lm_head.weight = arch.token_embedding(padded).weight
     _check_tied(padded)
     return padded
 
@@ -164,56 +158,32 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-# GPT2PreTrainedModel._init_weights, by parameter name: "normal" is N(0, initializer_range) (Conv1D and
-# embedding weights), "residual" is N(0, initializer_range / sqrt(2 * n_layer)) (GPT-2's scaled
-# projections into the residual stream), "zeros" and "ones" are constants.
-_TOP_LEVEL = {"transformer.wte.weight": "normal", "transformer.wpe.weight": "normal",
-              "transformer.ln_f.weight": "ones", "transformer.ln_f.bias": "zeros",
-              "lm_head.weight": "normal"}
-_IN_BLOCK = {"ln_1.weight": "ones", "ln_1.bias": "zeros", "ln_2.weight": "ones", "ln_2.bias": "zeros",
-             "attn.c_attn.weight": "normal", "attn.c_attn.bias": "zeros",
-             "attn.c_proj.weight": "residual", "attn.c_proj.bias": "zeros",
-             "mlp.c_fc.weight": "normal", "mlp.c_fc.bias": "zeros",
-             "mlp.c_proj.weight": "residual", "mlp.c_proj.bias": "zeros"}
-_BLOCK_NAME = re.compile(r"transformer\.h\.(\d+)\.(.+)")
-
-
-def _init_kind(name: str, config: GPT2Config) -> str:
-    if name in _TOP_LEVEL:
-        return _TOP_LEVEL[name]
-    match = _BLOCK_NAME.fullmatch(name)
-    if match and int(match[1]) < config.n_layer and match[2] in _IN_BLOCK:
-        return _IN_BLOCK[match[2]]
-    raise GptparError(f"no initial value is defined for a GPT-2 parameter named {name!r} "
-                      f"(n_layer={config.n_layer}); add it to gptpar.model's init table")
-
-
-def initial_value(name: str, shape: torch.Size, config: GPT2Config, seed: int) -> torch.Tensor:
-    """The float32 CPU initial value of the GPT2LMHeadModel parameter `name` of full shape `shape`.
+def initial_value(name: str, shape: torch.Size, config: PretrainedConfig, seed: int) -> torch.Tensor:
+    """The float32 CPU initial value of the model's parameter `name` of full shape `shape`, as its architecture's
+    table says (gptpar/models).
 
     Drawn on CPU from a generator seeded by (seed, name), so it is the same on every device and
     rank, and a shard of a parameter is the same slice of this tensor. A padded token table's rows
     past the tokenizer's vocabulary are zeros, the others what an unpadded table gets.
     """
+    arch = architecture(config)
     if name == "lm_head.weight" and config.tie_word_embeddings:
-        name = "transformer.wte.weight"  # one matrix under two names
-    kind = _init_kind(name, config)
+        name = arch.token_table  # one matrix under two names
+    kind = arch.init_kind(name, config.num_hidden_layers)
     if kind == "zeros":
         return torch.zeros(shape, dtype=torch.float32, device="cpu")
     if kind == "ones":
         return torch.ones(shape, dtype=torch.float32, device="cpu")
-    std = config.initializer_range
-    if kind == "residual":
-        std /= math.sqrt(2 * config.n_layer)
     generator = torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name))
-    if name in ("transformer.wte.weight", "lm_head.weight") and shape[0] > tokenizer_vocab(config):
+    if name in (arch.token_table, "lm_head.weight") and shape[0] > tokenizer_vocab(config):
         real = initial_value(name, torch.Size([tokenizer_vocab(config), *shape[1:]]), config, seed)
         return F.pad(real, (0, 0, 0, shape[0] - real.size(0)))  # a padded table's extra rows are zeros
+    std = arch.init_std(kind, config)
     return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
 
 
 @torch.no_grad()
-def init_parameters(model: GPT2LMHeadModel, seed: int) -> None:
+def init_parameters(model: PreTrainedModel, seed: int) -> None:
     """Overwrite every parameter with its `initial_value`; a DTensor parameter (FSDP2's shards) gets
     just its local slice of it."""
     for name, param in model.named_parameters():
@@ -226,27 +196,28 @@ def init_parameters(model: GPT2LMHeadModel, seed: int) -> None:
 
 
 def materialize(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Make a meta-device GPT2LMHeadModel, bare or inside a wrapper (e.g. fully_shard), real on
-    `device` with its initial values: the same as a cpu build moved to `device`."""
-    gpt2 = next((m for m in model.modules() if isinstance(m, GPT2LMHeadModel)), None)
-    if gpt2 is None:
-        raise GptparError(f"materialize needs a GPT2LMHeadModel, found none inside {type(model).__name__}")
-    if buffers := [name for name, _ in model.named_buffers()]:
+    """Make a meta-device model, bare or inside a wrapper (e.g. fully_shard), real on `device` with its initial
+    values: the same as a cpu build moved to `device`."""
+    inner = find_model(model)
+    arch = architecture(inner)
+    if buffers := [name for name, _ in inner.named_buffers()
+                   if not (arch.restored_buffers and name.startswith(f"{arch.restored_buffers}."))]:
         raise GptparError(f"materialize cannot restore buffers {', '.join(buffers)} (to_empty leaves them "
-                          "uninitialised); teach gptpar.model.materialize to re-create them")
-    own = {id(p) for p in gpt2.parameters()}
+                          "uninitialised); teach the architecture's restore_buffers (gptpar/models) to re-create them")
+    own = {id(p) for p in inner.parameters()}
     if outside := [name for name, p in model.named_parameters() if id(p) not in own]:
-        raise GptparError(f"materialize would leave parameters outside the GPT-2 uninitialised: "
+        raise GptparError(f"materialize would leave parameters outside the model uninitialised: "
                           f"{', '.join(outside)}")
     with _params_swapped_in_place():
         model.to_empty(device=device)
-    _check_tied(gpt2)
-    init_parameters(gpt2, seed)
+    arch.restore_buffers(inner, device)
+    _check_tied(inner)
+    init_parameters(inner, seed)
 
 
 @contextlib.contextmanager
 def _params_swapped_in_place() -> Iterator[None]:
-    """Without this, to_empty gives each module a new Parameter and unties lm_head from wte."""
+    """Without this, to_empty gives each module a new Parameter and unties the LM head from the token table."""
     before = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -255,10 +226,11 @@ def _params_swapped_in_place() -> Iterator[None]:
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
-def _check_tied(model: GPT2LMHeadModel) -> None:
-    """The LM head must be the embedding matrix itself, or training updates two copies."""
-    if model.config.tie_word_embeddings and model.lm_head.weight is not model.transformer.wte.weight:
-        raise RuntimeError("lm_head.weight is no longer tied to transformer.wte.weight")
+def _check_tied(model: PreTrainedModel) -> None:
+    """A tied LM head must be the token table itself, or training updates two copies."""
+    table = architecture(model).token_embedding(model).weight
+    if model.config.tie_word_embeddings and model.lm_head.weight is not table:
+        raise RuntimeError("lm_head.weight is no longer tied to the token table")
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,122 @@
-"""Named GPT-2 shapes, importable without torch (the analysis computes FLOPs from them)."""
+"""Named model shapes of every architecture, importable without torch: the config checks them, the analysis
+computes FLOPs from them, and gptpar/models builds the model of one.
 
-# (n_layer, n_embd, n_head, n_positions). The small ones exist so CPUs can train and test.
-PRESETS: dict[str, tuple[int, int, int, int]] = {
-    "gpt2-tiny": (4, 128, 4, 256),
-    "gpt2-mini": (6, 256, 8, 512),
-    "gpt2-wide": (4, 768, 12, 1024),  # GPT-2 width, few layers: compute-bound pipeline benchmarks
-    "gpt2": (12, 768, 12, 1024),
-    "gpt2-medium": (24, 1024, 16, 1024),
-    "gpt2-large": (36, 1280, 20, 1024),
-    "gpt2-xl": (48, 1600, 25, 1024),
+An architecture is one decoder family: `gpt2` (learned positions, LayerNorm, a 4x GELU MLP, fused q/k/v with
+biases, a tied head) and the Llama family (rotary positions, RMSNorm, grouped-query attention, a gated SiLU MLP):
+`llama` (no biases) and `qwen2` (biases on q, k and v). What differs between them that the FLOPs, the
+parameter counts and the tensor-parallel checks need is in `ARCH_TRAITS`; the rest is in gptpar/models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+ARCHS = ("gpt2", "llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """What a torch-free reader needs to know of an architecture."""
+
+    learned_positions: bool  # a position table (gpt2) rather than rotary embeddings
+    norm_biases: bool  # LayerNorm with a bias (gpt2) rather than RMSNorm (weight only)
+    gated_mlp: bool  # gate and up projections, then down (Llama) rather than fc and proj (gpt2)
+    qkv_bias: bool
+    out_bias: bool  # on the attention's output projection
+    mlp_bias: bool
+
+
+ARCH_TRAITS = {
+    "gpt2": ArchTraits(learned_positions=True, norm_biases=True, gated_mlp=False, qkv_bias=True, out_bias=True,
+                         mlp_bias=True),
+    "llama": ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=True, qkv_bias=False, out_bias=False,
+                          mlp_bias=False),
+    "qwen2": ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=True, qkv_bias=True, out_bias=False,
+                          mlp_bias=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One model's shape. n_kv_head 0 means n_head (no grouping), n_inner 0 means 4 * n_embd (GPT-2's MLP)."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_positions: int
+    n_kv_head: int = 0
+    n_inner: int = 0
+    tied: bool = True  # the LM head is the token table itself
+    rope_theta: float = 10_000.0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def traits(self) -> ArchTraits:
+        return ARCH_TRAITS[self.arch]
+
+    def block_parameters(self) -> int:
+        """One block: q, k, v and output projections, the MLP, two norms (with their biases where they have them)."""
+        t, d, kv = self.traits, self.n_embd, self.kv_heads * self.head_dim
+        attention = 2 * d * d + 2 * d * kv + (d + 2 * kv if t.qkv_bias else 0) + (d if t.out_bias else 0)
+        mlp = (3 if t.gated_mlp else 2) * d * self.mlp_width
+        if t.mlp_bias:
+            mlp += (2 if t.gated_mlp else 1) * self.mlp_width + d
+        return attention + mlp + 2 * self.norm_parameters()
+
+    def norm_parameters(self) -> int:
+        return (2 if self.traits.norm_biases else 1) * self.n_embd
+
+    def parameters(self, vocab: int) -> int:
+        """Every parameter: token table, positions, blocks, final norm, and the head where it is not the table."""
+        positions = self.n_positions * self.n_embd if self.traits.learned_positions else 0
+        tables = (1 if self.tied else 2) * vocab * self.n_embd
+        return tables + positions + self.n_layer * self.block_parameters() + self.norm_parameters()
+
+    def overridden(self, arch: str = "auto", n_layer: int = 0, n_embd: int = 0, n_head: int = 0,
+                   n_positions: int = 0, n_kv_head: int = 0) -> ModelShape:
+        """The shape with the config's overrides (0 and auto keep this shape's). Another architecture keeps the
+        sizes; GPT-2 has no grouped-query attention and its MLP is 4x wide."""
+        arch = self.arch if arch == "auto" else arch
+        shape = replace(self, arch=arch, n_layer=n_layer or self.n_layer, n_embd=n_embd or self.n_embd,
+                        n_head=n_head or self.n_head, n_positions=n_positions or self.n_positions)
+        if n_kv_head:
+            shape = replace(shape, n_kv_head=n_kv_head)
+        if arch == "gpt2":
+            shape = replace(shape, n_kv_head=0, n_inner=0, tied=True)
+        elif self.arch == "gpt2":  # a GPT-2 shape as a Llama-family model: the gated MLP's usual 8/3 d, rounded
+            shape = replace(shape, n_inner=shape.n_inner or -(-8 * shape.n_embd // 3 // 64) * 64)
+        return shape
+
+
+def _gpt2(n_layer: int, n_embd: int, n_head: int, n_positions: int) -> ModelShape:
+    return ModelShape("gpt2", n_layer, n_embd, n_head, n_positions)
+
+
+# The small ones exist so CPUs can train and test: the tiny Llama-family shapes have 4 query heads over 2 KV heads,
+# so parallel.tp=2 splits both, and llama-tiny keeps an untied head where qwen2-tiny ties it (both kinds tested).
+PRESETS: dict[str, ModelShape] = {
+    "gpt2-tiny": _gpt2(4, 128, 4, 256),
+    "gpt2-mini": _gpt2(6, 256, 8, 512),
+    "gpt2-wide": _gpt2(4, 768, 12, 1024),  # GPT-2 width, few layers: compute-bound pipeline benchmarks
+    "gpt2": _gpt2(12, 768, 12, 1024),
+    "gpt2-medium": _gpt2(24, 1024, 16, 1024),
+    "gpt2-large": _gpt2(36, 1280, 20, 1024),
+    "gpt2-xl": _gpt2(48, 1600, 25, 1024),
+    "llama-tiny": ModelShape("llama", 4, 128, 4, 256, n_kv_head=2, n_inner=352, tied=False),
+    "qwen2-tiny": ModelShape("qwen2", 4, 128, 4, 256, n_kv_head=2, n_inner=352, tied=True),
+    "llama-3.2-1b": ModelShape("llama", 16, 2048, 32, 131_072, n_kv_head=8, n_inner=8192, rope_theta=500_000.0),
+    "qwen2.5-0.5b": ModelShape("qwen2", 24, 896, 14, 32_768, n_kv_head=2, n_inner=4864, rope_theta=1_000_000.0),
+    "qwen2.5-3b": ModelShape("qwen2", 36, 2048, 16, 32_768, n_kv_head=2, n_inner=11_008, rope_theta=1_000_000.0),
 }

@@ -30,6 +30,7 @@ def validate(cfg: Config) -> None:
     if len(cfg.log.run_id) > RUN_ID_MAX:
         raise ConfigError(f"log.run_id: {len(cfg.log.run_id)} characters is too long for a folder name; use at most "
                           f"{RUN_ID_MAX}")
+    _check_shape(cfg.model)
     checkpoint_interval(t.activation_checkpointing)
     profiled_steps(t)
     if t.compile == "model" and (obstacle := whole_compile_obstacle(cfg)):
@@ -39,6 +40,22 @@ def validate(cfg: Config) -> None:
         check(cfg)
     _validate_task(cfg)
     _check_example_fits(cfg)
+
+
+def _check_shape(model: ModelConfig) -> None:
+    """Heads must split the width, and query heads share key/value heads in equal groups."""
+    shape = model.shape()
+    if shape.n_embd % shape.n_head:
+        raise ConfigError(f"model.n_embd={shape.n_embd} does not divide by model.n_head={shape.n_head}; use a head "
+                          "count that divides the width")
+    if shape.n_head % shape.kv_heads:
+        raise ConfigError(f"model.n_kv_head={shape.kv_heads} must divide model.n_head={shape.n_head} (each key/value "
+                          "head serves an equal group of query heads)")
+    if shape.arch == "gpt2" and model.n_kv_head:
+        raise ConfigError(f"model.n_kv_head={model.n_kv_head}: GPT-2 has no grouped-query attention; leave it 0 or "
+                          "use model.arch=llama or qwen2")
+    if model.init == "pretrained" and shape.arch != "gpt2":
+        raise ConfigError(f"model.init=pretrained loads GPT-2's hub weights, not {shape.arch}'s; use model.init=random")
 
 
 def whole_compile_obstacle(cfg: Config) -> str:
@@ -103,8 +120,8 @@ def _validate_task(cfg: Config) -> None:
 
 def context_length(model: ModelConfig) -> int:
     """The model's positions: model.n_positions (0: the preset's); pretrained weights fix the preset's."""
-    preset = PRESETS[model.preset][3]
-    return preset if model.init == "pretrained" else model.n_positions or preset
+    shape = model.shape()
+    return PRESETS[model.preset].n_positions if model.init == "pretrained" else shape.n_positions
 
 
 def check_context(seq_len: int | None, model: ModelConfig) -> None:

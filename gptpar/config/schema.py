@@ -9,7 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptpar.presets import PRESETS
+from gptpar.presets import ARCHS, PRESETS, ModelShape
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 from gptpar.strategies.schedules import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
@@ -32,11 +32,17 @@ def opt(default: Any, help: str, choices: typing.Collection[str] | None = None, 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    preset: str = opt("gpt2-tiny", "Named GPT-2 shape (gptpar/presets.py).",
+    preset: str = opt("gpt2-tiny", "Named model shape (gptpar/presets.py): GPT-2's, and the Llama family's "
+                      "(llama-tiny, qwen2-tiny for CPUs; llama-3.2-1b, qwen2.5-0.5b, qwen2.5-3b).",
                       choices=tuple(PRESETS))
+    arch: str = opt("auto", "Architecture (gptpar/models): auto is the preset's; gpt2 (transformers' "
+                    "GPT2LMHeadModel), llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q/k/v biases). Another "
+                    "architecture than the preset's keeps its sizes.", choices=("auto", *ARCHS))
     n_layer: int = opt(0, "Transformer blocks; 0 keeps the preset's.", min=0, max=4096)
     n_embd: int = opt(0, "Hidden width; 0 keeps the preset's.", min=0, max=65_536)
     n_head: int = opt(0, "Attention heads; 0 keeps the preset's.", min=0, max=4096)
+    n_kv_head: int = opt(0, "Key/value heads of grouped-query attention (llama, qwen2; a divisor of model.n_head); "
+                         "0 keeps the preset's.", min=0, max=4096)
     n_positions: int = opt(0, "Context length of the position table; 0 keeps the preset's.", min=0,
                            max=1_048_576)
     dropout: float = opt(0.0, "Dropout on embeddings, attention and residuals.", min=0.0, max=1.0)
@@ -50,6 +56,11 @@ class ModelConfig:
     init_device: str = opt("cpu", "Where the model is built: cpu builds it whole; meta builds it without memory and "
                            "lets each rank materialise only what it holds (its shard under parallel.dp_sync=fsdp), "
                            "seeded per parameter so the values equal a cpu build.", choices=("cpu", "meta"))
+
+    def shape(self) -> ModelShape:
+        """The model's shape: the preset's with this section's overrides (the one place they are applied)."""
+        return PRESETS[self.preset].overridden(self.arch, self.n_layer, self.n_embd, self.n_head, self.n_positions,
+                                               self.n_kv_head)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gptpar.errors import ConfigError, GptparError
-from gptpar.presets import PRESETS
 from gptpar.strategies.schedules import make_plan
 
 if TYPE_CHECKING:
@@ -71,7 +70,7 @@ def check(cfg: Config) -> None:
     except GptparError as exc:
         raise ConfigError(str(exc)) from None
     counts = pp_split_counts(p)
-    n_layer = cfg.model.n_layer or PRESETS[cfg.model.preset][0]
+    n_layer = cfg.model.shape().n_layer
     stages = p.pp * p.pp_virtual
     if stages > n_layer:
         raise ConfigError(f"parallel.pp * parallel.pp_virtual = {stages} stages but the model has {n_layer} blocks; "

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gptpar.errors import ConfigError
-from gptpar.presets import PRESETS
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 
 if TYPE_CHECKING:
@@ -22,7 +21,8 @@ class TensorParallelImpl:
 
 
 TP_IMPLS: dict[str, TensorParallelImpl] = {
-    "gptpar": TensorParallelImpl("ours, Megatron-style on GPT-2's Conv1D", with_pipeline=True),
+    "gptpar": TensorParallelImpl("ours, Megatron-style (on GPT-2's Conv1D, the Llama family's Linear)",
+                                 with_pipeline=True),
     "torch": TensorParallelImpl("torch.distributed.tensor.parallel on the same plan", with_pipeline=False),
 }
 
@@ -31,9 +31,9 @@ def check(cfg: Config) -> None:
     p, m = cfg.parallel, cfg.model
     if p.tp == 1:
         return
-    _, n_embd, n_head, _ = PRESETS[m.preset]
-    n_embd, n_head = m.n_embd or n_embd, m.n_head or n_head
-    for key, value in (("model.n_head", n_head), ("the MLP width 4 * model.n_embd", 4 * n_embd)):
+    shape = m.shape()
+    mlp = "the MLP width 4 * model.n_embd" if shape.arch == "gpt2" else "the MLP width"
+    for key, value in (("model.n_head", shape.n_head), ("model.n_kv_head", shape.kv_heads), (mlp, shape.mlp_width)):
         if value % p.tp:
             raise ConfigError(f"parallel.tp={p.tp} must divide {key}={value}; use a tp that divides it")
     if p.sequence_parallel and cfg.data.task == "lm" and cfg.data.seq_len % p.tp:

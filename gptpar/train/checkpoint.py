@@ -35,12 +35,14 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.optim import Optimizer
 
 from gptpar.atomic import atomic_write, os_error, probe_space, write_error
+from gptpar.config import load_config
 from gptpar.errors import GptparError
+from gptpar.models import ARCHITECTURES
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
-from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
+from gptpar.parallel.pipeline.names import plain_state
 from gptpar.paths import check_path
-from gptpar.run.folder import CHECKPOINT_DIR
+from gptpar.run.folder import CHECKPOINT_DIR, CONFIG_FILE
 
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
 # hold different parameters, and a group's index would name different parameters on each stage's rank.
@@ -193,20 +195,22 @@ def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
 
 def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
     """Write the whole checkpoint as one plain torch.save file (for users who want one file), shards made whole
-    (fsdp's pieces joined into parameters),
-    with the model also under `gpt2` in GPT2LMHeadModel's own names, whatever parallelism wrote it
+    (fsdp's pieces joined into parameters), with the model also under its architecture's name (`gpt2`, `llama`,
+    `qwen2`: the run's model.arch) in its transformers class's own names, whatever parallelism wrote it
     (`GPT2LMHeadModel(config).load_state_dict(torch.load(out)["gpt2"])`). Single process."""
     path = _existing(run_dir)
     if path is None:
         raise GptparError(f"{run_dir} has no checkpoint to export ({checkpoint_dir(run_dir)} does not exist)")
     out = check_path(out, "file", "--out", "name a file to write", must_exist=False)
     _check_metadata(path)
+    config = Path(run_dir) / CONFIG_FILE
+    arch = ARCHITECTURES[load_config(config).model.shape().arch if config.is_file() else "gpt2"]
     try:
         state = _read_whole(path)
         if isinstance(state.get("trainer"), dict) and "model" in state["trainer"]:  # a training run's checkpoint
             if "pieces" in state["trainer"]["model"]:  # fsdp's: every rank's pieces of the parameters
                 state["trainer"]["model"] = join_pieces(state["trainer"]["model"])
-            state["gpt2"] = plain_gpt2_state(state["trainer"]["model"], state["trainer"].get("vocab_size"))
+            state[arch.name] = plain_state(state["trainer"]["model"], arch, state["trainer"].get("vocab_size"))
     except (Exception, CheckpointException) as exc:
         raise GptparError(f"cannot export checkpoint {path} ({_reason(exc)}); it is damaged") from exc
     # Through a file object: torch.save to a path loses the OSError of a full disk ("basic_ios::clear").

@@ -19,16 +19,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import GPT2LMHeadModel
+from transformers import PreTrainedModel
 
 from gptpar.config import Config
 from gptpar.model import initial_value, materialize
+from gptpar.models import architecture
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
-from gptpar.parallel.tensor_parallel import TensorParallelGPT2, loss_context, loss_function, shard_model, whole_logits
+from gptpar.parallel.tensor_parallel import TensorParallelModel, loss_context, loss_function, shard_model, whole_logits
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.train.recompute import prepare_blocks, whole_logits_loss
@@ -49,7 +50,7 @@ class Parallelized:
     pipeline: bool  # net is the multi-process pipeline's engine
 
 
-def parallelize(model: GPT2LMHeadModel, cfg: Config, dims: ParallelDims, vocab_size: int) -> Parallelized:
+def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_size: int) -> Parallelized:
     """`model` whole (or on the meta device) as every rank built it, wrapped for this rank in the module's order."""
     p, seed, device = cfg.parallel, cfg.train.seed, dims.device
     dp_group, tp_group = dims.group("dp"), dims.group("tp")
@@ -57,6 +58,8 @@ def parallelize(model: GPT2LMHeadModel, cfg: Config, dims: ParallelDims, vocab_s
                    and dp_group is not None and tp_group is None)
     if cfg.model.init_device == "meta" and not shards_only:  # 1
         materialize(model, seed, device)
+    elif shards_only:  # the strategy fills in the parameters; the buffers (rotary tables) are made here
+        architecture(model).restore_buffers(model, device)
     if tp_group is not None:  # 2
         model = shard_model(model, p, dims, device)
     prepare_blocks(model, cfg, device)  # 3, in place
@@ -65,11 +68,11 @@ def parallelize(model: GPT2LMHeadModel, cfg: Config, dims: ParallelDims, vocab_s
     if pipeline:  # 5
         net: nn.Module = PipelineEngine(model, cfg, dims, device, loss_fn)
     elif tp_group is not None:
-        net = TensorParallelGPT2(model, device)
+        net = TensorParallelModel(model, device)
     else:
         net = build_parallel_model(model, p, device)
-    gpt2 = model.config
-    initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, gpt2, seed))
+    config = model.config
+    initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, config, seed))
                if shards_only else None)
     mesh = dims.mesh["dp"] if dims.mesh is not None and dp_group is not None else None
     sync = make_grad_sync(net, p, dp_group, device, initial, mesh)  # 6

@@ -1,4 +1,4 @@
-"""Activation checkpointing and torch.compile of GPT-2 (each transformer block, or the whole model), leaving the
+"""Activation checkpointing and torch.compile of the model (each transformer block, or the whole model), leaving the
 module tree alone.
 
 Both act on module instances, never on the tree: parameter names, state dicts, checkpoints and the
@@ -28,11 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import GPT2LMHeadModel
+from transformers import PreTrainedModel
 
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, whole_compile_obstacle
 from gptpar.errors import GptparError
 from gptpar.model import chunked_lm_loss, lm_loss
+from gptpar.models import architecture
 from gptpar.parallel.pipeline.one_process.gpt2 import resolve_devices
 
 
@@ -41,9 +42,9 @@ def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
 
 
-def checkpoint_blocks(model: GPT2LMHeadModel, k: int) -> list[int]:
+def checkpoint_blocks(model: PreTrainedModel, k: int) -> list[int]:
     """Checkpoint every k-th block of `model` in place (see the module docstring); returns their indices."""
-    blocks = model.transformer.h
+    blocks = architecture(model).blocks(model)
     indices = checkpointed_indices(len(blocks), k)
     for i in indices:
         # An instance attribute, so the tree is unchanged; a bound method, so a deep copy binds to the copied block.
@@ -69,12 +70,12 @@ def check_compiler(device: torch.device, backend: str | Callable = "inductor", k
         raise GptparError(f"{key}: torch.compile does not work here ({_reason(exc)}); {fix}") from None
 
 
-def compile_blocks(model: GPT2LMHeadModel, device: torch.device, backend: str | Callable = "inductor",
+def compile_blocks(model: PreTrainedModel, device: torch.device, backend: str | Callable = "inductor",
                    whole: bool = False) -> None:
     """torch.compile each block (or with `whole` the model itself) in place: names kept, and wrappers applied
     afterwards call the compiled forward."""
     check_compiler(device, backend, f"train.compile={'model' if whole else 'blocks'}")
-    for module in [model] if whole else model.transformer.h:
+    for module in [model] if whole else architecture(model).blocks(model):
         module.compile(backend=backend)
 
 
@@ -125,7 +126,7 @@ def _check_pipe_dropout(cfg: Config) -> None:
                           "model.dropout=0 or use parallel.pp_mode=model_parallel")
 
 
-def prepare_blocks(model: GPT2LMHeadModel, cfg: Config, device: torch.device) -> None:
+def prepare_blocks(model: PreTrainedModel, cfg: Config, device: torch.device) -> None:
     """What train.activation_checkpointing and train.compile ask of a freshly built model (on any device, meta
     included), before it is materialised, wrapped or split into stages."""
     k = checkpoint_interval(cfg.train.activation_checkpointing)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.profiler import record_function
-from transformers import GPT2LMHeadModel
+from transformers import PreTrainedModel
 
 from gptpar.config import Config, example_width
 from gptpar.data import partition_dataset
@@ -29,10 +29,11 @@ from gptpar.data.training import load_training_data
 from gptpar.data.translation import PairDataset, target_tokens
 from gptpar.errors import GptparError
 from gptpar.model import build_model, count_params, empty_model
+from gptpar.models import architecture
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
-from gptpar.parallel.pipeline.gpt2_names import plain_gpt2_state
+from gptpar.parallel.pipeline.names import plain_state
 from gptpar.parallel.tensor_parallel.state import counts_in_norm, whole
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
@@ -76,7 +77,7 @@ class Trainer:
                               f"examples{why}")
         model = build_model(cfg.model, self.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=example_width(cfg),
                             init_device=cfg.model.init_device, shards=dims.size("tp"))
-        self.n_params, self.gpt2 = count_params(model), model.config  # whole, before any sharding
+        self.n_params, self.model_config = count_params(model), model.config  # whole, before any sharding
         self.dp_group, self.tp_group = dims.group("dp"), dims.group("tp")
         wrapped = parallelize(model, cfg, dims, self.vocab_size)
         self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
@@ -289,10 +290,10 @@ class Trainer:
             ids = F.pad(ids, (0, width - ids.size(1)), value=self.translation.eos)
         return self.whole_logits(self.net(ids.to(self.net.input_device)))
 
-    def _whole_model(self) -> GPT2LMHeadModel | None:
-        """The pipeline's model as one GPT2LMHeadModel on each replica's first-stage rank of tp coordinate 0 (None
+    def _whole_model(self) -> PreTrainedModel | None:
+        """The pipeline's model as one model on each replica's first-stage rank of tp coordinate 0 (None
         on the others): every stage's parameters made whole over the tp group and gathered over the pp group, named
-        as the checkpoint export names them (`plain_gpt2_state`). Memory: while it decodes, that rank holds a
+        as the checkpoint export names them (`plain_state`). Memory: while it decodes, that rank holds a
         second, whole copy of the parameters (no gradients, no optimizer state) beside its stage, and the gathered
         pieces once more on the host; a model that cannot fit one device whole cannot be scored this way
         (train.bleu_samples=0 turns BLEU off)."""
@@ -305,9 +306,11 @@ class Trainer:
             dist.gather_object(pieces, gathered, dst=self.dims.group_ranks("pp")[0], group=self.dims.group("pp"))
         if not first:
             return None
-        model = empty_model(self.gpt2)
-        model.load_state_dict(plain_gpt2_state({name: p for piece in gathered for name, p in piece.items()}),
+        model = empty_model(self.model_config)
+        arch = architecture(model)
+        model.load_state_dict(plain_state({name: p for piece in gathered for name, p in piece.items()}, arch),
                               assign=True)
+        arch.restore_buffers(model, self.dims.device)
         return model.to(self.dims.device).eval()
 
     def bleu(self) -> dict[str, float | None]:
@@ -327,17 +330,18 @@ class Trainer:
     def banner(self) -> str:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
         layout = " x ".join(f"{dim}={n}" for dim, n in self.dims.sizes.items())
-        g = self.gpt2
+        g = self.model_config
         table = f", token table padded to {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
-                f"GPT-2 of {self.n_params:,} parameters ({g.n_layer} layers, width {g.n_embd}, {g.n_head} heads); "
+                f"{g.model_type} of {self.n_params:,} parameters ({g.num_hidden_layers} layers, width {g.hidden_size}, "
+                f"{g.num_attention_heads} heads); "
                 f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); "
                 f"{self.capped + '; ' if self.capped else ''}{self.precision.name}; "
                 f"steps {self.step + 1}-{self.total_steps}")
 
     def fast_path(self) -> dict[str, Any]:
         """What the log header records of the fast path as it resolved on this rank."""
-        return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.gpt2.vocab_size,
+        return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.model_config.vocab_size,
                 "sync_every": sync_every(self.cfg.log.sync_every, self.dims.device),
                 "compile": compile_mode(self.cfg, self.dims.device),
                 "loss": "vocabulary-parallel" if self.cfg.parallel.loss_parallel and self.dims.size("tp") > 1

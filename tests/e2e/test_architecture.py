@@ -101,7 +101,7 @@ FLOORS = (
      "gptpar.tensor_bytes"),
     ("gptpar.strategies",),
     ("gptpar.config",),
-    ("gptpar.data", "gptpar.model", "gptpar.run", "gptpar.parallel"),
+    ("gptpar.data", "gptpar.model", "gptpar.models", "gptpar.run", "gptpar.parallel"),
     ("gptpar.train", "gptpar.pipeline"),
     ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "gptpar.api", "analysis"),
     ("gptpar.cli", "gptpar.__main__"),

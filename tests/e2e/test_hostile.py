@@ -23,7 +23,7 @@ from gptpar.data import corpus as corpus_module
 from gptpar.data import load_tokens
 from gptpar.data.sources import cache_dir
 from gptpar.errors import GptparError
-from gptpar.model import build_model, gpt2_config
+from gptpar.model import build_model, model_config
 
 
 def one_line(exc: pytest.ExceptionInfo) -> str:
@@ -143,12 +143,12 @@ def test_a_yaml_file_that_is_not_utf8_is_one_line(tmp_path):
 
 def test_seq_len_above_n_positions_is_one_line():
     with pytest.raises(GptparError, match=re.escape("data.seq_len=128 is above model.n_positions=64")) as exc:
-        gpt2_config(ModelConfig(n_positions=64), 256, seq_len=128)
+        model_config(ModelConfig(n_positions=64), 256, seq_len=128)
     one_line(exc)
     # The preset's context length counts when model.n_positions keeps it (gpt2-tiny: 256).
     with pytest.raises(GptparError, match=re.escape("data.seq_len=512 is above model.n_positions=256")):
-        gpt2_config(ModelConfig(), 256, seq_len=512)
-    assert gpt2_config(ModelConfig(), 256, seq_len=256).n_positions == 256
+        model_config(ModelConfig(), 256, seq_len=512)
+    assert model_config(ModelConfig(), 256, seq_len=256).n_positions == 256
 
 
 def test_seq_len_check_covers_every_way_a_model_is_built():

@@ -140,14 +140,12 @@ def test_readme_command_runs(command, tmp_path):
 
 def test_the_bridges2_preset_table_is_the_closed_form():
     from analysis.aggregate import closed_form_state_bytes
-    from analysis.mfu import block_parameters
     from gptpar.presets import PRESETS
 
     rows = re.findall(r"^  \| `(gpt2[\w-]*)` \| (\d+) M \| (.*) \|$", README, flags=re.M)
     assert [name for name, _, _ in rows] == ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
     for name, millions, cells in rows:
-        n_layer, n_embd, _, n_positions = PRESETS[name]
-        n = n_layer * block_parameters(n_embd) + 2 * n_embd + (50257 + n_positions) * n_embd
+        n = PRESETS[name].parameters(50257)
         assert int(millions) == round(n / 1e6)
         expected = [closed_form_state_bytes(s, n, w) / 2**30 for s, w in (("ddp", 1), ("zero2", 4), ("fsdp", 4),
                                                                            ("fsdp", 8))]

@@ -3,28 +3,30 @@ import torch
 
 from gptpar.config import ModelConfig
 from gptpar.errors import GptparError
-from gptpar.model import PRESETS, build_model, count_params, gpt2_config, lm_loss
+from gptpar.model import build_model, count_params, lm_loss, model_config
+from gptpar.presets import PRESETS
 
 
 def test_gpt2_preset_is_124m_with_gpt2_vocab():
-    cfg = gpt2_config(ModelConfig(preset="gpt2"), 50257)
+    cfg = model_config(ModelConfig(preset="gpt2"), 50257)
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_positions) == (12, 768, 12, 1024)
     model = build_model(ModelConfig(preset="gpt2"), 50257, seed=0, init_device="meta")
     assert round(count_params(model) / 1e6) == 124 and next(model.parameters()).is_meta
 
 
 def test_every_preset_builds_a_consistent_config():
-    for name, (layers, width, heads, positions) in PRESETS.items():
-        cfg = gpt2_config(ModelConfig(preset=name), 1000)
-        assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_positions) == (layers, width, heads, positions)
-        assert width % heads == 0
+    for name, shape in PRESETS.items():
+        cfg = model_config(ModelConfig(preset=name), 1000)
+        assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.max_position_embeddings) == (
+            shape.n_layer, shape.n_embd, shape.n_head, shape.n_positions)
+        assert shape.n_embd % shape.n_head == 0 and cfg.model_type == shape.arch
 
 
 def test_fields_override_the_preset():
-    cfg = gpt2_config(ModelConfig(preset="gpt2-tiny", n_layer=2, n_embd=64, n_head=2, dropout=0.1), 300)
+    cfg = model_config(ModelConfig(preset="gpt2-tiny", n_layer=2, n_embd=64, n_head=2, dropout=0.1), 300)
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.resid_pdrop) == (2, 64, 2, 300, 0.1)
     with pytest.raises(GptparError, match="model.n_embd=100 does not divide by model.n_head=3"):
-        gpt2_config(ModelConfig(n_embd=100, n_head=3), 300)
+        model_config(ModelConfig(n_embd=100, n_head=3), 300)
 
 
 def test_seed_fixes_the_weights():

@@ -11,7 +11,7 @@ from torch import nn
 
 from gptpar.config import load_config
 from gptpar.errors import GptparError
-from gptpar.model import build_model, gpt2_config, initial_value, materialize, parameter_seed
+from gptpar.model import build_model, initial_value, materialize, model_config, parameter_seed
 
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_positions=64", "data.seq_len=64"]
 VOCAB = 300
@@ -70,7 +70,7 @@ def test_seed_and_name_fix_the_weights():
 
 
 def test_values_follow_gpt2s_init_scheme():
-    config = gpt2_config(load_config(None, ["model.n_layer=6", "model.n_embd=256", "model.n_head=4"]).model,
+    config = model_config(load_config(None, ["model.n_layer=6", "model.n_embd=256", "model.n_head=4"]).model,
                          VOCAB)
     std, n = config.initializer_range, config.n_layer
     expected = {"transformer.wte.weight": std, "transformer.h.2.attn.c_attn.weight": std,
@@ -117,5 +117,5 @@ def test_pretrained_on_meta_is_a_one_line_error():
                                   "transformer.wte.bias", "h.0.mlp.c_fc.weight", "module.lm_head.weight"])
 def test_an_unknown_parameter_name_raises(name: str):
     config = tiny(0, "meta").config  # n_layer=2, so h.2 does not exist
-    with pytest.raises(GptparError, match="no initial value is defined for a GPT-2 parameter named"):
+    with pytest.raises(GptparError, match="no initial value is defined for a gpt2 parameter named"):
         initial_value(name, torch.Size([4, 4]), config, 0)

@@ -1,6 +1,6 @@
 """PyTorch's FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the group.
 
-The reference for fully sharded data parallelism: each GPT-2 block is a unit and the root unit keeps the
+The reference for fully sharded data parallelism: each transformer block is a unit and the root unit keeps the
 embeddings, the final norm and the tied LM head together, so one all-gather serves both uses of the tied
 matrix. Every parameter becomes a DTensor sharded on dim 0 (padded to a multiple of the group size);
 forward and backward gather each unit's parameters just in time and backward reduce-scatters its
@@ -17,15 +17,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from transformers import GPT2LMHeadModel
+from transformers import PreTrainedModel
 
+from gptpar.models import architecture
 from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """GPT-2's blocks (whole or tensor-parallel) inside whatever wraps the GPT2LMHeadModel."""
-    gpt2 = next((m for m in model.modules() if isinstance(m, GPT2LMHeadModel)), None)
-    return list(gpt2.transformer.h) if gpt2 is not None else []
+    """The transformer blocks (whole or tensor-parallel) inside whatever wraps the model."""
+    inner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    return list(architecture(inner).blocks(inner)) if inner is not None else []
 
 
 class FSDP2Sync(GradSync):

@@ -5,6 +5,6 @@
 - engine/: one process per stage (parallel.pp > 1), activations sent between ranks, running the schedules
   of gptpar.strategies.schedules (GPipe, 1F1B, interleaved 1F1B, ZB-H1).
 
-Both cut GPT-2 the same way (gpt2_cuts: the stage pieces and how many blocks each stage gets) and map
-their parameter names back to GPT2LMHeadModel's the same way (gpt2_names).
+Both cut a model the same way (the architecture's pieces, gptpar/models; cuts: how many blocks each stage gets)
+and map their parameter names back to the model's the same way (names).
 """

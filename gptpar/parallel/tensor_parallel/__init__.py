@@ -1,10 +1,11 @@
 """Tensor parallelism (`parallel.tp`): each layer's matrices split over the grid's `tp` group.
 
-Two implementations of one plan (gpt2.py's docstring): ours (`gptpar`, layers.py and gpt2.py, with our own
-autograd collectives in comm.py and the vocabulary-parallel loss in loss.py) and PyTorch's (`torch`,
-torch_plan.py, on DTensor). Both convert a whole GPT2LMHeadModel in place and run through the same forward
-(`tensor_parallel_forward`), so the trainer, the pipeline engine and the data-parallel syncs take a sharded
-model as they take a whole one. state.py says how pieces are rebuilt, checkpointed and counted in norms.
+Two implementations of one plan per architecture family (gpt2.py's and llama.py's docstrings): ours (`gptpar`,
+layers.py, gpt2.py and llama.py, with our own autograd collectives in comm.py and the vocabulary-parallel loss in
+loss.py) and PyTorch's (`torch`, torch_plan.py, on DTensor). Both convert a whole model in place, keeping the
+architecture's pieces callable as before, so a sharded model runs through the same pieces (`TensorParallelModel`,
+the pipeline engine's stages) and the data-parallel syncs take it as they take a whole one. state.py says how
+pieces are rebuilt, checkpointed and counted in norms.
 """
 
 from __future__ import annotations
@@ -15,31 +16,67 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import GPT2LMHeadModel
+from torch import nn
+from transformers import PreTrainedModel
 
 from gptpar.config import ParallelConfig
-from gptpar.model import lm_loss
+from gptpar.model import lm_loss, tokenizer_vocab
+from gptpar.models import architecture
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.tensor_parallel.comm import gather_last_dim
-from gptpar.parallel.tensor_parallel.gpt2 import TensorParallelGPT2, shard_gpt2, tensor_parallel_forward
+from gptpar.parallel.tensor_parallel.gpt2 import shard_gpt2
+from gptpar.parallel.tensor_parallel.llama import shard_llama
 from gptpar.parallel.tensor_parallel.loss import vocab_parallel_loss
 from gptpar.parallel.tensor_parallel.torch_plan import loss_context as torch_loss_context
-from gptpar.parallel.tensor_parallel.torch_plan import parallelize_gpt2, torch_lm_loss
+from gptpar.parallel.tensor_parallel.torch_plan import parallelize_gpt2, parallelize_llama, torch_lm_loss
 
-__all__ = ["TensorParallelGPT2", "loss_context", "loss_function", "shard_model", "tensor_parallel_forward",
+__all__ = ["TensorParallelModel", "loss_context", "loss_function", "shard_model", "tensor_parallel_forward",
            "whole_logits"]
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def shard_model(model: GPT2LMHeadModel, pcfg: ParallelConfig, dims: ParallelDims, device: torch.device
-                ) -> GPT2LMHeadModel:
+def shard_model(model: PreTrainedModel, pcfg: ParallelConfig, dims: ParallelDims, device: torch.device
+                ) -> PreTrainedModel:
     """`model` (whole, the same on every rank) moved to `device` and cut into this rank's tensor-parallel pieces
     by parallel.tp_impl, in place."""
     model.to(device)
+    family = architecture(model).name
     if pcfg.tp_impl == "torch":
+        if family != "gpt2":
+            return parallelize_llama(model, dims.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
         return parallelize_gpt2(model, dims.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
+    if family != "gpt2":
+        return shard_llama(model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel,
+                           tokenizer_vocab(model.config))
     return shard_gpt2(model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
+
+
+def tensor_parallel_forward(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits of a sharded model through its architecture's pieces (embedding, blocks, final norm and head); with
+    sequence parallelism the hidden states between them are this rank's sequence shard."""
+    return TensorParallelModel(model, input_ids.device)(input_ids)
+
+
+class TensorParallelModel(nn.Module):
+    """`forward(input_ids) -> logits` of this rank's pieces (the trainer's model when parallel.tp > 1 and pp = 1).
+    Parameters are named `model.<the model's name>`, as ParallelGPT2 names them."""
+
+    def __init__(self, model: PreTrainedModel, device: torch.device):
+        super().__init__()
+        self.model = model.to(device)
+        self.input_device = self.output_device = device
+        self.stage_devices = [device]
+        self.bubble = None
+        arch = architecture(model)  # the pieces wrap the model's own modules: kept out of the tree
+        self.__dict__["pieces"] = [arch.embed_piece(model), *(arch.block_piece(model, i) for i in
+                                                              range(len(arch.blocks(model)))), arch.head_piece(model)]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = input_ids
+        for piece in self.pieces:
+            out = piece(out)
+        return out
 
 
 def loss_function(pcfg: ParallelConfig, dims: ParallelDims, vocab: int, whole: Loss = lm_loss) -> Loss:

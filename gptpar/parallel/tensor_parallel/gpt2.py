@@ -110,27 +110,3 @@ def shard_gpt2(model: GPT2LMHeadModel, group: dist.ProcessGroup, sequence_parall
     return model
 
 
-def tensor_parallel_forward(model: GPT2LMHeadModel, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits of a sharded GPT-2 (`shard_gpt2`): embeddings, blocks, final norm and head, as GPT2Model runs them;
-    with sequence parallelism the hidden states between them are this rank's sequence shard."""
-    tr = model.transformer
-    positions = torch.arange(input_ids.size(1), device=input_ids.device)
-    hidden = tr.drop(tr.wte(input_ids) + tr.wpe(positions))
-    for block in tr.h:
-        hidden = block(hidden)
-    return model.lm_head(tr.ln_f(hidden))
-
-
-class TensorParallelGPT2(nn.Module):
-    """`forward(input_ids) -> logits` of this rank's pieces (the trainer's model when parallel.tp > 1 and pp = 1).
-    Parameters are named `model.<GPT-2 name>`, as ParallelGPT2 names them."""
-
-    def __init__(self, model: GPT2LMHeadModel, device: torch.device):
-        super().__init__()
-        self.model = model.to(device)
-        self.input_device = self.output_device = device
-        self.stage_devices = [device]
-        self.bubble = None
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return tensor_parallel_forward(self.model, input_ids)

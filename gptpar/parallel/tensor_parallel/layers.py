@@ -51,7 +51,7 @@ class TPShard:
     parts: int
 
 
-def _shard(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> nn.Parameter:
+def shard(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> nn.Parameter:
     """Rank `rank`'s piece of `tensor` (see TPShard)."""
     blocks = tensor.detach().chunk(parts, dim)
     piece = torch.cat([block.chunk(size, dim)[rank] for block in blocks], dim).clone()
@@ -67,7 +67,7 @@ def check_vocab_split(rows: int, size: int) -> None:
                           f"the model with gptpar.model.build_model(..., shards={size}), which pads it")
 
 
-def _group_place(group: dist.ProcessGroup) -> tuple[int, int]:
+def group_place(group: dist.ProcessGroup) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
@@ -115,10 +115,10 @@ def _conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 class ColumnParallelConv1D(nn.Module):
     def __init__(self, conv: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool, parts: int = 1):
         super().__init__()
-        rank, size = _group_place(group)
+        rank, size = group_place(group)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _shard(conv.weight, 1, parts, rank, size)
-        self.bias = _shard(conv.bias, 0, parts, rank, size)
+        self.weight = shard(conv.weight, 1, parts, rank, size)
+        self.bias = shard(conv.bias, 0, parts, rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = gather_sequence(x, self.group) if self.sequence_parallel else copy_to_tp(x, self.group)
@@ -128,9 +128,9 @@ class ColumnParallelConv1D(nn.Module):
 class RowParallelConv1D(nn.Module):
     def __init__(self, conv: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool):
         super().__init__()
-        rank, size = _group_place(group)
+        rank, size = group_place(group)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _shard(conv.weight, 0, 1, rank, size)
+        self.weight = shard(conv.weight, 0, 1, rank, size)
         self.bias = conv.bias  # replicated
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -170,10 +170,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, wte: nn.Embedding, group: dist.ProcessGroup, sequence_parallel: bool):
         super().__init__()
-        rank, size = _group_place(group)
+        rank, size = group_place(group)
         check_vocab_split(wte.weight.size(0), size)
         self.group, self.sequence_parallel = group, sequence_parallel
-        self.weight = _shard(wte.weight, 0, 1, rank, size)
+        self.weight = shard(wte.weight, 0, 1, rank, size)
         self.start = rank * self.weight.size(0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-from transformers import GPT2LMHeadModel
+from transformers import GPT2LMHeadModel, PreTrainedModel
 
 from gptpar.errors import GptparError
 from gptpar.model import lm_loss, tokenizer_vocab
@@ -204,6 +204,53 @@ def parallelize_gpt2(model: GPT2LMHeadModel, mesh: DeviceMesh, sequence_parallel
     return model
 
 
+def parallelize_llama(model: PreTrainedModel, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool
+                      ) -> PreTrainedModel:
+    """The Llama family's plan as torchtitan writes it, on transformers' own modules (nn.Linear already): q/k/v and
+    gate/up column-parallel, o/down row-parallel, each layer's attention viewing its local output as this rank's
+    heads (its key/value heads split as its query heads are), the token table and the head vocabulary-parallel.
+    With sequence parallelism the RMSNorms run on sequence shards and each layer's rotary tables cover the whole
+    sequence (`sequence_shards`, read by the architecture's block piece)."""
+    size, cfg, body = mesh.size(), model.config, model.model
+    residual = Shard(1) if sequence_parallel else Replicate()
+    check_vocab_split(body.embed_tokens.num_embeddings, size)
+    vocab, head_weight = tokenizer_vocab(cfg), model.lm_head.weight
+    with torch.device("meta"):  # a plain Linear (not gptpar's PaddedHead): the hooks below mask or trim the padding
+        model.lm_head = nn.Linear(cfg.hidden_size, head_weight.size(0), bias=False)
+    model.lm_head.weight = head_weight
+    layer_plan = {
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": residual},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        **{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"},
+        "self_attn.o_proj": RowwiseParallel(output_layouts=residual),
+        "mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=residual),
+    }
+    if sequence_parallel:
+        layer_plan |= {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+    for layer in body.layers:
+        parallelize_module(layer, mesh, layer_plan)
+        layer.sequence_shards = size if sequence_parallel else 1
+    head = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                           use_local_output=not loss_parallel)
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "lm_head": head,
+        **({"model.norm": SequenceParallel()} if sequence_parallel else {}),
+    })
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = body.embed_tokens.weight  # parallelize_module wrapped each anew: re-tie
+    model.lm_head.register_forward_hook(_mask_padding(vocab, mesh) if loss_parallel else _trim_vocab(vocab))
+    if not sequence_parallel:
+        for norm in [body.norm, *(m for layer in body.layers for m in (layer.input_layernorm,
+                                                                      layer.post_attention_layernorm))]:
+            _replicate(norm, mesh)
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(_grad_like_param)
+    return model
+
+
 def _grad_like_param(param: nn.Parameter) -> None:
     """Give the gradient its parameter's placements. With SP a replicated layer norm sees only its sequence shard
     and DTensor leaves its gradient Partial (a pending sum over the group): summed here, once per backward (as
@@ -234,7 +281,9 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _whole(model: nn.Module, prefix: str, of: Callable[[nn.Parameter], torch.Tensor | None]
            ) -> dict[str, torch.Tensor]:
-    """`of(p)` of every parameter whole, under GPT-2's names and layouts (a collective, same order on all ranks)."""
+    """`of(p)` of every parameter whole, under the model's names and layouts (GPT-2's Linear layers back to Conv1D's
+    in x out); a collective, same order on all ranks."""
+    conv1d = isinstance(model, GPT2LMHeadModel)
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
     for name, module in model.named_modules(prefix=prefix):
@@ -256,14 +305,15 @@ def _whole(model: nn.Module, prefix: str, of: Callable[[nn.Parameter], torch.Ten
             if tensor is None:
                 continue
             full = _full(tensor)
-            if isinstance(module, nn.Linear) and field == "weight":
+            if conv1d and isinstance(module, nn.Linear) and field == "weight":
                 full = full.t()  # back to Conv1D's in x out
             out[f"{name}.{field}" if name else field] = full.contiguous()
     return out
 
 
 def whole_parameters(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Every parameter of a `parallelize_gpt2` model whole, under GPT2LMHeadModel's own names and layouts (c_attn
+    """Every parameter of a `parallelize_gpt2` (or `parallelize_llama`) model whole, under its own names and layouts
+    (GPT-2's c_attn
     (in, 3 * out) with q, k, v columns in order, Conv1D weights in x out, the token table as built (padded), the tied
     lm_head.weight omitted as GPT2LMHeadModel.named_parameters omits it), names prefixed with `prefix`.
     A collective over the mesh: call it on every rank."""

@@ -27,7 +27,7 @@ from rank_training import (
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import ConfigError, ModelConfig, load_config
-from gptpar.model import gpt2_config
+from gptpar.model import model_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.layers import dropout
 from gptpar.train.checkpoint import export_checkpoint
@@ -140,7 +140,7 @@ def test_a_tensor_parallel_checkpoint_exports_as_a_whole_gpt2(results: Path, tmp
     """Pieces rebuilt whole: q, k, v columns in GPT-2's order, the token table's padding (model.pad_vocab's 64, which
     tp=2 divides) cut off; the padded rows were never trained."""
     exported = torch.load(export_checkpoint(results / "resumed-tp2-sp-lp", tmp_path / "model.pt"), weights_only=False)
-    model = GPT2LMHeadModel(gpt2_config(ModelConfig(n_layer=4, n_embd=32, n_head=2), 301))
+    model = GPT2LMHeadModel(model_config(ModelConfig(n_layer=4, n_embd=32, n_head=2), 301))
     model.load_state_dict(exported["gpt2"])
     saved = saved_ranks(results, "resumed-tp2-sp-lp")[0]["saved"]
     for name, value in model.named_parameters():

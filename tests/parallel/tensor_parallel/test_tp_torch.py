@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from gptpar.config import ModelConfig
 from gptpar.model import build_model, lm_loss
 from gptpar.parallel.process_group import RankInfo
-from gptpar.parallel.tensor_parallel.gpt2 import tensor_parallel_forward
+from gptpar.parallel.tensor_parallel import tensor_parallel_forward
 from gptpar.parallel.tensor_parallel.torch_plan import (
     loss_context,
     parallelize_gpt2,

@@ -32,15 +32,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
-from transformers import GPT2LMHeadModel
+from transformers import PreTrainedModel
 
 from gptpar.config import Config, example_width
+from gptpar.models import architecture
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.pipeline.cuts import balanced_sizes
 from gptpar.parallel.pipeline.engine.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
 from gptpar.parallel.pipeline.engine.stages import PipelineStage, pipeline_stages
-from gptpar.parallel.pipeline.gpt2_cuts import balanced_sizes
-from gptpar.parallel.pipeline.gpt2_names import original_name
+from gptpar.parallel.pipeline.names import original_name
 from gptpar.strategies.pipeline import pp_split_counts
 from gptpar.strategies.schedules import COMPUTE, Action, schedule
 from gptpar.tensor_bytes import SavedBytes
@@ -96,7 +97,7 @@ class PipelineEngine(nn.Module):
     the caller's loss of the last stage's output and the labels (whole logits, or tensor parallelism's vocabulary
     shards), so the engine needs no other parallelism's code."""
 
-    def __init__(self, model: GPT2LMHeadModel, cfg: Config, grid: ParallelDims, device: torch.device,
+    def __init__(self, model: PreTrainedModel, cfg: Config, grid: ParallelDims, device: torch.device,
                  loss_fn: Loss) -> None:
         super().__init__()
         p = cfg.parallel
@@ -107,7 +108,9 @@ class PipelineEngine(nn.Module):
         self.device = self.input_device = self.output_device = device
         self.stage_devices = [device]
         self.n_stages = p.pp * p.pp_virtual
-        self.width = model.config.n_embd
+        self.width = model.config.hidden_size
+        self.arch = architecture(model)
+        tied = model.config.tie_word_embeddings  # before the stages untie it
         self.seq_shards = p.tp if p.tp > 1 and p.sequence_parallel else 1  # stages exchange sequence shards
         self.loss_fn = loss_fn
         replica_batch = cfg.train.batch_size // (p.dp * cfg.train.grad_accum)
@@ -125,13 +128,14 @@ class PipelineEngine(nn.Module):
         # residual stream stays in it under bf16/fp16 autocast too; senders cast to it, so receive buffers always fit.
         self.dtype = next(self.stages.parameters()).dtype
         self.computes_loss = str(self.n_stages - 1) in self.stages
-        self.tied = tied_group(grid)
+        self.tied = tied_group(grid) if tied else None
         # This rank's copy of the tied matrix, if it has one (a name: an attribute would register it twice).
-        self.tied_name = ("stages.0.embed.wte.weight" if "0" in self.stages else
-                          f"stages.{self.n_stages - 1}.head.lm_head.weight" if self.computes_loss else None)
+        self.tied_name = None if not tied else (
+            f"stages.0.embed.{self.arch.embedding}.weight" if "0" in self.stages else
+            f"stages.{self.n_stages - 1}.head.lm_head.weight" if self.computes_loss else None)
         self.stats = StepStats()
 
-    def _balanced(self, model: GPT2LMHeadModel, cfg: Config, micro_rows: int, device: torch.device) -> list[int]:
+    def _balanced(self, model: PreTrainedModel, cfg: Config, micro_rows: int, device: torch.device) -> list[int]:
         """Blocks per stage; rank 0 decides and tells the others, so a measured split is one split."""
         choice: list[Any] = [None]
         if dist.get_rank() == 0:
@@ -144,8 +148,8 @@ class PipelineEngine(nn.Module):
         return self.stages[str(index)]  # type: ignore[return-value]
 
     def original_parameters(self) -> dict[str, nn.Parameter]:
-        """This rank's parameters under their names in one GPT2LMHeadModel (the head's copy as lm_head.weight)."""
-        return {original_name(n): p for stage in self.stages.values() for n, p in stage.named_parameters()}
+        """This rank's parameters under their names in one model (a tied head's copy as lm_head.weight)."""
+        return {original_name(n, self.arch): p for stage in self.stages.values() for n, p in stage.named_parameters()}
 
     @property
     def tied_weight(self) -> nn.Parameter | None:

@@ -19,12 +19,13 @@ import itertools
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutput
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
-from gptpar.parallel.pipeline.gpt2_cuts import Block, Embedding, Head, balanced_sizes, implicit_causal, untie_lm_head
+from gptpar.models import architecture
+from gptpar.parallel.pipeline.cuts import balanced_sizes, untie_lm_head
 from gptpar.parallel.pipeline.one_process.pipe import ModelParallel, Pipe, micro_batch_size
 
 
@@ -54,25 +55,25 @@ def resolve_devices(spec: str) -> list[torch.device]:
     return devices
 
 
-def gpt2_stages(model: GPT2LMHeadModel, devices: list[torch.device], balance: str
+def gpt2_stages(model: PreTrainedModel, devices: list[torch.device], balance: str
                 ) -> tuple[nn.Sequential, list[int]]:
-    """The model as [Embedding, Block..., Head] placed on `devices`, and children per stage."""
-    tr = model.transformer
-    blocks, n = list(tr.h), len(devices)
+    """The model as the architecture's [embedding, block..., head] pieces placed on `devices`, and children per
+    stage."""
+    arch = architecture(model)
+    blocks, n = list(arch.blocks(model)), len(devices)
     if n > len(blocks):
         raise GptparError(f"parallel.devices lists {n} stages but the model has only {len(blocks)} "
                           "transformer blocks; list at most that many devices")
     # A model staged before (the assignment's parallelize() then _prepare_pipeline_parallel()) is untied already.
-    untie = devices[0] != devices[-1] and model.lm_head.weight is tr.wte.weight
+    untie = devices[0] != devices[-1] and model.lm_head.weight is arch.token_embedding(model).weight
     sizes = balanced_sizes(model, n, balance, untie, device=devices[0])
-    implicit = implicit_causal(model)
-    children: list[nn.Module] = [Embedding(tr.wte, tr.wpe, tr.drop).to(devices[0])]
+    children: list[nn.Module] = [arch.embed_piece(model).to(devices[0])]
     starts = [0, *itertools.accumulate(sizes)]
     for dev, (a, b) in zip(devices, itertools.pairwise(starts), strict=True):
-        children += [Block(block.to(dev), implicit) for block in blocks[a:b]]
-    if untie:  # before moving the head, which would otherwise move wte's shared Parameter too
+        children += [arch.block_piece(model, i).to(dev) for i in range(a, b)]
+    if untie:  # before moving the head, which would otherwise move the token table's shared Parameter too
         untie_lm_head(model)
-    children.append(Head(tr.ln_f, model.lm_head).to(devices[-1]))
+    children.append(arch.head_piece(model).to(devices[-1]))
     per_stage = list(sizes)
     per_stage[0] += 1
     per_stage[-1] += 1
@@ -87,7 +88,7 @@ class ParallelGPT2(nn.Module):
     `parallel.chunks` micro-batches, or into micro-batches of `split_size` rows when one is given.
     """
 
-    def __init__(self, model: GPT2LMHeadModel, pcfg: ParallelConfig, rank_device: torch.device,
+    def __init__(self, model: PreTrainedModel, pcfg: ParallelConfig, rank_device: torch.device,
                  split_size: int | None = None) -> None:
         super().__init__()
         devices = resolve_devices(pcfg.devices)  # checked even in single mode: a missing GPU is an error
@@ -172,7 +173,7 @@ class GPT2LMHeadModelParallel(nn.Module):
 GPT2ModelParallel = GPT2LMHeadModelParallel  # the assignment's name (see the class docstring)
 
 
-def build_parallel_model(model: GPT2LMHeadModel, pcfg: ParallelConfig,
+def build_parallel_model(model: PreTrainedModel, pcfg: ParallelConfig,
                          rank_device: torch.device | None = None) -> ParallelGPT2:
     return ParallelGPT2(model, pcfg, rank_device or torch.device("cpu"))
 

@@ -1,0 +1,95 @@
+"""What gptpar needs to know of a decoder-only architecture, as one class whose instances describe GPT-2 and the
+Llama family (gpt2.py, llama.py). Module paths are data (`body`, `embedding`, `layers`, `final_norm`); how a
+parameter starts, the pipeline's pieces and the tensor-parallel conversions are methods."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from gptpar.errors import GptparError
+from gptpar.presets import ModelShape
+
+# How a parameter starts: N(0, initializer_range) ("normal"), that over sqrt(2 * n_layer) ("residual": GPT-2's
+# projections into the residual stream), or a constant.
+INIT_KINDS = ("normal", "residual", "zeros", "ones")
+
+
+def find_model(module: nn.Module) -> PreTrainedModel:
+    """The transformers model inside whatever wraps it (a pipeline's one-process wrapper, FSDP, DDP)."""
+    found = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+    if found is None:
+        raise GptparError(f"no transformers model inside {type(module).__name__}")
+    return found
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One decoder family. Names are attribute paths inside transformers' `<Family>ForCausalLM`: the decoder body
+    (`body`), its token table, block list and final norm; the LM head is `lm_head` in every family."""
+
+    name: str  # transformers' config.model_type, and model.arch
+    model_class: type[PreTrainedModel]
+    body: str
+    embedding: str
+    layers: str
+    final_norm: str
+    top_level_init: dict[str, str]  # full parameter name -> init kind
+    in_block_init: dict[str, str]  # name inside a block -> init kind
+    config_of: Callable[[ModelShape, int, float], PretrainedConfig] = field(repr=False)
+    restored_buffers: str = ""  # the module whose buffers `restore_buffers` re-creates (the rotary tables)
+
+    # --- where things are ---------------------------------------------------------------------------------------
+    def decoder(self, model: nn.Module) -> nn.Module:
+        return getattr(model, self.body)
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        return getattr(self.decoder(model), self.layers)
+
+    def token_embedding(self, model: nn.Module) -> nn.Module:
+        return getattr(self.decoder(model), self.embedding)
+
+    @property
+    def token_table(self) -> str:
+        """The token table's parameter name (the tied head's too)."""
+        return f"{self.body}.{self.embedding}.weight"
+
+    @property
+    def block_prefix(self) -> str:
+        return f"{self.body}.{self.layers}"
+
+    # --- how parameters start -----------------------------------------------------------------------------------
+    def init_kind(self, name: str, n_layer: int) -> str:
+        if name in self.top_level_init:
+            return self.top_level_init[name]
+        match = re.fullmatch(rf"{re.escape(self.block_prefix)}\.(\d+)\.(.+)", name)
+        if match and int(match[1]) < n_layer and match[2] in self.in_block_init:
+            return self.in_block_init[match[2]]
+        raise GptparError(f"no initial value is defined for a {self.name} parameter named {name!r} "
+                          f"(n_layer={n_layer}); add it to its table in gptpar/models")
+
+    def init_std(self, kind: str, config: PretrainedConfig) -> float:
+        std = config.initializer_range
+        return std / math.sqrt(2 * config.num_hidden_layers) if kind == "residual" else std
+
+    def restore_buffers(self, model: nn.Module, device: torch.device) -> None:
+        """Re-create the buffers `to_empty` left uninitialised (none by default)."""
+
+    # --- the pipeline's pieces ----------------------------------------------------------------------------------
+    def embed_piece(self, model: nn.Module) -> nn.Module:
+        """Token ids to the first block's input."""
+        raise NotImplementedError
+
+    def block_piece(self, model: nn.Module, index: int) -> nn.Module:
+        """Block `index` taking and returning hidden states only; its parameters are the block's as `block.<name>`."""
+        raise NotImplementedError
+
+    def head_piece(self, model: nn.Module) -> nn.Module:
+        """The final norm and the LM head: hidden states to logits."""
+        raise NotImplementedError
