@@ -43,6 +43,7 @@ from analysis.mfu import device_label, model_shape, utilisation
 from analysis.trace import RankTrace
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
+from gptpar.run.records import EPOCH_SCORES
 from gptpar.run.state import RunLog, replica_indices
 from gptpar.run.sweeps import stale_runs
 from gptpar.strategies.data_parallel import STATE_BYTES, closed_form_state_bytes
@@ -94,6 +95,7 @@ class EpochPoint:
     val_loss: float | None  # the mean over replicas of a finite val_loss
     bleu: float | None  # corpus BLEU (0-100) of validation pairs where a rank logged a number
     test_bleu: float | None = None  # the same of test pairs, where the source has a test split
+    answer_accuracy: float | None = None  # data.task=sft: the share of decoded prompts with the right final answer
 
 
 @dataclass
@@ -169,6 +171,10 @@ class RunMetrics:
     @property
     def final_test_bleu(self) -> float | None:
         return next((p.test_bleu for p in reversed(self.epoch_points) if p.test_bleu is not None), None)
+
+    @property
+    def final_answer_accuracy(self) -> float | None:
+        return next((p.answer_accuracy for p in reversed(self.epoch_points) if p.answer_accuracy is not None), None)
 
 
 def flatten(config: dict[str, Any]) -> dict[str, Any]:
@@ -373,13 +379,13 @@ def _progress(ranks: list[RankLog], replicas: set[int]) -> tuple[dict[int, tuple
 
 def _epoch_points(m: RunMetrics, ranks: list[RankLog], replica_logs: list[RankLog],
                   ends: dict[int, int]) -> list[EpochPoint]:
-    """Every epoch a replica recorded: its last step, the replicas' mean finite val_loss, and the BLEU and test
-    BLEU that one rank logged (any rank: a pipeline's first stage may be the one)."""
+    """Every epoch a replica recorded: its last step, the replicas' mean finite val_loss, and the scores (BLEU, test
+    BLEU, answer accuracy) that one rank logged (any rank: a pipeline's first stage may be the one)."""
     points = []
     for epoch in sorted(set().union(*(log.epochs for log in replica_logs))):
         vals = [v for log in replica_logs if _finite(v := log.epochs.get(epoch, {}).get("val_loss"))]
         points.append(EpochPoint(epoch, ends.get(epoch), statistics.fmean(vals) if vals else None,
-                                 *(_logged_score(m, ranks, epoch, key) for key in ("bleu", "test_bleu"))))
+                                 *(_logged_score(m, ranks, epoch, key) for key in EPOCH_SCORES)))
     return points
 
 

@@ -245,38 +245,38 @@ def _losses(runs: list[RunMetrics], figs: FigureSet) -> bool:
     return bool(by_sweep)
 
 
-def _bleu(runs: list[RunMetrics], figs: FigureSet) -> bool:
-    """One figure per sweep whose runs logged BLEU: validation loss and BLEU per epoch side by side, and BLEU
-    against training time, one line per run that has BLEU."""
+def _scores(runs: list[RunMetrics], figs: FigureSet, key: str, label: str) -> bool:
+    """One figure per sweep whose runs logged the epoch score `key` (bleu, answer_accuracy): validation loss and the
+    score per epoch side by side, and the score against training time, one line per run that has it."""
     by_sweep: dict[str, list[RunMetrics]] = {}
     for r in runs:
-        if any(p.bleu is not None for p in r.epoch_points):
+        if any(getattr(p, key) is not None for p in r.epoch_points):
             by_sweep.setdefault(r.sweep, []).append(r)
     for sweep, members in sorted(by_sweep.items()):
-        fig, (loss_ax, bleu_ax, time_ax) = plt.subplots(1, 3, figsize=(13, 4.4))
+        fig, (loss_ax, score_ax, time_ax) = plt.subplots(1, 3, figsize=(13, 4.4))
         labels = run_labels(members)
         for r in members:
-            scored = [p for p in r.epoch_points if p.bleu is not None]
-            colour = bleu_ax.plot([p.epoch for p in scored], [p.bleu for p in scored], marker="o",
-                                  label=labels[r.run])[0].get_color()
+            scored = [p for p in r.epoch_points if getattr(p, key) is not None]
+            colour = score_ax.plot([p.epoch for p in scored], [getattr(p, key) for p in scored], marker="o",
+                                   label=labels[r.run])[0].get_color()
             validated = [p for p in r.epoch_points if p.val_loss is not None]
             if validated:
                 loss_ax.plot([p.epoch for p in validated], [p.val_loss for p in validated], marker="s", color=colour)
             timed = [p for p in scored if p.step in r.progress]
             if timed:
-                time_ax.plot([r.progress[p.step][1] for p in timed], [p.bleu for p in timed], marker="o",
+                time_ax.plot([r.progress[p.step][1] for p in timed], [getattr(p, key) for p in timed], marker="o",
                              color=colour)
-        for ax, xlabel, ylabel in ((loss_ax, "epoch", "validation loss (nats/token)"), (bleu_ax, "epoch", "BLEU"),
-                                   (time_ax, "training time (s: the slowest rank's steps)", "BLEU")):
+        for ax, xlabel, ylabel in ((loss_ax, "epoch", "validation loss (nats/token)"), (score_ax, "epoch", label),
+                                   (time_ax, "training time (s: the slowest rank's steps)", label)):
             ax.set_xlabel(xlabel)
             ax.set_ylabel(ylabel)
-        for ax in (loss_ax, bleu_ax):
+        for ax in (loss_ax, score_ax):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        for ax in (bleu_ax, time_ax):
+        for ax in (score_ax, time_ax):
             ax.set_ylim(bottom=0)
-        fig.suptitle(f"Validation loss and BLEU per epoch, BLEU vs training time: {sweep}", fontsize=10)
+        fig.suptitle(f"Validation loss and {label} per epoch, {label} vs training time: {sweep}", fontsize=10)
         legend(fig)
-        figs.save(fig, stem("bleu", sweep), sweep)
+        figs.save(fig, stem(key, sweep), sweep)
     return bool(by_sweep)
 
 
@@ -528,7 +528,7 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
 
 
 OWN_FIGURES = ("time_vs_*", "throughput_vs_*", "speedup_vs_*", "pipeline_vs_model_parallel", "loss_*", "bleu_*",
-               "pipeline_timeline*", "pipeline_bubble", "memory_per_rank", "memory_vs_world_size")
+               "answer_accuracy_*", "pipeline_timeline*", "pipeline_bubble", "memory_per_rank", "memory_vs_world_size")
 
 
 def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], None] = print) -> list[Path]:
@@ -550,7 +550,9 @@ def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], N
                                           "(a sweep needs its 1-GPU run as the baseline)"),
         ("pipeline_vs_model_parallel", _pipeline, "no model- or pipeline-parallel run"),
         ("loss_*", _losses, "no run logged a loss"),
-        ("bleu_*", _bleu, "no run logged a bleu in its epoch records"),
+        ("bleu_*", partial(_scores, key="bleu", label="BLEU"), "no run logged a bleu in its epoch records"),
+        ("answer_accuracy_*", partial(_scores, key="answer_accuracy", label="answer accuracy"),
+         "no run logged an answer_accuracy in its epoch records"),
         ("throughput_vs_<axis>", _axes, "no sweep varies a key other than the GPU count" + (f" and {x}" if x else "")),
         ("pipeline_timeline", _timelines, "no multi-process pipeline run (parallel.pp > 1) logged a step's "
                                           "pp_timeline on every stage"),

@@ -22,7 +22,7 @@ CSV_COLUMNS = (
     "dp_sync", "mem_params", *(f"mem_{part}_bytes_{stat}" for part in MEMORY_COLUMNS for stat in ("mean", "max")),
     "mem_closed_form_bytes", "mem_ratio", "mem_flagged", "mem_gathered_peak_bytes_mean", "mem_gathered_peak_bytes_max",
     "peak_mem_bytes_mean", "peak_mem_bytes_max", "job_tokens_per_s_std", "baseline_runs", "ideal_speedup", "repeats",
-    "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu", "mixed_configs",
+    "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu", "final_answer_accuracy", "mixed_configs",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -98,7 +98,7 @@ def row(r: RunMetrics) -> dict[str, Any]:
             mem.params, *(stat[part] for part in MEMORY_COLUMNS for stat in (mem.mean, mem.max)), mem.closed_form,
             mem.ratio, bool(mem.mismatched), *(mem.gathered_peak or (None, None))]),
         *(r.peak_mem or (None, None)), r.job_tokens_std, r.baseline_runs or None, r.ideal_speedup, r.repeats,
-        r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu, r.mixed,
+        r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu, r.final_answer_accuracy, r.mixed,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 

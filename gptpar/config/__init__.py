@@ -8,6 +8,7 @@ it: errors, paths, presets and the torch-free strategy tables only.
 
 from gptpar.config.checks import (
     PRETRAINED_ON_META,
+    SFT_SAMPLE,
     TRANSLATION_SOURCES,
     check_context,
     checkpoint_interval,
@@ -20,6 +21,7 @@ from gptpar.config.checks import (
 )
 from gptpar.config.reference import readme_with_reference, reference_markdown
 from gptpar.config.schema import (
+    PAIR_TASKS,
     PRECISIONS,
     SECTIONS,
     TASKS,
@@ -51,7 +53,8 @@ from gptpar.config.text import (
 from gptpar.errors import ConfigError
 
 __all__ = [
-    "PRECISIONS", "PRETRAINED_ON_META", "SECTIONS", "TASKS", "TRANSLATION_SOURCES", "Config", "ConfigError",
+    "PAIR_TASKS", "PRECISIONS", "PRETRAINED_ON_META", "SFT_SAMPLE", "SECTIONS", "TASKS", "TRANSLATION_SOURCES",
+    "Config", "ConfigError",
     "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "TrainConfig",
     "apply_dict", "check_context", "checkpoint_interval", "checkpointed_indices", "config_digest",
     "config_from_dict", "config_layers", "example_width", "fixed_width", "load_config", "nested", "overrides_tree",

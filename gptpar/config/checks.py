@@ -4,13 +4,14 @@ and the values the rest of gptpar derives from validated keys."""
 
 from __future__ import annotations
 
-from gptpar.config.schema import RUN_ID_MAX, Config, ModelConfig, TrainConfig
+from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, ModelConfig, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import PRESETS
 from gptpar.strategies import STRATEGY_CHECKS
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 
 TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
+SFT_SAMPLE = "metamath_sample"  # the bundled MetaMathQA-style pairs (gptpar/data/samples)
 PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use model.init_device=meta; "
                       "use model.init_device=cpu or model.init=random")
 
@@ -110,11 +111,16 @@ def _validate_task(cfg: Config) -> None:
             raise ConfigError("data.val_fraction=0 holds out no text for validation, which data.task=lm needs; use "
                               "a fraction above 0 (the default is 0.1)")
         return
-    if not d.source.startswith(TRANSLATION_SOURCES):
+    if d.task == "sft":
+        if not (d.source == SFT_SAMPLE or d.source.startswith(("jsonl:", "hf:"))):
+            raise ConfigError(f"data.task=sft reads question/response pairs: data.source={d.source!r} is not allowed; "
+                              f"use {SFT_SAMPLE} (bundled), jsonl:TRAIN[,VALID[,TEST]] or hf:NAME (e.g. "
+                              "hf:meta-math/MetaMathQA)")
+    elif not d.source.startswith(TRANSLATION_SOURCES):
         raise ConfigError(f"data.task=translation reads pairs: data.source={d.source!r} is not allowed; use "
                           "jsonl:PATH, tsv:PATH or hf:NAME (e.g. hf:bbaaaa/iwslt14-de-en-preprocess)")
     if cfg.model.init == "pretrained":
-        raise ConfigError("data.task=translation adds two tokens (<sep>, <eos>) to the vocabulary, which pretrained "
+        raise ConfigError(f"data.task={d.task} adds two tokens (<sep>, <eos>) to the vocabulary, which pretrained "
                           "weights lack; use model.init=random")
 
 
@@ -164,6 +170,6 @@ def fixed_width(cfg: Config) -> int | None:
     multi-process pipeline (its stages allocate receive buffers from the shape) and sequence parallelism (equal
     shards); None elsewhere, where each batch is padded to its longest example, and for lm (blocks of one width)."""
     p = cfg.parallel
-    fixed = cfg.data.task == "translation" and (p.pp > 1 or (p.tp > 1 and p.sequence_parallel))
+    fixed = cfg.data.task in PAIR_TASKS and (p.pp > 1 or (p.tp > 1 and p.sequence_parallel))
     return example_width(cfg) if fixed else None
 

@@ -20,7 +20,8 @@ LOSS_KERNELS = ("auto", "compiled", "chunked", "plain")
 # A run folder's name: file names have at most 255 bytes, and a folder set aside by --start-over or --rerun gets
 # `.replaced-<YYYYmmdd-HHMMSS>[.N]` appended (run ids are ASCII, gptpar.run.names: a character is a byte).
 RUN_ID_MAX = 200
-TASKS = ("lm", "translation")
+TASKS = ("lm", "translation", "sft")
+PAIR_TASKS = ("translation", "sft")  # prompt and response pairs, the loss on the response only
 
 
 def opt(default: Any, help: str, choices: typing.Collection[str] | None = None, min: float | None = None,
@@ -67,7 +68,10 @@ class ModelConfig:
 class DataConfig:
     task: str = opt("lm", "lm: next-token prediction on blocks of text; translation: German-to-English pairs as "
                     "`source <sep> target <eos>`, the loss on target tokens only, BLEU at each epoch end "
-                    "(data.source jsonl:, tsv: or hf:).", choices=TASKS)
+                    "(data.source jsonl:, tsv: or hf:); sft: instruction tuning on question/response pairs in the "
+                    "same plain template (`prompt <sep> response <eos>`), the loss on response tokens only, the final "
+                    "answer's accuracy at each epoch end (data.source metamath_sample, jsonl: or hf:, e.g. "
+                    "hf:meta-math/MetaMathQA).", choices=TASKS)
     source: str = opt("stdlib", "stdlib | tinyshakespeare | synthetic | text:PATH[,PATH...] | "
                       "hf:NAME[:CONFIG]; with data.task=translation jsonl:TRAIN[,VALID[,TEST]] (objects with de and "
                       "en, or {\"translation\": {...}}) | tsv:TRAIN[,VALID[,TEST]] (de, a tab, en) | "
@@ -79,7 +83,12 @@ class DataConfig:
                           max=16_777_216)
     seq_len: int = opt(128, "Tokens per example; a block holds seq_len + 1 tokens.", min=2,
                        max=1_048_576)
-    max_source_len: int = opt(64, "data.task=translation: source tokens kept per pair (longer sources are cut); an "
+    prompt_field: str = opt("query", "data.task=sft: the field of a jsonl line (or hub row) holding the prompt "
+                            "(MetaMathQA's name by default).")
+    response_field: str = opt("response", "data.task=sft: the field holding the response (MetaMathQA's ends with "
+                              "`The answer is: X`).")
+    max_source_len: int = opt(64, "data.task=translation or sft: source (prompt) tokens kept per pair (longer "
+                              "sources are cut); an "
                               "example has at most max_source_len + max_target_len + 1 positions, the width every "
                               "batch is padded to under parallel.pp > 1 or sequence parallelism (rounded up to a "
                               "multiple of parallel.tp there).", min=1,
@@ -125,6 +134,10 @@ class TrainConfig:
     eval_every: int = opt(50, "Evaluate every N steps (and at each epoch end); 0 only at epoch end.",
                           min=0)
     eval_batches: int = opt(8, "Validation batches per evaluation.", min=1, max=1_000_000)
+    answer_samples: int = opt(200, "data.task=sft: validation pairs whose prompts are greedily decoded at each epoch "
+                              "end, scored by exact match of the final answer (`The answer is: X`, else the last "
+                              "line) against the reference's (answer_accuracy), sharded as BLEU is; 0 disables it.",
+                              min=0, max=1_000_000_000)
     bleu_samples: int = opt(200, "data.task=translation: validation (and test, where the source has a test split) "
                             "pairs greedily decoded and scored with sacrebleu "
                             "(corpus BLEU) at each epoch end, sharded over the data-parallel replicas (with "

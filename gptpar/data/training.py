@@ -1,5 +1,6 @@
 """What a run trains and validates on, whatever the task: language modelling's blocks of seq_len + 1 tokens, or
-translation's pairs (padded per batch, to one width where shapes are fixed, the loss on target tokens only)."""
+the pair tasks' (translation, sft) pairs (padded per batch, to one width where shapes are fixed, the loss on target
+tokens only)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from gptpar.config import Config, fixed_width
+from gptpar.config import PAIR_TASKS, Config, fixed_width
 from gptpar.data.blocks import BlockDataset
 from gptpar.data.corpus import load_tokens
-from gptpar.data.translation import TranslationData, load_translation
+from gptpar.data.pairs import PairData, load_pairs
 
 
 @dataclass(frozen=True)
@@ -22,12 +23,12 @@ class TrainingData:
     collate: Callable[[Any], Any] | None  # how examples become a batch (None: the default stacking)
     vocab_size: int
     tokenizer: str
-    translation: TranslationData | None = None  # the pairs, their tokenizer and decoding width (translation only)
+    pairs: PairData | None = None  # the pairs, their tokenizer and decoding width (the pair tasks only)
 
 
 def load_training_data(cfg: Config) -> TrainingData:
-    if cfg.data.task == "translation":
-        data = load_translation(cfg.data, fixed_width(cfg))
+    if cfg.data.task in PAIR_TASKS:
+        data = load_pairs(cfg.data, fixed_width(cfg))
         return TrainingData(data.train, data.val, data.collate, data.vocab_size, data.tokenizer.name, data)
     tokens = load_tokens(cfg.data)
     return TrainingData(BlockDataset(tokens.train, cfg.data.seq_len, "train"),

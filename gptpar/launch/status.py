@@ -15,6 +15,7 @@ from gptpar.launch.backend import job_of, job_state
 from gptpar.run.folder import RunFolder, find_runs
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
+from gptpar.run.records import EPOCH_SCORES
 from gptpar.run.state import LIVE_JOB_STATES, STATES, RunLog, last_step, read_run, replica_indices
 
 FAILURES = ("failed", "timeout", "oom", "corrupt")  # a run in these states has no result, only a reason
@@ -130,12 +131,11 @@ def completion(folder: RunFolder) -> tuple[str, str]:
     replicas = _replicas(run)
     records = sorted((*replicas[0].evals.values(), *replicas[0].epochs.values()), key=lambda r: r["time"])
     val = next((r["val_loss"] for r in reversed(records) if isinstance(r.get("val_loss"), float)), None)
-    bleu, test_bleu = (next((r[key] for r in reversed(records) if isinstance(r.get(key), float)), None)
-                       for key in ("bleu", "test_bleu"))  # translation
+    scores = {key: next((r[key] for r in reversed(records) if isinstance(r.get(key), float)), None)
+              for key in EPOCH_SCORES}  # the pair tasks'
     return run.state, (f"gptpar: run completed: {cells[4]} steps, loss {cells[5]}"
                        + (f", val_loss {val:.4f}" if val is not None else "")
-                       + (f", bleu {bleu:.2f}" if bleu is not None else "")
-                       + (f", test_bleu {test_bleu:.2f}" if test_bleu is not None else "")
+                       + "".join(f", {key} {value:.2f}" for key, value in scores.items() if value is not None)
                        + f", {cells[6]} tok/s, {cells[3]} in {folder.path}")
 
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import orjson
 
 from gptpar.atomic import write_error
-from gptpar.run.records import RECORDS, Record, StepRecord, names, validate_record
+from gptpar.run.records import EPOCH_SCORES, RECORDS, Record, StepRecord, names, validate_record
 
 SCHEMA_VERSION = 2
 
@@ -288,8 +288,7 @@ def format_record(record: dict[str, Any]) -> str:
     if kind == "epoch":
         return (f"epoch {get('epoch')}: {get('steps')} steps in {_number(get('training_time_s'), '.1f')} s, "
                 f"{_number(get('tokens_per_s'), ',.0f')} tok/s, val_loss {_number(get('val_loss'), '.4f')}"
-                + (f", bleu {_number(get('bleu'), '.2f')}" if "bleu" in record else "")
-                + (f", test_bleu {_number(get('test_bleu'), '.2f')}" if "test_bleu" in record else ""))
+                + "".join(f", {key} {_number(get(key), '.2f')}" for key in EPOCH_SCORES if key in record))
     if kind == "header":
         return (f"start (restart {get('restart')}): rank {get('rank')} of {get('world_size')} on {get('host')}, "
                 f"{get('device')}, {get('total_steps', '?')} steps in all")

@@ -142,6 +142,10 @@ class MemoryRecord(Record):
         "parallel.dp_sync=fsdp: peak bytes of unsharded parameters and gradients held at once.")
 
 
+# The task's scores an epoch record may carry, in the order lines show them.
+EPOCH_SCORES = ("bleu", "test_bleu", "answer_accuracy")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EpochRecord(Record):
     KIND = "epoch"
@@ -155,6 +159,9 @@ class EpochRecord(Record):
         "replica; null with train.bleu_samples=0.")
     test_bleu: float | None | Absent = optional(
         "Where the source has a test split and train.bleu_samples > 0: the same of the first test pairs.")
+    answer_accuracy: float | None | Absent = optional(
+        "data.task=sft: the share (0-1) of train.answer_samples validation prompts whose greedy response states the "
+        "reference's final answer (`The answer is: X`), the same on every replica; null with train.answer_samples=0.")
 
 
 @dataclass(frozen=True, kw_only=True)

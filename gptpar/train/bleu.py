@@ -1,4 +1,5 @@
-"""Greedy decoding of validation (and test) sources and their corpus BLEU (sacrebleu), for `data.task=translation`.
+"""Greedy decoding of validation (and test) prompts and their scores: corpus BLEU (sacrebleu) for
+`data.task=translation`, the final answer's exact-match accuracy for `data.task=sft`.
 
 Decoding calls the one forward every layout has (input ids -> logits: one device, layer-split, GPipe, any DP
 sync, tensor parallelism) on right-padded rows, each row reading the logits at its own last position. Without a
@@ -13,13 +14,14 @@ gathered whole onto one rank per replica to decode) take no share but keep in st
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
 
-from gptpar.data.translation import PairDataset, TranslationData
+from gptpar.data.pairs import PairData, PairDataset
 from gptpar.errors import require_extra
 from gptpar.parallel.comm import comm_span
 
@@ -30,6 +32,26 @@ AnyRank = Callable[[bool], bool]  # a flag OR-ed over the replicas
 def require_sacrebleu() -> ModuleType:
     """sacrebleu, imported only where BLEU is asked for; the trainer calls this at set-up to fail at once."""
     return require_extra("sacrebleu", "train.bleu_samples > 0", "translation")
+
+
+ANSWER = re.compile(r"The answer is:?\s*(.+)", re.IGNORECASE)
+
+
+def final_answer(text: str) -> str:
+    """The final answer a response states: what follows its last `The answer is:` (MetaMathQA's convention), else its
+    last non-empty line; stripped, a trailing period and thousands separators dropped, so `1,200.` is `1200`."""
+    found = ANSWER.findall(text)
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    answer = found[-1] if found else (lines[-1] if lines else "")
+    return answer.strip().rstrip(".").replace(",", "").strip()
+
+
+def answer_accuracy(responses: list[str], references: list[str]) -> float:
+    """The share of responses whose final answer equals the reference's (exact match after `final_answer`)."""
+    if not responses:
+        return 0.0
+    return sum(final_answer(r) == final_answer(ref) for r, ref in zip(responses, references, strict=True)) / len(
+        responses)
 
 
 def corpus_bleu(hypotheses: list[str], references: list[str]) -> float:
@@ -91,7 +113,7 @@ def _no_model(ids: torch.Tensor) -> torch.Tensor:
     return ids
 
 
-def decode_split(forward: Forward | None, data: TranslationData, split: PairDataset, samples: int, batch_size: int,
+def decode_split(forward: Forward | None, data: PairData, split: PairDataset, samples: int, batch_size: int,
                  group: dist.ProcessGroup | None, device: torch.device, share: tuple[int, int] | None = None
                  ) -> list[str]:
     """Greedy translations of the first `samples` sources of `split` (data.val or data.test; all of them if it has

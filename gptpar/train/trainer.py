@@ -25,8 +25,8 @@ from transformers import PreTrainedModel
 
 from gptpar.config import Config, example_width
 from gptpar.data import partition_dataset
+from gptpar.data.pairs import PairDataset, target_tokens
 from gptpar.data.training import load_training_data
-from gptpar.data.translation import PairDataset, target_tokens
 from gptpar.errors import GptparError
 from gptpar.model import build_model, count_params, empty_model
 from gptpar.models import architecture
@@ -37,7 +37,7 @@ from gptpar.parallel.pipeline.names import plain_state
 from gptpar.parallel.tensor_parallel.state import counts_in_norm, whole
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
-from gptpar.train.bleu import corpus_bleu, decode_split, require_sacrebleu
+from gptpar.train.bleu import answer_accuracy, corpus_bleu, decode_split, require_sacrebleu
 from gptpar.train.checkpoint import load_model_state, model_state
 from gptpar.train.components import Checkpointing, Evaluation, Metrics
 from gptpar.train.grad_dump import dump_gradients
@@ -67,9 +67,9 @@ class Trainer:
             require_sacrebleu()  # now, not after the first epoch
         data = load_training_data(cfg)
         self.train_set, self.val_set, self.collate = data.train, data.val, data.collate
-        self.vocab_size, self.tokenizer, self.translation = data.vocab_size, data.tokenizer, data.translation
+        self.vocab_size, self.tokenizer, self.pairs = data.vocab_size, data.tokenizer, data.pairs
         self.micro_batch = t.batch_size // t.grad_accum  # global, over all replicas
-        self.capped = data.translation.capped if data.translation else ""  # what data.max_chars dropped
+        self.capped = data.pairs.capped if data.pairs else ""  # what data.max_chars dropped
         if len(self.train_set) < self.micro_batch:
             why = (f": {self.capped}; raise data.max_chars (0 reads all) or lower train.batch_size" if self.capped
                    else " of the corpus; lower it or use a larger corpus")
@@ -158,7 +158,7 @@ class Trainer:
         of equal size; for translation, whose micro-batches hold different numbers n_i of target tokens (N in the
         step over all replicas), N / (R n_i). A rank's loss is then R times its share of the global mean, and the
         mean over ranks is the token-weighted mean, whatever the split."""
-        if self.translation is None:
+        if self.pairs is None:
             return [len(micro_batches)] * len(micro_batches)
         share = self._target_share(micro_batches)
         return [share / target_tokens(y) for _, y in micro_batches]
@@ -166,7 +166,7 @@ class Trainer:
     def _chunk_weight(self, micro_batches: list[Batch]) -> Weight | None:
         """`_loss_divisors` for the pipeline engine, which cuts micro-batches into chunks of its own: None (equal
         shares) for blocks; for translation a chunk's n target tokens over N / R, as a multiplier."""
-        if self.translation is None:
+        if self.pairs is None:
             return None
         share = self._target_share(micro_batches)
         return lambda labels: target_tokens(labels) / share
@@ -252,12 +252,12 @@ class Trainer:
         batches = list(islice(loader, self.cfg.train.eval_batches))
         with self.precision.autocast(), self.loss_context():
             if self.pipeline:
-                weight = target_tokens if self.translation is not None else by_rows
+                weight = target_tokens if self.pairs is not None else by_rows
                 losses = [self.net.eval_loss(x, y, weight) for x, y in batches]
             else:
                 losses = [self.loss_fn(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
                           for x, y in batches]
-        if self.translation is not None:
+        if self.pairs is not None:
             counts = [target_tokens(y) for _, y in batches]
             loss_sum, count = self._dp_sum(sum(loss * n for loss, n in zip(losses, counts, strict=True)), sum(counts))
             return loss_sum / count
@@ -265,8 +265,8 @@ class Trainer:
 
     @torch.no_grad()
     def translate(self, samples: int, splits: Sequence[PairDataset]) -> list[list[str]]:
-        """Greedy translations of the first `samples` sources of each split (validation, test), decoded by the
-        replicas in shares of per-replica micro-batches and gathered (every rank returns all). Tensor parallelism
+        """Greedy responses (translations) to the first `samples` prompts of each split (validation, test), decoded by
+        the replicas in shares of per-replica micro-batches and gathered (every rank returns all). Tensor parallelism
         decodes on every rank of the tp group in lockstep (its forward is a collective); the multi-process pipeline
         on its model gathered whole once for all the splits (`_whole_model`), one rank per replica, while the other
         ranks keep in step."""
@@ -280,14 +280,14 @@ class Trainer:
                 group, share = dist.group.WORLD, (self.dims.coord("dp"), self.dims.size("dp"))
             else:
                 forward, group, share = self._decode_logits, self.dp_group, None
-            return [decode_split(forward, self.translation, split, samples, batch, group, device, share)
+            return [decode_split(forward, self.pairs, split, samples, batch, group, device, share)
                     for split in splits]
 
     def _decode_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """The whole logits of `ids`, right-padded to the batches' fixed width where there is one (sequence
         parallelism's equal shards): causal attention keeps the real positions' logits as they were."""
-        if (width := self.translation.width) is not None:
-            ids = F.pad(ids, (0, width - ids.size(1)), value=self.translation.eos)
+        if (width := self.pairs.width) is not None:
+            ids = F.pad(ids, (0, width - ids.size(1)), value=self.pairs.eos)
         return self.whole_logits(self.net(ids.to(self.net.input_device)))
 
     def _whole_model(self) -> PreTrainedModel | None:
@@ -313,13 +313,26 @@ class Trainer:
         arch.restore_buffers(model, self.dims.device)
         return model.to(self.dims.device).eval()
 
+    def scores(self) -> dict[str, float | None]:
+        """The epoch record's scores of the task: translation's BLEU, sft's answer accuracy; {} for lm."""
+        if self.pairs is None:
+            return {}
+        return self.bleu() if self.cfg.data.task == "translation" else self.answer_accuracy()
+
+    def answer_accuracy(self) -> dict[str, float | None]:
+        """`answer_accuracy`: the share of the first train.answer_samples validation prompts whose greedy response
+        states the reference's final answer (gptpar.train.bleu.final_answer); None when train.answer_samples=0."""
+        samples = self.cfg.train.answer_samples
+        if not samples:
+            return {"answer_accuracy": None}
+        (responses,) = self.translate(samples, [self.pairs.val])
+        return {"answer_accuracy": answer_accuracy(responses, self.pairs.val.references[:len(responses)])}
+
     def bleu(self) -> dict[str, float | None]:
         """The epoch record's BLEU fields: `bleu`, corpus BLEU of the first train.bleu_samples validation pairs'
         translations (None when train.bleu_samples=0), and `test_bleu`, the same of the test split's, only where
-        the source has one and BLEU is on; {} when the task is not translation."""
-        data, samples = self.translation, self.cfg.train.bleu_samples
-        if data is None:
-            return {}
+        the source has one and BLEU is on."""
+        data, samples = self.pairs, self.cfg.train.bleu_samples
         if not samples:
             return {"bleu": None}
         scored = {"bleu": data.val} | ({"test_bleu": data.test} if data.test is not None else {})
@@ -395,7 +408,7 @@ class Trainer:
         progress = Progress(cfg.log, dims.rank, dims.world_size, self.total_steps, self.step)
         progress.message(self.banner())
         metrics = Metrics(self.log, progress, dims.size("dp"))
-        evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.bleu, self.log, progress)
+        evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.scores, self.log, progress)
         profiler = StepProfiler(cfg.train, dims.device, self.folder.trace_path(dims.rank))
         pending, every = PendingSteps(), sync_every(cfg.log.sync_every, dims.device)
         status, loss = "completed", math.nan

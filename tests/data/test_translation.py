@@ -27,7 +27,7 @@ from gloo_pool import GlooPools
 from rank_training import STEPS, make_config, make_trainer, named_params, saved_ranks, train_steps
 
 from gptpar.config import ConfigError, DataConfig, ModelConfig, fixed_width, load_config, updated
-from gptpar.data.translation import IGNORE, PairSplits, load_translation, read_pairs, target_tokens
+from gptpar.data.pairs import IGNORE, PairSplits, load_pairs, read_pairs, target_tokens
 from gptpar.errors import GptparError
 from gptpar.launch.status import completion
 from gptpar.model import build_model
@@ -128,7 +128,7 @@ def test_the_hub_dataset_offline_fails_in_one_line_without_hanging() -> None:
     start = time.perf_counter()
     with pytest.raises(GptparError, match=r"^data.source=hf:bbaaaa/iwslt14-de-en-preprocess: cannot load the "
                                           r"dataset; the Hugging Face hub is unreachable") as err:
-        load_translation(DataConfig(task="translation", source="hf:bbaaaa/iwslt14-de-en-preprocess"))
+        load_pairs(DataConfig(task="translation", source="hf:bbaaaa/iwslt14-de-en-preprocess"))
     assert "\n" not in str(err.value) and time.perf_counter() - start < 30
 
 
@@ -152,7 +152,7 @@ def test_a_hub_dataset_is_tested_on_its_test_split_where_it_has_one(tmp_path: Pa
 
 
 def test_examples_mask_the_source_and_padding(corpus: str) -> None:
-    data = load_translation(load_config(None, translation(corpus)).data)
+    data = load_pairs(load_config(None, translation(corpus)).data)
     assert data.test is not None and data.test.references[0] == toy_pairs(1, seed=1)[0][1]
     assert data.vocab_size == data.tokenizer.vocab_size + 2 and data.eos == data.vocab_size - 1
     (x0, y0), (x1, y1) = data.train[0], data.train[1]
@@ -206,7 +206,7 @@ def _train_and_decode(cfg, info: RankInfo) -> dict:
     trainer = make_trainer(cfg, info)
     counts = [target_tokens(y) for _, y in next(trainer.batches(0, 0))]
     losses = train_steps(trainer, STEPS)
-    splits = [split for split in (trainer.translation.val, trainer.translation.test) if split is not None]
+    splits = [split for split in (trainer.pairs.val, trainer.translation.test) if split is not None]
     return {"losses": losses, "val": trainer.evaluate(), "bleu": trainer.bleu(),
             "hypotheses": trainer.translate(16, splits), "counts": counts, "params": named_params(trainer)}
 
@@ -341,12 +341,12 @@ def _run_and_decode(cfg, info: RankInfo) -> dict:
     is long) and after, and the whole parameters this rank holds."""
     trainer = make_trainer(cfg, info)
     widths = [x.size(1) for x, _ in next(trainer.batches(0, 0))]
-    untrained = trainer.translate(16, [trainer.translation.val])
+    untrained = trainer.translate(16, [trainer.pairs.val])
     trainer.log.log("header", **header_fields(cfg, trainer.dims, restart=0))
     trainer.run()
     log = read_rank_log(trainer.log.path)
     return {"losses": [log.steps[step]["global_loss"] for step in sorted(log.steps)], "epoch": log.epochs[0],
-            "widths": widths, "untrained": untrained, "hypotheses": trainer.translate(16, [trainer.translation.val]),
+            "widths": widths, "untrained": untrained, "hypotheses": trainer.translate(16, [trainer.pairs.val]),
             "params": named_params(trainer)}
 
 

@@ -20,7 +20,7 @@ from rank_training import make_trainer
 from gptpar.cli import main as gptpar_main
 from gptpar.config import ConfigError, load_config
 from gptpar.data import load_tokens
-from gptpar.data.translation import load_translation
+from gptpar.data.pairs import load_pairs
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
 
@@ -66,7 +66,7 @@ def test_a_translation_file_that_is_both_train_and_validation_is_refused(tmp_pat
     (tmp_path / "valid.tsv").write_text(train.read_text())
     for files in (f"{train},{train}", f"{train},{tmp_path / 'valid.tsv'}"):
         with pytest.raises(GptparError, match=r"^data.source=tsv: .* list (each file|it) once") as exc:
-            load_translation(load_config(None, ["data.task=translation", f"data.source=tsv:{files}",
+            load_pairs(load_config(None, ["data.task=translation", f"data.source=tsv:{files}",
                                                 "data.tokenizer=bytes"]).data)
         one_line(exc)
 
@@ -148,7 +148,7 @@ def test_an_empty_split_names_the_file_or_the_key_that_emptied_it(tmp_path: Path
     }
     for (files, val_fraction), message in cases.items():
         with pytest.raises(GptparError) as exc:
-            load_translation(load_config(None, ["data.task=translation", f"data.source=jsonl:{files}",
+            load_pairs(load_config(None, ["data.task=translation", f"data.source=jsonl:{files}",
                                                 f"data.val_fraction={val_fraction}", "data.tokenizer=bytes"]).data)
         assert one_line(exc) == message
 

@@ -46,6 +46,8 @@ RUN_HERE = [
     ".venv/bin/gptpar train parallel.tp=2 parallel.sequence_parallel=true parallel.loss_parallel=true "
     "train.max_steps=5",
     ".venv/bin/gptpar train parallel.tp=2 parallel.dp=2 parallel.dp_sync=fsdp train.max_steps=5",
+    ".venv/bin/gptpar train model.preset=qwen2-tiny data.task=sft data.source=metamath_sample data.tokenizer=bytes "
+    "data.max_source_len=116 data.max_target_len=120 parallel.tp=2 parallel.sequence_parallel=true train.max_steps=5",
 ]
 # Commands this test runs as written, one after the other in one scratch folder (a later one reads an earlier run).
 RUN_HERE_IN_ORDER = [
@@ -136,6 +138,22 @@ def test_readme_command_runs(command, tmp_path):
         assert out.stdout.startswith("# submitit AutoExecutor(") and "\nslurm_signal_delay_s=120\n" in out.stdout
     elif "--dry-run" in argv:
         assert out.stdout.startswith("#!/bin/bash") and "srun" in out.stdout
+
+
+def test_the_llama_family_preset_table_is_the_closed_form():
+    from gptpar.presets import PRESETS
+
+    rows = re.findall(r"^  \| `([\w.-]+)` \| (\w+) \| (\d+) \| ([\d,]+) \| (\d+) \((\d+)\) \| ([\d,]+) \| (\w+) \| "
+                      r"([\d,.]+) M \(([\d,]+)\) \|$", README, flags=re.M)
+    assert [row[0] for row in rows] == ["llama-tiny", "qwen2-tiny", "qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-3b"]
+    for name, arch, layers, width, heads, kv, mlp, head, millions, vocab in rows:
+        shape = PRESETS[name]
+        number = lambda text: int(text.replace(",", ""))  # noqa: E731
+        assert (shape.arch, shape.n_layer, shape.n_embd, shape.n_head, shape.kv_heads, shape.mlp_width) == (
+            arch, int(layers), number(width), int(heads), int(kv), number(mlp)), name
+        assert head == ("tied" if shape.tied else "untied"), name
+        digits = 1 if "." in millions else 0
+        assert f"{shape.parameters(number(vocab)) / 1e6:,.{digits}f}" == millions, name
 
 
 def test_the_bridges2_preset_table_is_the_closed_form():

@@ -1,10 +1,13 @@
 """The Llama family beside GPT-2: each architecture described once (gptpar/models) and trained by every
-data-parallel strategy and the pipeline engine exactly as one process trains it.
+data-parallel strategy, the pipeline engine and tensor parallelism exactly as one process trains it, on language
+modelling and on instruction tuning (data.task=sft).
 
 In-process: the presets' parameter counts are their closed forms, the pipeline's pieces compute the model's own
 logits, a meta build materialises to a CPU build (rotary tables included), bad shapes are one line. On the shared
 gloo pool: qwen2-tiny (q/k/v biases, a tied head) under every data-parallel strategy, deferred initialisation, the
-pipeline engine's schedules and DP x PP; llama-tiny (no biases, an untied head) under fsdp2 and the pipeline.
+pipeline engine's schedules, tensor parallelism (ours and torch's, with sequence and loss parallelism) and their
+compositions DP x PP, DP x TP, PP x TP, PP x TP x DP, and under sft; llama-tiny (no biases, an untied head) under
+fsdp2, tensor parallelism and the pipeline.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ VOCAB = 300
 # The family's tiny shapes made smaller still for the pool: width 32, 4 query heads of 8 over 2 key/value heads.
 QWEN = ["model.preset=qwen2-tiny", "model.n_embd=32", "model.n_head=4"]
 LLAMA = ["model.preset=llama-tiny", "model.n_embd=32", "model.n_head=4"]
+# Instruction tuning on the bundled MetaMathQA-style pairs: the loss on response tokens only, token-weighted over
+# replicas, micro-batches and pipeline chunks (prompts cut short so that examples differ in their response tokens).
+SFT = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=24",
+       "data.max_target_len=24"]
 CASES_2 = [(f"qwen2-{sync}", [*QWEN, "parallel.dp=2", f"parallel.dp_sync={sync}"])
            for sync in ("naive", "bucketed", "ddp", "zero1", "zero2", "fsdp", "fsdp2")] + [
     ("qwen2-fsdp-meta", [*QWEN, "parallel.dp=2", "parallel.dp_sync=fsdp", "model.init_device=meta"]),
@@ -44,6 +51,9 @@ CASES_2 = [(f"qwen2-{sync}", [*QWEN, "parallel.dp=2", f"parallel.dp_sync={sync}"
     ("llama-tp2-sp", [*LLAMA, "parallel.tp=2", "parallel.sequence_parallel=true"]),
     ("llama-tp2-torch-lp", [*LLAMA, "parallel.tp=2", "parallel.tp_impl=torch", "parallel.loss_parallel=true"]),
     ("llama-pp2-gpipe", [*LLAMA, "parallel.pp=2", "parallel.pp_schedule=gpipe", "parallel.chunks=2"]),
+    ("qwen2-sft-fsdp2", [*QWEN, *SFT, "parallel.dp=2", "parallel.dp_sync=fsdp2"]),
+    ("qwen2-sft-pp2", [*QWEN, *SFT, "parallel.pp=2", "parallel.chunks=2"]),
+    ("qwen2-sft-tp2-sp", [*QWEN, *SFT, "parallel.tp=2", "parallel.sequence_parallel=true"]),
 ]
 CASES_4 = [("qwen2-dp2-pp2", [*QWEN, "parallel.dp=2", "parallel.pp=2", "parallel.chunks=2"]),
            ("qwen2-dp2-tp2", [*QWEN, "parallel.dp=2", "parallel.tp=2", "parallel.dp_sync=fsdp"]),

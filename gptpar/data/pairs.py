@@ -1,12 +1,18 @@
-"""German-to-English pairs for `data.task=translation`: read, tokenized, and served as `source <sep> target <eos>`.
+"""Prompt/response pairs for the two pair tasks, read, tokenized, and served as `source <sep> target <eos>`:
+`data.task=translation` (German to English) and `data.task=sft` (instruction tuning on question/response pairs,
+MetaMathQA's `query` and `response` by default: data.prompt_field, data.response_field). The plain template is the
+same for both: the prompt's tokens, a separator, the response's tokens, an end token (gptpar's tokenizers have no
+chat template).
 
-Sources: `jsonl:TRAIN[,VALID[,TEST]]` (one object per line, `{"de": ..., "en": ...}` or the hub's own
-`{"translation": {"de": ..., "en": ...}}`), `tsv:TRAIN[,VALID[,TEST]]` (`de<TAB>en` per line) and `hf:NAME[:CONFIG]`
-(the `train` and `validation` splits, and `test` where the dataset has one; rows of either form). One local file is
-split by position: the last `data.val_fraction` of its pairs is held out. `data.max_chars` caps the training pairs
-read (0: all); what it dropped is said in the run's banner, and in the error when too few pairs are left to train. A
-split without pairs fails naming its file, or the key that emptied it. A test split is optional: it is only decoded
-and scored (`test_bleu`), never trained or evaluated on.
+Sources: `jsonl:TRAIN[,VALID[,TEST]]` (one object per line: translation's `{"de": ..., "en": ...}` or the hub's own
+`{"translation": {"de": ..., "en": ...}}`, sft's the two fields), for translation `tsv:TRAIN[,VALID[,TEST]]`
+(`de<TAB>en` per line), `hf:NAME[:CONFIG]` (the `train` and `validation` splits, and `test` where the dataset has
+one; for sft a dataset without a validation split, as MetaMathQA, is held out from its train split as one file
+is) and for sft `metamath_sample` (320 grade-school problems bundled in MetaMathQA's schema, written for gptpar:
+gptpar/data/samples). One local file is split by position: the last `data.val_fraction` of its pairs is held out.
+`data.max_chars` caps the training pairs read (0: all); what it dropped is said in the run's banner, and in the
+error when too few pairs are left to train. A split without pairs fails naming its file, or the key that emptied
+it. A test split is optional: it is only decoded and scored (`test_bleu`), never trained or evaluated on.
 
 The tokenizer is the run's (`data.tokenizer`: GPT-2's, or a BPE trained on both sides of the training pairs);
 two ids past its vocabulary are reserved for <sep> and <eos>, so no text can be mistaken for them.
@@ -30,27 +36,36 @@ import torch
 from filelock import FileLock
 from torch.utils.data import Dataset
 
-from gptpar.config import DataConfig
+from gptpar.config import SFT_SAMPLE, DataConfig
 from gptpar.data.sources import cache_dir, hf_split, read_text_file, text_paths
 from gptpar.data.tokenizer import Tokenizer, get_tokenizer
 from gptpar.errors import GptparError
 
 SOURCE_LANG, TARGET_LANG = "de", "en"
 IGNORE = -100  # the label cross-entropy skips (torch's ignore_index)
+SAMPLES = Path(__file__).parent / "samples"
 Pair = tuple[str, str]
 
 
-def row_pair(row: Any, where: str) -> Pair:
-    """(de, en) of a row `{"de", "en"}` or `{"translation": {"de", "en"}}`; `where` names it in the error."""
-    inner = row.get("translation", row) if isinstance(row, dict) else None
-    pair = tuple(inner.get(lang) for lang in (SOURCE_LANG, TARGET_LANG)) if isinstance(inner, dict) else ()
+def pair_fields(cfg: DataConfig) -> tuple[str, str]:
+    """The (prompt, response) fields of a row for the task."""
+    return (cfg.prompt_field, cfg.response_field) if cfg.task == "sft" else (SOURCE_LANG, TARGET_LANG)
+
+
+def row_pair(row: Any, where: str, fields: tuple[str, str] = (SOURCE_LANG, TARGET_LANG)) -> Pair:
+    """The two `fields` of a row (translation's may nest them under "translation"); `where` names it in the error."""
+    translation = fields == (SOURCE_LANG, TARGET_LANG)
+    inner = (row.get("translation", row) if translation else row) if isinstance(row, dict) else None
+    pair = tuple(inner.get(field) for field in fields) if isinstance(inner, dict) else ()
     if len(pair) != 2 or not all(isinstance(text, str) for text in pair):
-        raise GptparError(f"{where}: expected an object with {SOURCE_LANG!r} and {TARGET_LANG!r} strings (or "
-                          f"{{\"translation\": {{...}}}}), got {str(row)[:80]}")
+        nested = " (or {\"translation\": {...}})" if translation else ""
+        missing = [f for f in fields if not isinstance(inner, dict) or not isinstance(inner.get(f), str)]
+        raise GptparError(f"{where}: expected an object with {fields[0]!r} and {fields[1]!r} strings{nested}, "
+                          f"{missing[0]!r} is missing or not a string; got {str(row)[:80]}")
     return pair
 
 
-def _file_pairs(kind: str, path: Path) -> list[Pair]:
+def _file_pairs(kind: str, path: Path, fields: tuple[str, str]) -> list[Pair]:
     """The pairs of one jsonl or tsv file; blank lines are skipped, a bad line fails naming file and line."""
     pairs = []
     for number, line in enumerate(read_text_file(path, kind).split("\n"), 1):
@@ -67,7 +82,7 @@ def _file_pairs(kind: str, path: Path) -> list[Pair]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise GptparError(f"{where}: not valid JSON ({exc.msg})") from None
-        pairs.append(row_pair(row, where))
+        pairs.append(row_pair(row, where, fields))
     return pairs
 
 
@@ -84,9 +99,9 @@ def _capped(pairs: Iterable[Pair], max_chars: int, offered: int | None) -> tuple
     return kept, ""
 
 
-def _hub_pairs(source: str, rows: Iterable[Any], split: str) -> Iterator[Pair]:
+def _hub_pairs(source: str, rows: Iterable[Any], split: str, fields: tuple[str, str]) -> Iterator[Pair]:
     """One hub split's rows as pairs; a bad row's error names the split."""
-    return (row_pair(row, f"data.source={source} ({split})") for row in rows)
+    return (row_pair(row, f"data.source={source} ({split})", fields) for row in rows)
 
 
 @dataclass(frozen=True)
@@ -102,18 +117,28 @@ class PairSplits:
 def read_pairs(cfg: DataConfig) -> PairSplits:
     """The train, validation and test pairs of `data.source`; a split without pairs fails, naming its file or the
     key that emptied it."""
-    source = cfg.source
+    source, fields = cfg.source, pair_fields(cfg)
+    if source == SFT_SAMPLE:
+        source = f"jsonl:{SAMPLES / 'metamath_sample.jsonl'}"
     if source.startswith("hf:"):
         splits = hf_split(source[3:], cfg, None)  # every split: whether there is a test split is the dataset's
-        missing = [split for split in ("train", "validation") if split not in splits]
+        needed = ("train",) if cfg.task == "sft" else ("train", "validation")
+        missing = [split for split in needed if split not in splits]
         if missing:
             raise GptparError(f"data.source={source}: the dataset has no {missing[0]!r} split "
                               f"(it has {', '.join(splits) or 'none'})")
         rows = splits["train"]
-        train, capped = _capped(_hub_pairs(source, rows, "train"), cfg.max_chars,
-                                len(rows) if isinstance(rows, Sized) else None)
-        named = {"train": train, "validation": list(_hub_pairs(source, splits["validation"], "validation")),
-                 "test": list(_hub_pairs(source, splits["test"], "test")) if "test" in splits else None}
+        offered = len(rows) if isinstance(rows, Sized) else None
+        train_pairs: Iterable[Pair] = _hub_pairs(source, rows, "train", fields)
+        if "validation" in splits:
+            val = list(_hub_pairs(source, splits["validation"], "validation", fields))
+        else:  # sft: held out from the train split, as one file's pairs are
+            train_pairs, val = _held_out(list(train_pairs), cfg.val_fraction, "a dataset with a validation split",
+                                         source)
+            offered = len(train_pairs)
+        train, capped = _capped(train_pairs, cfg.max_chars, offered)
+        named = {"train": train, "validation": val,
+                 "test": list(_hub_pairs(source, splits["test"], "test", fields)) if "test" in splits else None}
         empty = [split for split, pairs in named.items() if pairs == []]
         if empty:
             raise GptparError(f"data.source={source}: the dataset's {empty[0]!r} split has no pairs")
@@ -123,7 +148,7 @@ def read_pairs(cfg: DataConfig) -> PairSplits:
     if len(paths) > 3:
         raise GptparError(f"data.source={kind}: names {len(paths)} files; use {kind}:TRAIN, {kind}:TRAIN,VALID or "
                           f"{kind}:TRAIN,VALID,TEST")
-    files = [_file_pairs(kind, path) for path in paths]
+    files = [_file_pairs(kind, path, fields) for path in paths]
     empty = [path for path, pairs in zip(paths, files, strict=True) if not pairs]
     if empty:
         raise GptparError(f"data.source={kind}: {empty[0]} has no pairs; add some or name another file")
@@ -133,7 +158,7 @@ def read_pairs(cfg: DataConfig) -> PairSplits:
     return PairSplits(train, files[1], files[2] if len(files) == 3 else None, capped)
 
 
-def _held_out(pairs: list[Pair], val_fraction: float, two_files: str, path: Path) -> list[list[Pair]]:
+def _held_out(pairs: list[Pair], val_fraction: float, two_files: str, path: str | Path) -> list[list[Pair]]:
     """One file's pairs as [train, validation]: the last `val_fraction` of them is held out; both must have pairs."""
     cut = int(len(pairs) * (1 - val_fraction))
     if cut == len(pairs):
@@ -188,7 +213,7 @@ def pad_batch(examples: Sequence[tuple[torch.Tensor, torch.Tensor]], pad: int, w
 
 
 @dataclass
-class TranslationData:
+class PairData:
     train: PairDataset
     val: PairDataset
     tokenizer: Tokenizer
@@ -210,7 +235,7 @@ class TranslationData:
         return self.tokenizer.decode([i for i in ids if i < self.tokenizer.vocab_size]).strip()
 
 
-def load_translation(cfg: DataConfig, width: int | None = None) -> TranslationData:
+def load_pairs(cfg: DataConfig, width: int | None = None) -> PairData:
     """The tokenized splits, batched to `width` positions (None: each batch to its longest example). One rank at
     a time gets the tokenizer, so a BPE is trained once and the others load it from the cache; each rank tokenizes
     the pairs itself (seconds, even for IWSLT's 160k pairs)."""
@@ -220,6 +245,6 @@ def load_translation(cfg: DataConfig, width: int | None = None) -> TranslationDa
     with FileLock(str(tokenizers / ".lock")):
         both_sides = "\n".join(text for pair in pairs.train for text in pair)
         tokenizer = get_tokenizer(cfg, both_sides, tokenizers)
-    return TranslationData(PairDataset(pairs.train, tokenizer, cfg), PairDataset(pairs.val, tokenizer, cfg), tokenizer,
+    return PairData(PairDataset(pairs.train, tokenizer, cfg), PairDataset(pairs.val, tokenizer, cfg), tokenizer,
                            tokenizer.vocab_size + 2, cfg.max_target_len + 1, width,
                            PairDataset(pairs.test, tokenizer, cfg) if pairs.test is not None else None, pairs.capped)

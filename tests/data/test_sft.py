@@ -1,0 +1,101 @@
+"""data.task=sft: question/response pairs (MetaMathQA's schema, the bundled sample), the loss on response tokens
+only, and the final answer's exact-match accuracy at each epoch end.
+
+The pair machinery is translation's (tests/data/test_translation.py holds its equality under every layout); here:
+the fields read and refused, the template's masks, the answer extraction with known answers, and a whole run that
+logs answer_accuracy in its epoch record and learns to state the answers of the bundled problems' easiest kind.
+The llama family trains sft under data parallelism, the pipeline and tensor parallelism like one process in
+tests/model/test_architectures.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gptpar.config import ConfigError, DataConfig, load_config
+from gptpar.data.pairs import IGNORE, load_pairs, read_pairs
+from gptpar.errors import GptparError
+from gptpar.run.logfile import format_record, read_rank_log
+from gptpar.train.bleu import answer_accuracy, final_answer
+from gptpar.train.entry import run_rank
+
+SFT = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=116",
+       "data.max_target_len=120"]
+
+
+@pytest.mark.parametrize(("text", "answer"), [
+    ("Sam spends 66 + 18 = $84.\nThe answer is: 84", "84"),
+    ("The answer is: 3\nwait, The answer is: 1,200.", "1200"),  # the last statement, separators and period dropped
+    ("first line\n  42  \n", "42"),  # no statement: the last non-empty line
+    ("the answer is 7", "7"),
+    ("", ""),
+])
+def test_the_final_answer_is_what_the_last_statement_says(text: str, answer: str) -> None:
+    assert final_answer(text) == answer
+
+
+def test_answer_accuracy_is_the_share_of_matching_final_answers() -> None:
+    references = ["x = 4.\nThe answer is: 4", "The answer is: 12", "The answer is: 7", "so 9\nThe answer is: 9"]
+    responses = ["The answer is: 4", "The answer is: 13", "7", "The answer is: 9."]
+    assert answer_accuracy(responses, references) == 0.75
+    assert answer_accuracy([], []) == 0.0
+
+
+def test_the_bundled_sample_is_metamathqa_shaped_and_held_out_by_position() -> None:
+    splits = read_pairs(DataConfig(task="sft", source="metamath_sample"))
+    assert (len(splits.train), len(splits.val), splits.test) == (288, 32, None)
+    assert all(response.rstrip().splitlines()[-1].startswith("The answer is: ") for _, response in splits.train)
+    assert len({query for query, _ in splits.train + splits.val}) == 320  # no question twice
+
+
+def test_fields_are_configurable_and_a_missing_one_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"The answer is: {i}"}) + "\n"
+                            for i in range(10)))
+    cfg = DataConfig(task="sft", source=f"jsonl:{path}", prompt_field="question", response_field="answer")
+    assert read_pairs(cfg).train[0] == ("q0", "The answer is: 0")
+    with pytest.raises(GptparError) as error:
+        read_pairs(DataConfig(task="sft", source=f"jsonl:{path}"))  # MetaMathQA's query/response by default
+    assert str(error.value) == (f"data.source=jsonl: {path}:1: expected an object with 'query' and 'response' "
+                                "strings, 'query' is missing or not a string; got {'question': 'q0', 'answer': "
+                                "'The answer is: 0'}")
+
+
+def test_the_loss_counts_response_tokens_and_the_end_only() -> None:
+    data = load_pairs(load_config(None, SFT).data)
+    x, y = data.train[0]
+    prompt, response = data.train.sources[0].tolist(), data.train.targets[0].tolist()
+    assert x.tolist() == [*prompt, data.train.sep, *response]  # the plain template: prompt <sep> response
+    assert y.tolist() == [IGNORE] * len(prompt) + [*response, data.eos]
+    assert data.text(response) == data.train.references[0]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["data.task=sft"], "data.task=sft reads question/response pairs: data.source='stdlib' is not allowed; use "
+                        "metamath_sample (bundled), jsonl:TRAIN[,VALID[,TEST]] or hf:NAME (e.g. "
+                        "hf:meta-math/MetaMathQA)"),
+    (["data.task=sft", "data.source=tsv:x.tsv"], "data.source='tsv:x.tsv' is not allowed"),
+    ([*SFT, "model.init=pretrained", "model.preset=gpt2"], "data.task=sft adds two tokens (<sep>, <eos>)"),
+])
+def test_config_refuses_what_sft_cannot_train(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.slow  # the data loader's workers
+def test_a_run_logs_answer_accuracy_each_epoch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The whole run (`gptpar train`'s code) on qwen2-tiny: every epoch record carries answer_accuracy, a share in
+    [0, 1] of train.answer_samples decoded prompts, shown in the progress line and by `gptpar logs`."""
+    cfg = load_config(None, [*SFT, "model.preset=qwen2-tiny", "model.n_layer=2", "model.n_embd=64",
+                             "train.batch_size=16", "train.epochs=2", "train.eval_every=0", "train.answer_samples=4",
+                             "train.threads=1", "log.progress=lines", f"log.runs_dir={tmp_path}", "log.run_id=sft"])
+    run_rank(cfg)
+    log = read_rank_log(tmp_path / "sft" / "rank0.jsonl")
+    scores = [log.epochs[e]["answer_accuracy"] for e in sorted(log.epochs)]
+    assert len(scores) == 2 and all(s in (0.0, 0.25, 0.5, 0.75, 1.0) for s in scores)
+    shown = f"answer_accuracy {scores[-1]:.2f}"
+    assert shown in capsys.readouterr().out and format_record(log.epochs[1]).endswith(shown)
