@@ -133,6 +133,8 @@ def test_the_one_process_modes_run_the_llama_family_as_the_model_runs(mode: str)
     (["model.preset=llama-tiny", "model.init=pretrained"],
      "model.init=pretrained loads GPT-2's hub weights, not llama's; use model.init=random"),
     (["model.arch=mistral"], "model.arch: 'mistral' is not allowed"),
+    (["model.preset=qwen2-tiny", "model.n_kv_head=1", "parallel.tp=2"],
+     "parallel.tp=2 must divide model.n_kv_head=1; use a tp that divides it"),
 ])
 def test_a_shape_that_cannot_be_built_is_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as error:
