@@ -6,7 +6,7 @@ Setup (and why):
 - One GPT-2 (`--preset` with `--n-layer`, `--n-embd`, `--n-head` overrides; `--vocab` 50257, GPT-2's own, its
   token table padded to 50,304 rows as model.pad_vocab pads it), built from the same seed on every rank and cut
   per row by the package's own entry points (gptpar.parallel.tensor_parallel: shard_model, loss_function,
-  loss_context, TensorParallelModel), exactly as the trainer does for parallel.tp_impl=gptpar|torch.
+  loss_context, tensor_parallel_forward), exactly as the trainer does for parallel.tp_impl=gptpar|torch.
 - Rows: ours TP=W, ours TP=W +SP (sequence parallelism), torch TP=W, torch TP=W +SP, all with loss parallelism
   (`--gathered-loss` adds ours and torch without it: whole logits all-gathered), and DP=W (torch DDP, each rank the
   whole model). Every row trains on the same global batch of `--batch` sequences of `--seq` random tokens: a TP
@@ -73,10 +73,10 @@ from gptpar.model import build_model, lm_loss  # noqa: E402
 from gptpar.parallel.dims import ParallelDims  # noqa: E402
 from gptpar.parallel.process_group import RankInfo  # noqa: E402
 from gptpar.parallel.tensor_parallel import (  # noqa: E402
-    TensorParallelModel,
     loss_context,
     loss_function,
     shard_model,
+    tensor_parallel_forward,
 )
 from gptpar.parallel.tensor_parallel.comm import VOLUME  # noqa: E402
 from gptpar.tensor_bytes import saved_activation_bytes  # noqa: E402
@@ -202,8 +202,7 @@ class Variant:
             pcfg = ParallelConfig(tp=info.world_size, tp_impl=row.impl, sequence_parallel=row.sp,
                                   loss_parallel=row.lp)
             self.module = shard_model(whole, pcfg, grid, torch.device("cpu"))
-            runner = TensorParallelModel(self.module, torch.device("cpu"))
-            self.forward = self.plain_forward = lambda: runner(x)
+            self.forward = self.plain_forward = lambda: tensor_parallel_forward(self.module, x)
             self.loss_fn, self.context = loss_function(pcfg, grid, args.vocab), loss_context(pcfg, grid)
         self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
 

@@ -52,10 +52,20 @@ def shard_model(model: PreTrainedModel, pcfg: ParallelConfig, dims: ParallelDims
     return shard_gpt2(model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
 
 
+def _pieces(model: PreTrainedModel) -> list[nn.Module]:
+    """The architecture's pieces of a (sharded) model, in the order they run: embedding, blocks, head."""
+    arch = architecture(model)
+    return [arch.embed_piece(model), *(arch.block_piece(model, i) for i in range(len(arch.blocks(model)))),
+            arch.head_piece(model)]
+
+
 def tensor_parallel_forward(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits of a sharded model through its architecture's pieces (embedding, blocks, final norm and head); with
     sequence parallelism the hidden states between them are this rank's sequence shard."""
-    return TensorParallelModel(model, input_ids.device)(input_ids)
+    out = input_ids
+    for piece in _pieces(model):
+        out = piece(out)
+    return out
 
 
 class TensorParallelModel(nn.Module):
@@ -68,9 +78,7 @@ class TensorParallelModel(nn.Module):
         self.input_device = self.output_device = device
         self.stage_devices = [device]
         self.bubble = None
-        arch = architecture(model)  # the pieces wrap the model's own modules: kept out of the tree
-        self.__dict__["pieces"] = [arch.embed_piece(model), *(arch.block_piece(model, i) for i in
-                                                              range(len(arch.blocks(model)))), arch.head_piece(model)]
+        self.__dict__["pieces"] = _pieces(model)  # they wrap the model's own modules: kept out of the tree
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = input_ids
