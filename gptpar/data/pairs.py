@@ -119,7 +119,7 @@ def read_pairs(cfg: DataConfig) -> PairSplits:
     key that emptied it."""
     source, fields = cfg.source, pair_fields(cfg)
     if source == SFT_SAMPLE:
-        source = f"jsonl:{SAMPLES / 'metamath_sample.jsonl'}"
+        source = f"jsonl:{SAMPLES / 'metamath_sample.ndjson'}"  # JSON lines
     if source.startswith("hf:"):
         splits = hf_split(source[3:], cfg, None)  # every split: whether there is a test split is the dataset's
         needed = ("train",) if cfg.task == "sft" else ("train", "validation")
