@@ -111,7 +111,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (work / "pp_job").write_text(pp_job)
     _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(runs)], work)
     # The same through submitit.
-    _run([GPTPAR, "submit", "dp", "--gpus", "1", "--nodes", "2", *common, "launch.partition=GPU", SUBMITIT,
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", SUBMITIT,
           "log.run_id=submitit_dp_2nodes"], work)
     _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, *LIMIT, SUBMITIT, "log.run_id=submitit_limit"], work)
     for limit in (runs / "limit", runs / "submitit_limit"):  # each goes round while the other tests run
@@ -208,11 +208,12 @@ def test_a_submitit_job_under_a_real_time_limit_requeues_through_checkpoint_unti
 def test_submitit_runs_data_parallel_across_two_nodes(work: Path) -> None:
     run = work / "runs" / "submitit_dp_2nodes"
     assert _wait(run) == "completed"
-    assert _ranks(run) == [0, 1]
-    headers = [read_records(run / f"rank{r}.jsonl")[0] for r in range(2)]
+    assert _ranks(run) == [0, 1, 2, 3]
+    headers = [read_records(run / f"rank{r}.jsonl")[0] for r in range(4)]
     assert [(h["launcher"], h["slurm"]["node"], h["slurm"]["job_nodelist"]) for h in headers] == [
-        ("submitit", "node1", "node[1-2]"), ("submitit", "node2", "node[1-2]")]
-    steps = {(s["step"], s["global_loss"]) for r in range(2) for s in read_records(run / f"rank{r}.jsonl")
+        ("submitit", "node1", "node[1-2]"), ("submitit", "node1", "node[1-2]"), ("submitit", "node2", "node[1-2]"),
+        ("submitit", "node2", "node[1-2]")]
+    steps = {(s["step"], s["global_loss"]) for r in range(4) for s in read_records(run / f"rank{r}.jsonl")
              if s["kind"] == "step"}
     assert sorted(step for step, _ in steps) == [1, 2, 3]  # one loss for the job at each step
 
