@@ -80,15 +80,16 @@ class Rank:
 def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | None = None,
            epochs: int = 2, steps_per_epoch: int = 2, status: str = "completed",
            memory: list[tuple[int, int, int, int]] | None = None, bleu: list[float] | None = None,
-           test_bleu: list[float] | None = None, jitter: float = 0.0, device: str = "cpu", **cfg: Any) -> list[Rank]:
+           test_bleu: list[float] | None = None, answer_accuracy: list[float] | None = None, jitter: float = 0.0,
+           device: str = "cpu", **cfg: Any) -> list[Rank]:
     """A completed data-parallel run, one rank per entry of tokens_per_s: in every epoch rank r
     reports tokens_per_s[r] and epoch_times[r]; every step carries 100 tokens and takes rank r
     100 / tokens_per_s[r] s, so the job's tokens/s is dp x 100 / the slowest rank's step time. The
     loss of step s is 4 - 0.1 s, every epoch's val_loss 2.0. With `jitter` j, odd steps take 1 + j
     and even steps 1 - j times as long (the job's tokens/s unchanged, the step-time spread of two steps
     sqrt(2) j). With `memory`, rank r logs memory[r] (params, params_bytes, grads_bytes,
-    optimizer_bytes) after step 1; with `bleu` (`test_bleu`), rank 0's record of epoch e carries bleu[e - 1]
-    (test_bleu[e - 1]). The
+    optimizer_bytes) after step 1; with `bleu` (`test_bleu`, `answer_accuracy`), rank 0's record of epoch e carries
+    bleu[e - 1] (test_bleu[e - 1], answer_accuracy[e - 1]). The
     ranks' header names `device` (cpu, or cuda:0 for a GPU run)."""
     dp = len(tokens_per_s)
     times = epoch_times or [10.0] * dp
@@ -103,7 +104,7 @@ def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | 
                 if memory and step == 1:
                     rank.memory(*memory[rank.rank])
         for r, rank in enumerate(ranks):
-            scores = {"bleu": bleu, "test_bleu": test_bleu}.items()
+            scores = {"bleu": bleu, "test_bleu": test_bleu, "answer_accuracy": answer_accuracy}.items()
             extra = {key: values[e - 1] for key, values in scores if values and r == 0}
             rank.epoch(e, times[r], tokens_per_s[r], steps=steps_per_epoch, **extra)
     for rank in ranks:

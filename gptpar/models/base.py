@@ -35,6 +35,7 @@ class Architecture:
     (`body`), its token table, block list and final norm; the LM head is `lm_head` in every family."""
 
     name: str  # transformers' config.model_type, and model.arch
+    title: str  # as messages name it
     model_class: type[PreTrainedModel]
     body: str
     embedding: str

@@ -92,7 +92,8 @@ class GPT2Architecture(Architecture):
 
 # GPT2PreTrainedModel._init_weights, by parameter name.
 GPT2 = GPT2Architecture(
-    name="gpt2", model_class=GPT2LMHeadModel, body="transformer", embedding="wte", layers="h", final_norm="ln_f",
+    name="gpt2", title="GPT-2", model_class=GPT2LMHeadModel, body="transformer", embedding="wte", layers="h",
+    final_norm="ln_f",
     top_level_init={"transformer.wte.weight": "normal", "transformer.wpe.weight": "normal",
                     "transformer.ln_f.weight": "ones", "transformer.ln_f.bias": "zeros", "lm_head.weight": "normal"},
     in_block_init={"ln_1.weight": "ones", "ln_1.bias": "zeros", "ln_2.weight": "ones", "ln_2.bias": "zeros",

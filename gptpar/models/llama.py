@@ -89,18 +89,18 @@ class LlamaFamily(Architecture):
         return Head(self.decoder(model).norm, model.lm_head, "norm")
 
 
-def _family(name: str, model_class: type, config_of, biases: bool) -> LlamaFamily:
+def _family(name: str, title: str, model_class: type, config_of, biases: bool) -> LlamaFamily:
     in_block = {f"self_attn.{p}_proj.weight": "normal" for p in "qkvo"}
     in_block |= {f"mlp.{p}_proj.weight": "normal" for p in ("gate", "up", "down")}
     in_block |= {"input_layernorm.weight": "ones", "post_attention_layernorm.weight": "ones"}
     if biases:
         in_block |= {f"self_attn.{p}_proj.bias": "zeros" for p in "qkv"}
     return LlamaFamily(
-        name=name, model_class=model_class, body="model", embedding="embed_tokens", layers="layers",
+        name=name, title=title, model_class=model_class, body="model", embedding="embed_tokens", layers="layers",
         final_norm="norm",
         top_level_init={"model.embed_tokens.weight": "normal", "model.norm.weight": "ones", "lm_head.weight": "normal"},
         in_block_init=in_block, config_of=config_of, restored_buffers=f"model.{ROTARY}")
 
 
-LLAMA = _family("llama", LlamaForCausalLM, llama_config, biases=False)
-QWEN2 = _family("qwen2", Qwen2ForCausalLM, qwen2_config, biases=True)
+LLAMA = _family("llama", "Llama", LlamaForCausalLM, llama_config, biases=False)
+QWEN2 = _family("qwen2", "Qwen2", Qwen2ForCausalLM, qwen2_config, biases=True)

@@ -346,8 +346,8 @@ class Trainer:
         g = self.model_config
         table = f", token table padded to {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
-                f"{g.model_type} of {self.n_params:,} parameters ({g.num_hidden_layers} layers, width {g.hidden_size}, "
-                f"{g.num_attention_heads} heads); "
+                f"{architecture(g).title} of {self.n_params:,} parameters ({g.num_hidden_layers} layers, width "
+                f"{g.hidden_size}, {g.num_attention_heads} heads); "
                 f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); "
                 f"{self.capped + '; ' if self.capped else ''}{self.precision.name}; "
                 f"steps {self.step + 1}-{self.total_steps}")

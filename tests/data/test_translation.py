@@ -206,7 +206,7 @@ def _train_and_decode(cfg, info: RankInfo) -> dict:
     trainer = make_trainer(cfg, info)
     counts = [target_tokens(y) for _, y in next(trainer.batches(0, 0))]
     losses = train_steps(trainer, STEPS)
-    splits = [split for split in (trainer.pairs.val, trainer.translation.test) if split is not None]
+    splits = [split for split in (trainer.pairs.val, trainer.pairs.test) if split is not None]
     return {"losses": losses, "val": trainer.evaluate(), "bleu": trainer.bleu(),
             "hypotheses": trainer.translate(16, splits), "counts": counts, "params": named_params(trainer)}
 

@@ -72,12 +72,13 @@ def pipeline_sweep(runs: Path) -> None:
 
 def rich_set(runs: Path) -> None:
     """Runs that draw every figure but two (a swept key besides the GPU count, memory at two sizes): a DP sweep with
-    repeats, BLEU and memory records, the pipeline sweep and an engine sweep."""
+    repeats, BLEU and memory records, an sft run with answer accuracy, the pipeline sweep and an engine sweep."""
     for i, rate in enumerate((90.0, 95.0)):
         dp_run(runs / "dp" / f"dp1-r{i}", [100.0], bleu=[10.0, 15.0], memory=[(1000, 4000, 4000, 8000)],
                **{"launch.repeat": i})
         dp_run(runs / "dp" / f"dp2-r{i}", [rate, rate], bleu=[11.0, 17.0], memory=[(1000, 4000, 4000, 4000)] * 2,
                **{"launch.repeat": i, "parallel.dp_sync": "zero1"})
+    dp_run(runs / "sft" / "qwen", [100.0], answer_accuracy=[0.25, 0.5], **{"data.task": "sft"})
     pipeline_sweep(runs)
     for chunks in (2, 4):
         engine_run(runs / "eng" / f"m{chunks}", [0.3, 0.2], chunks=chunks)
@@ -249,7 +250,8 @@ def test_every_figure_draws_without_a_warning_and_with_its_legend_outside_the_ax
         warnings.simplefilter("error")
         result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
     assert not recwarn.list and not any("matplotlib warned" in message for message in result.skipped)
-    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 12
+    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 14
+    assert {"answer_accuracy_sft.png", "loss_sft.png"} <= set(drawn)
     assert [message.split(":")[0] for message in result.skipped] == [
         "figure throughput_vs_<axis>.png skipped", "figure memory_vs_world_size.png skipped"]
     for name, fig in drawn.items():
