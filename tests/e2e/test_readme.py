@@ -24,7 +24,11 @@ BY_CI = ["make test", "make cluster-up NODES=2 GPUS_PER_NODE=2", "make cluster-s
 # Commands run by hand, whose output is committed: docs/demo is `make demo`'s report (its sweeps resolve in
 # tests/launch/test_launch.py and the same sweep and report code runs on the cluster in tests/launch/test_slurm.py);
 # `make figures` is `gptpar report runs`, which the report tests run.
-BY_HAND = ["make demo", "make figures"]
+BY_HAND = ["make demo", "make figures",
+           # docs/qwen2_sft: the sweep resolves in tests/launch/test_launch.py, its layouts train like one process
+           # in tests/model/test_architectures.py
+           ".venv/bin/gptpar sweep sweeps/qwen2_sft.yaml launch.cluster=local --runs-dir runs/sft --wait",
+           ".venv/bin/gptpar report runs/sft --out docs/qwen2_sft"]
 # Commands tests/launch/test_slurm.py runs against the local cluster (the string it must contain).
 BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"',
                   "sbatch --cpus-per-task=1 jobs/pp.sbatch": '"--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")',
