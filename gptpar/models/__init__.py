@@ -1,7 +1,7 @@
 """Each architecture described once (torchtitan's models/<name>/): how to build it, where its embedding, blocks, final
-norm and head are, how each parameter starts, the pieces a pipeline cuts it into and how tensor parallelism splits
-it. The parallel code and the trainer read an `Architecture` and never name one; adding a decoder of the same shape
-is a table entry in llama.py, a new family one file.
+norm and head are, how each parameter starts and the pieces a pipeline cuts it into. The parallel code and the
+trainer read an `Architecture` and never name one (tensor parallelism keeps one plan per family, chosen by its
+name); adding a decoder of the same shape is a table entry in llama.py, a new family one file.
 
 `architecture(model_or_config)` finds the description from transformers' `config.model_type`.
 """

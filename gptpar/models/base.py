@@ -1,11 +1,12 @@
 """What gptpar needs to know of a decoder-only architecture, as one class whose instances describe GPT-2 and the
 Llama family (gpt2.py, llama.py). Module paths are data (`body`, `embedding`, `layers`, `final_norm`); how a
-parameter starts, the pipeline's pieces and the tensor-parallel conversions are methods."""
+parameter starts and the pipeline's pieces are methods (the tensor-parallel plans are parallel/tensor_parallel's)."""
 
 from __future__ import annotations
 
 import math
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,10 +16,6 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from gptpar.errors import GptparError
 from gptpar.presets import ModelShape
-
-# How a parameter starts: N(0, initializer_range) ("normal"), that over sqrt(2 * n_layer) ("residual": GPT-2's
-# projections into the residual stream), or a constant.
-INIT_KINDS = ("normal", "residual", "zeros", "ones")
 
 
 def find_model(module: nn.Module) -> PreTrainedModel:
@@ -30,7 +27,7 @@ def find_model(module: nn.Module) -> PreTrainedModel:
 
 
 @dataclass(frozen=True)
-class Architecture:
+class Architecture(ABC):
     """One decoder family. Names are attribute paths inside transformers' `<Family>ForCausalLM`: the decoder body
     (`body`), its token table, block list and final norm; the LM head is `lm_head` in every family."""
 
@@ -67,6 +64,8 @@ class Architecture:
 
     # --- how parameters start -----------------------------------------------------------------------------------
     def init_kind(self, name: str, n_layer: int) -> str:
+        """How parameter `name` starts: "normal" is N(0, initializer_range), "residual" that over sqrt(2 * n_layer)
+        (GPT-2's projections into the residual stream), "zeros" and "ones" constants."""
         if name in self.top_level_init:
             return self.top_level_init[name]
         match = re.fullmatch(rf"{re.escape(self.block_prefix)}\.(\d+)\.(.+)", name)
@@ -79,18 +78,18 @@ class Architecture:
         std = config.initializer_range
         return std / math.sqrt(2 * config.num_hidden_layers) if kind == "residual" else std
 
-    def restore_buffers(self, model: nn.Module, device: torch.device) -> None:
+    def restore_buffers(self, model: nn.Module, device: torch.device) -> None:  # noqa: B027 - a no-op by default
         """Re-create the buffers `to_empty` left uninitialised (none by default)."""
 
     # --- the pipeline's pieces ----------------------------------------------------------------------------------
+    @abstractmethod
     def embed_piece(self, model: nn.Module) -> nn.Module:
         """Token ids to the first block's input."""
-        raise NotImplementedError
 
+    @abstractmethod
     def block_piece(self, model: nn.Module, index: int) -> nn.Module:
         """Block `index` taking and returning hidden states only; its parameters are the block's as `block.<name>`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def head_piece(self, model: nn.Module) -> nn.Module:
         """The final norm and the LM head: hidden states to logits."""
-        raise NotImplementedError

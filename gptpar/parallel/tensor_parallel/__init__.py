@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from gptpar.config import ParallelConfig
-from gptpar.model import lm_loss, tokenizer_vocab
+from gptpar.model import lm_loss
 from gptpar.models import architecture
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.tensor_parallel.comm import gather_last_dim
@@ -36,36 +36,33 @@ __all__ = ["TensorParallelModel", "loss_context", "loss_function", "shard_model"
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# Each family's plan, ours and torch's: (model, the tp group or mesh, sequence_parallel, loss_parallel) -> model.
+OURS = {"gpt2": shard_gpt2, "llama": shard_llama, "qwen2": shard_llama}
+TORCH = {"gpt2": parallelize_gpt2, "llama": parallelize_llama, "qwen2": parallelize_llama}
+
+
 def shard_model(model: PreTrainedModel, pcfg: ParallelConfig, dims: ParallelDims, device: torch.device
                 ) -> PreTrainedModel:
     """`model` (whole, the same on every rank) moved to `device` and cut into this rank's tensor-parallel pieces
-    by parallel.tp_impl, in place."""
+    by parallel.tp_impl and its family's plan, in place."""
     model.to(device)
     family = architecture(model).name
     if pcfg.tp_impl == "torch":
-        if family != "gpt2":
-            return parallelize_llama(model, dims.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
-        return parallelize_gpt2(model, dims.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
-    if family != "gpt2":
-        return shard_llama(model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel,
-                           tokenizer_vocab(model.config))
-    return shard_gpt2(model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
+        return TORCH[family](model, dims.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
+    return OURS[family](model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
 
 
-def _pieces(model: PreTrainedModel) -> list[nn.Module]:
+def _pieces(model: PreTrainedModel) -> nn.Sequential:
     """The architecture's pieces of a (sharded) model, in the order they run: embedding, blocks, head."""
     arch = architecture(model)
-    return [arch.embed_piece(model), *(arch.block_piece(model, i) for i in range(len(arch.blocks(model)))),
-            arch.head_piece(model)]
+    return nn.Sequential(arch.embed_piece(model), *(arch.block_piece(model, i) for i in range(len(arch.blocks(model)))),
+                         arch.head_piece(model))
 
 
 def tensor_parallel_forward(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits of a sharded model through its architecture's pieces (embedding, blocks, final norm and head); with
     sequence parallelism the hidden states between them are this rank's sequence shard."""
-    out = input_ids
-    for piece in _pieces(model):
-        out = piece(out)
-    return out
+    return _pieces(model)(input_ids)
 
 
 class TensorParallelModel(nn.Module):
@@ -81,10 +78,7 @@ class TensorParallelModel(nn.Module):
         self.__dict__["pieces"] = _pieces(model)  # they wrap the model's own modules: kept out of the tree
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = input_ids
-        for piece in self.pieces:
-            out = piece(out)
-        return out
+        return self.pieces(input_ids)
 
 
 def loss_function(pcfg: ParallelConfig, dims: ParallelDims, vocab: int, whole: Loss = lm_loss) -> Loss:

@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
+from gptpar.model import tokenizer_vocab
 from gptpar.parallel.tensor_parallel.comm import copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence
 from gptpar.parallel.tensor_parallel.layers import (
     VocabParallelEmbedding,
@@ -66,19 +67,23 @@ class RowParallelLinear(nn.Module):
         return reduce_from_tp(partial, self.group)
 
 
-class RMSNorm(nn.Module):
-    """The family's RMSNorm (computed in fp32, as transformers does) on whole or sequence-sharded hidden states; on
-    shards its weight's gradient is summed over the group (`copy_to_tp` on the weight)."""
+class SequenceParallelRMSNorm(nn.Module):
+    """The family's RMSNorm (computed in fp32, as transformers does) on sequence shards: the same weight, its
+    gradient summed over the group (`copy_to_tp` on the weight)."""
 
-    def __init__(self, norm: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool):
+    def __init__(self, norm: nn.Module, group: dist.ProcessGroup):
         super().__init__()
-        self.weight, self.eps = norm.weight, norm.variance_epsilon
-        self.group = group if sequence_parallel else None
+        self.weight, self.eps, self.group = norm.weight, norm.variance_epsilon, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = copy_to_tp(self.weight, self.group) if self.group is not None else self.weight
+        weight = copy_to_tp(self.weight, self.group)
         x32 = x.float()
         return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def _norm(norm: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool) -> nn.Module:
+    """The norm itself on whole hidden states, or its sequence-parallel counterpart."""
+    return SequenceParallelRMSNorm(norm, group) if sequence_parallel else norm
 
 
 class TensorParallelAttention(nn.Module):
@@ -121,9 +126,9 @@ class TensorParallelDecoderLayer(nn.Module):
 
     def __init__(self, layer: nn.Module, group: dist.ProcessGroup, sequence_parallel: bool):
         super().__init__()
-        self.input_layernorm = RMSNorm(layer.input_layernorm, group, sequence_parallel)
+        self.input_layernorm = _norm(layer.input_layernorm, group, sequence_parallel)
         self.self_attn = TensorParallelAttention(layer.self_attn, group, sequence_parallel)
-        self.post_attention_layernorm = RMSNorm(layer.post_attention_layernorm, group, sequence_parallel)
+        self.post_attention_layernorm = _norm(layer.post_attention_layernorm, group, sequence_parallel)
         self.mlp = TensorParallelMLP(layer.mlp, group, sequence_parallel)
         self.sequence_shards = dist.get_world_size(group) if sequence_parallel else 1
 
@@ -134,8 +139,8 @@ class TensorParallelDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-def shard_llama(model: PreTrainedModel, group: dist.ProcessGroup, sequence_parallel: bool, loss_parallel: bool,
-                vocab: int) -> PreTrainedModel:
+def shard_llama(model: PreTrainedModel, group: dist.ProcessGroup, sequence_parallel: bool, loss_parallel: bool
+                ) -> PreTrainedModel:
     """Replace `model`'s modules by this rank's tensor-parallel pieces, in place (see the module docstring). The
     model must be whole and equal on every rank of the group (built from the same seed)."""
     body = model.model
@@ -144,8 +149,8 @@ def shard_llama(model: PreTrainedModel, group: dist.ProcessGroup, sequence_paral
     body.embed_tokens = VocabParallelEmbedding(body.embed_tokens, group, sequence_parallel)
     for i, layer in enumerate(body.layers):
         body.layers[i] = TensorParallelDecoderLayer(layer, group, sequence_parallel)
-    body.norm = RMSNorm(body.norm, group, sequence_parallel)
+    body.norm = _norm(body.norm, group, sequence_parallel)
     rank, size = group_place(group)
     weight = body.embed_tokens.weight if tied else shard(head_weight, 0, 1, rank, size)
-    model.lm_head = VocabParallelHead(weight, vocab, group, sequence_parallel, loss_parallel)
+    model.lm_head = VocabParallelHead(weight, tokenizer_vocab(model.config), group, sequence_parallel, loss_parallel)
     return model
