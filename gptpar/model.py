@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,10 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging as transformers_logging
 
 from gptpar.config import PRETRAINED_ON_META, ModelConfig, check_context
 from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
+from gptpar.model_folder import check_weights, folder_of, folder_shape
 from gptpar.models import architecture, find_model
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -105,10 +108,13 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, hub_timeout_s: flo
     if init_device not in INIT_DEVICES:
         raise GptparError(f"model.init_device={init_device!r} is not one of {', '.join(INIT_DEVICES)}")
     multiple = math.lcm(cfg.pad_vocab, shards)
-    if cfg.init == "pretrained":
+    if cfg.init != "random":
         if init_device == "meta":
             raise GptparError(PRETRAINED_ON_META)
-        return pad_vocabulary(_pretrained(cfg, vocab_size, hub_timeout_s, seq_len), multiple)
+        folder = folder_of(cfg.init)
+        loaded = _hub_gpt2(cfg, vocab_size, hub_timeout_s, seq_len) if folder is None else \
+            _from_folder(cfg, folder, vocab_size, seq_len)
+        return pad_vocabulary(loaded, multiple)
     config = pad_config(model_config(cfg, vocab_size, seq_len), multiple)
     torch.manual_seed(seed)  # dropout draws from the global generator; the weights no longer do
     model = empty_model(config)
@@ -129,14 +135,37 @@ def pad_vocabulary(model: PreTrainedModel, multiple: int) -> PreTrainedModel:
              if name in (arch.token_table, "lm_head.weight") else value
              for name, value in model.state_dict().items()}
     padded.load_state_dict(state, assign=True)
+    arch.restore_buffers(padded, torch.device("cpu"))  # buffers outside the state dict (rotary tables) stay on meta
     if config.tie_word_embeddings:  # assign put two padded copies in place of the one shared matrix
         padded.lm_head.weight = arch.token_embedding(padded).weight
     _check_tied(padded)
     return padded
 
 
-def _pretrained(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len: int | None = None
-                ) -> GPT2LMHeadModel:
+def _from_folder(cfg: ModelConfig, folder: Path, vocab_size: int, seq_len: int | None) -> PreTrainedModel:
+    """A save_pretrained folder's model in float32 (precision is the trainer's), with gptpar's dropout and attention
+    settings; it must cover the tokenizer's ids. Never downloads: the folder is all there is."""
+    check_weights(folder)
+    check_context(seq_len, cfg)
+    arch = architecture(folder_shape(folder).arch)
+    config = arch.model_class.config_class.from_pretrained(str(folder), local_files_only=True)
+    for key in arch.dropout_keys:
+        setattr(config, key, cfg.dropout)
+    config.use_cache = False
+    if config.vocab_size < vocab_size:
+        raise GptparError(f"model.init=pretrained:{folder}: its token table has {config.vocab_size} rows, fewer than "
+                          f"the tokenizer's {vocab_size} ids; use the folder's own tokenizer (data.tokenizer=auto)")
+    transformers_logging.disable_progress_bar()  # a bar per load in every rank's log says nothing
+    try:
+        return arch.model_class.from_pretrained(str(folder), config=config, local_files_only=True,
+                                                dtype=torch.float32, attn_implementation="sdpa")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise GptparError(f"model.init=pretrained:{folder}: its weights cannot be loaded "
+                          f"({str(exc).splitlines()[0]})") from None
+
+
+def _hub_gpt2(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len: int | None = None
+              ) -> GPT2LMHeadModel:
     if cfg.preset not in HUB_NAMES:
         raise GptparError(f"model.init=pretrained needs model.preset in {', '.join(HUB_NAMES)}, "
                           f"got {cfg.preset!r}")

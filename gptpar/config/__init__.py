@@ -13,6 +13,7 @@ from gptpar.config.checks import (
     check_context,
     checkpoint_interval,
     checkpointed_indices,
+    data_config,
     example_width,
     fixed_width,
     profiled_steps,
@@ -57,8 +58,8 @@ __all__ = [
     "Config", "ConfigError",
     "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "TrainConfig",
     "apply_dict", "check_context", "checkpoint_interval", "checkpointed_indices", "config_digest",
-    "config_from_dict", "config_layers", "example_width", "fixed_width", "load_config", "nested", "overrides_tree",
-    "parse_override", "profiled_steps", "read_yaml", "readme_with_reference", "reference_markdown",
+    "config_from_dict", "config_layers", "data_config", "example_width", "fixed_width", "load_config", "nested",
+    "overrides_tree", "parse_override", "profiled_steps", "read_yaml", "readme_with_reference", "reference_markdown",
     "resolve_layers", "split_config_args", "to_yaml", "to_yaml_with_origins", "updated", "validate",
     "whole_compile_obstacle",
 ]

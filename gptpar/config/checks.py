@@ -4,8 +4,11 @@ and the values the rest of gptpar derives from validated keys."""
 
 from __future__ import annotations
 
-from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, ModelConfig, TrainConfig
+import dataclasses
+
+from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, TrainConfig
 from gptpar.errors import ConfigError
+from gptpar.model_folder import PREFIX, check_tokenizer, check_weights, folder_of
 from gptpar.presets import PRESETS
 from gptpar.strategies import STRATEGY_CHECKS
 from gptpar.strategies.data_parallel import DP_STRATEGIES
@@ -14,6 +17,9 @@ TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
 SFT_SAMPLE = "metamath_sample"  # the bundled MetaMathQA-style pairs (gptpar/data/samples)
 PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use model.init_device=meta; "
                       "use model.init_device=cpu or model.init=random")
+INITS = ("random", "pretrained", f"{PREFIX}PATH")
+TOKENIZERS = ("auto", "gpt2", "bpe", "bytes", f"{PREFIX}PATH")
+SHAPE_KEYS = ("arch", "n_layer", "n_embd", "n_head", "n_kv_head", "n_positions")  # what a folder's weights fix
 
 
 def validate(cfg: Config) -> None:
@@ -24,8 +30,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(
             f"train.batch_size={t.batch_size} does not divide by parallel.dp*train.grad_accum="
             f"{p.dp}*{t.grad_accum}; use a multiple of {per_step}")
-    if cfg.model.init == "pretrained" and cfg.model.init_device == "meta":
-        raise ConfigError(PRETRAINED_ON_META)
+    _check_weights_and_tokenizer(cfg)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
     if len(cfg.log.run_id) > RUN_ID_MAX:
@@ -41,6 +46,41 @@ def validate(cfg: Config) -> None:
         check(cfg)
     _validate_task(cfg)
     _check_example_fits(cfg)
+
+
+def _check_weights_and_tokenizer(cfg: Config) -> None:
+    """model.init and data.tokenizer name a known kind or a folder that holds what they read; a folder's weights fix
+    the shape (no size key may change it) and come with their own tokenizer."""
+    model, data = cfg.model, cfg.data
+    folder = folder_of(model.init)
+    if model.init not in INITS[:2] and folder is None:
+        raise ConfigError(f"model.init={model.init!r} is not allowed; use {', '.join(INITS)}")
+    if data.tokenizer not in TOKENIZERS[:-1] and folder_of(data.tokenizer) is None:
+        raise ConfigError(f"data.tokenizer={data.tokenizer!r} is not allowed; use {', '.join(TOKENIZERS)}")
+    if model.init != "random" and model.init_device == "meta":
+        raise ConfigError(PRETRAINED_ON_META)
+    if (tokenizer_folder := folder_of(data.tokenizer)) is not None:
+        check_tokenizer(tokenizer_folder, "data.tokenizer")
+    if folder is None:
+        return
+    model.shape()  # a missing folder, config.json or architecture first: the weights' check assumes a folder
+    defaults = ModelConfig()
+    changed = [key for key in SHAPE_KEYS if getattr(model, key) != getattr(defaults, key)]
+    if changed:
+        raise ConfigError(f"model.{changed[0]}={getattr(model, changed[0])}: the weights of model.init={model.init} "
+                          f"fix the model's shape; leave model.{changed[0]} unset")
+    check_weights(folder)
+    if data.tokenizer not in ("auto", model.init) and data.source != "synthetic":
+        raise ConfigError(f"data.tokenizer={data.tokenizer}: the weights of model.init={model.init} were trained "
+                          "with their folder's tokenizer; leave data.tokenizer=auto (it reads it)")
+    check_tokenizer(folder, "model.init")
+
+
+def data_config(cfg: Config) -> DataConfig:
+    """The data section as the model needs it: data.tokenizer=auto under a pretrained folder is the folder's."""
+    if cfg.data.tokenizer == "auto" and folder_of(cfg.model.init) is not None:
+        return dataclasses.replace(cfg.data, tokenizer=cfg.model.init)
+    return cfg.data
 
 
 def _check_shape(model: ModelConfig) -> None:
@@ -119,9 +159,10 @@ def _validate_task(cfg: Config) -> None:
     elif not d.source.startswith(TRANSLATION_SOURCES):
         raise ConfigError(f"data.task=translation reads pairs: data.source={d.source!r} is not allowed; use "
                           "jsonl:PATH, tsv:PATH or hf:NAME (e.g. hf:bbaaaa/iwslt14-de-en-preprocess)")
-    if cfg.model.init == "pretrained":
+    if cfg.model.init == "pretrained" or (d.task == "translation" and cfg.model.init != "random"):
+        folder = " or, for sft, a save_pretrained folder (model.init=pretrained:PATH) whose tokenizer frames the pairs"
         raise ConfigError(f"data.task={d.task} adds two tokens (<sep>, <eos>) to the vocabulary, which pretrained "
-                          "weights lack; use model.init=random")
+                          f"weights lack; use model.init=random{folder if d.task == 'sft' else ''}")
 
 
 def context_length(model: ModelConfig) -> int:
@@ -135,7 +176,7 @@ def check_context(seq_len: int | None, model: ModelConfig) -> None:
     that build a model without a validated config)."""
     n_positions = context_length(model)
     if seq_len is not None and seq_len > n_positions:
-        pretrained = model.init == "pretrained"
+        pretrained = model.init != "random"
         fix = "(pretrained weights fix the context length)" if pretrained else "or raise model.n_positions"
         raise ConfigError(f"data.seq_len={seq_len} is above model.n_positions={n_positions}, the model's "
                           f"context length; lower data.seq_len {fix}")

@@ -9,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from gptpar.model_folder import folder_of, folder_shape
 from gptpar.presets import ARCHS, PRESETS, ModelShape
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 from gptpar.strategies.schedules import SCHEDULES
@@ -52,14 +53,21 @@ class ModelConfig:
                          "the padded rows start at zero, their logits are -inf (never predicted, never in the loss, "
                          "no gradient), so losses equal the unpadded model's; exports cut the padding off. 1: no "
                          "padding beyond tp's.", min=1, max=65_536)
-    init: str = opt("random", "random: seeded random weights; pretrained: hub weights (needs the hub).",
-                    choices=("random", "pretrained"))
+    init: str = opt("random", "random: seeded random weights; pretrained: GPT-2's hub weights (model.preset a GPT-2 "
+                    "size; needs the hub or its cache); pretrained:PATH: a local folder written by transformers' "
+                    "save_pretrained (config.json, safetensors or pytorch_model.bin weights, its tokenizer), whose "
+                    "config fixes the shape (model.preset and the size keys then stay unset) and whose tokenizer "
+                    "data.tokenizer=auto reads.")
     init_device: str = opt("cpu", "Where the model is built: cpu builds it whole; meta builds it without memory and "
                            "lets each rank materialise only what it holds (its shard under parallel.dp_sync=fsdp), "
                            "seeded per parameter so the values equal a cpu build.", choices=("cpu", "meta"))
 
     def shape(self) -> ModelShape:
-        """The model's shape: the preset's with this section's overrides (the one place they are applied)."""
+        """The model's shape: a pretrained folder's, else the preset's with this section's overrides (the one place
+        they are applied)."""
+        folder = folder_of(self.init)
+        if folder is not None:
+            return folder_shape(folder)
         return PRESETS[self.preset].overridden(self.arch, self.n_layer, self.n_embd, self.n_head, self.n_positions,
                                                self.n_kv_head)
 
@@ -77,8 +85,9 @@ class DataConfig:
                       "en, or {\"translation\": {...}}) | tsv:TRAIN[,VALID[,TEST]] (de, a tab, en) | "
                       "hf:NAME[:CONFIG] (e.g. hf:bbaaaa/iwslt14-de-en-preprocess; its test split when it has one); "
                       "a TEST split is only decoded and scored (test_bleu).")
-    tokenizer: str = opt("auto", "auto: GPT-2 BPE from the hub, else a BPE trained on the corpus; "
-                         "gpt2; bpe; bytes (256 symbols).", choices=("auto", "gpt2", "bpe", "bytes"))
+    tokenizer: str = opt("auto", "auto: the model folder's under model.init=pretrained:PATH, else GPT-2 BPE from the "
+                         "hub, else a BPE trained on the corpus; gpt2; bpe; bytes (256 symbols); pretrained:PATH: the "
+                         "tokenizer of a save_pretrained folder (its chat template frames data.task=sft's pairs).")
     vocab_size: int = opt(4096, "Vocabulary of a trained BPE (and of synthetic data).", min=257,
                           max=16_777_216)
     seq_len: int = opt(128, "Tokens per example; a block holds seq_len + 1 tokens.", min=2,

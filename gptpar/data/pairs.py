@@ -1,8 +1,8 @@
 """Prompt/response pairs for the two pair tasks, read, tokenized, and served as `source <sep> target <eos>`:
 `data.task=translation` (German to English) and `data.task=sft` (instruction tuning on question/response pairs,
-MetaMathQA's `query` and `response` by default: data.prompt_field, data.response_field). The plain template is the
-same for both: the prompt's tokens, a separator, the response's tokens, an end token (gptpar's tokenizers have no
-chat template).
+MetaMathQA's `query` and `response` by default: data.prompt_field, data.response_field). gptpar.data.templates
+frames each pair: the plain template (the prompt's tokens, a separator, the response's tokens, an end token), or for
+sft the chat template of a save_pretrained folder's tokenizer (data.tokenizer=pretrained:PATH).
 
 Sources: `jsonl:TRAIN[,VALID[,TEST]]` (one object per line: translation's `{"de": ..., "en": ...}` or the hub's own
 `{"translation": {"de": ..., "en": ...}}`, sft's the two fields), for translation `tsv:TRAIN[,VALID[,TEST]]`
@@ -14,11 +14,12 @@ gptpar/data/samples). One local file is split by position: the last `data.val_fr
 error when too few pairs are left to train. A split without pairs fails naming its file, or the key that emptied
 it. A test split is optional: it is only decoded and scored (`test_bleu`), never trained or evaluated on.
 
-The tokenizer is the run's (`data.tokenizer`: GPT-2's, or a BPE trained on both sides of the training pairs);
-two ids past its vocabulary are reserved for <sep> and <eos>, so no text can be mistaken for them.
+The tokenizer is the run's (`data.tokenizer`: GPT-2's, a BPE trained on both sides of the training pairs, or a
+folder's); with gptpar's own, two ids past its vocabulary are reserved for <sep> and <eos>, so no text can be
+mistaken for them, and a folder's tokenizer brings its own end token.
 
-Labels are the inputs shifted by one, as for language modelling, with every position that predicts a source
-token or <sep> (and padding) set to IGNORE: the loss counts target tokens and <eos> only. Batches are padded on
+Labels are the inputs shifted by one, as for language modelling, with every position that predicts a prompt
+token (and padding) set to IGNORE: the loss counts the response's tokens and its end token only. Batches are padded on
 the right to their longest example, or to one fixed width where shapes must not vary (gptpar.config.fixed_width);
 causal attention means no real position ever sees the padding.
 """
@@ -38,6 +39,7 @@ from torch.utils.data import Dataset
 
 from gptpar.config import SFT_SAMPLE, DataConfig
 from gptpar.data.sources import cache_dir, hf_split, read_text_file, text_paths
+from gptpar.data.templates import end_tokens, frame
 from gptpar.data.tokenizer import Tokenizer, get_tokenizer
 from gptpar.errors import GptparError
 
@@ -171,29 +173,26 @@ def _held_out(pairs: list[Pair], val_fraction: float, two_files: str, path: str 
 
 
 class PairDataset(Dataset):
-    """Tokenized pairs, cut to the configured lengths; items are (inputs, labels) of one example."""
+    """Tokenized pairs framed by their template (gptpar.data.templates); items are (inputs, labels) of one example."""
 
     def __init__(self, pairs: list[Pair], tokenizer: Tokenizer, cfg: DataConfig):
-        self.sep, self.eos = tokenizer.vocab_size, tokenizer.vocab_size + 1
-        sources = tokenizer.encode_each([de for de, _ in pairs])
-        targets = tokenizer.encode_each([en for _, en in pairs])
-        self.sources = [ids[:cfg.max_source_len] for ids in sources]
-        self.targets = [ids[:cfg.max_target_len] for ids in targets]
-        self.references = [en.strip() for _, en in pairs]
+        self.prompts, self.responses = frame(pairs, tokenizer, cfg, f"data.tokenizer={cfg.tokenizer}")
+        self.eos = end_tokens(tokenizer)[1]
+        self.references = [response.strip() for _, response in pairs]
 
     def __len__(self) -> int:
-        return len(self.sources)
+        return len(self.prompts)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        source = self.sources[index]
-        ids = torch.from_numpy(np.concatenate([source, [self.sep], self.targets[index], [self.eos]]).astype(np.int64))
+        prompt = self.prompts[index]
+        ids = torch.from_numpy(np.concatenate([prompt, self.responses[index]]))
         labels = ids[1:].clone()
-        labels[:len(source)] = IGNORE  # the positions that predict source tokens and <sep>
+        labels[:len(prompt) - 1] = IGNORE  # the positions that predict the prompt's own tokens
         return ids[:-1], labels
 
     def prompt(self, index: int) -> list[int]:
-        """What decoding starts from: the source and <sep>."""
-        return [*self.sources[index].tolist(), self.sep]
+        """What decoding starts from."""
+        return self.prompts[index].tolist()
 
 
 def target_tokens(labels: torch.Tensor) -> int:
@@ -217,7 +216,7 @@ class PairData:
     train: PairDataset
     val: PairDataset
     tokenizer: Tokenizer
-    vocab_size: int  # the tokenizer's and <sep>, <eos>
+    vocab_size: int  # the tokenizer's, and <sep>, <eos> where the template adds them
     max_new_tokens: int  # what decoding may generate: max_target_len tokens and <eos>
     width: int | None = None  # every batch padded to it where shapes are fixed; None: to its longest example
     test: PairDataset | None = None  # the source's test split, only decoded and scored; None: it has none
@@ -231,7 +230,8 @@ class PairData:
         return pad_batch(examples, self.eos, self.width)
 
     def text(self, ids: Sequence[int]) -> str:
-        """Generated ids as text; <sep> or <eos> inside them (an untrained model emits anything) are dropped."""
+        """Generated ids as text; <sep> or <eos> inside them (an untrained model emits anything) are dropped, as are
+        a folder tokenizer's special tokens."""
         return self.tokenizer.decode([i for i in ids if i < self.tokenizer.vocab_size]).strip()
 
 
@@ -245,6 +245,7 @@ def load_pairs(cfg: DataConfig, width: int | None = None) -> PairData:
     with FileLock(str(tokenizers / ".lock")):
         both_sides = "\n".join(text for pair in pairs.train for text in pair)
         tokenizer = get_tokenizer(cfg, both_sides, tokenizers)
+    added = 2 if tokenizer.eos is None else 0  # <sep> and <eos>, or the tokenizer's own end token
     return PairData(PairDataset(pairs.train, tokenizer, cfg), PairDataset(pairs.val, tokenizer, cfg), tokenizer,
-                           tokenizer.vocab_size + 2, cfg.max_target_len + 1, width,
-                           PairDataset(pairs.test, tokenizer, cfg) if pairs.test is not None else None, pairs.capped)
+                    tokenizer.vocab_size + added, cfg.max_target_len + 1, width,
+                    PairDataset(pairs.test, tokenizer, cfg) if pairs.test is not None else None, pairs.capped)

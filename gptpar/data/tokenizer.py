@@ -1,4 +1,6 @@
-"""Tokenizers: GPT-2's BPE from the hub when it can be had, else one trained here, or raw bytes."""
+"""Tokenizers: GPT-2's BPE from the hub when it can be had, else one trained here, raw bytes, or the tokenizer of a
+save_pretrained folder (data.tokenizer=pretrained:PATH, which model.init=pretrained:PATH implies) with its own end
+token and chat template."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from gptpar.atomic import atomic_write_text
 from gptpar.config import DataConfig
 from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
+from gptpar.model_folder import folder_of, tokenizer_digest
 
 
 class EachEncoder(Protocol):
@@ -24,12 +27,20 @@ class Decoder(Protocol):
     def __call__(self, ids: Sequence[int]) -> str: ...
 
 
+class ChatRenderer(Protocol):
+    """A conversation as the chat template writes it; with `generation_prompt`, ready for the assistant's turn."""
+
+    def __call__(self, messages: list[dict[str, str]], generation_prompt: bool) -> str: ...
+
+
 @dataclass
 class Tokenizer:
     name: str  # identifies the vocabulary in cache keys
     vocab_size: int
     encode_each: EachEncoder  # one int32 array per text: translation keeps its sentences apart
-    decode: Decoder  # ids below vocab_size back to text (BLEU scores detokenized output)
+    decode: Decoder  # ids below vocab_size back to text (BLEU scores detokenized output), without special tokens
+    eos: int | None = None  # its own end token (a folder's); None: the pair tasks add <sep> and <eos> past the vocab
+    chat: ChatRenderer | None = None  # a folder's chat template, when it has one
 
     def encode(self, text: str) -> np.ndarray:
         """A corpus, encoded by lines: the Rust tokenizer parallelises a batch and never sees a huge string."""
@@ -46,13 +57,36 @@ def bytes_tokenizer() -> Tokenizer:
     return Tokenizer("bytes", 256, encode_each, decode)
 
 
-def _from_hf_tokenizer(name: str, hf_tokenizer) -> Tokenizer:
+def _from_hf_tokenizer(name: str, hf_tokenizer, eos: int | None = None, chat: ChatRenderer | None = None
+                       ) -> Tokenizer:
+    """A `tokenizers` tokenizer; no special tokens are added to text (a Llama tokenizer's BOS on every line)."""
     def encode_each(texts: list[str]) -> list[np.ndarray]:
-        return [np.asarray(enc.ids, dtype=np.int32) for enc in hf_tokenizer.encode_batch(texts)] if texts else []
+        encodings = hf_tokenizer.encode_batch(texts, add_special_tokens=False) if texts else []
+        return [np.asarray(enc.ids, dtype=np.int32) for enc in encodings]
 
     def decode(ids: Sequence[int]) -> str:
         return hf_tokenizer.decode(list(ids))
-    return Tokenizer(name, hf_tokenizer.get_vocab_size(), encode_each, decode)
+    return Tokenizer(name, hf_tokenizer.get_vocab_size(), encode_each, decode, eos, chat)
+
+
+def pretrained_tokenizer(folder: Path) -> Tokenizer:
+    """A save_pretrained folder's tokenizer (read with transformers, never downloaded), named by its files' hash so
+    caches follow its content; its end token must be set, since the pair tasks end every response with it."""
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise GptparError(f"data.tokenizer=pretrained:{folder}: the tokenizer cannot be loaded "
+                          f"({str(exc).splitlines()[0]})") from None
+    if hf.eos_token_id is None:
+        raise GptparError(f"data.tokenizer=pretrained:{folder}: the tokenizer has no end token (eos_token in "
+                          "tokenizer_config.json), which ends every response; set one")
+    chat = None
+    if hf.chat_template:
+        def chat(messages: list[dict[str, str]], generation_prompt: bool) -> str:
+            return hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return _from_hf_tokenizer(f"pretrained-{tokenizer_digest(folder)}", hf.backend_tokenizer, hf.eos_token_id, chat)
 
 
 def gpt2_tokenizer(timeout_s: float) -> Tokenizer | None:
@@ -92,6 +126,8 @@ def trained_bpe(train_text: str, vocab_size: int, cache_dir: Path) -> Tokenizer:
 
 
 def get_tokenizer(cfg: DataConfig, train_text: str, cache_dir: Path) -> Tokenizer:
+    if (folder := folder_of(cfg.tokenizer)) is not None:
+        return pretrained_tokenizer(folder)
     if cfg.tokenizer == "bytes":
         return bytes_tokenizer()
     if cfg.tokenizer in ("auto", "gpt2"):

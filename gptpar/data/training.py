@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from gptpar.config import PAIR_TASKS, Config, fixed_width
+from gptpar.config import PAIR_TASKS, Config, data_config, fixed_width
 from gptpar.data.blocks import BlockDataset
 from gptpar.data.corpus import load_tokens
 from gptpar.data.pairs import PairData, load_pairs
@@ -27,10 +27,11 @@ class TrainingData:
 
 
 def load_training_data(cfg: Config) -> TrainingData:
-    if cfg.data.task in PAIR_TASKS:
-        data = load_pairs(cfg.data, fixed_width(cfg))
+    data_cfg = data_config(cfg)
+    if data_cfg.task in PAIR_TASKS:
+        data = load_pairs(data_cfg, fixed_width(cfg))
         return TrainingData(data.train, data.val, data.collate, data.vocab_size, data.tokenizer.name, data)
-    tokens = load_tokens(cfg.data)
+    tokens = load_tokens(data_cfg)
     return TrainingData(BlockDataset(tokens.train, cfg.data.seq_len, "train"),
                         BlockDataset(tokens.val, cfg.data.seq_len, "validation"), None, tokens.vocab_size,
                         tokens.tokenizer)

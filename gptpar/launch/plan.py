@@ -13,9 +13,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpar.config import Config, ConfigError, updated
+from gptpar.config import Config, ConfigError, data_config, updated
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
+from gptpar.model_folder import PREFIX, folder_of
 from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
 from gptpar.run.folder import RunFolder
 from gptpar.run.start import JobState, named_run, write_folder
@@ -98,6 +99,9 @@ def absolute_paths(cfg: Config) -> dict[str, str]:
     (local processes) or wherever a job starts, so a relative path would name another file there."""
     kind, _, files = cfg.data.source.partition(":")
     paths = {"data.dir": _absolute(cfg.data.dir), "train.dump_grads": _absolute(cfg.train.dump_grads)}
+    for key, setting in (("model.init", cfg.model.init), ("data.tokenizer", cfg.data.tokenizer)):
+        if (folder := folder_of(setting)) is not None:
+            paths[key] = PREFIX + _absolute(str(folder))
     if kind in FILE_SOURCES and files:
         paths["data.source"] = f"{kind}:" + ",".join(_absolute(p.strip()) for p in files.split(",") if p.strip())
     return paths
@@ -113,8 +117,8 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
         cfg = shaped(cfg, kind)
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
     cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point")
-    cfg = updated(cfg, {"log.runs_dir": str(root), **absolute_paths(cfg),
-                        "data.tokenizer": resolve_tokenizer_choice(cfg.data)})
+    cfg = updated(cfg, {"log.runs_dir": str(root), **absolute_paths(cfg)})
+    cfg = updated(cfg, {"data.tokenizer": resolve_tokenizer_choice(data_config(cfg))})
     if write:
         write_folder(folder, cfg, start_over, job_state)
     return Point(cfg, folder)

@@ -42,6 +42,7 @@ class Architecture(ABC):
     in_block_init: dict[str, str]  # name inside a block -> init kind
     config_of: Callable[[ModelShape, int, float], PretrainedConfig] = field(repr=False)
     restored_buffers: str = ""  # the module whose buffers `restore_buffers` re-creates (the rotary tables)
+    dropout_keys: tuple[str, ...] = ()  # the config's dropout rates, which model.dropout sets on loaded weights too
 
     # --- where things are ---------------------------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:

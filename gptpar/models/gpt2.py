@@ -102,4 +102,5 @@ GPT2 = GPT2Architecture(
                    "mlp.c_fc.weight": "normal", "mlp.c_fc.bias": "zeros",
                    "mlp.c_proj.weight": "residual", "mlp.c_proj.bias": "zeros"},
     config_of=gpt2_config,
+    dropout_keys=("resid_pdrop", "embd_pdrop", "attn_pdrop"),
 )

@@ -99,7 +99,8 @@ def _family(name: str, title: str, model_class: type, config_of, biases: bool) -
         name=name, title=title, model_class=model_class, body="model", embedding="embed_tokens", layers="layers",
         final_norm="norm",
         top_level_init={"model.embed_tokens.weight": "normal", "model.norm.weight": "ones", "lm_head.weight": "normal"},
-        in_block_init=in_block, config_of=config_of, restored_buffers=f"model.{ROTARY}")
+        in_block_init=in_block, config_of=config_of, restored_buffers=f"model.{ROTARY}",
+        dropout_keys=("attention_dropout",))
 
 
 LLAMA = _family("llama", "Llama", LlamaForCausalLM, llama_config, biases=False)

@@ -344,7 +344,7 @@ class Trainer:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
         layout = " x ".join(f"{dim}={n}" for dim, n in self.dims.sizes.items())
         g = self.model_config
-        table = f", token table padded to {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
+        table = f", token table of {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
                 f"{architecture(g).title} of {self.n_params:,} parameters ({g.num_hidden_layers} layers, width "
                 f"{g.hidden_size}, {g.num_attention_heads} heads); "

@@ -67,9 +67,11 @@ def test_fields_are_configurable_and_a_missing_one_is_one_line(tmp_path: Path) -
 def test_the_loss_counts_response_tokens_and_the_end_only() -> None:
     data = load_pairs(load_config(None, SFT).data)
     x, y = data.train[0]
-    prompt, response = data.train.sources[0].tolist(), data.train.targets[0].tolist()
-    assert x.tolist() == [*prompt, data.train.sep, *response]  # the plain template: prompt <sep> response
-    assert y.tolist() == [IGNORE] * len(prompt) + [*response, data.eos]
+    prompt, response = data.train.prompts[0].tolist(), data.train.responses[0].tolist()
+    sep, eos = data.tokenizer.vocab_size, data.tokenizer.vocab_size + 1
+    assert prompt[-1] == sep and response[-1] == eos == data.eos  # the plain template: prompt <sep> response <eos>
+    assert x.tolist() == [*prompt, *response[:-1]]
+    assert y.tolist() == [IGNORE] * (len(prompt) - 1) + response
     assert data.text(response) == data.train.references[0]
 
 

@@ -156,15 +156,16 @@ def test_examples_mask_the_source_and_padding(corpus: str) -> None:
     assert data.test is not None and data.test.references[0] == toy_pairs(1, seed=1)[0][1]
     assert data.vocab_size == data.tokenizer.vocab_size + 2 and data.eos == data.vocab_size - 1
     (x0, y0), (x1, y1) = data.train[0], data.train[1]
-    source, target = data.train.sources[0].tolist(), data.train.targets[0].tolist()
-    assert x0.tolist() == [*source, data.train.sep, *target]
-    assert y0.tolist() == [IGNORE] * len(source) + [*target, data.eos]  # <sep> and source tokens are not predicted
+    source, target = data.tokenizer.encode_each([toy_pairs(1)[0][0]])[0].tolist(), data.train.responses[0].tolist()
+    assert data.train.prompts[0].tolist() == [*source, data.eos - 1]  # the source, then <sep>
+    assert x0.tolist() == [*source, data.eos - 1, *target[:-1]] and target[-1] == data.eos
+    assert y0.tolist() == [IGNORE] * len(source) + target  # <sep> and source tokens are not predicted
     assert data.text(target) == data.train.references[0] == toy_pairs(1)[0][1]
     x, y = data.collate([(x0, y0), (x1, y1)])
     assert x.shape == y.shape == (2, max(len(x0), len(x1)))
     short = 0 if len(x0) < len(x1) else 1
     assert (y[short, len((x0, x1)[short]):] == IGNORE).all()  # padding
-    assert target_tokens(y) == sum(len(t) + 1 for t in data.train.targets[:2])  # targets and <eos>
+    assert target_tokens(y) == sum(len(t) for t in data.train.responses[:2])  # targets and <eos>
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
