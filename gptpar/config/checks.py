@@ -45,6 +45,7 @@ def validate(cfg: Config) -> None:
     for check in STRATEGY_CHECKS:
         check(cfg)
     _validate_task(cfg)
+    _check_packing(cfg)
     _check_example_fits(cfg)
 
 
@@ -165,6 +166,22 @@ def _validate_task(cfg: Config) -> None:
                           f"weights lack; use model.init=random{folder if d.task == 'sft' else ''}")
 
 
+def _check_packing(cfg: Config) -> None:
+    """Packed rows carry their examples' position ids and mask into the model's own forward, which only layouts that
+    run the model whole call."""
+    d, p = cfg.data, cfg.parallel
+    if not d.packing:
+        return
+    if d.task not in PAIR_TASKS:
+        raise ConfigError(f"data.packing=true packs pair examples; data.task={d.task} trains on blocks that are full "
+                          "already; use data.task=sft or translation, or data.packing=false")
+    split = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.tp", p.tp) if p.tp > 1 else \
+        ("parallel.pp_mode", p.pp_mode) if p.pp_mode != "single" else None
+    if split is not None:
+        raise ConfigError(f"data.packing=true needs the model run whole, which {split[0]}={split[1]} splits; use "
+                          "data.packing=false there")
+
+
 def context_length(model: ModelConfig) -> int:
     """The model's positions: model.n_positions (0: the preset's); pretrained weights fix the preset's."""
     shape = model.shape()
@@ -208,9 +225,10 @@ def example_width(cfg: Config) -> int:
 
 def fixed_width(cfg: Config) -> int | None:
     """The width every translation batch is padded to where shapes must not vary from batch to batch: under the
-    multi-process pipeline (its stages allocate receive buffers from the shape) and sequence parallelism (equal
-    shards); None elsewhere, where each batch is padded to its longest example, and for lm (blocks of one width)."""
+    multi-process pipeline (its stages allocate receive buffers from the shape), sequence parallelism (equal
+    shards) and packing (the rows' width); None elsewhere, where each batch is padded to its longest example, and
+    for lm (blocks of one width)."""
     p = cfg.parallel
-    fixed = cfg.data.task in PAIR_TASKS and (p.pp > 1 or (p.tp > 1 and p.sequence_parallel))
+    fixed = cfg.data.task in PAIR_TASKS and (p.pp > 1 or (p.tp > 1 and p.sequence_parallel) or cfg.data.packing)
     return example_width(cfg) if fixed else None
 

@@ -104,6 +104,11 @@ class DataConfig:
                               max=1_048_576)
     max_target_len: int = opt(64, "data.task=translation: target tokens kept per pair (then the end token), and the "
                               "most tokens greedy decoding generates before it.", min=1, max=1_048_576)
+    packing: bool = opt(False, "data.task=translation or sft: pack several examples into each row of the longest "
+                        "example's width, none attending to another (position ids restart per example, a "
+                        "block-diagonal causal mask), so rows carry less padding; the loss is the unpacked examples'. "
+                        "For layouts that run the model whole (one process and every parallel.dp_sync), not "
+                        "parallel.pp > 1, parallel.tp > 1 or the one-process pipelines.")
     val_fraction: float = opt(0.1, "Share of the corpus held out for validation.", min=0.0, max=0.5)
     max_chars: int = opt(2_000_000, "Characters of text read from the corpus; 0 reads all.", min=0)
     synthetic_tokens: int = opt(1_000_000, "Corpus length of the synthetic source.", min=1000,

@@ -1,6 +1,6 @@
 """What a run trains and validates on, whatever the task: language modelling's blocks of seq_len + 1 tokens, or
-the pair tasks' (translation, sft) pairs (padded per batch, to one width where shapes are fixed, the loss on target
-tokens only)."""
+the pair tasks' (translation, sft) pairs (padded per batch, to one width where shapes are fixed, packed several to
+a row with data.packing, the loss on target tokens only)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from torch.utils.data import Dataset
 from gptpar.config import PAIR_TASKS, Config, data_config, fixed_width
 from gptpar.data.blocks import BlockDataset
 from gptpar.data.corpus import load_tokens
+from gptpar.data.packing import PackedPairs, stack_packed
 from gptpar.data.pairs import PairData, load_pairs
 
 
@@ -30,6 +31,10 @@ def load_training_data(cfg: Config) -> TrainingData:
     data_cfg = data_config(cfg)
     if data_cfg.task in PAIR_TASKS:
         data = load_pairs(data_cfg, fixed_width(cfg))
+        if data_cfg.packing:
+            width = fixed_width(cfg)
+            return TrainingData(PackedPairs(data.train, width, data.eos), PackedPairs(data.val, width, data.eos),
+                                stack_packed, data.vocab_size, data.tokenizer.name, data)
         return TrainingData(data.train, data.val, data.collate, data.vocab_size, data.tokenizer.name, data)
     tokens = load_tokens(data_cfg)
     return TrainingData(BlockDataset(tokens.train, cfg.data.seq_len, "train"),

@@ -9,7 +9,7 @@ name); adding a decoder of the same shape is a table entry in llama.py, a new fa
 from __future__ import annotations
 
 from gptpar.errors import GptparError
-from gptpar.models.base import Architecture, find_model
+from gptpar.models.base import Architecture, find_model, packed_attention
 from gptpar.models.gpt2 import GPT2
 from gptpar.models.llama import LLAMA, QWEN2
 
@@ -25,4 +25,4 @@ def architecture(of: object) -> Architecture:
     return ARCHITECTURES[name]
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "architecture", "find_model"]
+__all__ = ["ARCHITECTURES", "Architecture", "architecture", "find_model", "packed_attention"]

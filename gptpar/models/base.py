@@ -18,6 +18,15 @@ from gptpar.errors import GptparError
 from gptpar.presets import ModelShape
 
 
+def packed_attention(positions: torch.Tensor) -> torch.Tensor:
+    """The (batch, 1, T, T) boolean mask of packed rows (data.packing): causal within each example (a new one starts
+    where the position id is 0), nothing across them. transformers takes a 4-d mask as it is, in every family."""
+    example = (positions == 0).cumsum(dim=1)
+    same = example[:, :, None] == example[:, None, :]
+    causal = torch.ones(positions.size(1), positions.size(1), dtype=torch.bool, device=positions.device).tril()
+    return (same & causal)[:, None]
+
+
 def find_model(module: nn.Module) -> PreTrainedModel:
     """The transformers model inside whatever wraps it (a pipeline's one-process wrapper, FSDP, DDP)."""
     found = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.profiler import record_function
 from transformers import PreTrainedModel
 
@@ -51,7 +52,7 @@ from gptpar.train.progress import Progress, peak_memory_bytes
 from gptpar.train.recompute import compile_mode, loss_kernel
 from gptpar.train.step_records import PendingStep, PendingSteps, StepClock, sync_every
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, ...]  # inputs, labels, and the position ids of packed rows (data.packing)
 
 
 class Trainer:
@@ -123,8 +124,7 @@ class Trainer:
             return
         ahead: list[Batch] | None = None
         for chunk in steps:
-            on_device = [(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
-                         for x, y in chunk]
+            on_device = [tuple(t.pin_memory().to(device, non_blocking=True) for t in batch) for batch in chunk]
             if ahead is not None:
                 yield ahead
             ahead = on_device
@@ -150,7 +150,7 @@ class Trainer:
 
     def _target_share(self, micro_batches: list[Batch]) -> float:
         """N / R: the step's target tokens on all R replicas (one small all-reduce), per replica."""
-        return self._dp_sum(sum(target_tokens(y) for _, y in micro_batches))[0] / self.dims.size("dp")
+        return self._dp_sum(sum(target_tokens(batch[1]) for batch in micro_batches))[0] / self.dims.size("dp")
 
     def _loss_divisors(self, micro_batches: list[Batch]) -> list[float]:
         """What each micro-batch's mean loss is divided by so that the step's gradient, once the sync has averaged
@@ -161,7 +161,7 @@ class Trainer:
         if self.pairs is None:
             return [len(micro_batches)] * len(micro_batches)
         share = self._target_share(micro_batches)
-        return [share / target_tokens(y) for _, y in micro_batches]
+        return [share / target_tokens(batch[1]) for batch in micro_batches]
 
     def _chunk_weight(self, micro_batches: list[Batch]) -> Weight | None:
         """`_loss_divisors` for the pipeline engine, which cuts micro-batches into chunks of its own: None (equal
@@ -181,15 +181,20 @@ class Trainer:
                 return torch.tensor(self.net.train_step(micro_batches, precision.loss_scale, precision.autocast,
                                                         self._chunk_weight(micro_batches)), dtype=torch.float64)
         losses, divisors = [], self._loss_divisors(micro_batches)
-        for i, (x, y) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context():
                 with record_function("forward"), precision.autocast():
-                    logits = self.sync.module(x.to(self.net.input_device, non_blocking=True))
-                    loss = self.loss_fn(logits, y.to(logits.device, non_blocking=True)) / divisors[i]
+                    logits = self._logits(self.sync.module, batch)
+                    loss = self.loss_fn(logits, batch[1].to(logits.device, non_blocking=True)) / divisors[i]
                 with record_function("backward"):
                     precision.scale(loss).backward()
             losses.append(loss.detach())
         return torch.stack(losses).double().sum()
+
+    def _logits(self, module: nn.Module, batch: Batch) -> torch.Tensor:
+        """The batch's logits from `module` (the net, or the sync's wrapper of it); packed rows bring their position
+        ids, which the model also masks attention with."""
+        return module(*(t.to(self.net.input_device, non_blocking=True) for t in (batch[0], *batch[2:])))
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on the step's micro-batches: the learning rate, forward and backward, the sync, the
@@ -255,10 +260,10 @@ class Trainer:
                 weight = target_tokens if self.pairs is not None else by_rows
                 losses = [self.net.eval_loss(x, y, weight) for x, y in batches]
             else:
-                losses = [self.loss_fn(logits := self.net(x.to(self.net.input_device)), y.to(logits.device)).item()
-                          for x, y in batches]
+                losses = [self.loss_fn(logits := self._logits(self.net, batch), batch[1].to(logits.device)).item()
+                          for batch in batches]
         if self.pairs is not None:
-            counts = [target_tokens(y) for _, y in batches]
+            counts = [target_tokens(batch[1]) for batch in batches]
             loss_sum, count = self._dp_sum(sum(loss * n for loss, n in zip(losses, counts, strict=True)), sum(counts))
             return loss_sum / count
         return self._dp_mean(sum(losses) / len(losses))
@@ -390,7 +395,7 @@ class Trainer:
         global_loss = self._dp_reduce(loss.to(device, torch.float64, copy=True)) / self.dims.size("dp")
         clock.stop()
         self.step += 1
-        tokens = sum(x.numel() for x, _ in micro_batches)  # positions run, translation's padding too
+        tokens = sum(batch[0].numel() for batch in micro_batches)  # positions run, translation's padding too
         pipeline = self.net.step_fields() if self.pipeline else {}
         fields = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"],
                       skipped=self.precision.skipped, loss_scale=self.precision.step_scale, tokens=tokens,

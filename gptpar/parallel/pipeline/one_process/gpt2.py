@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
-from gptpar.models import architecture
+from gptpar.models import architecture, packed_attention
 from gptpar.parallel.pipeline.cuts import balanced_sizes, untie_lm_head
 from gptpar.parallel.pipeline.one_process.pipe import ModelParallel, Pipe, micro_batch_size
 
@@ -122,9 +122,15 @@ class ParallelGPT2(nn.Module):
         as the multi-process engine's `original_parameters()` gives them."""
         return dict(self.gpt2.named_parameters())
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions`: the position ids of packed rows (data.packing, single mode only), which also mask attention
+        between their examples."""
         if self.mode == "single":
-            return self.model(input_ids.to(self.input_device)).logits
+            if positions is None:
+                return self.model(input_ids.to(self.input_device)).logits
+            positions = positions.to(self.input_device)
+            return self.model(input_ids.to(self.input_device), position_ids=positions,
+                              attention_mask=packed_attention(positions)).logits
         if self.mode == "pipeline_parallel":
             rows = micro_batch_size(input_ids.size(0), self.chunks) if self.split_size is None else None
             return self.runner(input_ids, split_size=rows)  # None: the Pipe's own split_size
