@@ -30,8 +30,8 @@ from transformers.utils import logging as transformers_logging
 from gptpar.config import PRETRAINED_ON_META, ModelConfig, check_context
 from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
-from gptpar.model_folder import check_weights, folder_of, folder_shape
 from gptpar.models import architecture, find_model
+from gptpar.pretrained import check_weights, folder_of, folder_shape
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 INIT_DEVICES = ("cpu", "meta")

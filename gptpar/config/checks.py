@@ -8,8 +8,8 @@ import dataclasses
 
 from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, TrainConfig
 from gptpar.errors import ConfigError
-from gptpar.model_folder import PREFIX, check_tokenizer, check_weights, folder_of
 from gptpar.presets import PRESETS
+from gptpar.pretrained import PREFIX, check_tokenizer, check_weights, folder_of
 from gptpar.strategies import STRATEGY_CHECKS
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 

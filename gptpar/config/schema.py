@@ -9,8 +9,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptpar.model_folder import folder_of, folder_shape
 from gptpar.presets import ARCHS, PRESETS, ModelShape
+from gptpar.pretrained import folder_of, folder_shape
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 from gptpar.strategies.schedules import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS

@@ -16,7 +16,7 @@ from gptpar.atomic import atomic_write_text
 from gptpar.config import DataConfig
 from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
-from gptpar.model_folder import folder_of, tokenizer_digest
+from gptpar.pretrained import folder_of, tokenizer_digest
 
 
 class EachEncoder(Protocol):

@@ -16,8 +16,8 @@ from pathlib import Path
 from gptpar.config import Config, ConfigError, data_config, updated
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
-from gptpar.model_folder import PREFIX, folder_of
 from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
+from gptpar.pretrained import PREFIX, folder_of
 from gptpar.run.folder import RunFolder
 from gptpar.run.start import JobState, named_run, write_folder
 

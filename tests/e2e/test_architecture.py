@@ -99,7 +99,7 @@ FLOORS = (
     ("gptpar", "gptpar.errors", "gptpar.paths", "gptpar.presets", "gptpar.markdown", "gptpar.atomic", "gptpar.hub",
      "gptpar.snapshot",
      "gptpar.tensor_bytes"),
-    ("gptpar.strategies",),
+    ("gptpar.strategies", "gptpar.pretrained"),
     ("gptpar.config",),
     ("gptpar.data", "gptpar.model", "gptpar.models", "gptpar.run", "gptpar.parallel"),
     ("gptpar.train", "gptpar.pipeline"),

@@ -71,8 +71,13 @@ CLUSTER_ONLY = [
     ".venv/bin/gptpar submit pp --gpus 4 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
     'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
 ]
-# Commands that need the Hugging Face hub (tests/data/test_translation.py runs the same keys on a local fixture).
+# Commands that need the Hugging Face hub (tests/data/test_translation.py runs the same keys on a local fixture; the
+# pretrained folder's, tests/model/test_pretrained_folder.py on folders it writes with save_pretrained).
 NEEDS_HUB = [
+    ".venv/bin/python -c \"from huggingface_hub import snapshot_download; snapshot_download("
+    "'Qwen/Qwen2.5-0.5B-Instruct', local_dir='models/qwen2.5-0.5b-instruct')\"",
+    ".venv/bin/gptpar submit dp --gpus 4 model.init=pretrained:models/qwen2.5-0.5b-instruct data.task=sft "
+    "data.source=metamath_sample",
     ".venv/bin/gptpar train data.task=translation data.source=hf:bbaaaa/iwslt14-de-en-preprocess data.max_chars=0 "
     "model.preset=gpt2-mini train.epochs=10 train.batch_size=64",
 ]

@@ -1,4 +1,4 @@
-"""A local model folder (`model.init=pretrained:PATH`): what transformers' `save_pretrained` writes, read here
+"""A pretrained model folder (`model.init=pretrained:PATH`): what transformers' `save_pretrained` writes, read here
 without torch, so the config checks, the planner's counts and the submit side see the folder's shape before any rank
 loads its weights. Compute nodes have no internet: the folder is fetched once on a login node (README), and nothing
 here or in the loader downloads.
