@@ -1,10 +1,11 @@
 """model.init=pretrained:PATH: a save_pretrained folder's weights and tokenizer, offline.
 
-Two folders written here with transformers itself: a Qwen2 (tied head) whose tokenizer has a chat template, and a
-Llama (untied head) whose tokenizer has none. In-process: the config's shape is the folder's, the weights load
-unchanged, sft pairs are framed by the chat template (or the plain template with the folder's end token), a long
-question is cut to fit, the submit side makes the folder absolute, and bad folders or settings are one line. On
-the shared gloo pool: sft from the Qwen2 folder under tensor parallelism and fsdp2 trains like one process.
+Folders written here with transformers itself: a Qwen2 (tied head) whose tokenizer has a chat template, and a
+Llama (untied head) whose tokenizer has none, whole and as safetensors shards with their index. In-process: the
+config's shape is the folder's, the weights load unchanged, sft pairs are framed by the chat template (or the plain
+template with the folder's end token), a long question is cut to fit, the submit side makes the folder absolute,
+and bad folders or settings are one line. On the shared gloo pool: sft from the Qwen2 folder under tensor
+parallelism and fsdp2 trains like one process.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 SFT = ["data.task=sft", "data.source=metamath_sample", "data.max_source_len=48", "data.max_target_len=32"]
 
 
-def _save_folder(folder: Path, family: str) -> Path:
+def _save_folder(folder: Path, family: str, shards: bool = False) -> Path:
     """A tiny model of `family` with a BPE trained on the bundled sample: qwen2 with a chat template whose end of
-    turn is the end token, llama without one."""
+    turn is the end token, llama without one; `shards`: safetensors shards with their index."""
     text = (SAMPLES / "metamath_sample.ndjson").read_text()
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -57,7 +58,7 @@ def _save_folder(folder: Path, family: str) -> Path:
     else:
         PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
         model = LlamaForCausalLM(LlamaConfig(vocab_size=400, tie_word_embeddings=False, **SHAPE))
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, max_shard_size="40KB" if shards else "5GB")
     return folder
 
 
@@ -65,16 +66,20 @@ def _save_folder(folder: Path, family: str) -> Path:
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("folders")
-    return {family: _save_folder(root / family, family) for family in ("qwen2", "llama")}
+    folders = {family: _save_folder(root / family, family) for family in ("qwen2", "llama")}
+    return {**folders, "llama-shards": _save_folder(root / "llama-shards", "llama", shards=True)}
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("folder", ["qwen2", "llama", "llama-shards"])
 def test_the_config_has_the_folders_shape_and_the_weights_load_unchanged(folders: dict[str, Path],
-                                                                         family: str) -> None:
-    cfg = load_config(None, [f"model.init=pretrained:{folders[family]}"])
+                                                                         folder: str) -> None:
+    family = folder.split("-")[0]
+    if folder.endswith("shards"):
+        assert len(list(folders[folder].glob("model-*-of-*.safetensors"))) > 1
+    cfg = load_config(None, [f"model.init=pretrained:{folders[folder]}"])
     assert cfg.model.shape() == ModelShape(family, 2, 32, 4, 128, n_kv_head=2, n_inner=64, tied=family == "qwen2")
     model = build_model(cfg.model, 400, seed=1, seq_len=64)
-    saved = type(model).from_pretrained(folders[family])
+    saved = type(model).from_pretrained(folders[folder])
     assert model.state_dict().keys() == saved.state_dict().keys()
     for name, value in model.state_dict().items():  # llama's 400 rows are padded to 448 (model.pad_vocab), with zeros
         rows = saved.state_dict()[name].size(0)
