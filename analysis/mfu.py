@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gptpar.config import checkpoint_interval, checkpointed_indices
+from gptpar.config import ConfigError, checkpoint_interval, checkpointed_indices
 from gptpar.presets import PRESETS, ModelShape
+from gptpar.pretrained import folder_of, folder_shape
 
 DATASHEETS = "NVIDIA datasheets, dense Tensor Core peaks (without sparsity); fp32 is the non-Tensor-Core peak"
 # Dense peak FLOP/s per GPU, by a fragment of the lower-cased device name (first match wins, so the
@@ -55,11 +56,19 @@ class Shape:
     recomputed_blocks: int = 0  # blocks whose forward activation checkpointing runs twice
 
 
-def model_shape(params: dict[str, Any], vocab_size: int) -> Shape:
-    """The shape of a flattened resolved config (the preset with its overrides) and its vocabulary."""
-    preset = PRESETS[params.get("model.preset", "gpt2-tiny")]
-    model = preset.overridden(str(params.get("model.arch", "auto")), *(int(params.get(f"model.{key}") or 0) for key in
-                              ("n_layer", "n_embd", "n_head", "n_positions", "n_kv_head")))
+def model_shape(params: dict[str, Any], vocab_size: int) -> Shape | None:
+    """The shape of a flattened resolved config (a pretrained folder's, else the preset with its overrides) and its
+    vocabulary; None when the run's pretrained folder can no longer be read (no FLOPs rather than a guess)."""
+    folder = folder_of(str(params.get("model.init", "random")))
+    if folder is None:
+        preset = PRESETS[params.get("model.preset", "gpt2-tiny")]
+        model = preset.overridden(str(params.get("model.arch", "auto")), *(int(params.get(f"model.{key}") or 0)
+                                  for key in ("n_layer", "n_embd", "n_head", "n_positions", "n_kv_head")))
+    else:
+        try:
+            model = folder_shape(folder)
+        except ConfigError:
+            return None
     every = checkpoint_interval(str(params.get("train.activation_checkpointing", "none")))
     return Shape(model, params.get("data.seq_len", 128), vocab_size,
                  len(checkpointed_indices(model.n_layer, every)))

@@ -27,6 +27,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from analysis.mfu import model_shape
 from gptpar.config import ConfigError, data_config, load_config
 from gptpar.data.pairs import IGNORE, SAMPLES, load_pairs, read_pairs
 from gptpar.errors import GptparError
@@ -131,6 +132,13 @@ def test_submitting_makes_the_folder_absolute_for_the_ranks(folders: dict[str, P
     cfg = load_config(None, ["model.init=pretrained:qwen2", *SFT, f"log.runs_dir={tmp_path}"])
     planned = plan_run(cfg, write=False).cfg
     assert planned.model.init == planned.data.tokenizer == f"pretrained:{folders['qwen2']}"
+
+
+def test_the_reports_flops_count_the_folders_shape(folders: dict[str, Path], tmp_path: Path) -> None:
+    params = {"model.init": f"pretrained:{folders['llama']}", "model.preset": "gpt2-tiny", "data.seq_len": 64}
+    shape = model_shape(params, 400)
+    assert shape is not None and shape.model == load_config(None, [f"model.init={params['model.init']}"]).model.shape()
+    assert model_shape({**params, "model.init": f"pretrained:{tmp_path / 'gone'}"}, 400) is None  # no guess
 
 
 def _broken(folders: dict[str, Path], tmp_path: Path, what: str) -> Path:
