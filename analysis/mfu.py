@@ -4,7 +4,8 @@ Model FLOPs per token (what the model needs, whatever the implementation does):
     6·N + 6·V·d + 12·L·H·Q·T
 N the parameters of the blocks and the final norm (2 FLOPs per multiply-add, ×3 for forward and
 backward; the architecture's blocks: GPT-2's 12d² + 13d, or the Llama family's grouped-query attention
-and gated MLP, gptpar.presets.ModelShape.block_parameters), 6·V·d the LM head's vocabulary
+and gated MLP; a mixture of experts counts the parameters a token goes through, its router, top-k of its experts
+and the shared one, gptpar.presets.ModelShape.active_block_parameters), 6·V·d the LM head's vocabulary
 projection (2·V·d forward, tied or not), 12·L·H·Q·T attention's score and value products over every
 query head (L layers, H heads, Q head width, T sequence length). Hardware FLOPs add the forward of
 every block that activation checkpointing recomputes: 2·N_blocks/L + 4·H·Q·T per recomputed block.
@@ -77,7 +78,7 @@ def model_shape(params: dict[str, Any], vocab_size: int) -> Shape | None:
 def flops_per_token(shape: Shape) -> float:
     """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T (module docstring)."""
     m = shape.model
-    n_params = m.n_layer * m.block_parameters() + m.norm_parameters()
+    n_params = m.n_layer * m.active_block_parameters() + m.norm_parameters()
     attention = 12.0 * m.n_layer * m.n_head * m.head_dim * shape.seq_len
     return 6.0 * n_params + 6.0 * shape.vocab_size * m.n_embd + attention
 
@@ -85,7 +86,7 @@ def flops_per_token(shape: Shape) -> float:
 def hardware_flops_per_token(shape: Shape) -> float:
     """Model FLOPs plus one more forward of every recomputed block (2 FLOPs per weight, 4·H·Q·T attention)."""
     m = shape.model
-    recompute_forward = 2.0 * m.block_parameters() + 4.0 * m.n_head * m.head_dim * shape.seq_len
+    recompute_forward = 2.0 * m.active_block_parameters() + 4.0 * m.n_head * m.head_dim * shape.seq_len
     return flops_per_token(shape) + shape.recomputed_blocks * recompute_forward
 
 

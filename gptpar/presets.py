@@ -3,15 +3,18 @@ computes FLOPs from them, and gptpar/models builds the model of one.
 
 An architecture is one decoder family: `gpt2` (learned positions, LayerNorm, a 4x GELU MLP, fused q/k/v with
 biases, a tied head) and the Llama family (rotary positions, RMSNorm, grouped-query attention, a gated SiLU MLP):
-`llama` (no biases) and `qwen2` (biases on q, k and v). What differs between them that the FLOPs, the
-parameter counts and the tensor-parallel checks need is in `ARCH_TRAITS`; the rest is in gptpar/models.
+`llama` (no biases) and `qwen2` (biases on q, k and v), and its mixtures of experts, whose MLP is E experts of which
+a router picks the top k per token: `mixtral` (Llama's attention) and `qwen2_moe` (Qwen2's, and a shared expert every
+token goes through, gated). What differs between them that the FLOPs, the parameter counts and the tensor-parallel
+checks need is in `ARCH_TRAITS`; the rest is in gptpar/models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-ARCHS = ("gpt2", "llama", "qwen2")
+ARCHS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe")
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,14 @@ ARCH_TRAITS = {
     "qwen2": ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=True, qkv_bias=True, out_bias=False,
                           mlp_bias=False),
 }
+ARCH_TRAITS |= {"mixtral": ARCH_TRAITS["llama"], "qwen2_moe": ARCH_TRAITS["qwen2"]}
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """One model's shape. n_kv_head 0 means n_head (no grouping), n_inner 0 means 4 * n_embd (GPT-2's MLP)."""
+    """One model's shape. n_kv_head 0 means n_head (no grouping), n_inner 0 means 4 * n_embd (GPT-2's MLP). A
+    mixture of experts has n_experts experts of width n_inner, top_k of them per token, and a shared expert of width
+    shared_inner (0: none)."""
 
     arch: str
     n_layer: int
@@ -49,6 +55,9 @@ class ModelShape:
     n_inner: int = 0
     tied: bool = True  # the LM head is the token table itself
     rope_theta: float = 10_000.0
+    n_experts: int = 0
+    top_k: int = 0
+    shared_inner: int = 0
 
     @property
     def kv_heads(self) -> int:
@@ -66,14 +75,28 @@ class ModelShape:
     def traits(self) -> ArchTraits:
         return ARCH_TRAITS[self.arch]
 
-    def block_parameters(self) -> int:
-        """One block: q, k, v and output projections, the MLP, two norms (with their biases where they have them)."""
+    @property
+    def moe(self) -> bool:
+        return self.n_experts > 0
+
+    def block_parameters(self, experts: int | None = None) -> int:
+        """One block: q, k, v and output projections, the MLP, two norms (with their biases where they have them). A
+        mixture's MLP is its router, `experts` gated experts (all by default) and the shared expert with its gate."""
         t, d, kv = self.traits, self.n_embd, self.kv_heads * self.head_dim
         attention = 2 * d * d + 2 * d * kv + (d + 2 * kv if t.qkv_bias else 0) + (d if t.out_bias else 0)
-        mlp = (3 if t.gated_mlp else 2) * d * self.mlp_width
-        if t.mlp_bias:
-            mlp += (2 if t.gated_mlp else 1) * self.mlp_width + d
+        if self.moe:
+            experts = self.n_experts if experts is None else experts
+            shared = 3 * d * self.shared_inner + d if self.shared_inner else 0
+            mlp = self.n_experts * d + experts * 3 * d * self.mlp_width + shared
+        else:
+            mlp = (3 if t.gated_mlp else 2) * d * self.mlp_width
+            if t.mlp_bias:
+                mlp += (2 if t.gated_mlp else 1) * self.mlp_width + d
         return attention + mlp + 2 * self.norm_parameters()
+
+    def active_block_parameters(self) -> int:
+        """The parameters one token goes through in a block: a mixture's top_k experts, not all of them."""
+        return self.block_parameters(self.top_k if self.moe else None)
 
     def norm_parameters(self) -> int:
         return (2 if self.traits.norm_biases else 1) * self.n_embd
@@ -85,12 +108,17 @@ class ModelShape:
         return tables + positions + self.n_layer * self.block_parameters() + self.norm_parameters()
 
     def overridden(self, arch: str = "auto", n_layer: int = 0, n_embd: int = 0, n_head: int = 0,
-                   n_positions: int = 0, n_kv_head: int = 0) -> ModelShape:
+                   n_positions: int = 0, n_kv_head: int = 0, n_experts: int = 0, top_k: int = 0) -> ModelShape:
         """The shape with the config's overrides (0 and auto keep this shape's). Another architecture keeps the
-        sizes; GPT-2 has no grouped-query attention and its MLP is 4x wide."""
+        sizes; GPT-2 has no grouped-query attention and its MLP is 4x wide; a dense one has no experts."""
         arch = self.arch if arch == "auto" else arch
         shape = replace(self, arch=arch, n_layer=n_layer or self.n_layer, n_embd=n_embd or self.n_embd,
-                        n_head=n_head or self.n_head, n_positions=n_positions or self.n_positions)
+                        n_head=n_head or self.n_head, n_positions=n_positions or self.n_positions,
+                        n_experts=n_experts or self.n_experts, top_k=top_k or self.top_k)
+        if arch not in MOE_ARCHS:
+            shape = replace(shape, n_experts=0, top_k=0, shared_inner=0)
+        elif arch != "qwen2_moe":
+            shape = replace(shape, shared_inner=0)
         if n_kv_head:
             shape = replace(shape, n_kv_head=n_kv_head)
         if arch == "gpt2":
@@ -119,4 +147,13 @@ PRESETS: dict[str, ModelShape] = {
     "llama-3.2-1b": ModelShape("llama", 16, 2048, 32, 131_072, n_kv_head=8, n_inner=8192, rope_theta=500_000.0),
     "qwen2.5-0.5b": ModelShape("qwen2", 24, 896, 14, 32_768, n_kv_head=2, n_inner=4864, rope_theta=1_000_000.0),
     "qwen2.5-3b": ModelShape("qwen2", 36, 2048, 16, 32_768, n_kv_head=2, n_inner=11_008, rope_theta=1_000_000.0),
+    # Mixtures of experts: the tiny ones have 8 (qwen2_moe, with a shared expert) and 4 (mixtral) experts of width 64,
+    # top-2, so an expert's load and the router's balance show on a CPU.
+    "qwen2-moe-tiny": ModelShape("qwen2_moe", 4, 128, 4, 256, n_kv_head=2, n_inner=64, tied=False, n_experts=8,
+                                 top_k=2, shared_inner=128),
+    "mixtral-tiny": ModelShape("mixtral", 4, 128, 4, 256, n_kv_head=2, n_inner=96, tied=False, n_experts=4, top_k=2),
+    "qwen1.5-moe-a2.7b": ModelShape("qwen2_moe", 24, 2048, 16, 8192, n_kv_head=16, n_inner=1408, tied=False,
+                                    rope_theta=1_000_000.0, n_experts=60, top_k=4, shared_inner=5632),
+    "mixtral-8x7b": ModelShape("mixtral", 32, 4096, 32, 32_768, n_kv_head=8, n_inner=14_336, tied=False,
+                               rope_theta=1_000_000.0, n_experts=8, top_k=2),
 }

@@ -59,11 +59,16 @@ def folder_shape(folder: Path) -> ModelShape:
             return ModelShape("gpt2", config["n_layer"], config["n_embd"], config["n_head"], config["n_positions"],
                               n_inner=config.get("n_inner") or 0)
         rope = config.get("rope_parameters") or {}  # transformers 5 keeps rope_theta there
+        top_k = config.get("num_experts_per_tok", 0)
+        experts = {"mixtral": dict(n_experts=config.get("num_local_experts", 0), top_k=top_k),
+                   "qwen2_moe": dict(n_experts=config.get("num_experts", 0), top_k=top_k,
+                                     shared_inner=config.get("shared_expert_intermediate_size", 0))}.get(arch, {})
+        inner = config["moe_intermediate_size"] if arch == "qwen2_moe" else config["intermediate_size"]
         return ModelShape(arch, config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
                           config["max_position_embeddings"],
                           n_kv_head=config.get("num_key_value_heads") or config["num_attention_heads"],
-                          n_inner=config["intermediate_size"], tied=bool(config.get("tie_word_embeddings", False)),
-                          rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))))
+                          n_inner=inner, tied=bool(config.get("tie_word_embeddings", False)),
+                          rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))), **experts)
     except KeyError as exc:
         raise ConfigError(f"model.init={PREFIX}{folder}: config.json lacks {exc.args[0]!r}, which a {arch} "
                           "model's config has") from None

@@ -8,7 +8,7 @@ import dataclasses
 
 from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, TrainConfig
 from gptpar.errors import ConfigError
-from gptpar.presets import PRESETS
+from gptpar.presets import MOE_ARCHS, PRESETS
 from gptpar.pretrained import PREFIX, check_tokenizer, check_weights, folder_of
 from gptpar.strategies import STRATEGY_CHECKS
 from gptpar.strategies.data_parallel import DP_STRATEGIES
@@ -19,7 +19,8 @@ PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use m
                       "use model.init_device=cpu or model.init=random")
 INITS = ("random", "pretrained", f"{PREFIX}PATH")
 TOKENIZERS = ("auto", "gpt2", "bpe", "bytes", f"{PREFIX}PATH")
-SHAPE_KEYS = ("arch", "n_layer", "n_embd", "n_head", "n_kv_head", "n_positions")  # what a folder's weights fix
+SHAPE_KEYS = ("arch", "n_layer", "n_embd", "n_head", "n_kv_head", "n_positions", "n_experts",
+              "moe_top_k")  # what a folder's weights fix
 
 
 def validate(cfg: Config) -> None:
@@ -45,6 +46,7 @@ def validate(cfg: Config) -> None:
     for check in STRATEGY_CHECKS:
         check(cfg)
     _validate_task(cfg)
+    _check_moe_layout(cfg)
     _check_packing(cfg)
     _check_example_fits(cfg)
 
@@ -96,6 +98,16 @@ def _check_shape(model: ModelConfig) -> None:
     if shape.arch == "gpt2" and model.n_kv_head:
         raise ConfigError(f"model.n_kv_head={model.n_kv_head}: GPT-2 has no grouped-query attention; leave it 0 or "
                           "use model.arch=llama or qwen2")
+    if shape.moe and not 1 <= shape.top_k <= shape.n_experts:
+        raise ConfigError(f"model.moe_top_k={shape.top_k} must be between 1 and model.n_experts={shape.n_experts} "
+                          "(each token goes to that many of the block's experts)")
+    if not shape.moe and (model.n_experts or model.moe_top_k or model.moe_capacity_factor):
+        key = next(k for k in ("n_experts", "moe_top_k", "moe_capacity_factor") if getattr(model, k))
+        raise ConfigError(f"model.{key}={getattr(model, key)}: {shape.arch} has no experts; use model.arch="
+                          f"{' or '.join(MOE_ARCHS)} (or a preset of one, e.g. qwen2-moe-tiny)")
+    if model.moe_capacity_factor:
+        raise ConfigError(f"model.moe_capacity_factor={model.moe_capacity_factor:g}: dropping tokens past an expert's "
+                          "capacity is not built yet (it comes with expert parallelism); use 0, which drops none")
     if model.init == "pretrained" and shape.arch != "gpt2":
         raise ConfigError(f"model.init=pretrained loads GPT-2's hub weights, not {shape.arch}'s; use model.init=random")
 
@@ -164,6 +176,23 @@ def _validate_task(cfg: Config) -> None:
         folder = " or, for sft, a save_pretrained folder (model.init=pretrained:PATH) whose tokenizer frames the pairs"
         raise ConfigError(f"data.task={d.task} adds two tokens (<sep>, <eos>) to the vocabulary, which pretrained "
                           f"weights lack; use model.init=random{folder if d.task == 'sft' else ''}")
+
+
+def _check_moe_layout(cfg: Config) -> None:
+    """A mixture of experts trains under data parallelism (every dp_sync), uncompiled: its router statistics and
+    load-balancing loss are gathered by hooks from the whole model's forward, which pipelines and tensor parallelism
+    split."""
+    p = cfg.parallel
+    split = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.tp", p.tp) if p.tp > 1 else \
+        ("parallel.pp_mode", p.pp_mode) if p.pp_mode != "single" else None
+    if not cfg.model.shape().moe:
+        return
+    if split is not None:
+        raise ConfigError(f"{split[0]}={split[1]} with a mixture of experts ({cfg.model.shape().arch}) is not built "
+                          "yet; train it with data parallelism (parallel.dp, any parallel.dp_sync)")
+    if cfg.train.compile not in ("auto", "false"):
+        raise ConfigError(f"train.compile={cfg.train.compile} with a mixture of experts is not built yet (its routers "
+                          "are watched by hooks); use train.compile=auto or false")
 
 
 def _check_packing(cfg: Config) -> None:

@@ -47,6 +47,17 @@ class ModelConfig:
                          "0 keeps the preset's.", min=0, max=4096)
     n_positions: int = opt(0, "Context length of the position table; 0 keeps the preset's.", min=0,
                            max=1_048_576)
+    n_experts: int = opt(0, "A mixture of experts (mixtral, qwen2_moe): experts per block; 0 keeps the preset's.",
+                         min=0, max=65_536)
+    moe_top_k: int = opt(0, "A mixture of experts: experts each token goes to (at most model.n_experts); 0 keeps the "
+                         "preset's.", min=0, max=65_536)
+    moe_aux_loss_coef: float = opt(0.01, "A mixture of experts: weight of the router's load-balancing loss "
+                                   "(Switch Transformer's, as transformers computes it, over the routing statistics of "
+                                   "the whole micro-step on every replica) in the training loss; logged alone as "
+                                   "aux_loss. 0: not trained on, still logged.", min=0.0)
+    moe_capacity_factor: float = opt(0.0, "A mixture of experts: 0 routes every token to its experts (none is "
+                                     "dropped). Dropping tokens past an expert's capacity (a positive factor) belongs "
+                                     "with expert parallelism, which gptpar does not build yet.", min=0.0)
     dropout: float = opt(0.0, "Dropout on embeddings, attention and residuals.", min=0.0, max=1.0)
     pad_vocab: int = opt(64, "Pad the token table (embedding and tied LM head) to a multiple of N rows (50,257 -> "
                          "50,304 at 64; with parallel.tp > 1 a multiple of tp too), for matmul shapes that run fast: "
@@ -69,7 +80,7 @@ class ModelConfig:
         if folder is not None:
             return folder_shape(folder)
         return PRESETS[self.preset].overridden(self.arch, self.n_layer, self.n_embd, self.n_head, self.n_positions,
-                                               self.n_kv_head)
+                                               self.n_kv_head, self.n_experts, self.moe_top_k)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ from gptpar.errors import GptparError
 from gptpar.models.base import Architecture, find_model, packed_attention
 from gptpar.models.gpt2 import GPT2
 from gptpar.models.llama import LLAMA, QWEN2
+from gptpar.models.moe import MIXTRAL, QWEN2_MOE
 
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (GPT2, LLAMA, QWEN2)}
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (GPT2, LLAMA, QWEN2, MIXTRAL, QWEN2_MOE)}
 
 
 def architecture(of: object) -> Architecture:

@@ -52,6 +52,7 @@ class Architecture(ABC):
     config_of: Callable[[ModelShape, int, float], PretrainedConfig] = field(repr=False)
     restored_buffers: str = ""  # the module whose buffers `restore_buffers` re-creates (the rotary tables)
     dropout_keys: tuple[str, ...] = ()  # the config's dropout rates, which model.dropout sets on loaded weights too
+    router: str = ""  # a mixture of experts: its router's path inside a block ("": a dense model)
 
     # --- where things are ---------------------------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:
@@ -62,6 +63,10 @@ class Architecture(ABC):
 
     def token_embedding(self, model: nn.Module) -> nn.Module:
         return getattr(self.decoder(model), self.embedding)
+
+    def routers(self, model: nn.Module) -> list[nn.Module]:
+        """A mixture's router of every block, in order (none for a dense model)."""
+        return [block.get_submodule(self.router) for block in self.blocks(model)] if self.router else []
 
     @property
     def token_table(self) -> str:

@@ -55,7 +55,7 @@ class RotaryBlock(nn.Module):
         return self.block(hidden, attention_mask=None, position_embeddings=tables)
 
 
-def _common(shape: ModelShape, vocab_size: int, dropout: float) -> dict:
+def common_config(shape: ModelShape, vocab_size: int, dropout: float) -> dict:
     return dict(vocab_size=vocab_size, hidden_size=shape.n_embd, intermediate_size=shape.mlp_width,
                 num_hidden_layers=shape.n_layer, num_attention_heads=shape.n_head, num_key_value_heads=shape.kv_heads,
                 max_position_embeddings=shape.n_positions, rope_theta=shape.rope_theta, attention_dropout=dropout,
@@ -64,11 +64,12 @@ def _common(shape: ModelShape, vocab_size: int, dropout: float) -> dict:
 
 
 def llama_config(shape: ModelShape, vocab_size: int, dropout: float) -> PretrainedConfig:
-    return LlamaConfig(**_common(shape, vocab_size, dropout), rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False)
+    return LlamaConfig(**common_config(shape, vocab_size, dropout), rms_norm_eps=1e-5, attention_bias=False,
+                       mlp_bias=False)
 
 
 def qwen2_config(shape: ModelShape, vocab_size: int, dropout: float) -> PretrainedConfig:
-    return Qwen2Config(**_common(shape, vocab_size, dropout), rms_norm_eps=1e-6, use_sliding_window=False)
+    return Qwen2Config(**common_config(shape, vocab_size, dropout), rms_norm_eps=1e-6, use_sliding_window=False)
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,12 @@ class LlamaFamily(Architecture):
         return Head(self.decoder(model).norm, model.lm_head, "norm")
 
 
-def _family(name: str, title: str, model_class: type, config_of, biases: bool) -> LlamaFamily:
+def family(name: str, title: str, model_class: type, config_of, biases: bool,
+           mlp: dict[str, str] | None = None, router: str = "") -> LlamaFamily:
+    """A Llama-family decoder; `mlp` names its MLP's parameters inside a block and how they start (the gated MLP's
+    by default), `router` a mixture's router inside a block."""
     in_block = {f"self_attn.{p}_proj.weight": "normal" for p in "qkvo"}
-    in_block |= {f"mlp.{p}_proj.weight": "normal" for p in ("gate", "up", "down")}
+    in_block |= mlp if mlp is not None else {f"mlp.{p}_proj.weight": "normal" for p in ("gate", "up", "down")}
     in_block |= {"input_layernorm.weight": "ones", "post_attention_layernorm.weight": "ones"}
     if biases:
         in_block |= {f"self_attn.{p}_proj.bias": "zeros" for p in "qkv"}
@@ -100,8 +104,8 @@ def _family(name: str, title: str, model_class: type, config_of, biases: bool) -
         final_norm="norm",
         top_level_init={"model.embed_tokens.weight": "normal", "model.norm.weight": "ones", "lm_head.weight": "normal"},
         in_block_init=in_block, config_of=config_of, restored_buffers=f"model.{ROTARY}",
-        dropout_keys=("attention_dropout",))
+        dropout_keys=("attention_dropout",), router=router)
 
 
-LLAMA = _family("llama", "Llama", LlamaForCausalLM, llama_config, biases=False)
-QWEN2 = _family("qwen2", "Qwen2", Qwen2ForCausalLM, qwen2_config, biases=True)
+LLAMA = family("llama", "Llama", LlamaForCausalLM, llama_config, biases=False)
+QWEN2 = family("qwen2", "Qwen2", Qwen2ForCausalLM, qwen2_config, biases=True)

@@ -113,6 +113,12 @@ class StepRecord(Record):
     data_time_s: float = required("Seconds spent fetching the step's batches.")
     peak_mem_bytes: int = required("Peak device memory (CUDA's allocator; the process's peak RSS on CPU).")
     bubble: float | None | Absent = optional("Pipeline modes: the measured idle share; else null.")
+    aux_loss: float | Absent = optional(
+        "A mixture of experts: the router's load-balancing loss (top-k when balanced), the mean over the step's "
+        "micro-steps, each over every replica's tokens; `loss` includes model.moe_aux_loss_coef times it.")
+    moe: dict[str, Any] | Absent = optional(
+        "A mixture of experts: `tokens_per_expert` (`min`, `max`, `mean` over experts and layers of the tokens routed "
+        "to each in the step, on every replica; top-k picks each) and `dropped` (tokens past capacity: 0, none are).")
     pp_busy_s: dict[str, float] | Absent = optional("parallel.pp > 1: seconds busy per action kind (`F`, `B`, `W`).")
     pp_window_s: float | Absent = optional("parallel.pp > 1: seconds of the schedule's window.")
     pp_peak_activation_bytes: int | Absent = optional(

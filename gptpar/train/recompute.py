@@ -81,14 +81,15 @@ def compile_blocks(model: PreTrainedModel, device: torch.device, backend: str | 
 
 def compile_mode(cfg: Config, device: torch.device) -> str:
     """train.compile as this rank runs it: false, blocks or model (`true` is blocks, as before there was model);
-    `auto` is false on a CPU (compiling takes minutes there), on a GPU model for one replica of one process (where
-    data parallelism would lose its overlap of communication with backward) and blocks elsewhere."""
+    `auto` is false on a CPU (compiling takes minutes there) and for a mixture of experts, on a GPU model for one
+    replica of one process (where data parallelism would lose its overlap of communication with backward) and blocks
+    elsewhere."""
     setting = cfg.train.compile
     if setting in ("false", "blocks", "model"):
         return setting
     if setting == "true":
         return "blocks"
-    if device.type != "cuda":
+    if device.type != "cuda" or cfg.model.shape().moe:  # a mixture's routers are watched by hooks, uncompiled
         return "false"
     one_replica = cfg.parallel.dp == 1 and not whole_compile_obstacle(cfg)
     return "model" if one_replica else "blocks"

@@ -11,9 +11,11 @@ pipeline chunks, replicas), and its BLEU is decoded wherever the layout lets a f
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from itertools import islice
 from typing import Any
 
@@ -43,6 +45,7 @@ from gptpar.train.checkpoint import load_model_state, model_state
 from gptpar.train.components import Checkpointing, Evaluation, Metrics
 from gptpar.train.grad_dump import dump_gradients
 from gptpar.train.memory import state_bytes
+from gptpar.train.moe import RouterLoad
 from gptpar.train.optim import clip_gradients, kind_of, learning_rate, make_optimizer
 from gptpar.train.parallelize import parallelize
 from gptpar.train.precision import Precision
@@ -79,6 +82,9 @@ class Trainer:
         model = build_model(cfg.model, self.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=example_width(cfg),
                             init_device=cfg.model.init_device, shards=dims.size("tp"))
         self.n_params, self.model_config = count_params(model), model.config  # whole, before any sharding
+        shape, routers = cfg.model.shape(), architecture(model).routers(model)
+        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp")) \
+            if routers else None
         self.dp_group, self.tp_group = dims.group("dp"), dims.group("tp")
         wrapped = parallelize(model, cfg, dims, self.vocab_size)
         self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
@@ -184,12 +190,20 @@ class Trainer:
         for i, batch in enumerate(micro_batches):
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context():
                 with record_function("forward"), precision.autocast():
-                    logits = self._logits(self.sync.module, batch)
+                    with self._routing():
+                        logits = self._logits(self.sync.module, batch)
                     loss = self.loss_fn(logits, batch[1].to(logits.device, non_blocking=True)) / divisors[i]
+                    if self.router_load is not None:  # the router's load-balancing loss, a mean over micro-steps
+                        aux = self.router_load.aux_loss(batch[1].to(logits.device, non_blocking=True))
+                        loss = loss + self.cfg.model.moe_aux_loss_coef * aux / len(micro_batches)
                 with record_function("backward"):
                     precision.scale(loss).backward()
             losses.append(loss.detach())
         return torch.stack(losses).double().sum()
+
+    def _routing(self) -> AbstractContextManager[None]:
+        """Where a mixture's routers are watched: the training forward (not evaluation or decoding)."""
+        return self.router_load.recording() if self.router_load is not None else contextlib.nullcontext()
 
     def _logits(self, module: nn.Module, batch: Batch) -> torch.Tensor:
         """The batch's logits from `module` (the net, or the sync's wrapper of it); packed rows bring their position
@@ -397,10 +411,11 @@ class Trainer:
         self.step += 1
         tokens = sum(batch[0].numel() for batch in micro_batches)  # positions run, translation's padding too
         pipeline = self.net.step_fields() if self.pipeline else {}
+        moe = self.router_load.step_fields() if self.router_load is not None else {}
         fields = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"],
                       skipped=self.precision.skipped, loss_scale=self.precision.step_scale, tokens=tokens,
                       data_time_s=data_time, peak_mem_bytes=peak_memory_bytes(device), bubble=self.net.bubble,
-                      **pipeline)
+                      **pipeline, **moe)
         values = torch.stack([t.to(device, torch.float64) for t in (loss, global_loss, grad_norm)])
         return PendingStep(values, clock, fields, has_loss=self.computes_loss)
 
