@@ -107,6 +107,10 @@ class ModelShape:
         tables = (1 if self.tied else 2) * vocab * self.n_embd
         return tables + positions + self.n_layer * self.block_parameters() + self.norm_parameters()
 
+    def active_parameters(self, vocab: int) -> int:
+        """The parameters one token goes through: all of them but the experts a mixture's router does not pick."""
+        return self.parameters(vocab) - self.n_layer * (self.block_parameters() - self.active_block_parameters())
+
     def overridden(self, arch: str = "auto", n_layer: int = 0, n_embd: int = 0, n_head: int = 0,
                    n_positions: int = 0, n_kv_head: int = 0, n_experts: int = 0, top_k: int = 0) -> ModelShape:
         """The shape with the config's overrides (0 and auto keep this shape's). Another architecture keeps the

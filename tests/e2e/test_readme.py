@@ -170,6 +170,23 @@ def test_the_llama_family_preset_table_is_the_closed_form():
         assert f"{shape.parameters(number(vocab)) / 1e6:,.{digits}f}" == millions, name
 
 
+def test_the_mixture_preset_table_is_the_closed_form():
+    from gptpar.presets import PRESETS
+
+    rows = re.findall(r"^  \| `([\w.-]+)` \| (\w+) \| (\d+) \| ([\d,]+) \| (\d+) \((\d+)\) \| ([\d,]+) \| "
+                      r"([\d,]+|none) \| ([\d,.]+) M, ([\d,.]+) M \(([\d,]+)\) \|$", README, flags=re.M)
+    assert [row[0] for row in rows] == ["qwen2-moe-tiny", "mixtral-tiny", "qwen1.5-moe-a2.7b", "mixtral-8x7b"]
+    number = lambda text: int(text.replace(",", ""))  # noqa: E731
+    for name, arch, layers, width, experts, top_k, mlp, shared, total, active, vocab in rows:
+        shape = PRESETS[name]
+        assert (shape.arch, shape.n_layer, shape.n_embd, shape.n_experts, shape.top_k, shape.mlp_width) == (
+            arch, int(layers), number(width), int(experts), int(top_k), number(mlp)), name
+        assert shape.shared_inner == (0 if shared == "none" else number(shared)), name
+        digits = 1 if "." in total else 0
+        assert f"{shape.parameters(number(vocab)) / 1e6:,.{digits}f}" == total, name
+        assert f"{shape.active_parameters(number(vocab)) / 1e6:,.{digits}f}" == active, name
+
+
 def test_the_bridges2_preset_table_is_the_closed_form():
     from analysis.aggregate import closed_form_state_bytes
     from gptpar.presets import PRESETS
