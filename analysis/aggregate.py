@@ -123,6 +123,8 @@ class RunMetrics:
     final_loss: float | None = None
     val_loss: float | None = None
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    # A mixture of experts: per step, the load-balancing loss and the busiest expert's tokens over the mean's
+    expert_load: list[tuple[int, float, float]] = field(default_factory=list)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     progress: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (tokens seen, training s)
     epoch_points: list[EpochPoint] = field(default_factory=list)
@@ -311,6 +313,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     losses = loss_series(replica_logs)
     m.loss_curve = [(s, v) for s, v in losses if math.isfinite(v)]
     m.final_loss = losses[-1][1] if losses else None
+    m.expert_load = expert_load(ranks[0])
     m.diverged_at = next((s for s, v in losses if not math.isfinite(v)), None)
     m.progress, ends = _progress(ranks, set(replicas))
     m.epoch_points = _epoch_points(m, ranks, replica_logs, ends)
@@ -543,6 +546,17 @@ def _mean_series(series: list[dict[int, Any]]) -> list[tuple[int, float]]:
                 values.setdefault(step, []).append(_number(value))
     return [(step, math.fsum(v) / len(v) if all(map(math.isfinite, v)) else math.nan)
             for step, v in sorted(values.items())]
+
+
+def expert_load(log: RankLog) -> list[tuple[int, float, float]]:
+    """(step, aux_loss, max over mean tokens per expert) of a mixture's steps, in step order; the same on every rank
+    (both are over every replica's tokens), so one rank's log is the run's."""
+    points = []
+    for step, rec in sorted(log.steps.items()):
+        load = (rec.get("moe") or {}).get("tokens_per_expert") or {}
+        if rec.get("aux_loss") is not None and load.get("mean"):
+            points.append((step, _number(rec["aux_loss"]), _number(load["max"]) / _number(load["mean"])))
+    return points
 
 
 def loss_series(replica_logs: list[RankLog]) -> list[tuple[int, float]]:

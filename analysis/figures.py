@@ -280,6 +280,32 @@ def _scores(runs: list[RunMetrics], figs: FigureSet, key: str, label: str) -> bo
     return bool(by_sweep)
 
 
+def _expert_load(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """One figure per sweep with mixtures of experts: the router's load-balancing loss and the busiest expert's
+    tokens over the mean's (1: balanced) against optimizer steps, one line per run."""
+    by_sweep: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        if r.expert_load:
+            by_sweep.setdefault(r.sweep, []).append(r)
+    for sweep, members in sorted(by_sweep.items()):
+        fig, (aux_ax, load_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+        labels = run_labels(members)
+        for r in members:
+            steps, aux, load = zip(*r.expert_load, strict=True)
+            colour = aux_ax.plot(steps, aux, linewidth=1, label=labels[r.run])[0].get_color()
+            load_ax.plot(steps, load, linewidth=1, color=colour)
+        load_ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        for ax, ylabel in ((aux_ax, "load-balancing loss (top-k: balanced)"),
+                           (load_ax, "busiest expert's tokens / mean (1: balanced)")):
+            ax.set_xlabel("optimizer step")
+            ax.set_ylabel(ylabel)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        fig.suptitle(f"Expert load: {sweep}", fontsize=10)
+        legend(fig)
+        figs.save(fig, stem("expert_load", sweep), sweep)
+    return bool(by_sweep)
+
+
 def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Job tokens/s against each key a sweep varies besides the GPU count (and --x), one line per series."""
     per_axis: dict[str, list[RunMetrics]] = {}
@@ -528,7 +554,8 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
 
 
 OWN_FIGURES = ("time_vs_*", "throughput_vs_*", "speedup_vs_*", "pipeline_vs_model_parallel", "loss_*", "bleu_*",
-               "answer_accuracy_*", "pipeline_timeline*", "pipeline_bubble", "memory_per_rank", "memory_vs_world_size")
+               "answer_accuracy_*", "expert_load_*", "pipeline_timeline*", "pipeline_bubble", "memory_per_rank",
+               "memory_vs_world_size")
 
 
 def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], None] = print) -> list[Path]:
@@ -553,6 +580,7 @@ def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], N
         ("bleu_*", partial(_scores, key="bleu", label="BLEU"), "no run logged a bleu in its epoch records"),
         ("answer_accuracy_*", partial(_scores, key="answer_accuracy", label="answer accuracy"),
          "no run logged an answer_accuracy in its epoch records"),
+        ("expert_load_*", _expert_load, "no mixture-of-experts run logged its expert load"),
         ("throughput_vs_<axis>", _axes, "no sweep varies a key other than the GPU count" + (f" and {x}" if x else "")),
         ("pipeline_timeline", _timelines, "no multi-process pipeline run (parallel.pp > 1) logged a step's "
                                           "pp_timeline on every stage"),

@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from logsets import T0, dp_run, engine_run
+from logsets import T0, Rank, config, dp_run, engine_run
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -70,15 +70,39 @@ def pipeline_sweep(runs: Path) -> None:
         dp_run(runs / "pp" / f"m{chunks}", [rate], pp_mode="pipeline_parallel", chunks=chunks, **pipe)
 
 
+MOE_STEPS = [(2.4, 300.0), (2.2, 250.0), (2.1, 200.0)]  # (aux_loss, the busiest expert's tokens) of 100 on average
+
+
+def moe_run(run_dir: Path) -> None:
+    """One rank of a mixture of experts whose steps log aux_loss and the expert load (MOE_STEPS)."""
+    rank = Rank(run_dir, 0, config(name=run_dir.name, **{"model.preset": "qwen2-moe-tiny"})).header()
+    for step, (aux, busiest) in enumerate(MOE_STEPS, 1):
+        rank.step(step, aux_loss=aux, moe={"tokens_per_expert": {"min": 50.0, "max": busiest, "mean": 100.0},
+                                           "dropped": 0})
+    rank.epoch(1, 10.0, 100.0, steps=len(MOE_STEPS)).final(step=len(MOE_STEPS))
+
+
+def test_the_expert_load_figure_draws_the_logged_aux_loss_and_the_busiest_over_the_mean(
+        tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    moe_run(tmp_path / "runs" / "moe" / "qwen-moe")
+    report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    aux, load = drawn["expert_load_moe.png"].axes
+    assert list(aux.get_lines()[0].get_ydata()) == [2.4, 2.2, 2.1]
+    assert list(load.get_lines()[0].get_xdata()) == [1, 2, 3]
+    assert list(load.get_lines()[0].get_ydata()) == [3.0, 2.5, 2.0]  # max / mean; the dotted line at 1 is balance
+
+
 def rich_set(runs: Path) -> None:
     """Runs that draw every figure but two (a swept key besides the GPU count, memory at two sizes): a DP sweep with
-    repeats, BLEU and memory records, an sft run with answer accuracy, the pipeline sweep and an engine sweep."""
+    repeats, BLEU and memory records, an sft run with answer accuracy, a mixture of experts' run, the pipeline sweep
+    and an engine sweep."""
     for i, rate in enumerate((90.0, 95.0)):
         dp_run(runs / "dp" / f"dp1-r{i}", [100.0], bleu=[10.0, 15.0], memory=[(1000, 4000, 4000, 8000)],
                **{"launch.repeat": i})
         dp_run(runs / "dp" / f"dp2-r{i}", [rate, rate], bleu=[11.0, 17.0], memory=[(1000, 4000, 4000, 4000)] * 2,
                **{"launch.repeat": i, "parallel.dp_sync": "zero1"})
     dp_run(runs / "sft" / "qwen", [100.0], answer_accuracy=[0.25, 0.5], **{"data.task": "sft"})
+    moe_run(runs / "moe" / "qwen-moe")
     pipeline_sweep(runs)
     for chunks in (2, 4):
         engine_run(runs / "eng" / f"m{chunks}", [0.3, 0.2], chunks=chunks)
@@ -250,8 +274,8 @@ def test_every_figure_draws_without_a_warning_and_with_its_legend_outside_the_ax
         warnings.simplefilter("error")
         result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
     assert not recwarn.list and not any("matplotlib warned" in message for message in result.skipped)
-    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 14
-    assert {"answer_accuracy_sft.png", "loss_sft.png"} <= set(drawn)
+    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 16
+    assert {"answer_accuracy_sft.png", "loss_sft.png", "expert_load_moe.png", "loss_moe.png"} <= set(drawn)
     assert [message.split(":")[0] for message in result.skipped] == [
         "figure throughput_vs_<axis>.png skipped", "figure memory_vs_world_size.png skipped"]
     for name, fig in drawn.items():
