@@ -17,7 +17,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis figures config-reference log-reference clean
+.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis bench-moe figures config-reference log-reference clean
 
 install: $(STAMP)
 
@@ -53,7 +53,7 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-bench: bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis
+bench: bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis bench-moe
 
 bench-dp: install
 	$(PY) bench/bench_dp.py
@@ -79,6 +79,9 @@ bench-step: install
 
 bench-analysis: install
 	$(PY) bench/bench_analysis.py
+
+bench-moe: install
+	$(PY) bench/bench_moe.py
 
 figures: install
 	$(GPTPAR) report $(RUNS) --out $(FIGURES)

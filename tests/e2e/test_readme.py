@@ -25,6 +25,7 @@ BY_CI = ["make test", "make cluster-up NODES=2 GPUS_PER_NODE=2", "make cluster-s
 # tests/launch/test_launch.py and the same sweep and report code runs on the cluster in tests/launch/test_slurm.py);
 # `make figures` is `gptpar report runs`, which the report tests run.
 BY_HAND = ["make demo", "make figures",
+           "make bench-moe",  # its table is in the README; bench/bench_moe.py trains through the trainer's step
            # docs/qwen2_sft: the sweep resolves in tests/launch/test_launch.py, its layouts train like one process
            # in tests/model/test_architectures.py
            ".venv/bin/gptpar sweep sweeps/qwen2_sft.yaml launch.cluster=local --runs-dir runs/sft --wait",
