@@ -11,7 +11,7 @@ from typing import Any
 
 from gptpar.presets import ARCHS, PRESETS, ModelShape
 from gptpar.pretrained import folder_of, folder_shape
-from gptpar.strategies.data_parallel import DP_STRATEGIES, either
+from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, either
 from gptpar.strategies.schedules import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
@@ -226,6 +226,11 @@ class ParallelConfig:
                               "the whole logits.")
     bucket_mb: float = opt(25.0, "Bucket size of the bucketed reducer, in MB.", min=0.001,
                            max=1_048_576.0)
+    grad_comm: str = opt("fp32", "What gradients are sent in over the replicas: fp32, or bf16 and fp16 (half the "
+                         "bytes: each rank casts its gradient, divides it by the replica count and sums in that "
+                         "type, as torch's bf16/fp16_compress_hook do; the average is copied back into fp32). "
+                         "parallel.dp_sync naive, bucketed (ours) and ddp (torch's hooks).",
+                         choices=GRAD_COMMS)
     backend: str = opt("auto", "auto: nccl when CUDA is visible, else gloo.",
                        choices=("auto", "gloo", "nccl"))
     timeout_s: float = opt(120.0, "Seconds before a dead or hung rank fails the job.", min=1.0,

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), in the parts a strategy
 # may shard over its W replicas; every rank holds the parts it does not shard whole.
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
+GRAD_COMMS = ("fp32", "bf16", "fp16")  # parallel.grad_comm: the type gradients cross the wire in
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class DataParallelStrategy:
     tensor_parallel: tuple[str, ...] = ("gptpar",)  # parallel.tp_impl values it composes with at dp > 1
     materialises_shards: bool = False  # with model.init_device=meta it builds only its shards itself
     without_whole_compile: str = ""  # why train.compile=model cannot capture its model in one graph; "" if it can
+    grad_comm: tuple[str, ...] = ("fp32",)  # the parallel.grad_comm types it sends gradients in
 
     @property
     def whole_gradients(self) -> bool:
@@ -48,14 +50,15 @@ _PACKAGE = "gptpar.parallel.data_parallel"
 _NOT_SHARDED_YET = "does not shard pipeline stages yet"
 
 DP_STRATEGIES: dict[str, DataParallelStrategy] = {
-    "naive": DataParallelStrategy(f"{_PACKAGE}.naive:NaiveSync", "all-reduce per parameter"),
-    "bucketed": DataParallelStrategy(f"{_PACKAGE}.bucketed:BucketedSync", "overlapped flat buckets"),
+    "naive": DataParallelStrategy(f"{_PACKAGE}.naive:NaiveSync", "all-reduce per parameter", grad_comm=GRAD_COMMS),
+    "bucketed": DataParallelStrategy(f"{_PACKAGE}.bucketed:BucketedSync", "overlapped flat buckets",
+                                     grad_comm=GRAD_COMMS),
     "ddp": DataParallelStrategy(
         f"{_PACKAGE}.ddp:DDPSync", "torch DDP",
         without_pipeline="cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many "
-                         "per step)"),
+                         "per step)", grad_comm=GRAD_COMMS),
     "zero1": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroOneSync", "bucketed, optimizer state sharded",
-                                  ("optimizer",), _NOT_SHARDED_YET),
+                                  ("optimizer",), _NOT_SHARDED_YET, grad_comm=GRAD_COMMS),
     "zero2": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroTwoSync", "gradients sharded too",
                                   ("grads", "optimizer"), _NOT_SHARDED_YET),
     "fsdp": DataParallelStrategy(f"{_PACKAGE}.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered "
@@ -80,8 +83,8 @@ def either(names: list[str]) -> str:
 
 
 def check(cfg: Config) -> None:
-    """train.dump_grads against what the strategy (and tensor parallelism) leaves each rank, then parallel.dp_sync
-    against the multi-process pipeline."""
+    """train.dump_grads against what the strategy (and tensor parallelism) leaves each rank, parallel.grad_comm
+    against what it can send, then parallel.dp_sync against the multi-process pipeline."""
     p = cfg.parallel
     row = DP_STRATEGIES[p.dp_sync]
     if cfg.train.dump_grads and (p.tp > 1 or (p.dp > 1 and not row.whole_gradients)):
@@ -89,6 +92,11 @@ def check(cfg: Config) -> None:
         whole = [name for name, r in DP_STRATEGIES.items() if r.whole_gradients]
         raise ConfigError(f"train.dump_grads saves whole gradients, but {split} leaves each rank pieces of them; "
                           f"use parallel.dp_sync={either(whole)} with parallel.tp=1, or leave it empty")
+    if p.grad_comm not in row.grad_comm:
+        sending = [name for name, r in DP_STRATEGIES.items() if p.grad_comm in r.grad_comm]
+        raise ConfigError(f"parallel.grad_comm={p.grad_comm} is not built for parallel.dp_sync={p.dp_sync} (it sends "
+                          f"{either(list(row.grad_comm))}); use parallel.dp_sync={either(sending)} or "
+                          "parallel.grad_comm=fp32")
     if p.pp > 1 and row.without_pipeline:
         syncing = [name for name, r in DP_STRATEGIES.items() if not r.without_pipeline]
         raise ConfigError(f"parallel.dp_sync={p.dp_sync} {row.without_pipeline}; use parallel.dp_sync="

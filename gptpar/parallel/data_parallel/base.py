@@ -14,6 +14,9 @@ from torch.distributed.tensor import DTensor
 
 from gptpar.config import ParallelConfig
 
+# parallel.grad_comm: the type gradients cross the wire in (None: fp32, as they are)
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 # (parameter name, shape) -> the parameter's whole initial value on CPU, the same on every rank: how fsdp
 # materialises only its shards of a model built on the meta device.
 InitialValue = Callable[[str, torch.Size], torch.Tensor]

@@ -15,6 +15,9 @@ Invariants:
   buckets) rather than set to None; if they are set to None, the hooks copy the fresh gradients in.
 - finish() launches any bucket still missing gradients (a parameter unused this step contributes
   its existing .grad or zeros), waits, and points each .grad at its averaged slice again.
+- With parallel.grad_comm=bf16 or fp16 a launched bucket is cast to that type and divided there, summed in it,
+  and copied back into the fp32 bucket once it arrives: half the bytes on the wire, and element for element what
+  torch's bf16/fp16_compress_hook compute for DDP.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import comm_span
-from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
+from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
 
 
 @dataclass
@@ -39,10 +42,12 @@ class _Bucket:
     views: list[torch.Tensor]  # views[i] is params[i]'s slice of buffer, shaped like the parameter
     ready: list[bool] = field(default_factory=list)
     work: dist.Work | None = None
+    sent: torch.Tensor | None = None  # the bucket in parallel.grad_comm's type while it is on the wire
 
     def reset(self) -> None:
         self.ready = [False] * len(self.params)
         self.work = None
+        self.sent = None
 
 
 def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -77,11 +82,12 @@ class BucketedSync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.pcfg.bucket_mb, setup.group)
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm])
 
-    def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None):
+    def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None,
+                 wire: torch.dtype | None = None):
         super().__init__(model)
-        self.group = group
+        self.group, self.wire = group, wire
         broadcast_state(model, group)
         self.world_size = dist.get_world_size(group)
         groups = plan_buckets(list(model.parameters()), int(bucket_mb * 2**20))
@@ -116,22 +122,28 @@ class BucketedSync(GradSync):
     def _stage(self, bucket: _Bucket, slot: int) -> None:
         """Put the parameter's gradient / world_size (zeros if it has none) into its bucket slice.
 
-        Dividing while copying saves a pass over the bucket; the all-reduce then only sums.
+        Dividing while copying saves a pass over the bucket; the all-reduce then only sums. A compressed bucket is
+        divided after its cast, at launch, as torch's hooks do.
         """
         param, view = bucket.params[slot], bucket.views[slot]
+        divisor = self.world_size if self.wire is None else 1
         if param.grad is None:
             view.zero_()
         elif param.grad.data_ptr() == view.data_ptr():
-            view.div_(self.world_size)
+            if divisor != 1:
+                view.div_(divisor)
         else:
-            torch.div(param.grad, self.world_size, out=view)
+            torch.div(param.grad, divisor, out=view)
         bucket.ready[slot] = True
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
             bucket = self.buckets[self._next]
+            if self.wire is not None:
+                bucket.sent = bucket.buffer.to(self.wire).div_(self.world_size)
             with comm_span("all_reduce", phase="issue"):
-                bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                bucket.work = dist.all_reduce(bucket.buffer if bucket.sent is None else bucket.sent,
+                                              op=dist.ReduceOp.SUM, group=self.group, async_op=True)
             self._next += 1
 
     @contextlib.contextmanager
@@ -152,6 +164,8 @@ class BucketedSync(GradSync):
         for bucket in self.buckets:
             with comm_span("all_reduce", phase="wait"):
                 bucket.work.wait()
+            if bucket.sent is not None:
+                bucket.buffer.copy_(bucket.sent)
         self.comm_wait_s += time.perf_counter() - start
         for bucket in self.buckets:
             bucket.reset()

@@ -9,11 +9,14 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import comm_span
-from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
+from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
 
 
-def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """All-reduce every trainable parameter's gradient, one call each, then divide by the group's size.
+def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None,
+                      wire: torch.dtype | None = None) -> None:
+    """All-reduce every trainable parameter's gradient, one call each, then divide by the group's size. With a
+    `wire` type (parallel.grad_comm) each gradient is cast to it and divided first, summed in it, and the average
+    copied back, as torch's bf16/fp16_compress_hook do.
 
     A trainable parameter without a gradient contributes zeros, so every rank issues the same
     sequence of collectives (a skipped one would leave the peers waiting).
@@ -24,9 +27,15 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) 
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
+        if wire is None:
+            with comm_span("all_reduce"):
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
+            param.grad /= size
+            continue
+        sent = param.grad.to(wire).div_(size)
         with comm_span("all_reduce"):
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
-        param.grad /= size
+            dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=group)
+        param.grad.copy_(sent)
 
 
 class NaiveSync(GradSync):
@@ -34,14 +43,14 @@ class NaiveSync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.group)
+        return cls(setup.model, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm])
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None):
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, wire: torch.dtype | None = None):
         super().__init__(model)
-        self.group = group
+        self.group, self.wire = group, wire
         broadcast_state(model, group)
 
     def finish(self) -> None:
         start = time.perf_counter()
-        average_gradients(self.model, self.group)
+        average_gradients(self.model, self.group, self.wire)
         self.comm_wait_s += time.perf_counter() - start

@@ -13,6 +13,7 @@ full gradients in flight. After the step each bucket is all-gathered.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -25,8 +26,9 @@ from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSy
 class ZeroOneSync(ShardedOptimizer, BucketedSync):
     name = "zero1"
 
-    def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None):
-        BucketedSync.__init__(self, model, bucket_mb, group)  # broadcasts rank 0's parameters to the group first
+    def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None,
+                 wire: torch.dtype | None = None):
+        BucketedSync.__init__(self, model, bucket_mb, group, wire)  # broadcasts rank 0's parameters first
         self.rank = dist.get_rank(group)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.flat = Unit(named, self.world_size, self.rank, named[0][1].device, separate_shard=False)
