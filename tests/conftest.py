@@ -8,7 +8,7 @@ import contextlib
 import multiprocessing.process
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -67,17 +67,28 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "GPTPAR_PROFILE", "GPTPAR_ACCOUNT",
+            "NERSC_HOST")
+
+
+def isolated_environ(environ: Mapping[str, str], data_dir: Path) -> dict[str, str]:
+    """`environ` kept off the network and off the user's caches and defaults, outside any surrounding job: what
+    every test runs in (a fixture that starts processes for several tests builds it itself, see test_readme)."""
+    env = {key: value for key, value in environ.items()
+           if not key.startswith(("SLURM_", "SBATCH_")) and key not in JOB_VARS}
+    return {**env, "GPTPAR_DATA_DIR": str(data_dir), "HF_HUB_OFFLINE": "1",
+            "GPTPAR_USER_CONFIG": str(data_dir / "no-user-defaults.yaml")}  # not the tester's own
+
+
 @pytest.fixture(autouse=True)
 def _isolated_env(monkeypatch: pytest.MonkeyPatch, data_dir: Path) -> None:
-    """Keep tests off the network and off the user's caches and defaults; never inherit a surrounding job."""
-    monkeypatch.setenv("GPTPAR_DATA_DIR", str(data_dir))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("GPTPAR_USER_CONFIG", str(data_dir / "no-user-defaults.yaml"))  # not the tester's own
-    for key in list(os.environ):
-        if key.startswith(("SLURM_", "SBATCH_")) or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT", "GPTPAR_PROFILE", "GPTPAR_ACCOUNT",
-                                                             "NERSC_HOST"):
-            monkeypatch.delenv(key)
+    """Every test runs in isolated_environ."""
+    env = isolated_environ(os.environ, data_dir)
+    for key in set(os.environ) - set(env):
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        if os.environ.get(key) != value:
+            monkeypatch.setenv(key, value)
 
 
 @pytest.fixture

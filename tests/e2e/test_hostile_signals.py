@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow  # every test here starts processes
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
         "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.eval_every=0",
         "train.threads=1", "log.progress=none"]
-STEPS = 400  # ~140 steps an epoch: a signal sent once the first step is logged lands well before the end
+STEPS = 200  # ~140 steps an epoch: a signal sent once the first step is logged lands well before the end
 RESUMABLE = ["train.epochs=3", f"train.max_steps={STEPS}"]
 ENDLESS = ["train.epochs=1000", "train.max_steps=1000000"]  # stopped by the test, never by itself
 DEADLINE_S = 120.0  # a hang guard while waiting on records: never a timing claim
@@ -205,8 +205,9 @@ def test_gptpar_cancel_stops_a_local_run_and_gptpar_logs_follows_it_to_its_end(t
     assert lines[-1].startswith("state: stopped")
 
 
+PP_STEPS = 60
 PP2 = ("model.n_layer=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p", "train.epochs=3",
-       "train.max_steps=120")
+       f"train.max_steps={PP_STEPS}")
 
 
 def test_sigterm_to_a_pipeline_stops_every_stage_at_one_step_and_running_it_again_resumes(tmp_path):
@@ -219,14 +220,14 @@ def test_sigterm_to_a_pipeline_stops_every_stage_at_one_step_and_running_it_agai
     proc.send_signal(signal.SIGTERM)
     code, out, err = _finish(proc)
     step = _stopped_everywhere(run, 2, "stopped", "SIGTERM")
-    assert step < 120 and code == 1 and err == ""
+    assert step < PP_STEPS and code == 1 and err == ""
     again = _gptpar(tmp_path, "log.run_id=termed", *PP2)
     code, _, err = _finish(again)
     assert code == 0, err
     assert _finish(straight)[0] == 0
     for rank in (0, 1):
         log = _log(run, rank)
-        assert [h["restart"] for h in log.headers] == [0, 1] and sorted(log.steps) == list(range(1, 121))
+        assert [h["restart"] for h in log.headers] == [0, 1] and sorted(log.steps) == list(range(1, PP_STEPS + 1))
     assert _losses(run, "global_loss") == _losses(tmp_path / "straight", "global_loss")  # bitwise: same ranks
 
 

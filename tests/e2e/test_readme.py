@@ -7,9 +7,13 @@ import os
 import re
 import shlex
 import subprocess
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import REPO
+from conftest import REPO, isolated_environ
 
 from gptpar.config import readme_with_reference
 from gptpar.run import records
@@ -122,33 +126,64 @@ def test_log_reference_is_current():
     assert "<!-- log-reference:start -->" in section
 
 
-def run_here(command: str, folder) -> subprocess.CompletedProcess:
+def run_here(command: str, folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:
     argv = shlex.split(command)
     argv[0] = str(REPO / argv[0])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}",
+    env = {**environ, "OMP_NUM_THREADS": "1", "PATH": f"{REPO / '.venv' / 'bin'}:{environ['PATH']}",
            "WANDB_DIR": str(folder), "WANDB_CACHE_DIR": str(folder), "WANDB_CONFIG_DIR": str(folder)}
     out = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     return out
 
 
+IN_ORDER = "RUN_HERE_IN_ORDER"  # the key of the one job that runs those commands in turn
+STARTED_BY = ("test_readme_commands_in_order_run", "test_readme_command_runs")  # the tests `started` serves
+
+
+def run_job(key: str, folder: Path, environ: dict[str, str]) -> Any:
+    """IN_ORDER: every RUN_HERE_IN_ORDER command in turn in `folder` (their outputs); else the command `key`."""
+    if key == IN_ORDER:
+        return [run_here(command, folder, environ) for command in RUN_HERE_IN_ORDER]
+    if "status" in shlex.split(key):
+        (folder / "runs").mkdir()
+    return run_here(key, folder, environ)
+
+
+@pytest.fixture(scope="module")
+def started(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            data_dir: Path) -> Iterator[dict[str, tuple[Path, Future]]]:
+    """The selected tests' commands, started at once and run two at a time in test order, each job in a scratch
+    folder of its own: most train one process on one core, and two keep this machine's two cores busy. Each test
+    then checks its own job's outcome (a failed command raises there)."""
+    environ = isolated_environ(os.environ, data_dir)  # the tests' own, which this module's threads cannot rely on
+    keys = [IN_ORDER if item.originalname == STARTED_BY[0] else item.callspec.params["command"]
+            for item in request.session.items if item.module is request.module and item.originalname in STARTED_BY]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        jobs = {}
+        for key in keys:
+            folder = tmp_path_factory.mktemp("readme")
+            jobs[key] = folder, pool.submit(run_job, key, folder, environ)
+        yield jobs
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.slow
-def test_readme_commands_in_order_run(tmp_path):
-    outputs = [run_here(command, tmp_path) for command in RUN_HERE_IN_ORDER]
-    runs = tmp_path / "runs"
+def test_readme_commands_in_order_run(started):
+    folder, future = started[IN_ORDER]
+    outputs = future.result()
+    runs = folder / "runs"
     assert "overlap share" in outputs[2].stdout and "rank 1: top 5 ops" in outputs[2].stdout
     assert list(runs.glob("*/tb/events.out.tfevents.*")) and list(runs.glob("*/wandb/offline-run-*"))
 
 
 @pytest.mark.parametrize("command", RUN_HERE)
 @pytest.mark.slow
-def test_readme_command_runs(command, tmp_path):
+def test_readme_command_runs(command, started):
     argv = shlex.split(command)
-    if "status" in argv:
-        (tmp_path / "runs").mkdir()
-    out = run_here(command, tmp_path)
+    folder, future = started[command]
+    out = future.result()
     if argv[1] == "train":
-        assert list((tmp_path / "runs").glob("*/rank0.jsonl")), "no run folder written"
+        assert list((folder / "runs").glob("*/rank0.jsonl")), "no run folder written"
     if "--dry-run" in argv and "launch.launcher=submitit" in argv:
         assert out.stdout.startswith("# submitit AutoExecutor(") and "\nslurm_signal_delay_s=120\n" in out.stdout
     elif "--dry-run" in argv:
