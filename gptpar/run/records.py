@@ -148,6 +148,9 @@ class MemoryRecord(Record):
         "parallel.dp_sync=fsdp: peak bytes of unsharded parameters and gradients held at once.")
 
 
+# The keys inside a step record's `moe` (a mixture of experts' load), which the report reads.
+MOE_LOAD_KEYS = ("tokens_per_expert", "min", "max", "mean", "dropped")
+
 # The task's scores an epoch record may carry, in the order lines show them.
 EPOCH_SCORES = ("bleu", "test_bleu", "answer_accuracy")
 

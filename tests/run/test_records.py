@@ -18,6 +18,7 @@ from gptpar.run.logfile import encode
 from gptpar.run.records import (
     ABSENT,
     DECLARED,
+    MOE_LOAD_KEYS,
     RECORDS,
     EpochRecord,
     FinalRecord,
@@ -39,7 +40,7 @@ GRID = {"dp", "pp", "tp"}  # inside a header's coords and sizes
 MEMORY_PARTS = {"total", "grads", "optimizer"}  # analysis.aggregate.MemoryUse's breakdown
 FIELD_METADATA = {"help", "choices", "may_diverge"}
 OTHER_DICTS = {
-    "analysis/aggregate.py": GRID | MEMORY_PARTS,
+    "analysis/aggregate.py": GRID | MEMORY_PARTS | set(MOE_LOAD_KEYS),  # a step's expert load
     "analysis/figures.py": MEMORY_PARTS | {"F", "B", "W"},  # a timeline's action kinds
     "analysis/report.py": {"fork"},  # a multiprocessing start method
     "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s"},  # a trace's per-rank totals
