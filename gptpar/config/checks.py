@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, TrainConfig
+from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import MOE_ARCHS, PRESETS
 from gptpar.pretrained import PREFIX, check_tokenizer, check_weights, folder_of
@@ -182,14 +182,12 @@ def _check_moe_layout(cfg: Config) -> None:
     """A mixture of experts trains under data parallelism (every dp_sync), uncompiled: its router statistics and
     load-balancing loss are gathered by hooks from the whole model's forward, which pipelines and tensor parallelism
     split."""
-    p = cfg.parallel
-    split = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.tp", p.tp) if p.tp > 1 else \
-        ("parallel.pp_mode", p.pp_mode) if p.pp_mode != "single" else None
-    if not cfg.model.shape().moe:
+    shape = cfg.model.shape()
+    if not shape.moe:
         return
-    if split is not None:
-        raise ConfigError(f"{split[0]}={split[1]} with a mixture of experts ({cfg.model.shape().arch}) is not built "
-                          "yet; train it with data parallelism (parallel.dp, any parallel.dp_sync)")
+    if (split := model_splitter(cfg.parallel)) is not None:
+        raise ConfigError(f"{split} with a mixture of experts ({shape.arch}) is not built yet; train it with data "
+                          "parallelism (parallel.dp, any parallel.dp_sync)")
     if cfg.train.compile not in ("auto", "false"):
         raise ConfigError(f"train.compile={cfg.train.compile} with a mixture of experts is not built yet (its routers "
                           "are watched by hooks); use train.compile=auto or false")
@@ -198,17 +196,25 @@ def _check_moe_layout(cfg: Config) -> None:
 def _check_packing(cfg: Config) -> None:
     """Packed rows carry their examples' position ids and mask into the model's own forward, which only layouts that
     run the model whole call."""
-    d, p = cfg.data, cfg.parallel
+    d = cfg.data
     if not d.packing:
         return
     if d.task not in PAIR_TASKS:
         raise ConfigError(f"data.packing=true packs pair examples; data.task={d.task} trains on blocks that are full "
                           "already; use data.task=sft or translation, or data.packing=false")
-    split = ("parallel.pp", p.pp) if p.pp > 1 else ("parallel.tp", p.tp) if p.tp > 1 else \
-        ("parallel.pp_mode", p.pp_mode) if p.pp_mode != "single" else None
-    if split is not None:
-        raise ConfigError(f"data.packing=true needs the model run whole, which {split[0]}={split[1]} splits; use "
+    if (split := model_splitter(cfg.parallel)) is not None:
+        raise ConfigError(f"data.packing=true needs the model run whole, which {split} splits; use "
                           "data.packing=false there")
+
+
+def model_splitter(p: ParallelConfig) -> str | None:
+    """The key (as `key=value`) that runs the model in pieces rather than whole: the multi-process pipeline, tensor
+    parallelism or a one-process pipeline mode; None where every rank runs it whole."""
+    if p.pp > 1:
+        return f"parallel.pp={p.pp}"
+    if p.tp > 1:
+        return f"parallel.tp={p.tp}"
+    return f"parallel.pp_mode={p.pp_mode}" if p.pp_mode != "single" else None
 
 
 def context_length(model: ModelConfig) -> int:

@@ -229,7 +229,7 @@ class ParallelConfig:
     grad_comm: str = opt("fp32", "What gradients are sent in over the replicas: fp32, or bf16 and fp16 (half the "
                          "bytes: each rank casts its gradient, divides it by the replica count and sums in that "
                          "type, as torch's bf16/fp16_compress_hook do; the average is copied back into fp32). "
-                         "parallel.dp_sync naive, bucketed (ours) and ddp (torch's hooks).",
+                         "parallel.dp_sync naive, bucketed, zero1 (ours) and ddp (torch's hooks).",
                          choices=GRAD_COMMS)
     backend: str = opt("auto", "auto: nccl when CUDA is visible, else gloo.",
                        choices=("auto", "gloo", "nccl"))

@@ -30,9 +30,9 @@ class TrainingData:
 def load_training_data(cfg: Config) -> TrainingData:
     data_cfg = data_config(cfg)
     if data_cfg.task in PAIR_TASKS:
-        data = load_pairs(data_cfg, fixed_width(cfg))
+        width = fixed_width(cfg)
+        data = load_pairs(data_cfg, width)
         if data_cfg.packing:
-            width = fixed_width(cfg)
             return TrainingData(PackedPairs(data.train, width, data.eos), PackedPairs(data.val, width, data.eos),
                                 stack_packed, data.vocab_size, data.tokenizer.name, data)
         return TrainingData(data.train, data.val, data.collate, data.vocab_size, data.tokenizer.name, data)

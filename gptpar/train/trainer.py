@@ -192,9 +192,10 @@ class Trainer:
                 with record_function("forward"), precision.autocast():
                     with self._routing():
                         logits = self._logits(self.sync.module, batch)
-                    loss = self.loss_fn(logits, batch[1].to(logits.device, non_blocking=True)) / divisors[i]
+                    labels = batch[1].to(logits.device, non_blocking=True)
+                    loss = self.loss_fn(logits, labels) / divisors[i]
                     if self.router_load is not None:  # the router's load-balancing loss, a mean over micro-steps
-                        aux = self.router_load.aux_loss(batch[1].to(logits.device, non_blocking=True))
+                        aux = self.router_load.aux_loss(labels)
                         loss = loss + self.cfg.model.moe_aux_loss_coef * aux / len(micro_batches)
                 with record_function("backward"):
                     precision.scale(loss).backward()
