@@ -30,6 +30,7 @@ from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
+from gptpar.train.step_records import read_now
 from gptpar.train.trainer import Trainer
 
 COEFS = (0.0, 0.01, 0.1)
@@ -67,7 +68,7 @@ def run_variant(args: argparse.Namespace, info: RankInfo, runs: Path, coef: floa
         micro_batches = next(batches)
         loss, _ = trainer.train_step(micro_batches)
         trainer.step += 1
-        fields = trainer.router_load.step_fields()
+        fields = read_now(trainer.router_load.step_fields())
         if step >= WARMUP_STEPS:  # the first steps pay for allocations and thread start-up
             elapsed += time.perf_counter() - start
             tokens += sum(batch[0].numel() for batch in micro_batches)

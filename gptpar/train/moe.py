@@ -7,8 +7,8 @@ balanced, as f sums to k; up to E · k when one expert takes every pick with cer
 positions, so the product is not a sum of per-rank parts: f and P are summed over every replica's positions of the
 micro-step first (one small all-reduce), which makes each replica's aux the one process's of the same tokens. A
 replica's gradient is that of its own positions' share; data parallelism then averages gradients over R replicas,
-so the term a rank backpropagates is R times its value (as the LM loss's is). Reading the routing counts waits for
-the device once per micro-step.
+so the term a rank backpropagates is R times its value (as the LM loss's is). Nothing here waits for the device:
+the counts stay there, and the step record reads them with the step's loss (gptpar.train.step_records).
 
 Only real positions count: a pair task's right padding (every position after a row's last predicted label) routes
 too, but is left out, so the loss does not depend on how wide a layout pads its batches.
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.data.pairs import IGNORE
+from gptpar.train.step_records import OnDevice
 
 
 def real_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -43,8 +44,10 @@ class RouterLoad:
         self.n_experts, self.top_k, self.group, self.replicas = n_experts, top_k, group, replicas
         self._logits: list[torch.Tensor] = []
         self._recording = False
-        self.tokens = torch.zeros(len(routers), n_experts, dtype=torch.float64)  # the step's, on every replica
-        self.aux_sum, self.micro_steps = 0.0, 0
+        self.layers = len(routers)
+        self.tokens: torch.Tensor | float = 0.0  # the step's per layer and expert, on every replica (on the device)
+        self.aux_sum: torch.Tensor | float = 0.0
+        self.micro_steps = 0
         for router in routers:
             router.register_forward_hook(self._keep)
 
@@ -65,8 +68,8 @@ class RouterLoad:
     def aux_loss(self, labels: torch.Tensor) -> torch.Tensor:
         """The micro-step's load-balancing loss over every replica, as a tensor whose value is that loss and whose
         gradient is R times this replica's share of it (module docstring)."""
-        if len(self._logits) != len(self.tokens):
-            raise RuntimeError(f"{len(self._logits)} routers ran in the recorded forward, not {len(self.tokens)}")
+        if len(self._logits) != self.layers:
+            raise RuntimeError(f"{len(self._logits)} routers ran in the recorded forward, not {self.layers}")
         real = real_positions(labels).reshape(-1).to(self._logits[0].device, torch.float32)
         probs = [torch.softmax(logits.float(), dim=-1) for logits in self._logits]
         picks = torch.stack([torch.zeros(self.n_experts, device=real.device).scatter_add_(
@@ -79,20 +82,23 @@ class RouterLoad:
             dist.all_reduce(total, group=self.group)
             prob_sum = prob_sum + (total - prob_sum.detach())  # every replica's value, this replica's gradient
         per_layer, rows = counts[:-1].reshape(picks.shape), counts[-1] * len(probs)
-        self.tokens += per_layer.cpu()
+        self.tokens = self.tokens + per_layer
         share = per_layer.sum(dim=0).float() / rows.float()
         aux = self.n_experts * (share * prob_sum / rows.float()).sum()
-        self.aux_sum += float(aux.detach())
+        self.aux_sum = self.aux_sum + aux.detach().double()
         self.micro_steps += 1
         return aux.detach() + self.replicas * (aux - aux.detach())
 
     def step_fields(self) -> dict[str, object]:
         """The step's `aux_loss` (mean over its micro-steps) and `moe` expert load (tokens routed per expert and
-        layer over every replica: min, max and mean), then a fresh count for the next step."""
-        tokens = self.tokens
-        fields = {"aux_loss": self.aux_sum / max(self.micro_steps, 1),
-                  "moe": {"tokens_per_expert": {"min": float(tokens.min()), "max": float(tokens.max()),
-                                                "mean": float(tokens.mean())}, "dropped": 0}}
-        self.tokens = torch.zeros_like(tokens)
-        self.aux_sum, self.micro_steps = 0.0, 0
-        return fields
+        layer over every replica: min, max and mean), then a fresh count for the next step; both read from the device
+        when the step's record is (OnDevice)."""
+        if not self.micro_steps:
+            raise RuntimeError("no recorded forward ran in the step")
+        tokens = torch.as_tensor(self.tokens)
+        aux = torch.as_tensor(self.aux_sum) / self.micro_steps
+        load = torch.stack([tokens.min(), tokens.max(), tokens.mean()])
+        self.tokens, self.aux_sum, self.micro_steps = 0.0, 0.0, 0
+        return {"aux_loss": OnDevice(aux.reshape(1), lambda v: v[0]),
+                "moe": OnDevice(load, lambda v: {"tokens_per_expert": dict(zip(("min", "max", "mean"), v, strict=True)),
+                                                 "dropped": 0})}

@@ -11,6 +11,7 @@ perf_counter and nothing is gained by waiting (the default there is 1). The JSON
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,11 +52,25 @@ class StepClock:
         return self.begin.elapsed_time(self.end) / 1000.0
 
 
+@dataclass(frozen=True)
+class OnDevice:
+    """A record field the step computes on the device (a mixture's expert load), read with the step's other numbers
+    at the fetch: `numbers` (1-D float64, on the step's device) become the field's value through `value`."""
+
+    numbers: torch.Tensor
+    value: Callable[[list[float]], Any]
+
+
+def read_now(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with every OnDevice value read at once (a wait for the device): for code outside the loop's fetch."""
+    return {name: f.value(f.numbers.tolist()) if isinstance(f, OnDevice) else f for name, f in fields.items()}
+
+
 @dataclass
 class PendingStep:
     """A step whose numbers are not yet on the host: `values` (loss, global_loss, grad_norm) on the device, `clock`,
-    and the record's other fields, known on the host already. `has_loss`: False on a pipeline stage that does not
-    compute the loss (its record says null)."""
+    and the record's other fields, known on the host already or OnDevice. `has_loss`: False on a pipeline stage that
+    does not compute the loss (its record says null)."""
 
     values: torch.Tensor
     clock: StepClock
@@ -76,12 +91,18 @@ class PendingSteps:
         """Every pending step's record, their device numbers read in one transfer."""
         if not self.steps:
             return []
-        numbers = torch.stack([s.values for s in self.steps]).tolist()
-        records = []
-        for step, (loss, global_loss, grad_norm) in zip(self.steps, numbers, strict=True):
+        deferred = [[(name, f) for name, f in step.fields.items() if isinstance(f, OnDevice)] for step in self.steps]
+        numbers = torch.cat([torch.cat([step.values, *(f.numbers.to(step.values) for _, f in fields)])
+                             for step, fields in zip(self.steps, deferred, strict=True)]).tolist()
+        records, at = [], 0
+        for step, fields in zip(self.steps, deferred, strict=True):
+            (loss, global_loss, grad_norm), at = numbers[at:at + 3], at + 3
+            read = {}
+            for name, field in fields:
+                read[name], at = field.value(numbers[at:at + len(field.numbers)]), at + len(field.numbers)
             seconds = step.clock.seconds()
             records.append(StepRecord(loss=loss if step.has_loss else None, global_loss=global_loss,
                                       grad_norm=grad_norm, step_time_s=seconds,
-                                      tokens_per_s=step.fields["tokens"] / seconds, **step.fields))
+                                      tokens_per_s=step.fields["tokens"] / seconds, **(step.fields | read)))
         self.steps = []
         return records

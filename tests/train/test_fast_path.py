@@ -4,6 +4,7 @@ records what it resolved to. One process, the trainer's own step (`Trainer.train
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from rank_training import make_config, make_trainer, named_params, train_steps
 
+import gptpar
 from gptpar.config import ModelConfig
 from gptpar.errors import GptparError
 from gptpar.model import build_model, chunked_lm_loss, lm_loss, pad_vocabulary
@@ -21,10 +23,12 @@ from gptpar.train.entry import run_rank
 from gptpar.train.optim import kind_of
 from gptpar.train.precision import resolve_precision
 from gptpar.train.provenance import header_fields
+from gptpar.train.step_records import read_now
 
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                   launcher="single", backend="gloo", device=torch.device("cpu"))
 STEPS = 3
+MIXTURE = ["model.preset=qwen2-moe-tiny", "model.n_embd=32", "model.n_head=4"]
 
 
 def trained(tmp_path: Path, name: str, overrides: list[str]) -> tuple[list[float], dict[str, torch.Tensor], object]:
@@ -114,11 +118,12 @@ def records(run_dir: Path, *kinds: str) -> list[dict]:
 @pytest.mark.slow  # run_rank's header asks git for the commit
 def test_steps_read_back_every_sync_every_steps_still_log_every_step_in_order(tmp_path: Path) -> None:
     """log.sync_every=3 over 7 steps with an evaluation every 2: every step's record, in order, each evaluation after
-    its step's record, the same numbers as reading every step back."""
+    its step's record, the same numbers as reading every step back. A mixture of experts, whose expert load the step
+    leaves on the device too (OnDevice fields)."""
     runs = {}
     for every in (1, 3):
-        cfg = make_config([f"log.sync_every={every}", "train.max_steps=7", "train.eval_every=2", "log.progress=none"],
-                          tmp_path, f"sync{every}")
+        cfg = make_config([*MIXTURE, f"log.sync_every={every}", "train.max_steps=7", "train.eval_every=2",
+                           "log.progress=none"], tmp_path, f"sync{every}")
         result = run_rank(cfg)
         runs[every] = Path(result["run_dir"])
         assert result["status"] == "completed"
@@ -128,8 +133,10 @@ def test_steps_read_back_every_sync_every_steps_still_log_every_step_in_order(tm
     assert [s for kind, s in order if kind == "eval"] == [2, 4, 6]
     assert all(order.index(("step", s)) < order.index(("eval", s)) for s in (2, 4, 6))
     steps = {every: records(run, "step") for every, run in runs.items()}
-    for field in ("loss", "global_loss", "grad_norm", "lr"):
+    for field in ("loss", "global_loss", "grad_norm", "lr", "aux_loss", "moe"):
         assert [r[field] for r in steps[3]] == [r[field] for r in steps[1]], field
+    # Every step routes its 128 tokens to top-2 of 8 experts in each layer: 32 each on average.
+    assert [r["moe"]["tokens_per_expert"]["mean"] for r in steps[3]] == [128 * 2 / 8] * 7
     assert records(runs[3], "header")[0]["fast_path"]["sync_every"] == 3
 
 
@@ -184,3 +191,28 @@ def test_the_default_step_on_a_gpu_never_waits_for_the_gpu(tmp_path: Path) -> No
             trainer.step += 1
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
+def test_a_mixtures_step_on_a_gpu_waits_only_inside_its_libraries(tmp_path: Path) -> None:
+    """A mixture's step does wait for the GPU, in its libraries: transformers' check for packed rows in the attention
+    mask and torch's grouped matrix product of the experts (an H100 with torch 2.11 named those lines); no line of
+    gptpar's, the routing statistics and the load-balancing loss included (they stay on the device until the fetch)."""
+    info = replace(SINGLE, backend="nccl", device=torch.device("cuda", 0))
+    trainer = make_trainer(make_config(MIXTURE, tmp_path, "no-sync"), info)
+    batches = trainer.batches(0, 0)
+    trainer.train_step(next(batches))
+    trainer.step += 1
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train_step(next(batches))
+            fields = trainer.router_load.step_fields()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ours = Path(gptpar.__file__).parent
+    waits = {f"{w.filename}:{w.lineno}" for w in caught if "ynchroniz" in str(w.message)}
+    assert waits and not [w for w in waits if w.startswith(str(ours))], sorted(waits)
+    assert read_now(fields)["moe"]["tokens_per_expert"]["mean"] > 0  # the fetch: where the numbers are read
