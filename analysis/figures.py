@@ -39,7 +39,7 @@ from analysis.canvas import (
     x_name,
     x_positions,
 )
-from analysis.grouping import Mark, Spread, marks, run_labels, series
+from analysis.grouping import Mark, Spread, marks, point_keys, point_name, run_labels, series
 from analysis.scaling import repeat_points
 from gptpar.run.names import slug
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
@@ -379,6 +379,7 @@ def simulated_timeline(run: RunMetrics, trace: Timeline) -> Timeline:
 def _timelines(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Per engine run, its traced step's measured timeline above the simulated one on the same time axis."""
     traced = [(r, r.pp_trace) for r in runs if r.pp_trace is not None and not r.bubble_flagged]
+    keys = point_keys([r for r, _ in traced])
     for r, trace in traced:
         ranks, simulated = len(trace.idle), simulated_timeline(r, trace)
         cost = ", ".join(f"{kind} {seconds * 1e3:.3g} ms" for kind, seconds in mean_costs(trace).items() if seconds)
@@ -393,7 +394,8 @@ def _timelines(runs: list[RunMetrics], figs: FigureSet) -> bool:
         _gantt_legend(axes[0])
         fig.suptitle(f"{r.run}\n{r.pp_mode}, m={r.chunks}: closed-form bubble {r.bubble_theory:.3f} (unit costs)",
                      fontsize=10)
-        figs.save(fig, "pipeline_timeline" if len(traced) == 1 else stem("pipeline_timeline", r.run), r.run)
+        name = point_name(r, keys, file=True) if keys else ""
+        figs.save(fig, stem("pipeline_timeline", name) if name else "pipeline_timeline", r.run)
     return bool(traced)
 
 
