@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gptpar import __version__
-from gptpar.config import reference_markdown, split_config_args, to_yaml_with_origins
+from gptpar.config import reference_markdown, shape_values, split_config_args, to_yaml_with_origins
 from gptpar.errors import GptparError
 from gptpar.paths import check_path
 from gptpar.strategies.data_parallel import either
@@ -83,7 +83,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.action == "reference":
         print(reference_markdown())
         return 0
-    print(to_yaml_with_origins(*_resolved(args.words)), end="")
+    from gptpar.launch.profiles import profile_values
+
+    cfg, origins = _resolved(args.words)
+    print(to_yaml_with_origins(cfg, origins, {**shape_values(cfg), **profile_values(cfg)}), end="")
     return 0
 
 
