@@ -58,7 +58,7 @@ PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks", "parallel.pp_schedule", 
 NEUTRAL_KEYS = ("train.max_steps", "train.epochs", "train.eval_every", "train.eval_batches", "train.checkpoint_every",
                 "parallel.timeout_s", "data.hub_timeout_s", "train.dump_grads")
 # Keys that never define a sweep axis: bookkeeping, scheduling (launch.repeat included), repeat seeds and the above.
-NON_AXIS_PREFIXES = ("log.", "launch.")
+NON_AXIS_PREFIXES = ("log.", "launch.", "report.")
 NON_AXIS_KEYS = ("data.dir", "train.seed", *NEUTRAL_KEYS, *GPU_KEYS, *PIPELINE_KEYS)
 
 
@@ -150,6 +150,12 @@ class RunMetrics:
     noise: float | None = None  # relative spread of the measurement: over repeats, else over steps
     noise_basis: str = ""  # what the noise was measured over
     flag: str = ""  # why its speedup or efficiency breaks a physical bound; shown ⚠, not plotted
+    target_loss: float | None = None  # the loss its sweep is timed to (analysis.target)
+    target_basis: str = ""  # "validation" or "train": which of its losses was compared with the target
+    target_origin: str = ""  # where the target came from: --target-loss, report.target_loss or the sweep's losses
+    time_to_target_s: float | None = None  # training time at the first step that reached it; None: not reached
+    tokens_to_target: float | None = None  # tokens seen (all replicas) by then
+    target_speedup: float | None = None  # the baseline point's mean time to target over this run's
     diverged_at: int | None = None  # the first step with a non-finite loss
     stitched: list[int] = field(default_factory=list)  # kept epochs timed from step records (restarts)
     stale: str = ""  # why its numbers are not of its sweep's current definition, in one line

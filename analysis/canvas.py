@@ -34,6 +34,8 @@ STYLE = {
 NAME_MAX = 60  # characters a sweep, run or key takes in a file name; a longer one is cut and ends in a hash
 LEGEND_ROWS = 24  # entries per legend column
 OFF_MARK, OFF_COLOUR = "⚠", "tab:red"  # how figures mark a flagged result
+# Ideals and closed forms: one style of their own, above the data (zorder), so a measured line on them hides nothing.
+REFERENCE = {"color": "grey", "linestyle": "--", "linewidth": 1.2, "zorder": 3}
 
 
 @dataclass
@@ -149,7 +151,7 @@ def draw_marks(ax: plt.Axes, points: list[Mark], at: Callable[[Any], float], rin
     xs = [at(m.x) for m in points]
     ys = [m.y for m in points]
     errors = [[m.y - m.low for m in points], [m.high - m.y for m in points]]
-    colour = ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, **style)[0].get_color()
+    colour = ax.errorbar(xs, ys, yerr=errors, capsize=3, **{"marker": "o", **style})[0].get_color()
     flagged = [(x, m.y) for x, m in zip(xs, points, strict=True) if any(r.flag for r in m.runs)]
     if ring and flagged:
         ax.plot(*zip(*flagged, strict=True), marker="o", markersize=12, markerfacecolor="none", linestyle="none",

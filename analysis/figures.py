@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from itertools import cycle
 from pathlib import Path
 
 from matplotlib.patches import Patch
@@ -26,6 +27,7 @@ from analysis.canvas import (
     NAME_MAX,
     OFF_COLOUR,
     OFF_MARK,
+    REFERENCE,
     STYLE,
     FigureSet,
     draw_marks,
@@ -39,7 +41,7 @@ from analysis.canvas import (
     x_name,
     x_positions,
 )
-from analysis.grouping import Mark, Spread, marks, run_labels, series
+from analysis.grouping import Mark, Spread, marks, point_keys, point_name, run_labels, series
 from analysis.scaling import repeat_points
 from gptpar.run.names import slug
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
@@ -79,12 +81,12 @@ def _scaling(runs: list[RunMetrics], figs: FigureSet, metric: str) -> bool:
     shown: list[Mark] = []
     for label, members in series(data, x, figs.group_by).items():
         points = marks(members, x, value)
-        colour = draw_marks(ax, points, at, ring=True, label=label)
+        draw_marks(ax, points, at, ring=True, label=label)
         shown += points
         if metric == "tokens" and x == "gpus":
             first = points[0]
-            ax.plot([at(m.x) for m in points], [first.y * m.x / first.x for m in points], linestyle="--",
-                    color=colour, alpha=0.6)
+            ax.plot([at(m.x) for m in points], [first.y * m.x / first.x for m in points], **REFERENCE,
+                    label="ideal: linear from a line's first point")
     ax.set_ylim(bottom=0)
     ax.set_xlabel(x_label(data, x))
     note, along = error_note(shown, ONE_RUN_STD), x_name(data, x)
@@ -93,7 +95,7 @@ def _scaling(runs: list[RunMetrics], figs: FigureSet, metric: str) -> bool:
         ax.set_title(f"Training time vs {along}\n{note}", fontsize=9)
     else:
         ax.set_ylabel(JOB_RATE)
-        ideal = " (dashed: ideal, linear from each line's first point)" if x == "gpus" else ""
+        ideal = " (grey dashed: ideal)" if x == "gpus" else ""
         ax.set_title(f"Throughput vs {along}{ideal}\n{note}", fontsize=9)
     legend(fig)
     figs.save(fig, stem("time_vs" if metric == "time" else "throughput_vs", x.rpartition(".")[2]), x)
@@ -118,22 +120,27 @@ def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
         points = marks(members, x, lambda r: (r.speedup, None))
         colour = draw_marks(speed_ax, points, at_speed, label=label)
         shown += points
+        to_target = marks(members, x, lambda r: (r.target_speedup, None))
+        if to_target:
+            draw_marks(speed_ax, to_target, at_speed, color=colour, marker="s", markerfacecolor="white",
+                       linestyle=":", label="time to target (squares, dotted)")
         ideal = marks(members, x, lambda r: (r.ideal_speedup, None))
-        speed_ax.plot([at_speed(m.x) for m in ideal], [m.y for m in ideal], linestyle="--", color=colour, alpha=0.6)
+        speed_ax.plot([at_speed(m.x) for m in ideal], [m.y for m in ideal], **REFERENCE, label="ideal: GPU ratio")
         efficiency = marks(members, x, lambda r: (r.efficiency, None))
         if efficiency:
             draw_marks(eff_ax, efficiency, at_eff, color=colour)
             top = max(top, *(1.05 * m.high for m in efficiency))
-    eff_ax.axhline(1.0, linestyle="--", color="grey")
+    eff_ax.axhline(1.0, **REFERENCE, label="ideal: 100%")
     speed_ax.set_ylim(bottom=0)
     eff_ax.set_ylim(0, top)
     eff_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     for ax in (speed_ax, eff_ax):
         ax.set_xlabel(x_label(kept, x))
-    speed_ax.set_ylabel("speedup (job tokens/s over the baseline's)")
-    speed_ax.set_title("Speedup over the sweep's baseline (dashed: ideal)", fontsize=9)
+    speed_ax.set_ylabel("speedup over the baseline: job tokens/s, and time to target")
+    speed_ax.set_title("Speedup over the sweep's baseline (circles: throughput, squares: time to target)",
+                       fontsize=9)
     eff_ax.set_ylabel("efficiency (speedup / GPU ratio)")
-    eff_ax.set_title("Efficiency (dashed: 100%)", fontsize=9)
+    eff_ax.set_title("Efficiency (grey dashed: 100%)", fontsize=9)
     left_out = f"\n{OFF_MARK} flagged, not plotted: {', '.join(flagged)} (see summary.md)" if flagged else ""
     fig.suptitle(f"Speedup and efficiency vs {x_name(kept, x)}; {error_note(shown, 'none (one run)')}{left_out}",
                  fontsize=9)
@@ -379,6 +386,7 @@ def simulated_timeline(run: RunMetrics, trace: Timeline) -> Timeline:
 def _timelines(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Per engine run, its traced step's measured timeline above the simulated one on the same time axis."""
     traced = [(r, r.pp_trace) for r in runs if r.pp_trace is not None and not r.bubble_flagged]
+    keys = point_keys([r for r, _ in traced])
     for r, trace in traced:
         ranks, simulated = len(trace.idle), simulated_timeline(r, trace)
         cost = ", ".join(f"{kind} {seconds * 1e3:.3g} ms" for kind, seconds in mean_costs(trace).items() if seconds)
@@ -393,7 +401,8 @@ def _timelines(runs: list[RunMetrics], figs: FigureSet) -> bool:
         _gantt_legend(axes[0])
         fig.suptitle(f"{r.run}\n{r.pp_mode}, m={r.chunks}: closed-form bubble {r.bubble_theory:.3f} (unit costs)",
                      fontsize=10)
-        figs.save(fig, "pipeline_timeline" if len(traced) == 1 else stem("pipeline_timeline", r.run), r.run)
+        name = point_name(r, keys, file=True) if keys else ""
+        figs.save(fig, stem("pipeline_timeline", name) if name else "pipeline_timeline", r.run)
     return bool(traced)
 
 
@@ -408,18 +417,22 @@ def _bubbles(runs: list[RunMetrics], figs: FigureSet) -> bool:
         groups.setdefault((r.pp_schedule, r.devices, r.pp_virtual), []).append(r)
     fig, ax = plt.subplots()
     shown: list[Mark] = []
+    forms: dict[tuple[tuple[int, float], ...], list[str]] = {}  # closed-form curve -> the lines it belongs to
     for (name, p, v), members in sorted(groups.items()):
         points = marks(members, CHUNKS, lambda r: (r.bubble_measured, r.bubble_std))
-        color = draw_marks(ax, points, float, label=f"{name} P={p}" + (f" V={v}" if v > 1 else ""))
+        label = f"{name} P={p}" + (f" V={v}" if v > 1 else "")
+        draw_marks(ax, points, float, label=label)
         shown += points
-        ms = list(range(points[0].x, points[-1].x + 1))
-        ax.plot(ms, [closed_form_bubble(name, p, m, v) for m in ms], linestyle="--", marker="x", color=color,
-                markevery=[ms.index(point.x) for point in points])
+        ms = range(min(r.chunks for r in data), max(r.chunks for r in data) + 1)
+        forms.setdefault(tuple((m, closed_form_bubble(name, p, m, v)) for m in ms), []).append(label)
+    for (curve, labels), dashes in zip(forms.items(), cycle(("--", "-.", ":", (0, (5, 1)))), strict=False):
+        ax.plot(*zip(*curve, strict=True), **{**REFERENCE, "linestyle": dashes},
+                label=f"closed form: {', '.join(labels)}")
     ax.set_xlabel("micro-batches per batch (chunks m)")
     ax.set_xticks(sorted({r.chunks for r in data}))
     ax.set_ylabel("bubble (idle share of the window)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Pipeline bubble vs micro-batches (dashed: closed form)\n"
+    ax.set_title(f"Pipeline bubble vs micro-batches (grey: closed forms, once where they coincide)\n"
                  f"{error_note(shown, '± sample std over its kept steps')}", fontsize=9)
     legend(fig)
     figs.save(fig, "pipeline_bubble")

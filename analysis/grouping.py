@@ -89,12 +89,42 @@ def run_labels(runs: list[RunMetrics]) -> dict[str, str]:
     differ between the runs (launch.repeat included; bookkeeping, GPU keys and keys that follow the GPU count left
     out); the run id where that names nothing or would name two runs alike."""
     keys = sorted(set().union(*(r.params for r in runs)))
-    candidates = ["gpus", *(k for k in keys if (not k.startswith(("log.", "launch.")) or k == "launch.repeat")
+    candidates = ["gpus", *(k for k in keys if (not k.startswith(("log.", "launch.", "report."))
+                                                or k == "launch.repeat")
                             and k not in GPU_KEYS and k != "data.dir" and not follows(runs, k))]
     varying = _varying(runs, candidates)
     labels = {r.run: _label(r, varying) or r.run_id for r in runs}
     twice = {label for label, n in Counter(labels.values()).items() if n > 1}
     return {run: f"{label} ({run})" if label in twice else label for run, label in labels.items()}
+
+
+def point_keys(runs: list[RunMetrics]) -> list[str]:
+    """The keys that tell a sweep's points apart: the data-parallel size (`dp`), the GPU count where the data-parallel
+    size does not give it, and every config key that varies (keys zipped with the GPU count included), but not
+    bookkeeping (log.*, launch.* with launch.repeat, report.*) nor data.dir: repeats share their point's keys."""
+    keys = sorted(set().union(*(r.params for r in runs)))
+    config = [k for k in keys if not k.startswith(("log.", "launch.", "report.")) and k not in ("data.dir",
+                                                                                                  "parallel.dp")]
+    sizes = {r.dp for r in runs}
+    dp = ["dp"] if len(sizes) > 1 else []
+    gpus = ["gpus"] if any(len({r.gpus for r in runs if r.dp == d}) > 1 for d in sizes) else []
+    varying = _varying(runs, config)
+    text = [k for k in varying if any(isinstance(r.params.get(k), str) for r in runs)]  # a kind first: zb1p_chunks8
+    return dp + gpus + text + [k for k in varying if k not in text]
+
+
+def point_value(r: RunMetrics, key: str) -> Any:
+    """A run's value of a point key: `dp` is its data-parallel size, any other key as key_value gives it."""
+    return r.dp if key == "dp" else key_value(r, key)
+
+
+def point_name(r: RunMetrics, keys: Sequence[str], file: bool = False) -> str:
+    """The run's point by its values of keys: `dp=2, batch_size=32`, or with `file` `dp2_batch_size32` (a text value
+    bare: `zb1p_chunks8`)."""
+    names = {**short_names(keys), "gpus": "GPUs" if r.on_gpu else "ranks"}
+    if not file:
+        return ", ".join(f"{names[k]}={point_value(r, k)}" for k in keys)
+    return "_".join(str(v) if isinstance(v := point_value(r, k), str) else f"{names[k]}{v}" for k in keys)
 
 
 @dataclass(frozen=True)

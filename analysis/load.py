@@ -20,10 +20,12 @@ from gptpar.errors import GptparError
 
 
 def load_runs(runs_dir: str | Path = "runs", frame: bool | None = None, warmup_epochs: int = 1,
-              warmup_steps: int = 5, include_incomplete: bool = False, peak_flops: float | None = None) -> Any:
+              warmup_steps: int = 5, include_incomplete: bool = False, peak_flops: float | None = None,
+              target_loss: float | None = None) -> Any:
     """Every run under runs_dir as a row (the report's definitions and options); a DataFrame when `frame` is True,
     a list of dicts when False, and by default a DataFrame if pandas can be imported, else the list."""
-    runs, shown = run_table(runs_dir, warmup_epochs, warmup_steps, include_incomplete, peak_flops=peak_flops)
+    runs, shown = run_table(runs_dir, warmup_epochs, warmup_steps, include_incomplete, peak_flops=peak_flops,
+                            target_loss=target_loss)
     print_warnings(runs)
     rows = [{**row(r), "shown": r in shown, **r.params} for r in runs]
     if frame is False:

@@ -22,6 +22,7 @@ from analysis.figures import make_figures
 from analysis.grouping import check_keys
 from analysis.scaling import apply_speedups
 from analysis.summary import markdown, write_csv
+from analysis.target import apply_targets, check_target
 from analysis.trace import analyse_run
 from gptpar.atomic import write_error
 from gptpar.errors import GptparError
@@ -81,12 +82,16 @@ def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int
 
 def run_table(runs_dir: str | Path = "runs", warmup_epochs: int = 1, warmup_steps: int = 5,
               include_incomplete: bool = False, now: float | None = None, workers: int | None = None,
-              peak_flops: float | None = None) -> tuple[list[RunMetrics], list[RunMetrics]]:
-    """(every run, the runs shown in the table and figures) with speedups, repeats and flags: what the report and
-    the notebook loader (analysis.load) both start from."""
+              peak_flops: float | None = None, target_loss: float | None = None
+              ) -> tuple[list[RunMetrics], list[RunMetrics]]:
+    """(every run, the runs shown in the table and figures) with times to the target loss (target_loss, else each
+    sweep's), speedups, repeats and flags: what the report and the notebook loader (analysis.load) both start
+    from."""
+    check_target(target_loss)
     runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers, peak_flops)
     shown = [r for r in runs if not r.set_aside and not r.mixed and (r.status in ("completed", "diverged")
                                                                      or (include_incomplete and r.status != "corrupt"))]
+    apply_targets(shown, target_loss)
     apply_speedups(shown)
     return runs, shown
 
@@ -114,12 +119,13 @@ def _write(result: ReportResult, runs_dir: Path, warmup: str, figs: FigureSet) -
 def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmup_epochs: int = 1,
            warmup_steps: int = 5, include_incomplete: bool = False, now: float | None = None,
            workers: int | None = None, peak_flops: float | None = None, group_by: Sequence[str] = (),
-           x: str | None = None, fmt: str = "png", dpi: int = 110) -> ReportResult:
+           x: str | None = None, fmt: str = "png", dpi: int = 110, target_loss: float | None = None) -> ReportResult:
     """summary.csv, summary.md and the figures (as fmt at dpi; lines by the group_by keys, against x) of the runs
-    under runs_dir, in out_dir."""
+    under runs_dir, in out_dir; time to target_loss (else each sweep's report.target_loss or highest final loss)."""
     out = check_path(out_dir, "folder", "--out", "name a folder for the report", must_exist=False)  # before any run
     figs = FigureSet(out, fmt, dpi, x, tuple(group_by))
-    runs, shown = run_table(runs_dir, warmup_epochs, warmup_steps, include_incomplete, now, workers, peak_flops)
+    runs, shown = run_table(runs_dir, warmup_epochs, warmup_steps, include_incomplete, now, workers, peak_flops,
+                            target_loss)
     check_keys(runs, "--group-by", group_by)
     check_keys(runs, "--x", [x] if x else [])
     print_warnings(runs)

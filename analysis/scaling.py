@@ -9,6 +9,8 @@ Definitions (the summary's footnotes repeat them):
 - speedup: a run's job tokens/s over its baseline point's (the honest throughput: summed per-rank rates
   overstate scaling whenever ranks wait on each other); efficiency: speedup / (GPUs / baseline GPUs), not given
   for a pipeline against model parallel on the same devices, where it would only repeat the speedup;
+- time-to-target speedup: the baseline point's mean training time to the target loss (analysis.target) over the
+  run's, where every run of the baseline and the run reached it;
 - ideal speedup: the GPU ratio; for a pipeline p*m/(m+p-1), its closed-form bubble on p equal stages;
 - noise: a point's relative spread of job tokens/s over its repeats, (max-min)/mean; for a point without repeats
   its run's relative step-time spread (sample std / mean over the kept steps), which is wider than the
@@ -47,6 +49,12 @@ class Point:
     def mean(self) -> float:
         return statistics.fmean(self.rates)
 
+    @property
+    def time_to_target(self) -> float | None:
+        """The mean training time of its runs to the target loss; None unless every run reached it."""
+        times = [r.time_to_target_s for r in self.runs]
+        return None if None in times else statistics.fmean(times)
+
     def noise(self) -> tuple[float, str]:
         """(relative noise of the point's job tokens/s, what it was measured over): see the module docstring."""
         rates = self.rates
@@ -63,7 +71,8 @@ def repeat_points(runs: list[RunMetrics]) -> list[Point]:
     only in launch.repeat and log.* keys are repeats of one point."""
     groups: dict[tuple, list[RunMetrics]] = {}
     for r in runs:
-        config = sorted((k, repr(v)) for k, v in r.params.items() if not k.startswith("log.") and k != REPEAT_KEY)
+        config = sorted((k, repr(v)) for k, v in r.params.items()
+                        if not k.startswith(("log.", "report.")) and k != REPEAT_KEY)
         groups.setdefault((r.sweep, tuple(config)), []).append(r)
     return [Point(members) for members in groups.values()]
 
@@ -112,9 +121,12 @@ def apply_speedups(runs: list[RunMetrics]) -> None:
 def _compare(point: Point, base: Point, pipeline: bool) -> None:
     """Each run's speedup (and efficiency) over the baseline's mean; the point's mean against the bounds."""
     reference = base.first
+    base_time = base.time_to_target
     for r in point.runs:
         r.baseline, r.baseline_runs = reference.run_id, len(base.rates)
         r.speedup = r.job_tokens_per_s / base.mean
+        if base_time is not None and r.time_to_target_s:
+            r.target_speedup = base_time / r.time_to_target_s
         if not pipeline:
             r.ideal_speedup = r.gpus / reference.gpus
             r.efficiency = r.speedup / r.ideal_speedup

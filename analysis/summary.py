@@ -5,11 +5,13 @@ from __future__ import annotations
 import csv
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, RunMetrics
-from analysis.scaling import repeat_points
+from analysis.grouping import point_keys, point_name
+from analysis.scaling import Point, repeat_points
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
 
 MEMORY_COLUMNS = (*STATE_BYTES, "total")  # the keys of MemoryUse.mean and .max
@@ -23,6 +25,7 @@ CSV_COLUMNS = (
     "mem_closed_form_bytes", "mem_ratio", "mem_flagged", "mem_gathered_peak_bytes_mean", "mem_gathered_peak_bytes_max",
     "peak_mem_bytes_mean", "peak_mem_bytes_max", "job_tokens_per_s_std", "baseline_runs", "ideal_speedup", "repeats",
     "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu", "final_answer_accuracy", "mixed_configs",
+    "target_loss", "target_basis", "time_to_target_s", "tokens_to_target", "time_to_target_speedup",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -48,6 +51,11 @@ FOOTNOTES = (
     "run's train.precision), N the block and final-norm parameters, 6·V·d the LM head; **HFU** (shown when "
     "activation checkpointing recomputes blocks) adds their second forward. Peaks: NVIDIA datasheets; a device "
     "the table lacks is n/a unless `gptpar report --peak-flops` gives it; above 100% is flagged, not shown.",
+    "**time to target**: the training time (the slowest rank's step times summed) to the first step whose "
+    "validation loss (train loss for a run without evaluation) is at or below the sweep's target loss (`gptpar report "
+    "--target-loss`, else the sweep's `report.target_loss`, else the highest final loss of its runs); \"not "
+    "reached\" where no step reached it. **speedup (time to target)**: the baseline's mean time to target over the "
+    "point's. Repeats show their mean (min – max).",
     "**final loss**: the last step's loss, averaged over data-parallel replicas (`global_loss`); a diverged "
     "run shows its non-finite loss and the step where it first appeared.",
     "**pp_mode**: single, model_parallel or pipeline_parallel (one process per replica), or `pp=P schedule` "
@@ -99,6 +107,7 @@ def row(r: RunMetrics) -> dict[str, Any]:
             mem.ratio, bool(mem.mismatched), *(mem.gathered_peak or (None, None))]),
         *(r.peak_mem or (None, None)), r.job_tokens_std, r.baseline_runs or None, r.ideal_speedup, r.repeats,
         r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu, r.final_answer_accuracy, r.mixed,
+        r.target_loss, r.target_basis, r.time_to_target_s, r.tokens_to_target, r.target_speedup,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 
@@ -138,27 +147,132 @@ def _loss(r: RunMetrics) -> str:
     return text if r.diverged_at is None else f"{text} (diverged at step {r.diverged_at})"
 
 
-def _row(r: RunMetrics) -> str:
-    name = r.run_id if r.status == "completed" else f"{r.run_id} ({r.status})"
-    if r.stale:
+def named_points(shown: list[RunMetrics]) -> list[tuple[Point, str]]:
+    """The sweep points of the shown runs, sweep by sweep, each named by the keys its sweep varies
+    (grouping.point_keys); the first run's id where that names nothing or would name two points alike."""
+    named: list[tuple[Point, str]] = []
+    for sweep in dict.fromkeys(r.sweep for r in shown):
+        points = repeat_points([r for r in shown if r.sweep == sweep])
+        keys = point_keys([r for p in points for r in p.runs])
+        names = [point_name(p.first, keys) or p.first.run_id for p in points]
+        named += [(p, name if names.count(name) == 1 else p.first.run_id)
+                  for p, name in zip(points, names, strict=True)]
+    return named
+
+
+def _spread(values: list[float | None], fmt: str, one: tuple[float | None, float | None] | None = None) -> str:
+    """A point's value: one run's (± its std where `one` gives it), or the repeats' mean (min – max)."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return "–"
+    if len(values) == 1:
+        return _pm(one, fmt) if one is not None else f"{known[0]:{fmt}}"
+    mean = statistics.fmean(known)
+    return f"{mean:{fmt}}" + ("" if min(known) == max(known) else f" ({min(known):{fmt}} – {max(known):{fmt}})")
+
+
+def _target_cell(p: Point, value: Callable[[RunMetrics], float | None], fmt: str) -> str:
+    """A time-to-target cell: the runs' value, or "not reached" (by how many, where some repeats did reach it)."""
+    missed = sum(r.time_to_target_s is None for r in p.runs)
+    if p.first.target_loss is None:
+        return "–"
+    if missed:
+        return "not reached" + (f" by {missed} of {len(p.runs)}" if missed < len(p.runs) else "")
+    return _spread([value(r) for r in p.runs], fmt)
+
+
+def _target_speedup_cell(p: Point) -> str:
+    """The point's time-to-target speedup over its baseline: – without a baseline or where the baseline did not
+    reach the target, "not reached" where the point did not."""
+    if p.first.speedup is None:
+        return "–"
+    if any(r.time_to_target_s is None for r in p.runs):
+        return _target_cell(p, lambda r: r.target_speedup, ".2f")
+    if any(r.target_speedup is None for r in p.runs):
+        return "– (baseline not reached)"
+    return _spread([r.target_speedup for r in p.runs], ".2f") + "×"
+
+
+def _disagreement(p: Point, name: str, names: dict[str, str]) -> str | None:
+    """A sentence where the throughput speedup and the time-to-target speedup point different ways (one says faster,
+    the other slower, or the point never reaches the target); None where they agree."""
+    r = p.first
+    if r.speedup is None or r.target_loss is None or r.baseline == r.run_id:
+        return None
+    speedup = statistics.fmean(x.speedup for x in p.runs)
+    base = _baseline_name(p, names)
+    target = f"the target {r.target_basis} loss {r.target_loss:.4g}"
+    if any(x.time_to_target_s is None for x in p.runs):
+        return (f"{name}: {speedup:.2f}× the job tokens/s of {base}, yet it never reaches {target}."
+                if speedup > 1 else None)
+    if any(x.target_speedup is None for x in p.runs):
+        return None
+    to_target = statistics.fmean(x.target_speedup for x in p.runs)
+    faster, sooner = round(speedup, 2) > 1, round(to_target, 2) > 1
+    if faster == sooner or (not faster and round(to_target, 2) == 1):
+        return None
+    when = "sooner" if sooner else "later" if round(to_target, 2) < 1 else "no sooner"
+    seconds = statistics.fmean(x.time_to_target_s for x in p.runs)
+    return (f"{name}: {speedup:.2f}× the job tokens/s of {base}, but it reaches {target} {when}: after "
+            f"{seconds:.1f} s of training against {seconds * to_target:.1f} s ({to_target:.2f}× as fast to the "
+            "target).")
+
+
+def _target_section(named: list[tuple[Point, str]], names: dict[str, str]) -> list[str]:
+    """Each sweep's target loss, and a sentence for every point whose throughput and time to target disagree."""
+    targets = {p.first.sweep: p.first for p, _ in named if p.first.target_loss is not None}
+    if not targets:
+        return []
+    lines = ["", "## Time to target loss", ""]
+    lines += [f"- {sweep}: {r.target_loss:.4g} ({r.target_origin})" for sweep, r in targets.items()]
+    sentences = [text for p, name in named if (text := _disagreement(p, name, names))]
+    if sentences:
+        lines += ["", "Where throughput and time to target disagree (a researcher decides by the time to a "
+                  "target quality, as MLPerf Training scores it):", "", *(f"- {text}" for text in sentences)]
+    return lines
+
+
+def _baseline_name(p: Point, names: dict[str, str]) -> str:
+    """The baseline as what it is: `dp=1`, or `mean of 2 repeats of dp=1`."""
+    r = p.first
+    name = names.get(r.baseline, r.baseline)
+    return name if r.baseline_runs <= 1 else f"mean of {r.baseline_runs} repeats of {name}"
+
+
+def _row(p: Point, name: str, names: dict[str, str]) -> str:
+    r = p.first
+    statuses = sorted({x.status for x in p.runs} - {"completed"})
+    if statuses:
+        name += f" ({', '.join(statuses)})"
+    if any(x.stale for x in p.runs):
         name += f" {STALE_MARK}"
     flag = " ⚠" if r.flag else ""
-    speedup = "–" if r.speedup is None else f"{r.speedup:.2f}× vs {r.baseline}" + (
-        f" (mean of {r.baseline_runs})" if r.baseline_runs > 1 else "") + flag
-    efficiency = "–" if r.efficiency is None else f"{r.efficiency:.0%}{flag}"
-    mfu = r.mfu_note if r.mfu is None else f"{r.mfu:.1%}"
+    speedups = [x.speedup for x in p.runs]
+    speedup = "–" if r.speedup is None else f"{_spread(speedups, '.2f')}× vs {_baseline_name(p, names)}{flag}"
+    efficiencies = [x.efficiency for x in p.runs if x.efficiency is not None]
+    efficiency = "–"
+    if efficiencies:
+        mean = statistics.fmean(efficiencies)
+        efficiency = f"{mean:.0%}{flag}" + (" (within noise)" if not flag and round(mean, 2) > 1 else "")
+    mfu = r.mfu_note if r.mfu is None else f"{_spread([x.mfu for x in p.runs], '.1%')}"
     if r.hfu is not None and r.hfu != r.mfu:
-        mfu += f" (HFU {r.hfu:.1%})"
+        mfu += f" (HFU {_spread([x.hfu for x in p.runs], '.1%')})"
+    one = len(p.runs) == 1
     cells = [
-        r.sweep, name, str(r.dp), r.pp_mode, str(r.chunks) if r.pp_mode == "pipeline_parallel" or r.engine else "–",
-        str(r.gpus), _pm(r.epoch_time, ".2f"), _pm(r.tokens_per_s, ",.0f"),
-        "–" if r.job_tokens_per_s is None else f"{r.job_tokens_per_s:,.0f}", speedup, efficiency, mfu,
-        _loss(r),
+        r.sweep, name, str(len(p.runs)), str(r.dp), r.pp_mode,
+        str(r.chunks) if r.pp_mode == "pipeline_parallel" or r.engine else "–", str(r.gpus),
+        _spread([x.epoch_time[0] for x in p.runs], ".2f", r.epoch_time if one else None),
+        _spread([x.tokens_per_s[0] for x in p.runs], ",.0f", r.tokens_per_s if one else None),
+        _spread([x.job_tokens_per_s for x in p.runs], ",.0f"), speedup, efficiency,
+        _target_cell(p, lambda x: x.time_to_target_s, ".1f"), _target_speedup_cell(p), mfu,
+        _loss(r) if one else _spread([x.final_loss for x in p.runs], ".3f"),
     ]
     return "| " + " | ".join(cells) + " |"
 
 
 def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, warmup: str) -> str:
+    named = named_points(shown)
+    names = {r.run_id: name for p, name in named for r in p.runs}
     counts: dict[str, int] = {}
     for r in runs:
         counts[r.status] = counts.get(r.status, 0) + 1
@@ -166,12 +280,14 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
         "# Training runs", "",
         f"Runs under `{runs_dir}`: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
         f"Warm-up dropped: {warmup}.", "",
-        "| sweep | run | dp | pp_mode | chunks | GPUs | epoch time (s) | tokens/s (sum over DP) "
-        "| job tokens/s | speedup (job tokens/s) | efficiency | MFU | final loss |",
-        "|" + "---|" * 13,
-        *(_row(r) for r in shown), "",
+        "| sweep | point | runs | dp | pp_mode | chunks | GPUs | epoch time (s) | tokens/s (sum over DP) "
+        "| job tokens/s | speedup (job tokens/s) | efficiency | time to target (s) | speedup (time to target) | MFU "
+        "| final loss |",
+        "|" + "---|" * 16,
+        *(_row(p, name, names) for p, name in named), "",
         *(f"{i}. {note}" for i, note in enumerate(FOOTNOTES, 1)),
     ]
+    lines += _target_section(named, names)
     pipelines = [r for r in shown if r.bubble_theory is not None]
     if pipelines:
         lines += ["", "## Pipeline bubble", "",

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gptpar import __version__
-from gptpar.config import reference_markdown, split_config_args, to_yaml_with_origins
+from gptpar.config import reference_markdown, shape_values, split_config_args, to_yaml_with_origins
 from gptpar.errors import GptparError
 from gptpar.paths import check_path
 from gptpar.strategies.data_parallel import either
@@ -83,7 +83,10 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.action == "reference":
         print(reference_markdown())
         return 0
-    print(to_yaml_with_origins(*_resolved(args.words)), end="")
+    from gptpar.launch.profiles import profile_values
+
+    cfg, origins = _resolved(args.words)
+    print(to_yaml_with_origins(cfg, origins, {**shape_values(cfg), **profile_values(cfg)}), end="")
     return 0
 
 
@@ -193,7 +196,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     group_by = [key for words in args.group_by for key in words.split(",") if key]
     result = report(args.runs_dir, args.out, args.warmup_epochs, args.warmup_steps, args.include_incomplete,
-                    peak_flops=args.peak_flops, group_by=group_by, x=args.x, fmt=args.format, dpi=args.dpi)
+                    peak_flops=args.peak_flops, group_by=group_by, x=args.x, fmt=args.format, dpi=args.dpi,
+                    target_loss=args.target_loss)
     for message in result.skipped:
         print(message)
     completed = sum(r.status == "completed" for r in result.runs)
@@ -399,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--x", metavar="KEY", help="x axis of the time, throughput and speedup figures (a config key, "
                                               "or gpus); default: the GPU count (pipelines: micro-batches, in their "
                                               "own figure)")
+    p.add_argument("--target-loss", type=_positive_number, default=None, metavar="LOSS",
+                   help="time every run to this validation loss (train loss without evaluation); default: each "
+                        "sweep's report.target_loss, else the highest final loss of its runs")
     p.add_argument("--format", default="png", metavar="FORMAT", help="figure format: png, pdf or svg (default: png)")
     p.add_argument("--dpi", type=int, default=110, help="dots per inch of the figures (default: 110)")
     p.set_defaults(handler=cmd_report)

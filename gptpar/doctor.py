@@ -10,6 +10,7 @@ never by `gptpar/launch/` (the login side stays torch-free).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import platform
 import shutil
@@ -25,6 +26,13 @@ from gptpar.paths import check_path
 # What training imports; a failure here is a broken install, not a finding.
 REQUIRED = ("torch", "transformers", "tokenizers", "yaml", "orjson", "matplotlib")
 LOW_SPACE_BYTES = 5 * 2**30
+# The optional packages (pyproject's extras): module -> (its extra, the feature it enables). Missing is a finding.
+OPTIONAL = {
+    "datasets": ("hf", "Hugging Face data sets, data.source=hf:..."),
+    "sacrebleu": ("translation", "BLEU of data.task=translation"),
+    "tensorboard": ("tensorboard", "log.tensorboard=true"),
+    "wandb": ("wandb", "log.wandb=offline|online"),
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,17 @@ def _imports() -> Iterator[Check]:
                         "run make install")
         else:
             yield Check(module, "ok", version or "imports")
+
+
+def _optional() -> Iterator[Check]:
+    """Each optional package: installed (found, not imported: wandb alone takes seconds) or missing, with the feature
+    it enables and how to install it."""
+    for module, (extra, feature) in OPTIONAL.items():
+        if importlib.util.find_spec(module) is not None:
+            yield Check(module, "ok", f"installed (optional: {feature})")
+        else:
+            yield Check(module, "finding", f"missing (optional): needed for {feature}; pip install 'gptpar[{extra}]' "
+                        "or make install")
 
 
 def _gpus() -> Iterator[Check]:
@@ -130,7 +149,8 @@ def _space(cfg: Config) -> Iterator[Check]:
 
 def run_checks(cfg: Config, origins: Mapping[str, str] | None = None) -> list[Check]:
     """Every check, in order; one that fails unexpectedly is reported as broken rather than stopping the rest."""
-    checks = [Check("gptpar", "ok", f"{__version__} on Python {platform.python_version()}"), *_imports()]
+    checks = [Check("gptpar", "ok", f"{__version__} on Python {platform.python_version()}"), *_imports(),
+              *_optional()]
     groups: list[tuple[str, Callable[[], Iterator[Check]]]] = [("SLURM", lambda: _slurm(cfg, origins or {})),
                                                                ("space", lambda: _space(cfg))]
     if all(c.status == "ok" for c in checks if c.name == "torch"):

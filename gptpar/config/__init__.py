@@ -32,6 +32,7 @@ from gptpar.config.schema import (
     LogConfig,
     ModelConfig,
     ParallelConfig,
+    ReportConfig,
     TrainConfig,
 )
 from gptpar.config.text import (
@@ -46,6 +47,7 @@ from gptpar.config.text import (
     parse_override,
     read_yaml,
     resolve_layers,
+    shape_values,
     split_config_args,
     to_yaml,
     to_yaml_with_origins,
@@ -56,10 +58,10 @@ from gptpar.errors import ConfigError
 __all__ = [
     "PAIR_TASKS", "PRECISIONS", "PRETRAINED_ON_META", "SFT_SAMPLE", "SECTIONS", "TASKS", "TRANSLATION_SOURCES",
     "Config", "ConfigError",
-    "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "TrainConfig",
+    "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "ReportConfig", "TrainConfig",
     "apply_dict", "check_context", "checkpoint_interval", "checkpointed_indices", "config_digest",
     "config_from_dict", "config_layers", "data_config", "example_width", "fixed_width", "load_config", "nested",
     "overrides_tree", "parse_override", "profiled_steps", "read_yaml", "readme_with_reference", "reference_markdown",
-    "resolve_layers", "split_config_args", "to_yaml", "to_yaml_with_origins", "updated", "validate",
+    "resolve_layers", "shape_values", "split_config_args", "to_yaml", "to_yaml_with_origins", "updated", "validate",
     "whole_compile_obstacle",
 ]

@@ -291,6 +291,14 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class ReportConfig:
+    target_loss: float = opt(0.0, "Validation loss (train loss for a run without evaluation) whose first crossing "
+                             "`gptpar report` times for every run of the sweep (time and tokens to target); 0: the "
+                             "highest final loss any point of the sweep reached, so every point gets a value. "
+                             "`gptpar report --target-loss` overrides it.", min=0.0)
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -298,6 +306,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -19,6 +19,7 @@ from gptpar.config.checks import validate
 from gptpar.config.schema import SECTIONS, Config
 from gptpar.errors import ConfigError
 from gptpar.paths import path_problem
+from gptpar.pretrained import folder_of
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -262,15 +263,39 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 
 
-def to_yaml_with_origins(cfg: Config, origins: typing.Mapping[str, str]) -> str:
+# Model keys whose 0 or auto keeps the shape's value: key -> the ModelShape field that holds it.
+SHAPE_KEYS = {"arch": "arch", "n_layer": "n_layer", "n_embd": "n_embd", "n_head": "n_head", "n_kv_head": "n_kv_head",
+              "n_positions": "n_positions", "n_experts": "n_experts", "moe_top_k": "top_k"}
+
+
+def shape_values(cfg: Config) -> dict[str, tuple[Any, str]]:
+    """The model keys left at 0 or auto, each with the value the preset (or pretrained folder) gives it and which:
+    `config show` prints what a run builds, not the placeholder."""
+    model = cfg.model
+    shape = model.shape()
+    why = f"pretrained {model.init}" if folder_of(model.init) is not None else f"preset {model.preset}"
+    found = {}
+    for key, field_name in SHAPE_KEYS.items():
+        if getattr(model, key) in (0, "auto"):
+            value = getattr(shape, field_name)
+            found[f"model.{key}"] = (value or shape.n_head if key == "n_kv_head" else value, why)
+    return found
+
+
+def to_yaml_with_origins(cfg: Config, origins: typing.Mapping[str, str],
+                         resolved: typing.Mapping[str, tuple[Any, str]] | None = None) -> str:
     """The resolved config as YAML that still loads, each key's line ending in a comment naming where
-    its value came from (default, detected cluster, user file, environment, config file, command line)."""
+    its value came from (default, detected cluster, user file, environment, config file, command line); a key in
+    `resolved` (left at its placeholder, 0 or '') shows the value it resolves to and what gives it (`preset
+    gpt2-mini`, `profile bridges2`)."""
     lines = []
     for section, values in cfg.to_dict().items():
         lines.append(f"{section}:")
         for key, value in values.items():
+            dotted = f"{section}.{key}"
+            value, origin = (resolved or {}).get(dotted, (value, origins.get(dotted, "default")))
             text = f"  {yaml.safe_dump({key: value}, default_flow_style=True, width=1 << 20)[1:-2]}"
-            lines.append(f"{text:<44} # {origins.get(f'{section}.{key}', 'default')}")
+            lines.append(f"{text:<44} # {origin}")
     return "\n".join(lines) + "\n"
 
 

@@ -62,6 +62,19 @@ def load_profile(name: str) -> dict[str, Any]:
     return data
 
 
+# launch keys whose empty value takes the profile's.
+PROFILE_KEYS = ("partition", "account", "qos", "constraint", "gpu_type")
+
+
+def profile_values(cfg: Config) -> dict[str, tuple[str, str]]:
+    """The launch keys left empty that the profile fills, each with its value and `profile <name>`, for `config
+    show`: the same values `resolve` puts in a job."""
+    prof = load_profile(cfg.launch.profile)
+    name = f"profile {Path(cfg.launch.profile).stem}"
+    return {f"launch.{key}": (str(prof[key]), name) for key in PROFILE_KEYS
+            if not getattr(cfg.launch, key) and prof.get(key)}
+
+
 def time_seconds(text: str, key: str = "launch.time") -> int:
     match = TIME.fullmatch(text)
     if not match:

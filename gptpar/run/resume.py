@@ -11,7 +11,7 @@ import dataclasses
 from itertools import pairwise
 from typing import Any
 
-from gptpar.config import Config, LogConfig
+from gptpar.config import Config, LogConfig, ReportConfig
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder, completed, config_changes, config_diff
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
@@ -22,6 +22,7 @@ from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 # (the job's shape) or launch.repeat (the run's place among a sweep point's repeats).
 RESUMABLE = frozenset({
     *(f"log.{f.name}" for f in dataclasses.fields(LogConfig)),
+    *(f"report.{f.name}" for f in dataclasses.fields(ReportConfig)),
     *(f"launch.{key}" for key in ("launcher", "profile", "cluster", "partition", "account", "qos", "constraint",
                                   "gpu_type", "cpus_per_task", "time", "signal_s", "max_concurrent", "venv")),
     "train.eval_every", "train.checkpoint_every", "train.profile_steps", "train.dump_grads",

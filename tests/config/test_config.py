@@ -92,3 +92,16 @@ def test_reference_lists_every_key():
     for key in ("model.preset", "data.source", "train.batch_size", "parallel.dp_sync", "launch.profile",
                 "log.runs_dir"):
         assert f"`{key}`" in table
+
+
+def test_config_show_prints_what_a_preset_and_a_profile_resolve_to(capsys):
+    from gptpar.cli import main
+
+    assert main(["config", "show", "model.preset=gpt2-mini", "model.n_head=4", "launch.profile=bridges2"]) == 0
+    lines = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    assert lines["n_layer"].split() == ["n_layer:", "6", "#", "preset", "gpt2-mini"]
+    assert lines["arch"].split() == ["arch:", "gpt2", "#", "preset", "gpt2-mini"]
+    assert lines["n_head"].split() == ["n_head:", "4", "#", "command", "line"]  # set: its own origin
+    assert lines["partition"].split() == ["partition:", "GPU-shared", "#", "profile", "bridges2"]
+    assert lines["gpu_type"].split() == ["gpu_type:", "v100-32", "#", "profile", "bridges2"]
+    assert lines["account"].split() == ["account:", "''", "#", "default"]  # the profile has none either

@@ -150,8 +150,8 @@ def test_a_diverged_run_is_reported_as_diverged_with_its_numbers(
     row = csv_rows(result.summary_csv)["div"]
     assert (row["status"], row["final_loss"], row["diverged_at_step"]) == ("diverged", "nan", "4")
     assert row["tokens_per_s_mean"] == "200"
-    table = next(line for line in result.summary_md.read_text().splitlines() if line.startswith("| top-level | div"))
-    assert "div (diverged)" in table and table.endswith("| NaN (diverged at step 4) |")
+    table = next(line for line in result.summary_md.read_text().splitlines() if line.startswith("| top-level | dp=2"))
+    assert "dp=2 (diverged)" in table and table.endswith("| NaN (diverged at step 4) |")
     assert (tmp_path / "out" / "loss_top-level.png").is_file()
 
 
@@ -409,7 +409,8 @@ def point(sweep: Path, name: str, cfg, **header) -> None:
     None the run has only its logs (whose header may carry a config_digest)."""
     if cfg is not None:
         RunFolder(sweep / name).write_config(cfg)
-    Rank(sweep / name, 0, config(), **header).header().step(1).epoch(1, 1.0, 100.0).final(step=1)
+    cfg = config() if cfg is None else cfg.to_dict()
+    Rank(sweep / name, 0, cfg, **header).header().step(1).epoch(1, 1.0, 100.0).final(step=1)
 
 
 def test_the_sweep_record_round_trips(tmp_path: Path) -> None:
@@ -440,7 +441,7 @@ def test_sweep_points_whose_config_differs_from_the_sweep_are_flagged(
     ]
     assert sorted(r.run for r in result.shown) == ["sw/lr=0.1", "sw/lr=0.2", "sw/lr=0.3"]
     summary = result.summary_md.read_text()
-    assert "| sw | lr=0.2 ⚠ stale config |" in summary and "| sw | lr=0.1 |" in summary
+    assert "| sw | epochs=1, lr=0.2 ⚠ stale config |" in summary and "| sw | epochs=2, lr=0.1 |" in summary
     assert "| sw/lr=0.2 | config differs from sweep sw's current definition" in summary
     rows = csv_rows(result.summary_csv)
     assert [rows[f"sw/lr=0.{i}"]["stale"] == "" for i in (1, 2, 3)] == [True, False, True]

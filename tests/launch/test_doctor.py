@@ -46,3 +46,16 @@ def test_gpu_architecture_against_the_wheel(capability: tuple[int, int], arch_li
     assert (finding is None) == fine
     if finding:
         assert f"sm_{capability[0]}{capability[1]}" in finding
+
+
+def test_optional_packages_are_listed_with_their_feature_and_missing_ones_are_findings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = {"datasets", "tensorboard"}
+    monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    checks = {c.name: c for c in doctor._optional()}
+    assert list(checks) == ["datasets", "sacrebleu", "tensorboard", "wandb"]
+    assert checks["datasets"].status == "ok" and "data.source=hf:" in checks["datasets"].detail
+    assert checks["sacrebleu"].status == "finding"
+    assert checks["sacrebleu"].detail == ("missing (optional): needed for BLEU of data.task=translation; "
+                                          "pip install 'gptpar[translation]' or make install")
+    assert checks["wandb"].status == "finding" and "log.wandb" in checks["wandb"].detail

@@ -18,7 +18,6 @@ from analysis.report import analyse_runs, report
 from gptpar.cli import main as gptpar_main
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
-from gptpar.run.names import slug
 
 LATER = T0 + 3600.0  # "now" an hour after the logs: a run without a final record has died
 
@@ -254,14 +253,15 @@ def test_engine_figures_are_written_for_engine_runs_and_skipped_otherwise(tmp_pa
     engine_run(tmp_path / "runs" / "sweep" / "zb", [0.1, 0.1], chunks=4, pp_schedule="zb1p")
     result = report(tmp_path / "runs", tmp_path / "out", now=LATER, warmup_steps=0)
     names = sorted(p.name for p in result.figures if p.name.startswith("pipeline"))
-    # One timeline per run, named by the run's slug (a path's slug ends in a hash of it).
-    assert names == ["pipeline_bubble.png", *(f"pipeline_timeline_{slug(f'sweep/{run}')}.png"
-                                              for run in ("m2", "m4", "m8", "zb"))]
+    # One timeline per run, named by the keys the runs vary (a text value bare), no hash where names differ.
+    assert names == ["pipeline_bubble.png", *(f"pipeline_timeline_{point}.png" for point in (
+        "1f1b_chunks2", "1f1b_chunks4", "1f1b_chunks8", "zb1p_chunks4"))]
     for path in result.figures:
         width, height = png_size(path)
         assert width >= 400 and height >= 300
     summary = result.summary_md.read_text()
-    assert "| sweep | m4 | 1 | pp=2 1f1b | 4 | 2 |" in summary and "| zb | pp=2 zb1p | 2 | 4 | 0.077 |" in summary
+    assert "| sweep | pp_schedule=1f1b, chunks=4 | 1 | 1 | pp=2 1f1b | 4 | 2 |" in summary
+    assert "| zb | pp=2 zb1p | 2 | 4 | 0.077 |" in summary
 
     engine_run(tmp_path / "one" / "e", [0.3, 0.2])
     one = report(tmp_path / "one", tmp_path / "out1", now=LATER, warmup_steps=0)
@@ -312,13 +312,19 @@ def test_report_writes_summary_rows_and_valid_figures(tmp_path: Path) -> None:
     assert code == 0
     summary = (tmp_path / "figs" / "summary.md").read_text()
     table = [line for line in summary.split("## ")[0].splitlines() if line.startswith(("| dpscale", "| pipes"))]
-    assert [line.split(" | ")[1] for line in table] == ["dp1", "dp2", "dp2-naive", "dp4", "mp", "pp2", "pp4"]
-    dp2 = next(line for line in table if line.split(" | ")[1] == "dp2").split(" | ")
-    assert dp2[2:6] == ["2", "single", "–", "2"]
-    assert dp2[6] == "20.00" and dp2[7] == "180" and dp2[9] == "1.80× vs dp1" and dp2[10] == "90%"
-    assert dp2[11] == "n/a (unknown peak for cpu)"
-    mp, pp4 = (next(line for line in table if line.split(" | ")[1] == run).split(" | ") for run in ("mp", "pp4"))
-    assert mp[9:11] == ["1.00× vs mp", "–"] and pp4[9:11] == ["1.50× vs mp", "–"]
+    # One row per sweep point, named by the keys its sweep varies.
+    assert [line.split(" | ")[1] for line in table] == [
+        "dp=1, dp_sync=bucketed", "dp=2, dp_sync=bucketed", "dp=2, dp_sync=naive", "dp=4, dp_sync=bucketed",
+        "pp_mode=model_parallel, chunks=4", "pp_mode=pipeline_parallel, chunks=2",
+        "pp_mode=pipeline_parallel, chunks=4"]
+    dp2 = next(line for line in table if line.split(" | ")[1] == "dp=2, dp_sync=bucketed").split(" | ")
+    assert dp2[2:7] == ["1", "2", "single", "–", "2"]
+    assert dp2[7:9] == ["20.00", "180"] and dp2[10:12] == ["1.80× vs dp=1, dp_sync=bucketed", "90%"]
+    assert dp2[14] == "n/a (unknown peak for cpu)"
+    mp, pp4 = (next(line for line in table if line.split(" | ")[1] == f"pp_mode={mode}").split(" | ")
+               for mode in ("model_parallel, chunks=4", "pipeline_parallel, chunks=4"))
+    mp_name = "pp_mode=model_parallel, chunks=4"
+    assert mp[10:12] == [f"1.00× vs {mp_name}", "–"] and pp4[10:12] == [f"1.50× vs {mp_name}", "–"]
     assert "| dpscale/dp8 | failed |" in summary
     names = sorted(p.name for p in (tmp_path / "figs").glob("*.png"))
     assert names == ["loss_dpscale.png", "loss_pipes.png", "pipeline_vs_model_parallel.png", "speedup_vs_gpus.png",

@@ -139,10 +139,10 @@ def test_runs_that_differ_only_in_length_or_evaluation_are_one_series(tmp_path: 
     dp_run(tmp_path / "s" / "dp2", [90.0, 90.0], **{"train.max_steps": 40, "train.eval_every": 5})
     dp_run(tmp_path / "s" / "dp4", [80.0] * 4, **{"train.eval_batches": 2, "train.epochs": 3})
     report(tmp_path, tmp_path / "out", now=LATER)
-    assert legend_labels(drawn["throughput_vs_gpus.png"]) == ["s"]
+    assert legend_labels(drawn["throughput_vs_gpus.png"]) == ["ideal: linear from a line's first point", "s"]
     assert points(drawn["throughput_vs_gpus.png"].axes[0]) == [([1, 2, 4], [100.0, 180.0, 320.0])]
     report(tmp_path, tmp_path / "out", now=LATER, group_by=["train.max_steps"])
-    assert legend_labels(drawn["throughput_vs_gpus.png"]) == ["max_steps=0", "max_steps=40"]
+    assert legend_labels(drawn["throughput_vs_gpus.png"])[1:] == ["max_steps=0", "max_steps=40"]
 
 
 def test_x_and_group_by_name_the_axis_and_the_lines(tmp_path: Path, drawn: dict[str, Figure]) -> None:
@@ -211,7 +211,7 @@ def test_scaling_axes_start_at_zero_and_count_ranks_or_gpus(tmp_path: Path, draw
             ax = drawn[name].axes[0]
             assert ax.get_ylim()[0] == 0.0
             assert ax.get_xlabel() == f"{counted}: data-parallel ranks × devices per replica"
-        assert titles(drawn["throughput_vs_gpus.png"]).startswith(f"Throughput vs {word} (dashed: ideal")
+        assert titles(drawn["throughput_vs_gpus.png"]).startswith(f"Throughput vs {word} (grey dashed: ideal")
 
 
 def test_error_bars_say_what_they_are(tmp_path: Path, drawn: dict[str, Figure]) -> None:
@@ -239,6 +239,17 @@ def test_the_speedup_figure_has_its_ideals_and_leaves_flagged_results_out(tmp_pa
     assert points(speed) == [([1, 4], [1.0, 3.6])] and dashed(speed) == [([1, 4], [1.0, 4.0])]
     assert points(efficiency) == [([1, 4], [1.0, 0.9])] and dashed(efficiency) == [([0, 1], [1.0, 1.0])]
     assert "⚠ flagged, not plotted: dp2 (see summary.md)" in titles(fig)
+    # The ideals are in their own style, labelled, above the data so that a run on them hides nothing.
+    ideal = next(line for line in speed.get_lines() if line.get_label() == "ideal: GPU ratio")
+    data = max(line.get_zorder() for line in speed.get_lines() if line.get_marker() == "o")
+    assert (ideal.get_color(), ideal.get_linestyle(), ideal.get_zorder() > data) == ("grey", "--", True)
+    assert "ideal: 100%" in [line.get_label() for line in efficiency.get_lines()]
+    # Beside the throughput speedup, the time-to-target one (squares): every run reaches validation loss 2.0 at
+    # step 2, dp4's steps take 100/90 s, so it gets there 0.9x as fast as dp1.
+    squares = [(list(line.get_xdata()), list(line.get_ydata())) for line in speed.get_lines()
+               if line.get_marker() == "s"]
+    assert squares == [([1, 4], [1.0, pytest.approx(0.9)])]
+    assert "time to target (squares, dotted)" in legend_labels(fig)
     # Where its throughput is drawn, the flagged point is ringed.
     rings = [line for line in drawn["throughput_vs_gpus.png"].axes[0].get_lines() if line.get_markersize() >= 10]
     assert [list(line.get_xdata()) for line in rings] == [[2]]
@@ -300,3 +311,14 @@ def test_a_warning_matplotlib_raises_becomes_a_line_of_the_report(tmp_path: Path
         result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
     assert "figure loss_*.png: matplotlib warned: Glyph 9888 missing from font(s) DejaVu Sans." in result.skipped
     assert not recwarn.list
+
+
+def test_closed_forms_that_coincide_are_drawn_once_with_both_names(tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    for schedule in ("1f1b", "gpipe"):  # both (P-1)/(m+P-1)
+        for chunks in (2, 4):
+            engine_run(tmp_path / "s" / f"{schedule}{chunks}", [0.3, 0.2], chunks=chunks, pp_schedule=schedule)
+    report(tmp_path, tmp_path / "out", now=LATER, warmup_steps=0)
+    ax, = drawn["pipeline_bubble.png"].axes
+    forms = [line for line in ax.get_lines() if line.get_label().startswith("closed form")]
+    assert [line.get_label() for line in forms] == ["closed form: 1f1b P=2, gpipe P=2"]
+    assert list(forms[0].get_ydata()) == pytest.approx([1 / 3, 1 / 4, 1 / 5]) and forms[0].get_color() == "grey"

@@ -24,10 +24,10 @@ def metrics(runs_dir: Path, **kwargs) -> dict[str, RunMetrics]:
     return {m.run: m for m in analyse_runs(runs_dir, now=LATER, **kwargs)}
 
 
-def table_row(summary: str, run_id: str) -> list[str]:
-    """The cells of the main table's row of a run."""
+def table_row(summary: str, point: str) -> list[str]:
+    """The cells of the main table's row of a sweep point."""
     main = summary.split("\n## ")[0]
-    return next(line for line in main.splitlines() if line.split(" | ")[1:2] == [run_id]).split(" | ")
+    return next(line for line in main.splitlines() if line.split(" | ")[1:2] == [point]).split(" | ")
 
 
 def test_progress_counts_all_replicas_tokens_and_the_slowest_ranks_time(tmp_path: Path) -> None:
@@ -66,7 +66,7 @@ def test_speedup_and_efficiency_use_job_tokens_not_summed_rates(tmp_path: Path) 
     dp2 = {m.run: m for m in result.runs}["s/dp2"]
     assert dp2.tokens_per_s[0] == 150.0 and dp2.job_tokens_per_s == 100.0
     assert (dp2.speedup, dp2.efficiency, dp2.ideal_speedup) == (1.0, 0.5, 2.0)
-    assert table_row(result.summary_md.read_text(), "dp2")[9:11] == ["1.00× vs dp1", "50%"]
+    assert table_row(result.summary_md.read_text(), "dp=2")[10:12] == ["1.00× vs dp=1", "50%"]
 
 
 def repeats(root: Path) -> None:
@@ -84,7 +84,10 @@ def test_repeats_are_one_point_with_their_spread(tmp_path: Path) -> None:
     assert (first.repeats, first.noise, first.noise_basis) == (3, pytest.approx(20 / 190), "min-max over 3 repeats")
     assert (first.speedup, first.baseline, first.baseline_runs) == (pytest.approx(1.8), "dp1-r0", 3)
     summary = result.summary_md.read_text()
-    assert table_row(summary, "dp2-r0")[9] == "1.80× vs dp1-r0 (mean of 3)"
+    # One row for the point: its repeat count, the mean (min – max), the baseline named as what it is.
+    row = table_row(summary, "dp=2")
+    assert (row[2], row[9], row[10]) == ("3", "190 (180 – 200)", "1.90 (1.80 – 2.00)× vs mean of 3 repeats of dp=1")
+    assert sum(line.startswith("| rep | dp=") for line in summary.splitlines()) == 2
     assert "| rep | dp1-r0, dp1-r1, dp1-r2 | 3 | 100 | 100 – 100 | 0 | 0.0% |" in summary
     assert "| rep | dp2-r0, dp2-r1, dp2-r2 | 3 | 190 | 180 – 200 | 10 | 10.5% |" in summary
     # In a figure the repeats are one point: their mean, the error bar from the lowest to the highest.
@@ -116,7 +119,7 @@ def test_dp_efficiency_above_one_beyond_the_noise_is_flagged(tmp_path: Path, cap
     assert not by["sup/dp4"].flag and not by["sup/dp1"].flag
     assert "warning: run sup/dp2: efficiency 120% over dp1" in capsys.readouterr().err
     summary = result.summary_md.read_text()
-    assert table_row(summary, "dp2")[9:11] == ["2.40× vs dp1 ⚠", "120% ⚠"]
+    assert table_row(summary, "dp=2")[10:12] == ["2.40× vs dp=1 ⚠", "120% ⚠"]
     assert "## Results that break a physical bound (⚠)" in summary and "| sup/dp2 | efficiency 120%" in summary
     with open(result.summary_csv, newline="") as f:
         flags = {row["run"]: row["flag"] for row in csv.DictReader(f)}
@@ -127,9 +130,11 @@ def test_an_efficiency_above_one_within_the_repeats_spread_is_not_flagged(tmp_pa
     dp_run(tmp_path / "noisy" / "dp1-r0", [100.0], **{"launch.repeat": 0})
     dp_run(tmp_path / "noisy" / "dp1-r1", [125.0], **{"launch.repeat": 1})  # mean 112.5, spread 22%
     dp_run(tmp_path / "noisy" / "dp2", [115.0, 115.0])  # 230 / 225: 102% efficient, inside the spread
-    by = {m.run: m for m in report(tmp_path, tmp_path / "out", now=LATER).runs}
+    result = report(tmp_path, tmp_path / "out", now=LATER)
+    by = {m.run: m for m in result.runs}
     assert by["noisy/dp2"].efficiency == pytest.approx(230 / 225) and not by["noisy/dp2"].flag
     assert by["noisy/dp1-r0"].noise == pytest.approx(25 / 112.5)
+    assert table_row(result.summary_md.read_text(), "dp=2")[11] == "102% (within noise)"
 
 
 @pytest.mark.parametrize("rate, flagged", [(110.0, False), (140.0, True)])
@@ -150,8 +155,10 @@ def test_a_pipeline_at_one_chunk_faster_than_model_parallel_beyond_the_noise_is_
         assert m1.flag.startswith("pipeline at chunks=1 runs 1.40x as fast as model parallel mp on the same devices")
         assert "beyond the measured noise ±28.3%" in m1.flag
     summary = result.summary_md.read_text()
-    assert table_row(summary, "m1")[9:11] == [f"{rate / 100:.2f}× vs mp" + (" ⚠" if flagged else ""), "–"]
-    assert table_row(summary, "mp")[9:11] == ["1.00× vs mp", "–"]
+    mp = "pp_mode=model_parallel, chunks=4"
+    assert table_row(summary, "pp_mode=pipeline_parallel, chunks=1")[10:12] == [
+        f"{rate / 100:.2f}× vs {mp}" + (" ⚠" if flagged else ""), "–"]
+    assert table_row(summary, mp)[10:12] == [f"1.00× vs {mp}", "–"]
 
 
 def test_bleu_per_epoch_beside_the_losses(tmp_path: Path) -> None:
