@@ -65,10 +65,16 @@ def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
     params = net.original_parameters() if trainer.pipeline else {n.removeprefix("model."): p for n, p in
                                                                   net.named_parameters()}
     # A DTensor (FSDP2) is gathered whole, fsdp's units inside whole_parameters(), our tensor-parallel pieces from the
-    # tp group: collectives, in the same order on every rank.
+    # tp group, expert slices from the ep group: collectives, in the same order on every rank.
+    experts = trainer.experts if trainer.experts is not None and trainer.experts.sharded else None
+    slices = {id(p) for p in experts.params} if experts is not None else set()
+
+    def made_whole(p: torch.Tensor) -> torch.Tensor:
+        p = experts.whole(p) if id(p) in slices else p
+        return whole(p.full_tensor() if isinstance(p, DTensor) else p, trainer.tp_group).clone()
+
     with trainer.sync.whole_parameters():
-        return {n: whole(p.full_tensor() if isinstance(p, DTensor) else p, trainer.tp_group).clone()
-                for n, p in params.items()}
+        return {n: made_whole(p) for n, p in params.items()}
 
 
 def resumed_run(cfg: Config, info: RankInfo) -> dict:
@@ -125,7 +131,8 @@ def saved_ranks(runs: Path, name: str) -> list[dict]:
 
 def reference_run(cfg: Config) -> dict:
     """One process, the same config with one stage and one replica, the same global batch."""
-    single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.pp_virtual": 1,
+    single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.ep": 1,
+                           "parallel.pp_virtual": 1,
                            "parallel.pp_split": "", "parallel.dp_sync": "bucketed",
                            "log.run_id": cfg.log.run_id + "-single"})
     info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,

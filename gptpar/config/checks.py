@@ -11,7 +11,7 @@ from gptpar.errors import ConfigError
 from gptpar.presets import MOE_ARCHS, PRESETS
 from gptpar.pretrained import PREFIX, check_tokenizer, check_weights, folder_of
 from gptpar.strategies import STRATEGY_CHECKS
-from gptpar.strategies.data_parallel import DP_STRATEGIES
+from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 
 TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
 SFT_SAMPLE = "metamath_sample"  # the bundled MetaMathQA-style pairs (gptpar/data/samples)
@@ -105,9 +105,6 @@ def _check_shape(model: ModelConfig) -> None:
         key = next(k for k in ("n_experts", "moe_top_k", "moe_capacity_factor") if getattr(model, k))
         raise ConfigError(f"model.{key}={getattr(model, key)}: {shape.arch} has no experts; use model.arch="
                           f"{' or '.join(MOE_ARCHS)} (or a preset of one, e.g. qwen2-moe-tiny)")
-    if model.moe_capacity_factor:
-        raise ConfigError(f"model.moe_capacity_factor={model.moe_capacity_factor:g}: dropping tokens past an expert's "
-                          "capacity is not built yet (it comes with expert parallelism); use 0, which drops none")
     if model.init == "pretrained" and shape.arch != "gpt2":
         raise ConfigError(f"model.init=pretrained loads GPT-2's hub weights, not {shape.arch}'s; use model.init=random")
 
@@ -182,9 +179,21 @@ def _check_moe_layout(cfg: Config) -> None:
     """A mixture of experts trains under data parallelism (every dp_sync), uncompiled: its router statistics and
     load-balancing loss are gathered by hooks from the whole model's forward, which pipelines and tensor parallelism
     split."""
-    shape = cfg.model.shape()
+    shape, p = cfg.model.shape(), cfg.parallel
     if not shape.moe:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep={p.ep} splits a mixture's experts; {shape.arch} has none; use model.arch="
+                              f"{' or '.join(MOE_ARCHS)} (or a preset of one, e.g. qwen2-moe-tiny), or parallel.ep=1")
         return
+    if p.dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (expert parallelism runs inside data "
+                          "parallelism: groups of ep replicas share the experts)")
+    if shape.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.n_experts={shape.n_experts} (each rank of a group "
+                          "holds n_experts / ep of every block's experts)")
+    if p.ep > 1 and not DP_STRATEGIES[p.dp_sync].expert_parallel:
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.dp_sync={p.dp_sync} is not built yet; use "
+                          f"{either([n for n, row in DP_STRATEGIES.items() if row.expert_parallel])}")
     if (split := model_splitter(cfg.parallel)) is not None:
         raise ConfigError(f"{split} with a mixture of experts ({shape.arch}) is not built yet; train it with data "
                           "parallelism (parallel.dp, any parallel.dp_sync)")

@@ -56,8 +56,10 @@ class ModelConfig:
                                    "the whole micro-step on every replica) in the training loss; logged alone as "
                                    "aux_loss. 0: not trained on, still logged.", min=0.0)
     moe_capacity_factor: float = opt(0.0, "A mixture of experts: 0 routes every token to its experts (none is "
-                                     "dropped). Dropping tokens past an expert's capacity (a positive factor) belongs "
-                                     "with expert parallelism, which gptpar does not build yet.", min=0.0)
+                                     "dropped: training equals one process's). A positive factor c gives each expert "
+                                     "room for ceil(c * tokens * top_k / n_experts) of a rank's micro-batch tokens per "
+                                     "block, first come first served; the rest skip that expert (the step record's "
+                                     "moe.dropped counts them).", min=0.0)
     dropout: float = opt(0.0, "Dropout on embeddings, attention and residuals.", min=0.0, max=1.0)
     pad_vocab: int = opt(64, "Pad the token table (embedding and tied LM head) to a multiple of N rows (50,257 -> "
                          "50,304 at 64; with parallel.tp > 1 a multiple of tp too), for matmul shapes that run fast: "
@@ -214,6 +216,11 @@ class ParallelConfig:
                         "balances them by parallel.balance.")
     tp: int = opt(1, "Tensor-parallel ranks per model replica: attention heads, MLP columns and the vocabulary split "
                   "over them (neighbouring ranks, so one node); the job has pp * dp * tp ranks.", min=1, max=4096)
+    ep: int = opt(1, "Expert parallelism, inside data parallelism (a mixture of experts): each block's experts are "
+                  "split over groups of ep neighbouring data-parallel ranks (n_experts / ep each), tokens reach their "
+                  "experts' ranks by all-to-all and come back; attention and the dense parts stay replicated. ep "
+                  "divides parallel.dp and model.n_experts and adds no ranks; parallel.dp_sync naive, bucketed or "
+                  "ddp.", min=1, max=65_536)
     tp_impl: str = opt("gptpar", "Tensor parallelism: " + "; ".join(
         f"{name} ({impl.help}; with dp > 1 only dp_sync="
         f"{either([sync for sync, row in DP_STRATEGIES.items() if name in row.tensor_parallel])}"

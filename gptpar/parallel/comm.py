@@ -10,11 +10,15 @@ was issued and when a rank blocked on it, and `gptpar trace` (analysis/trace.py)
 
 Several ops issued by one call (a batch of sends and receives) get one span per op, nested. Without a
 running profiler a span costs one check.
+
+`SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`: so far
+the expert all-to-alls (gptpar.parallel.expert_parallel), counted from the actual split sizes.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,6 +27,14 @@ from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
 PREFIXES = {"issue": ("comm",), "wait": ("comm_wait",), "call": ("comm", "comm_wait")}
+SENT: Counter[str] = Counter()  # bytes sent to other ranks since the last read_sent(), by collective
+
+
+def read_sent() -> dict[str, int]:
+    """SENT's counts, then zero for the next step."""
+    counts = dict(SENT)
+    SENT.clear()
+    return counts
 
 
 @contextlib.contextmanager

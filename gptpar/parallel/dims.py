@@ -1,7 +1,9 @@
 """Who am I: one object per rank, built once from the environment (through the joined process group) and the
 config, that every parallelism asks: the launcher's layout, the backend and device, the grid's sizes, this rank's
 coordinates, and its process group (on torch's DeviceMesh) along each dimension. Data shards follow the `dp`
-coordinate, gradients are averaged in the `dp` group; nothing asks the global rank what it should do.
+coordinate, gradients are averaged in the `dp` group; nothing asks the global rank what it should do. Expert
+parallelism's groups (`ep`, and EXPERT_REPLICAS: the ranks holding the same experts) lie inside the dp dimension,
+outside the DeviceMesh, as groups of their own.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gptpar.errors import GptparError
-from gptpar.parallel.grid import GRID_DIMS, coordinates, group_ranks
+from gptpar.parallel.grid import EXPERT_REPLICAS, GRID_DIMS, INNER_DIMS, coordinates, group_ranks
 from gptpar.parallel.process_group import RankInfo
 
 
@@ -25,23 +27,28 @@ class ParallelDims(RankInfo):
     sizes: dict[str, int] = field(default_factory=dict)
     coords: dict[str, int] = field(default_factory=dict)
     mesh: DeviceMesh | None = None
+    inner_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)  # ep and EXPERT_REPLICAS, where > 1
 
     @classmethod
     def build(cls, info: RankInfo, sizes: dict[str, int]) -> ParallelDims:
-        """Place `info` on the grid of `sizes` (GRID_DIMS; a missing dimension has size 1)."""
-        unknown = set(sizes) - set(GRID_DIMS)
+        """Place `info` on the grid of `sizes` (GRID_DIMS, then INNER_DIMS; a missing dimension has size 1)."""
+        dims = (*GRID_DIMS, *INNER_DIMS)
+        unknown = set(sizes) - set(dims)
         if unknown:
             raise GptparError(f"rank grid: unknown dimension(s) {', '.join(sorted(unknown))}; "
-                              f"dimensions: {', '.join(GRID_DIMS)}")
-        full = {dim: int(sizes.get(dim, 1)) for dim in GRID_DIMS}
-        ranks = math.prod(full.values())
+                              f"dimensions: {', '.join(dims)}")
+        full = {dim: int(sizes.get(dim, 1)) for dim in dims}
+        ranks = math.prod(full[dim] for dim in GRID_DIMS)
         if ranks != info.world_size:
-            shape = " x ".join(f"{dim}={n}" for dim, n in full.items())
+            shape = " x ".join(f"{dim}={full[dim]}" for dim in GRID_DIMS)
             raise GptparError(f"rank grid {shape} needs {ranks} ranks but the job has {info.world_size}")
-        mesh = (init_device_mesh(info.device.type, tuple(full.values()), mesh_dim_names=GRID_DIMS)
+        for inner, outer in INNER_DIMS.items():
+            if full[outer] % full[inner]:
+                raise GptparError(f"rank grid: {inner}={full[inner]} does not divide {outer}={full[outer]}")
+        mesh = (init_device_mesh(info.device.type, tuple(full[dim] for dim in GRID_DIMS), mesh_dim_names=GRID_DIMS)
                 if info.world_size > 1 else None)
         return cls(**{f.name: getattr(info, f.name) for f in dataclasses.fields(RankInfo)}, sizes=full,
-                   coords=coordinates(info.rank, full), mesh=mesh)
+                   coords=coordinates(info.rank, full), mesh=mesh, inner_groups=_inner_groups(info.rank, full))
 
     def size(self, dim: str) -> int:
         return self.sizes[dim]
@@ -50,9 +57,26 @@ class ParallelDims(RankInfo):
         return self.coords[dim]
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
-        """The process group of the ranks that differ from this one only along `dim` (None alone)."""
+        """The process group of the ranks that differ from this one only along `dim` (None alone); for ep, the
+        ranks that share the experts, for EXPERT_REPLICAS those that hold the same ones."""
+        if dim in self.inner_groups or dim in (*INNER_DIMS, EXPERT_REPLICAS):
+            return self.inner_groups.get(dim)
         return self.mesh.get_group(dim) if self.mesh is not None and self.sizes[dim] > 1 else None
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in coordinate order."""
         return group_ranks(self.rank, self.sizes, dim)
+
+
+def _inner_groups(rank: int, sizes: dict[str, int]) -> dict[str, dist.ProcessGroup]:
+    """This rank's expert-parallel groups: every rank creates every group (torch's rule for new groups), in one
+    order, and keeps its own; none where ep is 1 (and no replicas group where ep spans dp)."""
+    groups = {}
+    world = math.prod(sizes[dim] for dim in GRID_DIMS)
+    for dim, size in (("ep", sizes["ep"]), (EXPERT_REPLICAS, sizes["dp"] // sizes["ep"])):
+        if sizes["ep"] == 1 or size == 1:
+            continue
+        members = sorted({tuple(group_ranks(r, sizes, dim)) for r in range(world)})
+        mine, _ = dist.new_subgroups_by_enumeration([list(m) for m in members])
+        groups[dim] = mine
+    return groups

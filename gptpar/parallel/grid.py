@@ -5,6 +5,10 @@ rule that fills parallel.dp from a launched rank count.
 Ranks are laid out row-major over GRID_DIMS (pp slowest, tp fastest), so a tensor-parallel group is a run of
 consecutive ranks: with one task per GPU and tasks filled node by node, it stays on one node, the fastest link.
 A new dimension (experts, context) is one more name here and one more size in `grid_sizes`.
+
+Expert parallelism (ep) is a dimension inside dp, not a factor of the world size: the dp coordinate d of a rank
+splits into its expert-parallel coordinate d % ep (which experts it holds) and its expert replica d // ep, so a
+group of ep neighbouring replicas shares every block's experts and ranks with equal d % ep hold the same ones.
 """
 
 from __future__ import annotations
@@ -14,17 +18,20 @@ import math
 from gptpar.config import Config, updated
 from gptpar.errors import ConfigError
 
-GRID_DIMS = ("pp", "dp", "tp")
+GRID_DIMS = ("pp", "dp", "tp")  # the world's factors
+INNER_DIMS = {"ep": "dp"}  # a dimension inside another one, whose size it divides
+EXPERT_REPLICAS = "ep_replicas"  # the group of the ranks that hold the same experts (equal ep coordinate)
 
 
 def grid_sizes(cfg: Config) -> dict[str, int]:
-    """Size of each grid dimension; every launcher and log follows this one function."""
-    return {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp}
+    """Size of each grid dimension (GRID_DIMS, then INNER_DIMS); every launcher and log follows this one function."""
+    return {"pp": cfg.parallel.pp, "dp": cfg.parallel.dp, "tp": cfg.parallel.tp, "ep": cfg.parallel.ep}
 
 
 def world_size(cfg: Config) -> int:
-    """Ranks (processes, one per GPU on a cluster) the config needs: the product of the grid sizes."""
-    return math.prod(grid_sizes(cfg).values())
+    """Ranks (processes, one per GPU on a cluster) the config needs: the product of the grid's factors."""
+    sizes = grid_sizes(cfg)
+    return math.prod(sizes[dim] for dim in GRID_DIMS)
 
 
 def ranks_per_replica(cfg: Config) -> int:
@@ -33,18 +40,26 @@ def ranks_per_replica(cfg: Config) -> int:
 
 
 def coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
-    """Row-major coordinates of `rank` in a grid of `sizes` (GRID_DIMS order)."""
+    """Row-major coordinates of `rank` in a grid of `sizes` (GRID_DIMS order), then its INNER_DIMS coordinates."""
     coords = {}
     for dim in reversed(GRID_DIMS):
         rank, coords[dim] = divmod(rank, sizes[dim])
-    return {dim: coords[dim] for dim in GRID_DIMS}
+    inner = {dim: coords[outer] % sizes.get(dim, 1) for dim, outer in INNER_DIMS.items()}
+    return {dim: coords[dim] for dim in GRID_DIMS} | inner
 
 
 def group_ranks(rank: int, sizes: dict[str, int], dim: str) -> list[int]:
-    """Global ranks of `rank`'s group along `dim` (those differing from it only there), in coordinate order."""
-    stride = math.prod(sizes[d] for d in GRID_DIMS[GRID_DIMS.index(dim) + 1:])
-    base = rank - coordinates(rank, sizes)[dim] * stride
-    return [base + i * stride for i in range(sizes[dim])]
+    """Global ranks of `rank`'s group along `dim` (those differing from it only there), in coordinate order: for an
+    inner dimension (ep) the ranks of its block of the outer one, for EXPERT_REPLICAS those with its ep coordinate."""
+    outer = INNER_DIMS.get(dim, "dp" if dim == EXPERT_REPLICAS else dim)
+    stride = math.prod(sizes[d] for d in GRID_DIMS[GRID_DIMS.index(outer) + 1:])
+    coord, ep = coordinates(rank, sizes)[outer], sizes.get("ep", 1)
+    if dim == "ep":
+        first = coord - coord % ep
+        return [rank + (first + i - coord) * stride for i in range(ep)]
+    if dim == EXPERT_REPLICAS:
+        return [rank + (coord % ep + i * ep - coord) * stride for i in range(sizes[outer] // ep)]
+    return [rank - coord * stride + i * stride for i in range(sizes[dim])]
 
 
 def launched_config(cfg: Config, launched: int) -> Config:
@@ -55,7 +70,8 @@ def launched_config(cfg: Config, launched: int) -> Config:
         return cfg
     other = ranks_per_replica(cfg)
     if cfg.parallel.dp != 1 or launched % other:
-        shape = " x ".join(f"parallel.{d}={n}" for d, n in grid_sizes(cfg).items() if n > 1 or d == "dp")
+        sizes = grid_sizes(cfg)
+        shape = " x ".join(f"parallel.{d}={sizes[d]}" for d in GRID_DIMS if sizes[d] > 1 or d == "dp")
         raise ConfigError(f"the config asks for {world_size(cfg)} ranks ({shape}) but the "
                           f"launcher started {launched}; set parallel.dp={launched // other or 1} or launch "
                           f"{world_size(cfg)} tasks")

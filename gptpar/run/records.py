@@ -118,7 +118,11 @@ class StepRecord(Record):
         "micro-steps, each over every replica's tokens; `loss` includes model.moe_aux_loss_coef times it.")
     moe: dict[str, Any] | Absent = optional(
         "A mixture of experts: `tokens_per_expert` (`min`, `max`, `mean` over experts and layers of the tokens routed "
-        "to each in the step, on every replica; top-k picks each) and `dropped` (tokens past capacity: 0, none are).")
+        "to each in the step, on every replica; top-k picks each) and `dropped` (the picks past an expert's capacity, "
+        "model.moe_capacity_factor, over every block and replica; 0 without a capacity).")
+    comm_bytes: dict[str, int] | Absent = optional(
+        "Bytes this rank sent to other ranks in the step, by collective, counted from what was sent: `all_to_all` "
+        "(parallel.ep's tokens to their experts and back, forward and backward, and the counts before them).")
     pp_busy_s: dict[str, float] | Absent = optional("parallel.pp > 1: seconds busy per action kind (`F`, `B`, `W`).")
     pp_window_s: float | Absent = optional("parallel.pp > 1: seconds of the schedule's window.")
     pp_peak_activation_bytes: int | Absent = optional(

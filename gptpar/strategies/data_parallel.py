@@ -34,6 +34,7 @@ class DataParallelStrategy:
     materialises_shards: bool = False  # with model.init_device=meta it builds only its shards itself
     without_whole_compile: str = ""  # why train.compile=model cannot capture its model in one graph; "" if it can
     grad_comm: tuple[str, ...] = ("fp32",)  # the parallel.grad_comm types it sends gradients in
+    expert_parallel: bool = False  # syncs the dense parameters only, beside parallel.ep's expert shards
 
     @property
     def whole_gradients(self) -> bool:
@@ -50,13 +51,14 @@ _PACKAGE = "gptpar.parallel.data_parallel"
 _NOT_SHARDED_YET = "does not shard pipeline stages yet"
 
 DP_STRATEGIES: dict[str, DataParallelStrategy] = {
-    "naive": DataParallelStrategy(f"{_PACKAGE}.naive:NaiveSync", "all-reduce per parameter", grad_comm=GRAD_COMMS),
+    "naive": DataParallelStrategy(f"{_PACKAGE}.naive:NaiveSync", "all-reduce per parameter", grad_comm=GRAD_COMMS,
+                                  expert_parallel=True),
     "bucketed": DataParallelStrategy(f"{_PACKAGE}.bucketed:BucketedSync", "overlapped flat buckets",
-                                     grad_comm=GRAD_COMMS),
+                                     grad_comm=GRAD_COMMS, expert_parallel=True),
     "ddp": DataParallelStrategy(
         f"{_PACKAGE}.ddp:DDPSync", "torch DDP",
         without_pipeline="cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many "
-                         "per step)", grad_comm=GRAD_COMMS),
+                         "per step)", grad_comm=GRAD_COMMS, expert_parallel=True),
     "zero1": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroOneSync", "bucketed, optimizer state sharded",
                                   ("optimizer",), _NOT_SHARDED_YET, grad_comm=GRAD_COMMS),
     "zero2": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroTwoSync", "gradients sharded too",

@@ -16,7 +16,7 @@ too, but is left out, so the loss does not depend on how wide a layout pads its 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -47,7 +47,11 @@ class RouterLoad:
         self.layers = len(routers)
         self.tokens: torch.Tensor | float = 0.0  # the step's per layer and expert, on every replica (on the device)
         self.aux_sum: torch.Tensor | float = 0.0
+        self.dropped: torch.Tensor | float = 0.0  # picks past capacity in the step, on every replica
         self.micro_steps = 0
+        # The picks the experts dropped past their capacity since the last call (gptpar.parallel.expert_parallel);
+        # None: none are ever dropped.
+        self.dropped_source: Callable[[], torch.Tensor] | None = None
         for router in routers:
             router.register_forward_hook(self._keep)
 
@@ -75,14 +79,16 @@ class RouterLoad:
         picks = torch.stack([torch.zeros(self.n_experts, device=real.device).scatter_add_(
             0, p.topk(self.top_k, dim=-1).indices.reshape(-1), real.repeat_interleave(self.top_k)) for p in probs])
         prob_sum = sum((p * real[:, None]).sum(dim=0) for p in probs)
-        counts = torch.cat([picks.detach().reshape(-1), real.sum()[None]]).double()
+        dropped = self.dropped_source() if self.dropped_source is not None else torch.zeros(())
+        counts = torch.cat([picks.detach().reshape(-1), real.sum()[None], dropped.to(real)[None]]).double()
         if self.group is not None:
             dist.all_reduce(counts, group=self.group)
             total = prob_sum.detach().clone()
             dist.all_reduce(total, group=self.group)
             prob_sum = prob_sum + (total - prob_sum.detach())  # every replica's value, this replica's gradient
-        per_layer, rows = counts[:-1].reshape(picks.shape), counts[-1] * len(probs)
+        per_layer, rows = counts[:-2].reshape(picks.shape), counts[-2] * len(probs)
         self.tokens = self.tokens + per_layer
+        self.dropped = self.dropped + counts[-1]
         share = per_layer.sum(dim=0).float() / rows.float()
         aux = self.n_experts * (share * prob_sum / rows.float()).sum()
         self.aux_sum = self.aux_sum + aux.detach().double()
@@ -97,8 +103,8 @@ class RouterLoad:
             raise RuntimeError("no recorded forward ran in the step")
         tokens = torch.as_tensor(self.tokens)
         aux = torch.as_tensor(self.aux_sum) / self.micro_steps
-        load = torch.stack([tokens.min(), tokens.max(), tokens.mean()])
-        self.tokens, self.aux_sum, self.micro_steps = 0.0, 0.0, 0
+        load = torch.stack([tokens.min(), tokens.max(), tokens.mean(), torch.as_tensor(self.dropped).to(tokens)])
+        self.tokens, self.aux_sum, self.dropped, self.micro_steps = 0.0, 0.0, 0.0, 0
         return {"aux_loss": OnDevice(aux.reshape(1), lambda v: v[0]),
-                "moe": OnDevice(load, lambda v: {"tokens_per_expert": dict(zip(("min", "max", "mean"), v, strict=True)),
-                                                 "dropped": 0})}
+                "moe": OnDevice(load, lambda v: {"tokens_per_expert": dict(zip(("min", "max", "mean"), v[:3],
+                                                                               strict=True)), "dropped": int(v[3])})}

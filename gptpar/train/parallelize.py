@@ -3,7 +3,7 @@ torchtitan's `parallelize`): each step reads the grid (ParallelDims) and the con
 another's files.
 
 1. materialise a model built on the meta device, unless its data-parallel strategy materialises only its shards;
-2. tensor parallelism cuts this rank's pieces of every layer;
+2. tensor parallelism cuts this rank's pieces of every layer; expert parallelism (or a capacity) its experts;
 3. recompute and compile, block by block, before any wrapper or stage split sees the blocks;
 4. the loss for this layout (on vocabulary shards under loss parallelism);
 5. the multi-process pipeline keeps this rank's stages, or the one-process modes place the whole model;
@@ -27,6 +27,7 @@ from gptpar.models import architecture
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.expert_parallel import ExpertParallel
 from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.tensor_parallel import TensorParallelModel, loss_context, loss_function, shard_model, whole_logits
@@ -48,6 +49,7 @@ class Parallelized:
     # checkpoints and the gradient norm are told which through this layout; None where nothing is such a piece.
     checkpoint_layout: CheckpointLayout | None
     pipeline: bool  # net is the multi-process pipeline's engine
+    experts: ExpertParallel | None  # parallel.ep > 1 or model.moe_capacity_factor > 0: the experts as dispatched
 
 
 def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_size: int) -> Parallelized:
@@ -62,6 +64,8 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
         architecture(model).restore_buffers(model, device)
     if tp_group is not None:  # 2
         model = shard_model(model, p, dims, device)
+    experts = (ExpertParallel(model, dims, cfg.model.moe_capacity_factor)
+               if dims.size("ep") > 1 or cfg.model.moe_capacity_factor else None)
     prepare_blocks(model, cfg, device)  # 3, in place
     loss_fn = loss_function(p, dims, vocab_size, whole_logits_loss(cfg, device))  # 4
     pipeline = dims.size("pp") > 1
@@ -75,7 +79,8 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, config, seed))
                if shards_only else None)
     mesh = dims.mesh["dp"] if dims.mesh is not None and dp_group is not None else None
-    sync = make_grad_sync(net, p, dp_group, device, initial, mesh)  # 6
+    local = experts.name_in(net) if experts is not None and dims.size("ep") > 1 else frozenset()
+    sync = make_grad_sync(net, p, dp_group, device, initial, mesh, local)  # 6
     pieces = tp_group is not None and p.tp_impl == "gptpar"
     return Parallelized(net, sync, loss_fn, loss_context(p, dims), whole_logits(p, dims, vocab_size),
-                        CheckpointLayout(net, sync, dims) if pieces else None, pipeline)
+                        CheckpointLayout(net, sync, dims) if pieces else None, pipeline, experts)

@@ -33,8 +33,9 @@ from gptpar.data.training import load_training_data
 from gptpar.errors import GptparError
 from gptpar.model import build_model, count_params, empty_model
 from gptpar.models import architecture
-from gptpar.parallel.comm import comm_span
+from gptpar.parallel.comm import comm_span, read_sent
 from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.grid import GRID_DIMS
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
 from gptpar.parallel.pipeline.names import plain_state
 from gptpar.parallel.tensor_parallel.state import counts_in_norm, whole
@@ -89,7 +90,9 @@ class Trainer:
         wrapped = parallelize(model, cfg, dims, self.vocab_size)
         self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
-        self.checkpoint_layout = wrapped.checkpoint_layout
+        self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
+        if self.router_load is not None and self.experts is not None:
+            self.router_load.dropped_source = self.experts.dropped
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
@@ -103,6 +106,8 @@ class Trainer:
         model, optimizer = model_state(self.net, self.optimizer, self.sync)
         if self.checkpoint_layout is not None:
             model, optimizer = self.checkpoint_layout.save(model, optimizer)
+        if self.experts is not None:
+            model, optimizer = self.experts.save(model, optimizer)
         return {"model": model, "optimizer": optimizer, "step": self.step, "vocab_size": self.vocab_size,
                 **self.precision.state_dict()}
 
@@ -110,6 +115,8 @@ class Trainer:
         model, optimizer = state["model"], state["optimizer"]
         if self.checkpoint_layout is not None:
             model, optimizer = self.checkpoint_layout.load(model, optimizer)
+        if self.experts is not None:
+            model, optimizer = self.experts.load(model, optimizer)
         load_model_state(self.net, self.optimizer, model, optimizer, self.sync)
         self.step = int(state["step"])
         self.precision.load_state_dict(state)
@@ -224,6 +231,8 @@ class Trainer:
         self.precision.set_matmul_precision()
         total = self.forward_backward_step(micro_batches)
         self.sync.finish()
+        if self.experts is not None:
+            self.experts.finish()
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         targets, groups, counted = self._norm_plan()
         # An fp16 overflow skips the step on every rank: the data is consumed and the lr moves on, the weights not.
@@ -238,6 +247,8 @@ class Trainer:
         if t.dump_grads and self.step + 1 == self.total_steps:  # the run's last step, synced, not yet zeroed
             dump_gradients(self.net.original_parameters(), t.dump_grads, self.dims.rank)
         self.sync.zero_grad()
+        if self.experts is not None:
+            self.experts.zero_grad()
         return total, grad_norm
 
     def _norm_plan(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup], list[torch.Tensor] | None]:
@@ -256,6 +267,9 @@ class Trainer:
             counted = [t for t in (targets if counted is None else counted)
                        if counts_in_norm(owners.get(id(t), t), tp_rank)]
             groups.append(self.tp_group)
+        if self.experts is not None and self.experts.sharded:  # expert slices over the ep group
+            counted = self.experts.counted(targets if counted is None else counted)
+            groups.append(self.dims.group("ep"))
         return targets, groups, counted
 
     @torch.no_grad()
@@ -362,7 +376,8 @@ class Trainer:
 
     def banner(self) -> str:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
-        layout = " x ".join(f"{dim}={n}" for dim, n in self.dims.sizes.items())
+        layout = " x ".join(f"{dim}={self.dims.size(dim)}" for dim in GRID_DIMS) + (
+            f", ep={self.dims.size('ep')}" if self.dims.size("ep") > 1 else "")
         g = self.model_config
         table = f", token table of {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
@@ -413,10 +428,11 @@ class Trainer:
         tokens = sum(batch[0].numel() for batch in micro_batches)  # positions run, translation's padding too
         pipeline = self.net.step_fields() if self.pipeline else {}
         moe = self.router_load.step_fields() if self.router_load is not None else {}
+        sent = read_sent()
         fields = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"],
                       skipped=self.precision.skipped, loss_scale=self.precision.step_scale, tokens=tokens,
                       data_time_s=data_time, peak_mem_bytes=peak_memory_bytes(device), bubble=self.net.bubble,
-                      **pipeline, **moe)
+                      **pipeline, **moe, **({"comm_bytes": sent} if sent else {}))
         values = torch.stack([t.to(device, torch.float64) for t in (loss, global_loss, grad_norm)])
         return PendingStep(values, clock, fields, has_loss=self.computes_loss)
 

@@ -139,8 +139,12 @@ def test_a_folder_of_a_mixture_has_its_shape(tmp_path: Path) -> None:
     (["model.preset=qwen2-moe-tiny", "model.moe_top_k=9"],
      "model.moe_top_k=9 must be between 1 and model.n_experts=8"),
     (["model.n_experts=4"], "model.n_experts=4: gpt2 has no experts; use model.arch=mixtral or qwen2_moe"),
-    (["model.preset=mixtral-tiny", "model.moe_capacity_factor=1.25"],
-     "model.moe_capacity_factor=1.25: dropping tokens past an expert's capacity is not built yet"),
+    (["model.preset=mixtral-tiny", "parallel.dp=4", "parallel.ep=3"], "parallel.ep=3 must divide parallel.dp=4"),
+    (["model.preset=mixtral-tiny", "parallel.dp=3", "parallel.ep=3", "train.batch_size=15"],
+     "parallel.ep=3 must divide model.n_experts=4"),
+    (["parallel.dp=2", "parallel.ep=2"], "parallel.ep=2 splits a mixture's experts; gpt2 has none"),
+    (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=zero2"],
+     "parallel.ep=2 with parallel.dp_sync=zero2 is not built yet; use naive, bucketed or ddp"),
     (["model.preset=mixtral-tiny", "model.moe_capacity_factor=-1"], "model.moe_capacity_factor: -1.0 is below the "
                                                                     "minimum 0.0"),
     (["model.preset=mixtral-tiny", "parallel.tp=2"], "parallel.tp=2 with a mixture of experts (mixtral) is not built "

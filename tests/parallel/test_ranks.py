@@ -15,7 +15,7 @@ from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.env import Layout, expand_nodelist, free_port, is_slurm_step, layout_from_env, slurm_port
-from gptpar.parallel.grid import coordinates
+from gptpar.parallel.grid import EXPERT_REPLICAS, coordinates, group_ranks
 from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed
 from gptpar.parallel.spawn import spawn_local
 
@@ -196,13 +196,27 @@ def test_hung_rank_fails_job_after_timeout() -> None:
 
 
 def test_grid_coordinates_are_row_major_with_tp_fastest() -> None:
-    sizes = {"pp": 2, "dp": 3, "tp": 2}
+    sizes = {"pp": 2, "dp": 3, "tp": 2, "ep": 1}
     coords = [coordinates(r, sizes) for r in range(12)]
-    assert coords[0] == {"pp": 0, "dp": 0, "tp": 0}
-    assert coords[1] == {"pp": 0, "dp": 0, "tp": 1}  # tensor-parallel neighbours are consecutive ranks
-    assert coords[2] == {"pp": 0, "dp": 1, "tp": 0}
-    assert coords[11] == {"pp": 1, "dp": 2, "tp": 1}
+    assert coords[0] == {"pp": 0, "dp": 0, "tp": 0, "ep": 0}
+    assert coords[1] == {"pp": 0, "dp": 0, "tp": 1, "ep": 0}  # tensor-parallel neighbours are consecutive ranks
+    assert coords[2] == {"pp": 0, "dp": 1, "tp": 0, "ep": 0}
+    assert coords[11] == {"pp": 1, "dp": 2, "tp": 1, "ep": 0}
     assert len({tuple(c.values()) for c in coords}) == 12
+
+
+def test_the_expert_dimension_splits_dp_into_groups_of_neighbouring_replicas() -> None:
+    """ep=2 inside dp=4 (tp=2, 8 ranks): a rank's ep coordinate is dp % 2; its ep group the two replicas of its
+    pair, its expert replicas those with its ep coordinate; no new rank."""
+    sizes = {"pp": 1, "dp": 4, "tp": 2, "ep": 2}
+    assert [coordinates(r, sizes)["ep"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert group_ranks(5, sizes, "ep") == [5, 7]  # dp 2 and 3, tp 1
+    assert group_ranks(3, sizes, "ep") == [1, 3]  # dp 0 and 1, tp 1
+    assert group_ranks(2, sizes, EXPERT_REPLICAS) == [2, 6]  # dp 1 and 3: both hold the second half
+    assert group_ranks(4, sizes, EXPERT_REPLICAS) == [0, 4]
+    assert group_ranks(5, sizes, "dp") == [1, 3, 5, 7]
+    with pytest.raises(GptparError, match="ep=3 does not divide dp=4"):
+        ParallelDims.build(_cpu_rank(0, 8), {**sizes, "ep": 3})
 
 
 def _cpu_rank(rank: int, world_size: int) -> RankInfo:
@@ -213,9 +227,10 @@ def test_grid_refuses_a_shape_that_does_not_fill_the_job() -> None:
     with pytest.raises(GptparError, match=r"rank grid pp=1 x dp=3 x tp=1 needs 3 ranks but the job has 4"):
         ParallelDims.build(_cpu_rank(0, 4), {"dp": 3})
     with pytest.raises(GptparError, match="unknown dimension"):
-        ParallelDims.build(_cpu_rank(0, 2), {"ep": 2})
+        ParallelDims.build(_cpu_rank(0, 2), {"cp": 2})
     alone = ParallelDims.build(_cpu_rank(0, 1), {"dp": 1})
-    assert alone.sizes == {"pp": 1, "dp": 1, "tp": 1} and alone.group("dp") is None and alone.mesh is None
+    assert alone.sizes == {"pp": 1, "dp": 1, "tp": 1, "ep": 1} and alone.group("dp") is None and alone.mesh is None
+    assert alone.group("ep") is None and alone.group(EXPERT_REPLICAS) is None
 
 
 def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:

@@ -32,14 +32,23 @@ class SyncSetup:
     device: torch.device
     initial: InitialValue | None = None  # set when the model is on the meta device (a strategy that materialises)
     mesh: DeviceMesh | None = None  # the dp group's mesh within the job's grid (torch's DTensor parameters)
+    # Parameters this rank holds alone among its replicas (parallel.ep's expert slices), by name: the strategy
+    # neither broadcasts nor reduces them (gptpar.parallel.expert_parallel does); only those with `expert_parallel`.
+    local: frozenset[str] = frozenset()
 
 
-def broadcast_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Copy the group's first rank's parameters and buffers to its other ranks, as DDP does when it
-    wraps a model (replicas start identical even if their seeds did not make them so)."""
+def synced_parameters(model: nn.Module, local: frozenset[str] = frozenset()) -> list[nn.Parameter]:
+    """The parameters a replicating strategy keeps equal over its group: all but the `local` ones (SyncSetup)."""
+    return [p for name, p in model.named_parameters() if name not in local]
+
+
+def broadcast_state(model: nn.Module, group: dist.ProcessGroup | None = None,
+                    local: frozenset[str] = frozenset()) -> None:
+    """Copy the group's first rank's parameters (but the `local` ones) and buffers to its other ranks, as DDP does
+    when it wraps a model (replicas start identical even if their seeds did not make them so)."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:  # a DTensor (torch's tensor parallelism): its piece
+        for tensor in [*synced_parameters(model, local), *model.buffers()]:  # a DTensor (torch's TP): its piece
             dist.broadcast(tensor.to_local() if isinstance(tensor, DTensor) else tensor, src, group=group)
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import comm_span
-from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
+from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state, synced_parameters
 
 
 @dataclass
@@ -82,15 +82,15 @@ class BucketedSync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm])
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm], setup.local)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None,
-                 wire: torch.dtype | None = None):
+                 wire: torch.dtype | None = None, local: frozenset[str] = frozenset()):
         super().__init__(model)
         self.group, self.wire = group, wire
-        broadcast_state(model, group)
+        broadcast_state(model, group, local)
         self.world_size = dist.get_world_size(group)
-        groups = plan_buckets(list(model.parameters()), int(bucket_mb * 2**20))
+        groups = plan_buckets(synced_parameters(model, local), int(bucket_mb * 2**20))
         self.buckets = [_make_bucket(group) for group in groups]
         for bucket in self.buckets:
             for param, view in zip(bucket.params, bucket.views, strict=True):

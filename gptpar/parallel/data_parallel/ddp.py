@@ -33,12 +33,14 @@ class DDPSync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, setup.pcfg.grad_comm)
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, setup.pcfg.grad_comm, setup.local)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None,
-                 grad_comm: str = "fp32"):
+                 grad_comm: str = "fp32", local: frozenset[str] = frozenset()):
         super().__init__(model)
         device = next(model.parameters()).device
+        if local:  # torch's own way to leave parameters out of DDP's broadcast and reduction
+            nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, sorted(local))
         self.module = nn.parallel.DistributedDataParallel(
             model, device_ids=[device] if device.type == "cuda" else None, bucket_cap_mb=bucket_mb,
             process_group=group)

@@ -9,20 +9,20 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import comm_span
-from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
+from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state, synced_parameters
 
 
 def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None,
-                      wire: torch.dtype | None = None) -> None:
-    """All-reduce every trainable parameter's gradient, one call each, then divide by the group's size. With a
-    `wire` type (parallel.grad_comm) each gradient is cast to it and divided first, summed in it, and the average
-    copied back, as torch's bf16/fp16_compress_hook do.
+                      wire: torch.dtype | None = None, local: frozenset[str] = frozenset()) -> None:
+    """All-reduce every trainable parameter's gradient (but the `local` ones: SyncSetup), one call each, then divide
+    by the group's size. With a `wire` type (parallel.grad_comm) each gradient is cast to it and divided first,
+    summed in it, and the average copied back, as torch's bf16/fp16_compress_hook do.
 
     A trainable parameter without a gradient contributes zeros, so every rank issues the same
     sequence of collectives (a skipped one would leave the peers waiting).
     """
     size = float(dist.get_world_size(group))
-    for param in model.parameters():
+    for param in synced_parameters(model, local):
         if not param.requires_grad:
             continue
         if param.grad is None:
@@ -43,14 +43,15 @@ class NaiveSync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm])
+        return cls(setup.model, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm], setup.local)
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, wire: torch.dtype | None = None):
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None = None, wire: torch.dtype | None = None,
+                 local: frozenset[str] = frozenset()):
         super().__init__(model)
-        self.group, self.wire = group, wire
-        broadcast_state(model, group)
+        self.group, self.wire, self.local = group, wire, local
+        broadcast_state(model, group, local)
 
     def finish(self) -> None:
         start = time.perf_counter()
-        average_gradients(self.model, self.group, self.wire)
+        average_gradients(self.model, self.group, self.wire, self.local)
         self.comm_wait_s += time.perf_counter() - start
