@@ -1,0 +1,153 @@
+"""Expert parallelism (parallel.ep, gptpar/parallel/expert_parallel.py) on the shared gloo pool: every supported
+data-parallel strategy trains a mixture with its experts split over ep ranks like one process (capacity 0, fp32, rel
+1e-5, the load-balancing loss on), each expert's parameters equal wherever they are replicated; a checkpoint holds
+whole experts, resumes exactly under its layout and loads under another ep; the all-to-all bytes and the dropped picks
+equal what the routing gives; and the capacity cut, in one process, routes as transformers does when nothing is
+dropped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gloo_pool import GlooPools
+from rank_training import (
+    assert_trains_like_one_process,
+    make_config,
+    make_trainer,
+    named_params,
+    reference_run,
+    resumed_run,
+    save_cases,
+    saved_ranks,
+    train_steps,
+)
+
+from gptpar.config import to_yaml
+from gptpar.models import architecture
+from gptpar.parallel.comm import read_sent
+from gptpar.parallel.process_group import RankInfo
+from gptpar.run.folder import CONFIG_FILE
+from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
+from gptpar.train.step_records import read_now
+
+QWEN_MOE = ["model.preset=qwen2-moe-tiny", "model.n_embd=32", "model.n_head=4", "model.moe_aux_loss_coef=0.1"]
+MIXTRAL = ["model.preset=mixtral-tiny", "model.n_embd=32", "model.n_head=4", "model.moe_aux_loss_coef=0.1"]
+TABLE = "model.embed_tokens.weight"
+CASES_2 = [
+    ("qwen-ep2-naive", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=naive"]),
+    ("qwen-ep2-ddp-accum", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=ddp",
+                            "train.grad_accum=2"]),
+    ("mixtral-ep2-bucketed", [*MIXTRAL, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=bucketed"]),
+]
+# ep=2 inside dp=4: two groups of two, each expert held by two ranks (its replicas reduce its gradient).
+CASES_4 = [("qwen-dp4-ep2-bucketed", [*QWEN_MOE, "parallel.dp=4", "parallel.ep=2", "parallel.dp_sync=bucketed"])]
+CAPACITY = [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1"]
+SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
+                  launcher="single", backend="gloo", device=torch.device("cpu"))
+
+
+def _routing_and_traffic(info: RankInfo, runs: Path, overrides: list[str]) -> None:
+    """One step; saves each training forward's picks per expert and layer (the routers' own top-k), the bytes the
+    step sent by all-to-all, the dropped picks its record counts, and this rank's ep coordinate."""
+    trainer = make_trainer(make_config(overrides, runs, "traffic"), info)
+    picks: list[torch.Tensor] = []
+    for router in architecture(trainer.net.model).routers(trainer.net.model):
+        router.register_forward_hook(lambda m, i, out: picks.append(torch.bincount(out[2].reshape(-1), minlength=8))
+                                     if torch.is_grad_enabled() else None)
+    read_sent()
+    train_steps(trainer, 1)
+    record = {"picks": torch.stack(picks), "sent": read_sent(), "ep": trainer.dims.coord("ep"),
+              "moe": read_now(trainer.router_load.step_fields())["moe"]}
+    torch.save(record, runs / f"traffic.rank{info.rank}.pt")
+
+
+def _resumes(info: RankInfo, runs: Path) -> None:
+    """Under ep=2: a step, a checkpoint, a resumed trainer's next step; then the whole checkpoint loaded by a trainer
+    of ep=1 (every rank its own copy)."""
+    cfg = make_config([*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=naive"], runs, "resume")
+    record = resumed_run(cfg, info)
+    other = make_trainer(make_config([*QWEN_MOE, "parallel.dp=2", "parallel.dp_sync=naive"], runs, "resume"), info)
+    assert load_checkpoint(other.folder.path, {"trainer": other})
+    record["other_ep"] = named_params(other)
+    torch.save(record, runs / f"resume.rank{info.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
+    runs = tmp_path_factory.mktemp("ep")
+    gloo_pool.run(2, save_cases, runs, CASES_2)
+    gloo_pool.run(4, save_cases, runs, CASES_4)
+    gloo_pool.run(2, _routing_and_traffic, runs, CAPACITY)
+    gloo_pool.run(2, _resumes, runs)
+    return runs
+
+
+_REFERENCES: dict[tuple[str, ...], dict] = {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name, _ in CASES_2 + CASES_4])
+def test_expert_parallelism_trains_a_mixture_like_one_process(results: Path, name: str) -> None:
+    overrides = dict(CASES_2 + CASES_4)[name]
+    key = tuple(o for o in overrides if not o.startswith("parallel."))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(make_config(overrides, results, name))
+    ranks = saved_ranks(results, name)
+    assert [r["coords"]["ep"] for r in ranks] == [d % 2 for d in range(len(ranks))]
+    # Whole parameters, experts gathered from their ep group: equal to one process's and bitwise on every rank.
+    assert_trains_like_one_process(_REFERENCES[key], ranks, TABLE, name)
+
+
+@pytest.mark.slow
+def test_all_to_all_bytes_and_dropped_picks_are_what_the_routing_gives(results: Path) -> None:
+    """Capacity 1 on 2 ranks of 4 experts each: per block, a rank keeps at most ceil(64 * 2 / 8) = 16 picks per
+    expert of its 64 tokens, sends the kept ones for the other rank's experts and receives the other's for its own,
+    forward and back, in fp32 rows of 32; backward sends as much again; plus the 4 counts each way per forward."""
+    ranks = [torch.load(results / f"traffic.rank{r}.pt") for r in range(2)]
+    capacity = 16
+    kept = [r["picks"].clamp(max=capacity) for r in ranks]  # (blocks, experts)
+    for me, rank in enumerate(ranks):
+        mine = slice(4 * rank["ep"], 4 * rank["ep"] + 4)
+        sent = sum(kept[me][:, e].sum() for e in range(8) if not mine.start <= e < mine.stop)
+        received = kept[1 - me][:, mine].sum()
+        rows = 2 * int(sent + received)  # dispatch and return; backward: the same rows the other way
+        assert rank["sent"] == {"all_to_all": rows * 32 * 4 + 4 * 8 * len(kept[me])}  # fp32 rows, int64 counts
+    dropped = sum(int((r["picks"] - capacity).clamp(min=0).sum()) for r in ranks)
+    assert dropped > 0 and all(r["moe"]["dropped"] == dropped for r in ranks)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_holds_whole_experts_resumes_exactly_and_loads_under_another_ep(results: Path,
+                                                                                    tmp_path: Path) -> None:
+    ranks = [torch.load(results / f"resume.rank{r}.pt") for r in range(2)]
+    straight = saved_ranks(results, "qwen-ep2-naive")  # the same config, two steps without a stop
+    for rank, through in zip(ranks, straight, strict=True):
+        assert rank["losses"] == through["losses"][1:]  # the resumed step is the uninterrupted second step
+        for name, value in rank["params"].items():
+            assert torch.equal(value, through["params"][name]), name
+        for name, value in rank["saved"].items():
+            assert torch.equal(rank["other_ep"][name], value), name  # ep=1 loaded exactly what ep=2 saved
+    cfg = make_config(QWEN_MOE, results, "resume")  # what `gptpar train` leaves in a run folder beside it
+    (results / "resume" / CONFIG_FILE).write_text(to_yaml(cfg))
+    out = export_checkpoint(results / "resume", tmp_path / "whole.pt")
+    state = torch.load(out, weights_only=False)["qwen2_moe"]
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 2 * 64, 32)
+    torch.testing.assert_close(state["model.layers.0.mlp.experts.gate_up_proj"],
+                               ranks[0]["saved"]["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_the_capacity_path_routes_as_transformers_does_when_nothing_is_dropped(tmp_path: Path) -> None:
+    """Capacity 8 over 8 experts cannot drop a pick: gptpar's dispatch (sort, run, weigh, add back) trains as
+    transformers' own experts forward does; a capacity of 0.5 drops some, and the loss moves."""
+    runs = {}
+    for factor in ("0", "8", "0.5"):
+        trainer = make_trainer(make_config([*QWEN_MOE, f"model.moe_capacity_factor={factor}"], tmp_path, factor),
+                               SINGLE)
+        runs[factor] = (train_steps(trainer, 2), named_params(trainer), read_now(trainer.router_load.step_fields()))
+    assert runs["8"][0] == pytest.approx(runs["0"][0], rel=1e-5)
+    for name, value in runs["0"][1].items():
+        torch.testing.assert_close(runs["8"][1][name], value, rtol=1e-4, atol=1e-5, msg=name)
+    assert runs["0"][2]["moe"]["dropped"] == runs["8"][2]["moe"]["dropped"] == 0
+    assert runs["0.5"][2]["moe"]["dropped"] > 0 and runs["0.5"][0][1] != runs["0"][0][1]
