@@ -70,7 +70,7 @@ MEMORY_REL_TOL, MEMORY_ABS_TOL = 0.01, 4096
 class MemoryUse:
     """Training-state bytes per rank from the ranks' `memory` records, beside the strategy's closed form."""
 
-    strategy: str  # parallel.dp_sync
+    strategy: str  # parallel.dp_sync, or NO_STRATEGY with one replica
     ranks: int  # ranks that logged a memory record
     params: float  # parameters per rank, mean over ranks (a sharded parameter counted at its global size)
     mean: dict[str, float]  # "params", "grads", "optimizer", "total" -> bytes, mean over ranks
@@ -84,6 +84,15 @@ class MemoryUse:
     @property
     def ratio(self) -> float | None:
         return self.mean["total"] / self.closed_form if self.closed_form else None
+
+
+NO_STRATEGY = "none (one replica)"
+
+
+def _memory_strategy(dp: int, dp_sync: str) -> str:
+    """The data-parallel strategy that holds a run's training state: with one replica (parallel.dp=1) no strategy
+    wraps the model, whatever parallel.dp_sync says, so the run is not shown as one."""
+    return dp_sync if dp > 1 else NO_STRATEGY
 
 
 @dataclass(frozen=True)
@@ -446,7 +455,8 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     known = [c for c in closed if c is not None]  # all or none: one strategy per run
     off = [(rank, b["total"], c) for (rank, _, b), c in zip(rows, closed, strict=True)
            if c is not None and abs(b["total"] - c) > MEMORY_REL_TOL * c + MEMORY_ABS_TOL]
-    m.memory = MemoryUse(strategy=strategy, ranks=len(rows), params=statistics.fmean(n for _, n, _ in rows),
+    m.memory = MemoryUse(strategy=_memory_strategy(m.dp, strategy), ranks=len(rows),
+                         params=statistics.fmean(n for _, n, _ in rows),
                          mean={k: statistics.fmean(b[k] for *_, b in rows) for k in rows[0][2]},
                          max={k: max(b[k] for *_, b in rows) for k in rows[0][2]},
                          closed_form=statistics.fmean(known) if known else None, mismatched=[rank for rank, *_ in off],
@@ -455,8 +465,8 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
         rank, total, c = off[0]
         more = f" (and {len(off) - 1} more rank(s))" if len(off) > 1 else ""
         m.warnings.append(f"{m.run}: rank {rank} holds {total / 1e6:.4g} MB of training state, {total / c:.3g}x the "
-                          f"closed form {c / 1e6:.4g} MB for {strategy} with W={m.dp}{more}; flagged (⚠) in the "
-                          "memory table and figure")
+                          f"closed form {c / 1e6:.4g} MB for {m.memory.strategy} with W={m.dp}{more}; flagged (⚠) in "
+                          "the memory table and figure")
 
 
 def _bubble(m: RunMetrics, kept: list[tuple[int, dict[int, dict[str, Any]]]]) -> None:

@@ -1,5 +1,6 @@
 """Where a report's figures go and the style they share: format and dpi, file names used once, legends outside the
-axes, error bars that say what they are, x axes that say what they count, and flagged points marked alike."""
+axes, titles of one line with notes (what error bars are, what was left out) under the figure, x axes that say what
+they count, and flagged points marked alike."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ STYLE = {
 }
 NAME_MAX = 60  # characters a sweep, run or key takes in a file name; a longer one is cut and ends in a hash
 LEGEND_ROWS = 24  # entries per legend column
+FOOTNOTE_WIDTH = 110  # characters per line of a figure's footnote
 OFF_MARK, OFF_COLOUR = "⚠", "tab:red"  # how figures mark a flagged result
 # Ideals and closed forms: one style of their own, above the data (zorder), so a measured line on them hides nothing.
 REFERENCE = {"color": "grey", "linestyle": "--", "linewidth": 1.2, "zorder": 3}
@@ -107,6 +109,14 @@ def legend(fig: plt.Figure, handles: Sequence[Artist] = (), labels: Sequence[str
                    ncols=1 + (len(entries) - 1) // LEGEND_ROWS)
 
 
+def footnote(fig: plt.Figure, *notes: str) -> None:
+    """Notes under the figure (what its error bars are, what was left out), so that every title stays one line;
+    constrained layout makes room for them as it does for an x label."""
+    text = "\n".join(fill(note, FOOTNOTE_WIDTH) for note in notes if note)
+    if text:
+        fig.supxlabel(text, x=0.01, ha="left", fontsize=8)
+
+
 def error_note(points: Sequence[Mark], one_run: str) -> str:
     """What a figure's error bars are: min-max over the runs of a point where it has several (repeats), and
     `one_run` (what a point of one run shows) where it has one."""
@@ -115,7 +125,7 @@ def error_note(points: Sequence[Mark], one_run: str) -> str:
         return f"error bars: {one_run}"
     n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     note = f"error bars: min-max over the {n} runs at a point (its repeats), marker at their mean"
-    return fill(note + (f"; a point of one run: {one_run}" if any(not m.repeated for m in points) else ""), 75)
+    return note + (f"; a point of one run: {one_run}" if any(not m.repeated for m in points) else "")
 
 
 def x_name(runs: list[RunMetrics], x: str) -> str:

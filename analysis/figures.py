@@ -33,6 +33,7 @@ from analysis.canvas import (
     draw_marks,
     error_note,
     figure_size,
+    footnote,
     legend,
     plt,
     stem,
@@ -89,14 +90,15 @@ def _scaling(runs: list[RunMetrics], figs: FigureSet, metric: str) -> bool:
                     label="ideal: linear from a line's first point")
     ax.set_ylim(bottom=0)
     ax.set_xlabel(x_label(data, x))
-    note, along = error_note(shown, ONE_RUN_STD), x_name(data, x)
+    along = x_name(data, x)
     if metric == "time":
         ax.set_ylabel("training time per epoch (s)")
-        ax.set_title(f"Training time vs {along}\n{note}", fontsize=9)
+        ax.set_title(f"Training time vs {along}", fontsize=9)
     else:
         ax.set_ylabel(JOB_RATE)
         ideal = " (grey dashed: ideal)" if x == "gpus" else ""
-        ax.set_title(f"Throughput vs {along}{ideal}\n{note}", fontsize=9)
+        ax.set_title(f"Throughput vs {along}{ideal}", fontsize=9)
+    footnote(fig, error_note(shown, ONE_RUN_STD))
     legend(fig)
     figs.save(fig, stem("time_vs" if metric == "time" else "throughput_vs", x.rpartition(".")[2]), x)
     return True
@@ -141,12 +143,16 @@ def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
                        fontsize=9)
     eff_ax.set_ylabel("efficiency (speedup / GPU ratio)")
     eff_ax.set_title("Efficiency (grey dashed: 100%)", fontsize=9)
-    left_out = f"\n{OFF_MARK} flagged, not plotted: {', '.join(flagged)} (see summary.md)" if flagged else ""
-    fig.suptitle(f"Speedup and efficiency vs {x_name(kept, x)}; {error_note(shown, 'none (one run)')}{left_out}",
-                 fontsize=9)
+    fig.suptitle(f"Speedup and efficiency vs {x_name(kept, x)}", fontsize=9)
+    footnote(fig, error_note(shown, "none (one run)"), _left_out(flagged))
     legend(fig)
     figs.save(fig, stem("speedup_vs", x.rpartition(".")[2]), x)
     return True
+
+
+def _left_out(flagged: list[str]) -> str:
+    """The footnote naming results flagged for breaking a physical bound, which a figure leaves out."""
+    return f"{OFF_MARK} flagged, not plotted: {', '.join(flagged)} (see summary.md)" if flagged else ""
 
 
 def _model_parallel(panels: tuple[tuple[plt.Axes, Callable[[RunMetrics], Spread]], ...], models: list[RunMetrics],
@@ -157,6 +163,19 @@ def _model_parallel(panels: tuple[tuple[plt.Axes, Callable[[RunMetrics], Spread]
             values = [v for r in point.runs if (v := value(r)[0]) is not None]
             if values:
                 ax.axhline(statistics.fmean(values), linestyle="--", color=colour, label=f"model parallel {name}")
+
+
+def _bubble_forms(speed_ax: plt.Axes, bubble_ax: plt.Axes, forms: set[tuple[int, int, int]]) -> None:
+    """The one-process pipeline's bound on its speedup, p*m/(m+p-1), and its bubble's closed form, (p-1)/(m+p-1),
+    in the reference style, once per stage count p and range of m (series that share them share the lines); the
+    stage count is named where the lines differ in it."""
+    named = len({p for p, *_ in forms}) > 1
+    for p, first, last in sorted(forms):
+        ms = list(range(first, last + 1))
+        bubbles = [closed_form_bubble("gpipe", p, m) for m in ms]
+        which = f", p={p}" if named else ""
+        speed_ax.plot(ms, [p * (1.0 - b) for b in bubbles], **REFERENCE, label=f"bound: p·m/(m+p-1){which}")
+        bubble_ax.plot(ms, bubbles, **REFERENCE, label=f"closed form: (p-1)/(m+p-1){which}")
 
 
 def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
@@ -172,6 +191,7 @@ def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
     several = len({(r.devices, r.dp) for r in pipes}) > 1
     shown: list[Mark] = []
     drawn: set[tuple[str, int, int]] = set()  # (sweep, devices, dp) of the model-parallel lines drawn
+    forms: set[tuple[int, int, int]] = set()  # (p, first m, last m) of the bound and closed form, each drawn once
     for label, members in series(pipes, CHUNKS, figs.group_by).items():
         for p, dp in sorted({(r.devices, r.dp) for r in members}):
             name = (f"{label} p={p}" if several else label) + (f" dp={dp}" if dp > 1 else "")
@@ -185,10 +205,7 @@ def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
             speedups = marks([r for r in line if not r.flag], CHUNKS, lambda r: (r.speedup, None))
             if speedups:
                 colour = draw_marks(speed_ax, speedups, float, color=colour)
-            ms = list(range(min(r.chunks for r in line), max(r.chunks for r in line) + 1))
-            bubbles = [closed_form_bubble("gpipe", p, m) for m in ms]
-            speed_ax.plot(ms, [p * (1.0 - b) for b in bubbles], linestyle="--", color=colour, alpha=0.6)
-            bubble_ax.plot(ms, bubbles, linestyle="--", color=colour)
+            forms.add((p, min(r.chunks for r in line), max(r.chunks for r in line)))
             measured = marks([r for r in line if not r.bubble_flagged], CHUNKS,
                              lambda r: (r.bubble_measured, r.bubble_std))
             if measured:
@@ -201,6 +218,7 @@ def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
     for sweep, p, dp in sorted({(m.sweep, m.devices, m.dp) for m in models} - drawn):
         _model_parallel(panels, [m for m in models if (m.sweep, m.devices, m.dp) == (sweep, p, dp)], "black",
                         f"{sweep} p={p}" + (f" dp={dp}" if dp > 1 else ""))
+    _bubble_forms(speed_ax, bubble_ax, forms)
     flagged = sorted({r.run_id for r in pipes if r.flag})
     speed_ax.axhline(1.0, linestyle=":", color="black", label="model parallel: the speedup baseline, 1.00x")
     for ax, ylabel in ((time_ax, "training time per epoch (s)"), (rate_ax, JOB_RATE),
@@ -211,35 +229,48 @@ def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
         ax.set_xticks(sorted({r.chunks for r in pipes}) or [1])
         ax.set_ylim(bottom=0)
     bubble_ax.set_ylim(0, 1)
-    speed_ax.set_title("dashed: the bubble's bound p·m/(m+p-1)" + (
-        f"\n{OFF_MARK} flagged, not plotted: {', '.join(flagged)}" if flagged else ""), fontsize=9)
-    bubble_ax.set_title("dashed: closed form (p-1)/(m+p-1); markers: measured", fontsize=9)
-    fig.suptitle(f"Model parallel (dashed horizontal lines) vs pipeline parallel\n{error_note(shown, ONE_RUN_STD)}",
-                 fontsize=10)
+    speed_ax.set_title("Speedup over model parallel (grey dashed: the bubble's bound)", fontsize=9)
+    bubble_ax.set_title("Bubble: measured (markers), closed form (grey dashed)", fontsize=9)
+    fig.suptitle("Model parallel (dashed horizontal lines) vs pipeline parallel", fontsize=10)
+    footnote(fig, error_note(shown, ONE_RUN_STD), _left_out(flagged))
     legend(fig)
     figs.save(fig, "pipeline_vs_model_parallel")
     return True
 
 
+def identical_curves(runs: list[RunMetrics]) -> list[list[RunMetrics]]:
+    """Runs grouped by their loss curves, bit for bit (train and validation losses at the same steps and tokens):
+    repeats of a deterministic run coincide, and one line drawn over another would hide how many there are."""
+    groups: dict[tuple, list[RunMetrics]] = {}
+    for r in runs:
+        tokens = tuple(r.progress[s][0] for s, _ in r.loss_curve if s in r.progress)
+        groups.setdefault((tuple(r.loss_curve), tuple(r.val_curve), tokens), []).append(r)
+    return list(groups.values())
+
+
 def _losses(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """One figure per sweep: each run's training loss against optimizer steps, tokens seen and training time (did
-    scaling help: the same loss sooner?), its validation points as squares."""
+    scaling help: the same loss sooner?), its validation points as squares. Runs whose losses are identical are one
+    line, its label saying how many coincide; against time each keeps its own line (their times differ)."""
     by_sweep: dict[str, list[RunMetrics]] = {}
     for r in runs:
         if r.loss_curve:
             by_sweep.setdefault(r.sweep, []).append(r)
     for sweep, members in sorted(by_sweep.items()):
         fig, axes = plt.subplots(1, 3, sharey=True, figsize=(13, 4.4))
-        labels = run_labels(members)
-        for r in members:
-            colour = None
+        groups = identical_curves(members)
+        labels = run_labels([group[0] for group in groups])
+        for group in groups:
+            first, colour = group[0], None
+            label = labels[first.run] + (f" ({len(group)} runs: identical losses)" if len(group) > 1 else "")
             for ax, unit in zip(axes, (None, 0, 1), strict=True):  # x: the step, or its tokens or seconds
-                train, val = ([(s if unit is None else r.progress[s][unit], v) for s, v in curve if s in r.progress]
-                              for curve in (r.loss_curve, r.val_curve))
-                colour = ax.plot(*zip(*train, strict=True), linewidth=1, color=colour,
-                                 label=labels[r.run])[0].get_color()
-                if val:
-                    ax.plot(*zip(*val, strict=True), marker="s", linestyle="none", color=colour)
+                for r in group if unit == 1 else group[:1]:
+                    train, val = ([(s if unit is None else r.progress[s][unit], v) for s, v in curve
+                                   if s in r.progress] for curve in (r.loss_curve, r.val_curve))
+                    colour = ax.plot(*zip(*train, strict=True), linewidth=1, color=colour,
+                                     label=label)[0].get_color()
+                    if val:
+                        ax.plot(*zip(*val, strict=True), marker="s", linestyle="none", color=colour)
         axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
         axes[1].xaxis.set_major_formatter(EngFormatter())
         for ax, xlabel in zip(axes, ("optimizer step", "tokens seen (all replicas)",
@@ -335,7 +366,8 @@ def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
         ax.set_xlabel(key)
         ax.set_ylabel(JOB_RATE)
         ax.set_ylim(bottom=0)
-        ax.set_title(f"Throughput vs {key}\n{error_note(shown, ONE_RUN_STD)}", fontsize=9)
+        ax.set_title(f"Throughput vs {key}", fontsize=9)
+        footnote(fig, error_note(shown, ONE_RUN_STD))
         legend(fig)
         figs.save(fig, stem("throughput_vs", key.rpartition(".")[2]), key)
     return bool(per_axis)
@@ -399,8 +431,8 @@ def _timelines(runs: list[RunMetrics], figs: FigureSet) -> bool:
         axes[1].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * 1e3:g}"))
         axes[1].set_xlabel("time from the step's start (ms)")
         _gantt_legend(axes[0])
-        fig.suptitle(f"{r.run}\n{r.pp_mode}, m={r.chunks}: closed-form bubble {r.bubble_theory:.3f} (unit costs)",
-                     fontsize=10)
+        fig.suptitle(f"{r.run}: {r.pp_mode}, m={r.chunks}", fontsize=10)
+        footnote(fig, f"closed-form bubble {r.bubble_theory:.3f} (unit costs)")
         name = point_name(r, keys, file=True) if keys else ""
         figs.save(fig, stem("pipeline_timeline", name) if name else "pipeline_timeline", r.run)
     return bool(traced)
@@ -432,8 +464,8 @@ def _bubbles(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ax.set_xticks(sorted({r.chunks for r in data}))
     ax.set_ylabel("bubble (idle share of the window)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Pipeline bubble vs micro-batches (grey: closed forms, once where they coincide)\n"
-                 f"{error_note(shown, '± sample std over its kept steps')}", fontsize=9)
+    ax.set_title("Pipeline bubble vs micro-batches (grey: closed forms, once where they coincide)", fontsize=9)
+    footnote(fig, error_note(shown, "± sample std over its kept steps"))
     legend(fig)
     figs.save(fig, "pipeline_bubble")
     return True
@@ -459,12 +491,15 @@ def _mode(r: RunMetrics) -> str:
 def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Training-state MB per rank (mean over ranks) as stacked parameter, gradient and optimizer bars, one per run,
     grouped by data-parallel size W, strategy and pipeline mode, each with its closed form as a black bar; a run
-    off its closed form is hatched and marked ⚠, so that it does not read as a match."""
+    off its closed form is hatched and marked ⚠, so that it does not read as a match. Drawn only where runs hold
+    their state in more than one way (strategy and W), or one is off its closed form: bars of one layout that match
+    their closed forms compare nothing."""
     groups: dict[tuple[int, str, str], list[tuple[RunMetrics, MemoryUse]]] = {}
     for r in runs:
         if r.memory is not None:
             groups.setdefault((r.dp, r.memory.strategy, _mode(r)), []).append((r, r.memory))
-    if not groups:
+    off = any(mem.mismatched for members in groups.values() for _, mem in members)
+    if len({(w, strategy) for w, strategy, _ in groups}) < 2 and not off:
         return False
     keys = sorted(groups, key=lambda k: (k[0], *_strategy_order(k[1]), k[2]))
     bars = sum(len(members) for members in groups.values())
@@ -503,11 +538,11 @@ def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ax.set_xticks(ticks, names, rotation=30, ha="right", fontsize=7)
     ax.set_xlim(-0.6, x - 0.6)
     ax.set_ylabel("training state per rank (MB, mean over ranks)")
-    ax.set_title("Memory per rank: parameters, gradients, optimizer state\n(black: closed form)", fontsize=10,
+    ax.set_title("Memory per rank: parameters, gradients, optimizer state (black: closed form)", fontsize=10,
                  pad=40 if any(mode for *_, mode in keys) else 28)
     ax.grid(axis="x", visible=False)
     handles, entries = ax.get_legend_handles_labels()
-    if any(mem.mismatched for members in groups.values() for _, mem in members):
+    if off:
         handles.append(Patch(facecolor="white", edgecolor=OFF_COLOUR, hatch="//"))
         entries.append(f"{OFF_MARK} off its closed form")
     legend(fig, handles, entries)
@@ -517,12 +552,19 @@ def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
 
 def _memory_lines(runs: list[RunMetrics]) -> dict[tuple[str, str, int], dict[int, list[MemoryUse]]]:
     """Memory records by line (strategy, pipeline mode, parameters per rank) and data-parallel size W: a line
-    holds one model's state across W, so a sweep of model sizes does not read as a change with W."""
+    holds one model's state across W, so a sweep of model sizes does not read as a change with W. A run of one
+    replica holds the whole model under any strategy: it starts every line of its model and mode (a line of its
+    own, without a strategy, where no run of them has more replicas)."""
     lines: dict[tuple[str, str, int], dict[int, list[MemoryUse]]] = {}
+    alone = [r for r in runs if r.memory is not None and r.dp == 1]
     for r in runs:
-        if r.memory is not None:
-            key = (r.memory.strategy, _mode(r), round(r.memory.params))
-            lines.setdefault(key, {}).setdefault(r.dp, []).append(r.memory)
+        if r.memory is not None and r.dp > 1:
+            lines.setdefault((r.memory.strategy, _mode(r), round(r.memory.params)), {}).setdefault(r.dp, []).append(
+                r.memory)
+    for r in alone:
+        model = (_mode(r), round(r.memory.params))
+        for key in [k for k in lines if k[1:] == model] or [(r.memory.strategy, *model)]:
+            lines.setdefault(key, {}).setdefault(1, []).append(r.memory)
     return lines
 
 
@@ -599,7 +641,8 @@ def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], N
                                           "pp_timeline on every stage"),
         ("pipeline_bubble", _bubbles, "no multi-process pipeline run (parallel.pp > 1) with a measured bubble in "
                                       "[0, 1]"),
-        ("memory_per_rank", _memory, "no run logged a memory record (logs older than it have none)"),
+        ("memory_per_rank", _memory, "no two runs that logged a memory record hold their training state differently "
+                                     "(data-parallel strategy and size W), and none is off its closed form"),
         ("memory_vs_world_size", _memory_vs_world_size, "no strategy has memory records at two or more "
                                                         "data-parallel sizes W (of one model and pipeline mode)"),
     )

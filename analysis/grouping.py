@@ -19,6 +19,7 @@ from typing import Any
 
 from analysis.aggregate import GPU_KEYS, PIPELINE_KEYS, PSEUDO_KEYS, RunMetrics, follows, key_value, sweep_axes
 from gptpar.errors import GptparError
+from gptpar.run.names import short_names
 
 Spread = tuple[float | None, float | None]  # (mean, sample std) of one run's measurement
 
@@ -37,12 +38,6 @@ def order(value: Any) -> tuple[int, float, str]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return 0, float(value), ""
     return 1, 0.0, str(value)
-
-
-def short_names(keys: Sequence[str]) -> dict[str, str]:
-    """Each key's last segment, or the whole key where two keys share the segment."""
-    last = Counter(k.rpartition(".")[2] for k in keys)
-    return {k: k.rpartition(".")[2] if last[k.rpartition(".")[2]] == 1 else k for k in keys}
 
 
 def _varying(runs: list[RunMetrics], keys: Sequence[str]) -> list[str]:

@@ -145,19 +145,32 @@ def _note_ends(procs: Sequence[subprocess.Popen], killed: dict[int, str], job_di
             err.write(f"gptpar: rank {rank} (pid {proc.pid}) {why}\n")
 
 
+def local_job_id(host: str, pid: int, n: int) -> str:
+    """The id of the n-th job a local launcher (process `pid` on `host`) runs: `host:pid.n`, one per point, as a
+    SLURM array gives each task its own id, so `gptpar status` and the console tell a sweep's points apart."""
+    return f"{host}:{pid}.{n}"
+
+
 class LocalBackend:
-    """Runs each point now, as local processes, and returns when it has finished."""
+    """Runs each point now, as local processes, and returns when it has finished; each point is a job of its own,
+    announced by a line naming the point and its job id before its ranks start."""
 
     name = "local"
     where = "local processes on this machine"
     scheduler = ""  # the ranks are the job: cancel interrupts them (gptpar.launch.backend.cancel_run)
 
+    def __init__(self) -> None:
+        self.started = 0  # jobs this launcher has run: the next one's number
+
     def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
-        ids = []
+        ids, world = [], spec.nodes * spec.tasks_per_node
         for point in points:
-            job_id = f"{socket.gethostname()}:{os.getpid()}"
+            self.started += 1
+            job_id = local_job_id(socket.gethostname(), os.getpid(), self.started)
             point.folder.write_job_record(self.name, job_id)
-            run_ranks(point, spec.nodes * spec.tasks_per_node)
+            print(f"{point.label or point.folder.name}: job {job_id} starts, {world} rank(s) on this machine",
+                  flush=True)
+            run_ranks(point, world)
             ids.append(job_id)
         return ids
 
@@ -167,7 +180,8 @@ class LocalBackend:
 
     def cancel(self, job_id: str) -> None:
         """Interrupt the launcher of a local run (it forwards the signal to its ranks)."""
-        host, _, pid = job_id.partition(":")
+        host, _, job = job_id.partition(":")
+        pid = job.partition(".")[0]
         if host == socket.gethostname() and pid.isdigit():
             try:
                 os.kill(int(pid), signal.SIGINT)

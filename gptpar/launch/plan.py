@@ -27,10 +27,12 @@ FILE_SOURCES = ("text", "jsonl", "tsv")  # data.source kinds that name local fil
 
 @dataclass(frozen=True)
 class Point:
-    """One run to start: its resolved config and its folder."""
+    """One run to start: its resolved config and its folder, and for a sweep point its name in the sweep's keys
+    (gptpar.run.names.point_label), which the local launcher's start line gives."""
 
     cfg: Config
     folder: RunFolder
+    label: str = ""
 
 
 @dataclass(frozen=True)

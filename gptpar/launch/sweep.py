@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from gptpar.launch.plan import Point, plan_run, shaped
 from gptpar.launch.profiles import resolve
 from gptpar.launch.submit import report_started
 from gptpar.run.folder import completed, config_diff
-from gptpar.run.names import point_name, short_hash, slug
+from gptpar.run.names import point_label, point_name, short_hash, slug
 from gptpar.run.start import make_folder, set_aside, write_folder
 from gptpar.run.state import LIVE_JOB_STATES, read_run
 from gptpar.run.sweeps import write_sweep_record
@@ -124,7 +125,8 @@ def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
         root = (runs / name).resolve()
         if root.parent != runs:
             raise GptparError(f"{path}: sweep folder {runs / name} resolves to {root}, outside the runs folder {runs}")
-        points.append(plan_run(cfg, None, root, name_of_point, write=write))
+        points.append(replace(plan_run(cfg, None, root, name_of_point, write=write),
+                              label=point_label(point_overrides)))
     return name, kind, points
 
 

@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from gptpar.errors import GptparError
@@ -64,6 +65,20 @@ def derived_run_id(name: str, env: Mapping[str, str] | None = None, now: float |
 def point_name(pairs: Sequence[str]) -> str:
     """The folder of a sweep point from its `key=value` pairs; distinct values give distinct folders."""
     return slug(",".join(pairs)) if pairs else "base"
+
+
+def short_names(keys: Sequence[str]) -> dict[str, str]:
+    """Each key's last segment, or the whole key where two keys share the segment."""
+    last = Counter(k.rpartition(".")[2] for k in keys)
+    return {k: k.rpartition(".")[2] if last[k.rpartition(".")[2]] == 1 else k for k in keys}
+
+
+def point_label(pairs: Sequence[str]) -> str:
+    """A sweep point as people read it, by the keys the sweep varies (`dp_sync=zero1, lr=0.001, repeat=1`, the
+    report's names for them); "base" for a sweep without axes."""
+    split = [pair.partition("=") for pair in pairs]
+    names = short_names([key for key, _, _ in split])
+    return ", ".join(f"{names[key]}={value}" for key, _, value in split) or "base"
 
 
 REPLACED = re.compile(r"\.replaced-(\d{8}-\d{6})(?:\.\d+)?$")

@@ -330,11 +330,25 @@ def test_submit_runs_locally_only_without_any_slurm_client_and_says_so_first(tmp
         return 0
 
     monkeypatch.setattr(local_module, "run_ranks", fake_ranks)
+    monkeypatch.setattr(local_module.socket, "gethostname", lambda: "vm")
     runs = tmp_path / "runs"
     code, out, _ = run_cli(["submit", "dp", f"log.runs_dir={runs}", "log.run_id=here", "data.tokenizer=bytes"], capsys)
+    pid = os.getpid()
     assert code == 0 and len(seen) == 1
-    assert seen[0] == f"dp run {(runs / 'here').resolve()}: 1 rank(s) on local processes on this machine\n"
-    assert out.startswith("here: completed")
+    assert seen[0] == (f"dp run {(runs / 'here').resolve()}: 1 rank(s) on local processes on this machine\n"
+                       f"here: job vm:{pid}.1 starts, 1 rank(s) on this machine\n")
+    assert out.startswith(f"here: completed (job vm:{pid}.1)")
+
+    # A sweep's points: each a job of its own, announced by the keys the sweep varies before its ranks start.
+    sweep = write_sweep(tmp_path / "s.yaml", "name: lrs\nrepeats: 2\ngrid: {train.lr: [0.001, 0.002]}\n"
+                        "base: {data: {tokenizer: bytes}}\n")
+    seen.clear()
+    assert run_sweep(sweep, runs_dir=str(runs)) == 0
+    starts = [line for text in seen for line in text.splitlines() if " starts, " in line]
+    assert starts == [f"lr={lr}, repeat={r}: job vm:{pid}.{n} starts, 1 rank(s) on this machine"
+                      for n, (r, lr) in enumerate(((0, 0.001), (0, 0.002), (1, 0.001), (1, 0.002)), 1)]
+    code, out, _ = run_cli(["status", str(runs / "lrs")], capsys)
+    assert code == 0 and all(f"vm:{pid}.{n}" in out for n in range(1, 5))
 
 
 # --- Item 9: every run folder resolves inside the runs folder -----------------------------------

@@ -15,12 +15,14 @@ import pytest
 from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
+from gptpar.launch.local import local_job_id
 from gptpar.launch.plan import plan_run, shaped
 from gptpar.launch.profiles import profile_names, resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.sweep import build_points, expand
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
+from gptpar.run.names import point_label
 from gptpar.run.state import read_run
 from gptpar.train import preemption
 
@@ -237,3 +239,11 @@ def test_plain_job_scripts_do_not_drift_from_the_template(kind: str) -> None:
     assert "--kill-on-bad-exit=1 \\\n  /v/bin/gptpar train config.yaml" in rendered
     assert 'exec >>"$RUN_DIR/job/slurm-$SLURM_JOB_ID.out" 2>>"$RUN_DIR/job/slurm-$SLURM_JOB_ID.err"' in plain
     assert f'"log.run_id={kind}-$SLURM_JOB_ID"' in plain and f"RUN_DIR=${{RUNS:-runs}}/{kind}-$SLURM_JOB_ID" in plain
+
+
+def test_a_sweep_point_is_named_by_its_keys_and_each_local_job_has_its_own_id() -> None:
+    assert point_label(["parallel.dp_sync=zero1", "train.lr=0.001", "launch.repeat=1"]) == \
+        "dp_sync=zero1, lr=0.001, repeat=1"
+    assert point_label(["model.dropout=0.1", "train.dropout=0.2"]) == "model.dropout=0.1, train.dropout=0.2"
+    assert point_label([]) == "base"
+    assert [local_job_id("vm", 123, n) for n in (1, 2)] == ["vm:123.1", "vm:123.2"]

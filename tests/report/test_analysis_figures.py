@@ -47,6 +47,11 @@ def titles(fig: Figure) -> str:
     return " ".join([ax.get_title() for ax in fig.axes] + ([fig._suptitle.get_text()] if fig._suptitle else []))
 
 
+def footer(fig: Figure) -> str:
+    """The notes under a figure (error bars, what was left out), on one line."""
+    return " ".join(fig._supxlabel.get_text().split()) if fig._supxlabel else ""
+
+
 def dashed(ax) -> list[tuple[list[float], list[float]]]:
     return [(list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines() if line.get_linestyle() == "--"]
 
@@ -93,7 +98,7 @@ def test_the_expert_load_figure_draws_the_logged_aux_loss_and_the_busiest_over_t
 
 
 def rich_set(runs: Path) -> None:
-    """Runs that draw every figure but two (a swept key besides the GPU count, memory at two sizes): a DP sweep with
+    """Runs that draw every figure but one (a swept key besides the GPU count): a DP sweep with
     repeats, BLEU and memory records, an sft run with answer accuracy, a mixture of experts' run, the pipeline sweep
     and an engine sweep."""
     for i, rate in enumerate((90.0, 95.0)):
@@ -217,13 +222,13 @@ def test_scaling_axes_start_at_zero_and_count_ranks_or_gpus(tmp_path: Path, draw
 def test_error_bars_say_what_they_are(tmp_path: Path, drawn: dict[str, Figure]) -> None:
     dp_run(tmp_path / "one" / "s" / "dp1", [100.0])
     report(tmp_path / "one", tmp_path / "out", now=LATER)
-    assert "error bars: ± sample std over its kept epochs (or steps)" in titles(drawn["throughput_vs_gpus.png"])
+    assert "error bars: ± sample std over its kept epochs (or steps)" in footer(drawn["throughput_vs_gpus.png"])
     for i in range(3):
         dp_run(tmp_path / "rep" / "s" / f"dp1-r{i}", [100.0 + 10 * i], **{"launch.repeat": i})
     report(tmp_path / "rep", tmp_path / "out", now=LATER)
     fig = drawn["throughput_vs_gpus.png"]
-    assert "error bars: min-max over the 3 runs at a point (its repeats), marker at their mean" in " ".join(
-        titles(fig).split())
+    assert "error bars: min-max over the 3 runs at a point (its repeats), marker at their mean" in footer(fig)
+    assert "error bars" not in titles(fig)
     caps = sorted(y for line in fig.axes[0].get_lines() if line.get_marker() == "_" for y in line.get_ydata())
     assert caps == [100.0, 120.0] and points(fig.axes[0]) == [([1], [110.0])]
 
@@ -238,7 +243,7 @@ def test_the_speedup_figure_has_its_ideals_and_leaves_flagged_results_out(tmp_pa
     speed, efficiency = fig.axes
     assert points(speed) == [([1, 4], [1.0, 3.6])] and dashed(speed) == [([1, 4], [1.0, 4.0])]
     assert points(efficiency) == [([1, 4], [1.0, 0.9])] and dashed(efficiency) == [([0, 1], [1.0, 1.0])]
-    assert "⚠ flagged, not plotted: dp2 (see summary.md)" in titles(fig)
+    assert "⚠ flagged, not plotted: dp2 (see summary.md)" in footer(fig)
     # The ideals are in their own style, labelled, above the data so that a run on them hides nothing.
     ideal = next(line for line in speed.get_lines() if line.get_label() == "ideal: GPU ratio")
     data = max(line.get_zorder() for line in speed.get_lines() if line.get_marker() == "o")
@@ -259,12 +264,19 @@ def test_the_pipeline_figure_compares_with_model_parallel_and_its_bound(tmp_path
                                                                         drawn: dict[str, Figure]) -> None:
     pipeline_sweep(tmp_path)
     report(tmp_path, tmp_path / "out", now=LATER)
-    time_ax, rate_ax, speed_ax, bubble_ax = drawn["pipeline_vs_model_parallel.png"].axes
+    fig = drawn["pipeline_vs_model_parallel.png"]
+    time_ax, rate_ax, speed_ax, bubble_ax = fig.axes
     assert all(ax.get_ylim()[0] == 0.0 for ax in (time_ax, rate_ax, speed_ax, bubble_ax))
     assert points(speed_ax) == [([2, 4], [1.3, 1.5])]  # m1 (1.5x at chunks=1) is flagged, not plotted
-    assert "flagged, not plotted: m1" in speed_ax.get_title()
+    assert "flagged, not plotted: m1" in footer(fig)
     bound, = dashed(speed_ax)
     assert bound == ([1, 2, 3, 4], pytest.approx([1.0, 4 / 3, 1.5, 1.6]))  # p*m/(m+p-1), p = 2
+    closed, = dashed(bubble_ax)
+    assert closed == ([1, 2, 3, 4], pytest.approx([1 / 2, 1 / 3, 1 / 4, 1 / 5]))  # (p-1)/(m+p-1)
+    # Both in the reference style, not the series' colour, and named in the legend.
+    assert {line.get_color() for ax in (speed_ax, bubble_ax) for line in ax.get_lines()
+            if line.get_linestyle() == "--"} == {"grey"}
+    assert {"bound: p·m/(m+p-1)", "closed form: (p-1)/(m+p-1)"} <= set(legend_labels(fig))
     assert [line.get_ydata()[0] for line in rate_ax.get_lines() if line.get_linestyle() == "--"] == [100.0]
 
 
@@ -285,11 +297,12 @@ def test_every_figure_draws_without_a_warning_and_with_its_legend_outside_the_ax
         warnings.simplefilter("error")
         result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
     assert not recwarn.list and not any("matplotlib warned" in message for message in result.skipped)
-    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 16
+    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 17
     assert {"answer_accuracy_sft.png", "loss_sft.png", "expert_load_moe.png", "loss_moe.png"} <= set(drawn)
-    assert [message.split(":")[0] for message in result.skipped] == [
-        "figure throughput_vs_<axis>.png skipped", "figure memory_vs_world_size.png skipped"]
+    assert [message.split(":")[0] for message in result.skipped] == ["figure throughput_vs_<axis>.png skipped"]
     for name, fig in drawn.items():
+        # Every title is one line: notes such as what the error bars are stand under the figure.
+        assert not any("\n" in title for title in [*(ax.get_title() for ax in fig.axes), titles(fig)]), name
         renderer = FigureCanvasAgg(fig).get_renderer()  # a closed figure has lost its canvas
         fig.draw(renderer)
         right = max(ax.get_window_extent(renderer).x1 for ax in fig.axes)
@@ -322,3 +335,37 @@ def test_closed_forms_that_coincide_are_drawn_once_with_both_names(tmp_path: Pat
     forms = [line for line in ax.get_lines() if line.get_label().startswith("closed form")]
     assert [line.get_label() for line in forms] == ["closed form: 1f1b P=2, gpipe P=2"]
     assert list(forms[0].get_ydata()) == pytest.approx([1 / 3, 1 / 4, 1 / 5]) and forms[0].get_color() == "grey"
+
+
+def test_repeats_with_identical_losses_are_one_line_that_says_how_many(tmp_path: Path,
+                                                                      drawn: dict[str, Figure]) -> None:
+    for i in range(3):  # bit-identical repeats: the same losses at the same steps and tokens
+        dp_run(tmp_path / "s" / f"dp2-r{i}", [100.0, 100.0 - i], **{"launch.repeat": i})
+    dp_run(tmp_path / "s" / "dp1", [100.0], **{"launch.repeat": 0})  # another point: its own line
+    report(tmp_path, tmp_path / "out", now=LATER)
+    fig = drawn["loss_s.png"]
+    curves = [[line for line in ax.get_lines() if line.get_linestyle() == "-"] for ax in fig.axes]
+    assert [len(lines) for lines in curves] == [2, 2, 4]  # against time each repeat keeps its line: times differ
+    assert sorted(legend_labels(fig)) == ["ranks=1", "ranks=2 (3 runs: identical losses)"]
+
+
+def test_memory_figures_name_no_strategy_for_one_replica_and_are_drawn_only_where_the_layout_varies(
+        tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    whole = (1000, 4000, 4000, 8000)  # 16 bytes per parameter: the whole model's state
+    for chunks in (2, 4):  # one-process pipelines, one replica: parallel.dp_sync (bucketed) wraps nothing
+        dp_run(tmp_path / "pp" / "runs" / f"m{chunks}", [100.0], memory=[whole], pp_mode="pipeline_parallel",
+               chunks=chunks, devices="cpu,cpu")
+    result = report(tmp_path / "pp" / "runs", tmp_path / "pp" / "out", now=LATER)
+    assert {"memory_per_rank.png", "memory_vs_world_size.png"}.isdisjoint(drawn)
+    assert any(s.startswith("figure memory_per_rank.png skipped: no two runs") for s in result.skipped)
+    assert "| m2 | none (one replica) | 1 |" in result.summary_md.read_text()
+
+    dp_run(tmp_path / "dp" / "runs" / "dp1", [100.0], memory=[whole], **{"parallel.dp_sync": "zero1"})
+    dp_run(tmp_path / "dp" / "runs" / "dp2", [100.0] * 2, memory=[(1000, 4000, 4000, 4000)] * 2,
+           **{"parallel.dp_sync": "zero1"})
+    report(tmp_path / "dp" / "runs", tmp_path / "dp" / "out", now=LATER)
+    groups = [text.get_text() for text in drawn["memory_per_rank.png"].axes[0].texts]
+    assert groups == ["none (one replica)\nW=1", "zero1\nW=2"]
+    line, = [line for line in drawn["memory_vs_world_size.png"].axes[0].get_lines() if line.get_label() == "zero1"]
+    assert list(line.get_xdata()) == [1, 2]  # one replica starts the line of the strategy: the whole model at W=1
+    assert "bucketed" not in legend_labels(drawn["memory_vs_world_size.png"])
