@@ -236,7 +236,7 @@ def test_grid_refuses_a_shape_that_does_not_fill_the_job() -> None:
 def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
     grid = ParallelDims.build(info, sizes)
     members = {}
-    for dim in ("pp", "dp", "tp"):
+    for dim in ("pp", "dp", "tp", "ep", EXPERT_REPLICAS):
         group = grid.group(dim)
         if group is None:
             members[dim] = [info.rank]
@@ -247,15 +247,17 @@ def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
         dist.all_reduce(onehot, group=group)
         members[dim] = [r for r in range(info.world_size) if onehot[r] == 1]
     result = {"coords": grid.coords, "members": members,
-              "group_ranks": {d: grid.group_ranks(d) for d in ("pp", "dp", "tp")}}
+              "group_ranks": {d: grid.group_ranks(d) for d in ("pp", "dp", "tp", "ep", EXPERT_REPLICAS)}}
     (out_dir / f"rank{info.rank}.json").write_text(json.dumps(result))
 
 
 @pytest.mark.parametrize("sizes, expected", [
-    ({"dp": 2, "tp": 2}, {0: ({"pp": 0, "dp": 0, "tp": 0}, [0, 2], [0, 1]),
-                          3: ({"pp": 0, "dp": 1, "tp": 1}, [1, 3], [2, 3])}),
-    ({"pp": 2, "dp": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0}, [0, 1], [1]),
-                          2: ({"pp": 1, "dp": 0, "tp": 0}, [2, 3], [2])}),
+    ({"dp": 2, "tp": 2}, {0: ({"pp": 0, "dp": 0, "tp": 0, "ep": 0}, [0, 2], [0, 1]),
+                          3: ({"pp": 0, "dp": 1, "tp": 1, "ep": 0}, [1, 3], [2, 3])}),
+    ({"pp": 2, "dp": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0, "ep": 0}, [0, 1], [1]),
+                          2: ({"pp": 1, "dp": 0, "tp": 0, "ep": 0}, [2, 3], [2])}),
+    ({"dp": 4, "ep": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0, "ep": 1}, [0, 1, 2, 3], [1]),
+                          2: ({"pp": 0, "dp": 2, "tp": 0, "ep": 0}, [0, 1, 2, 3], [2])}),
 ])
 @pytest.mark.slow
 def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, sizes, expected,
@@ -266,5 +268,12 @@ def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, siz
         assert results[rank]["coords"] == coords
         assert results[rank]["members"]["dp"] == dp_members == results[rank]["group_ranks"]["dp"]
         assert results[rank]["members"]["tp"] == tp_members == results[rank]["group_ranks"]["tp"]
+        # ep=2 inside dp=4: rank 1 shares experts with 0 and holds the same ones as 3; rank 2 with 3 and as 0.
+        ep = sizes.get("ep", 1)
+        want_ep = ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]) if ep == 2 else ([rank], [rank])
+        assert (results[rank]["members"]["ep"], results[rank]["members"][EXPERT_REPLICAS]) == want_ep
+        if ep == 2:
+            assert results[rank]["group_ranks"]["ep"] == want_ep[0]
+            assert results[rank]["group_ranks"][EXPERT_REPLICAS] == want_ep[1]
     pp_members = {tuple(r["members"]["pp"]) for r in results.values()}
     assert pp_members == ({(0, 2), (1, 3)} if sizes.get("pp") == 2 else {(0,), (1,), (2,), (3,)})
