@@ -18,13 +18,17 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import all_gather, comm_span
-from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
+from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
 from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync
 
 
 class ZeroOneSync(ShardedOptimizer, BucketedSync):
     name = "zero1"
+
+    @classmethod
+    def from_setup(cls, setup: SyncSetup) -> GradSync:
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm])
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None,
                  wire: torch.dtype | None = None):
