@@ -40,7 +40,7 @@ START_OVER = "pass --start-over to set the old folder aside and start over"
 # What a resumed start may change: where the run is and how it logs, how its job is queued, when it evaluates,
 # checkpoints and profiles, where its data is cached, how long a rank waits for a dead peer.
 RESUMABLE = ("data.dir, data.hub_timeout_s, train.eval_every, train.checkpoint_every, train.profile_steps, "
-             "train.dump_grads, parallel.timeout_s, launch.* (not gpus, nodes, repeat), log.*")
+             "train.dump_grads, parallel.timeout_s, launch.* (not gpus, nodes, repeat), log.*, report.*")
 
 
 def _env(data_dir: Path) -> dict[str, str]:

@@ -256,8 +256,8 @@ def test_train_into_a_folder_with_another_config_is_refused_with_a_short_diff(tm
                              "0.0006 -> 0.1); a run resumes with the config it was trained with, changing only "
                              "data.dir, data.hub_timeout_s, train.eval_every, train.checkpoint_every, "
                              "train.profile_steps, train.dump_grads, parallel.timeout_s, launch.* (not gpus, nodes, "
-                             "repeat), log.*: undo the change, use another log.run_id, or pass --start-over to set "
-                             "the old folder aside and start over")
+                             "repeat), log.*, report.*: undo the change, use another log.run_id, or pass "
+                             "--start-over to set the old folder aside and start over")
     assert first.folder.read_config()["train"]["lr"] == 0.0006
 
 
