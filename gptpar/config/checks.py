@@ -191,6 +191,9 @@ def _check_moe_layout(cfg: Config) -> None:
     if shape.n_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.n_experts={shape.n_experts} (each rank of a group "
                           "holds n_experts / ep of every block's experts)")
+    if p.ep > 1 and cfg.train.dump_grads:
+        raise ConfigError(f"train.dump_grads with parallel.ep={p.ep}: each rank holds only its own experts' gradients; "
+                          "dump them with parallel.ep=1")
     if p.ep > 1 and not DP_STRATEGIES[p.dp_sync].expert_parallel:
         raise ConfigError(f"parallel.ep={p.ep} with parallel.dp_sync={p.dp_sync} is not built yet; use "
                           f"{either([n for n, row in DP_STRATEGIES.items() if row.expert_parallel])}")

@@ -88,7 +88,9 @@ class DispatchedExperts(nn.Module):
             setattr(self, name, getattr(experts, name))
         experts.num_experts = self.local
         object.__setattr__(self, "experts", experts)  # not a submodule: its parameters are this module's
-        self.dropped = torch.zeros((), dtype=torch.float64)  # picks past capacity since the last read
+        # Picks past capacity in the last forward: the load-balancing loss reads it right after a training forward,
+        # before a recomputing backward (activation checkpointing) or an evaluation runs another.
+        self.dropped = torch.zeros((), dtype=torch.long)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         k = top_k_index.size(-1)
@@ -119,8 +121,7 @@ class DispatchedExperts(nn.Module):
         capacity = math.ceil(self.capacity_factor * tokens * k / self.total)
         first = torch.cumsum(counts, 0) - counts
         kept = torch.arange(len(order), device=order.device) - first[expert] < capacity
-        if torch.is_grad_enabled():  # training forwards only: not evaluation or decoding
-            self.dropped = self.dropped.to(counts.device) + (counts - capacity).clamp(min=0).sum()
+        self.dropped = (counts - capacity).clamp(min=0).sum()  # read right after the training forward
         return order[kept], expert[kept], counts.clamp(max=capacity)
 
     def _run(self, rows: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -186,11 +187,8 @@ class ExpertParallel:
         return [t for t in targets if id(t) in ids or self.coord == 0]
 
     def dropped(self) -> torch.Tensor:
-        """Picks dropped past capacity in the training forwards since the last call, over every block."""
-        total = sum(m.dropped for m in self.modules)
-        for m in self.modules:
-            m.dropped = torch.zeros((), dtype=torch.float64)
-        return torch.as_tensor(total, dtype=torch.float64)
+        """Picks dropped past capacity in the last forward, over every block."""
+        return torch.stack([m.dropped.to(self.modules[0].dropped.device) for m in self.modules]).sum()
 
     def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         """An expert slice gathered whole (a collective over the ep group)."""

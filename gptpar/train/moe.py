@@ -49,7 +49,7 @@ class RouterLoad:
         self.aux_sum: torch.Tensor | float = 0.0
         self.dropped: torch.Tensor | float = 0.0  # picks past capacity in the step, on every replica
         self.micro_steps = 0
-        # The picks the experts dropped past their capacity since the last call (gptpar.parallel.expert_parallel);
+        # The picks the experts dropped past their capacity in the last forward (gptpar.parallel.expert_parallel);
         # None: none are ever dropped.
         self.dropped_source: Callable[[], torch.Tensor] | None = None
         for router in routers:

@@ -143,6 +143,8 @@ def test_a_folder_of_a_mixture_has_its_shape(tmp_path: Path) -> None:
     (["model.preset=mixtral-tiny", "parallel.dp=3", "parallel.ep=3", "train.batch_size=15"],
      "parallel.ep=3 must divide model.n_experts=4"),
     (["parallel.dp=2", "parallel.ep=2"], "parallel.ep=2 splits a mixture's experts; gpt2 has none"),
+    (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "train.dump_grads=g.pt"],
+     "train.dump_grads with parallel.ep=2: each rank holds only its own experts' gradients"),
     (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=zero2"],
      "parallel.ep=2 with parallel.dp_sync=zero2 is not built yet; use naive, bucketed or ddp"),
     (["model.preset=mixtral-tiny", "model.moe_capacity_factor=-1"], "model.moe_capacity_factor: -1.0 is below the "

@@ -140,14 +140,18 @@ def test_a_checkpoint_holds_whole_experts_resumes_exactly_and_loads_under_anothe
 
 def test_the_capacity_path_routes_as_transformers_does_when_nothing_is_dropped(tmp_path: Path) -> None:
     """Capacity 8 over 8 experts cannot drop a pick: gptpar's dispatch (sort, run, weigh, add back) trains as
-    transformers' own experts forward does; a capacity of 0.5 drops some, and the loss moves."""
+    transformers' own experts forward does; a capacity of 0.5 drops some, and the loss moves; recomputing every block
+    in backward drops (and counts) the same picks."""
     runs = {}
-    for factor in ("0", "8", "0.5"):
-        trainer = make_trainer(make_config([*QWEN_MOE, f"model.moe_capacity_factor={factor}"], tmp_path, factor),
-                               SINGLE)
+    recomputed = ["train.activation_checkpointing=block"]
+    for factor, extra in (("0", []), ("8", []), ("0.5", []), ("0.5-recomputed", recomputed)):
+        overrides = [*QWEN_MOE, f"model.moe_capacity_factor={factor.split('-')[0]}", *extra]
+        trainer = make_trainer(make_config(overrides, tmp_path, factor), SINGLE)
         runs[factor] = (train_steps(trainer, 2), named_params(trainer), read_now(trainer.router_load.step_fields()))
     assert runs["8"][0] == pytest.approx(runs["0"][0], rel=1e-5)
     for name, value in runs["0"][1].items():
         torch.testing.assert_close(runs["8"][1][name], value, rtol=1e-4, atol=1e-5, msg=name)
     assert runs["0"][2]["moe"]["dropped"] == runs["8"][2]["moe"]["dropped"] == 0
     assert runs["0.5"][2]["moe"]["dropped"] > 0 and runs["0.5"][0][1] != runs["0"][0][1]
+    assert runs["0.5-recomputed"][0] == pytest.approx(runs["0.5"][0], rel=1e-5)
+    assert runs["0.5-recomputed"][2]["moe"]["dropped"] == runs["0.5"][2]["moe"]["dropped"]
