@@ -270,15 +270,21 @@ SHAPE_KEYS = {"arch": "arch", "n_layer": "n_layer", "n_embd": "n_embd", "n_head"
 
 def shape_values(cfg: Config) -> dict[str, tuple[Any, str]]:
     """The model keys left at 0 or auto, each with the value the preset (or pretrained folder) gives it and which:
-    `config show` prints what a run builds, not the placeholder."""
+    `config show` prints what a run builds, not the placeholder. The output must still load, so a pretrained
+    folder's sizes (which may not be set beside it) stay placeholders with the folder's value in the comment, and
+    GPT-2, which has no key/value heads of its own, shows none."""
     model = cfg.model
     shape = model.shape()
-    why = f"pretrained {model.init}" if folder_of(model.init) is not None else f"preset {model.preset}"
+    folder = folder_of(model.init) is not None
+    why = f"pretrained {model.init}" if folder else f"preset {model.preset}"
     found = {}
     for key, field_name in SHAPE_KEYS.items():
-        if getattr(model, key) in (0, "auto"):
-            value = getattr(shape, field_name)
-            found[f"model.{key}"] = (value or shape.n_head if key == "n_kv_head" else value, why)
+        placeholder = getattr(model, key)
+        if placeholder not in (0, "auto") or (key == "n_kv_head" and shape.arch == "gpt2"):
+            continue
+        value = getattr(shape, field_name)
+        value = value or shape.n_head if key == "n_kv_head" else value
+        found[f"model.{key}"] = (placeholder, f"{why}: {value}") if folder else (value, why)
     return found
 
 

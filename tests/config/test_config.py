@@ -98,7 +98,10 @@ def test_config_show_prints_what_a_preset_and_a_profile_resolve_to(capsys):
     from gptpar.cli import main
 
     assert main(["config", "show", "model.preset=gpt2-mini", "model.n_head=4", "launch.profile=bridges2"]) == 0
-    lines = {line.split(":")[0].strip(): line for line in capsys.readouterr().out.splitlines()}
+    out = capsys.readouterr().out
+    lines = {line.split(":")[0].strip(): line for line in out.splitlines()}
+    assert config_from_dict(yaml.safe_load(out)).model.n_layer == 6  # what it shows still loads
+    assert lines["n_kv_head"].split() == ["n_kv_head:", "0", "#", "default"]  # GPT-2 has no key/value heads
     assert lines["n_layer"].split() == ["n_layer:", "6", "#", "preset", "gpt2-mini"]
     assert lines["arch"].split() == ["arch:", "gpt2", "#", "preset", "gpt2-mini"]
     assert lines["n_head"].split() == ["n_head:", "4", "#", "command", "line"]  # set: its own origin

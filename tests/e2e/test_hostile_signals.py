@@ -385,7 +385,7 @@ def test_a_failed_local_submit_names_the_rank_that_was_killed_and_why(tmp_path):
     code, out, err = _finish(proc)
     assert code == 1, err
     assert out[0] == f"dp run {run}: 2 rank(s) on local processes on this machine"
-    assert re.fullmatch(rf"killed: failed \(job {re.escape(socket.gethostname())}:{proc.pid}\): rank 1 stopped "
+    assert re.fullmatch(rf"killed: failed \(job {re.escape(socket.gethostname())}:{proc.pid}\.1\): rank 1 stopped "
                         r"responding after step \d+: no final record, and rank 0 lost contact with it; rank1\.err: "
                         rf"gptpar: rank 1 \(pid {rank1}\) was killed by SIGKILL", out[-1]), out
 
