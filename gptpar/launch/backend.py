@@ -38,8 +38,12 @@ class Backend(Protocol):
     def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
         """Start (or queue) one job running `points`; returns each point's job id."""
 
+    def check(self, spec: JobSpec) -> None:
+        """Refuse in one line a job shape this backend could never start (before anything is written)."""
+
     def state(self, job_id: str) -> str | None:
-        """The scheduler's word on a job (gptpar.run.state.SCHEDULER_STATES), None when it has none."""
+        """The scheduler's word on a job (gptpar.run.state.SCHEDULER_STATES; SLURM's pending says why: Pending),
+        None when it has none."""
 
     def cancel(self, job_id: str) -> None: ...
 

@@ -39,6 +39,21 @@ PEER_LOST = re.compile(r"gloo|nccl|connection (?:reset|closed|refused)|broken pi
                        r"Dist(?:Backend|Network|Store)Error", re.IGNORECASE)
 
 
+NEVER_STARTS = "will never start"  # how a pending job's detail begins when waiting cannot clear its reason
+
+
+class Pending(str):
+    """A scheduler's "pending" (it compares equal to the word) that also says why the job waits, as the user reads it
+    (SLURM's reason: "queued: Resources", or NEVER_STARTS with the fix)."""
+
+    why: str
+
+    def __new__(cls, why: str) -> Pending:
+        word = super().__new__(cls, "pending")
+        word.why = why
+        return word
+
+
 @dataclass
 class RunLog:
     """A run folder read whole: config, each rank's stitched log, and its state."""
@@ -105,7 +120,7 @@ def _diverged(log: RankLog) -> bool:
 def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None, now: float) -> tuple[str, str]:
     """(state, detail) of a run that is not corrupt; `scheduler` is one of SCHEDULER_STATES or None."""
     if scheduler == "pending":
-        return "pending", "queued"
+        return "pending", getattr(scheduler, "why", "") or "queued"
     holder = folder.holder()
     if holder is not None or scheduler == "running":
         where = f"host {holder.get('host')} pid {holder.get('pid')}" if holder else "the scheduler says so"
