@@ -222,3 +222,21 @@ def replica_indices(ranks: list[RankLog]) -> list[int]:
 
 def last_step(run: RunLog) -> int:
     return max((max(log.steps) for log in run.ranks if log.steps), default=0)
+
+
+def job_of(folder: RunFolder, headers: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
+    """(backend, job id) of a folder's job: from job.json, else (a script sbatch-ed by hand, like jobs/dp.sbatch)
+    the SLURM job id in rank 0's last header (`headers`, where the caller has read them); None for a run without
+    a job."""
+    record = folder.read_job_record()
+    if record.get("job_id"):
+        return record.get("backend", ""), record["job_id"]
+    if headers is None and not folder.rank_log(0).is_file():
+        return None
+    if headers is None:
+        try:
+            headers = read_rank_log(folder.rank_log(0)).headers
+        except CorruptLog:
+            headers = []
+    job = headers[-1].get("slurm", {}).get("job_id") if headers else None
+    return ("slurm", str(job)) if job else None
