@@ -44,7 +44,7 @@ from analysis.trace import RankTrace
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
 from gptpar.run.records import EPOCH_SCORES
-from gptpar.run.state import RunLog, replica_indices
+from gptpar.run.state import RunLog, job_of, replica_indices
 from gptpar.run.sweeps import stale_runs
 from gptpar.strategies.data_parallel import STATE_BYTES, closed_form_state_bytes
 from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
@@ -115,6 +115,7 @@ class RunMetrics:
     status: str
     detail: str
     params: dict[str, Any]  # the flattened resolved config, "section.key" -> value
+    job_id: str = ""  # the scheduler's (or the local launcher's) job that ran it, "" for a plain `gptpar train`
     dp: int = 1
     pp_mode: str = "single"  # a one-process mode, or the engine's "pp=P schedule[ v=V]"
     pp_schedule: str = ""  # the multi-process engine's schedule (parallel.pp > 1); empty for one-process runs
@@ -294,6 +295,8 @@ def _warmup(m: RunMetrics, ranks: list[RankLog], figures: list[dict[int, tuple[f
 def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int = 5) -> RunMetrics:
     m = RunMetrics(rel, run.run_id, run.sweep or TOP_LEVEL, run.state, run.detail, flatten(run.config),
                    mixed=run.mixed, warnings=list(run.warnings))
+    job = job_of(run.folder, [h for log in run.ranks[:1] for h in log.headers] if run.ranks else None)
+    m.job_id = job[1] if job else ""
     if m.mixed:
         m.warnings.append(f"run {rel}: {m.mixed}; left out of the table and figures")
     ranks = run.ranks

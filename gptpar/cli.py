@@ -90,6 +90,14 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from gptpar.config import data_config
+    from gptpar.data.fetch import fetch
+
+    print(fetch(data_config(_resolved([*args.words, f"data.source={args.source}"])[0])))
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from gptpar.doctor import render, run_checks
 
@@ -323,6 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("show", "reference"))
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.set_defaults(handler=cmd_config)
+
+    p = _add(sub, "data", "fetch a hub dataset (data.source=hf:...) and GPT-2's tokenizer into the local cache, "
+             "on a machine that reaches the hub (a login node), for compute nodes without internet",
+             "  gptpar data fetch hf:bbaaaa/iwslt14-de-en-preprocess\n"
+             "  gptpar data fetch hf:wikitext:wikitext-2-raw-v1")
+    p.add_argument("action", choices=("fetch",))
+    p.add_argument("source", help="a data.source, e.g. hf:NAME[:CONFIG]")
+    p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
+    p.set_defaults(handler=cmd_data)
 
     p = _add(sub, "submit", "submit one run as a job: data-parallel (dp) or the one-process pipeline (pp); "
              "on SLURM when it answers, else as local processes",

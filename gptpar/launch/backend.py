@@ -26,8 +26,7 @@ from gptpar.launch.profiles import JobSpec
 from gptpar.launch.render import render_script
 from gptpar.launch.submitit_backend import SubmititBackend, executor_text
 from gptpar.run.folder import RunFolder
-from gptpar.run.logfile import CorruptLog, read_rank_log
-from gptpar.run.state import LIVE_JOB_STATES
+from gptpar.run.state import LIVE_JOB_STATES, job_of
 
 
 class Backend(Protocol):
@@ -38,8 +37,12 @@ class Backend(Protocol):
     def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
         """Start (or queue) one job running `points`; returns each point's job id."""
 
+    def check(self, spec: JobSpec) -> None:
+        """Refuse in one line a job shape this backend could never start (before anything is written)."""
+
     def state(self, job_id: str) -> str | None:
-        """The scheduler's word on a job (gptpar.run.state.SCHEDULER_STATES), None when it has none."""
+        """The scheduler's word on a job (gptpar.run.state.SCHEDULER_STATES; SLURM's pending says why: Pending),
+        None when it has none."""
 
     def cancel(self, job_id: str) -> None: ...
 
@@ -82,22 +85,6 @@ def job_text(points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path
     if points[0].cfg.launch.launcher == "submitit":
         return executor_text(points, spec, name, output_dir)
     return render_script(points, spec, name, output_dir)
-
-
-def job_of(folder: RunFolder) -> tuple[str, str] | None:
-    """(backend, job id) of a folder's job: from job.json, else (a script sbatch-ed by hand, like jobs/dp.sbatch)
-    the SLURM job id in rank 0's header; None for a run without a job."""
-    record = folder.read_job_record()
-    if record.get("job_id"):
-        return record.get("backend", ""), record["job_id"]
-    if not folder.rank_log(0).is_file():
-        return None
-    try:
-        headers = read_rank_log(folder.rank_log(0)).headers
-    except CorruptLog:
-        headers = []
-    job = headers[-1].get("slurm", {}).get("job_id") if headers else None
-    return ("slurm", str(job)) if job else None
 
 
 def job_state(job: tuple[str, str] | None) -> str | None:

@@ -174,6 +174,9 @@ class LocalBackend:
             ids.append(job_id)
         return ids
 
+    def check(self, spec: JobSpec) -> None:
+        """Nothing to refuse: this machine runs whatever shape plan_run accepted."""
+
     def state(self, job_id: str) -> str | None:
         """None: a local run's own lock says whether it runs (gptpar.run.state)."""
         return None

@@ -20,6 +20,7 @@ from gptpar.errors import GptparError
 from gptpar.launch.plan import Point
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.render import render_script
+from gptpar.run.state import NEVER_STARTS, Pending
 
 SCRUBBED_PREFIXES = ("SLURM_", "SALLOC_", "SRUN_")
 SCRUBBED_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -55,6 +56,49 @@ def unreachable_reason(timeout_s: float = 5.0) -> str | None:
 
 def slurm_reachable() -> bool:
     return unreachable_reason() is None
+
+
+GPUS_IN_GRES = re.compile(r"gpu(?::[^:,(]+)?:(\d+)")  # gpu:2, gpu:v100-32:2(S:0-1)
+
+
+def node_limits(partition: str) -> tuple[str, int, int, int] | None:
+    """(partition, most CPUs on one of its nodes, most GPUs on one, its node count) as sinfo reports them (the default
+    partition where `partition` is empty); None where sinfo cannot say."""
+    try:
+        result = subprocess.run(["sinfo", "-h", "-N", "-o", "%P|%c|%G"], capture_output=True, text=True, timeout=10,
+                                env=clean_env())
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    rows = [line.split("|") for line in result.stdout.splitlines() if line.count("|") == 2]
+    if result.returncode != 0 or not rows:
+        return None
+    name = partition or next((p.rstrip("*") for p, _, _ in rows if p.endswith("*")), "")
+    nodes = [(int(cpus), sum(int(n) for n in GPUS_IN_GRES.findall(gres))) for p, cpus, gres in rows
+             if p.rstrip("*") == name and cpus.isdigit()]
+    if not nodes:
+        return None
+    return name, max(c for c, _ in nodes), max(g for _, g in nodes), len(nodes)
+
+
+def check_fits(spec: JobSpec) -> None:
+    """Refuse, before it is queued, a job shape no node of its partition can hold (SLURM would keep it pending for
+    ever, Reason=PartitionConfig); silent where sinfo cannot say."""
+    limits = node_limits(spec.partition)
+    if limits is None:
+        return
+    name, cpus, gpus, nodes = limits
+    fix = "or use another launch.partition (or launch.profile)"
+    asked = spec.tasks_per_node * spec.cpus_per_task
+    if asked > cpus:
+        raise GptparError(f"the job asks for {asked} CPUs per node ({spec.tasks_per_node} task(s) x "
+                          f"launch.cpus_per_task={spec.cpus_per_task}) but partition {name}'s nodes have at most "
+                          f"{cpus} (sinfo): it would never start; lower launch.cpus_per_task, {fix}")
+    if spec.gpus_per_node > gpus:
+        raise GptparError(f"the job asks for {spec.gpus_per_node} GPU(s) per node but partition {name}'s nodes have "
+                          f"at most {gpus} (sinfo): it would never start; lower --gpus or raise --nodes, {fix}")
+    if spec.nodes > nodes:
+        raise GptparError(f"the job asks for {spec.nodes} node(s) but partition {name} has {nodes} (sinfo): it would "
+                          f"never start; lower --nodes, {fix}")
 
 
 def sbatch(script_path: str | Path, cwd: str | Path) -> str:
@@ -99,12 +143,41 @@ SLURM_STATES = {
 }
 
 
+# SLURM's pending reasons that waiting never clears, with what does ({job}: the job id).
+NEVER_CLEARS = {
+    "PartitionConfig": "the job asks for more than the partition's nodes or limits allow (CPUs, GPUs, memory, nodes "
+                       "or time); lower --gpus, --nodes, launch.cpus_per_task or launch.time, or use another partition",
+    "PartitionNodeLimit": "the job asks for more nodes than the partition allows; lower --nodes",
+    "PartitionTimeLimit": "launch.time is above the partition's time limit; lower it",
+    "BadConstraints": "no node has what the job asks for (launch.constraint, the GPU type or count); compare with "
+                      "sinfo -o '%N %c %G %f'",
+    "ReqNodeNotAvail": "a node the job needs is down, drained or reserved; ask the cluster's staff, or cancel it",
+    "InvalidAccount": "the account is not one of yours; fix launch.account",
+    "InvalidQOS": "the QOS is not one the account may use; fix launch.qos",
+    "JobHeldUser": "it is held; release it with: scontrol release {job}",
+    "JobHeldAdmin": "an administrator holds it; ask the cluster's staff",
+    "DependencyNeverSatisfied": "a job it depends on failed; cancel it",
+}
+
+
+def pending_why(reason: str, job_id: str) -> str:
+    """A pending job's reason as the user reads it: NEVER_STARTS with the fix where waiting cannot clear it (the
+    reasons above, and a QOS's or association's per-job limit), else what it waits for."""
+    fix = NEVER_CLEARS.get(reason)
+    if fix is None and reason.startswith(("QOSMax", "AssocMax")) and "PerJob" in reason:
+        fix = "the job asks for more than its QOS or account allows one job; ask for less, or another launch.qos"
+    if fix is not None:
+        return f"{NEVER_STARTS}: {reason}; {fix.format(job=job_id)}"
+    return "queued" if reason in ("", "None") else f"queued: {reason}"
+
+
 def slurm_state(job_id: str) -> str | None:
-    """gptpar state of a job the controller still knows, else None."""
+    """gptpar state of a job the controller still knows (pending with its reason: Pending), else None."""
     info = job_info(job_id)
     if info is None:
         return None
-    return SLURM_STATES.get(info.get("JobState", ""), "failed")
+    state = SLURM_STATES.get(info.get("JobState", ""), "failed")
+    return Pending(pending_why(info.get("Reason", ""), job_id)) if state == "pending" else state
 
 
 class SlurmBackend:
@@ -125,6 +198,9 @@ class SlurmBackend:
         for point, point_id in zip(points, ids, strict=True):
             point.folder.write_job_record(self.name, point_id)
         return ids
+
+    def check(self, spec: JobSpec) -> None:
+        check_fits(spec)
 
     def state(self, job_id: str) -> str | None:
         return slurm_state(job_id)

@@ -22,10 +22,12 @@ def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
 
 def submit_run(cfg: Config, kind: str) -> tuple[Point, Backend, str]:
     """Plan one run and hand it to the backend chosen for it; the point, the backend and its job id. Where it runs
-    is decided before anything is written (SLURM unreachable leaves no folder behind), and said before it starts."""
+    is decided, and a shape it could never start refused, before anything is written (no folder is left behind),
+    and said before it starts."""
     point = plan_run(cfg, kind, write=False)
     spec = resolve(point.cfg, kind)
     backend = choose_backend(point.cfg.launch)
+    backend.check(spec)
     write_folder(point.folder, point.cfg, again="move the old folder away to start over")
     print(f"{kind} run {point.folder.path}: {spec.nodes * spec.tasks_per_node} rank(s) on {backend.where}",
           flush=True)

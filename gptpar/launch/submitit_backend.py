@@ -34,7 +34,7 @@ from gptpar.config import LaunchConfig
 from gptpar.errors import GptparError
 from gptpar.launch.plan import Point, rank_command
 from gptpar.launch.profiles import JobSpec, time_seconds
-from gptpar.launch.slurm import SlurmBackend, clean_env, slurm_state
+from gptpar.launch.slurm import SlurmBackend, check_fits, clean_env, slurm_state
 from gptpar.run.names import slug
 from gptpar.snapshot import take_snapshot
 
@@ -148,6 +148,10 @@ class SubmititBackend:
         finally:
             os.environ.clear()
             os.environ.update(saved)
+
+    def check(self, spec: JobSpec) -> None:
+        if self.cluster == "slurm":
+            check_fits(spec)
 
     def state(self, job_id: str) -> str | None:
         if self.cluster == "slurm":

@@ -31,7 +31,7 @@ from gptpar.launch.submit import report_started
 from gptpar.run.folder import completed, config_diff
 from gptpar.run.names import point_label, point_name, short_hash, slug
 from gptpar.run.start import make_folder, set_aside, write_folder
-from gptpar.run.state import LIVE_JOB_STATES, read_run
+from gptpar.run.state import LIVE_JOB_STATES, NEVER_STARTS, read_run
 from gptpar.run.sweeps import write_sweep_record
 from gptpar.user_defaults import user_layers
 
@@ -147,11 +147,18 @@ def point_state(point: Point) -> str:
 
 
 def wait_for(points: Sequence[Point], poll_s: float = 5.0) -> list[str]:
-    """Block until no point is pending or running (states come from SLURM, then the logs)."""
+    """Block until no point is pending or running (states come from SLURM, then the logs), or only those remain
+    pending that will never start (each said once, with its fix)."""
+    said: set[Path] = set()
     while True:
-        states = [point_state(p) for p in points]
-        if not any(s in ("pending", "running") for s in states):
-            return states
+        runs = [read_run(p.folder, scheduler=scheduler_state(p.folder)) for p in points]
+        stuck = [r for r in runs if r.state == "pending" and r.detail.startswith(NEVER_STARTS)]
+        for run in stuck:
+            if run.folder.path not in said:
+                print(f"{run.folder.name}: {run.detail}", flush=True)
+                said.add(run.folder.path)
+        if not any(r.state in ("pending", "running") for r in runs if all(r is not s for s in stuck)):
+            return [r.state for r in runs]
         time.sleep(poll_s)
 
 
@@ -222,6 +229,8 @@ def submit_sweep(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
     name, kind, points = build_points(path, runs_dir, overrides)
     # Where the points run is decided before any folder is touched: an unreachable SLURM leaves none.
     backend = None if dry_run else choose_backend(points[0].cfg.launch)
+    for spec in {resolve(p.cfg, kind) for p in points} if backend is not None else ():
+        backend.check(spec)  # a shape that could never start, refused before any folder is touched
     stale = stale_points(points)
     if backend is not None:
         prepare(path, name, kind, points, overrides, rerun)

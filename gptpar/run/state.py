@@ -39,6 +39,21 @@ PEER_LOST = re.compile(r"gloo|nccl|connection (?:reset|closed|refused)|broken pi
                        r"Dist(?:Backend|Network|Store)Error", re.IGNORECASE)
 
 
+NEVER_STARTS = "will never start"  # how a pending job's detail begins when waiting cannot clear its reason
+
+
+class Pending(str):
+    """A scheduler's "pending" (it compares equal to the word) that also says why the job waits, as the user reads it
+    (SLURM's reason: "queued: Resources", or NEVER_STARTS with the fix)."""
+
+    why: str
+
+    def __new__(cls, why: str) -> Pending:
+        word = super().__new__(cls, "pending")
+        word.why = why
+        return word
+
+
 @dataclass
 class RunLog:
     """A run folder read whole: config, each rank's stitched log, and its state."""
@@ -105,7 +120,7 @@ def _diverged(log: RankLog) -> bool:
 def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None, now: float) -> tuple[str, str]:
     """(state, detail) of a run that is not corrupt; `scheduler` is one of SCHEDULER_STATES or None."""
     if scheduler == "pending":
-        return "pending", "queued"
+        return "pending", getattr(scheduler, "why", "") or "queued"
     holder = folder.holder()
     if holder is not None or scheduler == "running":
         where = f"host {holder.get('host')} pid {holder.get('pid')}" if holder else "the scheduler says so"
@@ -207,3 +222,21 @@ def replica_indices(ranks: list[RankLog]) -> list[int]:
 
 def last_step(run: RunLog) -> int:
     return max((max(log.steps) for log in run.ranks if log.steps), default=0)
+
+
+def job_of(folder: RunFolder, headers: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
+    """(backend, job id) of a folder's job: from job.json, else (a script sbatch-ed by hand, like jobs/dp.sbatch)
+    the SLURM job id in rank 0's last header (`headers`, where the caller has read them); None for a run without
+    a job."""
+    record = folder.read_job_record()
+    if record.get("job_id"):
+        return record.get("backend", ""), record["job_id"]
+    if headers is None and not folder.rank_log(0).is_file():
+        return None
+    if headers is None:
+        try:
+            headers = read_rank_log(folder.rank_log(0)).headers
+        except CorruptLog:
+            headers = []
+    job = headers[-1].get("slurm", {}).get("job_id") if headers else None
+    return ("slurm", str(job)) if job else None

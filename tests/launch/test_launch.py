@@ -247,3 +247,15 @@ def test_a_sweep_point_is_named_by_its_keys_and_each_local_job_has_its_own_id() 
     assert point_label(["model.dropout=0.1", "train.dropout=0.2"]) == "model.dropout=0.1, train.dropout=0.2"
     assert point_label([]) == "base"
     assert [local_job_id("vm", 123, n) for n in (1, 2)] == ["vm:123.1", "vm:123.2"]
+
+
+@pytest.mark.parametrize(("reason", "said"), [
+    ("None", "queued"), ("Resources", "queued: Resources"), ("QOSMaxGRESPerUser", "queued: QOSMaxGRESPerUser"),
+    ("PartitionConfig", "will never start: PartitionConfig; the job asks for more than the partition's nodes or "
+                        "limits allow"),
+    ("QOSMaxGRESPerJob", "will never start: QOSMaxGRESPerJob; the job asks for more than its QOS or account allows"),
+    ("JobHeldUser", "will never start: JobHeldUser; it is held; release it with: scontrol release 14"),
+])
+def test_a_pending_reason_says_whether_waiting_can_clear_it(reason: str, said: str) -> None:
+    """A per-user limit clears as the user's other jobs end; a per-job limit or the partition's shape never does."""
+    assert slurm.pending_why(reason, "14").startswith(said)

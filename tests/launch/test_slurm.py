@@ -255,6 +255,13 @@ def test_sbatch_account_and_user_defaults_reach_a_submitit_job_and_wait_returns_
     assert (info["Account"], info["CPUs/Task"], info["JobState"], info["TimeLimit"]) == (
         "from-sbatch-account", "2", "PENDING", UNSTARTABLE[1])
     assert job.state() == "pending"
+    # SLURM's reason once its scheduler has looked at the job: a limit above the partition's never clears by waiting.
+    deadline, detail = time.monotonic() + 30, ""
+    while time.monotonic() < deadline and not detail.startswith("will never start"):
+        detail = read_run(RunFolder(job.run_dir), scheduler=scheduler_state(RunFolder(job.run_dir))).detail
+        time.sleep(0.5)
+    assert detail == ("will never start: PartitionTimeLimit; launch.time is above the partition's time limit; "
+                      "lower it")
     assert job.cancel() == f"cancelled SLURM job {job.job_id} (pending)"
     assert job.wait(timeout=60) == "failed"  # SLURM says CANCELLED; it never started
     # The same API hands a job to gptpar's sbatch script just as well.
@@ -262,6 +269,21 @@ def test_sbatch_account_and_user_defaults_reach_a_submitit_job_and_wait_returns_
     assert job.submitit is None and job_info(job.job_id)["Account"] == "from-sbatch-account"
     assert (job.state(), job.cancel(), job.wait(timeout=60)) == (
         "pending", f"cancelled SLURM job {job.job_id} (pending)", "failed")
+
+
+@pytest.mark.parametrize("launcher", ["sbatch", SUBMITIT])
+def test_a_shape_no_node_can_hold_is_refused_before_the_queue(tmp_path: Path, launcher: str) -> None:
+    """bridges2's GPU-shared shape asks 5 CPUs per GPU; the local cluster's nodes have 4 (sinfo knows): SLURM would
+    keep it pending for ever (PartitionConfig), so submit says so in one line and leaves no folder behind."""
+    result = subprocess.run([GPTPAR, "submit", "dp", "--gpus", "2", *TINY, f"log.runs_dir={tmp_path / 'runs'}",
+                             "launch.profile=bridges2", "launch.account=abc123",
+                             *([launcher] if launcher == SUBMITIT else [])],
+                            cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert (result.returncode, result.stdout) == (2, "") and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr == ("gptpar: error: the job asks for 10 CPUs per node (2 task(s) x launch.cpus_per_task=5) "
+                             "but partition GPU-shared's nodes have at most 4 (sinfo): it would never start; lower "
+                             "launch.cpus_per_task, or use another launch.partition (or launch.profile)\n")
+    assert not (tmp_path / "runs").exists()
 
 
 def test_what_sbatch_refuses_of_a_submitit_job_is_one_line(work: Path) -> None:

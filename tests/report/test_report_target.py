@@ -12,6 +12,7 @@ from logsets import T0, Rank, config
 from analysis.report import report
 from gptpar.cli import main as gptpar_main
 from gptpar.errors import GptparError
+from gptpar.run.folder import RunFolder
 
 LATER = T0 + 3600.0
 
@@ -46,8 +47,10 @@ def csv_rows(path: Path) -> dict[str, dict[str, str]]:
 
 def test_time_and_tokens_to_the_default_target_and_the_disagreement_said(tmp_path: Path) -> None:
     demo_like(tmp_path / "runs")
+    RunFolder(tmp_path / "runs" / "s" / "dp1-r0").write_job_record("local", "vm:4242.1")
     result = report(tmp_path / "runs", tmp_path / "out", now=LATER, warmup_steps=1)
     rows = csv_rows(result.summary_csv)
+    assert (rows["s/dp1-r0"]["job_id"], rows["s/dp1-r1"]["job_id"]) == ("vm:4242.1", "")  # the job that ran it
     # The default target is the highest final loss of the sweep: dp=2's 5.45, which every run reaches.
     assert {row["target_loss"] for row in rows.values()} == {"5.45"}
     assert (rows["s/dp1-r0"]["time_to_target_s"], rows["s/dp1-r0"]["tokens_to_target"]) == ("3", "300")

@@ -1,0 +1,54 @@
+"""Data before the job: `gptpar data fetch` fills the local Hugging Face cache with a hub dataset (and GPT-2's
+tokenizer) on a machine that reaches the hub, a login node, so that compute nodes without internet train from the
+cache; and the submit side refuses, before any run folder is written, a hub dataset that is neither cached nor
+reachable (it would only fail on the rank, after the queue)."""
+
+from __future__ import annotations
+
+from gptpar.config.schema import DataConfig
+from gptpar.data.tokenizer import gpt2_tokenizer
+from gptpar.errors import GptparError, require_extra
+from gptpar.hub import hub_reachable
+
+HF = "hf:"
+
+
+def fetch_hint(spec: str) -> str:
+    return f"run `gptpar data fetch {HF}{spec}` where the hub is reachable (a login node), then again here"
+
+
+def require_hub_data(cfg: DataConfig) -> None:
+    """One line, before anything is written, when data.source is a hub dataset this machine can neither reach nor
+    find in its cache (datasets' offline lookup, only then: a reachable hub is left to the rank)."""
+    if not cfg.source.startswith(HF) or hub_reachable(cfg.hub_timeout_s):
+        return
+    datasets = require_extra("datasets", f"data.source={cfg.source}", "hf")
+    name, _, config = cfg.source[len(HF):].partition(":")
+    try:
+        datasets.load_dataset_builder(name, config or None)  # offline now (hub_reachable forced it): the cache only
+    except Exception:
+        raise GptparError(f"data.source={cfg.source}: not in this machine's Hugging Face cache and the hub is "
+                          f"unreachable; {fetch_hint(cfg.source[len(HF):])}") from None
+
+
+def fetch(cfg: DataConfig) -> str:
+    """Download data.source's every split (and GPT-2's tokenizer, where data.tokenizer may use it) into the cache;
+    what was fetched, for the user."""
+    if not cfg.source.startswith(HF):
+        return f"nothing to fetch: data.source={cfg.source} is read from this machine's files"
+    spec = cfg.source[len(HF):]
+    if not hub_reachable(cfg.hub_timeout_s):
+        raise GptparError(f"data.source={cfg.source}: the Hugging Face hub is unreachable from this machine "
+                          f"(within data.hub_timeout_s={cfg.hub_timeout_s:g} s); fetch where it is reachable")
+    datasets = require_extra("datasets", f"data.source={cfg.source}", "hf")
+    name, _, config = spec.partition(":")
+    try:
+        splits = datasets.load_dataset(name, config or None)
+    except Exception as exc:
+        raise GptparError(f"data.source={cfg.source}: cannot fetch the dataset: {str(exc).splitlines()[0][:200]}"
+                          ) from None
+    rows = ", ".join(f"{split} {len(rows):,} rows" for split, rows in splits.items())
+    tokenizer = ""
+    if cfg.tokenizer in ("auto", "gpt2"):
+        tokenizer = " and GPT-2's tokenizer" if gpt2_tokenizer(cfg.hub_timeout_s) is not None else ""
+    return f"fetched {cfg.source} ({rows}){tokenizer} into the Hugging Face cache"
