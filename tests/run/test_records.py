@@ -50,7 +50,8 @@ OTHER_DICTS = {
     "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
     "gptpar/run/records.py": FIELD_METADATA,
     "gptpar/run/start.py": {"job_id"},  # the job record of a folder set aside
-    "gptpar/run/state.py": GRID | {"job_id", "pid", "MemoryError", "out of memory", "oom-kill"},  # error texts too
+    # the job record's keys, the lock's pid, error texts
+    "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "MemoryError", "out of memory", "oom-kill"},
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
 }
 
