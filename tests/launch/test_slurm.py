@@ -40,7 +40,7 @@ RAISED_LIMIT_MIN = 5  # after the first real limit, the time limit the requeued 
 FOREVER = ["train.epochs=1000", "train.max_steps=1000000"]  # until cancelled
 SUBMITIT = "launch.launcher=submitit"
 # sbatch takes SBATCH_TIMELIMIT over the script's --time; beyond the partitions' 2-day limit, SLURM keeps the job
-# pending (PartitionTimeLimit) until its limit is lowered: a job that cannot start before the test lets it.
+# pending (Reason=PartitionConfig here) until its limit is lowered: a job that cannot start before the test lets it.
 UNSTARTABLE = ("SBATCH_TIMELIMIT", "3-00:00:00")
 
 
@@ -260,8 +260,9 @@ def test_sbatch_account_and_user_defaults_reach_a_submitit_job_and_wait_returns_
     while time.monotonic() < deadline and not detail.startswith("will never start"):
         detail = read_run(RunFolder(job.run_dir), scheduler=scheduler_state(RunFolder(job.run_dir))).detail
         time.sleep(0.5)
-    assert detail == ("will never start: PartitionTimeLimit; launch.time is above the partition's time limit; "
-                      "lower it")
+    assert detail == ("will never start: PartitionConfig; the job asks for more than the partition's nodes or limits "
+                      "allow (CPUs, GPUs, memory, nodes or time); lower --gpus, --nodes, launch.cpus_per_task or "
+                      "launch.time, or use another partition")  # this SLURM's reason for a limit above MaxTime
     assert job.cancel() == f"cancelled SLURM job {job.job_id} (pending)"
     assert job.wait(timeout=60) == "failed"  # SLURM says CANCELLED; it never started
     # The same API hands a job to gptpar's sbatch script just as well.
