@@ -7,6 +7,7 @@ queue forever) fails at once with the limit named.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ GPU_REQUESTS = ("gpus", "gpus_per_node", "gres")
 # Values written into #SBATCH lines: a comment line cannot be shell-quoted, so only plain tokens pass.
 SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:,+@-]*")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MODULE_GUARD = "if command -v module >/dev/null; then  # environment modules exist on this node"
 TIME = re.compile(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})")
 
 
@@ -41,6 +43,22 @@ class JobSpec:
     gpu_directive: str
     signal_s: int
     setup: tuple[str, ...]
+
+
+def guarded_setup(lines: Sequence[str]) -> list[str]:
+    """A profile's set-up lines as a job script runs them: `module` lines only where environment modules exist, so
+    a node without them (the local cluster, a container) starts the job without `module: command not found`."""
+    out: list[str] = []
+    for line in lines:
+        if not line.startswith("module "):
+            out.append(line)
+            continue
+        if out[-1:] == ["fi"] and out[-2].startswith("  module "):
+            out.pop()  # one guard around consecutive module lines
+        else:
+            out.append(MODULE_GUARD)
+        out += [f"  {line}", "fi"]
+    return out
 
 
 def profile_names() -> list[str]:

@@ -17,7 +17,7 @@ from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.local import local_job_id
 from gptpar.launch.plan import plan_run, shaped
-from gptpar.launch.profiles import profile_names, resolve
+from gptpar.launch.profiles import MODULE_GUARD, guarded_setup, profile_names, resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.sweep import build_points, expand
 from gptpar.run.folder import RunFolder
@@ -239,6 +239,17 @@ def test_plain_job_scripts_do_not_drift_from_the_template(kind: str) -> None:
     assert "--kill-on-bad-exit=1 \\\n  /v/bin/gptpar train config.yaml" in rendered
     assert 'exec >>"$RUN_DIR/job/slurm-$SLURM_JOB_ID.out" 2>>"$RUN_DIR/job/slurm-$SLURM_JOB_ID.err"' in plain
     assert f'"log.run_id={kind}-$SLURM_JOB_ID"' in plain and f"RUN_DIR=${{RUNS:-runs}}/{kind}-$SLURM_JOB_ID" in plain
+
+
+def test_the_profiles_module_lines_run_only_where_environment_modules_exist() -> None:
+    """bridges2's `module load` lines are guarded as jobs/*.sbatch guard them: a node without modules starts the job
+    without `module: command not found`; other set-up lines run as they are."""
+    script = _script("dp", ["launch.profile=bridges2", "launch.gpus=2"], ["/scratch/runs/x"])
+    assert f"\n{MODULE_GUARD}\n  module load anaconda3\n  module load cuda\nfi\nset -euo" in script
+    assert MODULE_GUARD.startswith("if command -v module >/dev/null; then")
+    assert guarded_setup(["echo a", "module load x", "module load y", "echo b", "module load z"]) == [
+        "echo a", MODULE_GUARD, "  module load x", "  module load y", "fi", "echo b", MODULE_GUARD, "  module load z",
+        "fi"]
 
 
 def test_a_sweep_point_is_named_by_its_keys_and_each_local_job_has_its_own_id() -> None:

@@ -23,7 +23,7 @@ from gptpar.errors import GptparError
 from gptpar.launch.backend import backend_named, choose_backend
 from gptpar.launch.local import LocalBackend
 from gptpar.launch.plan import plan_run
-from gptpar.launch.profiles import resolve
+from gptpar.launch.profiles import MODULE_GUARD, resolve
 from gptpar.launch.submitit_backend import SubmititBackend, executor_parameters
 from gptpar.run.folder import RunFolder
 from gptpar.snapshot import SNAPSHOT_FILE, take_snapshot
@@ -46,7 +46,8 @@ def test_executor_parameters_come_from_the_job_spec_as_the_sbatch_header_does() 
     assert executor_parameters("slurm", spec, "ci_small-dp", cfg.launch) == {
         "name": "ci_small-dp", "nodes": 1, "tasks_per_node": 4, "cpus_per_task": 5, "timeout_min": 60,
         "slurm_partition": "GPU-shared", "slurm_account": "abc123", "slurm_signal_delay_s": 120,
-        "slurm_array_parallelism": 3, "slurm_setup": ["module load anaconda3", "module load cuda"],
+        "slurm_array_parallelism": 3,
+        "slurm_setup": [MODULE_GUARD, "  module load anaconda3", "  module load cuda", "fi"],
         "slurm_additional_parameters": {"requeue": True, "gpus": "v100-32:4"}}
     cfg, spec = _spec(["launch.gpus=2", "launch.launcher=submitit"])
     assert executor_parameters("local", spec, "x", cfg.launch) == {
