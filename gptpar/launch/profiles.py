@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptpar.config import Config, read_yaml
+from gptpar.config import PRECISIONS, Config, read_yaml
 from gptpar.errors import GptparError
+from gptpar.hardware import peaks_of
 from gptpar.launch.plan import job_shape
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -144,6 +145,15 @@ def _check_limits(name: str, prof: dict[str, Any], spec: JobSpec) -> None:
         raise GptparError(f"launch.time={spec.time} exceeds the walltime limit {prof['max_time']} of {where}")
 
 
+def check_precision(precision: str, gpu_type: str, gpus: int) -> None:
+    """Refuse a precision the job's GPU type lacks (bf16 or tf32 on a V100) now, not after the queue wait; auto picks
+    one the GPU has, and an unknown type (or a job without GPUs) is left to the ranks."""
+    allowed = [p for p in PRECISIONS if p in (peaks_of(gpu_type) or {})] if gpus and gpu_type else []
+    if allowed and precision not in ("auto", *allowed):
+        raise GptparError(f"train.precision={precision}: the job's {gpu_type} GPUs (launch.gpu_type) support "
+                          f"{', '.join(allowed)} or auto")
+
+
 def resolve(cfg: Config, kind: str) -> JobSpec:
     """The job of a planned config: its shape from the rank grid (gptpar.launch.plan.job_shape), the
     rest from the profile, overridden by every set launch.* key. `kind` only names the job."""
@@ -174,4 +184,5 @@ def resolve(cfg: Config, kind: str) -> JobSpec:
         setup=tuple(str(line) for line in prof.get("setup") or ()),
     )
     _check_limits(Path(launch.profile).stem, prof, spec)
+    check_precision(cfg.train.precision, launch.gpu_type or str(prof.get("gpu_type") or ""), shape.gpus_per_node)
     return spec

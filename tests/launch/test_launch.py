@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from gptpar.cli import main
 from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
@@ -76,10 +77,26 @@ def test_every_shipped_profile_resolves() -> None:
     (["launch.profile=bridges2", "launch.partition=RM"], "not a partition of profile bridges2"),
     (["launch.profile=nowhere"], "no profile 'nowhere'"),
     (["launch.time=soon"], "launch.time"),
+    (["launch.profile=bridges2", "train.precision=bf16"],
+     "train.precision=bf16: the job's v100-32 GPUs (launch.gpu_type) support fp32, fp16 or auto"),
+    (["launch.profile=bridges2", "train.precision=tf32"], "train.precision=tf32"),
 ])
 def test_limits_are_refused_before_submission(overrides: list[str], message: str) -> None:
     with pytest.raises(GptparError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(shaped(load_config(None, overrides), "dp"), "dp")
+
+
+@pytest.mark.parametrize("overrides", [["train.precision=fp16"], ["train.precision=fp32"], ["train.precision=auto"],
+                                       ["train.precision=bf16", "launch.gpu_type=a100"],
+                                       ["train.precision=bf16", "launch.gpu_type=mystery"]])
+def test_a_precision_the_gpu_type_has_or_an_unknown_type_is_accepted(overrides: list[str]) -> None:
+    resolve(shaped(load_config(None, ["launch.profile=bridges2", *overrides]), "dp"), "dp")
+
+
+def test_bf16_on_v100_is_one_line_at_submission(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["submit", "dp", "--gpus", "2", "--dry-run", "launch.profile=bridges2", "train.precision=bf16"]) == 2
+    assert capsys.readouterr().err == ("gptpar: error: train.precision=bf16: the job's v100-32 GPUs (launch.gpu_type) "
+                                       "support fp32, fp16 or auto\n")
 
 
 def test_bridges2_gpu_partition_takes_whole_typed_nodes() -> None:
