@@ -15,7 +15,7 @@ import signal
 import socket
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gptpar.config import LaunchConfig
 from gptpar.errors import GptparError
@@ -27,7 +27,7 @@ from gptpar.launch.render import render_script
 from gptpar.launch.submitit_backend import SubmititBackend, executor_text
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, read_rank_log
-from gptpar.run.state import LIVE_JOB_STATES
+from gptpar.run.state import LIVE_JOB_STATES, resume_hint
 
 
 class Backend(Protocol):
@@ -84,19 +84,24 @@ def job_text(points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path
     return render_script(points, spec, name, output_dir)
 
 
+def _last_header(folder: RunFolder) -> dict[str, Any]:
+    """Rank 0's latest header, or {} (no log yet, or an unreadable one)."""
+    if not folder.rank_log(0).is_file():
+        return {}
+    try:
+        headers = read_rank_log(folder.rank_log(0)).headers
+    except CorruptLog:
+        return {}
+    return headers[-1] if headers else {}
+
+
 def job_of(folder: RunFolder) -> tuple[str, str] | None:
     """(backend, job id) of a folder's job: from job.json, else (a script sbatch-ed by hand, like jobs/dp.sbatch)
     the SLURM job id in rank 0's header; None for a run without a job."""
     record = folder.read_job_record()
     if record.get("job_id"):
         return record.get("backend", ""), record["job_id"]
-    if not folder.rank_log(0).is_file():
-        return None
-    try:
-        headers = read_rank_log(folder.rank_log(0)).headers
-    except CorruptLog:
-        headers = []
-    job = headers[-1].get("slurm", {}).get("job_id") if headers else None
+    job = _last_header(folder).get("slurm", {}).get("job_id")
     return ("slurm", str(job)) if job else None
 
 
@@ -122,7 +127,8 @@ def cancel_run(folder: RunFolder) -> str:
             known = state or f"no longer known to {backend.scheduler}"
             return f"nothing to cancel: {backend.scheduler} job {job[1]} is {known}"
         backend.cancel(job[1])
-        return f"cancelled {backend.scheduler} job {job[1]} ({state})"
+        folder.record_cancel(job[1])
+        return f"cancelled {backend.scheduler} job {job[1]} ({state}); {_resume(folder)}"
     holder = folder.holder()
     if holder is None:
         return "nothing to cancel: no process runs it"
@@ -132,4 +138,9 @@ def cancel_run(folder: RunFolder) -> str:
         os.kill(int(holder["pid"]), signal.SIGINT)
     except ProcessLookupError:
         return "nothing to cancel: its process has just ended"
-    return f"interrupted pid {holder['pid']}: its ranks stop at the next step boundary (resume with gptpar train)"
+    return f"interrupted pid {holder['pid']}: its ranks stop at the next step boundary; {_resume(folder)}"
+
+
+def _resume(folder: RunFolder) -> str:
+    """How to resume a run just cancelled, from its job record or rank 0's header."""
+    return resume_hint(folder, _last_header(folder).get("launcher"))

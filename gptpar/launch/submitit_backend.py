@@ -125,7 +125,7 @@ class SubmititBackend:
                 jobs = executor.submit_array(tasks[start:start + wave])
             for point, job in zip(points[start:start + wave], jobs, strict=True):
                 job_id = job.job_id if self.cluster == "slurm" else f"{socket.gethostname()}:{job.job_id}"
-                point.folder.write_job_record(self.name, job_id)
+                point.folder.write_job_record(self.name, job_id, spec.kind)
                 self.jobs[job_id] = job
                 ids.append(job_id)
         return ids

@@ -202,7 +202,7 @@ def test_run_state_from_logs_without_a_controller(tmp_path: Path) -> None:
             log.log("final", status="completed", step=0)
         log.close()
     for folder in (dead, timed, never):  # a local job record whose process is gone: decided, not polled
-        folder.write_job_record("local", "otherhost:999999999")
+        folder.write_job_record("local", "otherhost:999999999", "dp")
     (timed.job_dir / "slurm-1.err").write_text("*** JOB 1 ON node1 CANCELLED DUE TO TIME LIMIT ***\n")
     (never.job_dir / "rank0.err").write_text("Traceback ...\nModuleNotFoundError: No module named 'gptpar'\n")
     runs = [read_run(f) for f in (done, dead, timed, never)]

@@ -95,7 +95,7 @@ def test_a_submitit_rank_stops_and_leaves_the_requeue_to_submitit(monkeypatch: p
 def test_the_api_handle_reads_its_run_from_the_folder(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path / "runs" / "r1")
     dp_run(folder.path, [100.0, 300.0], epochs=1, steps_per_epoch=3)
-    folder.write_job_record("local", "elsewhere:1")
+    folder.write_job_record("local", "elsewhere:1", "dp")
     job = api.Job.of(folder.path)
     assert (job.job_id, job.state(), job.wait(timeout=0)) == ("elsewhere:1", "completed", "completed")
     result = job.result()
@@ -105,7 +105,7 @@ def test_the_api_handle_reads_its_run_from_the_folder(tmp_path: Path) -> None:
     assert result["final"]["status"] == "completed" and result["job_id"] == "elsewhere:1"
     failed = RunFolder(tmp_path / "runs" / "r2")
     dp_run(failed.path, [100.0], epochs=1, status="failed")
-    failed.write_job_record("local", "elsewhere:2")
+    failed.write_job_record("local", "elsewhere:2", "dp")
     with pytest.raises(GptparError, match=r"^run .*r2 failed: rank 0 failed at step 2"):
         api.Job.of(failed.path).result()
     with pytest.raises(GptparError, match="has no job record"):
