@@ -388,9 +388,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _add(sub, "report", "turn a runs folder into summary.csv, summary.md and figures",
              "  gptpar report\n  gptpar report runs/demo --out figures/demo --include-incomplete\n"
+             "  gptpar report runs/tr1\n"
              "  gptpar report runs --group-by parallel.dp_sync --x gpus --format pdf\n"
              "  gptpar report runs --x parallel.bucket_mb --group-by sweep,gpus --dpi 200")
-    p.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
+    p.add_argument("runs_dir", nargs="?", default="runs",
+                   help="folder of run folders, or one run's folder (default: runs)")
     p.add_argument("--out", default="figures", help="output folder (default: figures)")
     p.add_argument("--warmup-epochs", type=_non_negative, default=1,
                    help="leading epochs dropped when more remain (default: 1)")
