@@ -21,7 +21,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, PercentFormatter
 from matplotlib.transforms import blended_transform_factory
 
-from analysis.aggregate import MemoryUse, RunMetrics, key_value, sweep_axes
+from analysis.aggregate import TOP_LEVEL, MemoryUse, RunMetrics, key_value, sweep_axes
 from analysis.canvas import (
     FORMATS,
     NAME_MAX,
@@ -42,7 +42,7 @@ from analysis.canvas import (
     x_name,
     x_positions,
 )
-from analysis.grouping import Mark, Spread, marks, point_keys, point_name, run_labels, series
+from analysis.grouping import Mark, Spread, marks, point_keys, point_name, run_labels, run_names, series
 from analysis.scaling import repeat_points
 from gptpar.run.names import slug
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
@@ -51,6 +51,7 @@ from gptpar.strategies.schedules import COMPUTE, Timeline, closed_form_bubble, s
 CHUNKS = "parallel.chunks"
 JOB_RATE = "job tokens/s (all replicas' / slowest rank's time)"
 ONE_RUN_STD = "± sample std over its kept epochs (or steps)"
+TEST_SCORES = {"bleu": "test_bleu"}  # an epoch score and its test split's twin, drawn dashed beside it
 
 
 def _job(r: RunMetrics) -> Spread:
@@ -285,18 +286,23 @@ def _losses(runs: list[RunMetrics], figs: FigureSet) -> bool:
 
 def _scores(runs: list[RunMetrics], figs: FigureSet, key: str, label: str) -> bool:
     """One figure per sweep whose runs logged the epoch score `key` (bleu, answer_accuracy): validation loss and the
-    score per epoch side by side, and the score against training time, one line per run that has it."""
+    score per epoch side by side, and the score against training time, one line per run that has it, named by the
+    run (its config may differ in nothing but data files); a score's test-split twin (test BLEU) dashed beside it."""
     by_sweep: dict[str, list[RunMetrics]] = {}
     for r in runs:
         if any(getattr(p, key) is not None for p in r.epoch_points):
             by_sweep.setdefault(r.sweep, []).append(r)
     for sweep, members in sorted(by_sweep.items()):
         fig, (loss_ax, score_ax, time_ax) = plt.subplots(1, 3, figsize=(13, 4.4))
-        labels = run_labels(members)
+        labels = run_names(members)
         for r in members:
             scored = [p for p in r.epoch_points if getattr(p, key) is not None]
             colour = score_ax.plot([p.epoch for p in scored], [getattr(p, key) for p in scored], marker="o",
                                    label=labels[r.run])[0].get_color()
+            tested = [p for p in r.epoch_points if key in TEST_SCORES and getattr(p, TEST_SCORES[key]) is not None]
+            if tested:
+                score_ax.plot([p.epoch for p in tested], [getattr(p, TEST_SCORES[key]) for p in tested], marker="^",
+                              linestyle="--", color=colour, label=f"{labels[r.run]}: test split")
             validated = [p for p in r.epoch_points if p.val_loss is not None]
             if validated:
                 loss_ax.plot([p.epoch for p in validated], [p.val_loss for p in validated], marker="s", color=colour)
@@ -313,6 +319,9 @@ def _scores(runs: list[RunMetrics], figs: FigureSet, key: str, label: str) -> bo
         for ax in (score_ax, time_ax):
             ax.set_ylim(bottom=0)
         fig.suptitle(f"Validation loss and {label} per epoch, {label} vs training time: {sweep}", fontsize=10)
+        if any(key in TEST_SCORES and getattr(p, TEST_SCORES[key]) is not None for r in members
+               for p in r.epoch_points):
+            footnote(fig, f"Dashed, triangles: {label} of the test split (validation: solid, circles).")
         legend(fig)
         figs.save(fig, stem(key, sweep), sweep)
     return bool(by_sweep)
@@ -352,6 +361,8 @@ def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
         if r.job_tokens_per_s is not None:
             by_sweep.setdefault(r.sweep, []).append(r)
     for members in by_sweep.values():
+        if members[0].sweep == TOP_LEVEL and not figs.group_by:
+            continue  # runs outside a sweep differ by accident, not along an axis: listed, never drawn as one
         for key in sweep_axes(members):
             if key != figs.x:
                 per_axis.setdefault(key, []).extend(members)

@@ -93,6 +93,12 @@ def run_labels(runs: list[RunMetrics]) -> dict[str, str]:
     return {run: f"{label} ({run})" if label in twice else label for run, label in labels.items()}
 
 
+def run_names(runs: list[RunMetrics]) -> dict[str, str]:
+    """Each run's name in a legend of one line per run: its id, or its path under the runs folder where two share it."""
+    twice = {name for name, n in Counter(r.run_id for r in runs).items() if n > 1}
+    return {r.run: r.run if r.run_id in twice else r.run_id for r in runs}
+
+
 def point_keys(runs: list[RunMetrics]) -> list[str]:
     """The keys that tell a sweep's points apart: the data-parallel size (`dp`), the GPU count where the data-parallel
     size does not give it, and every config key that varies (keys zipped with the GPU count included), but not

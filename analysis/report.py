@@ -27,7 +27,7 @@ from analysis.trace import analyse_run
 from gptpar.atomic import write_error
 from gptpar.errors import GptparError
 from gptpar.paths import check_path
-from gptpar.run.folder import RunFolder, find_runs
+from gptpar.run.folder import RunFolder, find_runs, holds_run
 from gptpar.run.state import read_run
 
 PARALLEL_FROM = 16  # below this many runs, worker start-up costs more than it saves
@@ -58,10 +58,13 @@ def _analyse(folder: RunFolder, runs_dir: Path, now: float, warmup_epochs: int, 
 def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int = 5,
                  now: float | None = None, workers: int | None = None, peak_flops: float | None = None
                  ) -> list[RunMetrics]:
-    """Metrics of every run under runs_dir (runs outside a sweep folder in the sweep "top-level"); peak_flops
-    (FLOP/s per device) gives MFU a peak for devices the table lacks, such as a CPU."""
+    """Metrics of every run under runs_dir (runs outside a sweep folder in the sweep "top-level"), or of the one run
+    whose folder runs_dir is; peak_flops (FLOP/s per device) gives MFU a peak for devices the table lacks, such as a
+    CPU."""
     runs_dir = check_path(runs_dir, "folder", "runs directory")
     dirs = find_runs(runs_dir)
+    if not dirs and holds_run(runs_dir):  # `gptpar report runs/tr1`: that run, named as in its runs folder
+        dirs, runs_dir = [RunFolder(runs_dir)], runs_dir.parent
     if not dirs:
         raise GptparError(f"no run folders (with config.yaml or rank*.jsonl files) under {str(runs_dir)!r}")
     work = partial(_analyse, runs_dir=runs_dir, now=time.time() if now is None else now,

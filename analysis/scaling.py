@@ -2,7 +2,8 @@
 
 Definitions (the summary's footnotes repeat them):
 - repeats: the runs of one sweep whose configs differ only in `launch.repeat` (and the log.* bookkeeping, such as
-  the run id) are repeats of one point; the point's job tokens/s is their mean, its spread their min-max;
+  the run id) are repeats of one point; the point's job tokens/s is their mean, its spread their min-max (a run
+  outside a sweep folder is a point of its own: ad-hoc runs of one config were not run as repeats);
 - baseline: the sweep's 1-GPU single-mode point, or for a one-process pipeline run the model-parallel point on
   the same devices (and data-parallel size), which is then its own baseline (1.00x); among several, the one that
   shares the most of the sweep's axes;
@@ -25,7 +26,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from analysis.aggregate import RunMetrics, sweep_axes
+from analysis.aggregate import TOP_LEVEL, RunMetrics, sweep_axes
 
 REPEAT_KEY = "launch.repeat"
 
@@ -68,12 +69,13 @@ class Point:
 
 def repeat_points(runs: list[RunMetrics]) -> list[Point]:
     """The runs grouped into sweep points, in order of their first run: runs of one sweep whose configs differ
-    only in launch.repeat and log.* keys are repeats of one point."""
+    only in launch.repeat and log.* keys are repeats of one point. A run outside a sweep is a point of its own: two
+    ad-hoc runs of one config were not run as repeats of each other."""
     groups: dict[tuple, list[RunMetrics]] = {}
     for r in runs:
         config = sorted((k, repr(v)) for k, v in r.params.items()
                         if not k.startswith(("log.", "report.")) and k != REPEAT_KEY)
-        groups.setdefault((r.sweep, tuple(config)), []).append(r)
+        groups.setdefault((r.sweep, tuple(config), r.run if r.sweep == TOP_LEVEL else ""), []).append(r)
     return [Point(members) for members in groups.values()]
 
 

@@ -129,11 +129,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import time
 
-    from gptpar.launch.status import any_live, render_status, status_rows
+    from gptpar.launch.status import STATES, any_live, parse_states, render_status, status_rows
 
     root = check_path(args.runs_dir, "folder", "runs folder")
+    states = parse_states(args.state) if args.state is not None else STATES
     while True:
-        rows, aside = status_rows(root)
+        rows, aside = status_rows(root, states=states)
         if args.watch and sys.stdout.isatty():
             print("\033[2J\033[H", end="")  # redraw in place, as watch(1) does
         print(render_status(rows, aside), flush=True)
@@ -375,11 +376,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_doctor)
 
     p = _add(sub, "status", "the runs as a table by state (pending, running, completed, failed, ...): job id, "
-             "elapsed, step/total, loss, tokens/s, nodes, restarts, asking SLURM about their jobs",
-             "  gptpar status\n  gptpar status runs/demo\n  gptpar status --watch 30")
+             "elapsed since the job started, step/total, ETA, loss, tokens/s, nodes, restarts, asking SLURM about "
+             "their jobs", "  gptpar status\n  gptpar status runs/demo\n  gptpar status --watch 30\n"
+             "  gptpar status --state running,pending")
     p.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
     p.add_argument("--watch", type=_positive_number, nargs="?", const=10.0, default=None, metavar="SECONDS",
                    help="redraw every SECONDS (default 10) until no run is pending or running")
+    p.add_argument("--state", metavar="STATE[,STATE...]",
+                   help="list only runs in these states (e.g. running,pending); the count line counts those")
     p.set_defaults(handler=cmd_status)
 
     p = _add(sub, "cancel", "stop a run, or every run of a sweep: scancel its live SLURM job, or interrupt a local "
@@ -401,9 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _add(sub, "report", "turn a runs folder into summary.csv, summary.md and figures",
              "  gptpar report\n  gptpar report runs/demo --out figures/demo --include-incomplete\n"
+             "  gptpar report runs/tr1\n"
              "  gptpar report runs --group-by parallel.dp_sync --x gpus --format pdf\n"
              "  gptpar report runs --x parallel.bucket_mb --group-by sweep,gpus --dpi 200")
-    p.add_argument("runs_dir", nargs="?", default="runs", help="folder of run folders (default: runs)")
+    p.add_argument("runs_dir", nargs="?", default="runs",
+                   help="folder of run folders, or one run's folder (default: runs)")
     p.add_argument("--out", default="figures", help="output folder (default: figures)")
     p.add_argument("--warmup-epochs", type=_non_negative, default=1,
                    help="leading epochs dropped when more remain (default: 1)")

@@ -290,8 +290,8 @@ class LogConfig:
                           "is acted on at these reads); 0: 1 on CPUs, 10 on GPUs.", min=0, max=1_000_000)
     progress: str = opt("auto", "auto: a bar on a terminal, lines otherwise.",
                         choices=("auto", "bar", "lines", "none"))
-    tensorboard: bool = opt(False, "Also write step scalars to runs/<id>/tb/ (needs the tensorboard extra); the "
-                            "JSONL log stays the source of truth.")
+    tensorboard: bool = opt(False, "Also write step and evaluation scalars to runs/<id>/tb/ (needs the tensorboard "
+                            "extra); the JSONL log stays the source of truth.")
     wandb: str = opt("off", "Also log to Weights & Biases (needs the wandb extra): offline writes runs/<id>/wandb/ "
                      "for a later `wandb sync`, online streams (needs internet).", choices=("off", "offline", "online"))
     wandb_project: str = opt("gptpar", "W&B project of log.wandb runs.")

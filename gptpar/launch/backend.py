@@ -26,7 +26,7 @@ from gptpar.launch.profiles import JobSpec
 from gptpar.launch.render import render_script
 from gptpar.launch.submitit_backend import SubmititBackend, executor_text
 from gptpar.run.folder import RunFolder
-from gptpar.run.state import LIVE_JOB_STATES, job_of
+from gptpar.run.state import LIVE_JOB_STATES, job_of, last_header, resume_hint
 
 
 class Backend(Protocol):
@@ -109,7 +109,8 @@ def cancel_run(folder: RunFolder) -> str:
             known = state or f"no longer known to {backend.scheduler}"
             return f"nothing to cancel: {backend.scheduler} job {job[1]} is {known}"
         backend.cancel(job[1])
-        return f"cancelled {backend.scheduler} job {job[1]} ({state})"
+        folder.record_cancel(job[1])
+        return f"cancelled {backend.scheduler} job {job[1]} ({state}); {_resume(folder)}"
     holder = folder.holder()
     if holder is None:
         return "nothing to cancel: no process runs it"
@@ -119,4 +120,9 @@ def cancel_run(folder: RunFolder) -> str:
         os.kill(int(holder["pid"]), signal.SIGINT)
     except ProcessLookupError:
         return "nothing to cancel: its process has just ended"
-    return f"interrupted pid {holder['pid']}: its ranks stop at the next step boundary (resume with gptpar train)"
+    return f"interrupted pid {holder['pid']}: its ranks stop at the next step boundary; {_resume(folder)}"
+
+
+def _resume(folder: RunFolder) -> str:
+    """How to resume a run just cancelled, from its job record or rank 0's header."""
+    return resume_hint(folder, last_header(folder).get("launcher"))

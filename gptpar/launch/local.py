@@ -167,7 +167,7 @@ class LocalBackend:
         for point in points:
             self.started += 1
             job_id = local_job_id(socket.gethostname(), os.getpid(), self.started)
-            point.folder.write_job_record(self.name, job_id)
+            point.folder.write_job_record(self.name, job_id, spec.kind)
             print(f"{point.label or point.folder.name}: job {job_id} starts, {world} rank(s) on this machine",
                   flush=True)
             run_ranks(point, world)

@@ -7,12 +7,14 @@ queue forever) fails at once with the limit named.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptpar.config import Config, read_yaml
+from gptpar.config import PRECISIONS, Config, read_yaml
 from gptpar.errors import GptparError
+from gptpar.hardware import peaks_of
 from gptpar.launch.plan import job_shape
 
 PROFILE_DIR = Path(__file__).with_name("profiles")
@@ -20,6 +22,7 @@ GPU_REQUESTS = ("gpus", "gpus_per_node", "gres")
 # Values written into #SBATCH lines: a comment line cannot be shell-quoted, so only plain tokens pass.
 SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:,+@-]*")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+MODULE_GUARD = "if command -v module >/dev/null; then  # environment modules exist on this node"
 TIME = re.compile(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})")
 
 
@@ -41,6 +44,22 @@ class JobSpec:
     gpu_directive: str
     signal_s: int
     setup: tuple[str, ...]
+
+
+def guarded_setup(lines: Sequence[str]) -> list[str]:
+    """A profile's set-up lines as a job script runs them: `module` lines only where environment modules exist, so
+    a node without them (the local cluster, a container) starts the job without `module: command not found`."""
+    out: list[str] = []
+    for line in lines:
+        if not line.startswith("module "):
+            out.append(line)
+            continue
+        if out[-1:] == ["fi"] and out[-2].startswith("  module "):
+            out.pop()  # one guard around consecutive module lines
+        else:
+            out.append(MODULE_GUARD)
+        out += [f"  {line}", "fi"]
+    return out
 
 
 def profile_names() -> list[str]:
@@ -126,6 +145,15 @@ def _check_limits(name: str, prof: dict[str, Any], spec: JobSpec) -> None:
         raise GptparError(f"launch.time={spec.time} exceeds the walltime limit {prof['max_time']} of {where}")
 
 
+def check_precision(precision: str, gpu_type: str, gpus: int) -> None:
+    """Refuse a precision the job's GPU type lacks (bf16 or tf32 on a V100) now, not after the queue wait; auto picks
+    one the GPU has, and an unknown type (or a job without GPUs) is left to the ranks."""
+    allowed = [p for p in PRECISIONS if p in (peaks_of(gpu_type) or {})] if gpus and gpu_type else []
+    if allowed and precision not in ("auto", *allowed):
+        raise GptparError(f"train.precision={precision}: the job's {gpu_type} GPUs (launch.gpu_type) support "
+                          f"{', '.join(allowed)} or auto")
+
+
 def resolve(cfg: Config, kind: str) -> JobSpec:
     """The job of a planned config: its shape from the rank grid (gptpar.launch.plan.job_shape), the
     rest from the profile, overridden by every set launch.* key. `kind` only names the job."""
@@ -156,4 +184,5 @@ def resolve(cfg: Config, kind: str) -> JobSpec:
         setup=tuple(str(line) for line in prof.get("setup") or ()),
     )
     _check_limits(Path(launch.profile).stem, prof, spec)
+    check_precision(cfg.train.precision, launch.gpu_type or str(prof.get("gpu_type") or ""), shape.gpus_per_node)
     return spec

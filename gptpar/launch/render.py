@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gptpar.errors import GptparError
 from gptpar.launch.plan import Point, rank_command
-from gptpar.launch.profiles import JobSpec
+from gptpar.launch.profiles import JobSpec, guarded_setup
 from gptpar.run.names import slug
 
 TEMPLATE = Path(__file__).with_name("templates") / "job.sbatch"
@@ -57,7 +57,7 @@ def render(spec: JobSpec, name: str, run_dirs: Sequence[Path], command: Sequence
         "header": "\n".join(header_lines(spec, array)),
         "output": f"{safe_path('log.runs_dir', output_dir)}/sbatch-{pattern}",
         "signal_s": str(spec.signal_s),
-        "setup": "\n".join(spec.setup),
+        "setup": "\n".join(guarded_setup(spec.setup)),
         "run_dirs": " ".join(shlex.quote(str(d)) for d in run_dirs),
         "nodes": str(spec.nodes),
         "tasks_per_node": str(spec.tasks_per_node),

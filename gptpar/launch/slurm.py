@@ -196,7 +196,7 @@ class SlurmBackend:
         job_id = sbatch(points[0].folder.job_dir / "submit.sbatch", cwd=Path.cwd())
         ids = [f"{job_id}_{index}" if len(points) > 1 else job_id for index in range(len(points))]
         for point, point_id in zip(points, ids, strict=True):
-            point.folder.write_job_record(self.name, point_id)
+            point.folder.write_job_record(self.name, point_id, spec.kind)
         return ids
 
     def check(self, spec: JobSpec) -> None:

@@ -19,7 +19,8 @@ from gptpar.run.records import EPOCH_SCORES
 from gptpar.run.state import LIVE_JOB_STATES, STATES, RunLog, last_step, read_run, replica_indices
 
 FAILURES = ("failed", "timeout", "oom", "corrupt")  # a run in these states has no result, only a reason
-COLUMNS = ("STATE", "RUN", "JOB", "ELAPSED", "STEP", "LOSS", "TOK/S", "NODES", "RESTARTS")
+COLUMNS = ("STATE", "RUN", "JOB", "ELAPSED", "STEP", "ETA", "LOSS", "TOK/S", "NODES", "RESTARTS")
+RATE_STEPS = 20  # the ETA's step rate is that of the last this many steps of the current start
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,16 @@ class StatusRow:
     restarts: int
     detail: str
     mixed: str = ""  # why its starts ran different configs (flagged under the row whatever its state)
+    eta_s: float | None = None  # a running run's time to its last step at its recent step rate
 
     def cells(self) -> tuple[str, ...]:
         elapsed = "-" if self.elapsed_s is None else _duration(self.elapsed_s)
         step = f"{self.step}/{self.total_steps}" if self.total_steps else str(self.step)
+        eta = "-" if self.eta_s is None else _duration(self.eta_s)
         loss = "-" if self.loss is None or not math.isfinite(self.loss) else f"{self.loss:.4f}"
         rate = "-" if self.tokens_per_s is None else f"{self.tokens_per_s:,.0f}"
-        return self.state, self.run, self.job, elapsed, step, loss, rate, self.nodes or "-", str(self.restarts)
+        return (self.state, self.run, self.job, elapsed, step, eta, loss, rate, self.nodes or "-",
+                str(self.restarts))
 
 
 def _duration(seconds: float) -> str:
@@ -60,26 +64,41 @@ def _replicas(run: RunLog) -> list[RankLog]:
     return [started[i] for i in replica_indices(started)] if started else []
 
 
+def _eta(log: RankLog, total: int | None) -> float | None:
+    """Seconds to the last step at the rate of the last RATE_STEPS steps of this start (steps before a restart ran
+    at another time); None without two such steps."""
+    start = float(log.headers[-1].get("start_time", 0.0))
+    recent = [r for _, r in sorted(log.steps.items()) if float(r["time"]) >= start][-RATE_STEPS:]
+    if not total or len(recent) < 2 or recent[-1]["time"] <= recent[0]["time"]:
+        return None
+    rate = (recent[-1]["step"] - recent[0]["step"]) / (recent[-1]["time"] - recent[0]["time"])
+    return max(0, total - recent[-1]["step"]) / rate
+
+
 def row_of(run: RunLog, job: Job, root: Path, now: float) -> StatusRow:
     """One run's row: its last step as its ranks logged it (loss: the global mean; tokens/s: summed over one rank
-    per data-parallel replica), wall time since its first start."""
+    per data-parallel replica), wall time since its job started (the latest start: a requeued job's time in the
+    queue is not counted, as squeue's TIME does not), and a running run's ETA from its recent step rate."""
     started = [log for log in run.ranks if log.headers]
     headers = [log.headers[-1] for log in started]
     step = last_step(run)
     last = [log.steps[step] for log in _replicas(run) if step in log.steps]
     loss = next((r.get("global_loss", r.get("loss")) for r in last if r.get("global_loss", r.get("loss")) is not None),
                 None)
-    first = min((float(log.headers[0]["start_time"]) for log in started if "start_time" in log.headers[0]),
+    first = min((float(log.headers[-1]["start_time"]) for log in started if "start_time" in log.headers[-1]),
                 default=None)
     end = now if run.state == "running" else max((log.last_time for log in started), default=now)
     totals = [int(h["total_steps"]) for h in headers if h.get("total_steps")]
+    replicas = _replicas(run)
+    eta = _eta(replicas[0], max(totals, default=None)) if run.state == "running" and replicas else None
     return StatusRow(
         state=run.state, run=run.folder.path.relative_to(root).as_posix(), job=job[1] if job else "-",
         elapsed_s=None if first is None else max(0.0, end - first), step=step,
         total_steps=max(totals) if totals else None, loss=loss,
         tokens_per_s=sum(r["tokens_per_s"] for r in last) if last else None,
         nodes=",".join(sorted({str(h.get("host", "?")) for h in headers})),
-        restarts=max((int(h.get("restart", 0)) for h in headers), default=0), detail=run.detail, mixed=run.mixed)
+        restarts=max((int(h.get("restart", 0)) for h in headers), default=0), detail=run.detail, mixed=run.mixed,
+        eta_s=eta)
 
 
 def _read(folder: RunFolder, root: Path | None = None, now: float | None = None) -> tuple[RunLog, Job]:
@@ -88,13 +107,26 @@ def _read(folder: RunFolder, root: Path | None = None, now: float | None = None)
     return read_run(folder, root, job_state(job), now), job
 
 
-def status_rows(root: Path, now: float | None = None) -> tuple[list[StatusRow], int]:
-    """Every current run under `root`, ordered by state, and the count of folders set aside (not listed)."""
+def parse_states(text: str) -> tuple[str, ...]:
+    """`--state running,pending`: the states to list, each one of STATES."""
+    states = tuple(word.strip() for word in text.split(",") if word.strip())
+    wrong = [state for state in states if state not in STATES]
+    if wrong or not states:
+        raise GptparError(f"--state {text!r}: {'no state named' if not wrong else repr(wrong[0]) + ' is not a state'}; "
+                          f"choose from {', '.join(STATES)} (comma-separated)")
+    return states
+
+
+def status_rows(root: Path, now: float | None = None,
+                states: tuple[str, ...] = STATES) -> tuple[list[StatusRow], int]:
+    """Every current run under `root` in one of `states`, ordered by state, and the count of folders set aside (not
+    listed)."""
     now = time.time() if now is None else now
     folders = find_runs(root)
     aside = [f for f in folders if replaced(f.name)]  # results of an earlier config, kept but not current
     runs = [_read(folder, root, now) for folder in folders if folder not in aside]
-    rows = [row_of(run, job, root, now) for state in STATES for run, job in runs if run.state == state]
+    rows = [row_of(run, job, root, now) for state in STATES if state in states for run, job in runs
+            if run.state == state]
     return rows, len(aside)
 
 
@@ -133,10 +165,10 @@ def completion(folder: RunFolder) -> tuple[str, str]:
     val = next((r["val_loss"] for r in reversed(records) if isinstance(r.get("val_loss"), float)), None)
     scores = {key: next((r[key] for r in reversed(records) if isinstance(r.get(key), float)), None)
               for key in EPOCH_SCORES}  # the pair tasks'
-    return run.state, (f"gptpar: run completed: {cells[4]} steps, loss {cells[5]}"
+    return run.state, (f"gptpar: run completed: {cells[4]} steps, loss {cells[6]}"
                        + (f", val_loss {val:.4f}" if val is not None else "")
                        + "".join(f", {key} {value:.2f}" for key, value in scores.items() if value is not None)
-                       + f", {cells[6]} tok/s, {cells[3]} in {folder.path}")
+                       + f", {cells[7]} tok/s, {cells[3]} in {folder.path}")
 
 
 def run_result(folder: RunFolder, scheduler: str | None = None) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from typing import Any
 from gptpar.config import LaunchConfig
 from gptpar.errors import GptparError
 from gptpar.launch.plan import Point, rank_command
-from gptpar.launch.profiles import JobSpec, time_seconds
+from gptpar.launch.profiles import JobSpec, guarded_setup, time_seconds
 from gptpar.launch.slurm import SlurmBackend, check_fits, clean_env, slurm_state
 from gptpar.run.names import slug
 from gptpar.snapshot import take_snapshot
@@ -59,7 +59,7 @@ def executor_parameters(cluster: str, spec: JobSpec, name: str, launch: LaunchCo
     named = {"partition": spec.partition, "account": spec.account, "qos": spec.qos, "constraint": spec.constraint}
     return {**shape, **{f"slurm_{key}": value for key, value in named.items() if value},
             "slurm_signal_delay_s": spec.signal_s, "slurm_array_parallelism": launch.max_concurrent,
-            "slurm_setup": list(spec.setup), "slurm_additional_parameters": extra}
+            "slurm_setup": guarded_setup(spec.setup), "slurm_additional_parameters": extra}
 
 
 def python_command(cluster: str, points: Sequence[Point], code: Path) -> str:
@@ -125,7 +125,7 @@ class SubmititBackend:
                 jobs = executor.submit_array(tasks[start:start + wave])
             for point, job in zip(points[start:start + wave], jobs, strict=True):
                 job_id = job.job_id if self.cluster == "slurm" else f"{socket.gethostname()}:{job.job_id}"
-                point.folder.write_job_record(self.name, job_id)
+                point.folder.write_job_record(self.name, job_id, spec.kind)
                 self.jobs[job_id] = job
                 ids.append(job_id)
         return ids

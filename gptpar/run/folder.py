@@ -30,6 +30,7 @@ from gptpar.run.names import check_run_id
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoint"  # gptpar.train.checkpoint writes it (and checkpoint.tmp, checkpoint.old on the way)
 LOCK_FILE = ".lock"
+CANCEL_FILE = "cancelled.json"  # in job/: written by `gptpar cancel`
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
 
@@ -80,18 +81,35 @@ class RunFolder:
         """Whether a run has started here: rank logs, a checkpoint or job/ (config.yaml alone is only planned)."""
         return bool(self.rank_logs()) or self.job_dir.is_dir() or any(self.path.glob(f"{CHECKPOINT_DIR}*"))
 
-    def write_job_record(self, backend: str, job_id: str) -> None:
+    def write_job_record(self, backend: str, job_id: str, kind: str) -> None:
+        """The job that runs this folder, and the `gptpar submit` kind that made it (what resubmits it)."""
         self.job_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.job_dir / "job.json", json.dumps({"backend": backend, "job_id": job_id}) + "\n")
+        atomic_write_text(self.job_dir / "job.json",
+                          json.dumps({"backend": backend, "job_id": job_id, "kind": kind}) + "\n")
 
     def read_job_record(self) -> dict[str, str]:
-        """{"backend": "slurm"|"local", "job_id": ...}, or {} for a run started by hand."""
+        """{"backend": "slurm"|"local"|..., "job_id": ..., "kind": "dp"|"pp"} ("kind" absent from older records), or
+        {} for a run started by hand."""
         path = self.job_dir / "job.json"
         if not path.is_file():
             return {}
         record = json.loads(path.read_text())
         record.setdefault("backend", record.pop("cluster", ""))  # schema-1 folders said "cluster"
         return record
+
+    def record_cancel(self, job_id: str) -> None:
+        """Note that `gptpar cancel` ended this job: SLURM's CANCELLED otherwise reads as a failure, the same as a
+        job that died, and a job cancelled before its first record leaves nothing else behind."""
+        self.job_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.job_dir / CANCEL_FILE, json.dumps({"job_id": job_id, "time": time.time()}) + "\n")
+
+    def cancelled_at(self) -> float | None:
+        """When `gptpar cancel` last ended this run's job (Unix seconds), or None."""
+        path = self.job_dir / CANCEL_FILE
+        try:
+            return float(json.loads(path.read_text())["time"])
+        except (OSError, ValueError, KeyError, TypeError):  # none, or unreadable: not a cancellation
+            return None
 
     def job_errors(self) -> list[Path]:
         return sorted(p for p in self.job_dir.glob("*.err") if p.is_file())

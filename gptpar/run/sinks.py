@@ -5,7 +5,9 @@ is on disk, and a sink that fails (a W&B error, a full disk) prints one warning 
 so neither the log nor the training ever depends on a mirror. The x axis is the step number.
 
 TensorBoard (`log.tensorboard=true`, the `tensorboard` extra): rank 0 writes the run's scalars
-(`train/*` from step records, `eval/val_loss`, `memory/*` once per start) to `runs/<id>/tb/`, and
+(`train/*` from step records; `eval/*`, every evaluation: the validation loss, and an epoch's scores such as
+`eval/bleu`, `eval/test_bleu` and `eval/answer_accuracy`, at the step the epoch ended on; `epoch/*` an epoch's
+timing; `memory/*` once per start) to `runs/<id>/tb/`, and
 every rank its own `throughput/tokens_per_s` to `runs/<id>/tb/rank<R>/`, one TensorBoard run per
 rank, so the ranks' throughput can be compared in one chart. A restarted run appends new event files
 to the same folders; each start's writers mark its first step as a purge step, so TensorBoard drops
@@ -35,17 +37,22 @@ from typing import Any, Protocol
 from gptpar.config import LogConfig
 from gptpar.errors import require_extra
 from gptpar.run.logfile import Mirror
-from gptpar.run.records import EvalRecord, StepRecord, names
+from gptpar.run.records import EpochRecord, StepRecord, names
 
 TB_FOLDER = "tb"
 THROUGHPUT_TAG = "throughput/tokens_per_s"
-# The fields each record kind mirrors, as `<prefix>/<field>`; None: every numeric field but the step.
+# The fields each record kind mirrors, as `<prefix>/<field>`; None: every numeric field but the step and epoch, so an
+# evaluation metric a later gptpar logs (an epoch's BLEU, test BLEU, answer accuracy, ...) is mirrored without a change
+# here.
 MIRRORED: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "step": ("train", names(StepRecord, "loss", "global_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s",
                             "peak_mem_bytes", "bubble", "loss_scale")),
-    "eval": ("eval", names(EvalRecord, "val_loss")),
+    "eval": ("eval", None),
+    "epoch": ("eval", None),
     "memory": ("memory", None),
 }
+# An epoch record's own bookkeeping, which is not an evaluation: mirrored as `epoch/<field>`.
+EPOCH_TIMING = names(EpochRecord, "training_time_s", "tokens_per_s", "steps")
 TB_FLUSH_S = 10  # how stale a live TensorBoard may be; a killed job loses at most this much of the mirror
 INIT_TIMEOUT_S = 60  # W&B online without internet: give up the mirror, not the run
 FINISH_TIMEOUT_S = 60  # W&B online: the rest stays on disk for `wandb sync`
@@ -60,9 +67,9 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     if record["kind"] not in MIRRORED:
         return {}
     prefix, fields = MIRRORED[record["kind"]]
-    names = fields if fields is not None else [k for k in record if k not in ("kind", "time", "step")]
-    return {f"{prefix}/{name}": record[name] for name in names
-            if isinstance(record.get(name), (int, float)) and not isinstance(record[name], bool)}
+    names = fields if fields is not None else [k for k in record if k not in ("kind", "time", "step", "epoch")]
+    return {f"{'epoch' if record['kind'] == 'epoch' and name in EPOCH_TIMING else prefix}/{name}": record[name]
+            for name in names if isinstance(record.get(name), (int, float)) and not isinstance(record[name], bool)}
 
 
 class TensorBoardSink:
@@ -143,6 +150,7 @@ class Sinks:
 
     def __init__(self, sinks: list[RecordSink], rank: int):
         self.sinks, self.rank = sinks, rank
+        self.step = 0  # the last step record's: the x of a record without a step of its own (an epoch's)
 
     def _warn(self, sink: RecordSink, exc: Exception) -> None:
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
@@ -150,6 +158,10 @@ class Sinks:
               "the JSONL log is complete", file=sys.stderr, flush=True)
 
     def write(self, record: dict[str, Any]) -> None:
+        if "step" in record:
+            self.step = record["step"]
+        elif record["kind"] in MIRRORED:
+            record = {**record, "step": self.step}
         for sink in list(self.sinks):
             try:
                 sink.write(record)

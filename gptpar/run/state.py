@@ -9,6 +9,7 @@ The scheduler's answer is passed in (this module never asks SLURM itself), so `g
   wrote one), timeout / oom (from the scheduler or the job's stderr), requeued (the log says so and
   no scheduler says the job waits), stopped (every rank stopped at a step boundary on SIGTERM or
   Ctrl-C, or on a requeue request where no scheduler restarts the run; running it again resumes),
+  cancelled (`gptpar cancel` ended its job since its last start, and no rank stopped cleanly or failed on its own),
   corrupt (an unreadable log: damaged, or written by a newer gptpar).
 - whom a failure is blamed on: a rank's own error first; then a rank that died or hung without a
   final record, when its peers only report losing contact (a collective timed out, a connection
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,12 +30,13 @@ from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.resume import mixed_configs
 
-STATES = ("pending", "running", "completed", "diverged", "requeued", "stopped", "failed", "timeout", "oom",
-          "corrupt")
+STATES = ("pending", "running", "completed", "diverged", "requeued", "stopped", "cancelled", "failed", "timeout",
+          "oom", "corrupt")
 SCHEDULER_STATES = ("pending", "running", "completed", "failed", "timeout", "oom")
 LIVE_JOB_STATES = ("pending", "running")  # a job in these states must not have its folder touched
 FINISHED = ("completed", "diverged")  # states in which a start trains nothing
 REQUEUE_GRACE_S = 60.0  # a "requeued" final record precedes the scheduler showing the job pending
+PLAIN_SCRIPT_RUN = re.compile(r"(dp|pp)-\d+")  # the folder jobs/dp.sbatch and jobs/pp.sbatch name after their job
 # A final error saying that a rank lost contact with its peers: the consequence of another rank's death or hang.
 PEER_LOST = re.compile(r"gloo|nccl|connection (?:reset|closed|refused)|broken pipe|timed out waiting|"
                        r"Dist(?:Backend|Network|Store)Error", re.IGNORECASE)
@@ -92,11 +95,24 @@ def _rank_reason(folder: RunFolder, rank: int) -> str:
 
 
 def resume_hint(folder: RunFolder, launcher: str | None) -> str:
-    """How to resume a stopped run: a run that gptpar itself started here (one process, or the local
-    launcher's ranks) resumes from its own config.yaml; any other is started again the way it was."""
-    if launcher in ("single", "local"):
-        return f"`gptpar train {folder.config_path}` resumes it from its checkpoint"
-    return "starting it again (same config, log.run_id and launcher) resumes it from its checkpoint"
+    """The command that resumes a run from its checkpoint, as a user types it: a run `gptpar submit` or `sweep` made
+    is submitted again from its own config.yaml (its job record names the kind); a run of jobs/dp.sbatch or
+    jobs/pp.sbatch (folder dp-<job id>, pp-<job id>) is that script again with RUN naming the folder; a run gptpar
+    started here (one process, or the local launcher's ranks) is `gptpar train` of its config.yaml; any other is that
+    command again under the launcher that started it."""
+    config = shlex.quote(str(folder.config_path))
+    kind = folder.read_job_record().get("kind")
+    plain = PLAIN_SCRIPT_RUN.fullmatch(folder.name)
+    if kind:
+        command = f"gptpar submit {kind} {config}"
+    elif launcher == "slurm" and plain:
+        command = f"RUN={shlex.quote(str(folder.path))} sbatch jobs/{plain[1]}.sbatch"
+    elif launcher in ("single", "local"):
+        command = f"gptpar train {config}"
+    else:
+        return (f"running `gptpar train {config}` again under {launcher or 'the launcher that started it'} (the same "
+                "ranks) resumes it from its checkpoint")
+    return f"`{command}` resumes it from its checkpoint"
 
 
 def _outside_scheduler(started: list[RankLog]) -> bool:
@@ -157,7 +173,7 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
             return "diverged", "completed with a non-finite loss"
         return "completed", ""
     text = _job_text(folder)
-    resume = resume_hint(folder, started[0].header.get("launcher") if outside else None)
+    resume = resume_hint(folder, started[0].header.get("launcher") if started else None)
     checkpointed = f"; stopped at step {halted[0]['step']} with a checkpoint: {resume}" if halted else ""
     if scheduler in ("timeout", "oom"):
         return scheduler, f"the scheduler reports {scheduler}" + checkpointed
@@ -170,6 +186,11 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
     if halted and not silent and len(started) >= expected:
         why = " (a requeue request, but no scheduler restarts a run outside SLURM)" if requeued else ""
         return "stopped", f"stopped at step {halted[0]['step']}{_signal_of(halted)}{why}; {resume}"
+    cancelled = folder.cancelled_at()
+    if cancelled is not None and cancelled >= max((float(log.header["start_time"]) for log in started), default=0.0):
+        where = f"at step {max((max(log.steps, default=0) for log in started), default=0)}" if started else \
+            "before its first log record"
+        return "cancelled", f"cancelled by gptpar cancel {where}; {resume}"
     reason = _last_line(folder.job_errors())
     if not started:
         return "failed", "died before its first log record" + (f" ({reason})" if reason else "")
@@ -224,6 +245,17 @@ def last_step(run: RunLog) -> int:
     return max((max(log.steps) for log in run.ranks if log.steps), default=0)
 
 
+def last_header(folder: RunFolder) -> dict[str, Any]:
+    """Rank 0's latest header, or {} (no log yet, or an unreadable one)."""
+    if not folder.rank_log(0).is_file():
+        return {}
+    try:
+        headers = read_rank_log(folder.rank_log(0)).headers
+    except CorruptLog:
+        return {}
+    return headers[-1] if headers else {}
+
+
 def job_of(folder: RunFolder, headers: list[dict[str, Any]] | None = None) -> tuple[str, str] | None:
     """(backend, job id) of a folder's job: from job.json, else (a script sbatch-ed by hand, like jobs/dp.sbatch)
     the SLURM job id in rank 0's last header (`headers`, where the caller has read them); None for a run without
@@ -231,12 +263,6 @@ def job_of(folder: RunFolder, headers: list[dict[str, Any]] | None = None) -> tu
     record = folder.read_job_record()
     if record.get("job_id"):
         return record.get("backend", ""), record["job_id"]
-    if headers is None and not folder.rank_log(0).is_file():
-        return None
-    if headers is None:
-        try:
-            headers = read_rank_log(folder.rank_log(0)).headers
-        except CorruptLog:
-            headers = []
-    job = headers[-1].get("slurm", {}).get("job_id") if headers else None
+    header = last_header(folder) if headers is None else (headers[-1] if headers else {})
+    job = header.get("slurm", {}).get("job_id")
     return ("slurm", str(job)) if job else None

@@ -3,6 +3,7 @@ by CI, by a test, or here (or is marked as needing a real GPU cluster)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from conftest import REPO, isolated_environ
 
+from gptpar.cli import main
 from gptpar.config import readme_with_reference
 from gptpar.run import records
 
@@ -125,6 +127,41 @@ def test_log_reference_is_current():
     assert records.readme_with_reference(README) == README, "run `make log-reference` and commit README.md"
     section = README.split("## Log schema")[1].split("\n## ")[0]
     assert "<!-- log-reference:start -->" in section
+
+
+SUBMIT_EXAMPLE = re.compile(r"gptpar submit (?:dp|pp)\b(?:[^`\n#:]|:(?!\s))*")  # up to a comment or a ": "
+PLACEHOLDER = re.compile(r"(?:^|\s)[A-Z]+/")  # `gptpar submit dp RUN/config.yaml`: a pattern, not an example
+# The Qwen folder the README fetches from the hub: a stand-in with its shape, enough for a dry run.
+QWEN_CONFIG = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+               "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+               "max_position_embeddings": 32768, "tie_word_embeddings": True}
+
+
+def submit_examples() -> list[str]:
+    """Every `gptpar submit` example of the README, in a bash block or inline, with its arguments; `make submit-dp
+    GPUS=N` is `gptpar submit dp --gpus N`."""
+    found = {match.group(0).strip() for match in SUBMIT_EXAMPLE.finditer(README)
+             if not PLACEHOLDER.search(match.group(0))}
+    return sorted(found | {f"gptpar submit dp --gpus {n}" for n in re.findall(r"make submit-dp GPUS=(\d+)", README)})
+
+
+@pytest.mark.parametrize("example", submit_examples())
+def test_every_submit_example_is_accepted_under_its_profile(example: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The README shows its cluster path with `bridges2` (or names the profile in the example): each example is
+    rendered under that profile with --dry-run, in this process, and must be accepted as written."""
+    monkeypatch.chdir(tmp_path)
+    words = shlex.split(example)[2:]
+    init = next((w.split("pretrained:", 1)[1] for w in words if w.startswith("model.init=pretrained:")), None)
+    if init:  # fetched once on a login node in the README
+        (tmp_path / init).mkdir(parents=True)
+        (tmp_path / init / "config.json").write_text(json.dumps(QWEN_CONFIG))
+        (tmp_path / init / "model.safetensors").touch()
+        (tmp_path / init / "tokenizer.json").write_text("{}")
+    profile = [] if any(w.startswith("launch.profile=") for w in words) else ["launch.profile=bridges2"]
+    assert main(["submit", *words, *profile, "--dry-run"]) == 0, capsys.readouterr().err
+    assert "srun" in capsys.readouterr().out or "launch.launcher=submitit" in words
 
 
 def run_here(command: str, folder: Path, environ: dict[str, str]) -> subprocess.CompletedProcess:

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from gptpar.cli import main
 from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.local import local_job_id
 from gptpar.launch.plan import plan_run, shaped
-from gptpar.launch.profiles import profile_names, resolve
+from gptpar.launch.profiles import MODULE_GUARD, guarded_setup, profile_names, resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.sweep import build_points, expand
 from gptpar.run.folder import RunFolder
@@ -76,10 +77,26 @@ def test_every_shipped_profile_resolves() -> None:
     (["launch.profile=bridges2", "launch.partition=RM"], "not a partition of profile bridges2"),
     (["launch.profile=nowhere"], "no profile 'nowhere'"),
     (["launch.time=soon"], "launch.time"),
+    (["launch.profile=bridges2", "train.precision=bf16"],
+     "train.precision=bf16: the job's v100-32 GPUs (launch.gpu_type) support fp32, fp16 or auto"),
+    (["launch.profile=bridges2", "train.precision=tf32"], "train.precision=tf32"),
 ])
 def test_limits_are_refused_before_submission(overrides: list[str], message: str) -> None:
     with pytest.raises(GptparError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve(shaped(load_config(None, overrides), "dp"), "dp")
+
+
+@pytest.mark.parametrize("overrides", [["train.precision=fp16"], ["train.precision=fp32"], ["train.precision=auto"],
+                                       ["train.precision=bf16", "launch.gpu_type=a100"],
+                                       ["train.precision=bf16", "launch.gpu_type=mystery"]])
+def test_a_precision_the_gpu_type_has_or_an_unknown_type_is_accepted(overrides: list[str]) -> None:
+    resolve(shaped(load_config(None, ["launch.profile=bridges2", *overrides]), "dp"), "dp")
+
+
+def test_bf16_on_v100_is_one_line_at_submission(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["submit", "dp", "--gpus", "2", "--dry-run", "launch.profile=bridges2", "train.precision=bf16"]) == 2
+    assert capsys.readouterr().err == ("gptpar: error: train.precision=bf16: the job's v100-32 GPUs (launch.gpu_type) "
+                                       "support fp32, fp16 or auto\n")
 
 
 def test_bridges2_gpu_partition_takes_whole_typed_nodes() -> None:
@@ -185,7 +202,7 @@ def test_run_state_from_logs_without_a_controller(tmp_path: Path) -> None:
             log.log("final", status="completed", step=0)
         log.close()
     for folder in (dead, timed, never):  # a local job record whose process is gone: decided, not polled
-        folder.write_job_record("local", "otherhost:999999999")
+        folder.write_job_record("local", "otherhost:999999999", "dp")
     (timed.job_dir / "slurm-1.err").write_text("*** JOB 1 ON node1 CANCELLED DUE TO TIME LIMIT ***\n")
     (never.job_dir / "rank0.err").write_text("Traceback ...\nModuleNotFoundError: No module named 'gptpar'\n")
     runs = [read_run(f) for f in (done, dead, timed, never)]
@@ -239,6 +256,17 @@ def test_plain_job_scripts_do_not_drift_from_the_template(kind: str) -> None:
     assert "--kill-on-bad-exit=1 \\\n  /v/bin/gptpar train config.yaml" in rendered
     assert 'exec >>"$RUN_DIR/job/slurm-$SLURM_JOB_ID.out" 2>>"$RUN_DIR/job/slurm-$SLURM_JOB_ID.err"' in plain
     assert f'"log.run_id={kind}-$SLURM_JOB_ID"' in plain and f"RUN_DIR=${{RUNS:-runs}}/{kind}-$SLURM_JOB_ID" in plain
+
+
+def test_the_profiles_module_lines_run_only_where_environment_modules_exist() -> None:
+    """bridges2's `module load` lines are guarded as jobs/*.sbatch guard them: a node without modules starts the job
+    without `module: command not found`; other set-up lines run as they are."""
+    script = _script("dp", ["launch.profile=bridges2", "launch.gpus=2"], ["/scratch/runs/x"])
+    assert f"\n{MODULE_GUARD}\n  module load anaconda3\n  module load cuda\nfi\nset -euo" in script
+    assert MODULE_GUARD.startswith("if command -v module >/dev/null; then")
+    assert guarded_setup(["echo a", "module load x", "module load y", "echo b", "module load z"]) == [
+        "echo a", MODULE_GUARD, "  module load x", "  module load y", "fi", "echo b", MODULE_GUARD, "  module load z",
+        "fi"]
 
 
 def test_a_sweep_point_is_named_by_its_keys_and_each_local_job_has_its_own_id() -> None:

@@ -183,7 +183,8 @@ def test_gptpar_cancel_stops_a_submitit_job_at_a_step_boundary(work: Path) -> No
         assert time.monotonic() < deadline, "the job never logged a step"
         time.sleep(0.5)
     out = _run([GPTPAR, "cancel", "submitit_cancelled", "--runs-dir", str(runs)], work)
-    assert out.startswith(f"{run}: cancelled SLURM job ") and out.rstrip().endswith("(running)")
+    assert out.startswith(f"{run}: cancelled SLURM job ")
+    assert out.rstrip().endswith(f"(running); `gptpar submit dp {run / 'config.yaml'}` resumes it from its checkpoint")
     assert _wait(run) == "stopped"
     assert _final(run)["signal"] == "SIGTERM" and read_job_record(run)["backend"] == "submitit"
 
@@ -263,13 +264,15 @@ def test_sbatch_account_and_user_defaults_reach_a_submitit_job_and_wait_returns_
     assert detail == ("will never start: PartitionConfig; the job asks for more than the partition's nodes or limits "
                       "allow (CPUs, GPUs, memory, nodes or time); lower --gpus, --nodes, launch.cpus_per_task or "
                       "launch.time, or use another partition")  # this SLURM's reason for a limit above MaxTime
-    assert job.cancel() == f"cancelled SLURM job {job.job_id} (pending)"
-    assert job.wait(timeout=60) == "failed"  # SLURM says CANCELLED; it never started
+    resumes = f"`gptpar submit dp {job.run_dir / 'config.yaml'}` resumes it from its checkpoint"
+    assert job.cancel() == f"cancelled SLURM job {job.job_id} (pending); {resumes}"
+    assert job.wait(timeout=60) == "cancelled"  # SLURM says CANCELLED; it never started, and is not failed
     # The same API hands a job to gptpar's sbatch script just as well.
     job = api.submit("dp", gpus=1, overrides=[*TINY, f"log.runs_dir={work / 'runs'}", "log.run_id=sbatch_held"])
     assert job.submitit is None and job_info(job.job_id)["Account"] == "from-sbatch-account"
+    resumes = f"`gptpar submit dp {job.run_dir / 'config.yaml'}` resumes it from its checkpoint"
     assert (job.state(), job.cancel(), job.wait(timeout=60)) == (
-        "pending", f"cancelled SLURM job {job.job_id} (pending)", "failed")
+        "pending", f"cancelled SLURM job {job.job_id} (pending); {resumes}", "cancelled")
 
 
 @pytest.mark.parametrize("launcher", ["sbatch", SUBMITIT])
@@ -409,7 +412,8 @@ def test_gptpar_cancel_stops_a_running_slurm_job_at_a_step_boundary(work: Path) 
         assert time.monotonic() < deadline, "the job never logged a step"
         time.sleep(1)
     out = _run([GPTPAR, "cancel", "cancelled", "--runs-dir", str(runs)], work)
-    assert out.startswith(f"{run}: cancelled SLURM job ") and out.rstrip().endswith("(running)")
+    assert out.startswith(f"{run}: cancelled SLURM job ")
+    assert out.rstrip().endswith(f"(running); `gptpar submit dp {run / 'config.yaml'}` resumes it from its checkpoint")
     assert _wait(run) == "stopped"
     assert _final(run)["signal"] == "SIGTERM"
     again = _run([GPTPAR, "cancel", str(run)], work)

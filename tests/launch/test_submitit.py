@@ -23,7 +23,7 @@ from gptpar.errors import GptparError
 from gptpar.launch.backend import backend_named, choose_backend
 from gptpar.launch.local import LocalBackend
 from gptpar.launch.plan import plan_run
-from gptpar.launch.profiles import resolve
+from gptpar.launch.profiles import MODULE_GUARD, resolve
 from gptpar.launch.submitit_backend import SubmititBackend, executor_parameters
 from gptpar.run.folder import RunFolder
 from gptpar.snapshot import SNAPSHOT_FILE, take_snapshot
@@ -46,7 +46,8 @@ def test_executor_parameters_come_from_the_job_spec_as_the_sbatch_header_does() 
     assert executor_parameters("slurm", spec, "ci_small-dp", cfg.launch) == {
         "name": "ci_small-dp", "nodes": 1, "tasks_per_node": 4, "cpus_per_task": 5, "timeout_min": 60,
         "slurm_partition": "GPU-shared", "slurm_account": "abc123", "slurm_signal_delay_s": 120,
-        "slurm_array_parallelism": 3, "slurm_setup": ["module load anaconda3", "module load cuda"],
+        "slurm_array_parallelism": 3,
+        "slurm_setup": [MODULE_GUARD, "  module load anaconda3", "  module load cuda", "fi"],
         "slurm_additional_parameters": {"requeue": True, "gpus": "v100-32:4"}}
     cfg, spec = _spec(["launch.gpus=2", "launch.launcher=submitit"])
     assert executor_parameters("local", spec, "x", cfg.launch) == {
@@ -94,7 +95,7 @@ def test_a_submitit_rank_stops_and_leaves_the_requeue_to_submitit(monkeypatch: p
 def test_the_api_handle_reads_its_run_from_the_folder(tmp_path: Path) -> None:
     folder = RunFolder(tmp_path / "runs" / "r1")
     dp_run(folder.path, [100.0, 300.0], epochs=1, steps_per_epoch=3)
-    folder.write_job_record("local", "elsewhere:1")
+    folder.write_job_record("local", "elsewhere:1", "dp")
     job = api.Job.of(folder.path)
     assert (job.job_id, job.state(), job.wait(timeout=0)) == ("elsewhere:1", "completed", "completed")
     result = job.result()
@@ -104,7 +105,7 @@ def test_the_api_handle_reads_its_run_from_the_folder(tmp_path: Path) -> None:
     assert result["final"]["status"] == "completed" and result["job_id"] == "elsewhere:1"
     failed = RunFolder(tmp_path / "runs" / "r2")
     dp_run(failed.path, [100.0], epochs=1, status="failed")
-    failed.write_job_record("local", "elsewhere:2")
+    failed.write_job_record("local", "elsewhere:2", "dp")
     with pytest.raises(GptparError, match=r"^run .*r2 failed: rank 0 failed at step 2"):
         api.Job.of(failed.path).result()
     with pytest.raises(GptparError, match="has no job record"):

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 import analysis.canvas as canvas
 import analysis.figures as figures
 from analysis.canvas import FigureSet
-from analysis.report import report
+from analysis.report import analyse_runs, report, run_table
 from gptpar.cli import main as gptpar_main
 from gptpar.errors import GptparError
 
@@ -369,3 +369,36 @@ def test_memory_figures_name_no_strategy_for_one_replica_and_are_drawn_only_wher
     line, = [line for line in drawn["memory_vs_world_size.png"].axes[0].get_lines() if line.get_label() == "zero1"]
     assert list(line.get_xdata()) == [1, 2]  # one replica starts the line of the strategy: the whole model at W=1
     assert "bucketed" not in legend_labels(drawn["memory_vs_world_size.png"])
+
+
+def test_the_report_of_one_run_folder_is_that_runs(tmp_path: Path) -> None:
+    dp_run(tmp_path / "runs" / "tr1", [100.0])
+    dp_run(tmp_path / "runs" / "other", [50.0])
+    assert [(m.run, m.sweep) for m in analyse_runs(tmp_path / "runs" / "tr1", now=LATER)] == [("tr1", "top-level")]
+
+
+def test_runs_outside_a_sweep_are_listed_not_compared(tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    """Two ad-hoc runs that differ in their tokenizer are no tokenizer axis, and two of one config are no repeats;
+    --group-by asks for the comparison."""
+    for name, tokenizer in (("a", "gpt2"), ("b", "bytes"), ("c", "bytes")):
+        dp_run(tmp_path / "runs" / name, [100.0 if name != "c" else 80.0], **{"data.tokenizer": tokenizer})
+    _, shown = run_table(tmp_path / "runs", now=LATER)
+    (tmp_path / "out").mkdir()
+    assert [(m.run, m.repeats) for m in shown] == [("a", 1), ("b", 1), ("c", 1)]
+    assert not figures._axes(shown, FigureSet(tmp_path / "out"))
+    assert figures._axes(shown, FigureSet(tmp_path / "out", group_by=("data.tokenizer",)))
+    assert list(drawn) == ["throughput_vs_tokenizer.png"]
+
+
+def test_the_bleu_legend_names_runs_and_test_bleu_is_drawn(tmp_path: Path, drawn: dict[str, Figure]) -> None:
+    for name in ("a", "b"):  # runs that differ in their data files only
+        dp_run(tmp_path / "runs" / "mt" / name, [100.0], bleu=[12.5, 20.0], test_bleu=[11.0, 18.5],
+               **{"data.source": f"tsv:{tmp_path}/data/{name}.tsv"})
+    _, shown = run_table(tmp_path / "runs", now=LATER)
+    (tmp_path / "out").mkdir()
+    with canvas.plt.rc_context(canvas.STYLE):
+        assert figures._scores(shown, FigureSet(tmp_path / "out"), key="bleu", label="BLEU")
+    fig = drawn["bleu_mt.png"]
+    assert legend_labels(fig) == ["a", "a: test split", "b", "b: test split"]
+    test_line = next(line for line in fig.axes[1].get_lines() if line.get_label() == "a: test split")
+    assert list(test_line.get_ydata()) == [11.0, 18.5] and test_line.get_linestyle() == "--"

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from logsets import Rank, config
 
-from analysis.mfu import PEAK_FLOPS, Shape, flops_per_token, hardware_flops_per_token, peak_flops, utilisation
+from analysis.mfu import Shape, flops_per_token, hardware_flops_per_token, peak_flops, utilisation
 from analysis.report import analyse_runs
 from gptpar.cli import main as gptpar_main
+from gptpar.hardware import PEAK_FLOPS
 from gptpar.presets import PRESETS
 
 LATER = 2e9

@@ -230,12 +230,49 @@ def test_status_is_a_table_of_each_runs_job_progress_and_speed(tmp_path: Path, c
             log.close()
     assert main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["STATE", "RUN", "JOB", "ELAPSED", "STEP", "LOSS", "TOK/S", "NODES", "RESTARTS"]
-    state, run, job, elapsed, step, loss, rate, nodes, restarts = out[1].split()
-    assert (state, run, job, step, loss, rate, nodes, restarts) == (
-        "completed", "a", "-", "4/10", "2.5000", "250", "n1,n2", "1")
-    assert elapsed.startswith("1:02:0")  # 3725 s, and the second or two this test took
+    assert out[0].split() == ["STATE", "RUN", "JOB", "ELAPSED", "STEP", "ETA", "LOSS", "TOK/S", "NODES", "RESTARTS"]
+    state, run, job, elapsed, step, eta, loss, rate, nodes, restarts = out[1].split()
+    assert (state, run, job, step, eta, loss, rate, nodes, restarts) == (
+        "completed", "a", "-", "4/10", "-", "2.5000", "250", "n1,n2", "1")
+    assert elapsed.startswith("1:02:0")  # 3724 s since the latest start, and the second or two this test took
     assert out[-1] == "1 run(s): 1 completed; 1 folder(s) set aside by --rerun or --start-over not listed"
+
+
+def test_status_filters_by_state_and_gives_elapsed_since_the_jobs_start_and_an_eta(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A running run restarted a minute ago after two hours: ELAPSED counts from the job's (latest) start, and the
+    ETA comes from this start's step rate (1 step per 10 s, 80 of 100 steps to go), not the first start's."""
+    from gptpar.cli import main
+    from gptpar.launch.status import render_status, status_rows
+
+    now = time.time()
+    folder = RunFolder(tmp_path / "live")
+    log = RankLogger(folder.path, 0)
+    for restart, start, step_s, steps in ((0, now - 7200, 1.0, range(1, 11)), (1, now - 200, 10.0, range(11, 21))):
+        log.log("header", schema_version=2, run_id="live", config={}, rank=0, world_size=1, coords={}, sizes={},
+                restart=restart, host="h", device="cpu", torch_version="2", transformers_version="5", git_commit="x",
+                slurm={}, start_time=start, total_steps=100)
+        for i, step in enumerate(steps):
+            log.log("step", time=start + step_s * (i + 1), step=step, epoch=0, loss=3.0, lr=0.1, grad_norm=1.0,
+                    tokens=64, step_time_s=step_s, tokens_per_s=6.4, data_time_s=0.0, peak_mem_bytes=0)
+    log.close()
+    done = RankLogger(tmp_path / "done", 0)
+    done.log("header", schema_version=2, run_id="done", config={}, rank=0, world_size=1, coords={}, sizes={},
+             restart=0, host="h", device="cpu", torch_version="2", transformers_version="5", git_commit="x", slurm={},
+             start_time=now - 10)
+    done.log("final", status="completed", step=0)
+    done.close()
+    with folder.hold():
+        rows, _ = status_rows(tmp_path, now=now, states=("running", "pending"))
+        assert [(r.run, r.state, r.cells()[3], r.cells()[5]) for r in rows] == [
+            ("live", "running", "0:03:20", "0:13:20")]
+        assert render_status(rows, 0).endswith("1 run(s): 1 running")
+        assert main(["status", str(tmp_path), "--state", "completed"]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]] == ["completed"]
+    assert main(["status", str(tmp_path), "--state", "runing"]) == 2
+    assert capsys.readouterr().err == ("gptpar: error: --state 'runing': 'runing' is not a state; choose from "
+                                       "pending, running, completed, diverged, requeued, stopped, cancelled, failed, "
+                                       "timeout, oom, corrupt (comma-separated)\n")
 
 
 @pytest.mark.slow

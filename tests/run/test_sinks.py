@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2
 
 from gptpar.run.logfile import read_rank_log
+from gptpar.run.sinks import THROUGHPUT_TAG, Sinks, TensorBoardSink, WandbSink
 from gptpar.train.entry import run_rank
 from gptpar.train.trainer import Trainer
 
@@ -27,6 +28,7 @@ RUN = ["model.n_layer=2", "data.synthetic_tokens=4000", "train.max_steps=4", "tr
 STEP_TAGS = {"train/loss": "loss", "train/global_loss": "global_loss", "train/lr": "lr", "train/grad_norm": "grad_norm",
              "train/tokens_per_s": "tokens_per_s", "train/step_time_s": "step_time_s",
              "train/peak_mem_bytes": "peak_mem_bytes"}
+EPOCH_TAGS = {"epoch/training_time_s", "epoch/tokens_per_s", "epoch/steps"}
 MEMORY_TAGS = {"memory/params", "memory/params_bytes", "memory/grads_bytes", "memory/optimizer_bytes"}
 BLOCK, CHUNK_HEADER = 32768, 7  # the leveldb log layout of a `.wandb` file, after its 7-byte ":W&B" header
 
@@ -77,13 +79,14 @@ def test_tensorboard_holds_the_step_records_by_step(tmp_path):
     run_dir = Path(run_rank(cfg)["run_dir"])
     log = read_rank_log(run_dir / "rank0.jsonl")
     run, own = scalars(run_dir / "tb"), scalars(run_dir / "tb" / "rank0")
-    assert set(run) == {*STEP_TAGS, *MEMORY_TAGS, "eval/val_loss"} and set(own) == {"throughput/tokens_per_s"}
+    assert set(run) == {*STEP_TAGS, *MEMORY_TAGS, *EPOCH_TAGS, "eval/val_loss"} and set(own) == {THROUGHPUT_TAG}
     for tag, field in STEP_TAGS.items():
         assert [e.step for e in run[tag]] == [1, 2, 3, 4]
         assert [e.value for e in run[tag]] == pytest.approx([log.steps[s][field] for s in (1, 2, 3, 4)], rel=1e-6)
     assert [e.wall_time for e in run["train/loss"]] == [log.steps[s]["time"] for s in (1, 2, 3, 4)]
-    assert [(e.step, e.value) for e in run["eval/val_loss"]] == [
-        (s, pytest.approx(log.evals[s]["val_loss"], rel=1e-6)) for s in (2, 4)]
+    assert [(e.step, e.value) for e in run["eval/val_loss"]] == [  # the evaluations, then the epoch's at its last step
+        (s, pytest.approx(log.evals[s]["val_loss"], rel=1e-6)) for s in (2, 4)] + [
+        (4, pytest.approx(log.epochs[0]["val_loss"], rel=1e-6))]
     assert [(e.step, e.value) for e in run["memory/params_bytes"]] == [(1, log.memory["params_bytes"])]
     assert [e.value for e in own["throughput/tokens_per_s"]] == pytest.approx(
         [log.steps[s]["tokens_per_s"] for s in (1, 2, 3, 4)], rel=1e-6)
@@ -166,3 +169,26 @@ def test_a_failing_mirror_warns_once_and_the_run_and_its_log_go_on(tmp_path, cap
     assert len(warnings) == 1
     assert warnings[0].startswith("gptpar: warning: rank 0: the TensorBoard mirror is off from here on (")
     assert warnings[0].endswith("); the JSONL log is complete")
+
+
+def test_every_evaluation_reaches_both_mirrors_at_the_step_it_followed(tmp_path):
+    """Validation loss, an epoch's BLEU, test BLEU, answer accuracy and a metric no gptpar logs yet are mirrored as
+    `eval/*` (an epoch's timing as `epoch/*`), at the step of the last step record before them."""
+    sinks = Sinks([TensorBoardSink(tmp_path, 0), WandbSink(tmp_path, "sinks", "offline")], 0)
+    step = {"kind": "step", "epoch": 0, "loss": 3.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 8, "step_time_s": 0.1,
+            "tokens_per_s": 80.0, "data_time_s": 0.0, "peak_mem_bytes": 1}
+    scores = {"val_loss": 2.5, "bleu": 12.5, "test_bleu": 11.0, "answer_accuracy": 0.25, "chrf": 40.0}
+    for record in ({"kind": "header", "run_id": "ev", "config": {"train": {"epochs": 1}}},
+                   {**step, "step": 1}, {**step, "step": 2}, {"kind": "eval", "step": 2, "epoch": 0, "val_loss": 2.6},
+                   {"kind": "epoch", "epoch": 0, "training_time_s": 0.2, "tokens_per_s": 80.0, "steps": 2, **scores},
+                   {"kind": "final", "status": "completed", "step": 2}):
+        sinks.write({"time": 1.0e9, **record})
+    sinks.close()
+    run = scalars(tmp_path / "tb")
+    assert {tag: [(e.step, e.value) for e in events] for tag, events in run.items() if tag.startswith("eval/")} == {
+        "eval/val_loss": [(2, pytest.approx(2.6)), (2, 2.5)],
+        **{f"eval/{k}": [(2, v)] for k, v in scores.items() if k != "val_loss"}}
+    assert [(e.step, e.value) for e in run["epoch/training_time_s"]] == [(2, pytest.approx(0.2))]
+    (folder,) = offline_runs(tmp_path)
+    (row,) = [row for s, row in wandb_history(wandb_records(folder / "run-ev.wandb")).items() if s == 2]
+    assert {k: float(row[f"eval/{k}"]) for k in scores} == scores and float(row["epoch/steps"]) == 2
