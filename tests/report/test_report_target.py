@@ -47,7 +47,7 @@ def csv_rows(path: Path) -> dict[str, dict[str, str]]:
 
 def test_time_and_tokens_to_the_default_target_and_the_disagreement_said(tmp_path: Path) -> None:
     demo_like(tmp_path / "runs")
-    RunFolder(tmp_path / "runs" / "s" / "dp1-r0").write_job_record("local", "vm:4242.1")
+    RunFolder(tmp_path / "runs" / "s" / "dp1-r0").write_job_record("local", "vm:4242.1", "dp")
     result = report(tmp_path / "runs", tmp_path / "out", now=LATER, warmup_steps=1)
     rows = csv_rows(result.summary_csv)
     assert (rows["s/dp1-r0"]["job_id"], rows["s/dp1-r1"]["job_id"]) == ("vm:4242.1", "")  # the job that ran it
