@@ -150,7 +150,8 @@ def test_api_submit_on_the_local_executor_trains_as_gptpar_train_does(tmp_path: 
     assert result["final_loss"] == [r for r in steps if r["kind"] == "step"][-1]["global_loss"]
     assert (result["state"], result["step"], result["final"]["status"]) == ("completed", 2, "completed")
     assert job.job_id == f"{socket.gethostname()}:{job.submitit.job_id}"
-    assert RunFolder(runs / "api").read_job_record() == {"backend": "submitit-local", "job_id": job.job_id}
+    assert RunFolder(runs / "api").read_job_record() == {"backend": "submitit-local", "job_id": job.job_id,
+                                                          "kind": "dp"}
     headers = [json.loads((runs / "api" / f"rank{r}.jsonl").read_text().splitlines()[0]) for r in (0, 1)]
     assert [h["launcher"] for h in headers] == ["submitit", "submitit"]
     snapshot = headers[0]["code_snapshot"]
