@@ -147,7 +147,7 @@ def subcommands() -> list[str]:
 
 
 def test_every_subcommand_is_known() -> None:
-    assert subcommands() == ["cancel", "checkpoint", "config", "doctor", "logs", "report", "schedule", "status",
+    assert subcommands() == ["cancel", "checkpoint", "config", "data", "doctor", "logs", "report", "schedule", "status",
                              "submit", "sweep", "trace", "train"]
 
 

@@ -37,13 +37,11 @@ CASES_2 = [(f"qwen2-{sync}", [*QWEN, "parallel.dp=2", f"parallel.dp_sync={sync}"
            for sync in ("naive", "bucketed", "ddp", "zero1", "zero2", "fsdp", "fsdp2")] + [
     ("qwen2-fsdp-meta", [*QWEN, "model.init_device=meta", "parallel.dp=2", "parallel.dp_sync=fsdp"]),
     ("qwen2-fsdp2-meta", [*QWEN, "model.init_device=meta", "parallel.dp=2", "parallel.dp_sync=fsdp2"]),
-    ("qwen2-pp2-1f1b", [*QWEN, "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.chunks=2"]),
     ("qwen2-pp2-zbh1", [*QWEN, "parallel.pp=2", "parallel.pp_schedule=zb1p", "parallel.chunks=2"]),
     ("qwen2-pp2-interleaved", [*QWEN, "parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=interleaved_1f1b",
                                "parallel.chunks=2"]),
     ("qwen2-tp2", [*QWEN, "parallel.tp=2"]),
     ("qwen2-tp2-sp-lp", [*QWEN, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"]),
-    ("qwen2-tp2-torch", [*QWEN, "parallel.tp=2", "parallel.tp_impl=torch"]),
     ("qwen2-tp2-torch-sp-lp", [*QWEN, "parallel.tp=2", "parallel.tp_impl=torch", "parallel.sequence_parallel=true",
                                "parallel.loss_parallel=true"]),
     ("llama-fsdp2", [*LLAMA, "parallel.dp=2", "parallel.dp_sync=fsdp2"]),
@@ -58,8 +56,9 @@ CASES_4 = [("qwen2-dp2-pp2", [*QWEN, "parallel.dp=2", "parallel.pp=2", "parallel
            ("qwen2-dp2-tp2", [*QWEN, "parallel.dp=2", "parallel.tp=2", "parallel.dp_sync=fsdp"]),
            ("qwen2-pp2-tp2-sp", [*QWEN, "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                                  "parallel.chunks=2"])]
-CASES_8 = [("qwen2-pp2-tp2-dp2", [*QWEN, "parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "parallel.chunks=2"])]
-ALL = dict(CASES_2 + CASES_4 + CASES_8)
+# pp x tp x dp (8 ranks) is GPT-2's in tests/parallel/tensor_parallel/test_tensor_parallel.py; the family's own
+# pieces are all exercised by the 2- and 4-rank layouts above.
+ALL = dict(CASES_2 + CASES_4)
 
 
 def _built(preset: str, init_device: str = "cpu", **fields: object) -> torch.nn.Module:
@@ -152,7 +151,6 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
     runs = tmp_path_factory.mktemp("architectures")
     gloo_pool.run(2, save_cases, runs, CASES_2)
     gloo_pool.run(4, save_cases, runs, CASES_4)
-    gloo_pool.run(8, save_cases, runs, CASES_8)
     return runs
 
 

@@ -33,13 +33,11 @@ from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
 from gptpar.train.step_records import read_now
 
 QWEN_MOE = ["model.preset=qwen2-moe-tiny", "model.n_embd=32", "model.n_head=4", "model.moe_aux_loss_coef=0.1"]
-MIXTRAL = ["model.preset=mixtral-tiny", "model.n_embd=32", "model.n_head=4", "model.moe_aux_loss_coef=0.1"]
 TABLE = "model.embed_tokens.weight"
 CASES_2 = [
     ("qwen-ep2-naive", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=naive"]),
     ("qwen-ep2-ddp-accum", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=ddp",
                             "train.grad_accum=2"]),
-    ("mixtral-ep2-bucketed", [*MIXTRAL, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=bucketed"]),
 ]
 # ep=2 inside dp=4: two groups of two, each expert held by two ranks (its replicas reduce its gradient).
 CASES_4 = [("qwen-dp4-ep2-bucketed", [*QWEN_MOE, "parallel.dp=4", "parallel.ep=2", "parallel.dp_sync=bucketed"])]
