@@ -5,7 +5,10 @@ reachable (it would only fail on the rank, after the queue)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from gptpar.config.schema import DataConfig
+from gptpar.data.sources import hf_split
 from gptpar.data.tokenizer import gpt2_tokenizer
 from gptpar.errors import GptparError, require_extra
 from gptpar.hub import hub_reachable
@@ -40,13 +43,7 @@ def fetch(cfg: DataConfig) -> str:
     if not hub_reachable(cfg.hub_timeout_s):
         raise GptparError(f"data.source={cfg.source}: the Hugging Face hub is unreachable from this machine "
                           f"(within data.hub_timeout_s={cfg.hub_timeout_s:g} s); fetch where it is reachable")
-    datasets = require_extra("datasets", f"data.source={cfg.source}", "hf")
-    name, _, config = spec.partition(":")
-    try:
-        splits = datasets.load_dataset(name, config or None)
-    except Exception as exc:
-        raise GptparError(f"data.source={cfg.source}: cannot fetch the dataset: {str(exc).splitlines()[0][:200]}"
-                          ) from None
+    splits = hf_split(spec, dataclasses.replace(cfg, streaming=False), None)  # every split, downloaded whole
     rows = ", ".join(f"{split} {len(rows):,} rows" for split, rows in splits.items())
     tokenizer = ""
     if cfg.tokenizer in ("auto", "gpt2"):

@@ -32,16 +32,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from gptpar.models import architecture
 from gptpar.parallel.comm import SENT, comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import EXPERT_REPLICAS
 from gptpar.parallel.tensor_parallel.comm import all_gather_dim
+from gptpar.parallel.tensor_parallel.layers import TPShard
+from gptpar.parallel.tensor_parallel.state import as_dtensors, as_local
 
 EXPERTS = "mlp.experts"  # a block's fused experts, in both mixtures transformers has
 FUSED = ("gate_up_proj", "down_proj")  # their parameters, expert e being row e of each
+ROWS = TPShard(dim=0, parts=1)  # how a rank's experts are a piece of the whole tensor, for checkpoints
 
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
@@ -146,9 +148,11 @@ class ExpertParallel:
             mlp.experts = module
             self.modules.append(module)
         self.params = [getattr(m, name) for m in self.modules for name in FUSED]
+        self.ids = {id(p) for p in self.params}
         self.mesh = (DeviceMesh.from_group(self.group, dims.device.type, mesh_dim_names=("ep",))
                      if self.group is not None else None)
-        self.names: dict[str, nn.Parameter] = {}
+        self.shards: dict[str, TPShard] = {}  # by name in the net, and their optimizer state's
+        self.optimizer_shards: dict[str, TPShard] = {}
 
     @property
     def sharded(self) -> bool:
@@ -158,9 +162,10 @@ class ExpertParallel:
     def name_in(self, net: nn.Module) -> frozenset[str]:
         """The expert parameters' names in `net` (the module the data-parallel strategy wraps), which it leaves to
         `finish`; also what checkpoints key them by."""
-        ids = {id(p) for p in self.params}
-        self.names = {name: p for name, p in net.named_parameters() if id(p) in ids}
-        return frozenset(self.names)
+        names = frozenset(name for name, p in net.named_parameters() if id(p) in self.ids)
+        self.shards = dict.fromkeys(names, ROWS)
+        self.optimizer_shards = {f"state.{name}": ROWS for name in names}
+        return names
 
     def finish(self) -> None:
         """After the dense sync: each expert's gradient summed over its replicas and divided by all R replicas (whole
@@ -183,31 +188,24 @@ class ExpertParallel:
     def counted(self, targets: list[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients this rank counts in the norm summed over its ep group: its experts, and the replicated rest
         once (on the group's first rank)."""
-        ids = {id(p) for p in self.params}
-        return [t for t in targets if id(t) in ids or self.coord == 0]
+        return [t for t in targets if id(t) in self.ids or self.coord == 0]
 
     def dropped(self) -> torch.Tensor:
-        """Picks dropped past capacity in the last forward, over every block."""
-        return torch.stack([m.dropped.to(self.modules[0].dropped.device) for m in self.modules]).sum()
+        """Picks dropped past capacity in the last forward, over every block (a capacity's forward set each)."""
+        return torch.stack([m.dropped for m in self.modules]).sum()
 
     def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         """An expert slice gathered whole (a collective over the ep group)."""
         return all_gather_dim(tensor.detach(), 0, self.group, counted=False) if self.group is not None else tensor
 
     def save(self, model: dict[str, Any], optimizer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Checkpoint state with every expert slice (and its optimizer state) a DTensor over the ep group."""
-        return self._map(model, optimizer, lambda t: DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False))
-
-    def load(self, model: dict[str, Any], optimizer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self._map(model, optimizer, lambda t: t.to_local() if isinstance(t, DTensor) else t)
-
-    def _map(self, model: dict[str, Any], optimizer: dict[str, Any], change: Any
-             ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Checkpoint state with every expert slice (and its optimizer state) a DTensor over the ep group, as our
+        tensor-parallel pieces are (gptpar.parallel.tensor_parallel.state)."""
         if self.mesh is None:
             return model, optimizer
+        return as_dtensors(model, self.shards, self.mesh), as_dtensors(optimizer, self.optimizer_shards, self.mesh)
 
-        def each(state: dict[str, Any], expert: Any) -> dict[str, Any]:
-            return {key: change(value) if expert(key) and isinstance(value, torch.Tensor) and value.dim() else value
-                    for key, value in state.items()}
-        return (each(model, lambda key: key in self.names),
-                each(optimizer, lambda key: key.startswith("state.") and key[6:].rpartition(".")[0] in self.names))
+    def load(self, model: dict[str, Any], optimizer: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.mesh is None:
+            return model, optimizer
+        return as_local(model, self.shards), as_local(optimizer, self.optimizer_shards)

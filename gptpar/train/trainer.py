@@ -91,7 +91,7 @@ class Trainer:
         self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
         self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
-        if self.router_load is not None and self.experts is not None:
+        if self.router_load is not None and self.experts is not None and cfg.model.moe_capacity_factor:
             self.router_load.dropped_source = self.experts.dropped
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
