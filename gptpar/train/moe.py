@@ -79,7 +79,7 @@ class RouterLoad:
         picks = torch.stack([torch.zeros(self.n_experts, device=real.device).scatter_add_(
             0, p.topk(self.top_k, dim=-1).indices.reshape(-1), real.repeat_interleave(self.top_k)) for p in probs])
         prob_sum = sum((p * real[:, None]).sum(dim=0) for p in probs)
-        dropped = self.dropped_source() if self.dropped_source is not None else torch.zeros(())
+        dropped = self.dropped_source() if self.dropped_source is not None else torch.zeros((), device=real.device)
         counts = torch.cat([picks.detach().reshape(-1), real.sum()[None], dropped.to(real)[None]]).double()
         if self.group is not None:
             dist.all_reduce(counts, group=self.group)
