@@ -133,8 +133,10 @@ class RunMetrics:
     final_loss: float | None = None
     val_loss: float | None = None
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
-    # A mixture of experts: per step, the load-balancing loss and the busiest expert's tokens over the mean's
-    expert_load: list[tuple[int, float, float]] = field(default_factory=list)
+    # A mixture of experts: per step, the load-balancing loss, the busiest expert's tokens over the mean's, and the
+    # step's share in all-to-all (rank 0's; nan where not logged)
+    expert_load: list[tuple[int, float, float, float]] = field(default_factory=list)
+    all_to_all_share: float | None = None  # seconds in all-to-all over the kept steps' seconds, mean over ranks
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     progress: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (tokens seen, training s)
     epoch_points: list[EpochPoint] = field(default_factory=list)
@@ -332,6 +334,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     m.loss_curve = [(s, v) for s, v in losses if math.isfinite(v)]
     m.final_loss = losses[-1][1] if losses else None
     m.expert_load = expert_load(ranks[0])
+    m.all_to_all_share = comm_share(kept, "all_to_all")
     m.diverged_at = next((s for s, v in losses if not math.isfinite(v)), None)
     m.progress, ends = _progress(ranks, set(replicas))
     m.epoch_points = _epoch_points(m, ranks, replica_logs, ends)
@@ -567,15 +570,29 @@ def _mean_series(series: list[dict[int, Any]]) -> list[tuple[int, float]]:
             for step, v in sorted(values.items())]
 
 
-def expert_load(log: RankLog) -> list[tuple[int, float, float]]:
-    """(step, aux_loss, max over mean tokens per expert) of a mixture's steps, in step order; the same on every rank
-    (both are over every replica's tokens), so one rank's log is the run's."""
+def expert_load(log: RankLog) -> list[tuple[int, float, float, float]]:
+    """(step, aux_loss, max over mean tokens per expert, share of the step in all-to-all) of a mixture's steps, in
+    step order; the first two are the same on every rank (over every replica's tokens), the share is this rank's
+    (nan where the step logged none: no expert parallelism)."""
     points = []
     for step, rec in sorted(log.steps.items()):
         load = (rec.get("moe") or {}).get("tokens_per_expert") or {}
         if rec.get("aux_loss") is not None and load.get("mean"):
-            points.append((step, _number(rec["aux_loss"]), _number(load["max"]) / _number(load["mean"])))
+            share = _number((rec.get("comm_s") or {}).get("all_to_all")) / _number(rec["step_time_s"])
+            points.append((step, _number(rec["aux_loss"]), _number(load["max"]) / _number(load["mean"]), share))
     return points
+
+
+def comm_share(kept: list[dict[int, dict[str, Any]]], kind: str) -> float | None:
+    """The seconds the kept steps spent in collectives of `kind` (`comm_s`) over their seconds, per rank, averaged
+    over the ranks that logged any; None where none did."""
+    shares = []
+    for steps in kept:
+        timed = [rec for rec in steps.values() if kind in (rec.get("comm_s") or {})]
+        if timed:
+            shares.append(math.fsum(_number(r["comm_s"][kind]) for r in timed)
+                          / math.fsum(_number(r["step_time_s"]) for r in timed))
+    return math.fsum(shares) / len(shares) if shares else None
 
 
 def loss_series(replica_logs: list[RankLog]) -> list[tuple[int, float]]:

@@ -9,6 +9,7 @@ drawn. A warning matplotlib raises while drawing becomes one line of the report'
 
 from __future__ import annotations
 
+import math
 import statistics
 import warnings
 from collections.abc import Callable
@@ -328,22 +329,27 @@ def _scores(runs: list[RunMetrics], figs: FigureSet, key: str, label: str) -> bo
 
 
 def _expert_load(runs: list[RunMetrics], figs: FigureSet) -> bool:
-    """One figure per sweep with mixtures of experts: the router's load-balancing loss and the busiest expert's
-    tokens over the mean's (1: balanced) against optimizer steps, one line per run."""
+    """One figure per sweep with mixtures of experts: the router's load-balancing loss, the busiest expert's tokens
+    over the mean's (1: balanced) and, where experts are split (parallel.ep), rank 0's share of the step in
+    all-to-all, against optimizer steps, one line per run."""
     by_sweep: dict[str, list[RunMetrics]] = {}
     for r in runs:
         if r.expert_load:
             by_sweep.setdefault(r.sweep, []).append(r)
     for sweep, members in sorted(by_sweep.items()):
-        fig, (aux_ax, load_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+        split = any(math.isfinite(point[3]) for r in members for point in r.expert_load)
+        fig, axes = plt.subplots(1, 3 if split else 2, figsize=(16 if split else 11, 4.2))
         labels = run_labels(members)
         for r in members:
-            steps, aux, load = zip(*r.expert_load, strict=True)
-            colour = aux_ax.plot(steps, aux, linewidth=1, label=labels[r.run])[0].get_color()
-            load_ax.plot(steps, load, linewidth=1, color=colour)
-        load_ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-        for ax, ylabel in ((aux_ax, "load-balancing loss (top-k: balanced)"),
-                           (load_ax, "busiest expert's tokens / mean (1: balanced)")):
+            steps, aux, load, share = zip(*r.expert_load, strict=True)
+            colour = axes[0].plot(steps, aux, linewidth=1, label=labels[r.run])[0].get_color()
+            axes[1].plot(steps, load, linewidth=1, color=colour)
+            if split:
+                axes[2].plot(steps, share, linewidth=1, color=colour)
+        axes[1].axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+        ylabels = ["load-balancing loss (top-k: balanced)", "busiest expert's tokens / mean (1: balanced)",
+                   "share of the step in all-to-all (rank 0)"]
+        for ax, ylabel in zip(axes, ylabels, strict=False):
             ax.set_xlabel("optimizer step")
             ax.set_ylabel(ylabel)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))

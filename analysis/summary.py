@@ -26,6 +26,7 @@ CSV_COLUMNS = (
     "peak_mem_bytes_mean", "peak_mem_bytes_max", "job_tokens_per_s_std", "baseline_runs", "ideal_speedup", "repeats",
     "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu", "final_answer_accuracy", "mixed_configs",
     "target_loss", "target_basis", "time_to_target_s", "tokens_to_target", "time_to_target_speedup", "job_id",
+    "all_to_all_share",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -108,6 +109,7 @@ def row(r: RunMetrics) -> dict[str, Any]:
         *(r.peak_mem or (None, None)), r.job_tokens_std, r.baseline_runs or None, r.ideal_speedup, r.repeats,
         r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu, r.final_answer_accuracy, r.mixed,
         r.target_loss, r.target_basis, r.time_to_target_s, r.tokens_to_target, r.target_speedup, r.job_id or None,
+        r.all_to_all_share,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 

@@ -11,8 +11,10 @@ was issued and when a rank blocked on it, and `gptpar trace` (analysis/trace.py)
 Several ops issued by one call (a batch of sends and receives) get one span per op, nested. Without a
 running profiler a span costs one check.
 
-`SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`: so far
-the expert all-to-alls (gptpar.parallel.expert_parallel), counted from the actual split sizes.
+`SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`, and
+`SPENT` the spans of device time inside them (`timed`), for its `comm_s`: so far the expert all-to-alls
+(gptpar.parallel.expert_parallel), counted from the actual split sizes. Both start empty at each step's start
+(`new_step`), so an evaluation's traffic between steps counts in no step.
 """
 
 from __future__ import annotations
@@ -22,12 +24,22 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
+from gptpar.clock import DeviceClock
+
 PREFIXES = {"issue": ("comm",), "wait": ("comm_wait",), "call": ("comm", "comm_wait")}
 SENT: Counter[str] = Counter()  # bytes sent to other ranks since the last read_sent(), by collective
+SPENT: dict[str, list[DeviceClock]] = {}  # spans inside timed collectives since the last read_spent(), by collective
+
+
+def new_step() -> None:
+    """Forget what was sent and spent since the last step's record (an evaluation's traffic)."""
+    SENT.clear()
+    SPENT.clear()
 
 
 def read_sent() -> dict[str, int]:
@@ -35,6 +47,24 @@ def read_sent() -> dict[str, int]:
     counts = dict(SENT)
     SENT.clear()
     return counts
+
+
+def read_spent() -> dict[str, list[DeviceClock]]:
+    """SPENT's spans, then none for the next step (read them with `DeviceClock.seconds` at the fetch)."""
+    spans = dict(SPENT)
+    SPENT.clear()
+    return spans
+
+
+@contextlib.contextmanager
+def timed(op: str, device: torch.device) -> Iterator[None]:
+    """Count the device time of the enclosed collective in SPENT under `op`."""
+    clock = DeviceClock(device)
+    try:
+        yield
+    finally:
+        clock.stop()
+        SPENT.setdefault(op, []).append(clock)
 
 
 @contextlib.contextmanager

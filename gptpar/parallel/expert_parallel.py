@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gptpar.models import architecture
-from gptpar.parallel.comm import SENT, comm_span
+from gptpar.parallel.comm import SENT, comm_span, timed
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import EXPERT_REPLICAS
 from gptpar.parallel.tensor_parallel.comm import all_gather_dim
@@ -48,9 +48,9 @@ ROWS = TPShard(dim=0, parts=1)  # how a rank's experts are a piece of the whole 
 
 def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> torch.Tensor:
     """`rows` split by `send` to the group's ranks in order; what each sent back in `recv` rows, concatenated. The
-    rows for other ranks count in SENT."""
+    rows for other ranks count in SENT, the time in SPENT."""
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    with comm_span("all_to_all"):
+    with comm_span("all_to_all"), timed("all_to_all", rows.device):
         dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
     SENT["all_to_all"] += (sum(send) - send[dist.get_rank(group)]) * math.prod(rows.shape[1:]) * rows.element_size()
     return out
@@ -107,7 +107,7 @@ class DispatchedExperts(nn.Module):
             out = self._run(rows, expert)
         else:
             received = torch.empty_like(counts)
-            with comm_span("all_to_all"):
+            with comm_span("all_to_all"), timed("all_to_all", counts.device):
                 dist.all_to_all_single(received, counts, group=self.group)  # per peer, the rows for my experts
             SENT["all_to_all"] += (self.ranks - 1) * self.local * counts.element_size()
             split = torch.stack([counts.view(self.ranks, -1).sum(1), received.view(self.ranks, -1).sum(1)]).tolist()

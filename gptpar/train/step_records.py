@@ -10,13 +10,14 @@ perf_counter and nothing is gained by waiting (the default there is 1). The JSON
 
 from __future__ import annotations
 
-import time
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from gptpar.clock import DeviceClock
 from gptpar.run.records import StepRecord
 
 GPU_SYNC_EVERY = 10  # log.sync_every=0 on a GPU
@@ -25,31 +26,6 @@ GPU_SYNC_EVERY = 10  # log.sync_every=0 on a GPU
 def sync_every(setting: int, device: torch.device) -> int:
     """`log.sync_every` for this rank's device: 0 is 1 on a CPU, GPU_SYNC_EVERY on a GPU."""
     return setting or (GPU_SYNC_EVERY if device.type == "cuda" else 1)
-
-
-class StepClock:
-    """One step's time: CUDA events on a GPU (recording one never waits), perf_counter elsewhere."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.events = device.type == "cuda"
-        if self.events:
-            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.begin.record()
-        else:
-            self.start, self.elapsed = time.perf_counter(), 0.0
-
-    def stop(self) -> None:
-        if self.events:
-            self.end.record()
-        else:
-            self.elapsed = time.perf_counter() - self.start
-
-    def seconds(self) -> float:
-        """The step's seconds (on a GPU, waits for its end event: call it when fetching)."""
-        if not self.events:
-            return self.elapsed
-        self.end.synchronize()
-        return self.begin.elapsed_time(self.end) / 1000.0
 
 
 @dataclass(frozen=True)
@@ -61,9 +37,20 @@ class OnDevice:
     value: Callable[[list[float]], Any]
 
 
+@dataclass(frozen=True)
+class Spans:
+    """A record field of device time spans by kind (gptpar.parallel.comm.timed), summed at the fetch."""
+
+    clocks: dict[str, list[DeviceClock]]
+
+    def value(self) -> dict[str, float]:
+        return {kind: math.fsum(c.seconds() for c in clocks) for kind, clocks in self.clocks.items()}
+
+
 def read_now(fields: dict[str, Any]) -> dict[str, Any]:
     """`fields` with every OnDevice value read at once (a wait for the device): for code outside the loop's fetch."""
-    return {name: f.value(f.numbers.tolist()) if isinstance(f, OnDevice) else f for name, f in fields.items()}
+    return {name: f.value(f.numbers.tolist()) if isinstance(f, OnDevice) else f.value() if isinstance(f, Spans)
+            else f for name, f in fields.items()}
 
 
 @dataclass
@@ -73,7 +60,7 @@ class PendingStep:
     does not compute the loss (its record says null)."""
 
     values: torch.Tensor
-    clock: StepClock
+    clock: DeviceClock
     fields: dict[str, Any]
     has_loss: bool = True
 
@@ -100,6 +87,7 @@ class PendingSteps:
             read = {}
             for name, field in fields:
                 read[name], at = field.value(numbers[at:at + len(field.numbers)]), at + len(field.numbers)
+            read |= {name: field.value() for name, field in step.fields.items() if isinstance(field, Spans)}
             seconds = step.clock.seconds()
             records.append(StepRecord(loss=loss if step.has_loss else None, global_loss=global_loss,
                                       grad_norm=grad_norm, step_time_s=seconds,

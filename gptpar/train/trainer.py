@@ -26,6 +26,7 @@ from torch import nn
 from torch.profiler import record_function
 from transformers import PreTrainedModel
 
+from gptpar.clock import DeviceClock
 from gptpar.config import Config, example_width
 from gptpar.data import partition_dataset
 from gptpar.data.pairs import PairDataset, target_tokens
@@ -33,7 +34,7 @@ from gptpar.data.training import load_training_data
 from gptpar.errors import GptparError
 from gptpar.model import build_model, count_params, empty_model
 from gptpar.models import architecture
-from gptpar.parallel.comm import comm_span, read_sent
+from gptpar.parallel.comm import comm_span, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import GRID_DIMS
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
@@ -54,7 +55,7 @@ from gptpar.train.preemption import stop_request
 from gptpar.train.profiling import StepProfiler
 from gptpar.train.progress import Progress, peak_memory_bytes
 from gptpar.train.recompute import compile_mode, loss_kernel
-from gptpar.train.step_records import PendingStep, PendingSteps, StepClock, sync_every
+from gptpar.train.step_records import PendingStep, PendingSteps, Spans, sync_every
 
 Batch = tuple[torch.Tensor, ...]  # inputs, labels, and the position ids of packed rows (data.packing)
 
@@ -417,7 +418,8 @@ class Trainer:
     def _timed_step(self, batches: Iterator[list[Batch]], epoch: int) -> PendingStep:
         """The next step, from fetching its micro-batches to its global loss (every rank's clock stops after the
         same collectives), its numbers (loss, global loss, grad norm) and time still on the device."""
-        clock, device = StepClock(self.dims.device), self.dims.device
+        new_step()
+        clock, device = DeviceClock(self.dims.device), self.dims.device
         start = time.perf_counter()
         micro_batches = next(batches)
         data_time = time.perf_counter() - start
@@ -428,11 +430,12 @@ class Trainer:
         tokens = sum(batch[0].numel() for batch in micro_batches)  # positions run, translation's padding too
         pipeline = self.net.step_fields() if self.pipeline else {}
         moe = self.router_load.step_fields() if self.router_load is not None else {}
-        sent = read_sent()
+        sent, spent = read_sent(), read_spent()
         fields = dict(step=self.step, epoch=epoch, lr=self.optimizer.param_groups[0]["lr"],
                       skipped=self.precision.skipped, loss_scale=self.precision.step_scale, tokens=tokens,
                       data_time_s=data_time, peak_mem_bytes=peak_memory_bytes(device), bubble=self.net.bubble,
-                      **pipeline, **moe, **({"comm_bytes": sent} if sent else {}))
+                      **pipeline, **moe, **({"comm_bytes": sent} if sent else {}),
+                      **({"comm_s": Spans(spent)} if spent else {}))
         values = torch.stack([t.to(device, torch.float64) for t in (loss, global_loss, grad_norm)])
         return PendingStep(values, clock, fields, has_loss=self.computes_loss)
 

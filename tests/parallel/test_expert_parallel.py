@@ -26,7 +26,7 @@ from rank_training import (
 
 from gptpar.config import to_yaml
 from gptpar.models import architecture
-from gptpar.parallel.comm import read_sent
+from gptpar.parallel.comm import new_step, read_sent, read_spent
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.folder import CONFIG_FILE
 from gptpar.train.checkpoint import export_checkpoint, load_checkpoint
@@ -54,9 +54,10 @@ def _routing_and_traffic(info: RankInfo, runs: Path, overrides: list[str]) -> No
     for router in architecture(trainer.net.model).routers(trainer.net.model):
         router.register_forward_hook(lambda m, i, out: picks.append(torch.bincount(out[2].reshape(-1), minlength=8))
                                      if torch.is_grad_enabled() else None)
-    read_sent()
+    new_step()
     train_steps(trainer, 1)
-    record = {"picks": torch.stack(picks), "sent": read_sent(), "ep": trainer.dims.coord("ep"),
+    spent = {kind: [clock.seconds() for clock in clocks] for kind, clocks in read_spent().items()}
+    record = {"picks": torch.stack(picks), "sent": read_sent(), "spent": spent, "ep": trainer.dims.coord("ep"),
               "moe": read_now(trainer.router_load.step_fields())["moe"]}
     torch.save(record, runs / f"traffic.rank{info.rank}.pt")
 
@@ -102,7 +103,8 @@ def test_expert_parallelism_trains_a_mixture_like_one_process(results: Path, nam
 def test_all_to_all_bytes_and_dropped_picks_are_what_the_routing_gives(results: Path) -> None:
     """Capacity 1 on 2 ranks of 4 experts each: per block, a rank keeps at most ceil(64 * 2 / 8) = 16 picks per
     expert of its 64 tokens, sends the kept ones for the other rank's experts and receives the other's for its own,
-    forward and back, in fp32 rows of 32; backward sends as much again; plus the 4 counts each way per forward."""
+    forward and back, in fp32 rows of 32; backward sends as much again; plus the 4 counts each way per forward. Each
+    of those five all-to-alls per block is timed once (comm_s)."""
     ranks = [torch.load(results / f"traffic.rank{r}.pt") for r in range(2)]
     capacity = 16
     kept = [r["picks"].clamp(max=capacity) for r in ranks]  # (blocks, experts)
@@ -112,6 +114,8 @@ def test_all_to_all_bytes_and_dropped_picks_are_what_the_routing_gives(results: 
         received = kept[1 - me][:, mine].sum()
         rows = 2 * int(sent + received)  # dispatch and return; backward: the same rows the other way
         assert rank["sent"] == {"all_to_all": rows * 32 * 4 + 4 * 8 * len(kept[me])}  # fp32 rows, int64 counts
+        assert list(rank["spent"]) == ["all_to_all"] and len(rank["spent"]["all_to_all"]) == 5 * len(kept[me])
+        assert all(seconds > 0 for seconds in rank["spent"]["all_to_all"])
     dropped = sum(int((r["picks"] - capacity).clamp(min=0).sum()) for r in ranks)
     assert dropped > 0 and all(r["moe"]["dropped"] == dropped for r in ranks)
 

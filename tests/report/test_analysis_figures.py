@@ -5,6 +5,7 @@ matplotlib warning reaching the user. Each figure is inspected as drawn (analysi
 
 from __future__ import annotations
 
+import csv
 import re
 import struct
 import warnings
@@ -78,13 +79,19 @@ def pipeline_sweep(runs: Path) -> None:
 MOE_STEPS = [(2.4, 300.0), (2.2, 250.0), (2.1, 200.0)]  # (aux_loss, the busiest expert's tokens) of 100 on average
 
 
-def moe_run(run_dir: Path) -> None:
-    """One rank of a mixture of experts whose steps log aux_loss and the expert load (MOE_STEPS)."""
-    rank = Rank(run_dir, 0, config(name=run_dir.name, **{"model.preset": "qwen2-moe-tiny"})).header()
-    for step, (aux, busiest) in enumerate(MOE_STEPS, 1):
-        rank.step(step, aux_loss=aux, moe={"tokens_per_expert": {"min": 50.0, "max": busiest, "mean": 100.0},
-                                           "dropped": 0})
-    rank.epoch(1, 10.0, 100.0, steps=len(MOE_STEPS)).final(step=len(MOE_STEPS))
+def moe_run(run_dir: Path, all_to_all_shares: tuple[float, ...] = ()) -> None:
+    """Ranks of a mixture of experts whose steps log aux_loss and the expert load (MOE_STEPS): one, or with experts
+    split (parallel.ep) one per share, whose steps of 2 s each spend that share in all-to-all."""
+    overrides = {"model.preset": "qwen2-moe-tiny"}
+    if all_to_all_shares:
+        overrides |= {"parallel.dp": len(all_to_all_shares), "parallel.ep": len(all_to_all_shares)}
+    for r, share in enumerate(all_to_all_shares or (None,)):
+        rank = Rank(run_dir, r, config(name=run_dir.name, **overrides)).header()
+        for step, (aux, busiest) in enumerate(MOE_STEPS, 1):
+            rank.step(step, step_time_s=2.0, aux_loss=aux, **({} if share is None else {"comm_s": {
+                "all_to_all": 2.0 * share}}),
+                moe={"tokens_per_expert": {"min": 50.0, "max": busiest, "mean": 100.0}, "dropped": 0})
+        rank.epoch(1, 10.0, 100.0, steps=len(MOE_STEPS)).final(step=len(MOE_STEPS))
 
 
 def test_the_expert_load_figure_draws_the_logged_aux_loss_and_the_busiest_over_the_mean(
@@ -95,6 +102,22 @@ def test_the_expert_load_figure_draws_the_logged_aux_loss_and_the_busiest_over_t
     assert list(aux.get_lines()[0].get_ydata()) == [2.4, 2.2, 2.1]
     assert list(load.get_lines()[0].get_xdata()) == [1, 2, 3]
     assert list(load.get_lines()[0].get_ydata()) == [3.0, 2.5, 2.0]  # max / mean; the dotted line at 1 is balance
+
+
+def test_expert_parallelism_adds_the_all_to_all_share_of_each_step_and_the_run(tmp_path: Path,
+                                                                              drawn: dict[str, Figure]) -> None:
+    """Two ranks spend 1/4 and 1/2 of every step in all-to-all: the figure draws rank 0's quarter per step, the
+    summary the mean over ranks, 3/8; a run without expert parallelism has neither."""
+    moe_run(tmp_path / "runs" / "moe" / "ep2", all_to_all_shares=(0.25, 0.5))
+    moe_run(tmp_path / "runs" / "moe" / "ep1")
+    report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    axes = drawn["expert_load_moe.png"].axes
+    assert len(axes) == 3 and axes[2].get_ylabel() == "share of the step in all-to-all (rank 0)"
+    shares = {tuple(line.get_ydata()) for line in axes[2].get_lines()}
+    assert (0.25, 0.25, 0.25) in shares and all(all(v != v for v in ys) for ys in shares - {(0.25, 0.25, 0.25)})
+    with (tmp_path / "out" / "summary.csv").open() as f:
+        rows = {row["run"]: row["all_to_all_share"] for row in csv.DictReader(f)}
+    assert float(rows["moe/ep2"]) == 0.375 and rows["moe/ep1"] == ""
 
 
 def rich_set(runs: Path) -> None:

@@ -40,7 +40,8 @@ GRID = {"dp", "pp", "tp"}  # inside a header's coords and sizes
 MEMORY_PARTS = {"total", "grads", "optimizer"}  # analysis.aggregate.MemoryUse's breakdown
 FIELD_METADATA = {"help", "choices", "may_diverge"}
 OTHER_DICTS = {
-    "analysis/aggregate.py": GRID | MEMORY_PARTS | set(MOE_LOAD_KEYS),  # a step's expert load
+    # a step's expert load, a collective kind of its comm_s
+    "analysis/aggregate.py": GRID | MEMORY_PARTS | set(MOE_LOAD_KEYS) | {"all_to_all"},
     "analysis/figures.py": MEMORY_PARTS | {"F", "B", "W"},  # a timeline's action kinds
     "analysis/report.py": {"fork"},  # a multiprocessing start method
     "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s"},  # a trace's per-rank totals

@@ -4,6 +4,7 @@ records what it resolved to. One process, the trainer's own step (`Trainer.train
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -13,9 +14,11 @@ import torch
 from rank_training import make_config, make_trainer, named_params, train_steps
 
 import gptpar
+from gptpar.clock import DeviceClock
 from gptpar.config import ModelConfig
 from gptpar.errors import GptparError
 from gptpar.model import build_model, chunked_lm_loss, lm_loss, pad_vocabulary
+from gptpar.parallel.comm import new_step, read_spent, timed
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.layers import check_vocab_split
 from gptpar.tensor_bytes import saved_activation_bytes
@@ -23,7 +26,7 @@ from gptpar.train.entry import run_rank
 from gptpar.train.optim import kind_of
 from gptpar.train.precision import resolve_precision
 from gptpar.train.provenance import header_fields
-from gptpar.train.step_records import read_now
+from gptpar.train.step_records import PendingStep, PendingSteps, Spans, read_now
 
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                   launcher="single", backend="gloo", device=torch.device("cpu"))
@@ -216,3 +219,27 @@ def test_a_mixtures_step_on_a_gpu_waits_only_inside_its_libraries(tmp_path: Path
     waits = {f"{w.filename}:{w.lineno}" for w in caught if "ynchroniz" in str(w.message)}
     assert waits and not [w for w in waits if w.startswith(str(ours))], sorted(waits)
     assert read_now(fields)["moe"]["tokens_per_expert"]["mean"] > 0  # the fetch: where the numbers are read
+
+
+def test_a_steps_timed_collectives_are_summed_into_its_record_at_the_fetch() -> None:
+    """`comm_s`: every span a step's collectives spent under gptpar.parallel.comm.timed, summed by kind when the
+    step's record is fetched; the next step starts with none (an evaluation between steps counts in neither)."""
+    cpu = torch.device("cpu")
+    new_step()
+    for _ in range(3):
+        with timed("all_to_all", cpu):
+            time.sleep(0.01)
+    spans = read_spent()
+    with timed("all_to_all", cpu):  # between steps
+        pass
+    new_step()
+    assert read_spent() == {}
+    pending = PendingSteps()
+    clock = DeviceClock(cpu)
+    clock.stop()
+    pending.add(PendingStep(torch.tensor([1.0, 1.0, 0.5], dtype=torch.float64), clock,
+                            {"step": 1, "epoch": 0, "lr": 0.1, "skipped": False, "loss_scale": None, "tokens": 8,
+                             "data_time_s": 0.0, "peak_mem_bytes": 0, "bubble": None, "comm_s": Spans(spans)}))
+    (record,) = pending.fetch()
+    seconds = sum(c.seconds() for c in spans["all_to_all"])
+    assert record.comm_s == {"all_to_all": seconds} and 0.03 <= seconds < 1.0

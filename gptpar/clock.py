@@ -1,0 +1,34 @@
+"""A span of device time that never makes the host wait: CUDA events on a GPU (recording one never waits; reading
+one does, so it is read where the step's numbers are fetched anyway), perf_counter elsewhere, where every call the
+span covers has finished when the host leaves it (the CPU's collectives block)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class DeviceClock:
+    """Started when made; `stop` ends the span, `seconds` reads it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = device.type == "cuda"
+        if self.events:
+            self.begin, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.start, self.elapsed = time.perf_counter(), 0.0
+
+    def stop(self) -> None:
+        if self.events:
+            self.end.record()
+        else:
+            self.elapsed = time.perf_counter() - self.start
+
+    def seconds(self) -> float:
+        """The span's seconds (on a GPU, waits for its end event: call it when fetching)."""
+        if not self.events:
+            return self.elapsed
+        self.end.synchronize()
+        return self.begin.elapsed_time(self.end) / 1000.0
