@@ -46,7 +46,7 @@ from gptpar.run.names import replaced
 from gptpar.run.records import EPOCH_SCORES
 from gptpar.run.state import RunLog, job_of, replica_indices
 from gptpar.run.sweeps import stale_runs
-from gptpar.strategies.data_parallel import STATE_BYTES, closed_form_state_bytes
+from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES, closed_form_state_bytes
 from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
 
 TOP_LEVEL = "top-level"  # the sweep of the runs that are not in a sweep folder
@@ -457,7 +457,10 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     if not rows:
         return
     strategy = str(m.params.get("parallel.dp_sync", ""))
-    closed = [closed_form_state_bytes(strategy, n, m.dp) for _, n, _ in rows]
+    # Under parallel.ep a sharding strategy shards only the dense part; the closed form knows one kind of parameter.
+    row = DP_STRATEGIES.get(strategy)
+    split_experts = _number(m.params.get("parallel.ep", 1)) > 1 and row is not None and bool(row.sharded)
+    closed = [None if split_experts else closed_form_state_bytes(strategy, n, m.dp) for _, n, _ in rows]
     known = [c for c in closed if c is not None]  # all or none: one strategy per run
     off = [(rank, b["total"], c) for (rank, _, b), c in zip(rows, closed, strict=True)
            if c is not None and abs(b["total"] - c) > MEMORY_REL_TOL * c + MEMORY_ABS_TOL]

@@ -141,6 +141,7 @@ class ExpertParallel:
     def __init__(self, model: nn.Module, dims: ParallelDims, capacity_factor: float) -> None:
         self.group, self.replicas = dims.group("ep"), dims.group(EXPERT_REPLICAS)
         self.replica_count, self.coord = dims.size("dp"), dims.coord("ep")
+        self.first_replica = dims.coord("dp") < dims.size("ep")  # of the ranks holding its experts
         self.modules = []
         for block in architecture(model).blocks(model):
             mlp = block.get_submodule(EXPERTS.rpartition(".")[0])
@@ -185,9 +186,12 @@ class ExpertParallel:
             for param in self.params:
                 param.grad = None
 
-    def counted(self, targets: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients this rank counts in the norm summed over its ep group: its experts, and the replicated rest
-        once (on the group's first rank)."""
+    def counted(self, targets: list[torch.Tensor], over_replicas: bool) -> list[torch.Tensor]:
+        """The gradients this rank counts in the norm: summed over its ep group, its experts and the replicated rest
+        once (on the group's first rank); `over_replicas` (summed over the whole dp group, whose sync shards the
+        dense gradients), the dense shards everywhere and each expert slice once (on the first of its replicas)."""
+        if over_replicas:
+            return [t for t in targets if id(t) not in self.ids or self.first_replica]
         return [t for t in targets if id(t) in self.ids or self.coord == 0]
 
     def dropped(self) -> torch.Tensor:

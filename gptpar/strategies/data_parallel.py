@@ -60,9 +60,9 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         without_pipeline="cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many "
                          "per step)", grad_comm=GRAD_COMMS, expert_parallel=True),
     "zero1": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroOneSync", "bucketed, optimizer state sharded",
-                                  ("optimizer",), _NOT_SHARDED_YET, grad_comm=GRAD_COMMS),
+                                  ("optimizer",), _NOT_SHARDED_YET, grad_comm=GRAD_COMMS, expert_parallel=True),
     "zero2": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroTwoSync", "gradients sharded too",
-                                  ("grads", "optimizer"), _NOT_SHARDED_YET),
+                                  ("grads", "optimizer"), _NOT_SHARDED_YET, expert_parallel=True),
     "fsdp": DataParallelStrategy(f"{_PACKAGE}.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered "
                                  "per block", ("params", "grads", "optimizer"), _NOT_SHARDED_YET,
                                  materialises_shards=True,

@@ -268,9 +268,11 @@ class Trainer:
             counted = [t for t in (targets if counted is None else counted)
                        if counts_in_norm(owners.get(id(t), t), tp_rank)]
             groups.append(self.tp_group)
-        if self.experts is not None and self.experts.sharded:  # expert slices over the ep group
-            counted = self.experts.counted(targets if counted is None else counted)
-            groups.append(self.dims.group("ep"))
+        if self.experts is not None and self.experts.sharded:  # expert slices over the ep group, or over dp
+            over_replicas = bool(groups)  # (no pipeline or tensor parallelism with experts): a sync's dp group
+            counted = self.experts.counted(targets if counted is None else counted, over_replicas)
+            if not over_replicas:
+                groups.append(self.dims.group("ep"))
         return targets, groups, counted
 
     @torch.no_grad()

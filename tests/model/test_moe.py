@@ -145,8 +145,8 @@ def test_a_folder_of_a_mixture_has_its_shape(tmp_path: Path) -> None:
     (["parallel.dp=2", "parallel.ep=2"], "parallel.ep=2 splits a mixture's experts; gpt2 has none"),
     (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "train.dump_grads=g.pt"],
      "train.dump_grads with parallel.ep=2: each rank holds only its own experts' gradients"),
-    (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=zero2"],
-     "parallel.ep=2 with parallel.dp_sync=zero2 is not built yet; use naive, bucketed or ddp"),
+    (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=fsdp2"],
+     "parallel.ep=2 with parallel.dp_sync=fsdp2 is not built yet; use naive, bucketed, ddp, zero1 or zero2"),
     (["model.preset=mixtral-tiny", "model.moe_capacity_factor=-1"], "model.moe_capacity_factor: -1.0 is below the "
                                                                     "minimum 0.0"),
     (["model.preset=mixtral-tiny", "parallel.tp=2"], "parallel.tp=2 with a mixture of experts (mixtral) is not built "

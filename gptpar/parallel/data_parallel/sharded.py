@@ -61,25 +61,37 @@ def shard_pieces(named: list[tuple[str, nn.Parameter]], lo: int, shard: torch.Te
 
 
 class ShardedOptimizer:
-    """The optimizer over this rank's pieces and their checkpointed state. `pieces` is set by the sync."""
+    """The optimizer over this rank's pieces and their checkpointed state. `pieces` is set by the sync; `local`, by
+    name, the parameters it leaves whole (parallel.ep's expert slices, which no replica of this group shares): they
+    are stepped as they are and their state is keyed as torch's flat optimizer state dict keys it,
+    `state.<name>.<field>`, where gptpar.parallel.expert_parallel finds it."""
 
     pieces: list[Piece]
+    local: list[tuple[str, nn.Parameter]] = []
     shards_optimizer = True
 
     def optimizer_params(self) -> list[tuple[torch.Tensor, bool]]:
-        return [(piece.tensor, piece.param.dim() >= 2) for piece in self.pieces]
+        return [(piece.tensor, piece.param.dim() >= 2) for piece in self.pieces] + [(p, p.dim() >= 2)
+                                                                                   for _, p in self.local]
 
     def owners(self) -> dict[int, nn.Parameter]:
         return {id(piece.tensor): piece.param for piece in self.pieces}
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer state of this rank's pieces, keyed by parameter name and range (see the module doc)."""
-        return {piece.key: optimizer.state[piece.tensor] for piece in self.pieces if piece.tensor in optimizer.state}
+        """The optimizer state of this rank's pieces, keyed by parameter name and range (see the module doc), and of
+        its local parameters."""
+        state = {piece.key: optimizer.state[piece.tensor] for piece in self.pieces if piece.tensor in optimizer.state}
+        return state | {f"state.{name}.{field}": value for name, p in self.local
+                        for field, value in optimizer.state.get(p, {}).items()}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         for piece in self.pieces:
             if piece.key in state:
                 optimizer.state[piece.tensor] = state[piece.key]
+        for name, p in self.local:
+            prefix = f"state.{name}."
+            if fields := {key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}:
+                optimizer.state[p] = fields
 
 
 class Unit:
@@ -228,4 +240,4 @@ class UnitSync(ShardedOptimizer, GradSync):
             u.grad_shard.zero_()
 
     def clip_targets(self) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
-        return [piece.tensor for piece in self.pieces], self.group
+        return [piece.tensor for piece in self.pieces] + [p for _, p in self.local], self.group

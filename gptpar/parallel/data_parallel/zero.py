@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import all_gather, comm_span
-from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
+from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state, synced_parameters
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
 from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync
 
@@ -28,13 +28,15 @@ class ZeroOneSync(ShardedOptimizer, BucketedSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm])
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm], setup.local)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None,
-                 wire: torch.dtype | None = None):
-        BucketedSync.__init__(self, model, bucket_mb, group, wire)  # broadcasts rank 0's parameters first
+                 wire: torch.dtype | None = None, local: frozenset[str] = frozenset()):
+        BucketedSync.__init__(self, model, bucket_mb, group, wire, local)  # broadcasts rank 0's parameters first
         self.rank = dist.get_rank(group)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in local]
+        # parallel.ep's expert slices: whole on this rank, stepped and checkpointed as they are (LocalParameters)
+        self.local = [(n, p) for n, p in model.named_parameters() if n in local]
         self.flat = Unit(named, self.world_size, self.rank, named[0][1].device, separate_shard=False)
         self.pieces, self.shard_size = self.flat.pieces, self.flat.shard_size
         # Each piece's gradient: its slice of the parameter's .grad, which the reducer keeps as the same view
@@ -52,13 +54,15 @@ class ZeroTwoSync(UnitSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.pcfg.bucket_mb, setup.group)
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, setup.local)
 
-    def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup):
+    def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup,
+                 local: frozenset[str] = frozenset()):
         super().__init__(model, group)
-        broadcast_state(model, group)
+        broadcast_state(model, group, local)
         names = {id(p): n for n, p in model.named_parameters()}
-        buckets = plan_buckets(list(model.parameters()), int(bucket_mb * 2**20))
+        self.local = [(n, p) for n, p in model.named_parameters() if n in local]
+        buckets = plan_buckets(synced_parameters(model, local), int(bucket_mb * 2**20))
         device = next(model.parameters()).device
         self.units = [Unit([(names[id(p)], p) for p in bucket], self.world_size, self.rank, device,
                            separate_shard=False) for bucket in buckets]
