@@ -185,9 +185,8 @@ def _check_moe_layout(cfg: Config) -> None:
             raise ConfigError(f"parallel.ep={p.ep} splits a mixture's experts; {shape.arch} has none; use model.arch="
                               f"{' or '.join(MOE_ARCHS)} (or a preset of one, e.g. qwen2-moe-tiny), or parallel.ep=1")
         return
-    if p.dp % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (expert parallelism runs inside data "
-                          "parallelism: groups of ep replicas share the experts)")
+    if p.dp > 1:  # else a job's shape or its launcher may still fill parallel.dp in
+        check_expert_grid(cfg)
     if shape.n_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.n_experts={shape.n_experts} (each rank of a group "
                           "holds n_experts / ep of every block's experts)")
@@ -203,6 +202,15 @@ def _check_moe_layout(cfg: Config) -> None:
     if cfg.train.compile not in ("auto", "false"):
         raise ConfigError(f"train.compile={cfg.train.compile} with a mixture of experts is not built yet (its routers "
                           "are watched by hooks); use train.compile=auto or false")
+
+
+def check_expert_grid(cfg: Config) -> None:
+    """parallel.ep inside the final parallel.dp: `validate` defers it while dp is 1, and the submit side (after the
+    job's shape) and the ranks (after their launcher's count) call it."""
+    p = cfg.parallel
+    if p.dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (expert parallelism runs inside data "
+                          "parallelism: groups of ep replicas share the experts)")
 
 
 def _check_packing(cfg: Config) -> None:

@@ -219,9 +219,9 @@ class ParallelConfig:
     ep: int = opt(1, "Expert parallelism, inside data parallelism (a mixture of experts): each block's experts are "
                   "split over groups of ep neighbouring data-parallel ranks (n_experts / ep each), tokens reach their "
                   "experts' ranks by all-to-all and come back; attention and the dense parts stay data-parallel "
-                  "(zero1 and zero2 shard their optimizer state and gradients; the experts' stay whole on their "
+                  "(zero1, zero2 and fsdp2 shard what they shard of it; the experts' state stays whole on their "
                   "ranks). ep divides parallel.dp and model.n_experts and adds no ranks; parallel.dp_sync naive, "
-                  "bucketed, ddp, zero1 or zero2.", min=1, max=65_536)
+                  "bucketed, ddp, zero1, zero2 or fsdp2.", min=1, max=65_536)
     tp_impl: str = opt("gptpar", "Tensor parallelism: " + "; ".join(
         f"{name} ({impl.help}; with dp > 1 only dp_sync="
         f"{either([sync for sync, row in DP_STRATEGIES.items() if name in row.tensor_parallel])}"

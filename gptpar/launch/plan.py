@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpar.config import Config, ConfigError, data_config, updated
+from gptpar.config import Config, ConfigError, check_expert_grid, data_config, updated
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
 from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
@@ -117,6 +117,7 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
     folder that is not live aside first (see gptpar.run.start.write_folder)."""
     if kind is not None:
         cfg = shaped(cfg, kind)
+    check_expert_grid(cfg)
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
     cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point")
     cfg = updated(cfg, {"log.runs_dir": str(root), **absolute_paths(cfg)})

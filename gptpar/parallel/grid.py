@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from gptpar.config import Config, updated
+from gptpar.config import Config, check_expert_grid, updated
 from gptpar.errors import ConfigError
 
 GRID_DIMS = ("pp", "dp", "tp")  # the world's factors
@@ -67,6 +67,7 @@ def launched_config(cfg: Config, launched: int) -> Config:
     agree, except that a config asking for one replica takes as many as the launcher started (`srun gptpar
     train` with N tasks trains with dp=N, as the submit side's job shape does); any other mismatch is one line."""
     if launched == world_size(cfg):
+        check_expert_grid(cfg)
         return cfg
     other = ranks_per_replica(cfg)
     if cfg.parallel.dp != 1 or launched % other:

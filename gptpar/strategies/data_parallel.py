@@ -69,7 +69,8 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
                                  without_whole_compile="gathers and frees each block's parameters in hooks around the "
                                                        "block, which one whole-model graph cannot hold"),
     "fsdp2": DataParallelStrategy(f"{_PACKAGE}.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
-                                  ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",)),
+                                  ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",),
+                                  expert_parallel=True),
 }
 
 

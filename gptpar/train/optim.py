@@ -41,11 +41,19 @@ def make_optimizer(params: list[tuple[torch.Tensor, bool]], t: TrainConfig) -> t
     """AdamW over (tensor, decays) pairs: matrices are decayed, biases and norm gains not, as GPT-2
     training does (the pairs come from the gradient sync, whose tensors may be shards of parameters).
     `optimizer_kind` picks the implementation; all give the same update up to fp32 rounding."""
-    groups = [{"params": [p for p, decays in params if decays], "weight_decay": t.weight_decay},
-              {"params": [p for p, decays in params if not decays], "weight_decay": 0.0}]
+    groups = [{"params": part, "weight_decay": decay} for decays, decay in ((True, t.weight_decay), (False, 0.0))
+              for part in _one_kind_each([p for p, d in params if d == decays])]
     kind = optimizer_kind([p for p, _ in params], t.fused_optimizer)
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kind]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **flags)
+
+
+def _one_kind_each(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` as one group, or two where DTensors (FSDP2's shards) sit beside plain tensors (parallel.ep's expert
+    slices): torch's fused and foreach kernels take one kind per group."""
+    dtensors = [p for p in tensors if isinstance(p, DTensor)]
+    plain = [p for p in tensors if not isinstance(p, DTensor)]
+    return [dtensors, plain] if dtensors and plain else [tensors]
 
 
 def kind_of(optimizer: torch.optim.Optimizer) -> str:
@@ -66,15 +74,16 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, groups: Se
     several ranks, as the tied embedding or a replicated layer norm is, is counted once), so every rank scales
     by the same factor one process would.
     """
-    grads = [p.grad for p in params if p.grad is not None]
     if not groups:  # also for DTensor gradients (FSDP2, torch's TP), whose norm torch sums over their shards
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    # A DTensor gradient among them (FSDP2 beside parallel.ep's plain expert slices): its local shard, in place.
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     ids = {id(p) for p in (counted if counted is not None else params)}
     squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
-    for p in params:
-        if p.grad is not None and id(p) in ids:
-            squares += p.grad.double().square().sum()
+    for p, grad in zip([p for p in params if p.grad is not None], grads, strict=True):
+        if id(p) in ids:
+            squares += grad.double().square().sum()
     for group in groups:
         dist.all_reduce(squares, group=group)
     norm = squares.sqrt()

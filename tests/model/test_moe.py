@@ -31,8 +31,10 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss
 from analysis.mfu import Shape, flops_per_token
 from gptpar.config import ConfigError, load_config
 from gptpar.data.pairs import IGNORE
+from gptpar.launch.plan import plan_run
 from gptpar.model import build_model
 from gptpar.models import architecture
+from gptpar.parallel.grid import launched_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.presets import PRESETS
 from gptpar.pretrained import folder_shape
@@ -145,8 +147,8 @@ def test_a_folder_of_a_mixture_has_its_shape(tmp_path: Path) -> None:
     (["parallel.dp=2", "parallel.ep=2"], "parallel.ep=2 splits a mixture's experts; gpt2 has none"),
     (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "train.dump_grads=g.pt"],
      "train.dump_grads with parallel.ep=2: each rank holds only its own experts' gradients"),
-    (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=fsdp2"],
-     "parallel.ep=2 with parallel.dp_sync=fsdp2 is not built yet; use naive, bucketed, ddp, zero1 or zero2"),
+    (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=fsdp"],
+     "parallel.ep=2 with parallel.dp_sync=fsdp is not built yet; use naive, bucketed, ddp, zero1, zero2 or fsdp2"),
     (["model.preset=mixtral-tiny", "model.moe_capacity_factor=-1"], "model.moe_capacity_factor: -1.0 is below the "
                                                                     "minimum 0.0"),
     (["model.preset=mixtral-tiny", "parallel.tp=2"], "parallel.tp=2 with a mixture of experts (mixtral) is not built "
@@ -159,6 +161,20 @@ def test_a_mixture_that_cannot_be_trained_is_one_line(overrides: list[str], mess
     with pytest.raises(ConfigError) as error:
         load_config(None, overrides)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_expert_parallelism_takes_its_data_parallel_size_from_the_jobs_shape(tmp_path: Path) -> None:
+    """parallel.ep without parallel.dp: a dp job of 4 GPUs (or a launcher of 4 ranks) fills dp=4 in and ep=2 divides
+    it; where nothing fills it, the one replica cannot hold two expert ranks, in one line before anything is
+    written."""
+    cfg = load_config(None, ["model.preset=qwen2-moe-tiny", "parallel.ep=2", "launch.gpus=4"])
+    point = plan_run(cfg, "dp", tmp_path, "ep", write=False)
+    assert (point.cfg.parallel.dp, point.cfg.parallel.ep) == (4, 2)
+    assert launched_config(cfg, 4).parallel.dp == 4
+    for refused in (lambda: plan_run(cfg, None, tmp_path, "ep"), lambda: launched_config(cfg, 1)):
+        with pytest.raises(ConfigError, match=r"^parallel.ep=2 must divide parallel.dp=1 \(expert parallelism"):
+            refused()
+    assert not (tmp_path / "ep").exists()
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ CASES_2 = [
     ("qwen-ep2-ddp-accum", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=ddp",
                             "train.grad_accum=2"]),
     ("qwen-ep2-zero1", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=zero1"]),
+    ("qwen-ep2-fsdp2", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=fsdp2"]),
 ]
 # ep=2 inside dp=4: two groups of two, each expert held by two ranks (its replicas reduce its gradient); zero2 shards
 # the dense gradients over all four, so the norm sums them over dp and each expert slice once.
@@ -67,15 +68,18 @@ def _routing_and_traffic(info: RankInfo, runs: Path, overrides: list[str]) -> No
 
 def _resumes(info: RankInfo, runs: Path) -> None:
     """Under ep=2: a step, a checkpoint, a resumed trainer's next step; then the whole checkpoint loaded by a trainer
-    of ep=1 (every rank its own copy). The same resume under zero1, whose optimizer keeps the experts' state itself."""
+    of ep=1 (every rank its own copy). The same resume under zero1, whose optimizer keeps the experts' state itself,
+    and under fsdp2, whose DTensor shards sit beside the plain expert slices."""
     cfg = make_config([*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=naive"], runs, "resume")
     record = resumed_run(cfg, info)
     other = make_trainer(make_config([*QWEN_MOE, "parallel.dp=2", "parallel.dp_sync=naive"], runs, "resume"), info)
     assert load_checkpoint(other.folder.path, {"trainer": other})
     record["other_ep"] = named_params(other)
     torch.save(record, runs / f"resume.rank{info.rank}.pt")
-    zero1 = make_config([*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=zero1"], runs, "resume-zero1")
-    torch.save(resumed_run(zero1, info), runs / f"resume-zero1.rank{info.rank}.pt")
+    for sync in ("zero1", "fsdp2"):
+        sharded = make_config([*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", f"parallel.dp_sync={sync}"], runs,
+                              f"resume-{sync}")
+        torch.save(resumed_run(sharded, info), runs / f"resume-{sync}.rank{info.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +140,12 @@ def test_a_checkpoint_holds_whole_experts_resumes_exactly_and_loads_under_anothe
             assert torch.equal(value, through["params"][name]), name
         for name, value in rank["saved"].items():
             assert torch.equal(rank["other_ep"][name], value), name  # ep=1 loaded exactly what ep=2 saved
-    for rank, through in zip([torch.load(results / f"resume-zero1.rank{r}.pt") for r in range(2)],
-                             saved_ranks(results, "qwen-ep2-zero1"), strict=True):
-        assert rank["losses"] == through["losses"][1:]  # zero1 resumes the experts' AdamW state too
-        for name, value in rank["params"].items():
-            assert torch.equal(value, through["params"][name]), name
+    for sync in ("zero1", "fsdp2"):  # each resumes the experts' AdamW state too
+        for rank, through in zip([torch.load(results / f"resume-{sync}.rank{r}.pt") for r in range(2)],
+                                 saved_ranks(results, f"qwen-ep2-{sync}"), strict=True):
+            assert rank["losses"] == through["losses"][1:], sync
+            for name, value in rank["params"].items():
+                assert torch.equal(value, through["params"][name]), (sync, name)
     cfg = make_config(QWEN_MOE, results, "resume")  # what `gptpar train` leaves in a run folder beside it
     (results / "resume" / CONFIG_FILE).write_text(to_yaml(cfg))
     out = export_checkpoint(results / "resume", tmp_path / "whole.pt")

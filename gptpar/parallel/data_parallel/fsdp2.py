@@ -6,6 +6,10 @@ matrix. Every parameter becomes a DTensor sharded on dim 0 (padded to a multiple
 forward and backward gather each unit's parameters just in time and backward reduce-scatters its
 gradients, averaged over the group. The optimizer steps the local shards. For N parameters and world
 size W this holds about 16N/W bytes per rank, plus a unit's gathered parameters in flight.
+
+Under parallel.ep each rank's expert slices are `ignored_params`: plain tensors, left whole on their ranks and to
+gptpar.parallel.expert_parallel; the global norm then sums every rank's local gradients over the group (the expert
+slices counted once, by the trainer).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,17 +39,25 @@ class FSDP2Sync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.group, setup.mesh)
+        return cls(setup.model, setup.group, setup.mesh, setup.local)
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, mesh: DeviceMesh | None = None):
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, mesh: DeviceMesh | None = None,
+                 local: frozenset[str] = frozenset()):
         super().__init__(model)
-        broadcast_state(model, group)  # replicas start equal; the shards are then cut from the same model
+        broadcast_state(model, group, local)  # replicas start equal; the shards are then cut from the same model
         if mesh is None:
             mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
+        ignored = {p for name, p in model.named_parameters() if name in local}
         for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, ignored_params=ignored & set(block.parameters()) or None)
+        fully_shard(model, mesh=mesh, ignored_params=ignored or None)
+        self.group, self.local = group, bool(local)
         self.comm_wait_s = None  # the collectives run inside forward and backward
+
+    def clip_targets(self) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
+        """Torch's DTensor norm, or with expert slices beside the shards every local gradient over the group."""
+        targets, _ = super().clip_targets()
+        return targets, self.group if self.local else None
 
     @contextlib.contextmanager
     def accumulating(self, is_last_micro_step: bool) -> Iterator[None]:

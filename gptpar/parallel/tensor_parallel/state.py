@@ -59,13 +59,14 @@ def as_dtensors(state: dict[str, Any], shards: dict[str, TPShard], mesh: DeviceM
 
 
 def as_local(state: dict[str, Any], shards: dict[str, TPShard]) -> dict[str, Any]:
-    """Inverse of as_dtensors: each DTensor back to this rank's piece in its own layout."""
+    """Inverse of as_dtensors: each DTensor named in `shards` back to this rank's piece in its own layout (others,
+    FSDP2's shards beside parallel.ep's experts, stay DTensors)."""
     def unwrap(key: str, value: Any) -> Any:
-        if not isinstance(value, DTensor):
-            return value
         spec = shards.get(key) or shards.get(key.rpartition(".")[0])
+        if not isinstance(value, DTensor) or spec is None:
+            return value
         local = value.to_local()
-        return local.flatten(spec.dim, spec.dim + 1) if spec is not None and spec.parts > 1 else local
+        return local.flatten(spec.dim, spec.dim + 1) if spec.parts > 1 else local
     return {key: unwrap(key, value) for key, value in state.items()}
 
 
