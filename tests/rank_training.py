@@ -77,16 +77,16 @@ def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
         return {n: made_whole(p) for n, p in params.items()}
 
 
-def resumed_run(cfg: Config, info: RankInfo) -> dict:
-    """One step, a checkpoint, a new trainer loaded from it, one more step: what a resume continues with (losses
-    and parameters of the second trainer) and the parameters that were saved."""
+def resumed_run(cfg: Config, info: RankInfo, before: int = 1, after: int = 1) -> dict:
+    """`before` steps, a checkpoint, a new trainer loaded from it, `after` more steps: what a resume continues with
+    (losses and parameters of the second trainer) and the parameters that were saved."""
     first = make_trainer(cfg, info)
-    train_steps(first, 1)
+    train_steps(first, before)
     first.checkpoints.save()
     saved = named_params(first)
     second = make_trainer(cfg, info)
     assert load_checkpoint(second.folder.path, {"trainer": second})
-    return {"losses": train_steps(second, 1), "params": named_params(second), "saved": saved}
+    return {"losses": train_steps(second, after), "params": named_params(second), "saved": saved}
 
 
 def save_cases(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]], base: list[str] = BASE) -> None:

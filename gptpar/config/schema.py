@@ -234,11 +234,18 @@ class ParallelConfig:
                               "the whole logits.")
     bucket_mb: float = opt(25.0, "Bucket size of the bucketed reducer, in MB.", min=0.001,
                            max=1_048_576.0)
-    grad_comm: str = opt("fp32", "What gradients are sent in over the replicas: fp32, or bf16 and fp16 (half the "
-                         "bytes: each rank casts its gradient, divides it by the replica count and sums in that "
-                         "type, as torch's bf16/fp16_compress_hook do; the average is copied back into fp32). "
-                         "parallel.dp_sync naive, bucketed, zero1 (ours) and ddp (torch's hooks).",
-                         choices=GRAD_COMMS)
+    grad_comm: str = opt("fp32", "What gradients are sent in over the replicas: fp32; bf16 or fp16 (half the bytes: "
+                         "each rank casts its gradient, divides it by the replica count and sums in that type, as "
+                         "torch's bf16/fp16_compress_hook do; the average is copied back into fp32; parallel.dp_sync "
+                         "naive, bucketed, zero1 and ddp, through torch's hooks); int8 (about a quarter: blocks of "
+                         "parallel.quant_block values with one scale each, reduced by all-to-all, summed in fp32 on "
+                         "each rank's shard and all-gathered, ZeRO++'s qgZ; naive and bucketed); powersgd (torch's "
+                         "low-rank PowerSGD hook, of rank parallel.powersgd_rank, with error feedback saved in "
+                         "checkpoints; ddp, from its third step).", choices=GRAD_COMMS)
+    quant_block: int = opt(256, "parallel.grad_comm=int8: values per quantisation block (one fp32 scale each); each "
+                           "gradient or bucket is padded to a multiple of dp * quant_block.", min=1, max=2**24)
+    powersgd_rank: int = opt(1, "parallel.grad_comm=powersgd: rank of PowerSGD's low-rank approximation of each "
+                             "gradient matrix.", min=1, max=4096)
     backend: str = opt("auto", "auto: nccl when CUDA is visible, else gloo.",
                        choices=("auto", "gloo", "nccl"))
     timeout_s: float = opt(120.0, "Seconds before a dead or hung rank fails the job.", min=1.0,

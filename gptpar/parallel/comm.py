@@ -11,10 +11,11 @@ was issued and when a rank blocked on it, and `gptpar trace` (analysis/trace.py)
 Several ops issued by one call (a batch of sends and receives) get one span per op, nested. Without a
 running profiler a span costs one check.
 
-`SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`, and
-`SPENT` the spans of device time inside them (`timed`), for its `comm_s`: so far the expert all-to-alls
-(gptpar.parallel.expert_parallel), counted from the actual split sizes. Both start empty at each step's start
-(`new_step`), so an evaluation's traffic between steps counts in no step.
+`SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`: the
+expert all-to-alls (gptpar.parallel.expert_parallel), counted from the actual split sizes, and the replicated
+data-parallel syncs' gradients (naive, bucketed, ddp: `count_sent`, in ring terms). `SPENT` holds the spans of
+device time inside timed collectives (`timed`: so far the expert all-to-alls), for its `comm_s`. Both start empty at
+each step's start (`new_step`), so an evaluation's traffic between steps counts in no step.
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ def new_step() -> None:
     """Forget what was sent and spent since the last step's record (an evaluation's traffic)."""
     SENT.clear()
     SPENT.clear()
+
+
+def ring_share(op: str, amount: int, size: int) -> int:
+    """What one rank sends in a ring `op` over `size` ranks of a tensor of `amount` bytes or elements, the whole tensor
+    (an all-reduce's payload, an all-gather's output, a reduce-scatter's or an even all-to-all's input): an all-reduce
+    2(g-1)/g of it, the others (g-1)/g."""
+    return round(amount * (2 if op == "all_reduce" else 1) * (size - 1) / size)
+
+
+def count_sent(op: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+    """Add this rank's ring share of an `op` of `nbytes` over `group` to SENT."""
+    SENT[op] += ring_share(op, nbytes, dist.get_world_size(group))
 
 
 def read_sent() -> dict[str, int]:

@@ -124,10 +124,14 @@ class StepRecord(Record):
         "model.moe_capacity_factor, over every block and replica; 0 without a capacity).")
     comm_bytes: dict[str, int] | Absent = optional(
         "Bytes this rank sent to other ranks in the step, by collective, counted from what was sent: `all_to_all` "
-        "(parallel.ep's tokens to their experts and back, forward and backward, and the counts before them).")
+        "(parallel.ep's tokens to their experts and back, forward and backward, and the counts before them; "
+        "parallel.grad_comm=int8's reduce-scatter), `all_reduce` and `all_gather` (the gradients of parallel.dp_sync "
+        "naive, bucketed and ddp, in ring terms: an all-reduce of n bytes over g ranks 2n(g-1)/g, an all-gather "
+        "n(g-1)/g of its output).")
     comm_s: dict[str, float] | Absent = optional(
-        "Seconds of the step inside this rank's collectives, by the same kinds as `comm_bytes` (CUDA events around "
-        "each on a GPU, the host's clock on a CPU, where a call returns once done): waiting for a slower peer counts.")
+        "Seconds of the step inside this rank's timed collectives, by kind: so far `all_to_all` (parallel.ep's; CUDA "
+        "events around each on a GPU, the host's clock on a CPU, where a call returns once done): waiting for a slower "
+        "peer counts.")
     pp_busy_s: dict[str, float] | Absent = optional("parallel.pp > 1: seconds busy per action kind (`F`, `B`, `W`).")
     pp_window_s: float | Absent = optional("parallel.pp > 1: seconds of the schedule's window.")
     pp_peak_activation_bytes: int | Absent = optional(

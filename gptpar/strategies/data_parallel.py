@@ -18,7 +18,10 @@ if TYPE_CHECKING:
 # Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), in the parts a strategy
 # may shard over its W replicas; every rank holds the parts it does not shard whole.
 STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
-GRAD_COMMS = ("fp32", "bf16", "fp16")  # parallel.grad_comm: the type gradients cross the wire in
+# parallel.grad_comm: how gradients cross the wire. The half types all-reduce in bf16 or fp16; int8 is our reducers'
+# blockwise quantisation (an all-to-all and an all-gather), powersgd torch's low-rank hook for DDP.
+HALF = ("fp32", "bf16", "fp16")
+GRAD_COMMS = (*HALF, "int8", "powersgd")
 
 
 @dataclass(frozen=True)
@@ -51,16 +54,16 @@ _PACKAGE = "gptpar.parallel.data_parallel"
 _NOT_SHARDED_YET = "does not shard pipeline stages yet"
 
 DP_STRATEGIES: dict[str, DataParallelStrategy] = {
-    "naive": DataParallelStrategy(f"{_PACKAGE}.naive:NaiveSync", "all-reduce per parameter", grad_comm=GRAD_COMMS,
-                                  expert_parallel=True),
+    "naive": DataParallelStrategy(f"{_PACKAGE}.naive:NaiveSync", "all-reduce per parameter",
+                                  grad_comm=(*HALF, "int8"), expert_parallel=True),
     "bucketed": DataParallelStrategy(f"{_PACKAGE}.bucketed:BucketedSync", "overlapped flat buckets",
-                                     grad_comm=GRAD_COMMS, expert_parallel=True),
+                                     grad_comm=(*HALF, "int8"), expert_parallel=True),
     "ddp": DataParallelStrategy(
         f"{_PACKAGE}.ddp:DDPSync", "torch DDP",
         without_pipeline="cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many "
-                         "per step)", grad_comm=GRAD_COMMS, expert_parallel=True),
+                         "per step)", grad_comm=(*HALF, "powersgd"), expert_parallel=True),
     "zero1": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroOneSync", "bucketed, optimizer state sharded",
-                                  ("optimizer",), _NOT_SHARDED_YET, grad_comm=GRAD_COMMS, expert_parallel=True),
+                                  ("optimizer",), _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True),
     "zero2": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroTwoSync", "gradients sharded too",
                                   ("grads", "optimizer"), _NOT_SHARDED_YET, expert_parallel=True),
     "fsdp": DataParallelStrategy(f"{_PACKAGE}.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered "

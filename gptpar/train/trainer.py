@@ -109,8 +109,9 @@ class Trainer:
             model, optimizer = self.checkpoint_layout.save(model, optimizer)
         if self.experts is not None:
             model, optimizer = self.experts.save(model, optimizer)
+        comm = self.sync.comm_state()
         return {"model": model, "optimizer": optimizer, "step": self.step, "vocab_size": self.vocab_size,
-                **self.precision.state_dict()}
+                **self.precision.state_dict(), **({"comm": comm} if comm else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model, optimizer = state["model"], state["optimizer"]
@@ -121,6 +122,8 @@ class Trainer:
         load_model_state(self.net, self.optimizer, model, optimizer, self.sync)
         self.step = int(state["step"])
         self.precision.load_state_dict(state)
+        if "comm" in state:
+            self.sync.load_comm_state(state["comm"])
 
     def _loader(self, epoch: int) -> Iterable[Batch]:
         return partition_dataset(self.dims.coord("dp"), self.dims.size("dp"), self.train_set, self.micro_batch,

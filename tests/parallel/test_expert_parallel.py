@@ -122,7 +122,7 @@ def test_all_to_all_bytes_and_dropped_picks_are_what_the_routing_gives(results: 
         sent = sum(kept[me][:, e].sum() for e in range(8) if not mine.start <= e < mine.stop)
         received = kept[1 - me][:, mine].sum()
         rows = 2 * int(sent + received)  # dispatch and return; backward: the same rows the other way
-        assert rank["sent"] == {"all_to_all": rows * 32 * 4 + 4 * 8 * len(kept[me])}  # fp32 rows, int64 counts
+        assert rank["sent"]["all_to_all"] == rows * 32 * 4 + 4 * 8 * len(kept[me])  # fp32 rows, int64 counts
         assert list(rank["spent"]) == ["all_to_all"] and len(rank["spent"]["all_to_all"]) == 5 * len(kept[me])
         assert all(seconds > 0 for seconds in rank["spent"]["all_to_all"])
     dropped = sum(int((r["picks"] - capacity).clamp(min=0).sum()) for r in ranks)

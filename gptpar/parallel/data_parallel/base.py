@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,8 +15,10 @@ from torch.distributed.tensor import DTensor
 
 from gptpar.config import ParallelConfig
 
-# parallel.grad_comm: the type gradients cross the wire in (None: fp32, as they are)
-WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+# parallel.grad_comm: the type our reducers send gradients in (None: fp32, as they are; int8: blockwise quantised,
+# quantized.py)
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+                                              "int8": torch.int8}
 
 # (parameter name, shape) -> the parameter's whole initial value on CPU, the same on every rank: how fsdp
 # materialises only its shards of a model built on the meta device.
@@ -106,6 +109,14 @@ class GradSync:
 
     def after_step(self) -> None:
         """Just after optimizer.step() (a sharded optimizer gathers the updated parameters)."""
+
+    def comm_state(self) -> dict[str, Any]:
+        """State of the gradient communication that a resume must continue from (ddp's PowerSGD error feedback),
+        keyed so that every rank saves its own; empty for a sync that keeps none (checkpoints then hold nothing)."""
+        return {}
+
+    def load_comm_state(self, state: dict[str, Any]) -> None:
+        """Restore what comm_state() saved."""
 
     def memory_fields(self) -> dict[str, int]:
         """Extra fields of the `memory` record: what only this strategy can count (fsdp: its in-flight peak)."""

@@ -17,7 +17,9 @@ Invariants:
   its existing .grad or zeros), waits, and points each .grad at its averaged slice again.
 - With parallel.grad_comm=bf16 or fp16 a launched bucket is cast to that type and divided there, summed in it,
   and copied back into the fp32 bucket once it arrives: half the bytes on the wire, and element for element what
-  torch's bf16/fp16_compress_hook compute for DDP.
+  torch's bf16/fp16_compress_hook compute for DDP. With int8 a launched bucket is quantised and its all-to-all issued
+  (quantized.py); finish() completes each bucket's average in order (its shard reduced, then its all-gather).
+- Every launched bucket counts its bytes in comm.SENT.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import comm_span
+from gptpar.parallel.comm import comm_span, count_sent
 from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state, synced_parameters
+from gptpar.parallel.data_parallel.quantized import QuantisedAverage
 
 
 @dataclass
@@ -41,7 +44,7 @@ class _Bucket:
     buffer: torch.Tensor
     views: list[torch.Tensor]  # views[i] is params[i]'s slice of buffer, shaped like the parameter
     ready: list[bool] = field(default_factory=list)
-    work: dist.Work | None = None
+    work: dist.Work | QuantisedAverage | None = None  # its all-reduce, or its int8 average, in flight
     sent: torch.Tensor | None = None  # the bucket in parallel.grad_comm's type while it is on the wire
 
     def reset(self) -> None:
@@ -82,12 +85,13 @@ class BucketedSync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm], setup.local)
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, WIRE_DTYPES[setup.pcfg.grad_comm], setup.local,
+                   setup.pcfg.quant_block)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup | None = None,
-                 wire: torch.dtype | None = None, local: frozenset[str] = frozenset()):
+                 wire: torch.dtype | None = None, local: frozenset[str] = frozenset(), quant_block: int = 0):
         super().__init__(model)
-        self.group, self.wire = group, wire
+        self.group, self.wire, self.quant_block = group, wire, quant_block
         broadcast_state(model, group, local)
         self.world_size = dist.get_world_size(group)
         groups = plan_buckets(synced_parameters(model, local), int(bucket_mb * 2**20))
@@ -139,12 +143,16 @@ class BucketedSync(GradSync):
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
             bucket = self.buckets[self._next]
+            self._next += 1
+            if self.wire == torch.int8:
+                bucket.work = QuantisedAverage(bucket.buffer, self.group, self.quant_block)
+                continue
             if self.wire is not None:
                 bucket.sent = bucket.buffer.to(self.wire).div_(self.world_size)
+            sent = bucket.buffer if bucket.sent is None else bucket.sent
+            count_sent("all_reduce", sent.numel() * sent.element_size(), self.group)
             with comm_span("all_reduce", phase="issue"):
-                bucket.work = dist.all_reduce(bucket.buffer if bucket.sent is None else bucket.sent,
-                                              op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            self._next += 1
+                bucket.work = dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     @contextlib.contextmanager
     def accumulating(self, is_last_micro_step: bool) -> Iterator[None]:
@@ -162,6 +170,9 @@ class BucketedSync(GradSync):
         self._launch_ready()
         start = time.perf_counter()
         for bucket in self.buckets:
+            if isinstance(bucket.work, QuantisedAverage):
+                bucket.work.finish()
+                continue
             with comm_span("all_reduce", phase="wait"):
                 bucket.work.wait()
             if bucket.sent is not None:

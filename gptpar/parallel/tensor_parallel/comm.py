@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import autograd
 
-from gptpar.parallel.comm import all_gather, comm_span, reduce_scatter
+from gptpar.parallel.comm import all_gather, comm_span, reduce_scatter, ring_share
 
 # Elements this rank put on the wire (ring algorithms: all-reduce 2(T-1)/T of the payload, all-gather and
 # reduce-scatter (T-1)/T of the whole tensor), by collective; reset it to measure a step.
@@ -31,8 +31,7 @@ VOLUME: Counter[str] = Counter()
 
 
 def _count(op: str, elements: int, group: dist.ProcessGroup) -> None:
-    size = dist.get_world_size(group)
-    VOLUME[op] += round(elements * (2 if op == "all_reduce" else 1) * (size - 1) / size)
+    VOLUME[op] += ring_share(op, elements, dist.get_world_size(group))
 
 
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
