@@ -290,6 +290,26 @@ def test_a_shape_no_node_can_hold_is_refused_before_the_queue(tmp_path: Path, la
     assert not (tmp_path / "runs").exists()
 
 
+def test_status_lists_a_pending_plain_sbatch_job_with_slurms_reason(tmp_path: Path) -> None:
+    """A job of jobs/dp.sbatch has no run folder until it starts; `gptpar status` lists it pending all the same (SLURM
+    knows it by the script's job name) under the folder it will write, with SLURM's reason and its fix."""
+    (tmp_path / "runs" / "other").mkdir(parents=True)
+    job_id = _run(["sbatch", "--parsable", "--hold", "--cpus-per-task=1", str(REPO / "jobs" / "dp.sbatch")],
+                  tmp_path).strip()
+    try:
+        out = _run([GPTPAR, "status"], tmp_path)
+        pending = _run([GPTPAR, "status", "--state", "pending"], tmp_path)
+        elsewhere = _run([GPTPAR, "status", "runs/other"], tmp_path)
+    finally:
+        subprocess.run(["scancel", job_id], check=True, env=clean_env())
+    row, detail, count = out.splitlines()[1:]
+    assert row.split() == ["pending", f"dp-{job_id}", job_id, "-", "0", "-", "-", "-", "-", "0"]
+    assert detail == f"    will never start: JobHeldUser; it is held; release it with: scontrol release {job_id}"
+    assert count == "1 run(s): 1 pending" and pending == out
+    assert elsewhere.rstrip().endswith("0 run(s): none")  # its folder will not be under that one
+    assert not list((tmp_path / "runs").glob("dp-*"))
+
+
 def test_what_sbatch_refuses_of_a_submitit_job_is_one_line(work: Path) -> None:
     result = subprocess.run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, f"log.runs_dir={work / 'runs'}",
                              "log.run_id=submitit_refused", "launch.profile=generic", "launch.partition=nope",
