@@ -392,7 +392,7 @@ def test_figures_from_the_runs(work: Path) -> None:
     for run in ("dp2", f"pp-{(work / 'pp_job').read_text()}", "tp_2nodes"):
         _wait(work / "runs" / run)
     out = work / "figures"
-    _run([GPTPAR, "report", str(work / "runs"), "--out", str(out)], work)
+    _run([GPTPAR, "report", str(work / "runs"), "--out", str(out), "--group-by", "sweep"], work)  # ad-hoc: compared
     rows = {row["run"]: row for row in csv.DictReader((out / "summary.csv").open())}
     pp_run = f"pp-{(work / 'pp_job').read_text()}"
     shapes = {run: (rows[run]["status"], rows[run]["gpus"], rows[run]["pp_mode"])
