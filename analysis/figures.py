@@ -22,7 +22,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, PercentFormatter
 from matplotlib.transforms import blended_transform_factory
 
-from analysis.aggregate import TOP_LEVEL, MemoryUse, RunMetrics, key_value, sweep_axes
+from analysis.aggregate import MemoryUse, RunMetrics, key_value, sweep_axes
 from analysis.canvas import (
     FORMATS,
     NAME_MAX,
@@ -43,7 +43,7 @@ from analysis.canvas import (
     x_name,
     x_positions,
 )
-from analysis.grouping import Mark, Spread, marks, point_keys, point_name, run_labels, run_names, series
+from analysis.grouping import Mark, Spread, compared, marks, point_keys, point_name, run_labels, run_names, series
 from analysis.scaling import repeat_points
 from gptpar.run.names import slug
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
@@ -64,8 +64,10 @@ def _epoch_time(r: RunMetrics) -> Spread:
 
 
 def _scaling_runs(runs: list[RunMetrics], figs: FigureSet) -> tuple[list[RunMetrics], str]:
-    """The runs of the scaling figures and their x: every run against --x, else the single-mode (data- and
-    tensor-parallel) runs against the GPU count; pipelines have their own figure, against micro-batches."""
+    """The runs of the scaling figures and their x: every compared run (a sweep's, or any under --group-by) against
+    --x, else the compared single-mode (data- and tensor-parallel) runs against the GPU count; pipelines have their
+    own figure, against micro-batches."""
+    runs = [r for r in runs if compared(r, figs.group_by)]
     if figs.x:
         return runs, figs.x
     return [r for r in runs if r.pp_mode == "single"], "gpus"
@@ -367,7 +369,7 @@ def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
         if r.job_tokens_per_s is not None:
             by_sweep.setdefault(r.sweep, []).append(r)
     for members in by_sweep.values():
-        if members[0].sweep == TOP_LEVEL and not figs.group_by:
+        if not compared(members[0], figs.group_by):
             continue  # runs outside a sweep differ by accident, not along an axis: listed, never drawn as one
         for key in sweep_axes(members):
             if key != figs.x:
@@ -642,11 +644,13 @@ def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], N
     x, fmt = figs.x, figs.fmt
     along = slug((x or "gpus").rpartition(".")[2], NAME_MAX)
     single = "" if x else "single-mode "
+    adhoc = "" if figs.group_by else " (runs outside a sweep folder are compared only under --group-by)"
     drawings: tuple[tuple[str, Callable[[list[RunMetrics], FigureSet], bool], str], ...] = (
-        (f"time_vs_{along}", partial(_scaling, metric="time"), f"no {single}run with an epoch time"),
-        (f"throughput_vs_{along}", partial(_scaling, metric="tokens"), f"no {single}run with a throughput"),
+        (f"time_vs_{along}", partial(_scaling, metric="time"), f"no {single}run of a sweep with an epoch time{adhoc}"),
+        (f"throughput_vs_{along}", partial(_scaling, metric="tokens"),
+         f"no {single}run of a sweep with a throughput{adhoc}"),
         (f"speedup_vs_{along}", _speedup, f"no {single}run with a speedup over another run that is not flagged "
-                                          "(a sweep needs its 1-GPU run as the baseline)"),
+                                          f"(a sweep needs its 1-GPU run as the baseline){adhoc}"),
         ("pipeline_vs_model_parallel", _pipeline, "no model- or pipeline-parallel run"),
         ("loss_*", _losses, "no run logged a loss"),
         ("bleu_*", partial(_scores, key="bleu", label="BLEU"), "no run logged a bleu in its epoch records"),

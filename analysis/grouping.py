@@ -17,7 +17,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from analysis.aggregate import GPU_KEYS, PIPELINE_KEYS, PSEUDO_KEYS, RunMetrics, follows, key_value, sweep_axes
+from analysis.aggregate import (
+    GPU_KEYS,
+    PIPELINE_KEYS,
+    PSEUDO_KEYS,
+    TOP_LEVEL,
+    RunMetrics,
+    follows,
+    key_value,
+    sweep_axes,
+)
 from gptpar.errors import GptparError
 from gptpar.run.names import short_names
 
@@ -31,6 +40,13 @@ def check_keys(runs: list[RunMetrics], option: str, keys: Sequence[str]) -> None
         if key not in known:
             raise GptparError(f"{option} {key!r}: not a config key of any run (section.key, such as "
                               f"parallel.dp_sync) nor one of {', '.join(PSEUDO_KEYS)}")
+
+
+def compared(r: RunMetrics, group_by: Sequence[str]) -> bool:
+    """Whether a run may be measured against other runs (a baseline, a scaling line): a sweep's run, or any run
+    under an explicit --group-by; runs outside a sweep folder were not run as one comparison, so they are listed,
+    never compared, unless the user groups them."""
+    return bool(group_by) or r.sweep != TOP_LEVEL
 
 
 def order(value: Any) -> tuple[int, float, str]:

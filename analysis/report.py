@@ -85,17 +85,17 @@ def analyse_runs(runs_dir: str | Path, warmup_epochs: int = 1, warmup_steps: int
 
 def run_table(runs_dir: str | Path = "runs", warmup_epochs: int = 1, warmup_steps: int = 5,
               include_incomplete: bool = False, now: float | None = None, workers: int | None = None,
-              peak_flops: float | None = None, target_loss: float | None = None
+              peak_flops: float | None = None, target_loss: float | None = None, group_by: Sequence[str] = ()
               ) -> tuple[list[RunMetrics], list[RunMetrics]]:
     """(every run, the runs shown in the table and figures) with times to the target loss (target_loss, else each
-    sweep's), speedups, repeats and flags: what the report and the notebook loader (analysis.load) both start
-    from."""
+    sweep's), speedups (runs outside a sweep only under group_by), repeats and flags: what the report and the
+    notebook loader (analysis.load) both start from."""
     check_target(target_loss)
     runs = analyse_runs(runs_dir, warmup_epochs, warmup_steps, now, workers, peak_flops)
     shown = [r for r in runs if not r.set_aside and not r.mixed and (r.status in ("completed", "diverged")
                                                                      or (include_incomplete and r.status != "corrupt"))]
     apply_targets(shown, target_loss)
-    apply_speedups(shown)
+    apply_speedups(shown, group_by)
     return runs, shown
 
 
@@ -128,7 +128,7 @@ def report(runs_dir: str | Path = "runs", out_dir: str | Path = "figures", warmu
     out = check_path(out_dir, "folder", "--out", "name a folder for the report", must_exist=False)  # before any run
     figs = FigureSet(out, fmt, dpi, x, tuple(group_by))
     runs, shown = run_table(runs_dir, warmup_epochs, warmup_steps, include_incomplete, now, workers, peak_flops,
-                            target_loss)
+                            target_loss, group_by)
     check_keys(runs, "--group-by", group_by)
     check_keys(runs, "--x", [x] if x else [])
     print_warnings(runs)

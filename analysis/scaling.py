@@ -6,7 +6,8 @@ Definitions (the summary's footnotes repeat them):
   outside a sweep folder is a point of its own: ad-hoc runs of one config were not run as repeats);
 - baseline: the sweep's 1-GPU single-mode point, or for a one-process pipeline run the model-parallel point on
   the same devices (and data-parallel size), which is then its own baseline (1.00x); among several, the one that
-  shares the most of the sweep's axes;
+  shares the most of the sweep's axes; runs outside a sweep folder have none unless --group-by compares them
+  (analysis.grouping.compared): an unrelated ad-hoc run is no baseline;
 - speedup: a run's job tokens/s over its baseline point's (the honest throughput: summed per-rank rates
   overstate scaling whenever ranks wait on each other); efficiency: speedup / (GPUs / baseline GPUs), not given
   for a pipeline against model parallel on the same devices, where it would only repeat the speedup;
@@ -24,9 +25,11 @@ Definitions (the summary's footnotes repeat them):
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from analysis.aggregate import TOP_LEVEL, RunMetrics, sweep_axes
+from analysis.grouping import compared
 
 REPEAT_KEY = "launch.repeat"
 
@@ -101,8 +104,9 @@ def _baseline(point: Point, points: list[Point], axes: list[str]) -> tuple[Point
     return (_closest(point, single, axes) if single else None), False
 
 
-def apply_speedups(runs: list[RunMetrics]) -> None:
-    """Repeats, noise, speedup, efficiency and bound flags of every run with a job tokens/s, sweep by sweep."""
+def apply_speedups(runs: list[RunMetrics], group_by: Sequence[str] = ()) -> None:
+    """Repeats and noise of every run with a job tokens/s, sweep by sweep; speedup, efficiency and bound flags of
+    those that are compared (a sweep's, or every run under --group-by)."""
     sweeps: dict[str, list[RunMetrics]] = {}
     for r in runs:
         if r.job_tokens_per_s:
@@ -113,6 +117,8 @@ def apply_speedups(runs: list[RunMetrics]) -> None:
             noise, basis = point.noise()
             for r in point.runs:
                 r.repeats, r.noise, r.noise_basis = len(point.runs), noise, basis
+        if not compared(members[0], group_by):
+            continue
         axes = sweep_axes(members)
         for point in points:
             base, pipeline = _baseline(point, points, axes)

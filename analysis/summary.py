@@ -42,7 +42,9 @@ FOOTNOTES = (
     "summed step time over those steps.",
     "**speedup**: job tokens/s over the baseline's (the mean over its repeats): the sweep's 1-GPU run, or for a "
     "one-process pipeline the model-parallel run on the same devices, whose own row shows 1.00×; **efficiency** = "
-    "speedup / (GPUs / baseline GPUs), not given for a pipeline against model parallel (the same devices).",
+    "speedup / (GPUs / baseline GPUs), not given for a pipeline against model parallel (the same devices). Runs "
+    "outside a sweep folder (`top-level`) have neither unless `--group-by` compares them: ad-hoc runs were not "
+    "run as one comparison.",
     "**⚠ (speedup, efficiency)**: past a physical bound by more than the measured noise: a pipeline at chunks=1 "
     "faster than model parallel (it runs the stages one after another too), or a data-parallel efficiency above "
     "100%. The noise is the spread of job tokens/s over a point's repeats (`launch.repeat`), (max − min) / mean, "

@@ -41,12 +41,27 @@ def processes_refused() -> Iterator[None]:
             setattr(owner, name, original)
 
 
+@contextlib.contextmanager
+def slurm_queue_unasked() -> Iterator[None]:
+    """Within, `gptpar status` lists no pending job of the plain sbatch scripts instead of asking squeue (a process):
+    a fast test's runs are the folders it wrote; tests/launch/test_slurm.py asks the real queue."""
+    from gptpar.launch import status
+
+    asked = status.queued_plain_jobs
+    status.queued_plain_jobs = list
+    try:
+        yield
+    finally:
+        status.queued_plain_jobs = asked
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
-    """A test not marked slow runs (setup of fixtures of every scope included) with processes refused."""
+    """A test not marked slow runs (setup of fixtures of every scope included) with processes refused, and so
+    without SLURM's queue."""
     if item.get_closest_marker("slow"):
         return (yield)
-    with processes_refused():
+    with processes_refused(), slurm_queue_unasked():
         return (yield)
 
 

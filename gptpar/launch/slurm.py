@@ -180,6 +180,36 @@ def slurm_state(job_id: str) -> str | None:
     return Pending(pending_why(info.get("Reason", ""), job_id)) if state == "pending" else state
 
 
+# The --job-name of jobs/<kind>.sbatch: SLURM knows a plain-sbatch job by it before the script has made its folder.
+PLAIN_SCRIPTS = {"gptpar-dp": "dp", "gptpar-pp": "pp"}
+QUEUE_TIMEOUT_S = 3.0
+
+
+def queued_plain_jobs() -> list[tuple[str, Path, str]]:
+    """(job id, run folder, why it waits) of each of this user's jobs of jobs/dp.sbatch and jobs/pp.sbatch that SLURM
+    holds pending: the folder does not exist until the job starts, so only SLURM knows them. The folder is the
+    script's default, runs/<kind>-<job id> under the folder it was sbatch-ed from (a RUNS or RUN given to sbatch
+    is SLURM's secret); [] where squeue cannot say within QUEUE_TIMEOUT_S (a controller answers in milliseconds, a
+    client whose controller is down only after 9 s, which every `gptpar status` would wait for)."""
+    if not shutil.which("squeue"):
+        return []
+    try:
+        result = subprocess.run(["squeue", "--me", "-h", "-t", "PENDING", "-n", ",".join(PLAIN_SCRIPTS),
+                                 "-o", "%i|%j|%r|%Z"], capture_output=True, text=True, timeout=QUEUE_TIMEOUT_S,
+                                env=clean_env())
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if result.returncode != 0:
+        return []
+    jobs = []
+    for line in result.stdout.splitlines():
+        job_id, name, reason, workdir = (line.split("|", 3) + ["", "", ""])[:4]
+        if job_id.isdigit() and name in PLAIN_SCRIPTS and workdir:  # an array's pending tasks have no folder name yet
+            run = Path(workdir) / "runs" / f"{PLAIN_SCRIPTS[name]}-{job_id}"
+            jobs.append((job_id, run, pending_why(reason, job_id)))
+    return jobs
+
+
 class SlurmBackend:
     """Jobs through sbatch: one job per shape, an array when several points share it."""
 

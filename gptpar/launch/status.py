@@ -12,6 +12,7 @@ from typing import Any
 
 from gptpar.errors import GptparError
 from gptpar.launch.backend import job_of, job_state
+from gptpar.launch.slurm import queued_plain_jobs
 from gptpar.run.folder import RunFolder, find_runs
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
@@ -117,16 +118,28 @@ def parse_states(text: str) -> tuple[str, ...]:
     return states
 
 
+def queued_rows(root: Path, known: set[str]) -> list[StatusRow]:
+    """Pending jobs of the plain sbatch scripts (jobs/dp.sbatch, jobs/pp.sbatch) whose run will be under `root`: they
+    have no folder yet, so SLURM alone knows them; a job in `known` (a folder's) is already listed."""
+    top = root.resolve()
+    return [StatusRow(state="pending", run=run.relative_to(top).as_posix(), job=job_id, elapsed_s=None, step=0,
+                      total_steps=None, loss=None, tokens_per_s=None, nodes="", restarts=0, detail=why)
+            for job_id, run, why in queued_plain_jobs() if job_id not in known and run.is_relative_to(top)]
+
+
 def status_rows(root: Path, now: float | None = None,
                 states: tuple[str, ...] = STATES) -> tuple[list[StatusRow], int]:
-    """Every current run under `root` in one of `states`, ordered by state, and the count of folders set aside (not
-    listed)."""
+    """Every current run under `root` in one of `states`, ordered by state (with the pending jobs of the plain sbatch
+    scripts, which have no folder yet), and the count of folders set aside (not listed)."""
     now = time.time() if now is None else now
     folders = find_runs(root)
     aside = [f for f in folders if replaced(f.name)]  # results of an earlier config, kept but not current
     runs = [_read(folder, root, now) for folder in folders if folder not in aside]
     rows = [row_of(run, job, root, now) for state in STATES if state in states for run, job in runs
             if run.state == state]
+    if "pending" in states:
+        after = sum(row.state == "pending" for row in rows)  # after the pending runs, before the running ones
+        rows[after:after] = queued_rows(root, {job[1] for _, job in runs if job})
     return rows, len(aside)
 
 

@@ -81,7 +81,8 @@ gres=$(mktemp)
   echo "JobRequeue=1"
   echo "MinJobAge=600"
   echo "KillWait=10"
-  echo "SchedulerParameters=sched_interval=2"
+  # Schedule every 2 s, and backfill (which starts a job that waits behind a bigger one) every 2 s rather than 30.
+  echo "SchedulerParameters=sched_interval=2,bf_interval=2"
   echo "StateSaveLocation=/var/spool/slurmctld"
   echo "SlurmctldPidFile=/run/slurmctld.pid"
   echo "SlurmctldLogFile=/var/log/slurm/slurmctld.log"

@@ -300,7 +300,7 @@ def test_a_report_on_a_full_disk_is_one_line(tmp_path: Path) -> None:
     """, tmp_path)
     errors = [line for line in said["err"].splitlines() if not line.startswith("warning: ")]
     assert said["code"] == 2 and len(errors) == 1, said["err"]
-    assert errors[0] == (f"gptpar: error: disk full: cannot write {tmp_path / 'out' / 'time_vs_gpus.png'} "
+    assert errors[0] == (f"gptpar: error: disk full: cannot write {tmp_path / 'out' / 'loss_top-level.png'} "
                          "(File too large); free some space, then run again")
 
 

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,15 +34,22 @@ TINY = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.tokenizer=bytes
         "data.synthetic_tokens=20000", "train.batch_size=8", "train.max_steps=3", "train.eval_every=0",
         "train.eval_batches=1", "train.threads=1", "launch.time=00:05:00"]
 REQUEUE_STEPS = 60  # below the 70-step epoch of the 20000-token synthetic corpus
-LIMIT_STEPS = 250  # about 3 times what one process trains here (3.5 steps/s, idle) in the 30 s before its USR2
+# slurmctld checks time limits every 30 s and sends USR2 at the first check that finds the limit less than
+# launch.signal_s + 30 s away: with a 1-minute limit and launch.signal_s=20, 10 to 40 s after the job starts. Not
+# sooner: a USR2 sent before the job's srun step exists (a check within a second of the start; backfill starts jobs
+# just before it, when both run every 30 s) reaches nobody, and the job dies at its limit. LIMIT_STEPS is 1.7 times
+# what one process trains in those 40 s, its start-up (7 s) aside, on an idle machine (3.5 steps/s), so that the
+# first round always ends with a requeue.
+LIMIT_STEPS = 200
 LIMIT = ["data.seq_len=64", "train.batch_size=16", "train.epochs=1000", f"train.max_steps={LIMIT_STEPS}",
-         "launch.time=00:01:00", "launch.signal_s=30"]  # USR2 30 s after the start
+         "launch.time=00:01:00", "launch.signal_s=20"]
 RAISED_LIMIT_MIN = 5  # after the first real limit, the time limit the requeued job finishes under
 FOREVER = ["train.epochs=1000", "train.max_steps=1000000"]  # until cancelled
 SUBMITIT = "launch.launcher=submitit"
 # sbatch takes SBATCH_TIMELIMIT over the script's --time; beyond the partitions' 2-day limit, SLURM keeps the job
 # pending (Reason=PartitionConfig here) until its limit is lowered: a job that cannot start before the test lets it.
 UNSTARTABLE = ("SBATCH_TIMELIMIT", "3-00:00:00")
+INTERACTIVE: list[subprocess.Popen] = []  # the fixture's `srun ... gptpar train`, until its test waits for it
 
 
 def run_state(run: Path) -> str:
@@ -90,40 +98,51 @@ def _final(run_dir: Path, rank: int = 0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Submit every scenario up front, so the cluster runs them side by side."""
+def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Submit every scenario up front, so the cluster runs them side by side. SLURM starts them in this order: the
+    two-node jobs first (each takes every GPU, so nothing runs beside them), then the time-limit jobs (the longest:
+    several rounds), then the rest; the jobs that train until cancelled last, so they burn no CPU before their
+    tests cancel them."""
     work = tmp_path_factory.mktemp("slurm-e2e", numbered=True)
     runs = work / "runs"
     common = [*TINY, f"log.runs_dir={runs}"]
-    _run(["make", "-f", str(REPO / "jobs" / "Makefile.launch"), "submit-dp", "GPUS=2", f"VENV={REPO / '.venv'}",
-          f"ARGS={' '.join([*common, 'log.run_id=dp2'])}"], REPO)
     _run([GPTPAR, "submit", "pp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", "parallel.pp=2",
           "parallel.chunks=2", "log.run_id=pp_engine_2nodes"], work)
     _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", "parallel.tp=2",
           "parallel.sequence_parallel=true", "parallel.loss_parallel=true", "log.run_id=tp_2nodes"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", SUBMITIT,
+          "log.run_id=submitit_dp_2nodes"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, *LIMIT, "log.run_id=limit"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, *LIMIT, SUBMITIT, "log.run_id=submitit_limit"], work)
+    for limit in (runs / "limit", runs / "submitit_limit"):  # each goes round while the other tests run
+        threading.Thread(target=_release_requeues_until_done, args=(read_job_record(limit)["job_id"], limit),
+                         daemon=True).start()
     _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, f"train.max_steps={REQUEUE_STEPS}",
           "train.checkpoint_every=0", "log.run_id=requeue"], work)
-    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, *LIMIT, "log.run_id=limit"], work)
+    _run(["make", "-f", str(REPO / "jobs" / "Makefile.launch"), "submit-dp", "GPUS=2", f"VENV={REPO / '.venv'}",
+          f"ARGS={' '.join([*common, 'log.run_id=dp2'])}"], REPO)
     env = {**clean_env(), "VENV": str(REPO / ".venv"), "RUNS": str(runs), "OVERRIDES": " ".join(TINY)}
     # The script asks for Bridges-2's 5 CPUs per GPU; the local nodes have 2, and a command-line option
     # overrides the script's own.
     pp_job = _run(["sbatch", "--parsable", "--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")], work, env).strip()
     (work / "pp_job").write_text(pp_job)
     _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(runs)], work)
-    # The same through submitit.
-    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *common, "launch.partition=GPU", SUBMITIT,
-          "log.run_id=submitit_dp_2nodes"], work)
-    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, *LIMIT, SUBMITIT, "log.run_id=submitit_limit"], work)
-    for limit in (runs / "limit", runs / "submitit_limit"):  # each goes round while the other tests run
-        threading.Thread(target=_release_requeues_until_done, args=(read_job_record(limit)["job_id"], limit),
-                         daemon=True).start()
-    _run([GPTPAR, "submit", "dp", "--gpus", "2", *common, *FOREVER, SUBMITIT, "log.run_id=submitit_cancelled"], work)
     _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(work / "submitit_runs"),
           SUBMITIT], work)
     array = read_job_record(work / "submitit_runs" / "ci_small" / "parallel.dp_sync=naive,train.lr=0.001")
     (work / "submitit_array").write_text(str(job_info(array["job_id"].split("_")[0])))
     _submit_from_a_clone_then_edit_it(work, common)
-    return work
+    # Inside `srun --pty bash` (one task), `gptpar train parallel.dp=2` starts its two ranks on the node.
+    with (work / "interactive.out").open("w") as out:
+        INTERACTIVE.append(subprocess.Popen(["srun", "-p", "GPU-shared", "-n1", "--gres=gpu:2", "--time=5", GPTPAR,
+                                             "train", *common, "parallel.dp=2", "log.run_id=interactive"], cwd=work,
+                                            env=clean_env(), stdout=out, stderr=subprocess.STDOUT))
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", *common, *FOREVER, SUBMITIT, "log.run_id=submitit_cancelled"], work)
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, *FOREVER, "log.run_id=cancelled"], work)
+    yield work
+    for srun in INTERACTIVE:  # left running by a test that failed before it waited for it
+        srun.kill()
+        srun.wait()
 
 
 def _submit_from_a_clone_then_edit_it(work: Path, common: list[str]) -> None:
@@ -187,6 +206,23 @@ def test_gptpar_cancel_stops_a_submitit_job_at_a_step_boundary(work: Path) -> No
     assert out.rstrip().endswith(f"(running); `gptpar submit dp {run / 'config.yaml'}` resumes it from its checkpoint")
     assert _wait(run) == "stopped"
     assert _final(run)["signal"] == "SIGTERM" and read_job_record(run)["backend"] == "submitit"
+
+
+def test_gptpar_cancel_stops_a_running_slurm_job_at_a_step_boundary(work: Path) -> None:
+    """`gptpar cancel` scancels the run's job; SLURM's TERM reaches the rank, which stops at a step boundary and
+    says so; a second cancel finds nothing to cancel."""
+    runs, run = work / "runs", work / "runs" / "cancelled"
+    deadline = time.monotonic() + 300
+    while not any(r["kind"] == "step" for r in read_records(run / "rank0.jsonl")):
+        assert time.monotonic() < deadline, "the job never logged a step"
+        time.sleep(0.5)
+    out = _run([GPTPAR, "cancel", "cancelled", "--runs-dir", str(runs)], work)
+    assert out.startswith(f"{run}: cancelled SLURM job ")
+    assert out.rstrip().endswith(f"(running); `gptpar submit dp {run / 'config.yaml'}` resumes it from its checkpoint")
+    assert _wait(run) == "stopped"
+    assert _final(run)["signal"] == "SIGTERM"
+    again = _run([GPTPAR, "cancel", str(run)], work)
+    assert again.startswith(f"{run}: nothing to cancel: SLURM job ")
 
 
 def test_a_submitit_job_under_a_real_time_limit_requeues_through_checkpoint_until_done(work: Path) -> None:
@@ -290,6 +326,26 @@ def test_a_shape_no_node_can_hold_is_refused_before_the_queue(tmp_path: Path, la
     assert not (tmp_path / "runs").exists()
 
 
+def test_status_lists_a_pending_plain_sbatch_job_with_slurms_reason(tmp_path: Path) -> None:
+    """A job of jobs/dp.sbatch has no run folder until it starts; `gptpar status` lists it pending all the same (SLURM
+    knows it by the script's job name) under the folder it will write, with SLURM's reason and its fix."""
+    (tmp_path / "runs" / "other").mkdir(parents=True)
+    job_id = _run(["sbatch", "--parsable", "--hold", "--cpus-per-task=1", str(REPO / "jobs" / "dp.sbatch")],
+                  tmp_path).strip()
+    try:
+        out = _run([GPTPAR, "status"], tmp_path)
+        pending = _run([GPTPAR, "status", "--state", "pending"], tmp_path)
+        elsewhere = _run([GPTPAR, "status", "runs/other"], tmp_path)
+    finally:
+        subprocess.run(["scancel", job_id], check=True, env=clean_env())
+    row, detail, count = out.splitlines()[1:]
+    assert row.split() == ["pending", f"dp-{job_id}", job_id, "-", "0", "-", "-", "-", "-", "0"]
+    assert detail == f"    will never start: JobHeldUser; it is held; release it with: scontrol release {job_id}"
+    assert count == "1 run(s): 1 pending" and pending == out
+    assert elsewhere.rstrip().endswith("0 run(s): none")  # its folder will not be under that one
+    assert not list((tmp_path / "runs").glob("dp-*"))
+
+
 def test_what_sbatch_refuses_of_a_submitit_job_is_one_line(work: Path) -> None:
     result = subprocess.run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, f"log.runs_dir={work / 'runs'}",
                              "log.run_id=submitit_refused", "launch.profile=generic", "launch.partition=nope",
@@ -372,7 +428,7 @@ def test_figures_from_the_runs(work: Path) -> None:
     for run in ("dp2", f"pp-{(work / 'pp_job').read_text()}", "tp_2nodes"):
         _wait(work / "runs" / run)
     out = work / "figures"
-    _run([GPTPAR, "report", str(work / "runs"), "--out", str(out)], work)
+    _run([GPTPAR, "report", str(work / "runs"), "--out", str(out), "--group-by", "sweep"], work)  # ad-hoc: compared
     rows = {row["run"]: row for row in csv.DictReader((out / "summary.csv").open())}
     pp_run = f"pp-{(work / 'pp_job').read_text()}"
     shapes = {run: (rows[run]["status"], rows[run]["gpus"], rows[run]["pp_mode"])
@@ -388,36 +444,14 @@ def test_figures_from_the_runs(work: Path) -> None:
 
 
 def test_several_ranks_from_a_one_task_step_as_in_an_interactive_session(work: Path) -> None:
-    """Inside `srun --pty bash` (one task), `gptpar train parallel.dp=2` starts its two ranks on the node."""
-    runs = work / "runs"
-    result = subprocess.run(["srun", "-p", "GPU-shared", "-n1", "--gres=gpu:2", "--time=5", GPTPAR, "train",
-                             *TINY, f"log.runs_dir={runs}", "parallel.dp=2", "log.run_id=interactive"],
-                            cwd=work, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
-    run = runs / "interactive"
+    """Inside `srun --pty bash` (one task), `gptpar train parallel.dp=2` starts its two ranks on the node (the fixture
+    started the srun)."""
+    srun = INTERACTIVE.pop()
+    assert srun.wait(timeout=300) == 0, (work / "interactive.out").read_text()
+    run = work / "runs" / "interactive"
     assert _wait(run) == "completed" and _ranks(run) == [0, 1]
     headers = [read_records(run / f"rank{r}.jsonl")[0] for r in (0, 1)]
     assert [h["launcher"] for h in headers] == ["local", "local"]  # spawned here, not SLURM tasks
-
-
-def test_gptpar_cancel_stops_a_running_slurm_job_at_a_step_boundary(work: Path) -> None:
-    """`gptpar cancel` scancels the run's job; SLURM's TERM reaches the rank, which stops at a step boundary and
-    says so; a second cancel finds nothing to cancel."""
-    runs, run = work / "runs", work / "runs" / "cancelled"
-    _run([GPTPAR, "submit", "dp", "--gpus", "1", *TINY, f"log.runs_dir={runs}", "train.epochs=1000",
-          "train.max_steps=1000000", "log.run_id=cancelled"], work)
-    deadline = time.monotonic() + 300
-    while not any(r["kind"] == "step" for r in (read_records(run / "rank0.jsonl") if (run / "rank0.jsonl").is_file()
-                                                   else [])):
-        assert time.monotonic() < deadline, "the job never logged a step"
-        time.sleep(1)
-    out = _run([GPTPAR, "cancel", "cancelled", "--runs-dir", str(runs)], work)
-    assert out.startswith(f"{run}: cancelled SLURM job ")
-    assert out.rstrip().endswith(f"(running); `gptpar submit dp {run / 'config.yaml'}` resumes it from its checkpoint")
-    assert _wait(run) == "stopped"
-    assert _final(run)["signal"] == "SIGTERM"
-    again = _run([GPTPAR, "cancel", str(run)], work)
-    assert again.startswith(f"{run}: nothing to cancel: SLURM job ")
 
 
 def test_no_stray_jobs_left(work: Path) -> None:

@@ -339,15 +339,38 @@ def test_figure_without_data_is_skipped_not_written(tmp_path: Path) -> None:
     result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
     assert not (tmp_path / "out" / "pipeline_vs_model_parallel.png").exists()
     assert any("pipeline_vs_model_parallel.png skipped" in s for s in result.skipped)
-    assert {p.name for p in result.figures} == {"time_vs_gpus.png", "throughput_vs_gpus.png", "loss_top-level.png"}
+    assert {p.name for p in result.figures} == {"loss_top-level.png"}  # one ad-hoc run: nothing to scale against
 
 
-def test_top_level_runs_are_one_sweep_compared_within_their_config(tmp_path: Path) -> None:
+def test_runs_outside_a_sweep_get_no_baseline_nor_scaling_figure_unless_grouped(tmp_path: Path) -> None:
+    """Two unrelated ad-hoc runs on 1 and 2 GPUs are listed, not compared: no speedup or efficiency, no *_vs_gpus
+    figure. The same runs in one sweep folder, or under --group-by, are compared: 90+90 job tokens/s over 100."""
+    dp_run(tmp_path / "adhoc" / "a1", [100.0], **{"model.preset": "gpt2-tiny"})
+    dp_run(tmp_path / "adhoc" / "a2", [90.0, 90.0], **{"model.preset": "gpt2-tiny"})
+    shutil.copytree(tmp_path / "adhoc", tmp_path / "swept" / "s")
+    scaling = {"time_vs_gpus.png", "throughput_vs_gpus.png", "speedup_vs_gpus.png"}
+    listed = report(tmp_path / "adhoc", tmp_path / "out", now=LATER)
+    rows = {row["run"]: row for row in csv.DictReader(listed.summary_csv.open())}
+    assert [(r, rows[r]["speedup"], rows[r]["efficiency"], rows[r]["baseline"]) for r in rows] == [
+        ("a1", "", "", ""), ("a2", "", "", "")]
+    assert float(rows["a2"]["job_tokens_per_s"]) == 180.0  # measured and listed all the same
+    assert not scaling & {p.name for p in listed.figures}
+    assert "figure time_vs_gpus.png skipped: no single-mode run of a sweep with an epoch time (runs outside a sweep " \
+           "folder are compared only under --group-by)" in listed.skipped
+    for runs_dir, group_by in ((tmp_path / "swept", ()), (tmp_path / "adhoc", ("model.preset",))):
+        result = report(runs_dir, tmp_path / "out", now=LATER, group_by=group_by)
+        by = {m.run.rpartition("/")[2]: m for m in result.runs}
+        assert (by["a2"].baseline, by["a2"].speedup, by["a2"].efficiency) == ("a1", pytest.approx(1.8),
+                                                                              pytest.approx(0.9))
+        assert scaling <= {p.name for p in result.figures}
+
+
+def test_top_level_runs_under_group_by_are_compared_within_their_config(tmp_path: Path) -> None:
     dp_run(tmp_path / "a1", [100.0], **{"model.preset": "gpt2-tiny"})
     dp_run(tmp_path / "a2", [90.0, 90.0], **{"model.preset": "gpt2-tiny"})
     dp_run(tmp_path / "b1", [50.0], **{"model.preset": "gpt2-mini"})
     dp_run(tmp_path / "b2", [50.0, 50.0], **{"model.preset": "gpt2-mini"})
-    by = {m.run: m for m in report(tmp_path, tmp_path / "out", now=LATER).runs}
+    by = {m.run: m for m in report(tmp_path, tmp_path / "out", now=LATER, group_by=["sweep"]).runs}
     assert {m.sweep for m in by.values()} == {"top-level"}  # not top-level[preset=...] sweeps
     assert (by["a2"].baseline, by["b2"].baseline) == ("a1", "b1")  # the 1-GPU run of the same model
     assert by["a2"].speedup == pytest.approx(1.8) and by["b2"].speedup == pytest.approx(2.0)
