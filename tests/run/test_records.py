@@ -47,6 +47,7 @@ OTHER_DICTS = {
     "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s"},  # a trace's per-rank totals
     "analysis/trace.py": {"traceEvents", "name", "cat", "ts", "dur", "ph", "pid", "tid", "calls", "where", "self_s",
                           "nccl"},
+    "gptpar/launch/status.py": {"pending"},  # a run state
     "gptpar/run/folder.py": {"job_id", "pid", "flock", "heartbeat"},  # the run lock's JSON
     "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
     "gptpar/run/records.py": FIELD_METADATA,
