@@ -176,9 +176,9 @@ def _validate_task(cfg: Config) -> None:
 
 
 def _check_moe_layout(cfg: Config) -> None:
-    """A mixture of experts trains under data parallelism (every dp_sync), uncompiled: its router statistics and
-    load-balancing loss are gathered by hooks from the whole model's forward, which pipelines and tensor parallelism
-    split."""
+    """A mixture of experts trains under data parallelism (every dp_sync) and our tensor parallelism without
+    sequence parallelism (every rank of a tp group runs the whole mixture on the same tokens), uncompiled: its router
+    statistics and load-balancing loss are gathered by hooks from the model's forward, which pipelines split."""
     shape, p = cfg.model.shape(), cfg.parallel
     if not shape.moe:
         if p.ep > 1:
@@ -196,9 +196,15 @@ def _check_moe_layout(cfg: Config) -> None:
     if p.ep > 1 and not DP_STRATEGIES[p.dp_sync].expert_parallel:
         raise ConfigError(f"parallel.ep={p.ep} with parallel.dp_sync={p.dp_sync} is not built yet; use "
                           f"{either([n for n, row in DP_STRATEGIES.items() if row.expert_parallel])}")
-    if (split := model_splitter(cfg.parallel)) is not None:
+    if p.tp > 1 and p.pp == 1 and p.pp_mode == "single":  # our tensor parallelism keeps each mixture whole
+        if p.tp_impl != "gptpar" or p.sequence_parallel:
+            key = "parallel.sequence_parallel=true" if p.sequence_parallel else f"parallel.tp_impl={p.tp_impl}"
+            raise ConfigError(f"{key} with a mixture of experts ({shape.arch}) is not built yet; use parallel.tp_impl="
+                              "gptpar without parallel.sequence_parallel (each rank runs the mixture on the whole "
+                              "sequence)")
+    elif (split := model_splitter(cfg.parallel)) is not None:
         raise ConfigError(f"{split} with a mixture of experts ({shape.arch}) is not built yet; train it with data "
-                          "parallelism (parallel.dp, any parallel.dp_sync)")
+                          "parallelism (parallel.dp, any parallel.dp_sync) and parallel.tp")
     if cfg.train.compile not in ("auto", "false"):
         raise ConfigError(f"train.compile={cfg.train.compile} with a mixture of experts is not built yet (its routers "
                           "are watched by hooks); use train.compile=auto or false")

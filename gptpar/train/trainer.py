@@ -266,13 +266,13 @@ class Trainer:
         else:
             (targets, group), counted = self.sync.clip_targets(), None
             groups = [group] if group is not None else []
+        over_replicas = bool(groups) and not self.pipeline  # a sync's gradients sharded over its dp group
         if self.checkpoint_layout is not None:  # our tensor-parallel pieces
             owners, tp_rank = self.sync.owners(), self.dims.coord("tp")
             counted = [t for t in (targets if counted is None else counted)
                        if counts_in_norm(owners.get(id(t), t), tp_rank)]
             groups.append(self.tp_group)
         if self.experts is not None and self.experts.sharded:  # expert slices over the ep group, or over dp
-            over_replicas = bool(groups)  # (no pipeline or tensor parallelism with experts): a sync's dp group
             counted = self.experts.counted(targets if counted is None else counted, over_replicas)
             if not over_replicas:
                 groups.append(self.dims.group("ep"))

@@ -44,7 +44,9 @@ CASES_2 = [
 # ep=2 inside dp=4: two groups of two, each expert held by two ranks (its replicas reduce its gradient); zero2 shards
 # the dense gradients over all four, so the norm sums them over dp and each expert slice once.
 CASES_4 = [("qwen-dp4-ep2-bucketed", [*QWEN_MOE, "parallel.dp=4", "parallel.ep=2", "parallel.dp_sync=bucketed"]),
-           ("qwen-dp4-ep2-zero2", [*QWEN_MOE, "parallel.dp=4", "parallel.ep=2", "parallel.dp_sync=zero2"])]
+           ("qwen-dp4-ep2-zero2", [*QWEN_MOE, "parallel.dp=4", "parallel.ep=2", "parallel.dp_sync=zero2"]),
+           # EP x TP: attention split over tp, each tp rank running the whole mixture with its ep group's experts.
+           ("qwen-tp2-ep2", [*QWEN_MOE, "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.dp_sync=naive"])]
 CAPACITY = [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1"]
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                   launcher="single", backend="gloo", device=torch.device("cpu"))
@@ -103,7 +105,7 @@ def test_expert_parallelism_trains_a_mixture_like_one_process(results: Path, nam
     if key not in _REFERENCES:
         _REFERENCES[key] = reference_run(make_config(overrides, results, name))
     ranks = saved_ranks(results, name)
-    assert [r["coords"]["ep"] for r in ranks] == [d % 2 for d in range(len(ranks))]
+    assert [r["coords"]["ep"] for r in ranks] == [r["coords"]["dp"] % 2 for r in ranks]
     # Whole parameters, experts gathered from their ep group: equal to one process's and bitwise on every rank.
     assert_trains_like_one_process(_REFERENCES[key], ranks, TABLE, name)
 

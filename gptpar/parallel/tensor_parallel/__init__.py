@@ -37,7 +37,9 @@ Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # Each family's plan, ours and torch's: (model, the tp group or mesh, sequence_parallel, loss_parallel) -> model.
-OURS = {"gpt2": shard_gpt2, "llama": shard_llama, "qwen2": shard_llama}
+# The mixtures (qwen2_moe, mixtral): ours only, each mixture's MLP kept whole (llama.py).
+OURS = {"gpt2": shard_gpt2, "llama": shard_llama, "qwen2": shard_llama, "qwen2_moe": shard_llama,
+        "mixtral": shard_llama}
 TORCH = {"gpt2": parallelize_gpt2, "llama": parallelize_llama, "qwen2": parallelize_llama}
 
 

@@ -4,7 +4,8 @@
     attention: q_proj column-parallel by query heads, k_proj and v_proj by key/value heads (rank r holds query heads
                [rH/T, (r+1)H/T) and key/value heads [rK/T, (r+1)K/T): each of its query heads' group shares a key/value
                head it holds, so grouped-query attention runs locally), o_proj row-parallel;
-    MLP:       gate_proj and up_proj column-parallel, down_proj row-parallel;
+    MLP:       gate_proj and up_proj column-parallel, down_proj row-parallel; a mixture of experts' MLP whole (its
+               experts split by parallel.ep instead, over data-parallel ranks), on the whole sequence;
     token table and LM head: vocabulary-parallel (tied: one Parameter; untied: the head's own rows split the same way);
     sequence parallelism: RMSNorms on sequence shards, their weights' gradients summed over the group; the rotary
                tables cover the whole sequence (`sequence_shards`), which q and k have after the all-gather.
@@ -129,7 +130,10 @@ class TensorParallelDecoderLayer(nn.Module):
         self.input_layernorm = _norm(layer.input_layernorm, group, sequence_parallel)
         self.self_attn = TensorParallelAttention(layer.self_attn, group, sequence_parallel)
         self.post_attention_layernorm = _norm(layer.post_attention_layernorm, group, sequence_parallel)
-        self.mlp = TensorParallelMLP(layer.mlp, group, sequence_parallel)
+        # A mixture's MLP (router, experts, shared expert) stays whole: every rank of the group runs it on the same
+        # tokens, so its gradients agree over the group (parallel.ep splits its experts over data-parallel ranks).
+        self.mlp = layer.mlp if hasattr(layer.mlp, "experts") else TensorParallelMLP(layer.mlp, group,
+                                                                                     sequence_parallel)
         self.sequence_shards = dist.get_world_size(group) if sequence_parallel else 1
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
