@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import all_gather, comm_span
+from gptpar.parallel.comm import all_gather, comm_span, count_sent
 from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
 from gptpar.parallel.data_parallel.sharded import InitialValue, Unit, UnitSync
@@ -81,6 +81,7 @@ class FSDPSync(UnitSync):
         u.full.untyped_storage().resize_(u.nbytes)
         self._account(u.nbytes)
         u.work = all_gather(u.full, u.shard, group=self.group, async_op=True)
+        count_sent("all_gather", u.nbytes, self.group)
         u.gathered = True
 
     def _gather(self, u: Unit) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import comm_span, reduce_scatter
+from gptpar.parallel.comm import comm_span, count_sent, reduce_scatter
 from gptpar.parallel.data_parallel.base import GradSync, InitialValue
 
 
@@ -209,6 +209,7 @@ class UnitSync(ShardedOptimizer, GradSync):
         # long as `_account` counts them on every backend: NCCL keeps a collective's input alive to the end anyway,
         # gloo reduces a copy and would let it go at once.
         self._pending = (u, flat, out, reduce_scatter(out, flat, group=self.group, async_op=True))
+        count_sent("reduce_scatter", u.nbytes, self.group)
         u.flat_grad, u.grads_in = None, 0
         self._release(u)
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import all_gather, comm_span
+from gptpar.parallel.comm import all_gather, comm_span, count_sent
 from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state, synced_parameters
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
 from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync
@@ -47,6 +47,7 @@ class ZeroOneSync(ShardedOptimizer, BucketedSync):
     def after_step(self) -> None:
         """Every rank's updated shard to every rank."""
         all_gather(self.flat.full, self.flat.shard.clone(), group=self.group)
+        count_sent("all_gather", self.flat.nbytes, self.group)
 
 
 class ZeroTwoSync(UnitSync):
@@ -71,6 +72,7 @@ class ZeroTwoSync(UnitSync):
     def after_step(self) -> None:
         """Every rank's updated shards to every rank, bucket by bucket (all started, then all waited for)."""
         works = [all_gather(u.full, u.shard.clone(), group=self.group, async_op=True) for u in self.units]
+        count_sent("all_gather", sum(u.nbytes for u in self.units), self.group)
         for work in works:
             with comm_span("all_gather", phase="wait"):
                 work.wait()

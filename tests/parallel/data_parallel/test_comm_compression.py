@@ -1,4 +1,4 @@
-"""parallel.grad_comm=int8 (naive, bucketed) and powersgd (ddp), and the `comm_bytes` every replicated sync counts.
+"""parallel.grad_comm=int8 (naive, bucketed) and powersgd (ddp), and the `comm_bytes` every sync of ours counts.
 
 On the shared 2-rank gloo pool each case trains STEPS steps through the trainer's own step, reading comm.SENT after
 each. Every mode's count is its closed form on this model (ring terms, g = 2): fp32 all-reduces 4N bytes per step
@@ -6,7 +6,10 @@ for N gradient elements, bf16 and fp16 exactly half, int8 a quarter of its padde
 fp32 for its first two steps, then only the tensors it leaves uncompressed and each matrix's P and Q. A compressed
 mode really sends something else (its losses leave fp32's at some step) yet trains close to it (TOLERANCE); fp32
 itself is unchanged (ddp with its counting hook equals the per-parameter all-reduce bit for bit); replicas stay
-bitwise equal; a PowerSGD run resumed from a checkpoint continues exactly.
+bitwise equal; a PowerSGD run resumed from a checkpoint continues exactly. The sharding syncs count theirs too: zero1
+the bucketed all-reduce and the all-gather of its padded flat layout, zero2 a reduce-scatter of each padded unit and
+its all-gather after the step, fsdp a reduce-scatter of each unit and an all-gather of the root unit once and of
+each block twice (forward, and again for its backward).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from gptpar.parallel.process_group import RankInfo
 STEPS = 4  # PowerSGD all-reduces in fp32 for two steps; its first compressed gradient moves the fourth loss
 BLOCK, RANK = 64, 2
 SYNCS = {"naive": ["fp32", "bf16", "fp16", "int8"], "bucketed": ["fp32", "bf16", "fp16", "int8"],
-         "ddp": ["fp32", "bf16", "fp16", "powersgd"]}
+         "ddp": ["fp32", "bf16", "fp16", "powersgd"], "zero1": ["fp32"], "zero2": ["fp32"],
+         "fsdp": ["fp32"]}
 SETTINGS = ["parallel.dp=2", f"parallel.quant_block={BLOCK}", f"parallel.powersgd_rank={RANK}",
             "parallel.bucket_mb=0.01"]
 CASES = {f"{sync}-{wire}": [*SETTINGS, f"parallel.dp_sync={sync}", f"parallel.grad_comm={wire}"]
@@ -48,7 +52,8 @@ def _worker(info: RankInfo, runs: Path) -> None:
         sync = trainer.sync
         record = {"losses": losses, "sent": sent, "params": named_params(trainer),
                   "shapes": [tuple(p.shape) for p in sync.model.parameters() if p.requires_grad],
-                  "buckets": [b.buffer.numel() for b in getattr(sync, "buckets", [])]}
+                  "buckets": [b.buffer.numel() for b in getattr(sync, "buckets", [])],
+                  "layouts": [u.full.numel() for u in getattr(sync, "units", [getattr(sync, "flat", None)]) if u]}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
     resumed = resumed_run(make_config(CASES["ddp-powersgd"], runs, "resumed"), info, before=STEPS - 1)
     torch.save(resumed, runs / f"resumed.rank{info.rank}.pt")
@@ -85,6 +90,14 @@ def expected_sent(sync: str, wire: str, record: dict, step: int) -> dict[str, in
         pieces = numels if sync == "naive" else record["buckets"]
         half = sum(int8_bytes(k) for k in pieces) // 2
         return {"all_to_all": half, "all_gather": half}
+    if sync == "zero1":  # the layout padded to a multiple of g: all-gathered after the step
+        return {"all_reduce": 4 * n, "all_gather": 4 * record["layouts"][0] // 2}
+    if sync == "fsdp":  # layouts: the blocks in backward's order, then the root
+        *blocks, root = record["layouts"]
+        return {"reduce_scatter": 4 * (root + sum(blocks)) // 2, "all_gather": 4 * (root + 2 * sum(blocks)) // 2}
+    if sync == "zero2":
+        gathered = 4 * sum(record["layouts"]) // 2
+        return {"reduce_scatter": gathered, "all_gather": gathered}
     if wire == "powersgd" and step >= 2:
         return {"all_reduce": 4 * sum(powersgd_elements(s) for s in record["shapes"])}
     return {"all_reduce": n * (2 if wire in ("bf16", "fp16") else 4)}
@@ -96,6 +109,8 @@ def test_each_mode_sends_its_closed_form(results: Path, name: str) -> None:
     sync, wire = name.split("-")
     for rank in saved_ranks(results, name):
         assert rank["sent"] == [expected_sent(sync, wire, rank, step) for step in range(STEPS)]
+    if wire == "fp32":
+        return
     fp32 = saved_ranks(results, f"{sync}-fp32")[0]["sent"][-1]["all_reduce"]
     last = sum(saved_ranks(results, name)[0]["sent"][-1].values())
     if wire in ("bf16", "fp16"):
