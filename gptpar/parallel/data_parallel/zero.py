@@ -55,11 +55,12 @@ class ZeroTwoSync(UnitSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, setup.local)
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, setup.local, WIRE_DTYPES[setup.pcfg.grad_comm],
+                   setup.pcfg.quant_block)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup,
-                 local: frozenset[str] = frozenset()):
-        super().__init__(model, group)
+                 local: frozenset[str] = frozenset(), wire: torch.dtype | None = None, quant_block: int = 0):
+        super().__init__(model, group, wire, quant_block)
         broadcast_state(model, group, local)
         names = {id(p): n for n, p in model.named_parameters()}
         self.local = [(n, p) for n, p in model.named_parameters() if n in local]
