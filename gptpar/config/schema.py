@@ -236,10 +236,11 @@ class ParallelConfig:
                            max=1_048_576.0)
     grad_comm: str = opt("fp32", "What gradients are sent in over the replicas: fp32; bf16 or fp16 (half the bytes: "
                          "each rank casts its gradient, divides it by the replica count and sums in that type, as "
-                         "torch's bf16/fp16_compress_hook do; the average is copied back into fp32; parallel.dp_sync "
-                         "naive, bucketed, zero1 and ddp, through torch's hooks); int8 (about a quarter: blocks of "
-                         "parallel.quant_block values with one scale each, reduced by all-to-all, summed in fp32 on "
-                         "each rank's shard and all-gathered, ZeRO++'s qgZ; naive and bucketed); powersgd (torch's "
+                         "torch's bf16/fp16_compress_hook do; the average is copied back into fp32; every "
+                         "parallel.dp_sync: ddp through torch's hooks, fsdp2 through its reduce_dtype); int8 (about a "
+                         "quarter: blocks of parallel.quant_block values with one scale each, reduced by all-to-all, "
+                         "summed in fp32 on each rank's shard (and all-gathered where every rank needs the average), "
+                         "ZeRO++'s qgZ; naive, bucketed, zero2 and fsdp); powersgd (torch's "
                          "low-rank PowerSGD hook, of rank parallel.powersgd_rank, with error feedback saved in "
                          "checkpoints; ddp, from its third step).", choices=GRAD_COMMS)
     quant_block: int = opt(256, "parallel.grad_comm=int8: values per quantisation block (one fp32 scale each); each "

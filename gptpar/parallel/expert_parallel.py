@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from gptpar.models import architecture
-from gptpar.parallel.comm import SENT, comm_span, timed
+from gptpar.parallel.comm import SENT, comm_span, count_sent, timed
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import EXPERT_REPLICAS
 from gptpar.parallel.tensor_parallel.comm import all_gather_dim
@@ -179,6 +179,7 @@ class ExpertParallel:
             if self.replicas is not None:
                 with comm_span("all_reduce"):
                     dist.all_reduce(param.grad, group=self.replicas)
+                count_sent("all_reduce", param.grad.numel() * param.grad.element_size(), self.replicas)
             param.grad /= self.replica_count
 
     def zero_grad(self) -> None:

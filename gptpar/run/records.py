@@ -125,9 +125,10 @@ class StepRecord(Record):
     comm_bytes: dict[str, int] | Absent = optional(
         "Bytes this rank sent to other ranks in the step, by collective, counted from what was sent: `all_to_all` "
         "(parallel.ep's tokens to their experts and back, forward and backward, and the counts before them; "
-        "parallel.grad_comm=int8's reduce-scatter), `all_reduce` and `all_gather` (the gradients of parallel.dp_sync "
-        "naive, bucketed and ddp, in ring terms: an all-reduce of n bytes over g ranks 2n(g-1)/g, an all-gather "
-        "n(g-1)/g of its output).")
+        "parallel.grad_comm=int8's reduce-scatter), `all_reduce`, `reduce_scatter` and `all_gather` (the gradients "
+        "and parameters of parallel.dp_sync naive, bucketed, ddp, zero1, zero2 and fsdp, and the experts' replicas, "
+        "in ring terms: an all-reduce of n bytes over g ranks 2n(g-1)/g, an all-gather n(g-1)/g of its output, a "
+        "reduce-scatter n(g-1)/g of its input; fsdp2's, inside torch, are not counted).")
     comm_s: dict[str, float] | Absent = optional(
         "Seconds of the step inside this rank's timed collectives, by kind: so far `all_to_all` (parallel.ep's; CUDA "
         "events around each on a GPU, the host's clock on a CPU, where a call returns once done): waiting for a slower "

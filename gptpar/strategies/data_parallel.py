@@ -65,15 +65,16 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
     "zero1": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroOneSync", "bucketed, optimizer state sharded",
                                   ("optimizer",), _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True),
     "zero2": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroTwoSync", "gradients sharded too",
-                                  ("grads", "optimizer"), _NOT_SHARDED_YET, expert_parallel=True),
+                                  ("grads", "optimizer"), _NOT_SHARDED_YET, grad_comm=(*HALF, "int8"),
+                                  expert_parallel=True),
     "fsdp": DataParallelStrategy(f"{_PACKAGE}.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered "
                                  "per block", ("params", "grads", "optimizer"), _NOT_SHARDED_YET,
-                                 materialises_shards=True,
+                                 materialises_shards=True, grad_comm=(*HALF, "int8"),
                                  without_whole_compile="gathers and frees each block's parameters in hooks around the "
                                                        "block, which one whole-model graph cannot hold"),
     "fsdp2": DataParallelStrategy(f"{_PACKAGE}.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
                                   ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",),
-                                  expert_parallel=True),
+                                  grad_comm=HALF, expert_parallel=True),
 }
 
 
@@ -101,7 +102,7 @@ def check(cfg: Config) -> None:
     if p.grad_comm not in row.grad_comm:
         sending = [name for name, r in DP_STRATEGIES.items() if p.grad_comm in r.grad_comm]
         raise ConfigError(f"parallel.grad_comm={p.grad_comm} is not built for parallel.dp_sync={p.dp_sync} (it sends "
-                          f"{either(list(row.grad_comm))}); use parallel.dp_sync={either(sending)} or "
+                          f"{either(list(row.grad_comm))}); use parallel.dp_sync={either(sending)}, or "
                           "parallel.grad_comm=fp32")
     if p.pp > 1 and row.without_pipeline:
         syncing = [name for name, r in DP_STRATEGIES.items() if not r.without_pipeline]

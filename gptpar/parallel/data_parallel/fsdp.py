@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import all_gather, comm_span
-from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
+from gptpar.parallel.comm import all_gather, comm_span, count_sent
+from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
 from gptpar.parallel.data_parallel.sharded import InitialValue, Unit, UnitSync
 
@@ -49,11 +49,12 @@ class FSDPSync(UnitSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.group, setup.device, setup.initial)
+        return cls(setup.model, setup.group, setup.device, setup.initial, WIRE_DTYPES[setup.pcfg.grad_comm],
+                   setup.pcfg.quant_block)
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, device: torch.device,
-                 initial: InitialValue | None = None):
-        super().__init__(model, group)
+                 initial: InitialValue | None = None, wire: torch.dtype | None = None, quant_block: int = 0):
+        super().__init__(model, group, wire, quant_block)
         if initial is None:
             broadcast_state(model, group)  # replicas start equal; the shards are then cut from the same model
         blocks = transformer_blocks(model)
@@ -81,6 +82,7 @@ class FSDPSync(UnitSync):
         u.full.untyped_storage().resize_(u.nbytes)
         self._account(u.nbytes)
         u.work = all_gather(u.full, u.shard, group=self.group, async_op=True)
+        count_sent("all_gather", u.nbytes, self.group)
         u.gathered = True
 
     def _gather(self, u: Unit) -> None:

@@ -5,7 +5,8 @@ embeddings, the final norm and the tied LM head together, so one all-gather serv
 matrix. Every parameter becomes a DTensor sharded on dim 0 (padded to a multiple of the group size);
 forward and backward gather each unit's parameters just in time and backward reduce-scatters its
 gradients, averaged over the group. The optimizer steps the local shards. For N parameters and world
-size W this holds about 16N/W bytes per rank, plus a unit's gathered parameters in flight.
+size W this holds about 16N/W bytes per rank, plus a unit's gathered parameters in flight. parallel.grad_comm=bf16 or
+fp16 is torch's own `MixedPrecisionPolicy(reduce_dtype=...)`: the gradients reduce-scattered in that type.
 
 Under parallel.ep each rank's expert slices are `ignored_params`: plain tensors, left whole on their ranks and to
 gptpar.parallel.expert_parallel; the global norm then sums every rank's local gradients over the group (the expert
@@ -21,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import PreTrainedModel
 
 from gptpar.models import architecture
-from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
+from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
@@ -39,18 +40,19 @@ class FSDP2Sync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.group, setup.mesh, setup.local)
+        return cls(setup.model, setup.group, setup.mesh, setup.local, WIRE_DTYPES[setup.pcfg.grad_comm])
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, mesh: DeviceMesh | None = None,
-                 local: frozenset[str] = frozenset()):
+                 local: frozenset[str] = frozenset(), wire: torch.dtype | None = None):
         super().__init__(model)
         broadcast_state(model, group, local)  # replicas start equal; the shards are then cut from the same model
         if mesh is None:
             mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         ignored = {p for name, p in model.named_parameters() if name in local}
+        policy = MixedPrecisionPolicy(reduce_dtype=wire)  # parallel.grad_comm: the reduce-scatter's type
         for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh, ignored_params=ignored & set(block.parameters()) or None)
-        fully_shard(model, mesh=mesh, ignored_params=ignored or None)
+            fully_shard(block, mesh=mesh, ignored_params=ignored & set(block.parameters()) or None, mp_policy=policy)
+        fully_shard(model, mesh=mesh, ignored_params=ignored or None, mp_policy=policy)
         self.group, self.local = group, bool(local)
         self.comm_wait_s = None  # the collectives run inside forward and backward
 

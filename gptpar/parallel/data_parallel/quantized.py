@@ -70,3 +70,31 @@ class QuantisedAverage:
         all_gather(whole_scales, scales, group=self.group)
         count_sent("all_gather", whole_blocks.numel() + whole_scales.numel() * whole_scales.element_size(), self.group)
         self.flat.view(-1).copy_(dequantise(whole_blocks, whole_scales).view(-1)[:self.flat.numel()])
+
+
+class QuantisedReduceScatter:
+    """The sum over `group` of each rank's shard of a flat gradient (already divided by the group size), in flight:
+    qgZ's reduce-scatter for the sharding syncs (zero2, fsdp), whose shards are `flat`'s g equal rows. Each row is
+    padded to whole blocks and quantised; one all-to-all sends row r to rank r; wait() dequantises what arrived and
+    sums it in fp32 into `out` (this rank's shard). Nothing is summed in int8 and nothing is requantised: the shard
+    stays on this rank. Per rank it sends (g-1)/g of the padded int8 rows and their scales."""
+
+    def __init__(self, flat: torch.Tensor, out: torch.Tensor, group: dist.ProcessGroup | None, block: int):
+        self.out, self.size, self.block = out, dist.get_world_size(group), block
+        rows = flat.view(self.size, -1)
+        width = padded_length(rows.shape[1], 1, block)
+        padded = torch.zeros((self.size, width), dtype=torch.float32, device=flat.device)
+        padded[:, :rows.shape[1]] = rows
+        blocks, scales = quantise(padded.view(-1), block)
+        self.blocks, self.scales = torch.empty_like(blocks), torch.empty_like(scales)
+        with comm_span("all_to_all", phase="issue"):
+            self.works = [dist.all_to_all_single(received, sent, group=group, async_op=True)
+                          for received, sent in ((self.blocks, blocks), (self.scales, scales))]
+        count_sent("all_to_all", blocks.numel() + scales.numel() * scales.element_size(), group)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        per_rank = self.scales.numel() // self.size
+        received = dequantise(self.blocks.view(self.size, per_rank, self.block), self.scales.view(self.size, per_rank))
+        self.out.copy_(received.sum(dim=0).view(-1)[:self.out.numel()])

@@ -13,7 +13,9 @@ the reduction of one unit overlaps the backward of the next; the result is added
 each piece's gradient a view of it. One reduce-scatter is outstanding at a time, bounding the full gradients in
 flight to two units' (the one accumulating, the one reducing). Every micro-step reduces, so gradient accumulation
 keeps no full gradient between micro-steps. The order in which units complete is the same on every rank (the same
-graph runs backward), which matches the collectives.
+graph runs backward), which matches the collectives. With parallel.grad_comm=bf16 or fp16 the flat gradient is cast
+to that type for the reduce-scatter and summed in it; with int8 it goes as ZeRO++'s qgZ
+(quantized.QuantisedReduceScatter); either way the shard's gradient is accumulated in fp32.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import comm_span, reduce_scatter
+from gptpar.parallel.comm import comm_span, count_sent, reduce_scatter
 from gptpar.parallel.data_parallel.base import GradSync, InitialValue
+from gptpar.parallel.data_parallel.quantized import QuantisedReduceScatter
 
 
 class Piece(NamedTuple):
@@ -155,9 +158,11 @@ class UnitSync(ShardedOptimizer, GradSync):
 
     units: list[Unit]
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup):
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup, wire: torch.dtype | None = None,
+                 quant_block: int = 0):
         GradSync.__init__(self, model)
         self.group, self.world_size, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.wire, self.quant_block = wire, quant_block  # parallel.grad_comm (base.WIRE_DTYPES), parallel.quant_block
         self._inflight = self._peak = 0  # bytes of gathered parameters and flat gradients right now, and the most
         # The outstanding reduce-scatter: its unit, input (the flat gradient), output and work.
         self._pending: tuple[Unit, torch.Tensor, torch.Tensor, dist.Work] | None = None
@@ -204,11 +209,18 @@ class UnitSync(ShardedOptimizer, GradSync):
         for p in u.params:
             p.grad = None
         flat.div_(self.world_size)
-        out = torch.empty_like(u.grad_shard)
         # The flat gradient is held until the reduce-scatter is waited for, so that its bytes are in flight exactly as
         # long as `_account` counts them on every backend: NCCL keeps a collective's input alive to the end anyway,
         # gloo reduces a copy and would let it go at once.
-        self._pending = (u, flat, out, reduce_scatter(out, flat, group=self.group, async_op=True))
+        if self.wire == torch.int8:
+            out = torch.empty_like(u.grad_shard)
+            work: Any = QuantisedReduceScatter(flat, out, self.group, self.quant_block)
+        else:  # fp32, or cast to bf16 / fp16 for the wire and summed in it, as the replicated syncs do
+            sent = flat if self.wire is None else flat.to(self.wire)
+            out = torch.empty(u.grad_shard.shape, dtype=sent.dtype, device=sent.device)
+            work = reduce_scatter(out, sent, group=self.group, async_op=True)
+            count_sent("reduce_scatter", sent.numel() * sent.element_size(), self.group)
+        self._pending = (u, flat, out, work)
         u.flat_grad, u.grads_in = None, 0
         self._release(u)
 
@@ -216,7 +228,8 @@ class UnitSync(ShardedOptimizer, GradSync):
         """After the unit's gradients are taken (fsdp frees its parameters here)."""
 
     def _drain(self) -> None:
-        """Wait for the outstanding reduce-scatter and add its result into its unit's gradient shard."""
+        """Wait for the outstanding reduce-scatter and add its result (fp32, or the wire's type) into its unit's
+        gradient shard."""
         if self._pending is None:
             return
         u, _, out, work = self._pending

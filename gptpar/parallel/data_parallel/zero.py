@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import all_gather, comm_span
+from gptpar.parallel.comm import all_gather, comm_span, count_sent
 from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state, synced_parameters
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
 from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync
@@ -47,6 +47,7 @@ class ZeroOneSync(ShardedOptimizer, BucketedSync):
     def after_step(self) -> None:
         """Every rank's updated shard to every rank."""
         all_gather(self.flat.full, self.flat.shard.clone(), group=self.group)
+        count_sent("all_gather", self.flat.nbytes, self.group)
 
 
 class ZeroTwoSync(UnitSync):
@@ -54,11 +55,12 @@ class ZeroTwoSync(UnitSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, setup.local)
+        return cls(setup.model, setup.pcfg.bucket_mb, setup.group, setup.local, WIRE_DTYPES[setup.pcfg.grad_comm],
+                   setup.pcfg.quant_block)
 
     def __init__(self, model: nn.Module, bucket_mb: float, group: dist.ProcessGroup,
-                 local: frozenset[str] = frozenset()):
-        super().__init__(model, group)
+                 local: frozenset[str] = frozenset(), wire: torch.dtype | None = None, quant_block: int = 0):
+        super().__init__(model, group, wire, quant_block)
         broadcast_state(model, group, local)
         names = {id(p): n for n, p in model.named_parameters()}
         self.local = [(n, p) for n, p in model.named_parameters() if n in local]
@@ -71,6 +73,7 @@ class ZeroTwoSync(UnitSync):
     def after_step(self) -> None:
         """Every rank's updated shards to every rank, bucket by bucket (all started, then all waited for)."""
         works = [all_gather(u.full, u.shard.clone(), group=self.group, async_op=True) for u in self.units]
+        count_sent("all_gather", sum(u.nbytes for u in self.units), self.group)
         for work in works:
             with comm_span("all_gather", phase="wait"):
                 work.wait()

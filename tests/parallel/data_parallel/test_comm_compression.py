@@ -1,4 +1,4 @@
-"""parallel.grad_comm=int8 (naive, bucketed) and powersgd (ddp), and the `comm_bytes` every replicated sync counts.
+"""parallel.grad_comm=int8 (naive, bucketed) and powersgd (ddp), and the `comm_bytes` every sync of ours counts.
 
 On the shared 2-rank gloo pool each case trains STEPS steps through the trainer's own step, reading comm.SENT after
 each. Every mode's count is its closed form on this model (ring terms, g = 2): fp32 all-reduces 4N bytes per step
@@ -6,7 +6,12 @@ for N gradient elements, bf16 and fp16 exactly half, int8 a quarter of its padde
 fp32 for its first two steps, then only the tensors it leaves uncompressed and each matrix's P and Q. A compressed
 mode really sends something else (its losses leave fp32's at some step) yet trains close to it (TOLERANCE); fp32
 itself is unchanged (ddp with its counting hook equals the per-parameter all-reduce bit for bit); replicas stay
-bitwise equal; a PowerSGD run resumed from a checkpoint continues exactly.
+bitwise equal; a PowerSGD run resumed from a checkpoint continues exactly. The sharding syncs count theirs too: zero1
+the bucketed all-reduce and the all-gather of its padded flat layout, zero2 a reduce-scatter of each padded unit and
+its all-gather after the step, fsdp a reduce-scatter of each unit and an all-gather of the root unit once and of
+each block twice (forward, and again for its backward). zero2 and fsdp reduce-scatter in bf16 (half) or as qgZ (an
+all-to-all of each rank's row in int8 blocks and scales); fsdp2's bf16 is torch's reduce_dtype, uncounted (inside
+torch), held to training close to fp32.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from gptpar.parallel.process_group import RankInfo
 STEPS = 4  # PowerSGD all-reduces in fp32 for two steps; its first compressed gradient moves the fourth loss
 BLOCK, RANK = 64, 2
 SYNCS = {"naive": ["fp32", "bf16", "fp16", "int8"], "bucketed": ["fp32", "bf16", "fp16", "int8"],
-         "ddp": ["fp32", "bf16", "fp16", "powersgd"]}
+         "ddp": ["fp32", "bf16", "fp16", "powersgd"], "zero1": ["fp32"], "zero2": ["fp32", "bf16", "int8"],
+         "fsdp": ["fp32", "bf16", "int8"], "fsdp2": ["fp32", "bf16"]}
 SETTINGS = ["parallel.dp=2", f"parallel.quant_block={BLOCK}", f"parallel.powersgd_rank={RANK}",
             "parallel.bucket_mb=0.01"]
 CASES = {f"{sync}-{wire}": [*SETTINGS, f"parallel.dp_sync={sync}", f"parallel.grad_comm={wire}"]
@@ -48,7 +54,8 @@ def _worker(info: RankInfo, runs: Path) -> None:
         sync = trainer.sync
         record = {"losses": losses, "sent": sent, "params": named_params(trainer),
                   "shapes": [tuple(p.shape) for p in sync.model.parameters() if p.requires_grad],
-                  "buckets": [b.buffer.numel() for b in getattr(sync, "buckets", [])]}
+                  "buckets": [b.buffer.numel() for b in getattr(sync, "buckets", [])],
+                  "layouts": [u.full.numel() for u in getattr(sync, "units", [getattr(sync, "flat", None)]) if u]}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
     resumed = resumed_run(make_config(CASES["ddp-powersgd"], runs, "resumed"), info, before=STEPS - 1)
     torch.save(resumed, runs / f"resumed.rank{info.rank}.pt")
@@ -77,14 +84,31 @@ def powersgd_elements(shape: tuple[int, ...]) -> int:
     return (n + m) * r if (n + m) * r * 2 < n * m else n * m
 
 
+def sharded_int8_bytes(layout: int, g: int = 2) -> int:
+    """qgZ's reduce-scatter of a unit's padded layout: each rank's row padded to whole blocks, int8 and a scale per
+    block, (g-1)/g of it sent by all-to-all."""
+    row = math.ceil(layout / g / BLOCK) * BLOCK
+    return (g * row + 4 * g * row // BLOCK) * (g - 1) // g
+
+
 def expected_sent(sync: str, wire: str, record: dict, step: int) -> dict[str, int]:
     """The closed form of comm_bytes on one rank at `step` (0-based), g = 2 (an all-reduce sends its payload)."""
     numels = [math.prod(s) for s in record["shapes"]]
     n = sum(numels)
+    if sync == "fsdp2":  # its collectives run inside torch
+        return {}
+    if sync in ("zero2", "fsdp"):  # layouts (fsdp: the blocks in backward's order, then the root); g = 2
+        layouts = record["layouts"]
+        gathered = 4 * (sum(layouts) + (sum(layouts[:-1]) if sync == "fsdp" else 0)) // 2  # fsdp: blocks twice
+        reduced = ({"all_to_all": sum(sharded_int8_bytes(k) for k in layouts)} if wire == "int8" else
+                   {"reduce_scatter": (2 if wire in ("bf16", "fp16") else 4) * sum(layouts) // 2})
+        return reduced | {"all_gather": gathered}
     if wire == "int8":
         pieces = numels if sync == "naive" else record["buckets"]
         half = sum(int8_bytes(k) for k in pieces) // 2
         return {"all_to_all": half, "all_gather": half}
+    if sync == "zero1":  # the layout padded to a multiple of g: all-gathered after the step
+        return {"all_reduce": 4 * n, "all_gather": 4 * record["layouts"][0] // 2}
     if wire == "powersgd" and step >= 2:
         return {"all_reduce": 4 * sum(powersgd_elements(s) for s in record["shapes"])}
     return {"all_reduce": n * (2 if wire in ("bf16", "fp16") else 4)}
@@ -96,12 +120,17 @@ def test_each_mode_sends_its_closed_form(results: Path, name: str) -> None:
     sync, wire = name.split("-")
     for rank in saved_ranks(results, name):
         assert rank["sent"] == [expected_sent(sync, wire, rank, step) for step in range(STEPS)]
-    fp32 = saved_ranks(results, f"{sync}-fp32")[0]["sent"][-1]["all_reduce"]
-    last = sum(saved_ranks(results, name)[0]["sent"][-1].values())
+    if wire == "fp32" or sync == "fsdp2":
+        return
+    # The gradients' bytes against fp32's (a sharding sync's parameter all-gathers are the same in every mode).
+    fp32 = saved_ranks(results, f"{sync}-fp32")[0]["sent"][-1]
+    fp32_grads = fp32.get("all_reduce", 0) + fp32.get("reduce_scatter", 0)
+    last = saved_ranks(results, name)[0]["sent"][-1]
+    grads = sum(v for k, v in last.items() if k != "all_gather" or sync not in ("zero2", "fsdp"))
     if wire in ("bf16", "fp16"):
-        assert 2 * last == fp32
+        assert 2 * grads == fp32_grads
     if wire == "int8":  # a quarter of fp32, plus scales (1/16 of it at 64 values a block) and padding
-        assert fp32 / 4 < last < fp32 / 4 * 1.3
+        assert fp32_grads / 4 < grads < fp32_grads / 4 * 1.3
 
 
 @pytest.mark.slow
@@ -139,10 +168,10 @@ def test_a_powersgd_run_resumed_from_a_checkpoint_continues_exactly(results: Pat
      "parallel.powersgd_rank: 0 is below the minimum 1"),
     (["parallel.dp_sync=bucketed", "parallel.grad_comm=powersgd"],
      "parallel.grad_comm=powersgd is not built for parallel.dp_sync=bucketed (it sends fp32, bf16, fp16 or int8); "
-     "use parallel.dp_sync=ddp or parallel.grad_comm=fp32"),
+     "use parallel.dp_sync=ddp, or parallel.grad_comm=fp32"),
     (["parallel.dp_sync=ddp", "parallel.grad_comm=int8"],
      "parallel.grad_comm=int8 is not built for parallel.dp_sync=ddp (it sends fp32, bf16, fp16 or powersgd); "
-     "use parallel.dp_sync=naive or bucketed or parallel.grad_comm=fp32"),
+     "use parallel.dp_sync=naive, bucketed, zero2 or fsdp, or parallel.grad_comm=fp32"),
 ])
 def test_bad_compression_settings_are_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as error:
