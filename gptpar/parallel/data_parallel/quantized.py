@@ -39,6 +39,20 @@ def padded_length(numel: int, size: int, block: int) -> int:
     return -(-numel // unit) * unit
 
 
+def exchange_quantised(padded: torch.Tensor, block: int, group: dist.ProcessGroup | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[dist.Work]]:
+    """`padded` (g equal parts of whole blocks) quantised, and part r sent to rank r by all-to-all, issued: the int8
+    blocks and scales that will arrive from every rank, and the works to wait for. The bytes for other ranks count in
+    SENT."""
+    blocks, scales = quantise(padded, block)
+    received_blocks, received_scales = torch.empty_like(blocks), torch.empty_like(scales)
+    with comm_span("all_to_all", phase="issue"):
+        works = [dist.all_to_all_single(received, sent, group=group, async_op=True)
+                 for received, sent in ((received_blocks, blocks), (received_scales, scales))]
+    count_sent("all_to_all", blocks.numel() + scales.numel() * scales.element_size(), group)
+    return received_blocks, received_scales, works
+
+
 class QuantisedAverage:
     """The average over `group` of a flat fp32 gradient, in flight: built, it has quantised the gradient and issued
     the all-to-all; finish() waits for it, reduces this rank's shard, all-gathers and writes the average into `flat`."""
@@ -48,12 +62,7 @@ class QuantisedAverage:
         self.size = dist.get_world_size(group)
         padded = torch.zeros(padded_length(flat.numel(), self.size, block), dtype=torch.float32, device=flat.device)
         padded[:flat.numel()] = flat.view(-1)
-        blocks, scales = quantise(padded, block)
-        self.blocks, self.scales = torch.empty_like(blocks), torch.empty_like(scales)
-        with comm_span("all_to_all", phase="issue"):
-            self.works = [dist.all_to_all_single(out, sent, group=group, async_op=True)
-                          for out, sent in ((self.blocks, blocks), (self.scales, scales))]
-        count_sent("all_to_all", blocks.numel() + scales.numel() * scales.element_size(), group)
+        self.blocks, self.scales, self.works = exchange_quantised(padded, block, group)
 
     def finish(self) -> None:
         with comm_span("all_to_all", phase="wait"):
@@ -85,12 +94,7 @@ class QuantisedReduceScatter:
         width = padded_length(rows.shape[1], 1, block)
         padded = torch.zeros((self.size, width), dtype=torch.float32, device=flat.device)
         padded[:, :rows.shape[1]] = rows
-        blocks, scales = quantise(padded.view(-1), block)
-        self.blocks, self.scales = torch.empty_like(blocks), torch.empty_like(scales)
-        with comm_span("all_to_all", phase="issue"):
-            self.works = [dist.all_to_all_single(received, sent, group=group, async_op=True)
-                          for received, sent in ((self.blocks, blocks), (self.scales, scales))]
-        count_sent("all_to_all", blocks.numel() + scales.numel() * scales.element_size(), group)
+        self.blocks, self.scales, self.works = exchange_quantised(padded.view(-1), block, group)
 
     def wait(self) -> None:
         for work in self.works:
