@@ -97,8 +97,9 @@ class QuantisedReduceScatter:
         self.blocks, self.scales, self.works = exchange_quantised(padded.view(-1), block, group)
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        with comm_span("all_to_all", phase="wait"):  # one wait span per issue span, as gptpar trace pairs them
+            for work in self.works:
+                work.wait()
         per_rank = self.scales.numel() // self.size
         received = dequantise(self.blocks.view(self.size, per_rank, self.block), self.scales.view(self.size, per_rank))
         self.out.copy_(received.sum(dim=0).view(-1)[:self.out.numel()])
