@@ -39,14 +39,14 @@ def padded_length(numel: int, size: int, block: int) -> int:
     return -(-numel // unit) * unit
 
 
-def exchange_quantised(padded: torch.Tensor, block: int, group: dist.ProcessGroup | None
+def exchange_quantised(padded: torch.Tensor, block: int, group: dist.ProcessGroup | None, span: str = "all_to_all"
                        ) -> tuple[torch.Tensor, torch.Tensor, list[dist.Work]]:
-    """`padded` (g equal parts of whole blocks) quantised, and part r sent to rank r by all-to-all, issued: the int8
-    blocks and scales that will arrive from every rank, and the works to wait for. The bytes for other ranks count in
-    SENT."""
+    """`padded` (g equal parts of whole blocks) quantised, and part r sent to rank r by all-to-all, issued (in a
+    profiler span named `span`, the op it implements): the int8 blocks and scales that will arrive from every rank,
+    and the works to wait for. The bytes for other ranks count in SENT as all-to-all."""
     blocks, scales = quantise(padded, block)
     received_blocks, received_scales = torch.empty_like(blocks), torch.empty_like(scales)
-    with comm_span("all_to_all", phase="issue"):
+    with comm_span(span, phase="issue"):
         works = [dist.all_to_all_single(received, sent, group=group, async_op=True)
                  for received, sent in ((received_blocks, blocks), (received_scales, scales))]
     count_sent("all_to_all", blocks.numel() + scales.numel() * scales.element_size(), group)
@@ -94,12 +94,11 @@ class QuantisedReduceScatter:
         width = padded_length(rows.shape[1], 1, block)
         padded = torch.zeros((self.size, width), dtype=torch.float32, device=flat.device)
         padded[:, :rows.shape[1]] = rows
-        self.blocks, self.scales, self.works = exchange_quantised(padded.view(-1), block, group)
+        self.blocks, self.scales, self.works = exchange_quantised(padded.view(-1), block, group, "reduce_scatter")
 
     def wait(self) -> None:
-        with comm_span("all_to_all", phase="wait"):  # one wait span per issue span, as gptpar trace pairs them
-            for work in self.works:
-                work.wait()
+        for work in self.works:  # inside the sync's reduce_scatter wait span, which pairs with the issue's
+            work.wait()
         per_rank = self.scales.numel() // self.size
         received = dequantise(self.blocks.view(self.size, per_rank, self.block), self.scales.view(self.size, per_rank))
         self.out.copy_(received.sum(dim=0).view(-1)[:self.out.numel()])
