@@ -72,13 +72,11 @@ def test_the_compiled_model_and_compiled_blocks_train_as_the_eager_model(tmp_pat
 
 
 # Two ranks, each layout in the mode train.compile=auto gives it on a GPU, against one eager process: the whole
-# model under the hook-driven syncs (bucketed, DDP's reducer, zero2's reduce-scatter as each gradient accumulates;
-# zero1 syncs as bucketed does) and torch's fully_shard (DTensor parameters, gathers in module hooks); compiled
+# model under our hook-driven sync (bucketed's post-accumulate hooks, which zero1 and zero2 use too; DDP's reducer is
+# torch's own) and torch's fully_shard (DTensor parameters, gathers in module hooks); compiled
 # blocks where no one graph holds the model: our fsdp, our tensor parallelism, the pipeline's stages.
 CASES = {
     "bucketed-model": ["parallel.dp=2", "parallel.dp_sync=bucketed", "train.compile=model"],
-    "ddp-model": ["parallel.dp=2", "parallel.dp_sync=ddp", "train.compile=model"],
-    "zero2-model": ["parallel.dp=2", "parallel.dp_sync=zero2", "train.compile=model"],
     "fsdp2-model": ["parallel.dp=2", "parallel.dp_sync=fsdp2", "train.compile=model"],
     "fsdp-blocks": ["parallel.dp=2", "parallel.dp_sync=fsdp", "train.compile=blocks"],
     "tp-blocks": ["parallel.tp=2", "train.compile=blocks"],

@@ -40,21 +40,19 @@ CASES_2 = {
     "tp2-sp-lp": [*TP, *SP_LP],
     "tp2-lp-accum-ckpt": [*TP, "parallel.loss_parallel=true", "train.grad_accum=2",
                           "train.activation_checkpointing=block"],
-    "tp2-torch": [*TP, *TORCH],
     "tp2-torch-sp-lp": [*TP, *TORCH, *SP_LP],
 }
 CASES_4 = {
-    "dp2-tp2": [*TP, "parallel.dp=2"],
     "dp2-tp2-ddp-sp": [*TP, "parallel.dp=2", "parallel.dp_sync=ddp", *SP_LP],
     "zero2-tp2": [*TP, "parallel.dp=2", "parallel.dp_sync=zero2", "parallel.bucket_mb=0.01"],
     "fsdp-tp2": [*TP, "parallel.dp=2", "parallel.dp_sync=fsdp", *SP_LP],
     "fsdp2-tp2-torch": [*TP, *TORCH, "parallel.dp=2", "parallel.dp_sync=fsdp2"],
-    "pp2-tp2": [*TP, "parallel.pp=2", "parallel.chunks=2"],
     "pp2-tp2-sp-lp": [*TP, "parallel.pp=2", "parallel.chunks=2", *SP_LP],
 }
 CASES_8 = {"3d": [*TP, "parallel.pp=2", "parallel.dp=2", "parallel.chunks=2", "model.n_layer=2"]}  # pp x tp x dp
-# A resume of each kind of state: SP/LP pieces, pieces sharded again by fsdp, and all three dimensions at once.
-RESUMED = {"tp2-sp-lp": 2, "fsdp-tp2": 4, "3d": 8}
+# A resume of each kind of state: SP/LP pieces, and pieces sharded again by fsdp. (torch's TP without SP is
+# fsdp2-tp2-torch's, plain dp x tp the 3D case's, pp x tp without SP the 3D case's too.)
+RESUMED = {"tp2-sp-lp": 2, "fsdp-tp2": 4}
 ALL = CASES_2 | CASES_4 | CASES_8
 
 
