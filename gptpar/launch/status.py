@@ -172,16 +172,16 @@ def completion(folder: RunFolder) -> tuple[str, str]:
     run, job = _read(folder)
     if run.state != "completed":
         return run.state, f"gptpar: run {run.state}" + (f": {run.detail}" if run.detail else "")
-    cells = row_of(run, job, folder.path.parent, time.time()).cells()
+    cells = dict(zip(COLUMNS, row_of(run, job, folder.path.parent, time.time()).cells(), strict=True))
     replicas = _replicas(run)
     records = sorted((*replicas[0].evals.values(), *replicas[0].epochs.values()), key=lambda r: r["time"])
     val = next((r["val_loss"] for r in reversed(records) if isinstance(r.get("val_loss"), float)), None)
     scores = {key: next((r[key] for r in reversed(records) if isinstance(r.get(key), float)), None)
               for key in EPOCH_SCORES}  # the pair tasks'
-    return run.state, (f"gptpar: run completed: {cells[4]} steps, loss {cells[6]}"
+    return run.state, (f"gptpar: run completed: {cells['STEP']} steps, loss {cells['LOSS']}"
                        + (f", val_loss {val:.4f}" if val is not None else "")
                        + "".join(f", {key} {value:.2f}" for key, value in scores.items() if value is not None)
-                       + f", {cells[7]} tok/s, {cells[3]} in {folder.path}")
+                       + f", {cells['TOK/S']} tok/s, {cells['ELAPSED']} in {folder.path}")
 
 
 def run_result(folder: RunFolder, scheduler: str | None = None) -> dict[str, Any]:

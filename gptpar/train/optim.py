@@ -78,10 +78,11 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, groups: Se
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
     # A DTensor gradient among them (FSDP2 beside parallel.ep's plain expert slices): its local shard, in place.
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    held = [(p, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params if p.grad is not None]
+    grads = [grad for _, grad in held]
     ids = {id(p) for p in (counted if counted is not None else params)}
     squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
-    for p, grad in zip([p for p in params if p.grad is not None], grads, strict=True):
+    for p, grad in held:
         if id(p) in ids:
             squares += grad.double().square().sum()
     for group in groups:

@@ -45,6 +45,11 @@ def synced_parameters(model: nn.Module, local: frozenset[str] = frozenset()) -> 
     return [p for name, p in model.named_parameters() if name not in local]
 
 
+def local_parameters(model: nn.Module, local: frozenset[str]) -> list[tuple[str, nn.Parameter]]:
+    """The `local` parameters (SyncSetup), by name: what a sharding strategy steps whole instead of sharding."""
+    return [(name, p) for name, p in model.named_parameters() if name in local]
+
+
 def broadcast_state(model: nn.Module, group: dist.ProcessGroup | None = None,
                     local: frozenset[str] = frozenset()) -> None:
     """Copy the group's first rank's parameters (but the `local` ones) and buffers to its other ranks, as DDP does

@@ -53,13 +53,13 @@ class FSDP2Sync(GradSync):
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh, ignored_params=ignored & set(block.parameters()) or None, mp_policy=policy)
         fully_shard(model, mesh=mesh, ignored_params=ignored or None, mp_policy=policy)
-        self.group, self.local = group, bool(local)
+        self.norm_group = group if local else None  # see clip_targets
         self.comm_wait_s = None  # the collectives run inside forward and backward
 
     def clip_targets(self) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
         """Torch's DTensor norm, or with expert slices beside the shards every local gradient over the group."""
         targets, _ = super().clip_targets()
-        return targets, self.group if self.local else None
+        return targets, self.norm_group
 
     @contextlib.contextmanager
     def accumulating(self, is_last_micro_step: bool) -> Iterator[None]:

@@ -165,7 +165,7 @@ class UnitSync(ShardedOptimizer, GradSync):
         self.wire, self.quant_block = wire, quant_block  # parallel.grad_comm (base.WIRE_DTYPES), parallel.quant_block
         self._inflight = self._peak = 0  # bytes of gathered parameters and flat gradients right now, and the most
         # The outstanding reduce-scatter: its unit, input (the flat gradient), output and work.
-        self._pending: tuple[Unit, torch.Tensor, torch.Tensor, dist.Work] | None = None
+        self._pending: tuple[Unit, torch.Tensor, torch.Tensor, dist.Work | QuantisedReduceScatter] | None = None
 
     def _hook_units(self) -> None:
         """Give every unit its gradient shard (each piece's gradient a view of it) and the gradient hooks."""
@@ -214,7 +214,7 @@ class UnitSync(ShardedOptimizer, GradSync):
         # gloo reduces a copy and would let it go at once.
         if self.wire == torch.int8:
             out = torch.empty_like(u.grad_shard)
-            work: Any = QuantisedReduceScatter(flat, out, self.group, self.quant_block)
+            work: dist.Work | QuantisedReduceScatter = QuantisedReduceScatter(flat, out, self.group, self.quant_block)
         else:  # fp32, or cast to bf16 / fp16 for the wire and summed in it, as the replicated syncs do
             sent = flat if self.wire is None else flat.to(self.wire)
             out = torch.empty(u.grad_shard.shape, dtype=sent.dtype, device=sent.device)

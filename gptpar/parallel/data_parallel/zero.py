@@ -18,7 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 from gptpar.parallel.comm import all_gather, comm_span, count_sent
-from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state, synced_parameters
+from gptpar.parallel.data_parallel.base import (
+    WIRE_DTYPES,
+    GradSync,
+    SyncSetup,
+    broadcast_state,
+    local_parameters,
+    synced_parameters,
+)
 from gptpar.parallel.data_parallel.bucketed import BucketedSync, plan_buckets
 from gptpar.parallel.data_parallel.sharded import ShardedOptimizer, Unit, UnitSync
 
@@ -35,8 +42,7 @@ class ZeroOneSync(ShardedOptimizer, BucketedSync):
         BucketedSync.__init__(self, model, bucket_mb, group, wire, local)  # broadcasts rank 0's parameters first
         self.rank = dist.get_rank(group)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in local]
-        # parallel.ep's expert slices: whole on this rank, stepped and checkpointed as they are (LocalParameters)
-        self.local = [(n, p) for n, p in model.named_parameters() if n in local]
+        self.local = local_parameters(model, local)  # parallel.ep's expert slices, stepped whole (ShardedOptimizer)
         self.flat = Unit(named, self.world_size, self.rank, named[0][1].device, separate_shard=False)
         self.pieces, self.shard_size = self.flat.pieces, self.flat.shard_size
         # Each piece's gradient: its slice of the parameter's .grad, which the reducer keeps as the same view
@@ -63,7 +69,7 @@ class ZeroTwoSync(UnitSync):
         super().__init__(model, group, wire, quant_block)
         broadcast_state(model, group, local)
         names = {id(p): n for n, p in model.named_parameters()}
-        self.local = [(n, p) for n, p in model.named_parameters() if n in local]
+        self.local = local_parameters(model, local)
         buckets = plan_buckets(synced_parameters(model, local), int(bucket_mb * 2**20))
         device = next(model.parameters()).device
         self.units = [Unit([(names[id(p)], p) for p in bucket], self.world_size, self.rank, device,
