@@ -11,7 +11,7 @@ from typing import Any
 
 from gptpar.presets import ARCHS, PRESETS, ModelShape
 from gptpar.pretrained import folder_of, folder_shape
-from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, either
+from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, PARAM_COMMS, either
 from gptpar.strategies.schedules import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
@@ -243,8 +243,21 @@ class ParallelConfig:
                          "ZeRO++'s qgZ; naive, bucketed, zero2 and fsdp); powersgd (torch's "
                          "low-rank PowerSGD hook, of rank parallel.powersgd_rank, with error feedback saved in "
                          "checkpoints; ddp, from its third step).", choices=GRAD_COMMS)
-    quant_block: int = opt(256, "parallel.grad_comm=int8: values per quantisation block (one fp32 scale each); each "
-                           "gradient or bucket is padded to a multiple of dp * quant_block.", min=1, max=2**24)
+    param_comm: str = opt("fp32", "What fsdp gathers its parameters in, forward and backward (the optimizer's shards "
+                          "stay fp32, the master copy): fp32; bf16 (half the bytes: each shard cast for the wire and "
+                          "back); int8 (about a quarter: each shard in blocks of parallel.quant_block values with one "
+                          "fp32 scale each, ZeRO++'s qwZ). Every rank, its own shard included, computes with the "
+                          "weights as they came over the wire, so replicas stay bitwise equal.", choices=PARAM_COMMS)
+    hpz: bool = opt(False, "ZeRO++'s hpZ (fsdp): the first all-gather of each unit in a step (over all of dp) also "
+                    "keeps this node's share of it, a secondary copy of 1/parallel.hpz_node_size of the parameters "
+                    "in parallel.param_comm's type, from which every later gather of the step (backward's, and the "
+                    "forwards of further micro-steps) is made within the node; dropped at the optimizer step.")
+    hpz_node_size: int = opt(0, "parallel.hpz: data-parallel ranks per hpZ group (a divisor of parallel.dp); 0: those "
+                             "on one node, the launcher's ranks per node (LOCAL_WORLD_SIZE, SLURM's tasks per node) "
+                             "over parallel.tp, at most parallel.dp.", min=0, max=65_536)
+    quant_block: int = opt(256, "parallel.grad_comm=int8 and parallel.param_comm=int8: values per quantisation block "
+                           "(one fp32 scale each); each gradient or bucket is padded to a multiple of dp * "
+                           "quant_block, each parameter shard to a multiple of quant_block.", min=1, max=2**24)
     powersgd_rank: int = opt(1, "parallel.grad_comm=powersgd: rank of PowerSGD's low-rank approximation of each "
                              "gradient matrix.", min=1, max=4096)
     backend: str = opt("auto", "auto: nccl when CUDA is visible, else gloo.",

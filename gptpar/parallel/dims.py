@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gptpar.errors import GptparError
-from gptpar.parallel.grid import EXPERT_REPLICAS, GRID_DIMS, INNER_DIMS, coordinates, group_ranks
+from gptpar.parallel.grid import EXPERT_REPLICAS, GRID_DIMS, INNER_DIMS, block_ranks, coordinates, group_ranks
 from gptpar.parallel.process_group import RankInfo
 
 
@@ -67,16 +68,25 @@ class ParallelDims(RankInfo):
         """Global ranks of this rank's group along `dim`, in coordinate order."""
         return group_ranks(self.rank, self.sizes, dim)
 
+    def block_group(self, dim: str, size: int) -> dist.ProcessGroup:
+        """This rank's group of `size` consecutive coordinates along `dim` (grid.block_ranks): parallel.hpz's node
+        group inside dp. Every rank must ask, in the same order (torch's rule for new groups)."""
+        return _new_groups(self.world_size, lambda r: block_ranks(r, self.sizes, dim, size))
+
+
+def _new_groups(world: int, members: Callable[[int], list[int]]) -> dist.ProcessGroup:
+    """Every rank creates every group (each rank's `members`), in one order, and keeps its own."""
+    groups = sorted({tuple(members(r)) for r in range(world)})
+    mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
+    return mine
+
 
 def _inner_groups(rank: int, sizes: dict[str, int]) -> dict[str, dist.ProcessGroup]:
-    """This rank's expert-parallel groups: every rank creates every group (torch's rule for new groups), in one
-    order, and keeps its own; none where ep is 1 (and no replicas group where ep spans dp)."""
+    """This rank's expert-parallel groups; none where ep is 1 (and no replicas group where ep spans dp)."""
     groups = {}
     world = math.prod(sizes[dim] for dim in GRID_DIMS)
     for dim, size in (("ep", sizes["ep"]), (EXPERT_REPLICAS, sizes["dp"] // sizes["ep"])):
         if sizes["ep"] == 1 or size == 1:
             continue
-        members = sorted({tuple(group_ranks(r, sizes, dim)) for r in range(world)})
-        mine, _ = dist.new_subgroups_by_enumeration([list(m) for m in members])
-        groups[dim] = mine
+        groups[dim] = _new_groups(world, lambda r, d=dim: group_ranks(r, sizes, d))
     return groups

@@ -55,11 +55,20 @@ def group_ranks(rank: int, sizes: dict[str, int], dim: str) -> list[int]:
     stride = math.prod(sizes[d] for d in GRID_DIMS[GRID_DIMS.index(outer) + 1:])
     coord, ep = coordinates(rank, sizes)[outer], sizes.get("ep", 1)
     if dim == "ep":
-        first = coord - coord % ep
-        return [rank + (first + i - coord) * stride for i in range(ep)]
+        return block_ranks(rank, sizes, outer, ep)
     if dim == EXPERT_REPLICAS:
         return [rank + (coord % ep + i * ep - coord) * stride for i in range(sizes[outer] // ep)]
     return [rank - coord * stride + i * stride for i in range(sizes[dim])]
+
+
+def block_ranks(rank: int, sizes: dict[str, int], dim: str, size: int) -> list[int]:
+    """Global ranks of `rank`'s block of `size` consecutive coordinates along the grid dimension `dim` (a divisor of
+    its size), the other coordinates equal: parallel.ep's group inside dp, and parallel.hpz's node group (with tp
+    fastest and tasks filled node by node, consecutive dp coordinates share a node)."""
+    stride = math.prod(sizes[d] for d in GRID_DIMS[GRID_DIMS.index(dim) + 1:])
+    coord = coordinates(rank, sizes)[dim]
+    first = coord - coord % size
+    return [rank + (first + i - coord) * stride for i in range(size)]
 
 
 def launched_config(cfg: Config, launched: int) -> Config:

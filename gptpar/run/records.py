@@ -128,7 +128,10 @@ class StepRecord(Record):
         "parallel.grad_comm=int8's reduce-scatter), `all_reduce`, `reduce_scatter` and `all_gather` (the gradients "
         "and parameters of parallel.dp_sync naive, bucketed, ddp, zero1, zero2 and fsdp, and the experts' replicas, "
         "in ring terms: an all-reduce of n bytes over g ranks 2n(g-1)/g, an all-gather n(g-1)/g of its output, a "
-        "reduce-scatter n(g-1)/g of its input; fsdp2's, inside torch, are not counted).")
+        "reduce-scatter n(g-1)/g of its input; fsdp2's, inside torch, are not counted; fsdp's parameters in "
+        "parallel.param_comm's type), and `all_gather_intra` (parallel.hpz: fsdp's gathers within a node group, over "
+        "its size; `all_gather` then holds only the gathers over the whole data-parallel group, those that cross "
+        "nodes).")
     comm_s: dict[str, float] | Absent = optional(
         "Seconds of the step inside this rank's timed collectives, by kind: so far `all_to_all` (parallel.ep's; CUDA "
         "events around each on a GPU, the host's clock on a CPU, where a call returns once done): waiting for a slower "
@@ -160,6 +163,9 @@ class MemoryRecord(Record):
     optimizer_bytes: int = required("Bytes of its optimizer state (AdamW's scalar `step` counters left out).")
     gathered_peak_bytes: int | Absent = optional(
         "parallel.dp_sync=fsdp: peak bytes of unsharded parameters and gradients held at once.")
+    hpz_bytes: int | Absent = optional(
+        "parallel.hpz: bytes of fsdp's secondary copy of the parameters (this rank's share of its node's), held "
+        "beside the state counted above.")
 
 
 # The keys inside a step record's `moe` (a mixture of experts' load), which the report reads.

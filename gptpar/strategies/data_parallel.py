@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from gptpar.errors import ConfigError
 
 if TYPE_CHECKING:
-    from gptpar.config import Config
+    from gptpar.config import Config, ParallelConfig
 
 # Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), in the parts a strategy
 # may shard over its W replicas; every rank holds the parts it does not shard whole.
@@ -22,6 +22,11 @@ STATE_BYTES = {"params": 4, "grads": 4, "optimizer": 8}
 # blockwise quantisation (an all-to-all and an all-gather), powersgd torch's low-rank hook for DDP.
 HALF = ("fp32", "bf16", "fp16")
 GRAD_COMMS = (*HALF, "int8", "powersgd")
+# parallel.param_comm: how a sync that shards the parameters gathers them. bf16 casts each shard for the wire; int8 is
+# ZeRO++'s qwZ, each shard in blocks of parallel.quant_block values with one fp32 scale each (param_comm.py).
+PARAM_COMMS = ("fp32", "bf16", "int8")
+# Bytes per parameter of a gathered parameter on the wire, by parallel.param_comm; int8 adds a 4-byte scale per block.
+PARAM_WIRE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,8 @@ class DataParallelStrategy:
     without_whole_compile: str = ""  # why train.compile=model cannot capture its model in one graph; "" if it can
     grad_comm: tuple[str, ...] = ("fp32",)  # the parallel.grad_comm types it sends gradients in
     expert_parallel: bool = False  # syncs the dense parameters only, beside parallel.ep's expert shards
+    param_comm: tuple[str, ...] = ("fp32",)  # the parallel.param_comm types it gathers parameters in
+    hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
 
     @property
     def whole_gradients(self) -> bool:
@@ -48,6 +55,15 @@ class DataParallelStrategy:
         """Bytes of training state one rank holds for n parameters over w replicas, unpadded: the closed form a
         measured count is checked against."""
         return math.fsum(n * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items())
+
+
+def hpz_bytes(n: float, node_size: int, param_comm: str = "fp32", quant_block: int = 256) -> float:
+    """Bytes of parallel.hpz's secondary partition one rank holds for n parameters, unpadded, beside `state_bytes`:
+    its node's 1/node_size share of the gathered parameters, kept as they came over the wire (parallel.param_comm's
+    type; int8 with one fp32 scale per quant_block values), so that the node can gather them again without the other
+    nodes."""
+    per_value = PARAM_WIRE_BYTES[param_comm] + (4 / quant_block if param_comm == "int8" else 0)
+    return n * per_value / node_size
 
 
 _PACKAGE = "gptpar.parallel.data_parallel"
@@ -69,7 +85,8 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
                                   expert_parallel=True),
     "fsdp": DataParallelStrategy(f"{_PACKAGE}.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered "
                                  "per block", ("params", "grads", "optimizer"), _NOT_SHARDED_YET,
-                                 materialises_shards=True, grad_comm=(*HALF, "int8"),
+                                 materialises_shards=True, grad_comm=(*HALF, "int8"), param_comm=PARAM_COMMS,
+                                 hpz=True,
                                  without_whole_compile="gathers and frees each block's parameters in hooks around the "
                                                        "block, which one whole-model graph cannot hold"),
     "fsdp2": DataParallelStrategy(f"{_PACKAGE}.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
@@ -89,9 +106,24 @@ def either(names: list[str]) -> str:
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
 
 
+def hpz_node_size(p: ParallelConfig, ranks_per_node: int) -> int:
+    """The data-parallel ranks of one parallel.hpz group: parallel.hpz_node_size, or where it is 0 those on one node,
+    the launcher's ranks per node (LOCAL_WORLD_SIZE, SLURM's tasks per node) over parallel.tp (the grid puts tp
+    fastest, so a node holds ranks_per_node / tp consecutive dp coordinates), at most parallel.dp."""
+    size = p.hpz_node_size or min(p.dp, max(1, ranks_per_node // p.tp))
+    if p.dp % size:
+        source = (f"parallel.hpz_node_size={size}" if p.hpz_node_size else
+                  f"parallel.hpz_node_size=0 takes {size} data-parallel ranks per node (the launcher's "
+                  f"{ranks_per_node} ranks per node over parallel.tp={p.tp}), which")
+        raise ConfigError(f"{source} does not divide parallel.dp={p.dp}; set parallel.hpz_node_size to a divisor of "
+                          "it (the data-parallel ranks on one node)")
+    return size
+
+
 def check(cfg: Config) -> None:
-    """train.dump_grads against what the strategy (and tensor parallelism) leaves each rank, parallel.grad_comm
-    against what it can send, then parallel.dp_sync against the multi-process pipeline."""
+    """train.dump_grads against what the strategy (and tensor parallelism) leaves each rank, parallel.grad_comm and
+    parallel.param_comm against what it can send, parallel.hpz against the strategies that keep its copy (and its
+    node size against dp), then parallel.dp_sync against the multi-process pipeline."""
     p = cfg.parallel
     row = DP_STRATEGIES[p.dp_sync]
     if cfg.train.dump_grads and (p.tp > 1 or (p.dp > 1 and not row.whole_gradients)):
@@ -104,6 +136,17 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"parallel.grad_comm={p.grad_comm} is not built for parallel.dp_sync={p.dp_sync} (it sends "
                           f"{either(list(row.grad_comm))}); use parallel.dp_sync={either(sending)}, or "
                           "parallel.grad_comm=fp32")
+    if p.param_comm not in row.param_comm:
+        gathering = [name for name, r in DP_STRATEGIES.items() if p.param_comm in r.param_comm]
+        raise ConfigError(f"parallel.param_comm={p.param_comm} is not built for parallel.dp_sync={p.dp_sync} (it "
+                          f"gathers {either(list(row.param_comm))}); use parallel.dp_sync={either(gathering)}, or "
+                          "parallel.param_comm=fp32")
+    if p.hpz and not row.hpz:
+        keeping = [name for name, r in DP_STRATEGIES.items() if r.hpz]
+        raise ConfigError(f"parallel.hpz=true is not built for parallel.dp_sync={p.dp_sync}; use "
+                          f"parallel.dp_sync={either(keeping)}, or parallel.hpz=false")
+    if p.hpz and p.hpz_node_size:
+        hpz_node_size(p, 0)
     if p.pp > 1 and row.without_pipeline:
         syncing = [name for name, r in DP_STRATEGIES.items() if not r.without_pipeline]
         raise ConfigError(f"parallel.dp_sync={p.dp_sync} {row.without_pipeline}; use parallel.dp_sync="

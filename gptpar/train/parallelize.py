@@ -32,7 +32,7 @@ from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.tensor_parallel import TensorParallelModel, loss_context, loss_function, shard_model, whole_logits
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout
-from gptpar.strategies.data_parallel import DP_STRATEGIES
+from gptpar.strategies.data_parallel import DP_STRATEGIES, hpz_node_size
 from gptpar.train.recompute import prepare_blocks, whole_logits_loss
 
 
@@ -80,7 +80,9 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
                if shards_only else None)
     mesh = dims.mesh["dp"] if dims.mesh is not None and dp_group is not None else None
     local = experts.name_in(net) if experts is not None and dims.size("ep") > 1 else frozenset()
-    sync = make_grad_sync(net, p, dp_group, device, initial, mesh, local)  # 6
+    node_group = (dims.block_group("dp", hpz_node_size(p, dims.local_world_size))
+                  if p.hpz and dp_group is not None else None)
+    sync = make_grad_sync(net, p, dp_group, device, initial, mesh, local, node_group)  # 6
     pieces = tp_group is not None and p.tp_impl == "gptpar"
     return Parallelized(net, sync, loss_fn, loss_context(p, dims), whole_logits(p, dims, vocab_size),
                         CheckpointLayout(net, sync, dims) if pieces else None, pipeline, experts)

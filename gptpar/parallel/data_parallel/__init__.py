@@ -42,17 +42,19 @@ __all__ = ["BucketedSync", "DDPSync", "FSDP2Sync", "FSDPSync", "GradSync", "Init
 
 def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGroup | None,
                    device: torch.device | None = None, initial: InitialValue | None = None,
-                   mesh: DeviceMesh | None = None, local: frozenset[str] = frozenset()) -> GradSync:
+                   mesh: DeviceMesh | None = None, local: frozenset[str] = frozenset(),
+                   node_group: dist.ProcessGroup | None = None) -> GradSync:
     """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one.
     The model must already be on its device and identical on all replicas up to a broadcast from the
     group's first rank (done here), except for a strategy that materialises its shards (fsdp) given
     `initial`: then it is on the meta device and the strategy materialises this rank's shards on `device`.
     `mesh` is the group's DeviceMesh within the job's grid, which fsdp2 needs to shard parameters that
     torch's tensor parallelism already made DTensors on the grid. `local` names the parameters the strategy leaves
-    alone (parallel.ep's expert slices)."""
+    alone (parallel.ep's expert slices); `node_group` is this rank's data-parallel ranks on its node (parallel.hpz).
+    """
     if group is None:
         return GradSync(model)
     module, _, name = DP_STRATEGIES[pcfg.dp_sync].sync.partition(":")
     strategy = getattr(importlib.import_module(module), name)
     return strategy.from_setup(SyncSetup(model, group, pcfg, device or next(model.parameters()).device, initial,
-                                         mesh, local))
+                                         mesh, local, node_group))

@@ -38,6 +38,8 @@ class SyncSetup:
     # Parameters this rank holds alone among its replicas (parallel.ep's expert slices), by name: the strategy
     # neither broadcasts nor reduces them (gptpar.parallel.expert_parallel does); only those with `expert_parallel`.
     local: frozenset[str] = frozenset()
+    # parallel.hpz: this rank's data-parallel ranks on its node, where fsdp keeps its secondary copy of the parameters.
+    node_group: dist.ProcessGroup | None = None
 
 
 def synced_parameters(model: nn.Module, local: frozenset[str] = frozenset()) -> list[nn.Parameter]:

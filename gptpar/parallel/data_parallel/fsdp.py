@@ -17,6 +17,9 @@ A step:
   the last of backward, is waited for at once.
 - the optimizer updates the shards in place; nothing is gathered after the step, the next forward does it.
 
+Gathers go as parallel.param_comm says (fp32, bf16, or int8: ZeRO++'s qwZ) and, under parallel.hpz, only a unit's
+first gather of a step crosses nodes; the rest stay within the node (param_comm.py).
+
 Per rank this holds 16N/W bytes of state (each unit padded to a multiple of W), plus, in flight during backward,
 the root unit's parameters and flat gradient (the tied LM head's gradient accumulates from the first backward op
 to the last), two blocks' parameters (the one computing, the one prefetched) and two blocks' flat gradients (the
@@ -37,9 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gptpar.parallel.comm import all_gather, comm_span, count_sent
 from gptpar.parallel.data_parallel.base import WIRE_DTYPES, GradSync, SyncSetup, broadcast_state
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
+from gptpar.parallel.data_parallel.param_comm import INTRA, Gather, ParamWire, Secondary
 from gptpar.parallel.data_parallel.sharded import InitialValue, Unit, UnitSync
 
 
@@ -50,11 +53,16 @@ class FSDPSync(UnitSync):
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
         return cls(setup.model, setup.group, setup.device, setup.initial, WIRE_DTYPES[setup.pcfg.grad_comm],
-                   setup.pcfg.quant_block)
+                   setup.pcfg.quant_block, setup.pcfg.param_comm, setup.node_group)
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, device: torch.device,
-                 initial: InitialValue | None = None, wire: torch.dtype | None = None, quant_block: int = 0):
+                 initial: InitialValue | None = None, wire: torch.dtype | None = None, quant_block: int = 0,
+                 param_comm: str = "fp32", node_group: dist.ProcessGroup | None = None):
+        """`param_comm` is parallel.param_comm; `node_group` this rank's data-parallel ranks on its node under
+        parallel.hpz (None: no secondary copy)."""
         super().__init__(model, group, wire, quant_block)
+        self.param_wire = ParamWire(param_comm, self.world_size, quant_block)
+        self.exact = ParamWire("fp32", self.world_size)  # whole_parameters: the masters as they are
         if initial is None:
             broadcast_state(model, group)  # replicas start equal; the shards are then cut from the same model
         blocks = transformer_blocks(model)
@@ -68,6 +76,7 @@ class FSDPSync(UnitSync):
         self.root = unit([p for p in model.parameters() if id(p) not in in_blocks])
         self.blocks = [unit(list(block.parameters())) for block in blocks]
         self.units = [*reversed(self.blocks), self.root]  # the order backward completes them
+        self.secondary = {id(u): Secondary(node_group) for u in self.units} if node_group is not None else {}
         self._hook_units()
         model.register_forward_pre_hook(self._before_root)
         model.register_forward_hook(self._after_root)
@@ -76,13 +85,20 @@ class FSDPSync(UnitSync):
             block.register_forward_hook(self._after_block(i))
 
     # -- gathering and freeing --------------------------------------------------------------------------------
-    def _start_gather(self, u: Unit) -> None:
+    def _start_gather(self, u: Unit, exact: bool = False) -> None:
+        """Issue the unit's all-gather: within the node from hpZ's secondary copy where it holds the current
+        parameters, else over the group (keeping the node's slice under hpZ); `exact`: the fp32 masters, over the
+        group, without touching the copy."""
         if u.gathered:
             return
         u.full.untyped_storage().resize_(u.nbytes)
         self._account(u.nbytes)
-        u.work = all_gather(u.full, u.shard, group=self.group, async_op=True)
-        count_sent("all_gather", u.nbytes, self.group)
+        second = None if exact else self.secondary.get(id(u))
+        if second is not None and second.valid:
+            u.work = Gather(self.param_wire, second.parts, u.full, second.group, INTRA)
+        else:
+            wire = self.exact if exact else self.param_wire
+            u.work = Gather(wire, wire.encode(u.shard), u.full, self.group, keep=second)
         u.gathered = True
 
     def _gather(self, u: Unit) -> None:
@@ -90,16 +106,14 @@ class FSDPSync(UnitSync):
         self._start_gather(u)
         if u.work is not None:
             start = time.perf_counter()
-            with comm_span("all_gather", phase="wait"):
-                u.work.wait()
+            u.work.wait()
             self.comm_wait_s += time.perf_counter() - start
             u.work = None
 
     def _release(self, u: Unit) -> None:
         if u.gathered:
             if u.work is not None:  # a prefetch nobody used: collectives must complete before their buffer goes
-                with comm_span("all_gather", phase="wait"):
-                    u.work.wait()
+                u.work.wait()
                 u.work = None
             u.full.untyped_storage().resize_(0)
             self._account(-u.nbytes)
@@ -146,16 +160,22 @@ class FSDPSync(UnitSync):
 
     # -- the GradSync interface -------------------------------------------------------------------------------
     def after_step(self) -> None:
-        """Nothing to gather: the next forward gathers each unit when it needs it."""
+        """Nothing to gather: the next forward gathers each unit when it needs it (over the group: hpZ's copies
+        hold the parameters from before the step)."""
+        for second in self.secondary.values():
+            second.valid = False
 
     def memory_fields(self) -> dict[str, int]:
-        return {"gathered_peak_bytes": self._peak}
+        held = {"hpz_bytes": sum(s.nbytes for s in self.secondary.values())} if self.secondary else {}
+        return {"gathered_peak_bytes": self._peak} | held
 
     @contextlib.contextmanager
     def whole_parameters(self) -> Iterator[None]:
-        """Every unit gathered for the duration (to read or compare the model), freed again after."""
+        """Every unit gathered for the duration (to read or compare the model), freed again after: the fp32 masters
+        exactly, whatever parallel.param_comm sends in training."""
         freed = [u for u in self.units if not u.gathered]
         for u in freed:
+            self._start_gather(u, exact=True)
             self._gather(u)
         try:
             yield
@@ -173,6 +193,7 @@ class FSDPSync(UnitSync):
         with torch.no_grad():
             for piece in self.pieces:
                 piece.tensor.copy_(state["pieces"][piece.key])
+        self.after_step()  # hpZ's copies hold the parameters from before the load
 
 
 def join_pieces(state: dict[str, Any]) -> dict[str, torch.Tensor]:

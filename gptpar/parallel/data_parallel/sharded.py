@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,9 @@ from torch import nn
 from gptpar.parallel.comm import comm_span, count_sent, reduce_scatter
 from gptpar.parallel.data_parallel.base import GradSync, InitialValue
 from gptpar.parallel.data_parallel.quantized import QuantisedReduceScatter
+
+if TYPE_CHECKING:
+    from gptpar.parallel.data_parallel.param_comm import Gather
 
 
 class Piece(NamedTuple):
@@ -136,7 +139,7 @@ class Unit:
         self.gathered = not separate_shard
         if separate_shard:  # freed at once: never two units whole before the first use
             self.full.untyped_storage().resize_(0)
-        self.work: dist.Work | None = None  # an all-gather in progress
+        self.work: Gather | None = None  # an all-gather in progress (fsdp)
         self.grad_shard: torch.Tensor | None = None  # set by UnitSync
         self.flat_grad: torch.Tensor | None = None
         self.grads_in = 0  # parameters whose gradient has arrived in this backward
