@@ -1,4 +1,5 @@
-"""Compressed-communication benchmark: each parallel.grad_comm mode of each sync side by side, bytes and speed.
+"""Compressed-communication benchmark: each parallel.grad_comm mode of each sync side by side, and fsdp's
+parallel.param_comm and parallel.hpz, bytes and speed.
 
 Everything is measured in one run on the same machine, the modes running round-robin so load drift hits each alike:
 - per mode, the median step (its slowest rank), tokens/s and the bytes each rank sent per step, counted by the syncs
@@ -9,7 +10,10 @@ Everything is measured in one run on the same machine, the modes running round-r
   ddp's own reduction), with the spread of the rounds so a ratio inside the noise is called so;
 - a simulated slow link: gloo over loopback moves bytes far faster than a cluster's network between nodes, so a
   second table adds to each mode's measured step the time its counted bytes take at `--link-gbps` (none of it
-  hidden behind compute, as if no overlap survived: an upper bound for the syncs that overlap).
+  hidden behind compute, as if no overlap survived: an upper bound for the syncs that overlap). hpZ's gathers within
+  a node (`all_gather_intra`) are left out of it: they stay on the node's fast links. Its rows run one rank per
+  "node" (parallel.hpz_node_size=1: each rank keeps a whole copy, and only the forward's gathers cross ranks),
+  the layout a 2-rank job can show.
 
 Run: .venv/bin/python bench/bench_comm.py   (see --help; `make bench-comm`)
 """
@@ -32,15 +36,21 @@ from gptpar.config import ModelConfig, ParallelConfig
 from gptpar.model import build_model, count_params, lm_loss
 from gptpar.parallel.comm import read_sent
 from gptpar.parallel.data_parallel import GradSync, make_grad_sync
+from gptpar.parallel.data_parallel.param_comm import INTRA
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 
-# (row name, parallel.dp_sync, parallel.grad_comm); `local` runs bucketed without its sync
-MODES = (("local", "bucketed", "fp32"),
-         *((f"bucketed {w}", "bucketed", w) for w in ("fp32", "bf16", "int8")),
-         *((f"ddp {w}", "ddp", w) for w in ("fp32", "bf16", "powersgd")),
-         *((f"zero2 {w}", "zero2", w) for w in ("fp32", "bf16", "int8")),
-         *((f"fsdp {w}", "fsdp", w) for w in ("fp32", "int8")))
+# (row name, parallel.dp_sync, its other parallel settings); `local` runs bucketed without its sync
+HPZ = {"hpz": True, "hpz_node_size": 1}
+MODES: tuple[tuple[str, str, dict], ...] = (
+    ("local", "bucketed", {}),
+    *((f"bucketed {w}", "bucketed", {"grad_comm": w}) for w in ("fp32", "bf16", "int8")),
+    *((f"ddp {w}", "ddp", {"grad_comm": w}) for w in ("fp32", "bf16", "powersgd")),
+    *((f"zero2 {w}", "zero2", {"grad_comm": w}) for w in ("fp32", "bf16", "int8")),
+    *((f"fsdp {w}", "fsdp", {"grad_comm": w}) for w in ("fp32", "int8")),
+    *((f"fsdp param {w}", "fsdp", {"param_comm": w}) for w in ("bf16", "int8")),
+    ("fsdp hpz", "fsdp", HPZ),
+    ("fsdp zero++", "fsdp", {"grad_comm": "int8", "param_comm": "int8", **HPZ}))  # qgZ, qwZ and hpZ together
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,10 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build(args: argparse.Namespace, sync_name: str, wire: str, world: int) -> tuple[GradSync, torch.optim.Optimizer]:
+def build(args: argparse.Namespace, sync_name: str, settings: dict, world: int, nodes: dict[int, dist.ProcessGroup]
+          ) -> tuple[GradSync, torch.optim.Optimizer]:
     model = build_model(ModelConfig(preset=args.preset), args.vocab, seed=0)
-    pcfg = ParallelConfig(dp=world, dp_sync=sync_name, grad_comm=wire, bucket_mb=args.bucket_mb, powersgd_rank=4)
-    sync = make_grad_sync(model, pcfg, dist.group.WORLD, torch.device("cpu"))
+    pcfg = ParallelConfig(dp=world, dp_sync=sync_name, bucket_mb=args.bucket_mb, powersgd_rank=4, **settings)
+    node = nodes[pcfg.hpz_node_size] if pcfg.hpz else None
+    sync = make_grad_sync(model, pcfg, dist.group.WORLD, torch.device("cpu"), node_group=node)
     return sync, torch.optim.AdamW([p for p, _ in sync.optimizer_params()], lr=1e-4)
 
 
@@ -87,13 +99,16 @@ def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Names
         opt.step()
         sync.after_step()
         sync.zero_grad()
-        samples.append((time.perf_counter() - start, float(sum(read_sent().values()))))
+        across = {op: n for op, n in read_sent().items() if op != INTRA}  # what crosses nodes
+        samples.append((time.perf_counter() - start, float(sum(across.values()))))
     return samples[1:]
 
 
 def rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
     torch.set_num_threads(args.threads)
-    runs = {name: build(args, sync, wire, info.world_size) for name, sync, wire in MODES}
+    sizes = {settings["hpz_node_size"] for _, _, settings in MODES if "hpz_node_size" in settings}
+    nodes = {size: dist.new_subgroups(size)[0] for size in sorted(sizes)}  # every rank, in one order
+    runs = {name: build(args, sync, settings, info.world_size, nodes) for name, sync, settings in MODES}
     steps: dict[str, list[float]] = {name: [] for name in runs}  # per round: the median step of its slowest rank
     sent: dict[str, float] = {}
     names = list(runs)
@@ -120,7 +135,7 @@ def report(args: argparse.Namespace, res: dict, n_params: int) -> dict:
     print(f"{'mode':<16}{'step ms':>9}{'(range)':>16}{'tok/s':>9}{'sent KiB':>11}{'vs fp32 bytes':>15}"
           f"{'vs fp32 speed':>15}{f'at {args.link_gbps:g} Gb/s ms':>18}{'speedup there':>15}")
     rows = {}
-    for name, sync, _wire in MODES:
+    for name, sync, _settings in MODES:
         base = "local" if name == "local" else f"{sync} fp32"
         slow = step[name] + sent[name] / link
         slow_base = step[base] + sent[base] / link

@@ -133,7 +133,8 @@ def reference_run(cfg: Config) -> dict:
     """One process, the same config with one stage and one replica, the same global batch."""
     single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.ep": 1,
                            "parallel.pp_virtual": 1,
-                           "parallel.pp_split": "", "parallel.dp_sync": "bucketed",
+                           "parallel.pp_split": "", "parallel.dp_sync": "bucketed", "parallel.param_comm": "fp32",
+                           "parallel.hpz": False,
                            "log.run_id": cfg.log.run_id + "-single"})
     info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                     launcher="single", backend="gloo", device=torch.device("cpu"))
