@@ -142,13 +142,17 @@ def test_the_records_of_a_failed_set_up_are_declared(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.pp=2", "parallel.chunks=2"], ["parallel.dp=2", "parallel.dp_sync=fsdp"]],
+@pytest.mark.parametrize("layout", [["parallel.pp=2", "parallel.chunks=2"],
+                                    ["parallel.dp=2", "parallel.dp_sync=fsdp", "parallel.hpz=true"]],
                          ids=["pipeline", "fsdp"])
 def test_every_record_a_two_rank_run_writes_is_declared(tmp_path: Path, layout: list[str],
                                                         gloo_pool: GlooPools) -> None:
-    """The optional fields only some strategies write: the pipeline's pp_* step fields, fsdp's gathered peak."""
+    """The optional fields only some strategies write: the pipeline's pp_* step fields, fsdp's gathered peak and
+    hpZ's copy (its node group the pool's two ranks, the launcher's LOCAL_WORLD_SIZE)."""
     gloo_pool.run(2, train_as_gptpar_does, [*layout, *TINY, f"log.runs_dir={tmp_path}", "log.run_id=two"])
     records = written(tmp_path / "two")
     assert_declared(records, set(RECORDS))
-    optional = "pp_timeline" if "parallel.pp=2" in layout else "gathered_peak_bytes"
-    assert any(optional in r for r in records)
+    optional = ["pp_timeline"] if "parallel.pp=2" in layout else ["gathered_peak_bytes", "hpz_bytes"]
+    assert all(any(field in r for r in records) for field in optional)
+    if "parallel.hpz=true" in layout:  # backward's gathers within the node
+        assert any("all_gather_intra" in r.get("comm_bytes", {}) for r in records)
