@@ -13,7 +13,8 @@ running profiler a span costs one check.
 
 `SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`: the
 expert all-to-alls (gptpar.parallel.expert_parallel), counted from the actual split sizes, and our data-parallel
-syncs' traffic (naive, bucketed, ddp, zero1, zero2, fsdp: `count_sent`, in ring terms). `SPENT` holds the spans of
+syncs' traffic (naive, bucketed, ddp, zero1, zero2, fsdp: `count_sent`, in ring terms; fsdp's gathers within a
+node under parallel.hpz as `all_gather_intra`, apart from those that cross nodes). `SPENT` holds the spans of
 device time inside timed collectives (`timed`: so far the expert all-to-alls), for its `comm_s`. Both start empty at
 each step's start (`new_step`), so an evaluation's traffic between steps counts in no step.
 """
