@@ -236,8 +236,9 @@ def test_grid_refuses_a_shape_that_does_not_fill_the_job() -> None:
 def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
     grid = ParallelDims.build(info, sizes)
     members = {}
-    for dim in ("pp", "dp", "tp", "ep", EXPERT_REPLICAS):
-        group = grid.group(dim)
+    for dim in ("pp", "dp", "tp", "ep", EXPERT_REPLICAS, "dp_pairs"):
+        # dp_pairs: blocks of two consecutive dp coordinates, parallel.hpz's node groups of two
+        group = grid.block_group("dp", 2) if dim == "dp_pairs" else grid.group(dim)
         if group is None:
             members[dim] = [info.rank]
             continue
@@ -268,6 +269,8 @@ def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, siz
         assert results[rank]["coords"] == coords
         assert results[rank]["members"]["dp"] == dp_members == results[rank]["group_ranks"]["dp"]
         assert results[rank]["members"]["tp"] == tp_members == results[rank]["group_ranks"]["tp"]
+        pair = dp_members.index(rank) // 2
+        assert results[rank]["members"]["dp_pairs"] == dp_members[2 * pair:2 * pair + 2]
         # ep=2 inside dp=4: rank 1 shares experts with 0 and holds the same ones as 3; rank 2 with 3 and as 0.
         ep = sizes.get("ep", 1)
         want_ep = ([rank - rank % 2, rank - rank % 2 + 1], [rank % 2, rank % 2 + 2]) if ep == 2 else ([rank], [rank])
