@@ -24,6 +24,7 @@ from rank_training import make_config, make_trainer, named_params, reference_run
 
 from gptpar.config import ConfigError, load_config
 from gptpar.parallel.comm import read_sent, ring_share
+from gptpar.parallel.data_parallel.fsdp import FSDPSync
 from gptpar.parallel.grid import block_ranks
 from gptpar.parallel.process_group import RankInfo
 from gptpar.strategies.data_parallel import PARAM_WIRE_BYTES, hpz_bytes, hpz_node_size
@@ -41,7 +42,7 @@ PARAM_TOLERANCE = 5e-2
 LR = 0.01  # rank_training.BASE's train.lr
 
 
-def _gathered(sync: object) -> list[torch.Tensor]:
+def _gathered(sync: FSDPSync) -> list[torch.Tensor]:
     """Each unit's flat buffer as the wire delivers it in training: gathered, copied, freed."""
     fulls = []
     for u in sync.units:
@@ -60,6 +61,7 @@ def _worker(info: RankInfo, runs: Path) -> None:
             losses += train_steps(trainer, 1)
             sent.append(read_sent())
         sync = trainer.sync
+        assert isinstance(sync, FSDPSync)
         first = _gathered(sync)  # over the group (the step dropped hpz's copy), which keeps the node's slice
         record = {"losses": losses, "sent": sent, "params": named_params(trainer), "memory": trainer.memory,
                   "layouts": [u.full.numel() for u in sync.units], "gathered": first,
