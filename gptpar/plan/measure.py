@@ -43,15 +43,16 @@ class Plan:
     widths: tuple[tuple[int, int], ...]
     batches: tuple[tuple[int, int], ...]
     comm_bytes: tuple[int, ...]
+    optimizer_params: tuple[int, ...]
     vocab: int
     repeats: int
 
 
 CPU_PLAN = Plan(((128, 4), (256, 8), (512, 8), (768, 12)), ((1, 64), (4, 64), (2, 256)),
-                tuple(4 ** k * 1024 for k in range(0, 7)), 4096, 5)
+                tuple(4 ** k * 1024 for k in range(0, 7)), (10**5, 10**6, 10**7), 4096, 5)
 GPU_PLAN = Plan(((768, 12), (1600, 25), (2048, 16)), ((1, 1024), (4, 1024), (8, 1024)),
-                tuple(4 ** k * 65536 for k in range(0, 7)), 50304, 10)
-QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 1048576), 4096, 3)
+                tuple(4 ** k * 65536 for k in range(0, 7)), (10**6, 10**7, 10**8), 50304, 10)
+QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 1048576), (10**5, 10**6), 4096, 3)
 
 
 def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object], Callable[[], object] | None], float]:
@@ -86,6 +87,7 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
     arch = architecture(model)
     embed, block, head = arch.embed_piece(model), arch.block_piece(model, 0), arch.head_piece(model)
     timed = _timer(device, repeats)
+    timed_once = _timer(device, 1)
     tokens = seqs * seq
     ids = torch.randint(0, vocab, (seqs, seq), device=device)
     hidden = torch.randn(seqs, seq, width, device=device)
@@ -104,9 +106,10 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
     def input_only(state: tuple[torch.Tensor, torch.Tensor]) -> None:
         torch.autograd.grad(state[1], [state[0]], grad.to(state[1].dtype))
 
-    bw_s = timed(full, forward)
-    b_s = timed(input_only, forward)
-    w_s = max(bw_s - b_s, 0.05 * bw_s)
+    pairs = [(timed_once(full, forward), timed_once(input_only, forward)) for _ in range(2 * repeats + 1)][1:]
+    bw_s = statistics.median(a for a, _ in pairs)
+    b_s = statistics.median(b for _, b in pairs)
+    w_s = max(statistics.median(a - b for a, b in pairs), 0.05 * bw_s)
     block.zero_grad(set_to_none=True)
     params = [p for p in block.parameters()]
     with _autocast(device, precision):
@@ -191,8 +194,7 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
             saved.append(saved_bytes / per_token_width)
             for kind, (flops, seconds) in points.items():
                 compute.setdefault(kind, []).append([flops, seconds])
-        compute.setdefault("optimizer", []).append(list(_optimizer_point(13 * width * width * 4, device,
-                                                                         plan.repeats)))
+    compute["optimizer"] = [list(_optimizer_point(n, device, plan.repeats)) for n in plan.optimizer_params]
     collectives = {}
     if world > 1:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"):

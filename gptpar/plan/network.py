@@ -53,11 +53,10 @@ class Network:
 
 
 def network_of(calib: Calibration, profile: dict[str, Any], name: str, on_calibrated_machine: bool) -> Network:
-    """The job's links: the calibration's measured collectives where the job runs where they were measured (one
-    machine, or inside a node of the calibrated kind), the profile's figures elsewhere."""
+    """The job's links: the calibration's measured collectives inside one machine or node (a calibration is only
+    used on its own kind of device), the profile's figures between nodes and where nothing was measured."""
     links = profile.get("links") or {}
     measured = {op: fit for op in calib.collectives if (fit := calib.link(op)) is not None}
-    return Network(measured=measured if on_calibrated_machine or not links else measured,
-                   intra=profile_link(links, "intra_node", name), inter=profile_link(links, "inter_node", name),
-                   gpus_per_node=int(links.get("gpus_per_node") or 0) if not on_calibrated_machine else 0,
-                   profile=name)
+    return Network(measured=measured, intra=profile_link(links, "intra_node", name),
+                   inter=profile_link(links, "inter_node", name),
+                   gpus_per_node=0 if on_calibrated_machine else int(links.get("gpus_per_node") or 0), profile=name)
