@@ -259,7 +259,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from gptpar.plan.measure import calibrate, dump
 
         out = check_path(args.out, "file", "--out", "name a file to write", must_exist=False)
-        print(f"wrote {out}: {dump(calibrate(out, quick=args.quick, world=args.world, threads=args.threads))}")
+        calib = calibrate(out, quick=args.quick, world=args.world, threads=args.threads, precision=args.precision)
+        print(f"wrote {out}: {dump(calib)}")
         return 0
     if args.action == "predict":
         from gptpar.plan.commands import as_json, as_text, predict_config
@@ -488,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=_non_negative, default=0,
                    help="calibrate: ranks (default: 2 on a CPU, every GPU up to 8 on CUDA)")
     p.add_argument("--threads", type=_non_negative, default=0, help="calibrate: torch threads per rank (0: default)")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "tf32"), default="auto",
+                   help="calibrate: the precision timed (auto: bf16 or fp16 on a GPU, fp32 on a CPU)")
     p.add_argument("--model", metavar="PRESET", help="search: model.preset")
     p.add_argument("--gpus", type=_positive, help="search: GPUs in all")
     p.add_argument("--profile", help="search: launch.profile (its links and GPU memory)")

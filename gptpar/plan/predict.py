@@ -365,8 +365,9 @@ def memory_parts(lay: Layout, calib: Calibration, peaks: list[int]) -> list[dict
         block_bytes = lay.tokens * per_token * split
         stored = (blocks - recomputed) * block_bytes + recomputed * lay.tokens * lay.shape.n_embd * act
         stages = len(lay.stages_of(r))
-        held = peaks[r] / stages * stored if lay.pp > 1 else stored
-        logits = lay.tokens * lay.vocab / lay.tp * 4 if lay.holds_head(r) else 0
+        alive = peaks[r] / stages if lay.pp > 1 else 1  # micro-batches of one stage held at once
+        held = alive * stored
+        logits = alive * lay.tokens * lay.vocab / lay.tp * 4 if lay.holds_head(r) else 0  # the loss's fp32 logits
         gathered = 0
         if lay.dp_sync == "fsdp" and lay.dp > 1:  # 2 root and 4 block units in flight (fsdp.py's docstring)
             gathered = 4 * (2 * lay.end_parameters(r) + 4 * lay.block_parameters)
