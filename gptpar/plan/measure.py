@@ -46,6 +46,7 @@ class Plan:
     optimizer_params: tuple[int, ...]
     vocab: int
     repeats: int
+    comm_iters: int = 50  # most calls of a collective timed per size (about 200 MB moved, at least 3)
 
 
 CPU_PLAN = Plan(((128, 4), (256, 8), (512, 8), (768, 12)), ((1, 64), (4, 64), (2, 256)),
@@ -143,7 +144,7 @@ def _optimizer_point(n: int, device: torch.device, repeats: int) -> tuple[float,
     return float(n), _timer(device, repeats)(step)
 
 
-def _collective_points(op: str, sizes: tuple[int, ...], world: int, device: torch.device
+def _collective_points(op: str, sizes: tuple[int, ...], world: int, device: torch.device, most: int
                        ) -> list[list[float]]:
     """(bytes, seconds) of `op` over the whole group for each size: the tensor's whole bytes, as ring_share takes
     them (an all-reduce's payload, an all-gather's output, a reduce-scatter's or all-to-all's input)."""
@@ -164,7 +165,7 @@ def _collective_points(op: str, sizes: tuple[int, ...], world: int, device: torc
         call = calls[op]
         for _ in range(2):
             call()
-        iters = max(3, min(50, int(2e8 // max(size, 1))))
+        iters = max(3, min(most, int(2e8 // max(size, 1))))
         dist.barrier()
         clock = DeviceClock(device)
         for _ in range(iters):
@@ -198,7 +199,7 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     collectives = {}
     if world > 1:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"):
-            collectives[op] = _collective_points(op, plan.comm_bytes, world, device)
+            collectives[op] = _collective_points(op, plan.comm_bytes, world, device, plan.comm_iters)
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else local_device_name()
         calib = Calibration(
