@@ -150,13 +150,16 @@ class Model:
         lists = schedule(lay.schedule, lay.pp, lay.chunks, lay.virtual)
         per_stage = {s: len(lay.stages_of(s % lay.pp)) for s in range(lay.pp * lay.virtual)}
 
+        last = lay.pp * lay.virtual - 1
+
         def cost(action: Action) -> float:
+            """The action's share of its rank's costs (its stage's blocks), and the send that follows it."""
             rc = costs[action.stage % lay.pp]
             share = 1 / per_stage[action.stage]
             if action.kind == "F":
-                return rc.f * share + hop
+                return rc.f * share + (hop if action.stage < last else 0.0)
             if action.kind == "B":
-                return (rc.b if plan.split_backward else rc.b + rc.w) * share + hop
+                return (rc.b if plan.split_backward else rc.b + rc.w) * share + (hop if action.stage > 0 else 0.0)
             return rc.w * share
 
         timeline = simulate(lists, cost_of=cost)
@@ -306,46 +309,47 @@ def precision_of(setting: str, device: str) -> str:
 
 
 def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Prediction:
-    """The step of `layout` on `device` (its calibration `calib`, its links `net`)."""
-    if layout.precision != calib.precision:
-        raise GptparError(f"train.precision={layout.precision} but the calibration was measured in "
-                          f"{calib.precision}; calibrate with --precision {layout.precision}, or set "
-                          f"train.precision={calib.precision}")
-    model = Model(layout, calib, net)
+    """The step of `layout` on `device` (its calibration `calib`, its links `net`): the schedule (or the micro-steps),
+    the slowest pipeline rank's data-parallel sync, the optimizer on what the rank steps, and the step's small
+    all-reduces (the global loss over dp, the gradient norm over pp)."""
     lay = layout
-    ranks = range(lay.pp)
-    optimizer = [calib.seconds("optimizer", lay.rank_parameters(r) / (lay.dp if DP_STRATEGIES[lay.dp_sync].sharded
-                                                                      else 1)) for r in ranks]
+    if lay.precision != calib.precision:
+        raise GptparError(f"train.precision={lay.precision} but the calibration was measured in "
+                          f"{calib.precision}; calibrate with --precision {lay.precision}, or set "
+                          f"train.precision={calib.precision}")
+    model = Model(lay, calib, net)
+    sharded = bool(DP_STRATEGIES[lay.dp_sync].sharded) and lay.dp > 1
+    optimizer = max(calib.seconds("optimizer", lay.rank_parameters(r) / (lay.dp if sharded else 1))
+                    for r in range(lay.pp))
     if lay.pp > 1:
         window, busy, peaks = model.pipeline()
-        compute_s = busy * lay.grad_accum
-        bubble_s = max(window - busy, 0.0) * lay.grad_accum
-        core = window * lay.grad_accum
+        compute_s, bubble_s, core = busy * lay.grad_accum, max(window - busy, 0.0) * lay.grad_accum, window
     else:
         costs = model.rank_costs(0)
-        compute_s = (costs.whole - costs.tp_comm) * lay.grad_accum
+        compute_s, bubble_s, core, peaks = costs.whole - costs.tp_comm, 0.0, costs.whole, [1]
         model._add("tp", costs.tp_comm * lay.grad_accum)
-        core = costs.whole * lay.grad_accum
-        bubble_s, peaks = 0.0, [1]
+        compute_s *= lay.grad_accum
+    core *= lay.grad_accum
     backward = model.rank_costs(0).b + model.rank_costs(0).w
-    syncs = [model.dp_sync(backward, lay.rank_parameters(r), r) for r in ranks] if lay.dp > 1 else [0.0]
-    if lay.dp > 1 and lay.pp > 1:  # each pp rank added its sync; keep the slowest's
-        slowest = max(syncs)
-        model.exposed = {k: v / lay.pp if k not in ("tp", "send_recv") else v for k, v in model.exposed.items()}
-        syncs = [slowest]
+    before, (sync, exposed) = dict(model.exposed), (0.0, dict(model.exposed))
+    for r in range(lay.pp):  # every pipeline rank syncs its own stage; the step waits for the slowest
+        model.exposed = dict(before)
+        seconds = model.dp_sync(backward, lay.rank_parameters(r), r)
+        if seconds >= sync:
+            sync, exposed = seconds, model.exposed
+    model.exposed = exposed
     small = net.seconds("all_reduce", 8, lay.dp, lay.tp) + net.seconds("all_reduce", 8, lay.pp, lay.dp * lay.tp)
     model._add("small", small)
-    step = core + max(syncs) + max(optimizer) + small
+    step = core + sync + optimizer + small
     memory = memory_parts(lay, calib, peaks)
+    fullest = max(memory, key=lambda m: m["total"])
     tokens_per_s = lay.step_tokens / step
-    shape = Shape(lay.shape, lay.seq_len, lay.vocab)
     peak = peak_flops(device, lay.precision)
-    mfu = flops_per_token(shape) * tokens_per_s / (lay.world * peak) if peak else None
-    notes = [] if peak else [f"MFU n/a: no datasheet peak for {device!r}"]
-    return Prediction(step, tokens_per_s, max(m["total"] for m in memory), compute_s + max(optimizer), bubble_s,
-                      {k: v for k, v in model.exposed.items()}, memory[max(range(len(memory)),
-                                                                          key=lambda r: memory[r]["total"])],
-                      mfu, lay.world, notes)
+    flops = flops_per_token(Shape(lay.shape, lay.seq_len, lay.vocab))
+    mfu = flops * tokens_per_s / (lay.world * peak) if peak else None
+    notes = ["parallel.grad_comm=powersgd is priced as fp32"] if lay.grad_comm == "powersgd" else []
+    return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),
+                      fullest, mfu, lay.world, notes)
 
 
 def memory_parts(lay: Layout, calib: Calibration, peaks: list[int]) -> list[dict[str, int]]:
