@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 from gptpar.config import Config, updated
+from gptpar.launch.plan import shaped
+from gptpar.parallel.grid import ranks_per_replica
 from gptpar.plan.layout import Layout, layout_of
 from gptpar.plan.predict import Prediction, precision_of, predict
 from gptpar.plan.target import Target, target_of
@@ -19,6 +21,10 @@ def resolved_layout(cfg: Config, target: Target) -> Layout:
 
 
 def predict_config(cfg: Config, calibration: str | None) -> tuple[Layout, Target, Prediction]:
+    """`cfg` as its job would run it: a job of launch.gpus x launch.nodes GPUs fills parallel.dp (left at 1) with
+    replicas, as `gptpar submit dp` does."""
+    if cfg.parallel.dp == 1 and max(cfg.launch.gpus, 1) * cfg.launch.nodes > ranks_per_replica(cfg):
+        cfg = shaped(cfg, "dp")
     target = target_of(cfg, calibration)
     layout = resolved_layout(cfg, target)
     return layout, target, predict(layout, target.calibration, target.network, target.device)

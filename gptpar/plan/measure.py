@@ -182,6 +182,8 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     """One rank's measurements; rank 0 writes them to `out` as JSON."""
     if threads:
         torch.set_num_threads(threads)
+    if precision == "tf32":  # fp32 tensors, TF32 matmuls, as the trainer's tf32
+        torch.set_float32_matmul_precision("high")
     device = info.device if info is not None else (torch.device("cuda") if torch.cuda.is_available()
                                                     else torch.device("cpu"))
     rank, world = (info.rank, info.world_size) if info is not None else (0, 1)
