@@ -3,10 +3,12 @@
 One run, one machine: `gptpar plan calibrate`'s measurement (2 gloo ranks x 1 thread, shapes around the model's),
 then for each layout its prediction (gptpar.plan, through the config resolver `gptpar train` uses) and a short real
 `gptpar train` of it (local ranks, synthetic data). Measured step time: each step's slowest rank, the median over
-the steps after the warm-up. Measured memory: the `memory` record's training-state bytes (parameters, gradients,
-optimizer state) of the fullest rank, against the strategy table's closed form the planner predicts; and, under the
-pipeline, the bytes autograd held at once (`pp_peak_activation_bytes`) against the predicted activations. The last
-line is `step time error: median X%, worst Y% over N layouts`.
+the steps after the warm-up. The load column is the machine's 1-minute load average after each run (this machine is
+shared: a load above its core count slows every step, the calibration's too, and not alike). Measured memory: the
+`memory` record's training-state bytes (parameters, gradients, optimizer state) of the fullest rank, against the
+strategy table's closed form the planner predicts; and, under the pipeline, the bytes autograd held at once
+(`pp_peak_activation_bytes`) against the predicted activations. The last line is `step time error: median X%, worst
+Y% over N layouts`.
 
 Run: .venv/bin/python bench/bench_plan.py   (see --help; `make bench-plan`)
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -94,9 +97,10 @@ def main(argv: list[str] | None = None) -> None:
         calib = args.calibration or str(Path(tmp) / "calibration.json")
         if not args.calibration:
             calibrate(calib, threads=1, plan=BENCH_PLAN)
-            print(f"calibrated in {time.perf_counter() - started:.0f} s", flush=True)
+            print(f"calibrated in {time.perf_counter() - started:.0f} s (load average {os.getloadavg()[0]:.1f} on "
+                  f"{os.cpu_count()} cores)", flush=True)
         print(f"{'layout':<24}{'pred ms':>9}{'meas ms':>9}{'err':>8}{'pred state MB':>15}{'meas state MB':>15}"
-              f"{'err':>8}{'pred act MB':>13}{'meas act MB':>13}", flush=True)
+              f"{'err':>8}{'load':>6}{'pred act MB':>13}{'meas act MB':>13}", flush=True)
         for i, name in enumerate(names):
             words = [*BASE, *LAYOUTS[name], f"train.max_steps={args.steps}"]
             cfg = resolve_config(None, words, user=False)[0]
@@ -109,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                          "state_error": mem_err})
             print(f"{name:<24}{pred.step_time_s * 1e3:>9.1f}{meas['step_time_s'] * 1e3:>9.1f}{err:>+8.1%}"
                   f"{pred.memory['state'] / 1e6:>15.3f}{meas['state_bytes'] / 1e6:>15.3f}{mem_err:>+8.2%}"
+                  f"{os.getloadavg()[0]:>6.1f}"
                   + (f"{pred.memory['activations'] / 1e6:>13.2f}{act / 1e6:>13.2f}" if act else ""), flush=True)
     errors = [abs(r["step_error"]) for r in rows]
     if args.out:
