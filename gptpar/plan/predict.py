@@ -269,9 +269,10 @@ class Model:
                 if i + 1 < blocks:
                     gather_end = free = max(free, start) + ag(block_bytes)
                 t = start + per_f[i]
-            t += head_f
-            compute = sum(per_f) + head_f
-            # backward: blocks last to first, each gathered again, its gradients reduce-scattered after it
+            t += head_f + self.head_bw
+            compute = sum(per_f) + head_f + self.head_bw
+            # backward: the head's (the root stays gathered), then blocks last to first, each gathered again (the
+            # last block's when the head's backward hands it its gradient), its gradients reduce-scattered after it
             gather_end = free = max(free, t) + ag(block_bytes)
             for i in range(blocks):
                 start = max(t, gather_end)
@@ -282,18 +283,20 @@ class Model:
             free = max(free, t) + rs(root_bytes)
             compute += sum(per_bw)
             exposed += max(free, t) - compute
-        self._add("all_gather", exposed)
+        self._add("fsdp gathers and reduce-scatters", exposed)
         return exposed
 
     def tensors(self, rank: int) -> list[float]:
         """The rank's parameter tensors as shares of its parameters (naive all-reduces each alone): per block its
         weights, biases and norms, then the tables and final norm."""
         s = self.lay.shape
-        per_block = 8 + 2 * s.traits.norm_biases + 3 * s.traits.qkv_bias + s.traits.out_bias + 2 * s.traits.mlp_bias
-        if not s.traits.gated_mlp:
-            per_block = 12 if s.traits.mlp_bias else 8
+        t = s.traits
+        if t.gated_mlp:  # q, k, v, o, gate, up, down and two norms; qwen2's q, k and v biases
+            per_block = 9 + 3 * t.qkv_bias
+        else:  # GPT-2: fused qkv, its projection, fc, proj, each with its bias, and two norms with theirs
+            per_block = 12
         blocks = self.lay.blocks_of(rank)
-        ends = 2 + s.traits.learned_positions + s.traits.norm_biases
+        ends = 1 + t.learned_positions + 1 + t.norm_biases + (0 if s.tied else 1)
         count = blocks * per_block + ends
         return [1.0 / count] * count
 
