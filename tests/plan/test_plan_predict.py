@@ -94,3 +94,17 @@ def test_recomputed_blocks_keep_only_their_input_and_run_forward_twice() -> None
     tokens = 16 * 64
     assert pred.memory["activations"] == tokens * 256 * 4 * 8 + tokens * 4096 * 4
     assert pred.compute_s == pytest.approx(8 * 4)  # F, B, W and the recomputed F of each block
+
+
+def test_fsdp_hides_every_gather_but_the_first_of_each_pass_behind_compute() -> None:
+    lay = layout(*EIGHT_BLOCKS, "parallel.dp=2", "parallel.dp_sync=fsdp")
+    bandwidth = 1e9
+    root, block = lay.end_parameters(0) * 4, lay.block_parameters * 4  # a unit's bytes; a rank sends half over 2
+    fsdp = "fsdp gathers and reduce-scatters"
+    # Blocks of 1 s hide every prefetched gather and every reduce-scatter but the last ones: exposed are the root's and
+    # block 0's gathers in forward, the last block's gather in backward, and block 0's and the root's reduce-scatters.
+    slow_compute = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")
+    assert slow_compute.exposed_comm_s[fsdp] == pytest.approx((root + 1.5 * block) / bandwidth)
+    # Blocks that cost nothing hide nothing: every unit's collectives, one after another.
+    free = predict(lay, calibration(lay, 1e-12, 1e-12, 1e-12), network(0.0, bandwidth), "test cpu")
+    assert free.exposed_comm_s[fsdp] == pytest.approx((root + 12 * block) / bandwidth, rel=1e-6)
