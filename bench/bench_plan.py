@@ -109,15 +109,17 @@ def main(argv: list[str] | None = None) -> None:
             _, _, pred = predict_config(cfg, calib)
             meas = measured(train(words, Path(tmp) / "runs", f"r{i}"), args.warmup)
             err = pred.step_time_s / meas["step_time_s"] - 1
-            mem_err = pred.memory["state"] / meas["state_bytes"] - 1
+            state = max(m["state"] for m in pred.memory_ranks)  # the fullest rank's, as measured
+            activations = max(m["activations"] for m in pred.memory_ranks)
+            mem_err = state / meas["state_bytes"] - 1
             act = meas["activation_bytes"]
             rows.append({"layout": name, "predicted": pred.to_dict(), "measured": meas, "step_error": err,
                          "state_error": mem_err})
             print(f"{name:<24}{pred.step_time_s * 1e3:>9.1f}{meas['step_time_s'] * 1e3:>9.1f}{err:>+8.1%}"
                   f"{meas['median_step_s'] * 1e3:>11.1f}"
-                  f"{pred.memory['state'] / 1e6:>15.3f}{meas['state_bytes'] / 1e6:>15.3f}{mem_err:>+8.2%}"
+                  f"{state / 1e6:>15.3f}{meas['state_bytes'] / 1e6:>15.3f}{mem_err:>+8.2%}"
                   f"{os.getloadavg()[0]:>6.1f}"
-                  + (f"{pred.memory['activations'] / 1e6:>13.2f}{act / 1e6:>13.2f}" if act else ""), flush=True)
+                  + (f"{activations / 1e6:>13.2f}{act / 1e6:>13.2f}" if act else ""), flush=True)
     errors = [abs(r["step_error"]) for r in rows]
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -82,11 +82,15 @@ class Layout:
     def blocks_of(self, rank: int) -> int:
         return sum(self.stage_blocks[s] for s in self.stages_of(rank))
 
+    def recomputed_in_stage(self, stage: int) -> int:
+        """Blocks of `stage` that recompute their forward in backward (train.activation_checkpointing)."""
+        start = sum(self.stage_blocks[:stage])
+        blocks = set(range(start, start + self.stage_blocks[stage]))
+        return len(blocks & set(checkpointed_indices(self.shape.n_layer, self.checkpoint_every)))
+
     def recomputed_blocks(self, rank: int) -> int:
-        """Blocks of pipeline rank `rank` that recompute their forward in backward (train.activation_checkpointing)."""
-        starts = [sum(self.stage_blocks[:s]) for s in range(len(self.stage_blocks))]
-        mine = {i for s in self.stages_of(rank) for i in range(starts[s], starts[s] + self.stage_blocks[s])}
-        return len(mine & set(checkpointed_indices(self.shape.n_layer, self.checkpoint_every)))
+        """Blocks of pipeline rank `rank` that recompute their forward in backward."""
+        return sum(self.recomputed_in_stage(s) for s in self.stages_of(rank))
 
     def holds_embedding(self, rank: int) -> bool:
         return rank == 0

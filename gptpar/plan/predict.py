@@ -51,12 +51,13 @@ class Prediction:
     mfu: float | None
     gpus: int
     notes: list[str] = field(default_factory=list)
+    memory_ranks: list[dict[str, int]] = field(default_factory=list)  # each pipeline rank's, as `memory`
 
     def to_dict(self) -> dict[str, object]:
         return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
                 "memory_bytes": self.memory_bytes, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
                 "exposed_comm_s": self.exposed_comm_s, "memory": self.memory, "mfu": self.mfu, "gpus": self.gpus,
-                "notes": self.notes}
+                "notes": self.notes, "memory_per_pipeline_rank": self.memory_ranks}
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,8 @@ class Model:
         lay = self.lay
         return self.net.seconds("send_recv", lay.tokens * lay.shape.n_embd * self.act, 2, lay.dp * lay.tp)
 
-    def pipeline(self) -> tuple[float, float, list[int]]:
-        """(window of one micro-step's schedule, mean compute inside it, peak micro-batches held per rank)."""
+    def pipeline(self) -> tuple[float, float, list[list[Action]]]:
+        """(window of one micro-step's schedule, mean compute inside it, each rank's actions)."""
         lay = self.lay
         costs = [self.rank_costs(r) for r in range(lay.pp)]
         hop = self.p2p()
@@ -166,7 +167,7 @@ class Model:
         busy = sum(costs[r].whole for r in range(lay.pp)) * lay.chunks / lay.pp
         self._add("send_recv", 2 * lay.chunks * lay.virtual * hop if lay.pp > 1 else 0.0)
         self._add("tp", sum(costs[r].tp_comm for r in range(lay.pp)) / lay.pp * lay.chunks)
-        return timeline.makespan, busy, [peak_activations(a) for a in lists]
+        return timeline.makespan, busy, lists
 
     def dp_sync(self, backward_s: float, n: int, rank: int) -> float:
         """Exposed seconds of the data-parallel sync of one step on pipeline rank `rank`, whose last micro-step's
@@ -324,12 +325,13 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     sharded = bool(DP_STRATEGIES[lay.dp_sync].sharded) and lay.dp > 1
     optimizer = max(calib.seconds("optimizer", lay.rank_parameters(r) / (lay.dp if sharded else 1))
                     for r in range(lay.pp))
+    lists = None
     if lay.pp > 1:
-        window, busy, peaks = model.pipeline()
+        window, busy, lists = model.pipeline()
         compute_s, bubble_s, core = busy * lay.grad_accum, max(window - busy, 0.0) * lay.grad_accum, window
     else:
         costs = model.rank_costs(0)
-        compute_s, bubble_s, core, peaks = costs.whole - costs.tp_comm, 0.0, costs.whole, [1]
+        compute_s, bubble_s, core = costs.whole - costs.tp_comm, 0.0, costs.whole
         model._add("tp", costs.tp_comm * lay.grad_accum)
         compute_s *= lay.grad_accum
     core *= lay.grad_accum
@@ -344,7 +346,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     small = net.seconds("all_reduce", 8, lay.dp, lay.tp) + net.seconds("all_reduce", 8, lay.pp, lay.dp * lay.tp)
     model._add("small", small)
     step = core + sync + optimizer + small
-    memory = memory_parts(lay, calib, peaks)
+    memory = memory_parts(lay, calib, lists)
     fullest = max(memory, key=lambda m: m["total"])
     tokens_per_s = lay.step_tokens / step
     peak = peak_flops(device, lay.precision)
@@ -352,36 +354,41 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     mfu = flops * tokens_per_s / (lay.world * peak) if peak else None
     notes = ["parallel.grad_comm=powersgd is priced as fp32"] if lay.grad_comm == "powersgd" else []
     return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),
-                      fullest, mfu, lay.world, notes)
+                      fullest, mfu, lay.world, notes, memory)
 
 
-def memory_parts(lay: Layout, calib: Calibration, peaks: list[int]) -> list[dict[str, int]]:
+def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float:
+    """Bytes one micro-batch leaves saved for backward in `stage`: its blocks' (the calibrated bytes per token and
+    unit of width, the share tensor parallelism splits divided by tp; a recomputed block only its input), and the
+    loss's fp32 logits where the stage holds the head."""
+    act = ACTIVATION_BYTES.get(lay.precision, 4)
+    split = 1 / lay.tp if lay.sequence_parallel else (1 - TP_SPLIT_SHARE) + TP_SPLIT_SHARE / lay.tp
+    block = lay.tokens * calib.activation_bytes_per_token_width * lay.shape.n_embd * split
+    recomputed = lay.recomputed_in_stage(stage)
+    held = (lay.stage_blocks[stage] - recomputed) * block + recomputed * lay.tokens * lay.shape.n_embd * act
+    head = stage == lay.pp * lay.virtual - 1
+    return held + (lay.tokens * lay.vocab / lay.tp * 4 if head else 0.0)
+
+
+def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | None) -> list[dict[str, int]]:
     """Each pipeline rank's bytes: training state by the strategy table's closed form, activations of the
-    micro-batches it holds at once (peak_activations under the pipeline, one micro-step otherwise), fsdp's gathered
-    units."""
+    micro-batches it holds at once (weighted `peak_activations` of its schedule, one micro-step without a pipeline),
+    fsdp's gathered units."""
     row = DP_STRATEGIES[lay.dp_sync]
     out = []
-    act = ACTIVATION_BYTES.get(lay.precision, 4)
-    per_token = calib.activation_bytes_per_token_width * lay.shape.n_embd
-    split = 1 / lay.tp if lay.sequence_parallel else (1 - TP_SPLIT_SHARE) + TP_SPLIT_SHARE / lay.tp
     for r in range(lay.pp):
         n = lay.rank_parameters(r)
-        state = row.state_bytes(n, lay.dp)
-        blocks = lay.blocks_of(r)
-        recomputed = lay.recomputed_blocks(r)
-        block_bytes = lay.tokens * per_token * split
-        stored = (blocks - recomputed) * block_bytes + recomputed * lay.tokens * lay.shape.n_embd * act
-        stages = len(lay.stages_of(r))
-        alive = peaks[r] / stages if lay.pp > 1 else 1  # micro-batches of one stage held at once
-        held = alive * stored
-        logits = alive * lay.tokens * lay.vocab / lay.tp * 4 if lay.holds_head(r) else 0  # the loss's fp32 logits
+        if lists is None:
+            held = stage_activation_bytes(lay, calib, 0)
+        else:
+            held = peak_activations(lists[r], lambda a: stage_activation_bytes(lay, calib, a.stage))
         gathered = 0
         if lay.dp_sync == "fsdp" and lay.dp > 1:  # 2 root and 4 block units in flight (fsdp.py's docstring)
             gathered = 4 * (2 * lay.end_parameters(r) + 4 * lay.block_parameters)
-        parts = {"params": int(n * 4 / (lay.dp if "params" in row.sharded else 1)),
-                 "grads": int(n * 4 / (lay.dp if "grads" in row.sharded else 1)),
-                 "optimizer": int(n * 8 / (lay.dp if "optimizer" in row.sharded else 1)),
-                 "state": int(state), "activations": int(held + logits), "gathered": gathered}
+        shard = {part: lay.dp if part in row.sharded else 1 for part in ("params", "grads", "optimizer")}
+        parts = {"params": int(n * 4 / shard["params"]), "grads": int(n * 4 / shard["grads"]),
+                 "optimizer": int(n * 8 / shard["optimizer"]), "state": int(row.state_bytes(n, lay.dp)),
+                 "activations": int(held), "gathered": gathered}
         parts["total"] = parts["state"] + parts["activations"] + parts["gathered"]
         out.append(parts)
     return out

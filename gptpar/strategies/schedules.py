@@ -210,17 +210,18 @@ def closed_form_bubble(name: str, ranks: int, microbatches: int, virtual: int = 
     return SCHEDULES[name].bubble(ranks, microbatches, virtual)
 
 
-def peak_activations(actions: list[Action]) -> int:
+def peak_activations(actions: list[Action], weight: Callable[[Action], float] | None = None) -> float:
     """The most micro-batches whose activations a rank holds at once: from its forward until its backward
-    is complete (after W where the backward is split)."""
+    is complete (after W where the backward is split). With `weight`, each forward's activations weigh what it says
+    (the planner's bytes of that stage's blocks), and the peak is of the sum."""
     split = any(a.kind == "W" for a in actions)
     alive = peak = 0
     for a in actions:
         if a.kind == "F":
-            alive += 1
+            alive += weight(a) if weight is not None else 1
             peak = max(peak, alive)
         elif a.kind == ("W" if split else "B"):
-            alive -= 1
+            alive -= weight(a) if weight is not None else 1
     return peak
 
 
