@@ -79,16 +79,18 @@ class Calibration:
     activation_bytes_per_token_width: float  # bytes one block saves for backward, per token and per unit of width
     collectives: dict[str, list[list[float]]] = field(default_factory=dict)  # op -> [[bytes, seconds], ...]
     source: str = ""
+    compute_alone: dict[str, list[list[float]]] = field(default_factory=dict)  # one CPU rank alone on the machine
     format: int = FORMAT
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
-    def seconds(self, kind: str, flops: float) -> float:
-        """Seconds of `flops` of action `kind`, at the rate the calibration reached for work of that size."""
+    def seconds(self, kind: str, flops: float, alone: bool = False) -> float:
+        """Seconds of `flops` of action `kind`, at the rate the calibration reached for work of that size (`alone`:
+        with no other rank on the machine, where the calibration measured that)."""
         if flops <= 0:
             return 0.0
-        points = sorted(self.compute[kind])
+        points = sorted((self.compute_alone if alone and self.compute_alone.get(kind) else self.compute)[kind])
         xs = [math.log(f) for f, _ in points]
         rates = [f / s for f, s in points]
         x = math.log(flops)

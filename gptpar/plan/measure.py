@@ -3,7 +3,8 @@
 The only planner module that imports torch. Device and backend are chosen at run time as the trainer chooses them
 (gptpar.parallel.process_group): CUDA with NCCL where GPUs are visible (timed with CUDA events, gptpar.clock), else
 the CPU with gloo. Every rank measures compute at the same time, as the ranks of a job compute side by side; rank 0's
-numbers are kept. Each number is the fastest of several calls: the planner predicts a quiet device. Collectives are
+numbers are kept (on a CPU, whose ranks share the machine's cores, rank 0 also measures alone first: what a one-rank
+layout gets). Each number is the fastest of several calls: the planner predicts a quiet device. Collectives are
 measured over all ranks (one GPU measures none: a cluster's links then come from its profile). The pieces timed are
 the model's own (gptpar.models' embedding, block and head pieces), so a block costs here what it costs in training.
 """
@@ -186,17 +187,28 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     device = info.device if info is not None else (torch.device("cuda") if torch.cuda.is_available()
                                                     else torch.device("cpu"))
     rank, world = (info.rank, info.world_size) if info is not None else (0, 1)
-    compute: dict[str, list[list[float]]] = {}
     saved: list[float] = []
-    for width, heads in plan.widths:
-        shape = ModelShape("gpt2", 1, width, heads, 1024)
-        for batch in plan.batches:
-            points = _block_points(shape, width, heads, batch, plan.vocab, device, precision, plan.repeats)
-            per_token_width, saved_bytes = points.pop("saved")
-            saved.append(saved_bytes / per_token_width)
-            for kind, (flops, seconds) in points.items():
-                compute.setdefault(kind, []).append([flops, seconds])
-    compute["optimizer"] = [list(_optimizer_point(n, device, plan.repeats)) for n in plan.optimizer_params]
+
+    def all_compute() -> dict[str, list[list[float]]]:
+        compute: dict[str, list[list[float]]] = {}
+        saved.clear()
+        for width, heads in plan.widths:
+            shape = ModelShape("gpt2", 1, width, heads, 1024)
+            for batch in plan.batches:
+                points = _block_points(shape, width, heads, batch, plan.vocab, device, precision, plan.repeats)
+                per_token_width, saved_bytes = points.pop("saved")
+                saved.append(saved_bytes / per_token_width)
+                for kind, (flops, seconds) in points.items():
+                    compute.setdefault(kind, []).append([flops, seconds])
+        compute["optimizer"] = [list(_optimizer_point(n, device, plan.repeats)) for n in plan.optimizer_params]
+        return compute
+
+    alone: dict[str, list[list[float]]] = {}
+    if device.type == "cpu" and world > 1:  # ranks share this machine's cores: one rank alone computes faster
+        if rank == 0:
+            alone = all_compute()
+        dist.barrier()
+    compute = all_compute()
     collectives = {}
     if world > 1:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"):
@@ -207,7 +219,7 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
             device=device.type, device_name=name, backend=info.backend if info is not None else "none",
             precision=precision, torch_version=torch.__version__, threads=torch.get_num_threads(),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            host=socket.gethostname(), world_size=world, compute=compute,
+            host=socket.gethostname(), world_size=world, compute=compute, compute_alone=alone,
             activation_bytes_per_token_width=statistics.median(saved), collectives=collectives,
             source=f"measured by gptpar plan calibrate on {socket.gethostname()} ({name})")
         atomic_write_text(out, calib.to_json())
@@ -232,7 +244,7 @@ def calibrate(out: str | Path, quick: bool = False, world: int = 0, precision: s
         os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
         with tempfile.TemporaryDirectory():
             spawn_local(measure_rank, world, plan, precision, threads, out,
-                        pcfg=ParallelConfig(dp=world, backend="auto", timeout_s=300))
+                        pcfg=ParallelConfig(dp=world, backend="auto", timeout_s=1800))
     return load(out)
 
 

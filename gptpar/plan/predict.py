@@ -79,6 +79,7 @@ class Model:
 
     def __init__(self, layout: Layout, calib: Calibration, net: Network) -> None:
         self.lay, self.c, self.net = layout, calib, net
+        self.alone = layout.world == 1  # one rank: on a CPU it has the machine to itself
         self.act = ACTIVATION_BYTES.get(layout.precision, 4)
         self.exposed: dict[str, float] = {}
         self.block_f = self.block_bw = self.head_f = self.head_bw = 0.0
@@ -116,7 +117,8 @@ class Model:
         loss where it holds them, and tensor-parallel communication."""
         lay, c = self.lay, self.c
         f, b, w = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp)
-        bf, bb, bw = (c.seconds("block_f", f), c.seconds("block_b", b), c.seconds("block_w", w))
+        bf, bb, bw = (c.seconds("block_f", f, self.alone), c.seconds("block_b", b, self.alone),
+                      c.seconds("block_w", w, self.alone))
         comm_f, comm_b = self.block_comm()
         n = lay.blocks_of(rank)
         cost_f = n * (bf + comm_f)
@@ -127,9 +129,9 @@ class Model:
         if lay.holds_head(rank):
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
             head = self.head_comm()
-            hbw = c.seconds("head_bw", 2 * hf)
-            cost_f += c.seconds("head_f", hf) + head
-            self.head_f, self.head_bw = c.seconds("head_f", hf) + head, hbw
+            hbw = c.seconds("head_bw", 2 * hf, self.alone)
+            cost_f += c.seconds("head_f", hf, self.alone) + head
+            self.head_f, self.head_bw = c.seconds("head_f", hf, self.alone) + head, hbw
             cost_b += hbw / 2
             cost_w += hbw / 2
             tp_comm += head
@@ -323,7 +325,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
                           f"train.precision={calib.precision}")
     model = Model(lay, calib, net)
     sharded = bool(DP_STRATEGIES[lay.dp_sync].sharded) and lay.dp > 1
-    optimizer = max(calib.seconds("optimizer", lay.rank_parameters(r) / (lay.dp if sharded else 1))
+    optimizer = max(calib.seconds("optimizer", lay.rank_parameters(r) / (lay.dp if sharded else 1), model.alone)
                     for r in range(lay.pp))
     lists = None
     if lay.pp > 1:

@@ -20,6 +20,9 @@ def test_compute_rates_are_interpolated_over_log_flops_and_held_flat_past_the_en
     assert calib.seconds("block_f", 1e7) == pytest.approx(1e7 / 5.5e9)  # halfway in log FLOPs: the mean rate
     assert calib.seconds("block_f", 1e5) == pytest.approx(1e-4)  # the smallest point's rate
     assert calib.seconds("block_f", 1e9) == pytest.approx(0.1)  # the largest point's rate
+    calib.compute_alone["block_f"] = [[1e6, 5e-4]]  # one rank alone on the machine: twice as fast
+    assert calib.seconds("block_f", 1e6, alone=True) == pytest.approx(5e-4)
+    assert calib.seconds("block_w", 1e6, alone=True) == calib.seconds("block_w", 1e6)  # none measured alone
 
 
 def test_a_link_is_fitted_as_latency_per_step_plus_ring_share_over_bandwidth() -> None:

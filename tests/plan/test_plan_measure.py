@@ -22,6 +22,7 @@ def test_a_tiny_calibration_on_two_gloo_ranks(gloo_pool: GlooPools, tmp_path: Pa
     assert (calib.device, calib.device_name, calib.backend, calib.world_size, calib.threads) == (
         "cpu", local_device_name(), "gloo", 2, 1)
     assert all(s > 0 for kind in COMPUTE_KINDS for _, s in calib.compute[kind])
+    assert all(s > 0 for kind in COMPUTE_KINDS for _, s in calib.compute_alone[kind])  # rank 0 alone, first
     assert [x for x, _ in calib.compute["optimizer"]] == [1e4, 1e5]
     for op in COLLECTIVES:
         (small, t_small), (big, t_big) = calib.collectives[op]
