@@ -17,7 +17,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis bench-moe bench-comm figures config-reference log-reference clean
+.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis bench-moe bench-comm bench-plan figures config-reference log-reference clean
 
 install: $(STAMP)
 
@@ -86,6 +86,10 @@ bench-moe: install
 # Compressed gradients (parallel.grad_comm): every mode of every sync, bytes and speed, ours against torch's hooks.
 bench-comm: install
 	$(PY) bench/bench_comm.py
+
+# The planner against real runs: calibrate, predict and train 14 layouts, print each error (under 10 minutes idle).
+bench-plan: install
+	$(PY) bench/bench_plan.py
 
 figures: install
 	$(GPTPAR) report $(RUNS) --out $(FIGURES)

@@ -254,6 +254,27 @@ def cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    if args.action == "calibrate":
+        from gptpar.plan.measure import calibrate, dump
+
+        out = check_path(args.out, "file", "--out", "name a file to write", must_exist=False)
+        calib = calibrate(out, quick=args.quick, world=args.world, threads=args.threads, precision=args.precision)
+        print(f"wrote {out}: {dump(calib)}")
+        return 0
+    if args.action == "predict":
+        from gptpar.plan.commands import as_json, as_text, predict_config
+
+        cfg = _config(args)
+        layout, target, pred = predict_config(cfg, args.calibration)
+        steps = args.steps or cfg.train.max_steps or 1000
+        print(as_json(layout, target, pred, steps) if args.json else as_text(layout, target, pred, steps))
+        return 0
+    from gptpar.plan.search import search_command
+
+    return search_command(args, _config(args))
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     import json
 
@@ -448,6 +469,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-w", type=_positive_number, default=1.0, help="weight-gradient backward cost (default: 1)")
     p.add_argument("--out", help="write a Gantt chart (PNG, PDF or SVG by the file's suffix)")
     p.set_defaults(handler=cmd_schedule)
+
+    p = _add(sub, "plan", "predict a layout's step time, memory and cost before submitting: calibrate this device, "
+             "predict one layout, or search every layout of N GPUs",
+             "  gptpar plan calibrate --out calib.json\n"
+             "  gptpar plan predict parallel.dp=2 parallel.dp_sync=zero2 --calibration calib.json\n"
+             "  gptpar plan predict my.yaml parallel.pp=2 parallel.pp_schedule=zb1p --calibration calib.json --json\n"
+             "  gptpar plan search --model gpt2-xl --gpus 64 --profile bridges2 --calibration h100.json --top 5 "
+             "--sweep top.yaml")
+    p.add_argument("action", choices=("calibrate", "predict", "search"))
+    p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
+    p.add_argument("--calibration", metavar="FILE", help="predict/search: a calibration file (default: the shipped "
+                                                           "one of the layout's device)")
+    p.add_argument("--json", action="store_true", help="predict: one JSON object")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help="predict: steps to cost (default: train.max_steps, else 1000)")
+    p.add_argument("--out", default="calibration.json", help="calibrate: file to write (default: calibration.json)")
+    p.add_argument("--quick", action="store_true", help="calibrate: two shapes and three sizes (a test's minute)")
+    p.add_argument("--world", type=_non_negative, default=0,
+                   help="calibrate: ranks (default: 2 on a CPU, every GPU up to 8 on CUDA)")
+    p.add_argument("--threads", type=_non_negative, default=0, help="calibrate: torch threads per rank (0: default)")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16", "tf32"), default="auto",
+                   help="calibrate: the precision timed (auto: bf16 or fp16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--model", metavar="PRESET", help="search: model.preset")
+    p.add_argument("--gpus", type=_positive, help="search: GPUs in all")
+    p.add_argument("--profile", help="search: launch.profile (its links and GPU memory)")
+    p.add_argument("--top", type=_positive, default=10, help="search: layouts shown (default: 10)")
+    p.add_argument("--sweep", metavar="FILE", help="search: write the top layouts as a sweep file for gptpar sweep")
+    p.set_defaults(handler=cmd_plan)
 
     p = _add(sub, "checkpoint", "export a run's checkpoint (torch.distributed.checkpoint, sharded-ready) as "
              "one plain torch.save file", "  gptpar checkpoint export dp2\n"

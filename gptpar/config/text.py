@@ -5,6 +5,7 @@ keeps."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -89,6 +90,13 @@ def _coerce(key: str, value: Any, f: dataclasses.Field, hint: Any) -> Any:
     return value
 
 
+@functools.cache
+def _type_hints(section: type) -> dict[str, Any]:
+    """A section's field types, resolved once (resolving them is most of a key's cost, and the planner's search sets
+    thousands)."""
+    return typing.get_type_hints(section)
+
+
 def _set(cfg: Config, dotted: str, value: Any) -> Config:
     """A copy of cfg with one key changed (configs are frozen: a resolved config is never mutated)."""
     section_name, _, key = dotted.partition(".")
@@ -98,7 +106,7 @@ def _set(cfg: Config, dotted: str, value: Any) -> Config:
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:
         raise ConfigError(f"unknown key {dotted!r}; {section_name} keys: {', '.join(fields)}")
-    hint = typing.get_type_hints(type(section))[key]
+    hint = _type_hints(type(section))[key]
     changed = dataclasses.replace(section, **{key: _coerce(dotted, value, fields[key], hint)})
     return dataclasses.replace(cfg, **{section_name: changed})
 

@@ -32,6 +32,7 @@ from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from gptpar.clock import DeviceClock
+from gptpar.strategies.collectives import ring_share
 
 PREFIXES = {"issue": ("comm",), "wait": ("comm_wait",), "call": ("comm", "comm_wait")}
 SENT: Counter[str] = Counter()  # bytes sent to other ranks since the last read_sent(), by collective
@@ -42,13 +43,6 @@ def new_step() -> None:
     """Forget what was sent and spent since the last step's record (an evaluation's traffic)."""
     SENT.clear()
     SPENT.clear()
-
-
-def ring_share(op: str, amount: int, size: int) -> int:
-    """What one rank sends in a ring `op` over `size` ranks of a tensor of `amount` bytes or elements, the whole tensor
-    (an all-reduce's payload, an all-gather's output, a reduce-scatter's or an even all-to-all's input): an all-reduce
-    2(g-1)/g of it, the others (g-1)/g."""
-    return round(amount * (2 if op == "all_reduce" else 1) * (size - 1) / size)
 
 
 def count_sent(op: str, nbytes: int, group: dist.ProcessGroup | None) -> None:

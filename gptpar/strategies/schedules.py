@@ -165,10 +165,11 @@ class Timeline:
 
 
 def simulate(ranks_actions: list[list[Action]], cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0,
-             split_backward: bool | None = None) -> Timeline:
+             split_backward: bool | None = None, cost_of: Callable[[Action], float] | None = None) -> Timeline:
     """Run the lists: a rank runs its actions in order, a compute action once its inputs have arrived
-    (sends and receives take no time and match in order). A schedule that can never finish raises a
-    GptparError naming every rank's blocked action (a deadlock)."""
+    (sends and receives take no time and match in order). `cost_of`, where given, prices each compute action
+    itself (the planner's stages differ: the head's, the embedding's); else every F, B and W costs the same. A
+    schedule that can never finish raises a GptparError naming every rank's blocked action (a deadlock)."""
     has_w = any(a.kind == "W" for actions in ranks_actions for a in actions)
     split = has_w if split_backward is None else split_backward
     cost = {"F": cost_f, "B": cost_b if split else cost_b + cost_w, "W": cost_w}
@@ -190,8 +191,9 @@ def simulate(ranks_actions: list[list[Action]], cost_f: float = 1.0, cost_b: flo
                 elif action.kind.startswith("SEND"):
                     sent[(action.kind, action.microbatch, action.stage)] = clock[r]
                 else:
-                    start, clock[r] = clock[r], clock[r] + cost[action.kind]
-                    busy[r] += cost[action.kind]
+                    seconds = cost_of(action) if cost_of is not None else cost[action.kind]
+                    start, clock[r] = clock[r], clock[r] + seconds
+                    busy[r] += seconds
                     spans.append((r, action, start, clock[r]))
                 position[r] += 1
                 progressed = True
@@ -208,17 +210,18 @@ def closed_form_bubble(name: str, ranks: int, microbatches: int, virtual: int = 
     return SCHEDULES[name].bubble(ranks, microbatches, virtual)
 
 
-def peak_activations(actions: list[Action]) -> int:
+def peak_activations(actions: list[Action], weight: Callable[[Action], float] | None = None) -> float:
     """The most micro-batches whose activations a rank holds at once: from its forward until its backward
-    is complete (after W where the backward is split)."""
+    is complete (after W where the backward is split). With `weight`, each forward's activations weigh what it says
+    (the planner's bytes of that stage's blocks), and the peak is of the sum."""
     split = any(a.kind == "W" for a in actions)
     alive = peak = 0
     for a in actions:
         if a.kind == "F":
-            alive += 1
+            alive += weight(a) if weight is not None else 1
             peak = max(peak, alive)
         elif a.kind == ("W" if split else "B"):
-            alive -= 1
+            alive -= weight(a) if weight is not None else 1
     return peak
 
 

@@ -74,6 +74,14 @@ def test_the_login_side_loads_without_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
+@pytest.mark.parametrize("path", [p for p in LIBRARY if p.parent.name == "plan" and p.name != "measure.py"],
+                         ids=lambda p: p.relative_to(REPO).as_posix())
+def test_the_planner_imports_torch_only_where_it_calibrates(path: Path) -> None:
+    """`gptpar plan predict` and `search` answer on a login node: only measure.py times the device."""
+    heavy = sorted(m for m in imports(path, top_level_only=False) if m.startswith(HEAVY))
+    assert not heavy, f"{path.name} imports {heavy}"
+
+
 def test_the_log_format_has_one_writer_and_one_reader() -> None:
     """Only gptpar/run/logfile.py names rank log files, encodes records or parses them."""
     home = REPO / "gptpar" / "run" / "logfile.py"
@@ -103,7 +111,7 @@ FLOORS = (
     ("gptpar.config",),
     ("gptpar.data", "gptpar.model", "gptpar.models", "gptpar.run", "gptpar.parallel"),
     ("gptpar.train", "gptpar.pipeline"),
-    ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "gptpar.api", "analysis"),
+    ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "gptpar.api", "analysis", "gptpar.plan"),
     ("gptpar.cli", "gptpar.__main__"),
 )
 
@@ -147,8 +155,8 @@ def subcommands() -> list[str]:
 
 
 def test_every_subcommand_is_known() -> None:
-    assert subcommands() == ["cancel", "checkpoint", "config", "data", "doctor", "logs", "report", "schedule", "status",
-                             "submit", "sweep", "trace", "train"]
+    assert subcommands() == ["cancel", "checkpoint", "config", "data", "doctor", "logs", "plan", "report", "schedule",
+                             "status", "submit", "sweep", "trace", "train"]
 
 
 @pytest.mark.parametrize("command", subcommands())

@@ -31,6 +31,8 @@ BY_CI = ["make test", "make cluster-up NODES=2 GPUS_PER_NODE=2", "make cluster-s
 # tests/launch/test_launch.py and the same sweep and report code runs on the cluster in tests/launch/test_slurm.py);
 # `make figures` is `gptpar report runs`, which the report tests run.
 BY_HAND = ["make demo", "make figures",
+           # a real calibration takes minutes: `make bench-plan` makes one, tests/plan/test_plan_measure.py a tiny one
+           ".venv/bin/python -m gptpar plan calibrate --out calib.json",
            "make bench-moe",  # its table is in the README; bench/bench_moe.py trains through the trainer's step
            # docs/qwen2_sft: the sweep resolves in tests/launch/test_launch.py, its layouts train like one process
            # in tests/model/test_architectures.py
@@ -75,9 +77,24 @@ RUN_HERE_IN_ORDER = [
 # Commands that need a real GPU cluster (an account, CUDA wheels, environment modules).
 CLUSTER_ONLY = [
     "module load anaconda3",
+    # a V100 calibration, made on a Bridges-2 GPU node
+    ".venv/bin/python -m gptpar plan calibrate --out v100.json",
+    ".venv/bin/gptpar plan search --model gpt2-xl --gpus 8 --profile bridges2 --calibration v100.json "
+    "data.seq_len=1024 --top 5",
+    ".venv/bin/gptpar plan search --model gpt2-xl --gpus 64 --profile bridges2 --calibration v100.json "
+    "data.seq_len=1024 --sweep xl64.yaml",
     "sbatch jobs/pp.sbatch",
     ".venv/bin/gptpar submit pp --gpus 4 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
     'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
+]
+# `gptpar plan` commands that read calib.json: run here, in this process, on a synthetic calibration of this machine
+# (tests/plan/ holds the predictions' arithmetic).
+WITH_CALIBRATION = [
+    ".venv/bin/gptpar plan predict parallel.dp=2 parallel.dp_sync=zero2 --calibration calib.json",
+    ".venv/bin/gptpar plan predict parallel.pp=2 parallel.pp_schedule=zb1p parallel.chunks=4 --calibration calib.json "
+    "--json",
+    ".venv/bin/gptpar plan search --model gpt2-mini --gpus 2 --profile local --calibration calib.json --top 5 "
+    "--sweep top.yaml",
 ]
 # Commands that need the Hugging Face hub (tests/data/test_translation.py runs the same keys on a local fixture; the
 # pretrained folder's, tests/model/test_pretrained_folder.py on folders it writes with save_pretrained).
@@ -105,11 +122,29 @@ def readme_commands() -> list[str]:
 
 def test_every_readme_command_is_accounted_for():
     known = {*BY_CI, *BY_HAND, *BY_SLURM_TESTS, *RUN_HERE, *RUN_HERE_IN_ORDER, *CLUSTER_ONLY, *USERS_OWN,
-             *NEEDS_HUB}
+             *NEEDS_HUB, *WITH_CALIBRATION}
     unaccounted = [c for c in readme_commands() if c not in known]
     assert not unaccounted, f"README commands run by nothing: {unaccounted}"
     stale = sorted(known - set(readme_commands()))
     assert not stale, f"commands listed here but gone from the README: {stale}"
+
+
+@pytest.mark.parametrize("command", WITH_CALIBRATION)
+def test_plan_commands_run_on_a_calibration_of_this_machine(command: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from gptpar.plan.calibration import Calibration, installed_torch, local_device_name
+
+    points = {kind: [[1e6, 1e-4], [1e9, 1e-2]] for kind in ("block_f", "block_b", "block_w", "head_f", "head_bw")}
+    links = {op: [[4096.0, 1e-4], [2.0**20, 1e-3]] for op in ("all_reduce", "reduce_scatter", "all_gather",
+                                                              "all_to_all", "send_recv")}
+    calib = Calibration("cpu", local_device_name(), "gloo", "fp32", installed_torch(), 1, "2026-11-27", "test", 2,
+                        {**points, "optimizer": [[1e5, 1e-3], [1e7, 1e-1]]}, 100.0, links)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "calib.json").write_text(calib.to_json())
+    assert main(shlex.split(command)[1:]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert json.loads(out)["step_time_s"] > 0 if "--json" in command else "step" in out
 
 
 def test_ci_and_slurm_tests_run_their_commands():

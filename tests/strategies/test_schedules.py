@@ -82,6 +82,20 @@ def test_1f1b_holds_at_most_p_activations_and_gpipe_all_of_them(p: int, m: int) 
     assert max(peak_activations(actions) for actions in schedule("zb1p", p, m)) == p  # ZB-H1: 1F1B's peak
 
 
+def test_weighted_peaks_and_priced_actions() -> None:
+    """The planner's uses: stages of unequal activations (interleaving puts stages 0 and 2 on rank 0), and actions
+    priced one by one."""
+    rank0 = schedule("interleaved_1f1b", 2, 4, 2)[0]
+    weights = {0: 10.0, 2: 1.0}  # bytes of a micro-batch in stage 0 and in stage 2
+    peak = peak_activations(rank0, lambda a: weights[a.stage])
+    counts = peak_activations(rank0)
+    assert 4 * 1.0 < peak < counts * 10.0  # between all light and all heavy
+    # warm-up: F0@0, F1@0, F0@2, F1@2 (22), then F2@0 (32), B0@2 (31), F3@0: four micro-batches of stage 0 and one of 2
+    assert peak == 41.0
+    twice = simulate(schedule("1f1b", 2, 4), cost_of=lambda a: 2.0 if a.kind == "F" else 4.0)
+    assert twice.makespan == 2 * simulate(schedule("1f1b", 2, 4)).makespan
+
+
 def test_zero_bubble_beats_1f1b_which_beats_gpipe_on_memory_only() -> None:
     p, m = 4, 8
     bubbles = {name: simulate(schedule(name, p, m)).bubble for name in ("gpipe", "1f1b", "zb1p")}

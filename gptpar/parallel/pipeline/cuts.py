@@ -6,7 +6,6 @@ multi-process engine (engine/stages.py). The pieces themselves (embedding, block
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 
@@ -15,6 +14,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from gptpar.models import architecture
+from gptpar.strategies.pipeline import even_sizes, stage_sizes
 
 
 def untie_lm_head(model: PreTrainedModel) -> None:
@@ -26,38 +26,6 @@ def untie_lm_head(model: PreTrainedModel) -> None:
     head.__dict__.update(table.__dict__)  # what describes the tensor (a tensor-parallel piece's layout) holds for both
     model.lm_head.weight = head
     model.config.tie_word_embeddings = False
-
-
-def stage_sizes(weights: list[int], n_stages: int, first: int = 0, last: int = 0) -> list[int]:
-    """Contiguous blocks per stage (at least one each) minimising the heaviest stage's load.
-
-    `first` and `last` are fixed loads of the first and last stage (embeddings, head).
-    Among equally good cuts, earlier stages get more blocks: the last stage carries the LM head.
-    """
-    n_blocks = len(weights)
-    prefix = [0, *itertools.accumulate(weights)]
-    inf = float("inf")
-    # best[s][k]: lowest possible heaviest load when the first s stages hold the first k blocks.
-    best = [[inf] * (n_blocks + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n_blocks + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0
-    for s in range(1, n_stages + 1):
-        fixed = (first if s == 1 else 0) + (last if s == n_stages else 0)
-        for k in range(s, n_blocks - (n_stages - s) + 1):
-            for a in range(k - 1, s - 2, -1):
-                load = max(best[s - 1][a], prefix[k] - prefix[a] + fixed)
-                if load < best[s][k]:
-                    best[s][k], cut[s][k] = load, a
-    sizes, k = [], n_blocks
-    for s in range(n_stages, 0, -1):
-        sizes.append(k - cut[s][k])
-        k = cut[s][k]
-    return sizes[::-1]
-
-
-def _even_sizes(n_blocks: int, n_stages: int) -> list[int]:
-    base, extra = divmod(n_blocks, n_stages)
-    return [base + (i < extra) for i in range(n_stages)]
 
 
 def _timed(fn) -> float:
@@ -106,4 +74,4 @@ def balanced_sizes(model: PreTrainedModel, n_stages: int, balance: str, separate
     if balance == "time":
         first, block, last = measured_loads(model, sample, device or torch.device("cpu"))
         return stage_sizes([block] * len(blocks), n_stages, first, last)
-    return _even_sizes(len(blocks), n_stages)
+    return even_sizes(len(blocks), n_stages)

@@ -1,0 +1,147 @@
+"""A resolved config as the cost model reads it: the grid, the tokens of one micro-batch, the blocks of each
+pipeline stage, each rank's parameters and the FLOPs of each piece. Everything here is counted from the model's
+shape (gptpar.presets) and the config's own rules (padding, stage split, checkpointed blocks), never measured."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from gptpar.config import Config, checkpoint_interval, checkpointed_indices, example_width
+from gptpar.presets import ModelShape
+from gptpar.strategies.pipeline import even_sizes, pp_split_counts, stage_sizes
+
+GPT2_VOCAB = 50_257
+
+
+def vocabulary(cfg: Config) -> int:
+    """The tokenizer's vocabulary as a job would resolve it: data.vocab_size for a trained BPE or synthetic data,
+    256 for bytes, else GPT-2's (what `auto` picks where the hub answers, as on a cluster's login node)."""
+    d = cfg.data
+    if d.source == "synthetic" or d.tokenizer == "bpe":
+        return d.vocab_size
+    return 256 if d.tokenizer == "bytes" else GPT2_VOCAB
+
+
+def block_flops(shape: ModelShape, tokens: int, seq: int, tp: int = 1) -> tuple[float, float, float]:
+    """FLOPs of one block's F, B and W on `tokens` tokens of sequences of `seq`, on one of `tp` ranks: the matmuls
+    2N per token forward, B the input gradients 2N plus attention's backward (twice its forward), W the weight
+    gradients 2N; attention 4·seq·width per token forward (the README's MFU count, 6N + 12·seq·width in all)."""
+    n = shape.active_block_parameters() / tp
+    attention = 4 * seq * shape.n_embd / tp
+    return tokens * (2 * n + attention), tokens * (2 * n + 2 * attention), tokens * 2 * n
+
+
+def head_flops(width: int, vocab: int, tokens: int, tp: int = 1) -> float:
+    """Forward FLOPs of the LM head's projection on `tokens` tokens (its backward is twice this)."""
+    return 2.0 * tokens * width * vocab / tp
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout of one model, in the numbers the cost model needs."""
+
+    shape: ModelShape
+    vocab: int  # the token table's rows, padded by model.pad_vocab and tp
+    dp: int
+    tp: int
+    pp: int
+    virtual: int
+    chunks: int  # micro-batches per micro-step of the multi-process pipeline (1 without it)
+    grad_accum: int
+    seqs: int  # sequences per micro-batch on one rank
+    seq_len: int
+    dp_sync: str
+    schedule: str
+    sequence_parallel: bool
+    loss_parallel: bool
+    grad_comm: str
+    bucket_mb: float
+    precision: str
+    checkpoint_every: int  # recompute every k-th block (0: none)
+    stage_blocks: tuple[int, ...]  # blocks of each of the pp * virtual stages
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one rank."""
+        return self.seqs * self.seq_len
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens the whole job trains on per optimizer step."""
+        return self.tokens * self.chunks * self.grad_accum * self.dp
+
+    def stages_of(self, rank: int) -> list[int]:
+        """The stages pipeline rank `rank` holds (Megatron's interleaving: rank r holds r, r + P, ...)."""
+        return list(range(rank, self.pp * self.virtual, self.pp))
+
+    def blocks_of(self, rank: int) -> int:
+        return sum(self.stage_blocks[s] for s in self.stages_of(rank))
+
+    def recomputed_in_stage(self, stage: int) -> int:
+        """Blocks of `stage` that recompute their forward in backward (train.activation_checkpointing)."""
+        start = sum(self.stage_blocks[:stage])
+        blocks = set(range(start, start + self.stage_blocks[stage]))
+        return len(blocks & set(checkpointed_indices(self.shape.n_layer, self.checkpoint_every)))
+
+    def recomputed_blocks(self, rank: int) -> int:
+        """Blocks of pipeline rank `rank` that recompute their forward in backward."""
+        return sum(self.recomputed_in_stage(s) for s in self.stages_of(rank))
+
+    def holds_embedding(self, rank: int) -> bool:
+        return rank == 0
+
+    def holds_head(self, rank: int) -> bool:
+        return (self.pp * self.virtual - 1) % self.pp == rank
+
+    @property
+    def block_parameters(self) -> int:
+        """One block's parameters on one tensor-parallel rank: matrices and their split biases over tp, the norms and
+        the row-parallel layers' output biases whole."""
+        s, d = self.shape, self.shape.n_embd
+        whole = 2 * s.norm_parameters() + (d if s.traits.out_bias else 0) + (d if s.traits.mlp_bias else 0)
+        return (s.block_parameters() - whole) // self.tp + whole
+
+    def end_parameters(self, rank: int) -> int:
+        """Parameters of pipeline rank `rank` outside its blocks (tables, final norm, an untied head)."""
+        return self.rank_parameters(rank) - self.blocks_of(rank) * self.block_parameters
+
+    def rank_parameters(self, rank: int) -> int:
+        """Parameters pipeline rank `rank` holds on one tensor-parallel rank, as the memory record counts them: its
+        blocks' (matrices and their split biases over tp, norms and the row-parallel layers' biases whole), the token
+        table's rows over tp and the positions on the first stage, the final norm and, where the pipeline unties it,
+        a copy of the table as the LM head on the last."""
+        s, d = self.shape, self.shape.n_embd
+        table = self.vocab // self.tp * d
+        n = self.blocks_of(rank) * self.block_parameters
+        if self.holds_embedding(rank):
+            n += table + (s.n_positions * d if s.traits.learned_positions else 0)
+        if self.holds_head(rank):
+            n += s.norm_parameters() + (table if (self.pp > 1 or not s.tied) else 0)
+        return n
+
+
+def layout_of(cfg: Config) -> Layout:
+    """The layout of a validated config (one `gptpar train` would run)."""
+    t, p, shape = cfg.train, cfg.parallel, cfg.model.shape()
+    pipeline = p.pp > 1 or p.pp_mode == "pipeline_parallel"
+    chunks = p.chunks if pipeline else 1
+    stages = p.pp * p.pp_virtual
+    counts = pp_split_counts(p) if p.pp > 1 else None
+    if counts is None and p.balance == "params" and p.pp > 1:
+        table = vocabulary(cfg) * shape.n_embd
+        counts = stage_sizes([shape.block_parameters()] * shape.n_layer, stages, table, table)
+    shards = p.tp if p.tp > 1 else 1
+    multiple = math.lcm(cfg.model.pad_vocab, shards)
+    return Layout(
+        shape=shape, vocab=-(-vocabulary(cfg) // multiple) * multiple, dp=p.dp, tp=p.tp, pp=p.pp,
+        virtual=p.pp_virtual, chunks=chunks, grad_accum=t.grad_accum,
+        seqs=t.batch_size // (p.dp * t.grad_accum * chunks), seq_len=example_width(cfg), dp_sync=p.dp_sync,
+        schedule=p.pp_schedule, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
+        grad_comm=p.grad_comm, bucket_mb=p.bucket_mb, precision=t.precision,
+        checkpoint_every=checkpoint_interval(t.activation_checkpointing),
+        stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)))

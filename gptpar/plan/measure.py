@@ -1,0 +1,254 @@
+"""`gptpar plan calibrate`: time this device's compute and its backend's collectives, and write a calibration.
+
+The only planner module that imports torch. Device and backend are chosen at run time as the trainer chooses them
+(gptpar.parallel.process_group): CUDA with NCCL where GPUs are visible (timed with CUDA events, gptpar.clock), else
+the CPU with gloo. Every rank measures compute at the same time, as the ranks of a job compute side by side; rank 0's
+numbers are kept (on a CPU, whose ranks share the machine's cores, rank 0 also measures alone first: what a one-rank
+layout gets). Each number is the fastest of several calls: the planner predicts a quiet device. Collectives are
+measured over all ranks (one GPU measures none: a cluster's links then come from its profile). The pieces timed are
+the model's own (gptpar.models' embedding, block and head pieces), so a block costs here what it costs in training.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gptpar.atomic import atomic_write_text
+from gptpar.clock import DeviceClock
+from gptpar.config import ModelConfig, ParallelConfig
+from gptpar.model import build_model, lm_loss
+from gptpar.models import architecture
+from gptpar.parallel.comm import all_gather, reduce_scatter
+from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.spawn import spawn_local
+from gptpar.plan.calibration import Calibration, local_device_name
+from gptpar.presets import ModelShape
+from gptpar.tensor_bytes import saved_activation_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure: (width, heads) shapes, micro-batch shapes as (sequences, seq_len), collective sizes."""
+
+    widths: tuple[tuple[int, int], ...]
+    batches: tuple[tuple[int, int], ...]
+    comm_bytes: tuple[int, ...]
+    optimizer_params: tuple[int, ...]
+    vocab: int
+    repeats: int
+    comm_iters: int = 50  # most calls of a collective timed per size (about 200 MB moved, at least 3)
+
+
+CPU_PLAN = Plan(((128, 4), (256, 8), (512, 8), (768, 12)), ((1, 64), (4, 64), (2, 256)),
+                tuple(4 ** k * 1024 for k in range(0, 7)), (10**5, 10**6, 10**7), 4096, 5)
+GPU_PLAN = Plan(((768, 12), (1600, 25), (2048, 16)), ((1, 1024), (4, 1024), (8, 1024)),
+                tuple(4 ** k * 65536 for k in range(0, 7)), (10**6, 10**7, 10**8), 50304, 10)
+QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 1048576), (10**5, 10**6), 4096, 3)
+
+
+def _timer(device: torch.device, repeats: int) -> Callable[..., float]:
+    """The fastest device seconds of `fn` over `repeats` calls after one warm-up, `setup` (untimed) before each and
+    its result passed to `fn`. The fastest, not the median: the planner predicts a quiet device, and on a shared
+    machine only the fastest calls are free of other processes' time."""
+    def timed(fn: Callable[..., object], setup: Callable[[], object] | None = None) -> float:
+        samples = []
+        for i in range(repeats + 1):
+            args = (setup(),) if setup else ()
+            clock = DeviceClock(device)
+            fn(*args)
+            clock.stop()
+            if i:
+                samples.append(clock.seconds())
+        return min(samples)
+    return timed
+
+
+def _autocast(device: torch.device, precision: str):
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, int], vocab: int,
+                  device: torch.device, precision: str, repeats: int) -> dict[str, tuple[float, float]]:
+    """One block's F, B (input gradient only) and W (the rest of its backward), and the embedding plus head and
+    loss forward and backward, for a micro-batch of `batch` = (sequences, seq_len) tokens."""
+    from gptpar.plan.layout import block_flops, head_flops
+
+    seqs, seq = batch
+    cfg = ModelConfig(preset="gpt2-tiny", n_layer=1, n_embd=width, n_head=heads, n_positions=max(seq, 64))
+    model = build_model(cfg, vocab, seed=0).to(device)
+    arch = architecture(model)
+    embed, block, head = arch.embed_piece(model), arch.block_piece(model, 0), arch.head_piece(model)
+    timed = _timer(device, repeats)
+    tokens = seqs * seq
+    ids = torch.randint(0, vocab, (seqs, seq), device=device)
+    hidden = torch.randn(seqs, seq, width, device=device)
+    grad = torch.randn(seqs, seq, width, device=device)
+
+    def forward() -> torch.Tensor:
+        x = hidden.clone().requires_grad_(True)
+        with _autocast(device, precision):
+            return x, block(x)
+
+    f_s = timed(forward)
+
+    def full(state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        state[1].backward(grad.to(state[1].dtype))
+
+    def input_only(state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        torch.autograd.grad(state[1], [state[0]], grad.to(state[1].dtype))
+
+    bw_s, b_s = timed(full, forward), timed(input_only, forward)
+    w_s = max(bw_s - b_s, 0.05 * bw_s)  # W is what the whole backward adds to the input gradient's
+    block.zero_grad(set_to_none=True)
+    params = [p for p in block.parameters()]
+    with _autocast(device, precision):
+        saved = saved_activation_bytes(lambda: block(hidden.clone().requires_grad_(True)), params)
+
+    targets = torch.randint(0, vocab, (seqs, seq), device=device)
+
+    def head_forward() -> torch.Tensor:
+        with _autocast(device, precision):
+            return lm_loss(head(embed(ids)), targets)
+
+    hf_s = timed(head_forward)
+    hbw_s = timed(lambda loss: loss.backward(), head_forward)
+    f, b, w = block_flops(shape, tokens, seq)
+    hf = head_flops(width, vocab, tokens)
+    return {"block_f": (f, f_s), "block_b": (b, b_s), "block_w": (w, w_s), "head_f": (hf, hf_s),
+            "head_bw": (2 * hf, hbw_s), "saved": (tokens * width, float(saved))}
+
+
+def _optimizer_point(n: int, device: torch.device, repeats: int) -> tuple[float, float]:
+    """AdamW (fused where the device has it, as the trainer picks) plus the gradient norm's clip over n parameters."""
+    params = [torch.nn.Parameter(torch.randn(n // 4, device=device)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+    def step() -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+
+    return float(n), _timer(device, repeats)(step)
+
+
+def _collective_points(op: str, sizes: tuple[int, ...], world: int, device: torch.device, most: int
+                       ) -> list[list[float]]:
+    """(bytes, seconds) of `op` over the whole group for each size: the tensor's whole bytes, as ring_share takes
+    them (an all-reduce's payload, an all-gather's output, a reduce-scatter's or all-to-all's input)."""
+    points = []
+    for size in sizes:
+        n = max(world, size // 4 // world * world)
+        buf = torch.ones(n, device=device)
+        out = torch.empty(n // world if op == "reduce_scatter" else n, device=device)
+        shard = torch.ones(n // world, device=device)
+        calls = {
+            "all_reduce": lambda b=buf: dist.all_reduce(b),
+            "reduce_scatter": lambda b=buf, o=out: reduce_scatter(o, b),
+            "all_gather": lambda b=buf, s=shard: all_gather(b, s),
+            "all_to_all": lambda b=buf, o=out: dist.all_to_all_single(o, b),
+            "send_recv": lambda b=buf: (dist.send(b, 1) if dist.get_rank() == 0 else dist.recv(b, 0))
+            if dist.get_rank() < 2 else None,
+        }
+        call = calls[op]
+        for _ in range(2):
+            call()
+        iters = max(3, min(most, int(2e8 // max(size, 1))))
+        dist.barrier()
+        clocks = []
+        for _ in range(iters):
+            clocks.append(DeviceClock(device))
+            call()
+            clocks[-1].stop()
+        table = torch.tensor([c.seconds() for c in clocks], dtype=torch.float64, device=device)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)  # a call ends when its last rank's does
+        points.append([float(n * 4), float(table.min().item())])  # the fastest call (see _timer)
+    return points
+
+
+def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int, out: Path) -> None:
+    """One rank's measurements; rank 0 writes them to `out` as JSON."""
+    if threads:
+        torch.set_num_threads(threads)
+    if precision == "tf32":  # fp32 tensors, TF32 matmuls, as the trainer's tf32
+        torch.set_float32_matmul_precision("high")
+    device = info.device if info is not None else (torch.device("cuda") if torch.cuda.is_available()
+                                                    else torch.device("cpu"))
+    rank, world = (info.rank, info.world_size) if info is not None else (0, 1)
+    saved: list[float] = []
+
+    def all_compute() -> dict[str, list[list[float]]]:
+        compute: dict[str, list[list[float]]] = {}
+        saved.clear()
+        for width, heads in plan.widths:
+            shape = ModelShape("gpt2", 1, width, heads, 1024)
+            for batch in plan.batches:
+                points = _block_points(shape, width, heads, batch, plan.vocab, device, precision, plan.repeats)
+                per_token_width, saved_bytes = points.pop("saved")
+                saved.append(saved_bytes / per_token_width)
+                for kind, (flops, seconds) in points.items():
+                    compute.setdefault(kind, []).append([flops, seconds])
+        compute["optimizer"] = [list(_optimizer_point(n, device, plan.repeats)) for n in plan.optimizer_params]
+        return compute
+
+    alone: dict[str, list[list[float]]] = {}
+    if device.type == "cpu" and world > 1:  # ranks share this machine's cores: one rank alone computes faster
+        if rank == 0:
+            alone = all_compute()
+        dist.barrier()
+    compute = all_compute()
+    collectives = {}
+    if world > 1:
+        for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"):
+            collectives[op] = _collective_points(op, plan.comm_bytes, world, device, plan.comm_iters)
+    if rank == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else local_device_name()
+        calib = Calibration(
+            device=device.type, device_name=name, backend=info.backend if info is not None else "none",
+            precision=precision, torch_version=torch.__version__, threads=torch.get_num_threads(),
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            host=socket.gethostname(), world_size=world, compute=compute, compute_alone=alone,
+            activation_bytes_per_token_width=statistics.median(saved), collectives=collectives,
+            source=f"measured by gptpar plan calibrate on {socket.gethostname()} ({name})")
+        atomic_write_text(out, calib.to_json())
+
+
+def calibrate(out: str | Path, quick: bool = False, world: int = 0, precision: str = "auto", threads: int = 0,
+              plan: Plan | None = None) -> Calibration:
+    """Measure this machine (`world` ranks: by default 2 on a CPU, every visible GPU up to 8 on CUDA) and write the
+    calibration to `out`."""
+    from gptpar.plan.calibration import load
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if precision == "auto":
+        precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if gpus else "fp32"
+    plan = plan or (QUICK_PLAN if quick else GPU_PLAN if gpus else CPU_PLAN)
+    world = world or (min(gpus, 8) if gpus else 2)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if world == 1:
+        measure_rank(None, plan, precision, threads, out)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
+        with tempfile.TemporaryDirectory():
+            spawn_local(measure_rank, world, plan, precision, threads, out,
+                        pcfg=ParallelConfig(dp=world, backend="auto", timeout_s=1800))
+    return load(out)
+
+
+def dump(calib: Calibration) -> str:
+    """A calibration's header as one line for the command's output."""
+    return json.dumps({k: getattr(calib, k) for k in ("device_name", "backend", "precision", "torch_version",
+                                                       "threads", "world_size", "date")})

@@ -1,0 +1,396 @@
+"""One training step of a layout, added up: compute from the calibration, communication from the network, overlap
+as each strategy really does it, the pipeline through `schedules.simulate`, memory from the strategy table's closed
+form plus activations held per schedule (`peak_activations`).
+
+Overlap, per gptpar's syncs (gptpar/parallel/data_parallel):
+- naive all-reduces every parameter after backward: all of it exposed;
+- bucketed, ddp and zero1 all-reduce buckets (parallel.bucket_mb, last parameter first) as the last micro-step's
+  backward fills them, one after another: what runs past backward's end is exposed; zero1 then all-gathers the
+  updated parameters after the step (exposed);
+- zero2 reduce-scatters its buckets the same way in every micro-step, and all-gathers after the step;
+- fsdp (and fsdp2) gathers the root unit, then each block while the one before it computes (one unit of prefetch),
+  in forward and again in backward, reduce-scattering each block's gradients after its backward; one collective at
+  a time on the group;
+- under the multi-process pipeline every data-parallel sync reduces in finish(), after the schedule: exposed;
+- tensor parallelism's all-reduces (or all-gathers and reduce-scatters with sequence parallelism) sit between the
+  matmuls that need them: exposed, added to the actions they belong to;
+- the pipeline's sends and receives are added to the forward and backward that produce them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from analysis.mfu import Shape, flops_per_token, peak_flops
+from gptpar.errors import GptparError
+from gptpar.plan.calibration import Calibration
+from gptpar.plan.layout import Layout, block_flops, head_flops
+from gptpar.plan.network import Network
+from gptpar.strategies.data_parallel import DP_STRATEGIES
+from gptpar.strategies.schedules import Action, make_plan, peak_activations, schedule, simulate
+
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
+ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+# Of the activations a transformer block saves, the share tensor parallelism splits (Korthikanti et al. 2022: 34sbh
+# bytes per layer, of which 24sbh are inside the split attention and MLP and 10sbh the replicated norms and
+# residuals, which sequence parallelism splits too).
+TP_SPLIT_SHARE = 24 / 34
+
+
+@dataclass
+class Prediction:
+    """A layout's predicted step: seconds by part, memory per rank by part, throughput and utilisation."""
+
+    step_time_s: float
+    tokens_per_s: float
+    memory_bytes: int  # the fullest rank's
+    compute_s: float
+    bubble_s: float
+    exposed_comm_s: dict[str, float]
+    memory: dict[str, int]
+    mfu: float | None
+    gpus: int
+    notes: list[str] = field(default_factory=list)
+    memory_ranks: list[dict[str, int]] = field(default_factory=list)  # each pipeline rank's, as `memory`
+
+    def to_dict(self) -> dict[str, object]:
+        return {"step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+                "memory_bytes": self.memory_bytes, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
+                "exposed_comm_s": self.exposed_comm_s, "memory": self.memory, "mfu": self.mfu, "gpus": self.gpus,
+                "notes": self.notes, "memory_per_pipeline_rank": self.memory_ranks}
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of one micro-batch's actions on one pipeline rank (tensor-parallel communication included)."""
+
+    f: float
+    b: float
+    w: float
+    tp_comm: float  # of which tensor-parallel communication
+
+    @property
+    def whole(self) -> float:
+        return self.f + self.b + self.w
+
+
+class Model:
+    """The cost model of one layout on one calibration and network."""
+
+    def __init__(self, layout: Layout, calib: Calibration, net: Network) -> None:
+        self.lay, self.c, self.net = layout, calib, net
+        self.alone = layout.world == 1  # one rank: on a CPU it has the machine to itself
+        self.act = ACTIVATION_BYTES.get(layout.precision, 4)
+        self.exposed: dict[str, float] = {}
+        self.block_f = self.block_bw = self.head_f = self.head_bw = 0.0
+
+    def _add(self, kind: str, seconds: float) -> None:
+        if seconds > 0:
+            self.exposed[kind] = self.exposed.get(kind, 0.0) + seconds
+
+    def _tp(self, op: str, nbytes: float) -> float:
+        return self.net.seconds(op, nbytes, self.lay.tp, 1)
+
+    def block_comm(self) -> tuple[float, float]:
+        """A block's tensor-parallel communication in forward and in backward: two all-reduces of the hidden states
+        each way (attention's and the MLP's row-parallel outputs), or with sequence parallelism an all-gather and a
+        reduce-scatter in their place."""
+        if self.lay.tp == 1:
+            return 0.0, 0.0
+        hidden = self.lay.tokens * self.lay.shape.n_embd * self.act
+        one = (self._tp("all_gather", hidden) + self._tp("reduce_scatter", hidden) if self.lay.sequence_parallel
+               else self._tp("all_reduce", hidden))
+        return 2 * one, 2 * one
+
+    def head_comm(self) -> float:
+        """The vocabulary-parallel embedding's all-reduce and the loss: three all-reduces of one number per token on
+        vocabulary shards (parallel.loss_parallel), else an all-gather of the logits."""
+        if self.lay.tp == 1:
+            return 0.0
+        tokens, d = self.lay.tokens, self.lay.shape.n_embd
+        loss = (3 * self._tp("all_reduce", tokens * 4) if self.lay.loss_parallel
+                else self._tp("all_gather", tokens * self.lay.vocab * self.act))
+        return self._tp("all_reduce", tokens * d * self.act) + loss
+
+    def rank_costs(self, rank: int) -> Costs:
+        """One micro-batch's F, B and W on pipeline rank `rank`: its blocks, recomputation in backward, the head and
+        loss where it holds them, and tensor-parallel communication."""
+        lay, c = self.lay, self.c
+        f, b, w = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp)
+        bf, bb, bw = (c.seconds("block_f", f, self.alone), c.seconds("block_b", b, self.alone),
+                      c.seconds("block_w", w, self.alone))
+        comm_f, comm_b = self.block_comm()
+        n = lay.blocks_of(rank)
+        cost_f = n * (bf + comm_f)
+        cost_b = n * (bb + comm_b) + lay.recomputed_blocks(rank) * (bf + comm_f)
+        cost_w = n * bw
+        tp_comm = n * (comm_f + comm_b) + lay.recomputed_blocks(rank) * comm_f
+        self.block_f, self.block_bw, self.head_f, self.head_bw = bf + comm_f, bb + comm_b + bw, 0.0, 0.0
+        if lay.holds_head(rank):
+            hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
+            head = self.head_comm()
+            hbw = c.seconds("head_bw", 2 * hf, self.alone)
+            cost_f += c.seconds("head_f", hf, self.alone) + head
+            self.head_f, self.head_bw = c.seconds("head_f", hf, self.alone) + head, hbw
+            cost_b += hbw / 2
+            cost_w += hbw / 2
+            tp_comm += head
+        return Costs(cost_f, cost_b, cost_w, tp_comm)
+
+    def p2p(self) -> float:
+        """One activation (or its gradient) sent to the next stage."""
+        if self.lay.pp == 1:
+            return 0.0
+        lay = self.lay
+        return self.net.seconds("send_recv", lay.tokens * lay.shape.n_embd * self.act, 2, lay.dp * lay.tp)
+
+    def pipeline(self) -> tuple[float, float, list[list[Action]]]:
+        """(window of one micro-step's schedule, mean compute inside it, each rank's actions)."""
+        lay = self.lay
+        costs = [self.rank_costs(r) for r in range(lay.pp)]
+        hop = self.p2p()
+        plan = make_plan(lay.schedule, lay.pp, lay.chunks, lay.virtual)
+        lists = schedule(lay.schedule, lay.pp, lay.chunks, lay.virtual)
+        per_stage = {s: len(lay.stages_of(s % lay.pp)) for s in range(lay.pp * lay.virtual)}
+
+        last = lay.pp * lay.virtual - 1
+
+        def cost(action: Action) -> float:
+            """The action's share of its rank's costs (its stage's blocks), and the send that follows it."""
+            rc = costs[action.stage % lay.pp]
+            share = 1 / per_stage[action.stage]
+            if action.kind == "F":
+                return rc.f * share + (hop if action.stage < last else 0.0)
+            if action.kind == "B":
+                return (rc.b if plan.split_backward else rc.b + rc.w) * share + (hop if action.stage > 0 else 0.0)
+            return rc.w * share
+
+        timeline = simulate(lists, cost_of=cost)
+        busy = sum(costs[r].whole for r in range(lay.pp)) * lay.chunks / lay.pp
+        self._add("send_recv", 2 * lay.chunks * lay.virtual * hop if lay.pp > 1 else 0.0)
+        self._add("tp", sum(costs[r].tp_comm for r in range(lay.pp)) / lay.pp * lay.chunks)
+        return timeline.makespan, busy, lists
+
+    def dp_sync(self, backward_s: float, n: int, rank: int) -> float:
+        """Exposed seconds of the data-parallel sync of one step on pipeline rank `rank`, whose last micro-step's
+        backward took `backward_s` (what bucketed overlaps with) and whose rank holds `n` parameters."""
+        lay = self.lay
+        if lay.dp == 1:
+            return 0.0
+        row = DP_STRATEGIES[lay.dp_sync]
+        wire = WIRE_BYTES.get(lay.grad_comm, 4.0)
+        ops = ("all_to_all", "all_gather") if lay.grad_comm == "int8" else None
+        grads = n * (1.0 if ops else wire)
+        stride = lay.tp
+
+        def coll(op: str, nbytes: float) -> float:
+            if ops and op in ("all_reduce", "reduce_scatter"):  # qgZ: an all-to-all (and an all-gather)
+                t = self.net.seconds("all_to_all", nbytes, lay.dp, stride)
+                return t + (self.net.seconds("all_gather", nbytes, lay.dp, stride) if op == "all_reduce" else 0.0)
+            return self.net.seconds(op, nbytes, lay.dp, stride)
+
+        params_gather = self.net.seconds("all_gather", n * 4.0, lay.dp, stride)
+        if lay.pp > 1:  # the pipeline syncs in finish(), after its schedule
+            op = "reduce_scatter" if "grads" in row.sharded else "all_reduce"
+            exposed = coll(op, grads) + (params_gather if row.sharded else 0.0)
+            self._add(op, exposed)
+            return exposed
+        if lay.dp_sync == "naive":
+            tensors = self.tensors(rank)
+            t = sum(coll("all_reduce", grads * share) for share in tensors)
+            self._add("all_reduce", t)
+            return t
+        if lay.dp_sync in ("fsdp", "fsdp2"):
+            return self.fsdp(n)
+        op = "reduce_scatter" if lay.dp_sync == "zero2" else "all_reduce"
+        exposed = self.buckets(backward_s, grads, op, coll) * (lay.grad_accum if lay.dp_sync == "zero2" else 1)
+        self._add(op, exposed)
+        if lay.dp_sync in ("zero1", "zero2"):
+            self._add("all_gather", params_gather)
+            exposed += params_gather
+        return exposed
+
+    def units(self) -> list[tuple[float, float]]:
+        """The parameters of pipeline rank 0 in backward's order as (share of its parameters, share of backward done
+        when their gradients are complete): the final norm after the head's backward, each block after its own,
+        the embedding tables (the tied head's gradient included) last."""
+        lay = self.lay
+        n, ends, blocks = lay.rank_parameters(0), self._ends(0), lay.blocks_of(0)
+        norm = lay.shape.norm_parameters() if lay.holds_head(0) else 0
+        head, block = self.head_bw, self.block_bw
+        total = head + blocks * block
+        units = [(norm / n, head / total)]
+        units += [((n - ends) / blocks / n, (head + (i + 1) * block) / total) for i in range(blocks)]
+        return [*units, ((ends - norm) / n, 1.0)]
+
+    def _ends(self, rank: int) -> float:
+        return self.lay.end_parameters(rank)
+
+    def buckets(self, backward_s: float, grads: float, op: str, coll) -> float:
+        """Exposed seconds of buckets of parallel.bucket_mb reduced one after another as backward completes them."""
+        cap = self.lay.bucket_mb * 2**20
+        size = ready = 0.0
+        done, free = [], 0.0
+        for share, at in self.units():
+            size += share * grads
+            ready = at * backward_s
+            if size >= cap:
+                done.append((size, ready))
+                size = 0.0
+        if size:
+            done.append((size, ready))
+        for nbytes, ready_at in done:
+            free = max(free, ready_at) + coll(op, nbytes)
+        return max(0.0, free - backward_s)
+
+    def fsdp(self, n: int) -> float:
+        """Exposed seconds of fsdp's gathers and reduce-scatters over one step: a FIFO of collectives, each block's
+        gather issued when the block before it starts (one unit of prefetch), its reduce-scatter after its backward."""
+        lay = self.lay
+        costs = self.rank_costs(0)
+        blocks = lay.blocks_of(0)
+        block_bytes = lay.block_parameters * 4.0
+        root_bytes = self._ends(0) * 4.0
+        wire = WIRE_BYTES.get(lay.grad_comm, 4.0) / 4.0
+
+        def ag(nbytes: float) -> float:
+            return self.net.seconds("all_gather", nbytes, lay.dp, lay.tp)
+
+        def rs(nbytes: float) -> float:
+            return self.net.seconds("reduce_scatter", nbytes * wire, lay.dp, lay.tp)
+
+        per_f = [self.block_f] * blocks
+        head_f = self.head_f
+        per_bw = [self.block_bw + (costs.b + costs.w - self.head_bw - blocks * self.block_bw) / max(blocks, 1)] * blocks
+        exposed = 0.0
+        for _ in range(lay.grad_accum):
+            # forward: root, then blocks with one prefetched
+            t = free = ag(root_bytes)
+            gather_end = free = free + ag(block_bytes)
+            for i in range(blocks):
+                start = max(t, gather_end)
+                if i + 1 < blocks:
+                    gather_end = free = max(free, start) + ag(block_bytes)
+                t = start + per_f[i]
+            t += head_f + self.head_bw
+            compute = sum(per_f) + head_f + self.head_bw
+            # backward: the head's (the root stays gathered), then blocks last to first, each gathered again (the
+            # last block's when the head's backward hands it its gradient), its gradients reduce-scattered after it
+            gather_end = free = max(free, t) + ag(block_bytes)
+            for i in range(blocks):
+                start = max(t, gather_end)
+                if i + 1 < blocks:
+                    gather_end = free = max(free, start) + ag(block_bytes)
+                t = start + per_bw[i]
+                free = max(free, t) + rs(block_bytes)
+            free = max(free, t) + rs(root_bytes)
+            compute += sum(per_bw)
+            exposed += max(free, t) - compute
+        self._add("fsdp gathers and reduce-scatters", exposed)
+        return exposed
+
+    def tensors(self, rank: int) -> list[float]:
+        """The rank's parameter tensors as shares of its parameters (naive all-reduces each alone): per block its
+        weights, biases and norms, then the tables and final norm."""
+        s = self.lay.shape
+        t = s.traits
+        if t.gated_mlp:  # q, k, v, o, gate, up, down and two norms; qwen2's q, k and v biases
+            per_block = 9 + 3 * t.qkv_bias
+        else:  # GPT-2: fused qkv, its projection, fc, proj, each with its bias, and two norms with theirs
+            per_block = 12
+        blocks = self.lay.blocks_of(rank)
+        ends = 1 + t.learned_positions + 1 + t.norm_biases + (0 if s.tied else 1)
+        count = blocks * per_block + ends
+        return [1.0 / count] * count
+
+
+def precision_of(setting: str, device: str) -> str:
+    """train.precision=auto as a rank on `device` resolves it: bf16 where the GPU has it, fp16 on older GPUs, fp32
+    on a CPU."""
+    if setting != "auto":
+        return setting
+    if device == "cpu":
+        return "fp32"
+    return "bf16" if peak_flops(device, "bf16") else "fp16"
+
+
+def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Prediction:
+    """The step of `layout` on `device` (its calibration `calib`, its links `net`): the schedule (or the micro-steps),
+    the slowest pipeline rank's data-parallel sync, the optimizer on what the rank steps, and the step's small
+    all-reduces (the global loss over dp, the gradient norm over pp)."""
+    lay = layout
+    if lay.precision != calib.precision:
+        raise GptparError(f"train.precision={lay.precision} but the calibration was measured in "
+                          f"{calib.precision}; calibrate with --precision {lay.precision}, or set "
+                          f"train.precision={calib.precision}")
+    model = Model(lay, calib, net)
+    sharded = bool(DP_STRATEGIES[lay.dp_sync].sharded) and lay.dp > 1
+    optimizer = max(calib.seconds("optimizer", lay.rank_parameters(r) / (lay.dp if sharded else 1), model.alone)
+                    for r in range(lay.pp))
+    lists = None
+    if lay.pp > 1:
+        window, busy, lists = model.pipeline()
+        compute_s, bubble_s, core = busy * lay.grad_accum, max(window - busy, 0.0) * lay.grad_accum, window
+    else:
+        costs = model.rank_costs(0)
+        compute_s, bubble_s, core = costs.whole - costs.tp_comm, 0.0, costs.whole
+        model._add("tp", costs.tp_comm * lay.grad_accum)
+        compute_s *= lay.grad_accum
+    core *= lay.grad_accum
+    backward = model.rank_costs(0).b + model.rank_costs(0).w
+    before, (sync, exposed) = dict(model.exposed), (0.0, dict(model.exposed))
+    for r in range(lay.pp):  # every pipeline rank syncs its own stage; the step waits for the slowest
+        model.exposed = dict(before)
+        seconds = model.dp_sync(backward, lay.rank_parameters(r), r)
+        if seconds >= sync:
+            sync, exposed = seconds, model.exposed
+    model.exposed = exposed
+    small = net.seconds("all_reduce", 8, lay.dp, lay.tp) + net.seconds("all_reduce", 8, lay.pp, lay.dp * lay.tp)
+    model._add("small", small)
+    step = core + sync + optimizer + small
+    memory = memory_parts(lay, calib, lists)
+    fullest = max(memory, key=lambda m: m["total"])
+    tokens_per_s = lay.step_tokens / step
+    peak = peak_flops(device, lay.precision)
+    flops = flops_per_token(Shape(lay.shape, lay.seq_len, lay.vocab))
+    mfu = flops * tokens_per_s / (lay.world * peak) if peak else None
+    notes = ["parallel.grad_comm=powersgd is priced as fp32"] if lay.grad_comm == "powersgd" else []
+    return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),
+                      fullest, mfu, lay.world, notes, memory)
+
+
+def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float:
+    """Bytes one micro-batch leaves saved for backward in `stage`: its blocks' (the calibrated bytes per token and
+    unit of width, the share tensor parallelism splits divided by tp; a recomputed block only its input), and the
+    loss's fp32 logits where the stage holds the head."""
+    act = ACTIVATION_BYTES.get(lay.precision, 4)
+    split = 1 / lay.tp if lay.sequence_parallel else (1 - TP_SPLIT_SHARE) + TP_SPLIT_SHARE / lay.tp
+    block = lay.tokens * calib.activation_bytes_per_token_width * lay.shape.n_embd * split
+    recomputed = lay.recomputed_in_stage(stage)
+    held = (lay.stage_blocks[stage] - recomputed) * block + recomputed * lay.tokens * lay.shape.n_embd * act
+    head = stage == lay.pp * lay.virtual - 1
+    return held + (lay.tokens * lay.vocab / lay.tp * 4 if head else 0.0)
+
+
+def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | None) -> list[dict[str, int]]:
+    """Each pipeline rank's bytes: training state by the strategy table's closed form, activations of the
+    micro-batches it holds at once (weighted `peak_activations` of its schedule, one micro-step without a pipeline),
+    fsdp's gathered units."""
+    row = DP_STRATEGIES[lay.dp_sync]
+    out = []
+    for r in range(lay.pp):
+        n = lay.rank_parameters(r)
+        if lists is None:
+            held = stage_activation_bytes(lay, calib, 0)
+        else:
+            held = peak_activations(lists[r], lambda a: stage_activation_bytes(lay, calib, a.stage))
+        gathered = 0
+        if lay.dp_sync == "fsdp" and lay.dp > 1:  # 2 root and 4 block units in flight (fsdp.py's docstring)
+            gathered = 4 * (2 * lay.end_parameters(r) + 4 * lay.block_parameters)
+        shard = {part: lay.dp if part in row.sharded else 1 for part in ("params", "grads", "optimizer")}
+        parts = {"params": int(n * 4 / shard["params"]), "grads": int(n * 4 / shard["grads"]),
+                 "optimizer": int(n * 8 / shard["optimizer"]), "state": int(row.state_bytes(n, lay.dp)),
+                 "activations": int(held), "gathered": gathered}
+        parts["total"] = parts["state"] + parts["activations"] + parts["gathered"]
+        out.append(parts)
+    return out

@@ -1,0 +1,151 @@
+"""`gptpar plan search`: every layout of N GPUs for a model, ranked by predicted tokens/s under the memory limit.
+
+A candidate is a set of config overrides (dp x tp x pp, dp_sync, schedule and its stages per rank, micro-batches,
+sequence parallelism, activation checkpointing) resolved through the same config checks `gptpar train` runs, so a
+layout that cannot exist is rejected with the checks' own message; one that exists but does not fit a GPU is
+rejected with its predicted bytes. The top layouts can be written as a sweep file for `gptpar sweep`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from gptpar.atomic import atomic_write_text
+from gptpar.config import Config, ConfigError, overrides_tree, updated
+from gptpar.errors import GptparError
+from gptpar.plan.commands import MB, describe, resolved_layout
+from gptpar.plan.layout import Layout
+from gptpar.plan.predict import Prediction, predict
+from gptpar.plan.target import Target, target_of
+from gptpar.strategies.data_parallel import DP_STRATEGIES
+from gptpar.strategies.schedules import SCHEDULES
+
+DEFAULTS = {"parallel.pp_schedule": "1f1b", "parallel.chunks": 4, "parallel.pp_virtual": 1, "train.grad_accum": 1,
+            "parallel.sequence_parallel": False, "train.activation_checkpointing": "none", "parallel.tp_impl": "gptpar"}
+MICRO_STEPS = (1, 2, 4)  # grad_accum tried
+CHUNKS_PER_STAGE = (1, 2, 4)  # pipeline micro-batches per stage rank tried
+
+
+@dataclass(frozen=True)
+class Ranked:
+    overrides: dict[str, object]
+    layout: Layout
+    prediction: Prediction
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(gpus: int, per_node: int) -> list[dict[str, object]]:
+    """Every combination the search tries, as parallel.* and train.* overrides (most of them valid)."""
+    out = []
+    for tp in [d for d in divisors(gpus) if not per_node or d <= per_node]:
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            for sync, sp, ckpt in itertools.product(DP_STRATEGIES, (False, True), ("none", "block")):
+                if (sp and tp == 1) or (dp == 1 and sync != "bucketed"):
+                    continue
+                base = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp, "parallel.dp_sync": sync,
+                        "parallel.sequence_parallel": sp, "train.activation_checkpointing": ckpt,
+                        "parallel.tp_impl": "torch" if sync == "fsdp2" and tp > 1 else "gptpar"}
+                if pp == 1:
+                    out += [{**base, "train.grad_accum": ga} for ga in MICRO_STEPS]
+                    continue
+                for name, row in SCHEDULES.items():
+                    for per in CHUNKS_PER_STAGE:
+                        out.append({**base, "parallel.pp_schedule": name, "parallel.chunks": per * pp,
+                                    "parallel.pp_virtual": 2 if row.interleaved else 1})
+    return out
+
+
+def evaluate(cfg: Config, overrides: dict[str, object], target: Target) -> Ranked | str:
+    """A candidate's prediction, or the reason it is rejected (the config check's message, or its memory)."""
+    try:
+        layout_cfg = updated(cfg, overrides)
+        layout = resolved_layout(layout_cfg, target)
+        pred = predict(layout, target.calibration, target.network, target.device)
+    except (ConfigError, GptparError) as exc:
+        return str(exc)
+    limit = target.memory_bytes
+    if limit is not None and pred.memory_bytes > limit:
+        return f"needs {pred.memory_bytes / 1e9:.1f} GB per GPU, over the {limit / 1e9:.0f} GB a GPU holds"
+    return Ranked(overrides, layout, pred)
+
+
+def search(cfg: Config, gpus: int, calibration: str | None) -> tuple[list[Ranked], Counter[str], dict[str, str]]:
+    """Valid layouts best first, and the rejected ones' reasons with a count and an example layout each."""
+    target = target_of(cfg, calibration)
+    per_node = int((target.profile.get("links") or {}).get("gpus_per_node") or 0)
+    ranked: list[Ranked] = []
+    reasons: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for overrides in candidates(gpus, per_node):
+        result = evaluate(cfg, overrides, target)
+        if isinstance(result, str):
+            reasons[result] += 1
+            example.setdefault(result, ", ".join(f"{k.split('.')[1]}={v}" for k, v in overrides.items()))
+        else:
+            ranked.append(result)
+    ranked.sort(key=lambda r: -r.prediction.tokens_per_s)
+    return ranked, reasons, example
+
+
+def sweep_text(base: dict[str, object], top: list[Ranked], gpus: int, per_node: int) -> str:
+    """The top layouts as a sweep over `base` (the search's config words): `kind: dp` sets parallel.dp from the
+    job's shape, so it is left out of the axes; every other key that differs between them is a zip axis."""
+    nodes = gpus // per_node if per_node and gpus > per_node else 1
+    keys = sorted({k for r in top for k in r.overrides if k != "parallel.dp"})
+    zipped = {k: [r.overrides.get(k, DEFAULTS.get(k)) for r in top] for k in keys}
+    always = ("parallel.tp", "parallel.pp")
+    zipped = {k: v for k, v in zipped.items() if len({str(x) for x in v}) > 1 or str(v[0]) != str(DEFAULTS.get(k))
+              or k in always}
+    launch = {**dict(base.get("launch") or {}), "gpus": gpus // nodes, "nodes": nodes}  # type: ignore[arg-type]
+    data = {"name": "plan_top", "kind": "dp", "base": {**base, "launch": launch}, "zip": zipped}
+    return ("# The top layouts of `gptpar plan search`, best predicted tokens/s first.\n"
+            + yaml.safe_dump(data, sort_keys=False))
+
+
+def render(ranked: list[Ranked], reasons: Counter[str], example: dict[str, str], top: int) -> str:
+    lines = [f"{'#':>3} {'tokens/s':>12} {'step ms':>10} {'memory MB':>10} {'MFU':>6} {'bubble ms':>10} "
+             f"{'comm ms':>9}  layout"]
+    for i, r in enumerate(ranked[:top], 1):
+        p = r.prediction
+        mfu = f"{p.mfu:.0%}" if p.mfu is not None else "n/a"
+        lines.append(f"{i:>3} {p.tokens_per_s:>12,.0f} {p.step_time_s * 1e3:>10,.1f} {p.memory_bytes / MB:>10,.0f} "
+                     f"{mfu:>6} {p.bubble_s * 1e3:>10,.1f} {sum(p.exposed_comm_s.values()) * 1e3:>9,.1f}  "
+                     f"{describe(r.layout)}")
+    lines.append(f"{len(ranked)} valid layout(s); {sum(reasons.values())} rejected:")
+    lines += [f"  {n} x {reason} (e.g. {example[reason]})" for reason, n in reasons.most_common()]
+    return "\n".join(lines)
+
+
+def search_command(args: argparse.Namespace, cfg: Config) -> int:
+    """`gptpar plan search`: --model, --gpus and --profile set over the config words; prints the ranking."""
+    if not args.gpus:
+        raise GptparError("gptpar plan search needs --gpus N (the GPUs in all)")
+    changes: dict[str, object] = {}
+    if args.model:
+        changes["model.preset"] = args.model
+    if args.profile:
+        changes["launch.profile"] = args.profile
+    if not any(w.startswith("train.batch_size=") for w in args.words):
+        changes["train.batch_size"] = max(cfg.train.batch_size, 8 * args.gpus)
+    cfg = updated(cfg, changes) if changes else cfg
+    ranked, reasons, example = search(cfg, args.gpus, args.calibration)
+    print(render(ranked, reasons, example, args.top))
+    if args.sweep:
+        if not ranked:
+            raise GptparError("no valid layout to write as a sweep; see the reasons above")
+        per_node = int((target_of(cfg, args.calibration).profile.get("links") or {}).get("gpus_per_node") or 0)
+        out = Path(args.sweep)
+        base = overrides_tree([*args.words, *(f"{k}={v}" for k, v in changes.items())])
+        atomic_write_text(out, sweep_text(base, ranked[:args.top], args.gpus, per_node))
+        print(f"wrote {out}: the top {min(args.top, len(ranked))} as a sweep (gptpar sweep {out})")
+    return 0

@@ -1,0 +1,61 @@
+"""Where a layout would run, as the planner needs it: the device (this machine for the local profile, else the
+profile's GPU), the calibration that fits it, the network between its ranks, and what a GPU holds."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gptpar.config import Config
+from gptpar.errors import GptparError
+from gptpar.launch.profiles import load_profile
+from gptpar.plan.calibration import Calibration, find, local_device_name
+from gptpar.plan.network import Network, network_of
+
+
+def local_gpu_name() -> str | None:
+    """This machine's first GPU by nvidia-smi (no torch import), or None without one."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    names = out.stdout.strip().splitlines()
+    return names[0].strip() if out.returncode == 0 and names else None
+
+
+@dataclass(frozen=True)
+class Target:
+    device: str
+    local: bool  # this machine (the local profile), not a cluster's nodes
+    profile_name: str
+    profile: dict[str, Any]
+    calibration: Calibration
+    calibration_name: str
+    network: Network
+
+    @property
+    def memory_bytes(self) -> float | None:
+        """What one device holds for training, from the profile's `links.gpu_memory_GB`; None where unknown."""
+        gb = (self.profile.get("links") or {}).get("gpu_memory_GB")
+        return float(gb) * 1e9 if gb else None
+
+
+def target_of(cfg: Config, calibration: str | None) -> Target:
+    """The device, calibration and network of `cfg`'s launch.profile (the local profile: this machine)."""
+    name = Path(cfg.launch.profile).stem
+    profile = load_profile(cfg.launch.profile)
+    local = name == "local"
+    if local:
+        device = local_gpu_name() or local_device_name()
+    else:
+        device = str(profile.get("device") or cfg.launch.gpu_type or profile.get("gpu_type") or "")
+        if not device:
+            raise GptparError(f"profile {name} names no GPU (device: or gpu_type:); set launch.gpu_type, e.g. a100")
+    calib, label = find(calibration, device, local)
+    return Target(device, local, name, profile, calib, label, network_of(calib, profile, name, local))

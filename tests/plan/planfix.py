@@ -1,0 +1,31 @@
+"""Synthetic calibrations and networks for the planner's tests: costs chosen so that the predictions can be computed
+by hand (a block's F, B and W take given seconds, the head and optimizer none, links given latency and bandwidth)."""
+
+from __future__ import annotations
+
+from gptpar.plan.calibration import COLLECTIVES, Calibration, LinkFit
+from gptpar.plan.layout import Layout, block_flops, layout_of
+from gptpar.plan.network import Network
+from gptpar.user_defaults import resolve_config
+
+FREE = [[1e30, 1e-30]]  # a rate so high that any work takes no time
+
+
+def layout(*words: str) -> Layout:
+    base = ["data.source=synthetic", "data.vocab_size=4096", "train.precision=fp32"]
+    return layout_of(resolve_config(None, [*base, *words], user=False)[0])
+
+
+def calibration(lay: Layout, f: float = 1.0, b: float = 1.0, w: float = 1.0, activation: float = 100.0,
+                device_name: str = "test cpu", torch_version: str = "2.13.0+cpu") -> Calibration:
+    """One block's F, B and W on `lay`'s micro-batch take f, b and w seconds; the head and optimizer are free."""
+    flops = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp)
+    compute = {kind: [[x, s]] for kind, x, s in zip(("block_f", "block_b", "block_w"), flops, (f, b, w), strict=True)}
+    compute |= {"head_f": FREE, "head_bw": FREE, "optimizer": FREE}
+    return Calibration(device="cpu", device_name=device_name, backend="gloo", precision="fp32",
+                       torch_version=torch_version, threads=1, date="2026-11-27", host="test", world_size=2,
+                       compute=compute, activation_bytes_per_token_width=activation)
+
+
+def network(latency: float = 0.0, bandwidth: float = 1e30) -> Network:
+    return Network(measured={op: LinkFit(latency, bandwidth) for op in COLLECTIVES})

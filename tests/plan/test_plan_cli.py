@@ -1,0 +1,110 @@
+"""`gptpar plan predict` and `search` in this process, on a synthetic calibration of this machine: the JSON shape,
+one-line errors for layouts that cannot exist and calibrations that do not fit, and the search's ranking, rejection
+reasons and sweep file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from planfix import calibration, layout
+
+from gptpar.cli import main
+from gptpar.config import config_from_dict
+from gptpar.launch.sweep import expand
+from gptpar.plan.calibration import installed_torch, local_device_name
+
+WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=4096", "data.seq_len=64",
+         "train.precision=fp32"]
+
+
+@pytest.fixture
+def calib(tmp_path: Path) -> str:
+    """A calibration of this machine (its CPU's name, the installed torch) with collectives measured."""
+    c = calibration(layout("model.preset=gpt2-tiny"), device_name=local_device_name(), torch_version=installed_torch())
+    c.collectives.update({op: [[4096.0, 1e-4], [2.0**20, 1e-3]] for op in ("all_reduce", "reduce_scatter", "all_gather",
+                                                                         "all_to_all", "send_recv")})
+    path = tmp_path / "calib.json"
+    path.write_text(c.to_json())
+    return str(path)
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_predict_json_is_one_object_with_the_step_and_memory(calib: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", "predict", *WORDS, "parallel.dp=2", "parallel.dp_sync=zero2", "--calibration", calib,
+                        "--json", "--steps", "100"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert {"step_time_s", "tokens_per_s", "memory_bytes", "exposed_comm_s", "bubble_s", "mfu", "cost"} <= set(data)
+    assert data["tokens_per_s"] == pytest.approx(16 * 64 / data["step_time_s"])
+    assert data["cost"]["gpu_hours"] == pytest.approx(data["step_time_s"] * 100 * 2 / 3600)
+    assert data["mfu"] is None  # a CPU has no datasheet peak
+    code, out, _ = run(["plan", "predict", *WORDS, "--calibration", calib], capsys)
+    assert code == 0 and out.splitlines()[1].startswith("step time ")
+
+
+@pytest.mark.parametrize(("words", "message"), [
+    (["parallel.tp=3"], "parallel.tp=3 must divide model.n_head=4; use a tp that divides it"),
+    (["parallel.pp=8", "parallel.chunks=8", "train.batch_size=8"],
+     "parallel.pp * parallel.pp_virtual = 8 stages but the model has 4 blocks; every stage needs at least one block"),
+    (["--calibration", "missing.json"], "--calibration 'missing.json' does not exist; name a file written by "
+                                        "`gptpar plan calibrate --out FILE`"),
+    (["launch.profile=bridges2"], "was made on"),
+    (["train.precision=bf16"], "train.precision=bf16 but the calibration was measured in fp32; calibrate with "
+                               "--precision bf16, or set train.precision=fp32"),
+])
+def test_bad_input_is_one_line_and_exit_2(words: list[str], message: str, calib: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "predict", *WORDS, *words]
+    code, _, err = run([*argv, "--calibration", calib] if "--calibration" not in words else argv, capsys)
+    assert code == 2
+    assert err.startswith("gptpar: error: ") and message in err and err.count("\n") == 1
+
+
+def test_no_calibration_for_this_device_says_how_to_make_one(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["plan", "predict", *WORDS], capsys)
+    assert (code, err.count("\n")) == (2, 1)
+    assert "no calibration for" in err and "python -m gptpar plan calibrate --out FILE" in err
+
+
+def test_search_ranks_only_valid_layouts_and_names_why_the_rest_fail(calib: str, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    sweep = tmp_path / "top.yaml"
+    code, out, _ = run(["plan", "search", "--model", "gpt2-tiny", "--gpus", "8", "--profile", "local", *WORDS[1:],
+                        "--calibration", calib, "--top", "3", "--sweep", str(sweep)], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    speeds = [float(line.split()[1].replace(",", "")) for line in lines[1:4]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert "tp=8" not in out.split("rejected")[0]  # 4 heads: tp=8 cannot exist
+    assert "x parallel.tp=8 must divide model.n_head=4; use a tp that divides it" in out
+    assert "stages but the model has 4 blocks" in out
+    name, kind, points = expand(sweep)
+    assert (name, kind, len(points)) == ("plan_top", "dp", 3)
+    for _, words in points:  # every point is a layout the config accepts, on 8 ranks
+        cfg = config_from_dict({"model": {"preset": "gpt2-tiny"}, "train": {"batch_size": 64}})
+        from gptpar.config import updated
+
+        pairs = dict(w.split("=", 1) for w in words)
+        dp = 8 // (int(pairs["parallel.tp"]) * int(pairs["parallel.pp"]))
+        updated(cfg, {**pairs, "parallel.dp": dp})
+
+
+def test_search_rejects_what_does_not_fit_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "tiny.yaml"
+    profile.write_text("device: testgpu\ngpu_type: testgpu\nlinks:\n  gpu_memory_GB: 0.001\n  gpus_per_node: 4\n"
+                       "  intra_node: {bandwidth_GBps: 100, latency_us: 5, source: test}\n"
+                       "  inter_node: {bandwidth_GBps: 10, latency_us: 10, source: test}\n")
+    c = calibration(layout("model.preset=gpt2-tiny"), device_name="TestGPU 16GB")
+    file = tmp_path / "gpu.json"
+    file.write_text(c.to_json())
+    code, out, _ = run(["plan", "search", "--model", "gpt2-tiny", "--gpus", "8", "--profile", str(profile),
+                        *WORDS[1:], "--calibration", str(file)], capsys)
+    assert code == 0
+    assert "0 valid layout(s)" in out and "GB per GPU, over the 0 GB a GPU holds" in out

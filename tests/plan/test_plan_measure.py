@@ -1,0 +1,33 @@
+"""A real calibration, tiny (one shape, one micro-batch, two sizes of each collective), on the shared 2-rank gloo
+pool: every kind of compute and every collective is measured, and the file reads back as a calibration of this CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gloo_pool import GlooPools
+
+from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, load, local_device_name
+from gptpar.plan.measure import Plan, measure_rank
+
+TINY = Plan(((64, 2),), ((2, 32),), (4096, 262144), (10**4, 10**5), 512, 2, comm_iters=3)
+
+
+@pytest.mark.slow
+def test_a_tiny_calibration_on_two_gloo_ranks(gloo_pool: GlooPools, tmp_path: Path) -> None:
+    out = tmp_path / "calibration.json"
+    gloo_pool.run(2, measure_rank, TINY, "fp32", 1, out)
+    calib = load(out)
+    assert (calib.device, calib.device_name, calib.backend, calib.world_size, calib.threads) == (
+        "cpu", local_device_name(), "gloo", 2, 1)
+    assert all(s > 0 for kind in COMPUTE_KINDS for _, s in calib.compute[kind])
+    assert all(s > 0 for kind in COMPUTE_KINDS for _, s in calib.compute_alone[kind])  # rank 0 alone, first
+    assert [x for x, _ in calib.compute["optimizer"]] == [1e4, 1e5]
+    for op in COLLECTIVES:
+        (small, t_small), (big, t_big) = calib.collectives[op]
+        assert (small, big) == (4096.0, 262144.0) and t_small > 0 and t_big > 0
+        fit = calib.link(op)
+        assert fit is not None and fit.bandwidth > 0 and fit.latency_s > 0
+    # A block saves activations of the order of tens of values per token and unit of width (fp32: ~100 bytes).
+    assert 20 < calib.activation_bytes_per_token_width < 1000

@@ -1,0 +1,110 @@
+"""The cost model's arithmetic against hand-computed values on synthetic calibrations: the pipeline's bubble is the
+closed form under unit costs, naive exposes every all-reduce, bucketed hides what backward covers, memory is the
+strategy table's closed form plus the activations each schedule holds."""
+
+from __future__ import annotations
+
+import pytest
+from planfix import calibration, layout, network
+
+from gptpar.plan.predict import predict
+from gptpar.strategies.data_parallel import DP_STRATEGIES
+from gptpar.strategies.schedules import closed_form_bubble
+
+EIGHT_BLOCKS = ("model.preset=gpt2-mini", "model.n_layer=8", "data.seq_len=64", "train.batch_size=16")
+
+
+@pytest.mark.parametrize(("schedule", "pp", "chunks", "virtual"), [
+    ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("1f1b", 2, 4, 1), ("zb1p", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2)])
+def test_the_pipeline_bubble_is_the_closed_form_under_unit_costs(schedule: str, pp: int, chunks: int,
+                                                                 virtual: int) -> None:
+    lay = layout(*EIGHT_BLOCKS, f"parallel.pp={pp}", f"parallel.chunks={chunks}", f"parallel.pp_schedule={schedule}",
+                 f"parallel.pp_virtual={virtual}")
+    pred = predict(lay, calibration(lay), network(), "test cpu")
+    assert pred.bubble_s / pred.step_time_s == pytest.approx(closed_form_bubble(schedule, pp, chunks, virtual))
+    blocks = 8 // pp
+    assert pred.compute_s == pytest.approx(chunks * blocks * 3)  # every rank's F + B + W of its blocks, per micro-batch
+
+
+def test_naive_exposes_every_all_reduce_and_bucketed_hides_what_backward_covers() -> None:
+    words = (*EIGHT_BLOCKS, "parallel.dp=2", "parallel.bucket_mb=0.001")
+    latency, bandwidth = 1e-3, 1e8
+    net = network(latency, bandwidth)
+    naive = layout(*words, "parallel.dp_sync=naive")
+    n = naive.rank_parameters(0)
+    pred = predict(naive, calibration(naive), net, "test cpu")
+    tensors = 8 * 12 + 4  # GPT-2's 12 tensors per block; the token and position tables, the final norm's two
+    # An all-reduce over 2 ranks sends its whole payload once (2(g-1)/g) in 2(g-1) = 2 steps.
+    assert pred.exposed_comm_s["all_reduce"] == pytest.approx(tensors * 2 * latency + n * 4 / bandwidth)
+    assert pred.compute_s == pytest.approx(8 * 3)  # 8 blocks x (F + B + W), one micro-step
+    assert pred.step_time_s == pytest.approx(pred.compute_s + pred.exposed_comm_s["all_reduce"]
+                                             + pred.exposed_comm_s["small"])
+
+    bucketed = layout(*words, "parallel.dp_sync=bucketed")
+    fast = network(0.0, bandwidth)
+    pred = predict(bucketed, calibration(bucketed), fast, "test cpu")
+    # Each block is a bucket reduced (in block / bandwidth << one block's backward) while the next block's backward
+    # runs; the first block's bucket and the tables' complete only at backward's end: those two are exposed.
+    block = bucketed.block_parameters * 4 / bandwidth
+    tables = (bucketed.end_parameters(0) - bucketed.shape.norm_parameters()) * 4 / bandwidth
+    assert pred.exposed_comm_s["all_reduce"] == pytest.approx(block + tables)
+    slow = predict(bucketed, calibration(bucketed), network(0.0, bandwidth / 1000), "test cpu")
+    whole = n * 4 / (bandwidth / 1000)  # every bucket's time, far longer than backward: all but backward exposed
+    assert whole - 8 * 2 <= slow.exposed_comm_s["all_reduce"] <= whole
+
+
+def test_zero2_reduces_every_micro_step_and_gathers_after_the_step() -> None:
+    lay = layout(*EIGHT_BLOCKS, "parallel.dp=2", "parallel.dp_sync=zero2", "train.grad_accum=2",
+                 "parallel.bucket_mb=1000")
+    bandwidth = 1e8
+    pred = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")
+    n = lay.rank_parameters(0)
+    # one bucket, ready at backward's end: its reduce-scatter (half the bytes of an all-reduce) exposed per micro-step
+    assert pred.exposed_comm_s["reduce_scatter"] == pytest.approx(2 * n * 4 / 2 / bandwidth)
+    assert pred.exposed_comm_s["all_gather"] == pytest.approx(n * 4 / 2 / bandwidth)
+
+
+@pytest.mark.parametrize("sync", ["bucketed", "zero1", "zero2", "fsdp"])
+def test_memory_is_the_strategy_closed_form_plus_activations(sync: str) -> None:
+    lay = layout(*EIGHT_BLOCKS, "parallel.dp=2", f"parallel.dp_sync={sync}")
+    calib = calibration(lay, activation=100.0)
+    pred = predict(lay, calib, network(), "test cpu")
+    n = lay.rank_parameters(0)
+    assert pred.memory["state"] == int(DP_STRATEGIES[sync].state_bytes(n, 2))
+    tokens, d = 8 * 64, 256
+    assert pred.memory["activations"] == int(8 * tokens * 100.0 * d + tokens * 4096 * 4)  # blocks, then fp32 logits
+    gathered = 4 * (2 * lay.end_parameters(0) + 4 * lay.block_parameters) if sync == "fsdp" else 0
+    assert pred.memory_bytes == pred.memory["state"] + pred.memory["activations"] + gathered
+
+
+def test_a_pipeline_holds_the_activations_its_schedule_keeps() -> None:
+    lay = layout(*EIGHT_BLOCKS, "parallel.pp=4", "parallel.chunks=8", "parallel.pp_schedule=1f1b")
+    gpipe = layout(*EIGHT_BLOCKS, "parallel.pp=4", "parallel.chunks=8", "parallel.pp_schedule=gpipe")
+    per_micro_batch = 2 * 2 * 64 * 100.0 * 256  # 2 blocks x 2 sequences of 64 tokens x 100 B per token and width
+    one = predict(lay, calibration(lay), network(), "test cpu")
+    assert one.memory["activations"] == int(4 * per_micro_batch)  # rank 0 of 1F1B holds P micro-batches
+    all_of_them = predict(gpipe, calibration(gpipe), network(), "test cpu")
+    logits = 2 * 64 * 4096 * 4  # the last rank's fp32 logits of each micro-batch
+    assert all_of_them.memory["activations"] == int(8 * (per_micro_batch + logits))  # GPipe holds every one
+
+
+def test_recomputed_blocks_keep_only_their_input_and_run_forward_twice() -> None:
+    lay = layout(*EIGHT_BLOCKS, "train.activation_checkpointing=block")
+    pred = predict(lay, calibration(lay), network(), "test cpu")
+    tokens = 16 * 64
+    assert pred.memory["activations"] == tokens * 256 * 4 * 8 + tokens * 4096 * 4
+    assert pred.compute_s == pytest.approx(8 * 4)  # F, B, W and the recomputed F of each block
+
+
+def test_fsdp_hides_every_gather_but_the_first_of_each_pass_behind_compute() -> None:
+    lay = layout(*EIGHT_BLOCKS, "parallel.dp=2", "parallel.dp_sync=fsdp")
+    bandwidth = 1e9
+    root, block = lay.end_parameters(0) * 4, lay.block_parameters * 4  # a unit's bytes; a rank sends half over 2
+    fsdp = "fsdp gathers and reduce-scatters"
+    # Blocks of 1 s hide every prefetched gather and every reduce-scatter but the last ones: exposed are the root's and
+    # block 0's gathers in forward, the last block's gather in backward, and block 0's and the root's reduce-scatters.
+    slow_compute = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")
+    assert slow_compute.exposed_comm_s[fsdp] == pytest.approx((root + 1.5 * block) / bandwidth)
+    # Blocks that cost nothing hide nothing: every unit's collectives, one after another.
+    free = predict(lay, calibration(lay, 1e-12, 1e-12, 1e-12), network(0.0, bandwidth), "test cpu")
+    assert free.exposed_comm_s[fsdp] == pytest.approx((root + 12 * block) / bandwidth, rel=1e-6)
