@@ -26,10 +26,9 @@ from gptpar.errors import GptparError
 from gptpar.plan.calibration import Calibration
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
-from gptpar.strategies.data_parallel import DP_STRATEGIES
+from gptpar.strategies.data_parallel import DP_STRATEGIES, WIRE_BYTES
 from gptpar.strategies.schedules import Action, make_plan, peak_activations, schedule, simulate
 
-WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0}
 ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # Of the activations a transformer block saves, the share tensor parallelism splits (Korthikanti et al. 2022: 34sbh
 # bytes per layer, of which 24sbh are inside the split attention and MLP and 10sbh the replicated norms and

@@ -25,8 +25,9 @@ GRAD_COMMS = (*HALF, "int8", "powersgd")
 # parallel.param_comm: how a sync that shards the parameters gathers them. bf16 casts each shard for the wire; int8 is
 # ZeRO++'s qwZ, each shard in blocks of parallel.quant_block values with one fp32 scale each (param_comm.py).
 PARAM_COMMS = ("fp32", "bf16", "int8")
-# Bytes per parameter of a gathered parameter on the wire, by parallel.param_comm; int8 adds a 4-byte scale per block.
-PARAM_WIRE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
+# Bytes per value on the wire, by parallel.grad_comm or parallel.param_comm type (the syncs count them, the planner
+# prices them); int8 adds a 4-byte scale per parallel.quant_block values.
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def hpz_bytes(n: float, node_size: int, param_comm: str = "fp32", quant_block: i
     its node's 1/node_size share of the gathered parameters, kept as they came over the wire (parallel.param_comm's
     type; int8 with one fp32 scale per quant_block values), so that the node can gather them again without the other
     nodes."""
-    per_value = PARAM_WIRE_BYTES[param_comm] + (4 / quant_block if param_comm == "int8" else 0)
+    per_value = WIRE_BYTES[param_comm] + (4 / quant_block if param_comm == "int8" else 0)
     return n * per_value / node_size
 
 

@@ -29,10 +29,10 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 
 from gptpar.parallel.comm import count_sent
 from gptpar.parallel.data_parallel.base import GradSync, SyncSetup
+from gptpar.strategies.data_parallel import WIRE_BYTES
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 COMPRESS_HOOKS = {"bf16": bf16_compress_hook, "fp16": fp16_compress_hook}  # parallel.grad_comm
-WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per gradient element each of those hooks sends
 # PowerSGD's first step: the steps before it are plain fp32 all-reduces. 2 is the least torch allows with error
 # feedback and warm start (DDP's buckets settle after its first step); torch's default, 1000, suits long runs.
 POWERSGD_START = 2

@@ -27,7 +27,7 @@ from gptpar.parallel.comm import read_sent, ring_share
 from gptpar.parallel.data_parallel.fsdp import FSDPSync
 from gptpar.parallel.grid import block_ranks
 from gptpar.parallel.process_group import RankInfo
-from gptpar.strategies.data_parallel import PARAM_WIRE_BYTES, hpz_bytes, hpz_node_size
+from gptpar.strategies.data_parallel import WIRE_BYTES, hpz_bytes, hpz_node_size
 
 STEPS, BLOCK, W, NODE = 2, 64, 4, 2
 SETTINGS = [f"parallel.dp={W}", "parallel.dp_sync=fsdp", "train.grad_accum=2", f"parallel.quant_block={BLOCK}"]
@@ -80,7 +80,7 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
 def wire_bytes(layout: int, kind: str) -> int:
     """Bytes a gather of a unit's padded layout lands: every rank's shard, as param_comm.ParamWire encodes it."""
     if kind != "int8":
-        return PARAM_WIRE_BYTES[kind] * layout
+        return WIRE_BYTES[kind] * layout
     padded = -(-layout // W // BLOCK) * BLOCK  # a shard in whole blocks
     return W * (padded + 4 * padded // BLOCK)
 
