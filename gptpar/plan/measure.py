@@ -35,6 +35,7 @@ from gptpar.parallel.spawn import spawn_local
 from gptpar.plan.calibration import Calibration, local_device_name
 from gptpar.presets import ModelShape
 from gptpar.tensor_bytes import saved_activation_bytes
+from gptpar.train.precision import AUTOCAST_DTYPES, Precision, resolve_precision
 
 
 @dataclass(frozen=True)
@@ -74,13 +75,8 @@ def _timer(device: torch.device, repeats: int) -> Callable[..., float]:
     return timed
 
 
-def _autocast(device: torch.device, precision: str):
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
-
-
 def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, int], vocab: int,
-                  device: torch.device, precision: str, repeats: int) -> dict[str, tuple[float, float]]:
+                  device: torch.device, precision: Precision, repeats: int) -> dict[str, tuple[float, float]]:
     """One block's F, B (input gradient only) and W (the rest of its backward), and the embedding plus head and
     loss forward and backward, for a micro-batch of `batch` = (sequences, seq_len) tokens."""
     from gptpar.plan.layout import block_flops, head_flops
@@ -98,7 +94,7 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
 
     def forward() -> torch.Tensor:
         x = hidden.clone().requires_grad_(True)
-        with _autocast(device, precision):
+        with precision.autocast():
             return x, block(x)
 
     f_s = timed(forward)
@@ -113,13 +109,13 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
     w_s = max(bw_s - b_s, 0.05 * bw_s)  # W is what the whole backward adds to the input gradient's
     block.zero_grad(set_to_none=True)
     params = [p for p in block.parameters()]
-    with _autocast(device, precision):
+    with precision.autocast():
         saved = saved_activation_bytes(lambda: block(hidden.clone().requires_grad_(True)), params)
 
     targets = torch.randint(0, vocab, (seqs, seq), device=device)
 
     def head_forward() -> torch.Tensor:
-        with _autocast(device, precision):
+        with precision.autocast():
             return lm_loss(head(embed(ids)), targets)
 
     hf_s = timed(head_forward)
@@ -182,10 +178,10 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     """One rank's measurements; rank 0 writes them to `out` as JSON."""
     if threads:
         torch.set_num_threads(threads)
-    if precision == "tf32":  # fp32 tensors, TF32 matmuls, as the trainer's tf32
-        torch.set_float32_matmul_precision("high")
     device = info.device if info is not None else (torch.device("cuda") if torch.cuda.is_available()
                                                     else torch.device("cpu"))
+    amp = Precision(AUTOCAST_DTYPES.get(precision), device, tf32=precision == "tf32", name=precision)
+    amp.set_matmul_precision()  # the trainer's: TF32 matmuls under tf32 only
     rank, world = (info.rank, info.world_size) if info is not None else (0, 1)
     saved: list[float] = []
 
@@ -195,7 +191,7 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
         for width, heads in plan.widths:
             shape = ModelShape("gpt2", 1, width, heads, 1024)
             for batch in plan.batches:
-                points = _block_points(shape, width, heads, batch, plan.vocab, device, precision, plan.repeats)
+                points = _block_points(shape, width, heads, batch, plan.vocab, device, amp, plan.repeats)
                 per_token_width, saved_bytes = points.pop("saved")
                 saved.append(saved_bytes / per_token_width)
                 for kind, (flops, seconds) in points.items():
@@ -232,8 +228,7 @@ def calibrate(out: str | Path, quick: bool = False, world: int = 0, precision: s
     from gptpar.plan.calibration import load
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if precision == "auto":
-        precision = ("bf16" if torch.cuda.is_bf16_supported() else "fp16") if gpus else "fp32"
+    precision = resolve_precision(precision, torch.device("cuda" if gpus else "cpu"))  # as the trainer resolves it
     plan = plan or (QUICK_PLAN if quick else GPU_PLAN if gpus else CPU_PLAN)
     world = world or (min(gpus, 8) if gpus else 2)
     out = Path(out)
