@@ -17,12 +17,13 @@ def layout(*words: str) -> Layout:
 
 
 def calibration(lay: Layout, f: float = 1.0, b: float = 1.0, w: float = 1.0, activation: float = 100.0,
-                device_name: str = "test cpu", torch_version: str = "2.13.0+cpu") -> Calibration:
-    """One block's F, B and W on `lay`'s micro-batch take f, b and w seconds; the head and optimizer are free."""
+                device_name: str = "test cpu", torch_version: str = "2.13.0+cpu", device: str = "cpu") -> Calibration:
+    """One block's F, B and W on `lay`'s micro-batch take f, b and w seconds; the head and optimizer are free. On a
+    `device` other than cpu, collectives overlap computation (the cost model's GPU path)."""
     flops = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp)
     compute = {kind: [[x, s]] for kind, x, s in zip(("block_f", "block_b", "block_w"), flops, (f, b, w), strict=True)}
     compute |= {"head_f": FREE, "head_bw": FREE, "optimizer": FREE}
-    return Calibration(device="cpu", device_name=device_name, backend="gloo", precision="fp32",
+    return Calibration(device=device, device_name=device_name, backend="gloo", precision="fp32",
                        torch_version=torch_version, threads=1, date="2026-11-27", host="test", world_size=2,
                        compute=compute, activation_bytes_per_token_width=activation)
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from planfix import calibration, layout
 
 from gptpar.cli import main
@@ -87,6 +88,8 @@ def test_search_ranks_only_valid_layouts_and_names_why_the_rest_fail(calib: str,
     assert "stages but the model has 4 blocks" in out
     name, kind, points = expand(sweep)
     assert (name, kind, len(points)) == ("plan_top", "dp", 3)
+    base = yaml.safe_load(sweep.read_text())["base"]  # each run planned: its report sets prediction by measurement
+    assert base["report"]["plan_calibration"] == str(Path(calib).resolve())
     for _, words in points:  # every point is a layout the config accepts, on 8 ranks
         cfg = config_from_dict({"model": {"preset": "gpt2-tiny"}, "train": {"batch_size": 64}})
         from gptpar.config import updated
