@@ -70,7 +70,8 @@ def as_text(layout: Layout, target: Target, pred: Prediction, steps: int) -> str
         f"tokens/s     {pred.tokens_per_s:,.0f} ({layout.step_tokens:,} tokens per step)",
         f"memory/rank  {pred.memory_bytes / MB:,.1f} MB{limit}: parameters {m['params'] / MB:,.1f}, gradients "
         f"{m['grads'] / MB:,.1f}, optimizer {m['optimizer'] / MB:,.1f}, activations {m['activations'] / MB:,.1f}"
-        + (f", gathered {m['gathered'] / MB:,.1f}" if m["gathered"] else ""),
+        + (f", gathered {m['gathered'] / MB:,.1f}" if m["gathered"] else "")
+        + (f", hpZ copy {m['hpz'] / MB:,.1f}" if m.get("hpz") else ""),
         "MFU          " + (f"{pred.mfu:.1%}" if pred.mfu is not None else "n/a (no datasheet peak for this device)"),
         f"cost         {c['steps']:,} steps: {c['seconds'] / 3600:,.2f} h wall, {c['gpu_hours']:,.2f} GPU-hours",
     ]

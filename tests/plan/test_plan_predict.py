@@ -133,3 +133,38 @@ def test_a_tensor_parallel_block_timed_whole_is_priced_as_timed() -> None:
     assert timed.step_time_s == pytest.approx(8 * 6)
     sp = layout(*EIGHT_BLOCKS, "parallel.tp=2", "parallel.sequence_parallel=true")
     assert predict(sp, calib, network(), "test cpu").step_time_s == pytest.approx(8 * 3)
+
+
+@pytest.mark.parametrize(("words", "expected"), [
+    # fp32: the root once and each of 8 blocks twice gathered (3/4 of each sent over 4 ranks), each reduce-scattered
+    ([], lambda root, block: 0.75 * (root + 16 * block) + 0.75 * (8 * block + root)),
+    # bf16 gathers send half the bytes; the reduce-scatters stay fp32
+    (["parallel.param_comm=bf16"], lambda root, block: 0.375 * (root + 16 * block) + 0.75 * (8 * block + root)),
+    # hpZ over nodes of 2: the forward's gathers cross (3/4), backward's stay in the node (1/2 over 2 ranks)
+    (["parallel.hpz=true", "parallel.hpz_node_size=2"],
+     lambda root, block: 0.75 * (root + 8 * block) + 0.5 * 8 * block + 0.75 * (8 * block + root)),
+])
+def test_fsdp_gathers_are_priced_in_their_wire_type_and_group(words: list[str], expected) -> None:
+    lay = layout(*EIGHT_BLOCKS, "parallel.dp=4", "parallel.dp_sync=fsdp", *words)
+    bandwidth = 1e9
+    pred = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")  # a CPU: every collective exposed
+    root, block = lay.end_parameters(0) * 4, lay.block_parameters * 4
+    assert pred.exposed_comm_s["fsdp gathers and reduce-scatters"] == pytest.approx(expected(root, block) / bandwidth)
+    copy = lay.rank_parameters(0) * 4 / 2 if lay.hpz_node else 0  # hpZ's secondary copy: N·4/L
+    assert pred.memory["hpz"] == int(copy)
+    assert pred.memory["total"] == pred.memory["state"] + pred.memory["activations"] + pred.memory["gathered"] + copy
+
+
+def test_expert_parallel_all_to_alls_are_priced_per_block() -> None:
+    """Each mixture block sends its tokens' top-k picks out and back in forward, and their gradients in backward:
+    four all-to-alls of tokens·k·d·4 bytes, half of which leave the rank over ep = 2; the experts split over ep."""
+    words = ("model.preset=qwen2-moe-tiny", "data.seq_len=64", "train.batch_size=16", "parallel.dp=2")
+    lay = layout(*words, "parallel.ep=2")
+    bandwidth = 1e9
+    pred = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")
+    s = lay.shape
+    picks = lay.tokens * s.top_k * s.n_embd * 4
+    assert pred.exposed_comm_s["all_to_all"] == pytest.approx(s.n_layer * 4 * picks / 2 / bandwidth)
+    whole = layout(*words)
+    assert whole.block_parameters - lay.block_parameters == s.block_parameters() - s.block_parameters(s.n_experts // 2)
+    assert any("parallel.ep" in note for note in pred.notes)
