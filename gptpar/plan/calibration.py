@@ -116,10 +116,10 @@ class Calibration:
         return _fit([(b, s) for b, s in points], op, self.world_size) if points else None
 
 
-def tp_kind(kind: str, tp: int, sequence_parallel: bool) -> str:
-    """The calibration's name of a tensor-parallel block's action `kind` (block_f, block_b, block_w) timed whole on
-    `tp` ranks, collectives included."""
-    return f"{kind}@tp{tp}{'+sp' if sequence_parallel else ''}"
+def tp_kind(kind: str, tp: int, sequence_parallel: bool, loss_parallel: bool = False) -> str:
+    """The calibration's name of a tensor-parallel action `kind` (block_f, block_b, block_w; head_f, head_bw, which
+    loss parallelism changes) timed whole on `tp` ranks, collectives included."""
+    return f"{kind}@tp{tp}{'+sp' if sequence_parallel else ''}{'+lp' if loss_parallel else ''}"
 
 
 def local_device_name() -> str:

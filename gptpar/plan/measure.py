@@ -12,6 +12,7 @@ the model's own (gptpar.models' embedding, block and head pieces), so a block co
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import socket
@@ -34,7 +35,7 @@ from gptpar.parallel.comm import all_gather, reduce_scatter
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.parallel.tensor_parallel import shard_model
+from gptpar.parallel.tensor_parallel import loss_function, shard_model
 from gptpar.plan.calibration import Calibration, local_device_name, tp_kind
 from gptpar.presets import ModelShape
 from gptpar.tensor_bytes import saved_activation_bytes
@@ -101,6 +102,17 @@ def _block_times(block: nn.Module, hidden: torch.Tensor, precision: Precision, t
     return f_s, b_s, max(bw_s - b_s, 0.05 * bw_s)  # W is what the whole backward adds to the input gradient's
 
 
+def _head_times(embed: nn.Module, head: nn.Module, loss_of: Callable[..., torch.Tensor], ids: torch.Tensor,
+                targets: torch.Tensor, precision: Precision, timed: Callable[..., float]) -> tuple[float, float]:
+    """Seconds of the embedding, head and loss forward, and of their backward, on token ids `ids`."""
+
+    def head_forward() -> torch.Tensor:
+        with precision.autocast():
+            return loss_of(head(embed(ids)), targets)
+
+    return timed(head_forward), timed(lambda loss: loss.backward(), head_forward)
+
+
 def _small_block_model(width: int, heads: int, seq: int, vocab: int) -> nn.Module:
     return build_model(ModelConfig(preset="gpt2-tiny", n_layer=1, n_embd=width, n_head=heads,
                                    n_positions=max(seq, 64)), vocab, seed=0)
@@ -125,14 +137,7 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
     with precision.autocast():
         saved = saved_activation_bytes(lambda: block(hidden.clone().requires_grad_(True)), params)
 
-    targets = torch.randint(0, vocab, (seqs, seq), device=device)
-
-    def head_forward() -> torch.Tensor:
-        with precision.autocast():
-            return lm_loss(head(embed(ids)), targets)
-
-    hf_s = timed(head_forward)
-    hbw_s = timed(lambda loss: loss.backward(), head_forward)
+    hf_s, hbw_s = _head_times(embed, head, lm_loss, ids, torch.randint_like(ids, vocab), precision, timed)
     f, b, w = block_flops(shape, tokens, seq)
     hf = head_flops(width, vocab, tokens)
     return {"block_f": (f, f_s), "block_b": (b, b_s), "block_w": (w, w_s), "head_f": (hf, hf_s),
@@ -143,20 +148,29 @@ def _tp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: i
                      vocab: int, precision: Precision, repeats: int) -> dict[str, tuple[float, float]]:
     """Our tensor-parallel block over all the ranks, with and without sequence parallelism: F, B and W with the
     collectives between its matmuls, the copies around them and the norms and residuals every rank repeats, which
-    a whole block's per-FLOP rate scaled by 1/tp leaves out (bench-plan: tp=2 ran 35% slower than that sum)."""
-    from gptpar.plan.layout import block_flops
+    a whole block's per-FLOP rate scaled by 1/tp leaves out (bench-plan: tp=2 ran 35% slower than that sum); and the
+    vocabulary-parallel embedding, head and loss, with and without loss parallelism."""
+    from gptpar.plan.layout import block_flops, head_flops
 
     tp, (seqs, seq) = dims.world_size, batch
+    timed = _timer(dims.device, repeats, synced=True)
+    ids, targets = torch.randint(0, vocab, (2, seqs, seq), device=dims.device)
     points = {}
-    for sp in (False, True):
-        model = shard_model(_small_block_model(width, heads, seq, vocab), ParallelConfig(tp=tp, sequence_parallel=sp),
-                            dims, dims.device)
-        block = architecture(model).block_piece(model, 0)
-        hidden = torch.randn(seqs, seq // tp if sp else seq, width, device=dims.device)
-        times = _block_times(block, hidden, precision, _timer(dims.device, repeats, synced=True))
-        flops = block_flops(shape, seqs * seq, seq, tp)
-        for kind, f, s in zip(("block_f", "block_b", "block_w"), flops, times, strict=True):
-            points[tp_kind(kind, tp, sp)] = (f, s)
+    for sp, lp in itertools.product((False, True), (False, True)):
+        pcfg = ParallelConfig(tp=tp, sequence_parallel=sp, loss_parallel=lp)
+        model = shard_model(_small_block_model(width, heads, seq, vocab), pcfg, dims, dims.device)
+        arch = architecture(model)
+        if not lp:  # the blocks do not depend on the loss
+            hidden = torch.randn(seqs, seq // tp if sp else seq, width, device=dims.device)
+            times = _block_times(arch.block_piece(model, 0), hidden, precision, timed)
+            for kind, f, s in zip(("block_f", "block_b", "block_w"), block_flops(shape, seqs * seq, seq, tp), times,
+                                  strict=True):
+                points[tp_kind(kind, tp, sp)] = (f, s)
+        hf = head_flops(width, vocab, seqs * seq, tp)
+        head_s = _head_times(arch.embed_piece(model), arch.head_piece(model), loss_function(pcfg, dims, vocab), ids,
+                             targets, precision, timed)
+        for kind, f, s in zip(("head_f", "head_bw"), (hf, 2 * hf), head_s, strict=True):
+            points[tp_kind(kind, tp, sp, lp)] = (f, s)
     return points
 
 

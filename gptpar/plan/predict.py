@@ -150,9 +150,13 @@ class Model:
         if lay.holds_head(rank):
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
             head = self.head_comm()
-            hbw = c.seconds("head_bw", 2 * hf, self.alone)
-            cost_f += c.seconds("head_f", hf, self.alone) + head
-            self.head_f, self.head_bw = c.seconds("head_f", hf, self.alone) + head, hbw
+            kinds = [tp_kind(k, lay.tp, lay.sequence_parallel, lay.loss_parallel) for k in ("head_f", "head_bw")]
+            if lay.tp > 1 and all(k in c.compute for k in kinds):  # measured whole: its collectives are inside
+                head_f, hbw = c.seconds(kinds[0], hf), c.seconds(kinds[1], 2 * hf)
+            else:
+                head_f, hbw = c.seconds("head_f", hf, self.alone) + head, c.seconds("head_bw", 2 * hf, self.alone)
+            cost_f += head_f
+            self.head_f, self.head_bw = head_f, hbw
             cost_b += hbw / 2
             cost_w += hbw / 2
             tp_comm += head

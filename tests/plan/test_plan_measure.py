@@ -27,6 +27,8 @@ def test_a_tiny_calibration_on_two_gloo_ranks(gloo_pool: GlooPools, tmp_path: Pa
     assert [x for x, _ in calib.compute["optimizer"]] == [1e4, 1e5]
     for kind in ("block_f", "block_b", "block_w"):  # our tp=2 block, timed whole with and without SP
         assert all(len(calib.compute[tp_kind(kind, 2, sp)]) == 1 for sp in (False, True))
+    for kind in ("head_f", "head_bw"):  # and its head and loss, with and without loss parallelism
+        assert all(len(calib.compute[tp_kind(kind, 2, sp, lp)]) == 1 for sp in (False, True) for lp in (False, True))
     for op in COLLECTIVES:
         (small, t_small), (big, t_big) = calib.collectives[op]
         assert (small, big) == (4096.0, 262144.0) and t_small > 0 and t_big > 0

@@ -9,7 +9,7 @@ import pytest
 from planfix import calibration, layout, network
 
 from gptpar.plan.calibration import tp_kind
-from gptpar.plan.layout import block_flops
+from gptpar.plan.layout import block_flops, head_flops
 from gptpar.plan.predict import predict
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.strategies.schedules import closed_form_bubble
@@ -123,7 +123,8 @@ def test_fsdp_hides_every_gather_but_the_first_of_each_pass_behind_compute() -> 
 
 def test_a_tensor_parallel_block_timed_whole_is_priced_as_timed() -> None:
     """A calibration that timed the tp=2 block whole (collectives inside) prices it so: 2 s each of F, B and W
-    against the whole block's 1 s scaled by its FLOPs; a layout it did not time (sequence parallelism) falls back."""
+    against the whole block's 1 s scaled by its FLOPs, and its head and loss so; a layout it did not time (sequence
+    parallelism) falls back."""
     lay = layout(*EIGHT_BLOCKS, "parallel.tp=2")
     calib = calibration(lay)
     flops = block_flops(lay.shape, lay.tokens, lay.seq_len, 2)
@@ -131,6 +132,10 @@ def test_a_tensor_parallel_block_timed_whole_is_priced_as_timed() -> None:
         calib.compute[tp_kind(kind, 2, False)] = [[x, 2.0]]
     timed = predict(lay, calib, network(), "test cpu")
     assert timed.step_time_s == pytest.approx(8 * 6)
+    hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, 2)  # the head and loss timed whole too: 5 s and 10 s
+    calib.compute[tp_kind("head_f", 2, False)] = [[hf, 5.0]]
+    calib.compute[tp_kind("head_bw", 2, False)] = [[2 * hf, 10.0]]
+    assert predict(lay, calib, network(), "test cpu").step_time_s == pytest.approx(8 * 6 + 15)
     sp = layout(*EIGHT_BLOCKS, "parallel.tp=2", "parallel.sequence_parallel=true")
     assert predict(sp, calib, network(), "test cpu").step_time_s == pytest.approx(8 * 3)
 
