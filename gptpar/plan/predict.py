@@ -136,7 +136,10 @@ class Model:
             bf, bb, bw = (c.seconds(k, flops) - comm for k, flops, comm in zip(kinds, (f, b, w), (comm_f, comm_b, 0.0),
                                                                                 strict=True))
         else:
-            bf, bb, bw = (c.seconds("block_f", f, self.alone), c.seconds("block_b", b, self.alone),
+            # The pipeline engine counts the bytes each forward saves (pp_peak_activation_bytes), a Python hook on
+            # every saved tensor: its forwards are timed so where the calibration has them.
+            forward = "block_f_counted" if lay.pp > 1 and "block_f_counted" in c.compute else "block_f"
+            bf, bb, bw = (c.seconds(forward, f, self.alone), c.seconds("block_b", b, self.alone),
                           c.seconds("block_w", w, self.alone))
         n = lay.blocks_of(rank)
         a2a = self.expert_comm()

@@ -173,3 +173,16 @@ def test_expert_parallel_all_to_alls_are_priced_per_block() -> None:
     whole = layout(*words)
     assert whole.block_parameters - lay.block_parameters == s.block_parameters() - s.block_parameters(s.n_experts // 2)
     assert any("parallel.ep" in note for note in pred.notes)
+
+
+def test_a_pipeline_forward_is_priced_as_the_engine_runs_it_counting_saved_bytes() -> None:
+    """The engine counts what each forward saves (a hook per saved tensor): a calibration that timed that forward
+    (block_f_counted, here 2 s against 1) prices the pipeline's forwards with it, and only the pipeline's."""
+    lay = layout(*EIGHT_BLOCKS, "parallel.pp=2", "parallel.chunks=4", "parallel.pp_schedule=gpipe")
+    calib = calibration(lay)
+    plain = predict(lay, calib, network(), "test cpu")
+    calib.compute["block_f_counted"] = [[x, 2.0] for x, _ in calib.compute["block_f"]]
+    counted = predict(lay, calib, network(), "test cpu")
+    assert counted.compute_s - plain.compute_s == pytest.approx(4 * 4)  # 4 micro-batches x 4 blocks a rank, 1 s more
+    single = layout(*EIGHT_BLOCKS)
+    assert predict(single, calib, network(), "test cpu").compute_s == pytest.approx(8 * 3)
