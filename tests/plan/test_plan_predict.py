@@ -185,4 +185,6 @@ def test_a_pipeline_forward_is_priced_as_the_engine_runs_it_counting_saved_bytes
     counted = predict(lay, calib, network(), "test cpu")
     assert counted.compute_s - plain.compute_s == pytest.approx(4 * 4)  # 4 micro-batches x 4 blocks a rank, 1 s more
     single = layout(*EIGHT_BLOCKS)
+    calib = calibration(single)
+    calib.compute["block_f_counted"] = [[x, 2.0] for x, _ in calib.compute["block_f"]]
     assert predict(single, calib, network(), "test cpu").compute_s == pytest.approx(8 * 3)
