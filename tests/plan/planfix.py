@@ -3,7 +3,9 @@ by hand (a block's F, B and W take given seconds, the head and optimizer none, l
 
 from __future__ import annotations
 
-from gptpar.plan.calibration import COLLECTIVES, Calibration, LinkFit
+from pathlib import Path
+
+from gptpar.plan.calibration import COLLECTIVES, Calibration, LinkFit, installed_torch, local_device_name
 from gptpar.plan.layout import Layout, block_flops, layout_of
 from gptpar.plan.network import Network
 from gptpar.user_defaults import resolve_config
@@ -30,3 +32,12 @@ def calibration(lay: Layout, f: float = 1.0, b: float = 1.0, w: float = 1.0, act
 
 def network(latency: float = 0.0, bandwidth: float = 1e30) -> Network:
     return Network(measured={op: LinkFit(latency, bandwidth) for op in COLLECTIVES})
+
+
+def machine_calibration(path: Path) -> Path:
+    """A calibration of this machine (its CPU's name, the installed torch) with collectives measured, written to
+    `path`: what the commands accept for the local profile."""
+    c = calibration(layout("model.preset=gpt2-tiny"), device_name=local_device_name(), torch_version=installed_torch())
+    c.collectives.update({op: [[4096.0, 1e-4], [2.0**20, 1e-3]] for op in COLLECTIVES})
+    path.write_text(c.to_json())
+    return path

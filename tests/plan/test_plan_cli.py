@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from planfix import calibration, layout
+from planfix import calibration, layout, machine_calibration
 
 from gptpar.cli import main
 from gptpar.config import config_from_dict
 from gptpar.launch.sweep import expand
-from gptpar.plan.calibration import installed_torch, local_device_name
 
 WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=4096", "data.seq_len=64",
          "train.precision=fp32"]
@@ -22,13 +21,7 @@ WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=409
 
 @pytest.fixture
 def calib(tmp_path: Path) -> str:
-    """A calibration of this machine (its CPU's name, the installed torch) with collectives measured."""
-    c = calibration(layout("model.preset=gpt2-tiny"), device_name=local_device_name(), torch_version=installed_torch())
-    c.collectives.update({op: [[4096.0, 1e-4], [2.0**20, 1e-3]] for op in ("all_reduce", "reduce_scatter", "all_gather",
-                                                                         "all_to_all", "send_recv")})
-    path = tmp_path / "calib.json"
-    path.write_text(c.to_json())
-    return str(path)
+    return str(machine_calibration(tmp_path / "calib.json"))
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

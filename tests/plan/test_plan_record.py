@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 from logsets import T0, dp_run
-from planfix import calibration, layout
+from planfix import calibration, layout, machine_calibration
 
 from analysis.report import analyse_runs
 from analysis.summary import markdown
 from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch.plan import plan_run
-from gptpar.plan.calibration import installed_torch, local_device_name
 from gptpar.plan.commands import predict_config
 from gptpar.plan.record import PLAN_FILE, read_plan
 
@@ -27,12 +26,7 @@ WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=409
 
 @pytest.fixture
 def calib(tmp_path: Path) -> Path:
-    c = calibration(layout("model.preset=gpt2-tiny"), device_name=local_device_name(), torch_version=installed_torch())
-    c.collectives.update({op: [[4096.0, 1e-4], [2.0**20, 1e-3]] for op in ("all_reduce", "reduce_scatter", "all_gather",
-                                                                         "all_to_all", "send_recv")})
-    path = tmp_path / "calib.json"
-    path.write_text(c.to_json())
-    return path
+    return machine_calibration(tmp_path / "calib.json")
 
 
 def test_a_planned_run_folder_holds_the_prediction_of_its_config(calib: Path, tmp_path: Path,
