@@ -28,7 +28,7 @@ from gptpar.parallel import make_grad_sync
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.expert_parallel import ExpertParallel
-from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine
+from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine, Routing
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.tensor_parallel import TensorParallelModel, loss_context, loss_function, shard_model, whole_logits
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout
@@ -52,8 +52,10 @@ class Parallelized:
     experts: ExpertParallel | None  # parallel.ep > 1 or model.moe_capacity_factor > 0: the experts as dispatched
 
 
-def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_size: int) -> Parallelized:
-    """`model` whole (or on the meta device) as every rank built it, wrapped for this rank in the module's order."""
+def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_size: int,
+                routing: Routing | None = None) -> Parallelized:
+    """`model` whole (or on the meta device) as every rank built it, wrapped for this rank in the module's order;
+    `routing` (a mixture's router statistics) travels through the multi-process pipeline with each micro-batch."""
     p, seed, device = cfg.parallel, cfg.train.seed, dims.device
     dp_group, tp_group = dims.group("dp"), dims.group("tp")
     shards_only = (cfg.model.init_device == "meta" and DP_STRATEGIES[p.dp_sync].materialises_shards
@@ -70,7 +72,9 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     loss_fn = loss_function(p, dims, vocab_size, whole_logits_loss(cfg, device))  # 4
     pipeline = dims.size("pp") > 1
     if pipeline:  # 5
-        net: nn.Module = PipelineEngine(model, cfg, dims, device, loss_fn)
+        net: nn.Module = PipelineEngine(model, cfg, dims, device, loss_fn, routing, cfg.model.moe_aux_loss_coef)
+        if experts is not None:
+            experts.held_by(net)
     elif tp_group is not None:
         net = TensorParallelModel(model, device)
     else:

@@ -85,10 +85,10 @@ class Trainer:
                             init_device=cfg.model.init_device, shards=dims.size("tp"))
         self.n_params, self.model_config = count_params(model), model.config  # whole, before any sharding
         shape, routers = cfg.model.shape(), architecture(model).routers(model)
-        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp")) \
-            if routers else None
+        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp"),
+                                      dims.group("pp"), dims.device) if routers else None
         self.dp_group, self.tp_group = dims.group("dp"), dims.group("tp")
-        wrapped = parallelize(model, cfg, dims, self.vocab_size)
+        wrapped = parallelize(model, cfg, dims, self.vocab_size, self.router_load)
         self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
         self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
