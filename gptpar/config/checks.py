@@ -178,8 +178,8 @@ def _validate_task(cfg: Config) -> None:
 def _check_moe_layout(cfg: Config) -> None:
     """A mixture of experts trains under data parallelism (every dp_sync), our tensor parallelism without sequence
     parallelism (every rank of a tp group runs the whole mixture on the same tokens) and the multi-process pipeline
-    (its micro-batches carry the router statistics from stage to stage), uncompiled: the statistics are gathered by
-    hooks on the routers. The one-process pipeline modes do not carry them."""
+    (its micro-batches carry the router statistics from stage to stage), together too, uncompiled: the statistics
+    are gathered by hooks on the routers. The one-process pipeline modes do not carry them."""
     shape, p = cfg.model.shape(), cfg.parallel
     if not shape.moe:
         if p.ep > 1:
@@ -197,9 +197,6 @@ def _check_moe_layout(cfg: Config) -> None:
     if p.ep > 1 and not DP_STRATEGIES[p.dp_sync].expert_parallel:
         raise ConfigError(f"parallel.ep={p.ep} with parallel.dp_sync={p.dp_sync} is not built yet; use "
                           f"{either([n for n, row in DP_STRATEGIES.items() if row.expert_parallel])}")
-    if p.pp > 1 and p.tp > 1:
-        raise ConfigError(f"parallel.pp={p.pp} with parallel.tp={p.tp} and a mixture of experts ({shape.arch}) is not "
-                          "built yet; use one of them (each composes with parallel.dp and parallel.ep)")
     if p.tp > 1:  # our tensor parallelism keeps each mixture whole
         if p.tp_impl != "gptpar" or p.sequence_parallel:
             key = "parallel.sequence_parallel=true" if p.sequence_parallel else f"parallel.tp_impl={p.tp_impl}"

@@ -155,8 +155,8 @@ def test_a_folder_of_a_mixture_has_its_shape(tmp_path: Path) -> None:
      "parallel.sequence_parallel=true with a mixture of experts (mixtral) is not built yet"),
     (["model.preset=mixtral-tiny", "parallel.tp=2", "parallel.tp_impl=torch"],
      "parallel.tp_impl=torch with a mixture of experts (mixtral) is not built yet"),
-    (["model.preset=mixtral-tiny", "parallel.pp=2", "parallel.tp=2"],
-     "parallel.pp=2 with parallel.tp=2 and a mixture of experts (mixtral) is not built yet"),
+    (["model.preset=mixtral-tiny", "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+     "parallel.sequence_parallel=true with a mixture of experts (mixtral) is not built yet"),
     (["model.preset=mixtral-tiny", "parallel.pp_mode=pipeline_parallel"],
      "parallel.pp_mode=pipeline_parallel with a mixture of experts (mixtral) is not built yet"),
     (["model.preset=mixtral-tiny", "train.compile=blocks"], "train.compile=blocks with a mixture of experts is not "

@@ -65,7 +65,12 @@ PIPELINE_4 = [
     ("qwen-pp2-dp2-ep2-zb1p", [*QWEN_MOE, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.chunks=2",
                                "parallel.pp_schedule=zb1p", "parallel.dp_sync=bucketed"]),
 ]
+PIPELINE_4.append(("mixtral-pp2-tp2", [*MIXTRAL, "parallel.pp=2", "parallel.tp=2", "parallel.chunks=2"]))
 PIPELINE_RESUMED = "qwen-pp2-dp2-ep2-1f1b"
+# The largest grid this machine holds: dp x pp x tp with ep inside dp (sequence parallelism with a mixture is not
+# built). Each expert slice is held whole by the two tp ranks of its (pp, dp) place.
+FIVE_D = [("qwen-dp2-pp2-tp2-ep2", [*QWEN_MOE, "parallel.pp=2", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
+                                    "parallel.chunks=2", "parallel.dp_sync=naive"])]
 CAPACITY = [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1"]
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                   launcher="single", backend="gloo", device=torch.device("cpu"))
@@ -144,13 +149,30 @@ def test_expert_parallelism_trains_a_mixture_like_one_process(results: Path, nam
     assert_trains_like_one_process(_REFERENCES[key], ranks, TABLE, name)
 
 
+@pytest.fixture(scope="module")
+def five_d(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
+    """The 8-rank case on its own (the only module that starts the 8-rank pool): `-k "not 5d"` leaves it out."""
+    runs = tmp_path_factory.mktemp("ep-5d")
+    gloo_pool.run(8, _pipelines, runs, FIVE_D)
+    return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [name for name, _ in PIPELINE_2 + PIPELINE_4])
 def test_a_mixture_inside_the_pipeline_trains_like_one_process(results: Path, name: str) -> None:
     """One process trained on the pipeline's micro-steps (each replica's chunk j together) is the reference: losses
     with the load-balancing term, validation, every parameter (experts gathered whole, bitwise equal on the ranks of
     a stage), and each step's aux_loss and expert load on every rank, the first stage's included."""
-    overrides = dict(PIPELINE_2 + PIPELINE_4)[name]
+    _assert_pipeline_case(results, name, dict(PIPELINE_2 + PIPELINE_4)[name])
+
+
+@pytest.mark.slow
+def test_a_mixture_trains_on_the_5d_grid_like_one_process(five_d: Path) -> None:
+    """dp=2 x pp=2 x tp=2 with ep=2 on 8 ranks: the same equalities."""
+    _assert_pipeline_case(five_d, *FIVE_D[0])
+
+
+def _assert_pipeline_case(results: Path, name: str, overrides: list[str]) -> None:
     cfg = make_config(overrides, results, name)
     ref = reference_run(cfg, as_pipeline_chunks(cfg.parallel.dp, cfg.parallel.chunks))
     ranks = saved_ranks(results, name)
