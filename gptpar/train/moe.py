@@ -50,10 +50,12 @@ class RouterLoad:
     `aux_loss` reads the carried sums, and `step_fields` shares the last stage's counts with every stage."""
 
     def __init__(self, routers: list[nn.Module], n_experts: int, top_k: int, group: dist.ProcessGroup | None,
-                 replicas: int, pp_group: dist.ProcessGroup | None = None,
-                 device: torch.device | None = None) -> None:
+                 replicas: int, pp_group: dist.ProcessGroup | None = None, device: torch.device | None = None,
+                 sequence_shards: dist.ProcessGroup | None = None) -> None:
         self.n_experts, self.top_k, self.group, self.replicas = n_experts, top_k, group, replicas
         self.pp_group, self.device = pp_group, device
+        # Sequence parallelism's tp group: each rank routes its own shard of the positions, summed over it too.
+        self.sequence_shards = sequence_shards
         self._logits: dict[int, torch.Tensor] = {}  # by layer, in the order they ran
         self._recording = False
         self.layers = len(routers)
@@ -66,6 +68,13 @@ class RouterLoad:
         self.dropped_source: Callable[[Iterable[int]], torch.Tensor] | None = None
         for index, router in enumerate(routers):
             router.register_forward_hook(partial(self._keep, index))
+
+    def _real(self, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This rank's real positions, flat, as 0/1 in fp32: its sequence shard's under sequence parallelism."""
+        real = real_positions(labels)
+        if self.sequence_shards is not None:
+            real = real.chunk(dist.get_world_size(self.sequence_shards), dim=1)[dist.get_rank(self.sequence_shards)]
+        return real.reshape(-1).to(device, torch.float32)
 
     @property
     def carried_size(self) -> int:
@@ -90,7 +99,7 @@ class RouterLoad:
         """`carried` (None: nothing yet) plus the recorded forward's statistics over the real positions of `labels`:
         (layers × experts picks, dropped picks, experts' probability sums) as one fp32 vector, the counts without
         gradient, the probability sums with their routers' (and `carried`'s)."""
-        real = real_positions(labels).reshape(-1).to(self.device or labels.device, torch.float32)
+        real = self._real(labels, self.device or labels.device)
         picks = torch.zeros(self.layers, self.n_experts, device=real.device)
         prob_sum = torch.zeros(self.n_experts, device=real.device)
         for index, logits in self._logits.items():
@@ -113,12 +122,14 @@ class RouterLoad:
             carried = self.carry(labels)
         cells = self.layers * self.n_experts
         picks, prob_sum = carried[:cells].detach().reshape(self.layers, self.n_experts), carried[cells + 1:]
-        real = real_positions(labels).to(carried.device, torch.float32).sum()
+        real = self._real(labels, carried.device).sum()
         counts = torch.cat([picks.reshape(-1), real[None], carried[cells:cells + 1].detach()]).double()
-        if self.group is not None:
-            dist.all_reduce(counts, group=self.group)
+        groups = [g for g in (self.group, self.sequence_shards) if g is not None]
+        if groups:
             total = prob_sum.detach().clone()
-            dist.all_reduce(total, group=self.group)
+            for group in groups:
+                dist.all_reduce(counts, group=group)
+                dist.all_reduce(total, group=group)
             prob_sum = prob_sum + (total - prob_sum.detach())  # every replica's value, this replica's gradient
         per_layer, rows = counts[:-2].reshape(picks.shape), counts[-2] * self.layers
         self.tokens = self.tokens + per_layer

@@ -43,6 +43,8 @@ CASES_2 = [
                             "train.grad_accum=2"]),
     ("qwen-ep2-zero1", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=zero1"]),
     ("qwen-ep2-fsdp2", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=fsdp2"]),
+    # Sequence parallelism: each tp rank runs the whole mixture on its own shard of the positions.
+    ("qwen-tp2-sp", [*QWEN_MOE, "parallel.tp=2", "parallel.sequence_parallel=true"]),
 ]
 # ep=2 inside dp=4: two groups of two, each expert held by two ranks (its replicas reduce its gradient); zero2 shards
 # the dense gradients over all four, so the norm sums them over dp and each expert slice once.
@@ -67,10 +69,11 @@ PIPELINE_4 = [
 ]
 PIPELINE_4.append(("mixtral-pp2-tp2", [*MIXTRAL, "parallel.pp=2", "parallel.tp=2", "parallel.chunks=2"]))
 PIPELINE_RESUMED = "qwen-pp2-dp2-ep2-1f1b"
-# The largest grid this machine holds: dp x pp x tp with ep inside dp (sequence parallelism with a mixture is not
-# built). Each expert slice is held whole by the two tp ranks of its (pp, dp) place.
-FIVE_D = [("qwen-dp2-pp2-tp2-ep2", [*QWEN_MOE, "parallel.pp=2", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
-                                    "parallel.chunks=2", "parallel.dp_sync=naive"])]
+# The largest grid this machine holds, 5D: dp x pp x tp with sequence parallelism and ep inside dp. Each expert slice
+# is held whole by the two tp ranks of its (pp, dp) place, each running it on its own sequence shard.
+FIVE_D = [("qwen-dp2-pp2-tp2-sp-ep2", [*QWEN_MOE, "parallel.pp=2", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
+                                       "parallel.sequence_parallel=true", "parallel.chunks=2",
+                                       "parallel.dp_sync=naive"])]
 CAPACITY = [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1"]
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                   launcher="single", backend="gloo", device=torch.device("cpu"))
@@ -168,7 +171,7 @@ def test_a_mixture_inside_the_pipeline_trains_like_one_process(results: Path, na
 
 @pytest.mark.slow
 def test_a_mixture_trains_on_the_5d_grid_like_one_process(five_d: Path) -> None:
-    """dp=2 x pp=2 x tp=2 with ep=2 on 8 ranks: the same equalities."""
+    """dp=2 x pp=2 x tp=2 (sequence-parallel) with ep=2 on 8 ranks: the same equalities."""
     _assert_pipeline_case(five_d, *FIVE_D[0])
 
 

@@ -5,7 +5,8 @@
                [rH/T, (r+1)H/T) and key/value heads [rK/T, (r+1)K/T): each of its query heads' group shares a key/value
                head it holds, so grouped-query attention runs locally), o_proj row-parallel;
     MLP:       gate_proj and up_proj column-parallel, down_proj row-parallel; a mixture of experts' MLP whole (its
-               experts split by parallel.ep instead, over data-parallel ranks), on the whole sequence;
+               experts split by parallel.ep instead, over data-parallel ranks), on the whole sequence, or under
+               sequence parallelism on the rank's shard (its gradients summed over the group: mixture.py);
     token table and LM head: vocabulary-parallel (tied: one Parameter; untied: the head's own rows split the same way);
     sequence parallelism: RMSNorms on sequence shards, their weights' gradients summed over the group; the rotary
                tables cover the whole sequence (`sequence_shards`), which q and k have after the all-gather.
@@ -140,7 +141,8 @@ class TensorParallelDecoderLayer(nn.Module):
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **_: object) -> torch.Tensor:
         cos, sin = position_embeddings
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # A sequence shard is a strided slice of the reduce-scatter's output; the mixture's blocks view it flat.
+        return hidden + self.mlp(self.post_attention_layernorm(hidden).contiguous())
 
 
 def shard_llama(model: PreTrainedModel, group: dist.ProcessGroup, sequence_parallel: bool, loss_parallel: bool
