@@ -133,16 +133,17 @@ class TensorParallelDecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm(layer.post_attention_layernorm, group, sequence_parallel)
         # A mixture's MLP (router, experts, shared expert) stays whole: every rank of the group runs it on the same
         # tokens, so its gradients agree over the group (parallel.ep splits its experts over data-parallel ranks).
-        self.mlp = layer.mlp if hasattr(layer.mlp, "experts") else TensorParallelMLP(layer.mlp, group,
-                                                                                     sequence_parallel)
+        self.mixture = hasattr(layer.mlp, "experts")
+        self.mlp = layer.mlp if self.mixture else TensorParallelMLP(layer.mlp, group, sequence_parallel)
         self.sequence_shards = dist.get_world_size(group) if sequence_parallel else 1
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **_: object) -> torch.Tensor:
         cos, sin = position_embeddings
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        # A sequence shard is a strided slice of the reduce-scatter's output; the mixture's blocks view it flat.
-        return hidden + self.mlp(self.post_attention_layernorm(hidden).contiguous())
+        normed = self.post_attention_layernorm(hidden)
+        # A sequence shard may be a strided slice of the reduce-scatter's output, which a mixture's block views flat.
+        return hidden + self.mlp(normed.contiguous() if self.mixture else normed)
 
 
 def shard_llama(model: PreTrainedModel, group: dist.ProcessGroup, sequence_parallel: bool, loss_parallel: bool
