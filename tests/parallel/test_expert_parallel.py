@@ -189,14 +189,23 @@ def _assert_pipeline_case(results: Path, name: str, overrides: list[str]) -> Non
 
 
 @pytest.mark.slow
-def test_a_mixture_inside_the_pipeline_resumes_exactly_under_expert_parallelism(results: Path) -> None:
+def test_a_mixture_inside_the_pipeline_resumes_exactly_under_expert_parallelism(results: Path, tmp_path: Path
+                                                                              ) -> None:
     """One step, a checkpoint (each stage's expert slices DTensors over its own ep group), a resumed trainer's next
-    step: the uninterrupted second step, bitwise."""
-    for rank, through in zip(saved_ranks(results, f"resumed-{PIPELINE_RESUMED}"),
-                             saved_ranks(results, PIPELINE_RESUMED), strict=True):
+    step: the uninterrupted second step, bitwise; the checkpoint exports every block's experts whole, as saved."""
+    name = f"resumed-{PIPELINE_RESUMED}"
+    ranks = saved_ranks(results, name)
+    for rank, through in zip(ranks, saved_ranks(results, PIPELINE_RESUMED), strict=True):
         assert rank["losses"] == through["losses"][1:]
-        for name, value in rank["params"].items():
-            assert torch.equal(value, through["params"][name]), name
+        for param, value in rank["params"].items():
+            assert torch.equal(value, through["params"][param]), param
+    (results / name / CONFIG_FILE).write_text(to_yaml(make_config(dict(PIPELINE_4)[PIPELINE_RESUMED], results, name)))
+    state = torch.load(export_checkpoint(results / name, tmp_path / "whole.pt"), weights_only=False)["qwen2_moe"]
+    saved = {param: value for rank in ranks for param, value in rank["saved"].items()}  # both stages' blocks
+    for block in range(4):
+        for fused in ("gate_up_proj", "down_proj"):
+            param = f"model.layers.{block}.mlp.experts.{fused}"
+            assert state[param].shape[0] == 8 and torch.equal(state[param], saved[param]), param
 
 
 @pytest.mark.slow
