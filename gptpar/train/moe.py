@@ -18,7 +18,12 @@ beside its hidden states a stage sends the running sums so far (`carry`: picks p
 picks, which need no gradient, and the routing-probability sums, which do), the last stage forms aux from them
 exactly as one process does (`aux_loss(labels, carried)`), and the sums' gradient goes back with the hidden states'
 gradient, so every stage's routers get one process's gradient. A pipeline micro-batch (parallel.chunks cuts each
-micro-step) is then a micro-step of the loss: the pipeline's aux is one process's with train.grad_accum × chunks.
+micro-step) is then a micro-step of the loss, as in Megatron-LM (1F1B runs a chunk's backward before the next
+chunk's forward, so no stage could wait for a whole micro-step's statistics): the pipeline's aux is that of one
+process whose micro-step j holds every replica's chunk j (with one replica, train.grad_accum × chunks micro-steps).
+
+Under sequence parallelism each rank of a tp group routes only its shard of the positions; the statistics are
+summed over the tp group as over the replicas (the mixture's gradients too: gptpar.parallel.tensor_parallel.mixture).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ class RouterLoad:
         self.tokens: torch.Tensor | float = 0.0  # the step's per layer and expert, on every replica (on the device)
         self.aux_sum: torch.Tensor | float = 0.0
         self.dropped: torch.Tensor | float = 0.0  # picks past capacity in the step, on every replica
-        self.micro_steps = 0
+        self.micro_steps: int | torch.Tensor = 0  # a tensor once shared over the pipeline's stages
         # The picks the listed layers' experts dropped past their capacity in their last forward
         # (gptpar.parallel.expert_parallel); None: none are ever dropped.
         self.dropped_source: Callable[[Iterable[int]], torch.Tensor] | None = None
