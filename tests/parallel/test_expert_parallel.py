@@ -43,14 +43,16 @@ CASES_2 = [
                             "train.grad_accum=2"]),
     ("qwen-ep2-zero1", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=zero1"]),
     ("qwen-ep2-fsdp2", [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=fsdp2"]),
-    # Sequence parallelism: each tp rank runs the whole mixture on its own shard of the positions.
-    ("qwen-tp2-sp", [*QWEN_MOE, "parallel.tp=2", "parallel.sequence_parallel=true"]),
 ]
 # ep=2 inside dp=4: two groups of two, each expert held by two ranks (its replicas reduce its gradient); zero2 shards
 # the dense gradients over all four, so the norm sums them over dp and each expert slice once.
 CASES_4 = [("qwen-dp4-ep2-zero2", [*QWEN_MOE, "parallel.dp=4", "parallel.ep=2", "parallel.dp_sync=zero2"]),
            # EP x TP: attention split over tp, each tp rank running the whole mixture with its ep group's experts.
-           ("qwen-tp2-ep2", [*QWEN_MOE, "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.dp_sync=naive"])]
+           ("qwen-tp2-ep2", [*QWEN_MOE, "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.dp_sync=naive"]),
+           # Sequence parallelism: each tp rank runs the whole mixture on its own shard of the positions; its
+           # gradients are summed over tp after zero1's bucketed reduction.
+           ("qwen-tp2-sp-ep2-zero1", [*QWEN_MOE, "parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
+                                      "parallel.sequence_parallel=true", "parallel.dp_sync=zero1"])]
 MIXTRAL = ["model.preset=mixtral-tiny", "model.n_embd=32", "model.n_head=4", "model.moe_aux_loss_coef=0.1"]
 # The mixture inside the multi-process pipeline: each schedule's way of running a stage's backward (whole, per model
 # chunk, split into B and W); a capacity that drops picks on both stages; ep=2 inside each stage's dp=2.
