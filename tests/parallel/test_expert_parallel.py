@@ -62,6 +62,11 @@ PIPELINE_2 = [
                                 "train.grad_accum=2", "model.moe_capacity_factor=1"]),
     ("mixtral-pp2-interleaved", [*MIXTRAL, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                                  "parallel.pp_virtual=2", "parallel.chunks=4"]),
+    # Pairs: the LM loss weighs each chunk by its target tokens, the load-balancing loss each chunk equally, and
+    # the padding the pipeline's fixed width adds routes but does not count.
+    ("qwen-pp2-sft", [*QWEN_MOE, "parallel.pp=2", "parallel.chunks=2", "data.task=sft",
+                      "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=24",
+                      "data.max_target_len=24"]),
 ]
 PIPELINE_4 = [
     ("qwen-pp2-dp2-ep2-1f1b", [*QWEN_MOE, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.chunks=2",
