@@ -7,6 +7,7 @@ trains the same config as one process on the same global batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,9 +24,11 @@ from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
 from gptpar.train.checkpoint import load_checkpoint
 from gptpar.train.entry import run_rank
+from gptpar.train.step_records import read_now
 from gptpar.train.trainer import Trainer
 
 STEPS = 2
+Regroup = Callable[[list], list]  # a step's micro-batches, recut
 BASE = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
         "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.warmup_steps=0",
         "train.lr=0.01", "train.grad_clip=0.5", "train.threads=1", "parallel.timeout_s=60"]
@@ -47,14 +50,32 @@ def make_trainer(cfg: Config, info: RankInfo) -> Trainer:
     return Trainer(cfg, grid, folder, RankLogger(folder.path, info.rank))
 
 
-def train_steps(trainer: Trainer, count: int) -> list[float]:
+def train_steps(trainer: Trainer, count: int, regroup: Regroup | None = None, records: list | None = None
+                ) -> list[float]:
+    """`count` steps; `regroup` recuts each step's micro-batches first; `records` gets each step's mixture fields
+    (aux_loss, moe) as its record would hold them."""
     batches = trainer.batches(0, trainer.step)
     losses = []
     for _ in range(count):
-        loss, _ = trainer.train_step(next(batches))
+        batch = next(batches)
+        loss, _ = trainer.train_step(regroup(batch) if regroup is not None else batch)
         trainer.step += 1
         losses.append(float(loss))
+        if records is not None:
+            records.append(read_now(trainer.router_load.step_fields()))
     return losses
+
+
+def as_pipeline_chunks(replicas: int, chunks: int) -> Regroup:
+    """A step's global micro-batches recut as a pipeline's micro-batches fall on `replicas` data-parallel replicas
+    cutting their shard into `chunks`: micro-batch j of a step holds every replica's chunk j. A mixture's
+    load-balancing loss is a mean over micro-steps, which under the pipeline are its chunks (summed over replicas),
+    so one process trained on these micro-batches is the pipeline's reference."""
+    def regroup(batches: list) -> list:
+        cut = [[[part.chunk(chunks) for part in tensor.chunk(replicas)] for tensor in batch] for batch in batches]
+        return [tuple(torch.cat([parts[r][j] for r in range(replicas)]) for parts in tensors)
+                for tensors in cut for j in range(chunks)]
+    return regroup
 
 
 def named_params(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -129,8 +150,9 @@ def saved_ranks(runs: Path, name: str) -> list[dict]:
     return [torch.load(path, weights_only=False) for path in sorted(runs.glob(f"{name}.rank*.pt"))]
 
 
-def reference_run(cfg: Config) -> dict:
-    """One process, the same config with one stage and one replica, the same global batch."""
+def reference_run(cfg: Config, regroup: Regroup | None = None) -> dict:
+    """One process, the same config with one stage and one replica, the same global batch (recut by `regroup`); a
+    mixture's step fields too."""
     single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.ep": 1,
                            "parallel.pp_virtual": 1,
                            "parallel.pp_split": "", "parallel.dp_sync": "bucketed", "parallel.param_comm": "fp32",
@@ -139,5 +161,6 @@ def reference_run(cfg: Config) -> dict:
     info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                     launcher="single", backend="gloo", device=torch.device("cpu"))
     trainer = make_trainer(single, info)
-    losses = train_steps(trainer, STEPS)
-    return {"losses": losses, "val": trainer.evaluate(), "params": named_params(trainer)}
+    records = [] if trainer.router_load is not None else None
+    losses = train_steps(trainer, STEPS, regroup, records)
+    return {"losses": losses, "val": trainer.evaluate(), "params": named_params(trainer), "records": records}

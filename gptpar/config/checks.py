@@ -176,9 +176,11 @@ def _validate_task(cfg: Config) -> None:
 
 
 def _check_moe_layout(cfg: Config) -> None:
-    """A mixture of experts trains under data parallelism (every dp_sync) and our tensor parallelism without
-    sequence parallelism (every rank of a tp group runs the whole mixture on the same tokens), uncompiled: its router
-    statistics and load-balancing loss are gathered by hooks from the model's forward, which pipelines split."""
+    """A mixture of experts trains under data parallelism (every dp_sync), our tensor parallelism (every rank of a
+    tp group runs the whole mixture, on the same tokens or, under sequence parallelism, on its own shard, whose
+    gradients it sums over the group after the sync: whole gradients only) and the multi-process pipeline (its
+    micro-batches carry the router statistics from stage to stage), together too, uncompiled: the statistics are
+    gathered by hooks on the routers. The one-process pipeline modes do not carry them."""
     shape, p = cfg.model.shape(), cfg.parallel
     if not shape.moe:
         if p.ep > 1:
@@ -196,15 +198,19 @@ def _check_moe_layout(cfg: Config) -> None:
     if p.ep > 1 and not DP_STRATEGIES[p.dp_sync].expert_parallel:
         raise ConfigError(f"parallel.ep={p.ep} with parallel.dp_sync={p.dp_sync} is not built yet; use "
                           f"{either([n for n, row in DP_STRATEGIES.items() if row.expert_parallel])}")
-    if p.tp > 1 and p.pp == 1 and p.pp_mode == "single":  # our tensor parallelism keeps each mixture whole
-        if p.tp_impl != "gptpar" or p.sequence_parallel:
-            key = "parallel.sequence_parallel=true" if p.sequence_parallel else f"parallel.tp_impl={p.tp_impl}"
-            raise ConfigError(f"{key} with a mixture of experts ({shape.arch}) is not built yet; use parallel.tp_impl="
-                              "gptpar without parallel.sequence_parallel (each rank runs the mixture on the whole "
-                              "sequence)")
-    elif (split := model_splitter(cfg.parallel)) is not None:
-        raise ConfigError(f"{split} with a mixture of experts ({shape.arch}) is not built yet; train it with data "
-                          "parallelism (parallel.dp, any parallel.dp_sync) and parallel.tp")
+    if p.tp > 1:  # our tensor parallelism keeps each mixture whole
+        if p.tp_impl != "gptpar":
+            raise ConfigError(f"parallel.tp_impl={p.tp_impl} with a mixture of experts ({shape.arch}) is not built "
+                              "yet; use parallel.tp_impl=gptpar (each rank runs the whole mixture)")
+        if p.sequence_parallel and p.dp > 1 and not DP_STRATEGIES[p.dp_sync].whole_gradients:
+            raise ConfigError(f"parallel.sequence_parallel=true with a mixture of experts ({shape.arch}) and "
+                              f"parallel.dp_sync={p.dp_sync} is not built yet (the mixture's gradients are summed "
+                              "over the tp group after the sync, on whole gradients); use "
+                              f"{either([n for n, row in DP_STRATEGIES.items() if row.whole_gradients])}")
+    elif p.pp == 1 and p.pp_mode != "single":
+        raise ConfigError(f"parallel.pp_mode={p.pp_mode} with a mixture of experts ({shape.arch}) is not built yet "
+                          "(its one-process pipeline does not carry the router statistics); use parallel.pp > 1, the "
+                          "multi-process pipeline")
     if cfg.train.compile not in ("auto", "false"):
         raise ConfigError(f"train.compile={cfg.train.compile} with a mixture of experts is not built yet (its routers "
                           "are watched by hooks); use train.compile=auto or false")

@@ -53,12 +53,14 @@ class ModelConfig:
                          "preset's.", min=0, max=65_536)
     moe_aux_loss_coef: float = opt(0.01, "A mixture of experts: weight of the router's load-balancing loss "
                                    "(Switch Transformer's, as transformers computes it, over the routing statistics of "
-                                   "the whole micro-step on every replica) in the training loss; logged alone as "
-                                   "aux_loss. 0: not trained on, still logged.", min=0.0)
+                                   "the whole micro-step on every replica; under parallel.pp > 1 a pipeline chunk is "
+                                   "the micro-step) in the training loss; logged alone as aux_loss. 0: not trained on, "
+                                   "still logged.", min=0.0)
     moe_capacity_factor: float = opt(0.0, "A mixture of experts: 0 routes every token to its experts (none is "
                                      "dropped: training equals one process's). A positive factor c gives each expert "
-                                     "room for ceil(c * tokens * top_k / n_experts) of a rank's micro-batch tokens per "
-                                     "block, first come first served; the rest skip that expert (the step record's "
+                                     "room for ceil(c * tokens * top_k / n_experts) of the tokens a rank runs per "
+                                     "forward (a micro-batch, a pipeline chunk or a sequence shard) per block, first "
+                                     "come first served; the rest skip that expert (the step record's "
                                      "moe.dropped counts them).", min=0.0)
     dropout: float = opt(0.0, "Dropout on embeddings, attention and residuals.", min=0.0, max=1.0)
     pad_vocab: int = opt(64, "Pad the token table (embedding and tied LM head) to a multiple of N rows (50,257 -> "

@@ -26,6 +26,7 @@ writes every slice once under the parameter's name with the whole shape, and a c
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -142,18 +143,28 @@ class ExpertParallel:
         self.group, self.replicas = dims.group("ep"), dims.group(EXPERT_REPLICAS)
         self.replica_count, self.coord = dims.size("dp"), dims.coord("ep")
         self.first_replica = dims.coord("dp") < dims.size("ep")  # of the ranks holding its experts
-        self.modules = []
-        for block in architecture(model).blocks(model):
+        self.modules: dict[int, DispatchedExperts] = {}  # by block index
+        for index, block in enumerate(architecture(model).blocks(model)):
             mlp = block.get_submodule(EXPERTS.rpartition(".")[0])
             module = DispatchedExperts(mlp.experts, self.group, capacity_factor)
             mlp.experts = module
-            self.modules.append(module)
-        self.params = [getattr(m, name) for m in self.modules for name in FUSED]
-        self.ids = {id(p) for p in self.params}
+            self.modules[index] = module
+        self._index_params()
         self.mesh = (DeviceMesh.from_group(self.group, dims.device.type, mesh_dim_names=("ep",))
                      if self.group is not None else None)
         self.shards: dict[str, TPShard] = {}  # by name in the net, and their optimizer state's
         self.optimizer_shards: dict[str, TPShard] = {}
+
+    def _index_params(self) -> None:
+        self.params = [getattr(m, name) for m in self.modules.values() for name in FUSED]
+        self.ids = {id(p) for p in self.params}
+
+    def held_by(self, net: nn.Module) -> None:
+        """Keep only the blocks whose experts `net` holds: a pipeline stage's, whose rank neither reduces nor keeps
+        the other stages' experts."""
+        held = {id(p) for p in net.parameters()}
+        self.modules = {i: m for i, m in self.modules.items() if id(m.gate_up_proj) in held}
+        self._index_params()
 
     @property
     def sharded(self) -> bool:
@@ -195,9 +206,10 @@ class ExpertParallel:
             return [t for t in targets if id(t) not in self.ids or self.first_replica]
         return [t for t in targets if id(t) in self.ids or self.coord == 0]
 
-    def dropped(self) -> torch.Tensor:
-        """Picks dropped past capacity in the last forward, over every block (a capacity's forward set each)."""
-        return torch.stack([m.dropped for m in self.modules]).sum()
+    def dropped(self, blocks: Iterable[int]) -> torch.Tensor:
+        """Picks dropped past capacity in the listed blocks' last forward (a capacity's forward set each)."""
+        counts = [self.modules[i].dropped for i in blocks]
+        return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.long)
 
     def whole(self, tensor: torch.Tensor) -> torch.Tensor:
         """An expert slice gathered whole (a collective over the ep group)."""

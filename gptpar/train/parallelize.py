@@ -28,9 +28,10 @@ from gptpar.parallel import make_grad_sync
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.expert_parallel import ExpertParallel
-from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine
+from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine, Routing
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.tensor_parallel import TensorParallelModel, loss_context, loss_function, shard_model, whole_logits
+from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout
 from gptpar.strategies.data_parallel import DP_STRATEGIES, hpz_node_size
 from gptpar.train.recompute import prepare_blocks, whole_logits_loss
@@ -50,10 +51,14 @@ class Parallelized:
     checkpoint_layout: CheckpointLayout | None
     pipeline: bool  # net is the multi-process pipeline's engine
     experts: ExpertParallel | None  # parallel.ep > 1 or model.moe_capacity_factor > 0: the experts as dispatched
+    # A mixture under sequence parallelism: its parameters' gradients, summed over the tp group after the sync.
+    mixture_grads: ShardedMixtureGradients | None = None
 
 
-def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_size: int) -> Parallelized:
-    """`model` whole (or on the meta device) as every rank built it, wrapped for this rank in the module's order."""
+def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_size: int,
+                routing: Routing | None = None) -> Parallelized:
+    """`model` whole (or on the meta device) as every rank built it, wrapped for this rank in the module's order;
+    `routing` (a mixture's router statistics) travels through the multi-process pipeline with each micro-batch."""
     p, seed, device = cfg.parallel, cfg.train.seed, dims.device
     dp_group, tp_group = dims.group("dp"), dims.group("tp")
     shards_only = (cfg.model.init_device == "meta" and DP_STRATEGIES[p.dp_sync].materialises_shards
@@ -70,7 +75,9 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     loss_fn = loss_function(p, dims, vocab_size, whole_logits_loss(cfg, device))  # 4
     pipeline = dims.size("pp") > 1
     if pipeline:  # 5
-        net: nn.Module = PipelineEngine(model, cfg, dims, device, loss_fn)
+        net: nn.Module = PipelineEngine(model, cfg, dims, device, loss_fn, routing, cfg.model.moe_aux_loss_coef)
+        if experts is not None:
+            experts.held_by(net)
     elif tp_group is not None:
         net = TensorParallelModel(model, device)
     else:
@@ -84,5 +91,7 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
                   if p.hpz and dp_group is not None else None)
     sync = make_grad_sync(net, p, dp_group, device, initial, mesh, local, node_group)  # 6
     pieces = tp_group is not None and p.tp_impl == "gptpar"
+    sharded_mixture = (ShardedMixtureGradients(model, net, tp_group)
+                       if pieces and p.sequence_parallel and cfg.model.shape().moe else None)
     return Parallelized(net, sync, loss_fn, loss_context(p, dims), whole_logits(p, dims, vocab_size),
-                        CheckpointLayout(net, sync, dims) if pieces else None, pipeline, experts)
+                        CheckpointLayout(net, sync, dims) if pieces else None, pipeline, experts, sharded_mixture)

@@ -85,13 +85,15 @@ class Trainer:
                             init_device=cfg.model.init_device, shards=dims.size("tp"))
         self.n_params, self.model_config = count_params(model), model.config  # whole, before any sharding
         shape, routers = cfg.model.shape(), architecture(model).routers(model)
-        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp")) \
-            if routers else None
+        sequence_shards = dims.group("tp") if cfg.parallel.sequence_parallel else None
+        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp"),
+                                      dims.group("pp"), dims.device, sequence_shards) if routers else None
         self.dp_group, self.tp_group = dims.group("dp"), dims.group("tp")
-        wrapped = parallelize(model, cfg, dims, self.vocab_size)
+        wrapped = parallelize(model, cfg, dims, self.vocab_size, self.router_load)
         self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
         self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
+        self.mixture_grads = wrapped.mixture_grads
         if self.router_load is not None and self.experts is not None and cfg.model.moe_capacity_factor:
             self.router_load.dropped_source = self.experts.dropped
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
@@ -237,6 +239,8 @@ class Trainer:
         self.sync.finish()
         if self.experts is not None:
             self.experts.finish()
+        if self.mixture_grads is not None:
+            self.mixture_grads.finish()
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         targets, groups, counted = self._norm_plan()
         # An fp16 overflow skips the step on every rank: the data is consumed and the lr moves on, the weights not.

@@ -151,11 +151,13 @@ def test_a_folder_of_a_mixture_has_its_shape(tmp_path: Path) -> None:
      "parallel.ep=2 with parallel.dp_sync=fsdp is not built yet; use naive, bucketed, ddp, zero1, zero2 or fsdp2"),
     (["model.preset=mixtral-tiny", "model.moe_capacity_factor=-1"], "model.moe_capacity_factor: -1.0 is below the "
                                                                     "minimum 0.0"),
-    (["model.preset=mixtral-tiny", "parallel.tp=2", "parallel.sequence_parallel=true"],
-     "parallel.sequence_parallel=true with a mixture of experts (mixtral) is not built yet"),
+    (["model.preset=mixtral-tiny", "parallel.tp=2", "parallel.dp=2", "parallel.sequence_parallel=true",
+      "parallel.dp_sync=zero2"], "parallel.sequence_parallel=true with a mixture of experts (mixtral) and "
+                                 "parallel.dp_sync=zero2 is not built yet"),
     (["model.preset=mixtral-tiny", "parallel.tp=2", "parallel.tp_impl=torch"],
      "parallel.tp_impl=torch with a mixture of experts (mixtral) is not built yet"),
-    (["model.preset=mixtral-tiny", "parallel.pp=2"], "parallel.pp=2 with a mixture of experts"),
+    (["model.preset=mixtral-tiny", "parallel.pp_mode=pipeline_parallel"],
+     "parallel.pp_mode=pipeline_parallel with a mixture of experts (mixtral) is not built yet"),
     (["model.preset=mixtral-tiny", "train.compile=blocks"], "train.compile=blocks with a mixture of experts is not "
                                                             "built yet"),
 ])

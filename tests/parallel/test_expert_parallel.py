@@ -3,7 +3,8 @@ data-parallel strategy trains a mixture with its experts split over ep ranks lik
 1e-5, the load-balancing loss on), each expert's parameters equal wherever they are replicated; a checkpoint holds
 whole experts, resumes exactly under its layout and loads under another ep; the all-to-all bytes and the dropped picks
 equal what the routing gives; and the capacity cut, in one process, routes as transformers does when nothing is
-dropped."""
+dropped. Mixtures inside the multi-process pipeline (EP x PP) train like one process on the same micro-steps (a
+pipeline's chunks), the step record's aux_loss and expert load included, and resume exactly."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 from gloo_pool import GlooPools
 from rank_training import (
+    STEPS,
+    as_pipeline_chunks,
     assert_trains_like_one_process,
     make_config,
     make_trainer,
@@ -45,7 +48,39 @@ CASES_2 = [
 # the dense gradients over all four, so the norm sums them over dp and each expert slice once.
 CASES_4 = [("qwen-dp4-ep2-zero2", [*QWEN_MOE, "parallel.dp=4", "parallel.ep=2", "parallel.dp_sync=zero2"]),
            # EP x TP: attention split over tp, each tp rank running the whole mixture with its ep group's experts.
-           ("qwen-tp2-ep2", [*QWEN_MOE, "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.dp_sync=naive"])]
+           ("qwen-tp2-ep2", [*QWEN_MOE, "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.dp_sync=naive"]),
+           # Sequence parallelism: each tp rank runs the whole mixture on its own shard of the positions; its
+           # gradients are summed over tp after zero1's bucketed reduction.
+           ("qwen-tp2-sp-ep2-zero1", [*QWEN_MOE, "parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
+                                      "parallel.sequence_parallel=true", "parallel.dp_sync=zero1"])]
+MIXTRAL = ["model.preset=mixtral-tiny", "model.n_embd=32", "model.n_head=4", "model.moe_aux_loss_coef=0.1"]
+# The mixture inside the multi-process pipeline: each schedule's way of running a stage's backward (whole, per model
+# chunk, split into B and W); a capacity that drops picks on both stages; ep=2 inside each stage's dp=2.
+PIPELINE_2 = [
+    ("qwen-pp2-1f1b", [*QWEN_MOE, "parallel.pp=2", "parallel.chunks=4"]),
+    ("qwen-pp2-zb1p-capacity", [*QWEN_MOE, "parallel.pp=2", "parallel.pp_schedule=zb1p", "parallel.chunks=2",
+                                "train.grad_accum=2", "model.moe_capacity_factor=1"]),
+    ("mixtral-pp2-interleaved", [*MIXTRAL, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                 "parallel.pp_virtual=2", "parallel.chunks=4"]),
+    # Pairs: the LM loss weighs each chunk by its target tokens, the load-balancing loss each chunk equally, and
+    # the padding the pipeline's fixed width adds routes but does not count.
+    ("qwen-pp2-sft", [*QWEN_MOE, "parallel.pp=2", "parallel.chunks=2", "data.task=sft",
+                      "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=24",
+                      "data.max_target_len=24"]),
+]
+PIPELINE_4 = [
+    ("qwen-pp2-dp2-ep2-1f1b", [*QWEN_MOE, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.chunks=2",
+                               "parallel.dp_sync=naive"]),
+    ("qwen-pp2-dp2-ep2-zb1p", [*QWEN_MOE, "parallel.pp=2", "parallel.dp=2", "parallel.ep=2", "parallel.chunks=2",
+                               "parallel.pp_schedule=zb1p", "parallel.dp_sync=bucketed"]),
+]
+PIPELINE_4.append(("mixtral-pp2-tp2", [*MIXTRAL, "parallel.pp=2", "parallel.tp=2", "parallel.chunks=2"]))
+PIPELINE_RESUMED = "qwen-pp2-dp2-ep2-1f1b"
+# The largest grid this machine holds, 5D: dp x pp x tp with sequence parallelism and ep inside dp. Each expert slice
+# is held whole by the two tp ranks of its (pp, dp) place, each running it on its own sequence shard.
+FIVE_D = [("qwen-dp2-pp2-tp2-sp-ep2", [*QWEN_MOE, "parallel.pp=2", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2",
+                                       "parallel.sequence_parallel=true", "parallel.chunks=2",
+                                       "parallel.dp_sync=naive"])]
 CAPACITY = [*QWEN_MOE, "parallel.dp=2", "parallel.ep=2", "model.moe_capacity_factor=1"]
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                   launcher="single", backend="gloo", device=torch.device("cpu"))
@@ -83,6 +118,19 @@ def _resumes(info: RankInfo, runs: Path) -> None:
         torch.save(resumed_run(sharded, info), runs / f"resume-{sync}.rank{info.rank}.pt")
 
 
+def _pipelines(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]]) -> None:
+    """Each case's steps with their mixture fields (every stage takes them from the last), parameters, place and
+    validation loss; the resumed case also one step, a checkpoint and the next step of a trainer loaded from it."""
+    for name, overrides in cases:
+        trainer, records = make_trainer(make_config(overrides, runs, name), info), []
+        record = {"losses": train_steps(trainer, STEPS, records=records), "records": records,
+                  "params": named_params(trainer), "coords": dict(trainer.dims.coords), "val": trainer.evaluate()}
+        torch.save(record, runs / f"{name}.rank{info.rank}.pt")
+        if name == PIPELINE_RESUMED:
+            resumed = resumed_run(make_config(overrides, runs, f"resumed-{name}"), info)
+            torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("ep")
@@ -90,6 +138,8 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
     gloo_pool.run(4, save_cases, runs, CASES_4)
     gloo_pool.run(2, _routing_and_traffic, runs, CAPACITY)
     gloo_pool.run(2, _resumes, runs)
+    gloo_pool.run(2, _pipelines, runs, PIPELINE_2)
+    gloo_pool.run(4, _pipelines, runs, PIPELINE_4)
     return runs
 
 
@@ -107,6 +157,62 @@ def test_expert_parallelism_trains_a_mixture_like_one_process(results: Path, nam
     assert [r["coords"]["ep"] for r in ranks] == [r["coords"]["dp"] % 2 for r in ranks]
     # Whole parameters, experts gathered from their ep group: equal to one process's and bitwise on every rank.
     assert_trains_like_one_process(_REFERENCES[key], ranks, TABLE, name)
+
+
+@pytest.fixture(scope="module")
+def five_d(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
+    """The 8-rank case on its own (the only module that starts the 8-rank pool): `-k "not 5d"` leaves it out."""
+    runs = tmp_path_factory.mktemp("ep-5d")
+    gloo_pool.run(8, _pipelines, runs, FIVE_D)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name, _ in PIPELINE_2 + PIPELINE_4])
+def test_a_mixture_inside_the_pipeline_trains_like_one_process(results: Path, name: str) -> None:
+    """One process trained on the pipeline's micro-steps (each replica's chunk j together) is the reference: losses
+    with the load-balancing term, validation, every parameter (experts gathered whole, bitwise equal on the ranks of
+    a stage), and each step's aux_loss and expert load on every rank, the first stage's included."""
+    _assert_pipeline_case(results, name, dict(PIPELINE_2 + PIPELINE_4)[name])
+
+
+@pytest.mark.slow
+def test_a_mixture_trains_on_the_5d_grid_like_one_process(five_d: Path) -> None:
+    """dp=2 x pp=2 x tp=2 (sequence-parallel) with ep=2 on 8 ranks: the same equalities."""
+    _assert_pipeline_case(five_d, *FIVE_D[0])
+
+
+def _assert_pipeline_case(results: Path, name: str, overrides: list[str]) -> None:
+    cfg = make_config(overrides, results, name)
+    ref = reference_run(cfg, as_pipeline_chunks(cfg.parallel.dp, cfg.parallel.chunks))
+    ranks = saved_ranks(results, name)
+    assert_trains_like_one_process(ref, ranks, TABLE, name)
+    for rank in ranks:
+        for got, expected in zip(rank["records"], ref["records"], strict=True):
+            assert got["aux_loss"] == pytest.approx(expected["aux_loss"], rel=1e-5)
+            assert got["moe"] == expected["moe"]
+    if "capacity" in name:  # both stages' experts dropped picks, counted once
+        assert all(record["moe"]["dropped"] > 0 for record in ref["records"])
+
+
+@pytest.mark.slow
+def test_a_mixture_inside_the_pipeline_resumes_exactly_under_expert_parallelism(results: Path, tmp_path: Path
+                                                                              ) -> None:
+    """One step, a checkpoint (each stage's expert slices DTensors over its own ep group), a resumed trainer's next
+    step: the uninterrupted second step, bitwise; the checkpoint exports every block's experts whole, as saved."""
+    name = f"resumed-{PIPELINE_RESUMED}"
+    ranks = saved_ranks(results, name)
+    for rank, through in zip(ranks, saved_ranks(results, PIPELINE_RESUMED), strict=True):
+        assert rank["losses"] == through["losses"][1:]
+        for param, value in rank["params"].items():
+            assert torch.equal(value, through["params"][param]), param
+    (results / name / CONFIG_FILE).write_text(to_yaml(make_config(dict(PIPELINE_4)[PIPELINE_RESUMED], results, name)))
+    state = torch.load(export_checkpoint(results / name, tmp_path / "whole.pt"), weights_only=False)["qwen2_moe"]
+    saved = {param: value for rank in ranks for param, value in rank["saved"].items()}  # both stages' blocks
+    for block in range(4):
+        for fused in ("gate_up_proj", "down_proj"):
+            param = f"model.layers.{block}.mlp.experts.{fused}"
+            assert state[param].shape[0] == 8 and torch.equal(state[param], saved[param]), param
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@
                [rH/T, (r+1)H/T) and key/value heads [rK/T, (r+1)K/T): each of its query heads' group shares a key/value
                head it holds, so grouped-query attention runs locally), o_proj row-parallel;
     MLP:       gate_proj and up_proj column-parallel, down_proj row-parallel; a mixture of experts' MLP whole (its
-               experts split by parallel.ep instead, over data-parallel ranks), on the whole sequence;
+               experts split by parallel.ep instead, over data-parallel ranks), on the whole sequence, or under
+               sequence parallelism on the rank's shard (its gradients summed over the group: mixture.py);
     token table and LM head: vocabulary-parallel (tied: one Parameter; untied: the head's own rows split the same way);
     sequence parallelism: RMSNorms on sequence shards, their weights' gradients summed over the group; the rotary
                tables cover the whole sequence (`sequence_shards`), which q and k have after the all-gather.
@@ -132,15 +133,17 @@ class TensorParallelDecoderLayer(nn.Module):
         self.post_attention_layernorm = _norm(layer.post_attention_layernorm, group, sequence_parallel)
         # A mixture's MLP (router, experts, shared expert) stays whole: every rank of the group runs it on the same
         # tokens, so its gradients agree over the group (parallel.ep splits its experts over data-parallel ranks).
-        self.mlp = layer.mlp if hasattr(layer.mlp, "experts") else TensorParallelMLP(layer.mlp, group,
-                                                                                     sequence_parallel)
+        self.mixture = hasattr(layer.mlp, "experts")
+        self.mlp = layer.mlp if self.mixture else TensorParallelMLP(layer.mlp, group, sequence_parallel)
         self.sequence_shards = dist.get_world_size(group) if sequence_parallel else 1
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **_: object) -> torch.Tensor:
         cos, sin = position_embeddings
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed = self.post_attention_layernorm(hidden)
+        # A sequence shard may be a strided slice of the reduce-scatter's output, which a mixture's block views flat.
+        return hidden + self.mlp(normed.contiguous() if self.mixture else normed)
 
 
 def shard_llama(model: PreTrainedModel, group: dist.ProcessGroup, sequence_parallel: bool, loss_parallel: bool

@@ -12,6 +12,10 @@ torch.distributed point-to-point messages between the ranks of the grid's `pp` g
   the compute that needs them, sends only at the end of the step. Sends and receives of one pair of
   ranks come in the same order on both sides (tests/test_schedules.py checks every schedule), because
   NCCL matches messages by order, not by tag.
+- A mixture of experts' router statistics travel beside the hidden states (`Routing`): each stage adds its layers'
+  picks and routing-probability sums to what the micro-batch carries, the last stage forms the load-balancing loss
+  from the sums as one process does and adds it to the loss it backpropagates, and the sums' gradient goes back
+  with the hidden states' gradient (gptpar.train.moe). Their size is known ahead too.
 - The tied embedding/LM-head matrix has a copy on the first and on the last stage; `sum_tied_gradients`
   adds the two copies' gradients each step, as Megatron-LM does, so both copies take the same update and
   stay equal: the pipeline trains like one process.
@@ -26,7 +30,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -50,6 +54,18 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 Key = tuple[int, int]  # (micro-batch, stage)
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (last stage's output, labels) -> mean loss
 Weight = Callable[[torch.Tensor], float]  # a chunk's weight in a mean loss, from its labels
+
+
+class Routing(Protocol):
+    """A mixture's router statistics as a pipeline micro-batch carries them (gptpar.train.moe.RouterLoad)."""
+
+    carried_size: int
+
+    def recording(self) -> AbstractContextManager[None]: ...
+
+    def carry(self, labels: torch.Tensor, carried: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def aux_loss(self, labels: torch.Tensor, carried: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def by_rows(labels: torch.Tensor) -> float:
@@ -95,10 +111,11 @@ class PipelineEngine(nn.Module):
     checkpoint's parameters); `train_step` runs one optimizer step's forwards and backwards and returns the
     pipeline's loss on every rank; `computes_loss` says whether this rank is the one that computed it. `loss_fn` is
     the caller's loss of the last stage's output and the labels (whole logits, or tensor parallelism's vocabulary
-    shards), so the engine needs no other parallelism's code."""
+    shards), so the engine needs no other parallelism's code; `routing`, a mixture's router statistics carried with
+    each micro-batch, whose load-balancing loss (times `aux_coef`) the last stage adds to its loss."""
 
     def __init__(self, model: PreTrainedModel, cfg: Config, grid: ParallelDims, device: torch.device,
-                 loss_fn: Loss) -> None:
+                 loss_fn: Loss, routing: Routing | None = None, aux_coef: float = 0.0) -> None:
         super().__init__()
         p = cfg.parallel
         self.ranks, self.virtual, self.chunks = p.pp, p.pp_virtual, p.chunks
@@ -112,7 +129,7 @@ class PipelineEngine(nn.Module):
         self.arch = architecture(model)
         tied = model.config.tie_word_embeddings  # before the stages untie it
         self.seq_shards = p.tp if p.tp > 1 and p.sequence_parallel else 1  # stages exchange sequence shards
-        self.loss_fn = loss_fn
+        self.loss_fn, self.routing, self.aux_coef = loss_fn, routing, aux_coef
         replica_batch = cfg.train.batch_size // (p.dp * cfg.train.grad_accum)
         sizes = pp_split_counts(p) or self._balanced(model, cfg, replica_batch // p.chunks, device)
         self.stage_ids = [self.rank + k * p.pp for k in range(p.pp_virtual)]
@@ -185,7 +202,8 @@ class PipelineEngine(nn.Module):
         gradient of the mean loss times `loss_scale` (fp16's, not yet averaged over replicas); each forward runs
         under `autocast()` (a new context each time), backwards outside it. Each chunk's mean loss counts `weight`
         of its labels (translation: its share of the step's target tokens), by default an equal share
-        1 / (micro-steps * chunks). Returns the (unscaled) loss on every rank."""
+        1 / (micro-steps * chunks), which a mixture's load-balancing loss always counts (a chunk is its
+        micro-step). Returns the (unscaled) loss on every rank."""
         self.train()
         self.stats = StepStats()
         start = time.perf_counter()
@@ -193,20 +211,22 @@ class PipelineEngine(nn.Module):
         weight = weight or (lambda _labels: equal)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for x, y in micro_batches:
-            total += self._run_schedule(x, y, weight, start, loss_scale, autocast)
+            total += self._run_schedule(x, y, weight, start, loss_scale, autocast, equal)
         loss = self._share(total)
         self.stats.window_s = time.perf_counter() - start
         return loss
 
     def _run_schedule(self, x: torch.Tensor, y: torch.Tensor, weight: Weight, start: float, loss_scale: float,
-                      autocast: Callable[[], AbstractContextManager]) -> torch.Tensor:
+                      autocast: Callable[[], AbstractContextManager], aux_weight: float) -> torch.Tensor:
         xs = x.to(self.device, non_blocking=True).chunk(self.chunks)
         ys = y.to(self.device, non_blocking=True).chunk(self.chunks)
         scales = [weight(labels) for labels in y.chunk(self.chunks)]  # on the host: no device sync in the schedule
         shape = (xs[0].size(0), xs[0].size(1) // self.seq_shards, self.width)
-        inputs: dict[Key, torch.Tensor] = {}
-        outputs: dict[Key, torch.Tensor] = {}
-        out_grads: dict[Key, torch.Tensor] = {}
+        # Per (micro-batch, stage): what a stage receives and sends, hidden states first, then what `routing`
+        # carries; a last stage's output is its loss.
+        inputs: dict[Key, list[torch.Tensor]] = {}
+        outputs: dict[Key, list[torch.Tensor]] = {}
+        out_grads: dict[Key, list[torch.Tensor]] = {}
         deferred: dict[Key, list] = {}
         saved: dict[Key, int] = {}
         sends: list[dist.Work] = []
@@ -225,21 +245,27 @@ class PipelineEngine(nn.Module):
             stage = self._stage(action.stage)
             with record_function(f"pp:{action.kind} mb={action.microbatch} stage={action.stage}"):
                 if action.kind == "F":
-                    inp = xs[action.microbatch] if stage.is_first else inputs[key]
+                    inp = [xs[action.microbatch]] if stage.is_first else inputs[key]
                     inputs[key] = inp
-                    with SavedBytes(self.stages.parameters()) as counter, autocast():
-                        out = stage(inp)
+                    labels = ys[action.microbatch]
+                    with SavedBytes(self.stages.parameters()) as counter, autocast(), self._recording():
+                        out = [stage(inp[0])]
+                        if self.routing is not None:
+                            out.append(self.routing.carry(labels, inp[1] if len(inp) > 1 else None))
                         if stage.is_last:
-                            loss = self.loss_fn(out, ys[action.microbatch]) * scales[action.microbatch]
+                            loss = self.loss_fn(out[0], labels) * scales[action.microbatch]
+                            if self.routing is not None:
+                                loss = loss + self.aux_coef * aux_weight * self.routing.aux_loss(labels, out[1])
                             total += loss.detach()
-                            out = loss * loss_scale
+                            out = [loss * loss_scale]
                     outputs[key] = out
                     saved[key] = counter.total
                     self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, sum(saved.values()))
                 elif action.kind == "B":
                     self.store.deferring = self.split_backward
-                    out = outputs.pop(key)
-                    torch.autograd.backward(out, None if stage.is_last else out_grads.pop(key))
+                    out, grads = outputs.pop(key), None if stage.is_last else out_grads.pop(key)
+                    kept = [i for i, tensor in enumerate(out) if tensor.requires_grad]  # a stage with no router
+                    torch.autograd.backward([out[i] for i in kept], None if grads is None else [grads[i] for i in kept])
                     self.store.deferring = False
                     if self.split_backward:
                         deferred[key] = self.store.take()
@@ -258,32 +284,47 @@ class PipelineEngine(nn.Module):
                 work.wait()
         return total
 
-    def _exchange(self, actions: list[Action], shape: tuple[int, int, int], inputs: dict[Key, torch.Tensor],
-                  outputs: dict[Key, torch.Tensor], out_grads: dict[Key, torch.Tensor]) -> list[dist.Work]:
-        """Post a run of sends and receives together; wait for the receives, return the sends' handles."""
-        ops, received = [], []
+    def _recording(self) -> AbstractContextManager[None]:
+        return self.routing.recording() if self.routing is not None else nullcontext()
+
+    def _message(self, shape: tuple[int, int, int]) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """What one message between stages holds, shape and dtype: the hidden states (or their gradient) and what
+        `routing` carries (or its gradient), in fp32 whatever the precision."""
+        routed = [((self.routing.carried_size,), torch.float32)] if self.routing is not None else []
+        return [(shape, self.dtype), *routed]
+
+    def _exchange(self, actions: list[Action], shape: tuple[int, int, int], inputs: dict[Key, list[torch.Tensor]],
+                  outputs: dict[Key, list[torch.Tensor]], out_grads: dict[Key, list[torch.Tensor]]
+                  ) -> list[dist.Work]:
+        """Post a run of sends and receives together (each a message's tensors, in one order on both sides); wait
+        for the receives, return the sends' handles."""
+        ops, kinds, received = [], [], []
         for a in actions:
             key = (a.microbatch, a.stage)
-            if a.kind == "SEND_F":
-                tensor = outputs[key].detach().to(self.dtype).contiguous()  # what the receiver allocated
-            elif a.kind == "SEND_B":
-                tensor = inputs.pop(key).grad
+            if a.kind == "SEND_F":  # what the receiver allocated
+                hidden, *carried = outputs[key]
+                tensors = [hidden.detach().to(self.dtype).contiguous(), *(t.detach().contiguous() for t in carried)]
+            elif a.kind == "SEND_B":  # a carried sum no router used still answers, with zeros
+                tensors = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs.pop(key)]
             else:
-                tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
-                received.append((a, tensor))
-            ops.append(dist.P2POp(dist.isend if a.kind.startswith("SEND") else dist.irecv, tensor, self.peers[a.peer]))
-        with comm_span(*(a.kind[:4].lower() for a in actions), phase="issue"):  # "send" or "recv", one per op
+                tensors = [torch.empty(size, dtype=dtype, device=self.device) for size, dtype in self._message(shape)]
+                received.append((a, tensors))
+            for tensor in tensors:
+                ops.append(dist.P2POp(dist.isend if a.kind.startswith("SEND") else dist.irecv, tensor,
+                                      self.peers[a.peer]))
+                kinds.append(a.kind[:4].lower())
+        with comm_span(*kinds, phase="issue"):  # "send" or "recv", one per op
             works = dist.batch_isend_irecv(ops)
-        sends = [w for w, a in zip(works, actions, strict=True) if a.kind.startswith("SEND")]
-        for w, a in zip(works, actions, strict=True):
-            if a.kind.startswith("RECV"):
+        sends = [w for w, kind in zip(works, kinds, strict=True) if kind == "send"]
+        for w, kind in zip(works, kinds, strict=True):
+            if kind == "recv":
                 with comm_span("recv", phase="wait"):
                     w.wait()
-        for a, tensor in received:
+        for a, tensors in received:
             if a.kind == "RECV_F":
-                inputs[(a.microbatch, a.stage)] = tensor.requires_grad_()
+                inputs[(a.microbatch, a.stage)] = [t.requires_grad_() for t in tensors]
             else:
-                out_grads[(a.microbatch, a.stage)] = tensor
+                out_grads[(a.microbatch, a.stage)] = tensors
         return sends
 
     def _share(self, total: torch.Tensor) -> float:
