@@ -82,8 +82,8 @@ class ModelShape:
     def block_parameters(self, experts: int | None = None) -> int:
         """One block: q, k, v and output projections, the MLP, two norms (with their biases where they have them). A
         mixture's MLP is its router, `experts` gated experts (all by default) and the shared expert with its gate."""
-        t, d, kv = self.traits, self.n_embd, self.kv_heads * self.head_dim
-        attention = 2 * d * d + 2 * d * kv + (d + 2 * kv if t.qkv_bias else 0) + (d if t.out_bias else 0)
+        t, d = self.traits, self.n_embd
+        attention = self.attention_parameters()
         if self.moe:
             experts = self.n_experts if experts is None else experts
             shared = 3 * d * self.shared_inner + d if self.shared_inner else 0
@@ -93,6 +93,11 @@ class ModelShape:
             if t.mlp_bias:
                 mlp += (2 if t.gated_mlp else 1) * self.mlp_width + d
         return attention + mlp + 2 * self.norm_parameters()
+
+    def attention_parameters(self) -> int:
+        """One block's q, k, v and output projections with their biases."""
+        t, d, kv = self.traits, self.n_embd, self.kv_heads * self.head_dim
+        return 2 * d * d + 2 * d * kv + (d + 2 * kv if t.qkv_bias else 0) + (d if t.out_bias else 0)
 
     def active_block_parameters(self) -> int:
         """The parameters one token goes through in a block: a mixture's top_k experts, not all of them."""

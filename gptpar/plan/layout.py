@@ -106,10 +106,13 @@ class Layout:
     @property
     def block_parameters(self) -> int:
         """One block's parameters on one tensor-parallel rank: matrices and their split biases over tp, the norms and
-        the row-parallel layers' output biases whole; a mixture's experts over ep."""
+        the row-parallel layers' output biases whole; a mixture whole (its experts over ep)."""
         s, d = self.shape, self.shape.n_embd
+        block = s.block_parameters(s.n_experts // self.ep if s.moe else None)
         whole = 2 * s.norm_parameters() + (d if s.traits.out_bias else 0) + (d if s.traits.mlp_bias else 0)
-        return (s.block_parameters(s.n_experts // self.ep if s.moe else None) - whole) // self.tp + whole
+        if s.moe:  # our tensor parallelism keeps each mixture whole on every rank of the group
+            whole += block - s.attention_parameters() - 2 * s.norm_parameters()
+        return (block - whole) // self.tp + whole
 
     def end_parameters(self, rank: int) -> int:
         """Parameters of pipeline rank `rank` outside its blocks (tables, final norm, an untied head)."""
