@@ -152,7 +152,7 @@ def test_every_record_a_two_rank_run_writes_is_declared(tmp_path: Path, layout: 
     gloo_pool.run(2, train_as_gptpar_does, [*layout, *TINY, f"log.runs_dir={tmp_path}", "log.run_id=two"])
     records = written(tmp_path / "two")
     assert_declared(records, set(RECORDS))
-    optional = ["pp_timeline"] if "parallel.pp=2" in layout else ["gathered_peak_bytes", "hpz_bytes"]
+    optional = ["pp_timeline"] if "parallel.pp=2" in layout else ["gathered_peak_bytes", "hpz_bytes", "hpz_node_size"]
     assert all(any(field in r for r in records) for field in optional)
     if "parallel.hpz=true" in layout:  # backward's gathers within the node
         assert any("all_gather_intra" in r.get("comm_bytes", {}) for r in records)

@@ -167,7 +167,8 @@ def test_hpz_secondary_copy_costs_its_closed_form(results: Path, name: str) -> N
         assert memory["hpz_bytes"] == padded  # the node's share of every unit's payload, padding included
         closed = hpz_bytes(memory["params"], NODE, kind, BLOCK)  # unpadded
         assert closed <= padded < closed * 1.05
-        assert {k: v for k, v in memory.items() if k != "hpz_bytes"} == plain  # the state is fsdp's
+        assert memory["hpz_node_size"] == NODE  # what the report's closed form divides by
+        assert {k: v for k, v in memory.items() if not k.startswith("hpz_")} == plain  # the state is fsdp's
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
