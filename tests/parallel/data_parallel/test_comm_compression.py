@@ -44,8 +44,9 @@ SETTINGS = ["parallel.dp=2", f"parallel.quant_block={BLOCK}", f"parallel.powersg
             "parallel.bucket_mb=0.01"]
 CASES = {f"{sync}-{wire}": [*SETTINGS, f"parallel.dp_sync={sync}", f"parallel.grad_comm={wire}"]
          for sync, wires in SYNCS.items() for wire in wires}
-# Largest relative loss difference from fp32 over the STEPS steps (measured: bf16 1.1e-4, fp16 3.1e-5, int8 7.4e-4,
-# powersgd 7.6e-4 on this model); the README states them.
+# Largest relative loss difference from fp32 over the STEPS steps on tinyshakespeare (measured: bf16 5.1e-5 on every
+# sync, int8 6.5e-4 to 8.3e-4, powersgd 5.1e-5 on this model); the README states them. Each is also held to
+# bench/comm_accuracy.py's documented 300-step tolerance (1e-2, powersgd 5e-2), which these bounds are well inside.
 TOLERANCE = {"bf16": 1e-3, "fp16": 1e-3, "int8": 2e-3, "powersgd": 5e-3}
 
 
@@ -154,8 +155,9 @@ def test_a_compressed_mode_sends_something_else_and_trains_close_to_fp32(results
     assert all(torch.equal(v, ranks[1]["params"][k]) for k, v in ranks[0]["params"].items())  # replicas equal
     if "data.source=synthetic" in (results / "base.txt").read_text():
         pytest.skip("the losses are compared on ../shared/data/tinyshakespeare.txt, which is not present")
+    tolerance = min(TOLERANCE[wire], comm_accuracy.TOLERANCE[wire])
     for a, b in zip(ranks, fp32, strict=True):
-        assert max(comm_accuracy.relative(a["losses"], b["losses"])) <= min(TOLERANCE[wire], comm_accuracy.TOLERANCE)
+        assert max(comm_accuracy.relative(a["losses"], b["losses"])) <= tolerance
 
 
 @pytest.mark.slow

@@ -40,9 +40,9 @@ SETTINGS = [f"parallel.dp={W}", "parallel.dp_sync=fsdp", "train.grad_accum=2", f
 HPZ = ["parallel.hpz=true", f"parallel.hpz_node_size={NODE}"]
 CASES = {"fp32": [], "bf16": ["parallel.param_comm=bf16"], "int8": ["parallel.param_comm=int8"],
          "hpz": HPZ, "hpz-int8": [*HPZ, "parallel.param_comm=int8"]}
-# Largest relative loss difference from one process over the STEPS steps (measured: bf16 3.8e-5, int8 4.6e-5), and
-# the relative distance of all parameters together from its (measured: bf16 1.0e-2, int8 2.0e-2); the README states
-# them.
+# Largest relative loss difference from one process over the STEPS steps on tinyshakespeare (measured: bf16 2.9e-5,
+# int8 3.1e-4), and the relative distance of all parameters together from its (measured: bf16 9.0e-3, int8 1.8e-2);
+# the README states them. The loss is also held to bench/comm_accuracy.py's documented 300-step tolerance (1e-2).
 TOLERANCE = {"bf16": 1e-3, "int8": 1e-3}
 PARAM_TOLERANCE = 5e-2
 LR = 0.01  # rank_training.BASE's train.lr
@@ -147,7 +147,8 @@ def test_a_compressed_gather_trains_close_to_one_process(results: Path, name: st
     ranks = saved_ranks(results, name)
     ref = reference_run(make_config([*SETTINGS, *CASES[name]], results, name, base))
     mean = [sum(losses) / W for losses in zip(*(r["losses"] for r in ranks), strict=True)]
-    tolerance = min(TOLERANCE[name.removeprefix("hpz-")], comm_accuracy.TOLERANCE)
+    kind = name.removeprefix("hpz-")
+    tolerance = min(TOLERANCE[kind], comm_accuracy.TOLERANCE[kind])
     assert max(comm_accuracy.relative(mean, ref["losses"])) <= tolerance
     for param, value in ranks[0]["params"].items():
         assert all(torch.equal(value, r["params"][param]) for r in ranks), param  # the masters, gathered exactly
