@@ -175,6 +175,7 @@ class RunMetrics:
     tokens_to_target: float | None = None  # tokens seen (all replicas) by then
     target_speedup: float | None = None  # the baseline point's mean time to target over this run's
     diverged_at: int | None = None  # the first step with a non-finite loss
+    plan: dict[str, Any] | None = None  # its plan.json (gptpar.plan.record): the prediction made before it ran
     stitched: list[int] = field(default_factory=list)  # kept epochs timed from step records (restarts)
     stale: str = ""  # why its numbers are not of its sweep's current definition, in one line
     set_aside: bool = False  # a folder --rerun / --start-over moved to <name>.replaced-<time>

@@ -27,6 +27,7 @@ from analysis.trace import analyse_run
 from gptpar.atomic import write_error
 from gptpar.errors import GptparError
 from gptpar.paths import check_path
+from gptpar.plan.record import read_plan
 from gptpar.run.folder import RunFolder, find_runs, holds_run
 from gptpar.run.state import read_run
 
@@ -46,6 +47,10 @@ class ReportResult:
 def _analyse(folder: RunFolder, runs_dir: Path, now: float, warmup_epochs: int, warmup_steps: int) -> RunMetrics:
     run = read_run(folder, runs_dir, now=now)
     metrics = run_metrics(run, folder.path.relative_to(runs_dir).as_posix(), warmup_epochs, warmup_steps)
+    try:
+        metrics.plan = read_plan(folder.path)
+    except ValueError as exc:
+        metrics.warnings.append(f"run {metrics.run}: {exc}")
     if folder.trace_dir.is_dir():
         try:
             metrics.traces, skipped = analyse_run(folder.path, top=0)

@@ -83,6 +83,12 @@ def _closed_forms() -> str:
     return "; ".join(f"{', '.join(names)}: {form}" for form, names in forms.items())
 
 
+PLAN_NOTE = (
+    "Planned: the run's plan.json, `gptpar plan predict` of its config with report.plan_calibration, written when "
+    "its folder was made, before any rank started. Measured: the step time of the footnoted table's steps (each "
+    "step's mean over ranks, mean over the kept steps), the job's tokens/s, and the training state (parameters, "
+    "gradients, optimizer state) of the fullest rank's `memory` record against the plan's closed form for it. The "
+    "planner's accuracy and what it leaves out: README, \"Plan before you submit\".")
 MEMORY_NOTE = (
     "Bytes of the distinct storages of each rank's live parameters, gradients and AdamW state after its first "
     "optimizer step (MB = 10^6 bytes), mean over ranks (max in parentheses where ranks differ). Closed form per rank "
@@ -309,6 +315,7 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
     lines += _spread_section(shown)
     lines += _bleu_section(shown)
     lines += _memory_section(shown)
+    lines += _plan_section(shown)
     lines += _overlap_section(shown)
     stale = [r for r in runs if r.stale]
     if stale:
@@ -417,6 +424,39 @@ def _memory_section(shown: list[RunMetrics]) -> list[str]:
                      f"{mb['optimizer']} | {mb['total']} | {closed} | {ratio} | {_mb_pair(mem.gathered_peak)} | "
                      f"{_mb_pair(r.peak_mem)} |")
     return [*lines, "", MEMORY_NOTE]
+
+
+def _plan_section(shown: list[RunMetrics]) -> list[str]:
+    """The "Planned against measured" table of the runs with a plan.json; none when no run was planned."""
+    runs = [r for r in shown if r.plan is not None]
+    if not runs:
+        return []
+    lines = ["", "## Planned against measured", "", "| run | layout | step ms planned | step ms measured | error "
+             "| job tokens/s planned | job tokens/s measured | state MB planned | state MB accounted | error |",
+             "|" + "---|" * 10]
+    for r in runs:
+        plan = r.plan or {}
+        step, rate = plan["step_time_s"], plan["tokens_per_s"]
+        measured = r.step_time[0]
+        state = plan["memory"].get("state")
+        accounted = r.memory.max["total"] if r.memory is not None else None
+        lines.append(f"| {r.run_id} | {plan.get('layout', '–')} | {step * 1e3:.1f} | {_fmt(_ms(measured), '.1f')} | "
+                     f"{_error(step, measured)} | {rate:,.0f} | {_fmt(r.job_tokens_per_s, ',.0f')} | "
+                     f"{_fmt(_mega(state), '.4g')} | {_fmt(_mega(accounted), '.4g')} | {_error(state, accounted)} |")
+    return [*lines, "", PLAN_NOTE]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _mega(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 1e6
+
+
+def _error(planned: float | None, measured: float | None) -> str:
+    """The plan's error against the measurement, signed (negative: planned too low); – where either is missing."""
+    return "–" if planned is None or not measured else f"{planned / measured - 1:+.1%}"
 
 
 def _mb(mean: float, most: float) -> str:

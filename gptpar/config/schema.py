@@ -325,6 +325,10 @@ class ReportConfig:
                              "`gptpar report` times for every run of the sweep (time and tokens to target); 0: the "
                              "highest final loss any point of the sweep reached, so every point gets a value. "
                              "`gptpar report --target-loss` overrides it.", min=0.0)
+    plan_calibration: str = opt("", "Plan the run: a calibration file (`gptpar plan calibrate`), or shipped (the "
+                                "shipped calibration of the job's device). Its folder gets plan.json, the prediction "
+                                "of `gptpar plan predict` made before any rank starts, and `gptpar report` sets it "
+                                "beside the measured step time, tokens/s and memory. Empty: not planned.")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from gptpar.config import Config, ConfigError, check_expert_grid, data_config, u
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
 from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
+from gptpar.plan.record import SHIPPED
 from gptpar.pretrained import PREFIX, folder_of
 from gptpar.run.folder import RunFolder
 from gptpar.run.start import JobState, named_run, write_folder
@@ -101,6 +102,8 @@ def absolute_paths(cfg: Config) -> dict[str, str]:
     (local processes) or wherever a job starts, so a relative path would name another file there."""
     kind, _, files = cfg.data.source.partition(":")
     paths = {"data.dir": _absolute(cfg.data.dir), "train.dump_grads": _absolute(cfg.train.dump_grads)}
+    if cfg.report.plan_calibration not in ("", SHIPPED):
+        paths["report.plan_calibration"] = _absolute(cfg.report.plan_calibration)
     for key, setting in (("model.init", cfg.model.init), ("data.tokenizer", cfg.data.tokenizer)):
         if (folder := folder_of(setting)) is not None:
             paths[key] = PREFIX + _absolute(str(folder))

@@ -4,6 +4,7 @@ calibration.py holds what a device measured (the file `gptpar plan calibrate` wr
 this much compute or this collective take here"; measure.py is the one module that imports torch, and makes such a
 file; network.py prices a collective over a group of ranks (the calibration's own links, or a cluster profile's);
 layout.py turns a resolved config into sizes, per-rank parameters and tokens; predict.py adds up one step from the
-strategy tables' closed forms and `schedules.simulate`; search.py enumerates the layouts of N GPUs; report.py prints
-them. Nothing here but measure.py imports torch, so `gptpar plan predict` answers on a login node.
+strategy tables' closed forms and `schedules.simulate`; search.py enumerates the layouts of N GPUs; commands.py prints
+them; record.py writes a planned run's prediction (plan.json) for `gptpar report`. Nothing here but measure.py
+imports torch, so `gptpar plan predict` answers on a login node.
 """

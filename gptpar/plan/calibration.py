@@ -28,7 +28,13 @@ FORMAT = 1
 SHIPPED_DIR = Path(__file__).with_name("calibrations")
 COMPUTE_KINDS = ("block_f", "block_b", "block_w", "head_f", "head_bw", "optimizer")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv")
-CALIBRATE_HINT = "run `python -m gptpar plan calibrate --out FILE` on that device and pass --calibration FILE"
+CALIBRATION_FLAG = "--calibration"  # where a calibration is named: the plan commands' flag, or a config key
+
+
+def calibrate_hint(key: str = CALIBRATION_FLAG) -> str:
+    """How to make the calibration `key` should name."""
+    name = f"pass {key} FILE" if key.startswith("--") else f"set {key}=FILE"
+    return f"run `python -m gptpar plan calibrate --out FILE` on that device and {name}"
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,12 @@ class Calibration:
         return _fit([(b, s) for b, s in points], op, self.world_size) if points else None
 
 
+def tp_kind(kind: str, tp: int, sequence_parallel: bool, loss_parallel: bool = False) -> str:
+    """The calibration's name of a tensor-parallel action `kind` (block_f, block_b, block_w; head_f, head_bw, which
+    loss parallelism changes) timed whole on `tp` ranks, collectives included."""
+    return f"{kind}@tp{tp}{'+sp' if sequence_parallel else ''}{'+lp' if loss_parallel else ''}"
+
+
 def local_device_name() -> str:
     """This machine's CPU model, read without torch, to match a CPU calibration against the machine it predicts."""
     try:
@@ -129,21 +141,21 @@ def installed_torch() -> str:
         return "none"
 
 
-def load(path: str | Path) -> Calibration:
-    """A calibration file, or a one-line error naming what is wrong with it."""
-    file = check_path(path, "file", "--calibration", "name a file written by `gptpar plan calibrate --out FILE`")
+def load(path: str | Path, key: str = CALIBRATION_FLAG) -> Calibration:
+    """A calibration file, or a one-line error naming what is wrong with it (and `key`, where it was named)."""
+    file = check_path(path, "file", key, "name a file written by `gptpar plan calibrate --out FILE`")
     try:
         data: dict[str, Any] = json.loads(file.read_text())
         if data.get("format") != FORMAT:
-            raise GptparError(f"--calibration {str(file)!r} has format {data.get('format')!r}, this gptpar reads "
-                              f"{FORMAT}; {CALIBRATE_HINT}")
+            raise GptparError(f"{key} {str(file)!r} has format {data.get('format')!r}, this gptpar reads "
+                              f"{FORMAT}; {calibrate_hint(key)}")
         calib = Calibration(**data)
         missing = [k for k in COMPUTE_KINDS if not calib.compute.get(k)]
     except (ValueError, TypeError) as exc:
-        raise GptparError(f"--calibration {str(file)!r} is not a calibration ({str(exc).splitlines()[0]}); "
-                          f"{CALIBRATE_HINT}") from None
+        raise GptparError(f"{key} {str(file)!r} is not a calibration ({str(exc).splitlines()[0]}); "
+                          f"{calibrate_hint(key)}") from None
     if missing:
-        raise GptparError(f"--calibration {str(file)!r} lacks {', '.join(missing)}; {CALIBRATE_HINT}")
+        raise GptparError(f"{key} {str(file)!r} lacks {', '.join(missing)}; {calibrate_hint(key)}")
     return calib
 
 
@@ -162,27 +174,28 @@ def same_device(calibrated: str, wanted: str) -> bool:
     return bool(family) and family in a
 
 
-def check_fits(calib: Calibration, path: str, device: str, torch_version: str | None) -> None:
+def check_fits(calib: Calibration, path: str, device: str, torch_version: str | None,
+               key: str = CALIBRATION_FLAG) -> None:
     """Refuse a calibration of another device or torch version in one line that says how to make the right one."""
     if not same_device(calib.device_name, device):
-        raise GptparError(f"--calibration {path!r} was made on {calib.device_name!r}, but this layout runs on "
-                          f"{device!r}; {CALIBRATE_HINT}")
+        raise GptparError(f"{key} {path!r} was made on {calib.device_name!r}, but this layout runs on "
+                          f"{device!r}; {calibrate_hint(key)}")
     if torch_version is not None and calib.torch_version.split("+")[0] != torch_version.split("+")[0]:
-        raise GptparError(f"--calibration {path!r} was made with torch {calib.torch_version}, but torch "
-                          f"{torch_version} is installed; kernels change between versions: {CALIBRATE_HINT}")
+        raise GptparError(f"{key} {path!r} was made with torch {calib.torch_version}, but torch "
+                          f"{torch_version} is installed; kernels change between versions: {calibrate_hint(key)}")
 
 
-def find(path: str | None, device: str, local: bool) -> tuple[Calibration, str]:
-    """The calibration to predict with: the file given, else a shipped one of the device; checked against the
-    device (and, for this machine, the installed torch). Returns it with the name it is known by."""
+def find(path: str | None, device: str, local: bool, key: str = CALIBRATION_FLAG) -> tuple[Calibration, str]:
+    """The calibration to predict with: the file given (by `key`), else a shipped one of the device; checked against
+    the device (and, for this machine, the installed torch). Returns it with the name it is known by."""
     if path:
-        calib = load(path)
-        check_fits(calib, path, device, installed_torch() if local else None)
+        calib = load(path, key)
+        check_fits(calib, path, device, installed_torch() if local else None, key)
         return calib, path
     for name, file in shipped().items():
         calib = load(file)
         if same_device(calib.device_name, device):
-            check_fits(calib, str(file), device, installed_torch() if local else None)
+            check_fits(calib, str(file), device, installed_torch() if local else None, key)
             return calib, f"shipped {name} ({calib.source})"
     have = ", ".join(shipped()) or "none yet"
-    raise GptparError(f"no calibration for {device!r} (shipped: {have}); {CALIBRATE_HINT}")
+    raise GptparError(f"no calibration for {device!r} (shipped: {have}); {calibrate_hint(key)}")

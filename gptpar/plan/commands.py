@@ -7,6 +7,7 @@ import json
 from gptpar.config import Config, updated
 from gptpar.launch.plan import shaped
 from gptpar.parallel.grid import ranks_per_replica
+from gptpar.plan.calibration import CALIBRATION_FLAG
 from gptpar.plan.layout import Layout, layout_of
 from gptpar.plan.predict import Prediction, precision_of, predict
 from gptpar.plan.target import Target, target_of
@@ -20,12 +21,13 @@ def resolved_layout(cfg: Config, target: Target) -> Layout:
     return layout_of(updated(cfg, {"train.precision": precision}) if precision != cfg.train.precision else cfg)
 
 
-def predict_config(cfg: Config, calibration: str | None) -> tuple[Layout, Target, Prediction]:
+def predict_config(cfg: Config, calibration: str | None, key: str = CALIBRATION_FLAG
+                   ) -> tuple[Layout, Target, Prediction]:
     """`cfg` as its job would run it: a job of launch.gpus x launch.nodes GPUs fills parallel.dp (left at 1) with
-    replicas, as `gptpar submit dp` does."""
+    replicas, as `gptpar submit dp` does. `key` names where the calibration was given, for its errors."""
     if cfg.parallel.dp == 1 and max(cfg.launch.gpus, 1) * cfg.launch.nodes > ranks_per_replica(cfg):
         cfg = shaped(cfg, "dp")
-    target = target_of(cfg, calibration)
+    target = target_of(cfg, calibration, key)
     layout = resolved_layout(cfg, target)
     return layout, target, predict(layout, target.calibration, target.network, target.device)
 
@@ -68,7 +70,8 @@ def as_text(layout: Layout, target: Target, pred: Prediction, steps: int) -> str
         f"tokens/s     {pred.tokens_per_s:,.0f} ({layout.step_tokens:,} tokens per step)",
         f"memory/rank  {pred.memory_bytes / MB:,.1f} MB{limit}: parameters {m['params'] / MB:,.1f}, gradients "
         f"{m['grads'] / MB:,.1f}, optimizer {m['optimizer'] / MB:,.1f}, activations {m['activations'] / MB:,.1f}"
-        + (f", gathered {m['gathered'] / MB:,.1f}" if m["gathered"] else ""),
+        + (f", gathered {m['gathered'] / MB:,.1f}" if m["gathered"] else "")
+        + (f", hpZ copy {m['hpz'] / MB:,.1f}" if m.get("hpz") else ""),
         "MFU          " + (f"{pred.mfu:.1%}" if pred.mfu is not None else "n/a (no datasheet peak for this device)"),
         f"cost         {c['steps']:,} steps: {c['seconds'] / 3600:,.2f} h wall, {c['gpu_hours']:,.2f} GPU-hours",
     ]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, example_width
 from gptpar.presets import ModelShape
+from gptpar.strategies.data_parallel import hpz_node_size
 from gptpar.strategies.pipeline import even_sizes, pp_split_counts, stage_sizes
 
 GPT2_VOCAB = 50_257
@@ -57,6 +58,10 @@ class Layout:
     loss_parallel: bool
     grad_comm: str
     bucket_mb: float
+    param_comm: str  # fsdp's parameter gathers
+    quant_block: int
+    hpz_node: int  # parallel.hpz's node group of data-parallel ranks (0: no hpZ)
+    ep: int  # parallel.ep: each block's experts split over ep data-parallel ranks
     precision: str
     checkpoint_every: int  # recompute every k-th block (0: none)
     stage_blocks: tuple[int, ...]  # blocks of each of the pp * virtual stages
@@ -101,10 +106,10 @@ class Layout:
     @property
     def block_parameters(self) -> int:
         """One block's parameters on one tensor-parallel rank: matrices and their split biases over tp, the norms and
-        the row-parallel layers' output biases whole."""
+        the row-parallel layers' output biases whole; a mixture's experts over ep."""
         s, d = self.shape, self.shape.n_embd
         whole = 2 * s.norm_parameters() + (d if s.traits.out_bias else 0) + (d if s.traits.mlp_bias else 0)
-        return (s.block_parameters() - whole) // self.tp + whole
+        return (s.block_parameters(s.n_experts // self.ep if s.moe else None) - whole) // self.tp + whole
 
     def end_parameters(self, rank: int) -> int:
         """Parameters of pipeline rank `rank` outside its blocks (tables, final norm, an untied head)."""
@@ -142,6 +147,7 @@ def layout_of(cfg: Config) -> Layout:
         virtual=p.pp_virtual, chunks=chunks, grad_accum=t.grad_accum,
         seqs=t.batch_size // (p.dp * t.grad_accum * chunks), seq_len=example_width(cfg), dp_sync=p.dp_sync,
         schedule=p.pp_schedule, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
-        grad_comm=p.grad_comm, bucket_mb=p.bucket_mb, precision=t.precision,
+        grad_comm=p.grad_comm, bucket_mb=p.bucket_mb, param_comm=p.param_comm, quant_block=p.quant_block,
+        hpz_node=hpz_node_size(p, cfg.launch.gpus or p.dp * p.tp) if p.hpz else 0, ep=p.ep, precision=t.precision,
         checkpoint_every=checkpoint_interval(t.activation_checkpointing),
         stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)))

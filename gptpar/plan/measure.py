@@ -12,6 +12,7 @@ the model's own (gptpar.models' embedding, block and head pieces), so a block co
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import socket
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from gptpar.atomic import atomic_write_text
 from gptpar.clock import DeviceClock
@@ -30,9 +32,11 @@ from gptpar.config import ModelConfig, ParallelConfig
 from gptpar.model import build_model, lm_loss
 from gptpar.models import architecture
 from gptpar.parallel.comm import all_gather, reduce_scatter
+from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.plan.calibration import Calibration, local_device_name
+from gptpar.parallel.tensor_parallel import loss_function, shard_model
+from gptpar.plan.calibration import Calibration, local_device_name, tp_kind
 from gptpar.presets import ModelShape
 from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.precision import AUTOCAST_DTYPES, Precision, resolve_precision
@@ -58,10 +62,12 @@ GPU_PLAN = Plan(((768, 12), (1600, 25), (2048, 16)), ((1, 1024), (4, 1024), (8, 
 QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 1048576), (10**5, 10**6), 4096, 3)
 
 
-def _timer(device: torch.device, repeats: int) -> Callable[..., float]:
+def _timer(device: torch.device, repeats: int, synced: bool = False) -> Callable[..., float]:
     """The fastest device seconds of `fn` over `repeats` calls after one warm-up, `setup` (untimed) before each and
     its result passed to `fn`. The fastest, not the median: the planner predicts a quiet device, and on a shared
-    machine only the fastest calls are free of other processes' time."""
+    machine only the fastest calls are free of other processes' time. `synced` work (collectives between its
+    computations) takes the mean instead: each of its collectives waits for the slowest rank's part before it, and
+    in a step that wait is the typical one, not the luckiest (_collective_points)."""
     def timed(fn: Callable[..., object], setup: Callable[[], object] | None = None) -> float:
         samples = []
         for i in range(repeats + 1):
@@ -71,8 +77,45 @@ def _timer(device: torch.device, repeats: int) -> Callable[..., float]:
             clock.stop()
             if i:
                 samples.append(clock.seconds())
-        return min(samples)
+        return statistics.mean(samples) if synced else min(samples)
     return timed
+
+
+def _block_times(block: nn.Module, hidden: torch.Tensor, precision: Precision, timed: Callable[..., float]
+                 ) -> tuple[float, float, float]:
+    """Seconds of `block`'s F, B (input gradient only) and W (the rest of its backward) on `hidden`."""
+    grad = torch.randn_like(hidden)
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        x = hidden.clone().requires_grad_(True)
+        with precision.autocast():
+            return x, block(x)
+
+    def full(state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        state[1].backward(grad.to(state[1].dtype))
+
+    def input_only(state: tuple[torch.Tensor, torch.Tensor]) -> None:
+        torch.autograd.grad(state[1], [state[0]], grad.to(state[1].dtype))
+
+    f_s, bw_s, b_s = timed(forward), timed(full, forward), timed(input_only, forward)
+    block.zero_grad(set_to_none=True)
+    return f_s, b_s, max(bw_s - b_s, 0.05 * bw_s)  # W is what the whole backward adds to the input gradient's
+
+
+def _head_times(embed: nn.Module, head: nn.Module, loss_of: Callable[..., torch.Tensor], ids: torch.Tensor,
+                targets: torch.Tensor, precision: Precision, timed: Callable[..., float]) -> tuple[float, float]:
+    """Seconds of the embedding, head and loss forward, and of their backward, on token ids `ids`."""
+
+    def head_forward() -> torch.Tensor:
+        with precision.autocast():
+            return loss_of(head(embed(ids)), targets)
+
+    return timed(head_forward), timed(lambda loss: loss.backward(), head_forward)
+
+
+def _small_block_model(width: int, heads: int, seq: int, vocab: int) -> nn.Module:
+    return build_model(ModelConfig(preset="gpt2-tiny", n_layer=1, n_embd=width, n_head=heads,
+                                   n_positions=max(seq, 64)), vocab, seed=0)
 
 
 def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, int], vocab: int,
@@ -82,48 +125,58 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
     from gptpar.plan.layout import block_flops, head_flops
 
     seqs, seq = batch
-    cfg = ModelConfig(preset="gpt2-tiny", n_layer=1, n_embd=width, n_head=heads, n_positions=max(seq, 64))
-    model = build_model(cfg, vocab, seed=0).to(device)
+    model = _small_block_model(width, heads, seq, vocab).to(device)
     arch = architecture(model)
     embed, block, head = arch.embed_piece(model), arch.block_piece(model, 0), arch.head_piece(model)
     timed = _timer(device, repeats)
     tokens = seqs * seq
     ids = torch.randint(0, vocab, (seqs, seq), device=device)
     hidden = torch.randn(seqs, seq, width, device=device)
-    grad = torch.randn(seqs, seq, width, device=device)
-
-    def forward() -> torch.Tensor:
-        x = hidden.clone().requires_grad_(True)
-        with precision.autocast():
-            return x, block(x)
-
-    f_s = timed(forward)
-
-    def full(state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        state[1].backward(grad.to(state[1].dtype))
-
-    def input_only(state: tuple[torch.Tensor, torch.Tensor]) -> None:
-        torch.autograd.grad(state[1], [state[0]], grad.to(state[1].dtype))
-
-    bw_s, b_s = timed(full, forward), timed(input_only, forward)
-    w_s = max(bw_s - b_s, 0.05 * bw_s)  # W is what the whole backward adds to the input gradient's
-    block.zero_grad(set_to_none=True)
+    f_s, b_s, w_s = _block_times(block, hidden, precision, timed)
     params = [p for p in block.parameters()]
     with precision.autocast():
         saved = saved_activation_bytes(lambda: block(hidden.clone().requires_grad_(True)), params)
 
-    targets = torch.randint(0, vocab, (seqs, seq), device=device)
-
-    def head_forward() -> torch.Tensor:
+    def counted_forward() -> None:  # as the pipeline engine runs a stage: counting what autograd saves
         with precision.autocast():
-            return lm_loss(head(embed(ids)), targets)
+            saved_activation_bytes(lambda: block(hidden.clone().requires_grad_(True)), params)
 
-    hf_s = timed(head_forward)
-    hbw_s = timed(lambda loss: loss.backward(), head_forward)
+    hf_s, hbw_s = _head_times(embed, head, lm_loss, ids, torch.randint_like(ids, vocab), precision, timed)
     f, b, w = block_flops(shape, tokens, seq)
     hf = head_flops(width, vocab, tokens)
-    return {"block_f": (f, f_s), "block_b": (b, b_s), "block_w": (w, w_s), "head_f": (hf, hf_s),
+    return {"block_f": (f, f_s), "block_f_counted": (f, timed(counted_forward)), "block_b": (b, b_s),
+            "block_w": (w, w_s), "head_f": (hf, hf_s),
             "head_bw": (2 * hf, hbw_s), "saved": (tokens * width, float(saved))}
+
+
+def _tp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: int, batch: tuple[int, int],
+                     vocab: int, precision: Precision, repeats: int) -> dict[str, tuple[float, float]]:
+    """Our tensor-parallel block over all the ranks, with and without sequence parallelism: F, B and W with the
+    collectives between its matmuls, the copies around them and the norms and residuals every rank repeats, which
+    a whole block's per-FLOP rate scaled by 1/tp leaves out (bench-plan: tp=2 ran 35% slower than that sum); and the
+    vocabulary-parallel embedding, head and loss, with and without loss parallelism."""
+    from gptpar.plan.layout import block_flops, head_flops
+
+    tp, (seqs, seq) = dims.world_size, batch
+    timed = _timer(dims.device, repeats, synced=True)
+    ids, targets = torch.randint(0, vocab, (2, seqs, seq), device=dims.device)
+    points = {}
+    for sp, lp in itertools.product((False, True), (False, True)):
+        pcfg = ParallelConfig(tp=tp, sequence_parallel=sp, loss_parallel=lp)
+        model = shard_model(_small_block_model(width, heads, seq, vocab), pcfg, dims, dims.device)
+        arch = architecture(model)
+        if not lp:  # the blocks do not depend on the loss
+            hidden = torch.randn(seqs, seq // tp if sp else seq, width, device=dims.device)
+            times = _block_times(arch.block_piece(model, 0), hidden, precision, timed)
+            for kind, f, s in zip(("block_f", "block_b", "block_w"), block_flops(shape, seqs * seq, seq, tp), times,
+                                  strict=True):
+                points[tp_kind(kind, tp, sp)] = (f, s)
+        hf = head_flops(width, vocab, seqs * seq, tp)
+        head_s = _head_times(arch.embed_piece(model), arch.head_piece(model), loss_function(pcfg, dims, vocab), ids,
+                             targets, precision, timed)
+        for kind, f, s in zip(("head_f", "head_bw"), (hf, 2 * hf), head_s, strict=True):
+            points[tp_kind(kind, tp, sp, lp)] = (f, s)
+    return points
 
 
 def _optimizer_point(n: int, device: torch.device, repeats: int) -> tuple[float, float]:
@@ -170,7 +223,11 @@ def _collective_points(op: str, sizes: tuple[int, ...], world: int, device: torc
             clocks[-1].stop()
         table = torch.tensor([c.seconds() for c in clocks], dtype=torch.float64, device=device)
         dist.all_reduce(table, op=dist.ReduceOp.MAX)  # a call ends when its last rank's does
-        points.append([float(n * 4), float(table.min().item())])  # the fastest call (see _timer)
+        # The mean call, not the fastest (as _timer's synced work): a step issues its collectives one at a time
+        # between computations, and each pays the typical wake-up of the backend's threads. On a CPU the fastest
+        # of a burst of back-to-back calls is several times faster than the mean (gloo: 0.3 against 1.1 ms for
+        # 1 KB), and a step of many small all-reduces (naive's one per parameter) took the mean's time.
+        points.append([float(n * 4), float(table.mean().item())])
     return points
 
 
@@ -199,12 +256,27 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
         compute["optimizer"] = [list(_optimizer_point(n, device, plan.repeats)) for n in plan.optimizer_params]
         return compute
 
+    def tp_compute(compute: dict[str, list[list[float]]]) -> None:
+        dims = ParallelDims.build(info, {"tp": world})
+        for width, heads in plan.widths:
+            if heads % world:
+                continue
+            for batch in plan.batches:
+                if batch[1] % world:
+                    continue
+                points = _tp_block_points(dims, ModelShape("gpt2", 1, width, heads, 1024), width, heads, batch,
+                                          plan.vocab, amp, plan.repeats)
+                for kind, point in points.items():
+                    compute.setdefault(kind, []).append(list(point))
+
     alone: dict[str, list[list[float]]] = {}
     if device.type == "cpu" and world > 1:  # ranks share this machine's cores: one rank alone computes faster
         if rank == 0:
             alone = all_compute()
         dist.barrier()
     compute = all_compute()
+    if world > 1:
+        tp_compute(compute)
     collectives = {}
     if world > 1:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"):

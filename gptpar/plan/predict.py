@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 from analysis.mfu import Shape, flops_per_token, peak_flops
 from gptpar.errors import GptparError
-from gptpar.plan.calibration import Calibration
+from gptpar.plan.calibration import Calibration, tp_kind
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
-from gptpar.strategies.data_parallel import DP_STRATEGIES, WIRE_BYTES
+from gptpar.strategies.data_parallel import DP_STRATEGIES, WIRE_BYTES, hpz_bytes, wire_value_bytes
 from gptpar.strategies.schedules import Action, make_plan, peak_activations, schedule, simulate
 
 ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -67,6 +67,7 @@ class Costs:
     b: float
     w: float
     tp_comm: float  # of which tensor-parallel communication
+    ep_comm: float = 0.0  # and parallel.ep's all-to-alls
 
     @property
     def whole(self) -> float:
@@ -79,6 +80,10 @@ class Model:
     def __init__(self, layout: Layout, calib: Calibration, net: Network) -> None:
         self.lay, self.c, self.net = layout, calib, net
         self.alone = layout.world == 1  # one rank: on a CPU it has the machine to itself
+        # On a CPU the backend's threads copy and sum the bytes on the cores the ranks compute on, so what a
+        # strategy overlaps with backward still takes its time from the step (bench-plan: bucketed's backward ran
+        # 31% slower beside its all-reduces than alone). On GPUs the collectives run beside the kernels.
+        self.overlaps = calib.device != "cpu"
         self.act = ACTIVATION_BYTES.get(layout.precision, 4)
         self.exposed: dict[str, float] = {}
         self.block_f = self.block_bw = self.head_f = self.head_bw = 0.0
@@ -101,6 +106,15 @@ class Model:
                else self._tp("all_reduce", hidden))
         return 2 * one, 2 * one
 
+    def expert_comm(self) -> float:
+        """A mixture block's all-to-alls under parallel.ep, forward or backward: its tokens' top-k picks sent to their
+        experts' ranks and the results back (backward sends their gradients the same two ways); 0 without ep."""
+        lay = self.lay
+        if lay.ep == 1 or not lay.shape.moe:
+            return 0.0
+        picks = lay.tokens * lay.shape.top_k * lay.shape.n_embd * self.act
+        return 2 * self.net.seconds("all_to_all", picks, lay.ep, lay.tp)
+
     def head_comm(self) -> float:
         """The vocabulary-parallel embedding's all-reduce and the loss: three all-reduces of one number per token on
         vocabulary shards (parallel.loss_parallel), else an all-gather of the logits."""
@@ -116,25 +130,40 @@ class Model:
         loss where it holds them, and tensor-parallel communication."""
         lay, c = self.lay, self.c
         f, b, w = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp)
-        bf, bb, bw = (c.seconds("block_f", f, self.alone), c.seconds("block_b", b, self.alone),
-                      c.seconds("block_w", w, self.alone))
         comm_f, comm_b = self.block_comm()
+        kinds = [tp_kind(k, lay.tp, lay.sequence_parallel) for k in ("block_f", "block_b", "block_w")]
+        if lay.tp > 1 and all(k in c.compute for k in kinds):  # measured whole: its collectives are inside
+            bf, bb, bw = (c.seconds(k, flops) - comm for k, flops, comm in zip(kinds, (f, b, w), (comm_f, comm_b, 0.0),
+                                                                                strict=True))
+        else:
+            # The pipeline engine counts the bytes each forward saves (pp_peak_activation_bytes), a Python hook on
+            # every saved tensor: its forwards are timed so where the calibration has them.
+            forward = "block_f_counted" if lay.pp > 1 and "block_f_counted" in c.compute else "block_f"
+            bf, bb, bw = (c.seconds(forward, f, self.alone), c.seconds("block_b", b, self.alone),
+                          c.seconds("block_w", w, self.alone))
         n = lay.blocks_of(rank)
+        a2a = self.expert_comm()
+        comm_f, comm_b = comm_f + a2a, comm_b + a2a
         cost_f = n * (bf + comm_f)
         cost_b = n * (bb + comm_b) + lay.recomputed_blocks(rank) * (bf + comm_f)
         cost_w = n * bw
-        tp_comm = n * (comm_f + comm_b) + lay.recomputed_blocks(rank) * comm_f
+        ep_comm = (2 * n + lay.recomputed_blocks(rank)) * a2a
+        tp_comm = n * (comm_f + comm_b) + lay.recomputed_blocks(rank) * comm_f - ep_comm
         self.block_f, self.block_bw, self.head_f, self.head_bw = bf + comm_f, bb + comm_b + bw, 0.0, 0.0
         if lay.holds_head(rank):
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
             head = self.head_comm()
-            hbw = c.seconds("head_bw", 2 * hf, self.alone)
-            cost_f += c.seconds("head_f", hf, self.alone) + head
-            self.head_f, self.head_bw = c.seconds("head_f", hf, self.alone) + head, hbw
+            kinds = [tp_kind(k, lay.tp, lay.sequence_parallel, lay.loss_parallel) for k in ("head_f", "head_bw")]
+            if lay.tp > 1 and all(k in c.compute for k in kinds):  # measured whole: its collectives are inside
+                head_f, hbw = c.seconds(kinds[0], hf), c.seconds(kinds[1], 2 * hf)
+            else:
+                head_f, hbw = c.seconds("head_f", hf, self.alone) + head, c.seconds("head_bw", 2 * hf, self.alone)
+            cost_f += head_f
+            self.head_f, self.head_bw = head_f, hbw
             cost_b += hbw / 2
             cost_w += hbw / 2
             tp_comm += head
-        return Costs(cost_f, cost_b, cost_w, tp_comm)
+        return Costs(cost_f, cost_b, cost_w, tp_comm, ep_comm)
 
     def p2p(self) -> float:
         """One activation (or its gradient) sent to the next stage."""
@@ -168,6 +197,7 @@ class Model:
         busy = sum(costs[r].whole for r in range(lay.pp)) * lay.chunks / lay.pp
         self._add("send_recv", 2 * lay.chunks * lay.virtual * hop if lay.pp > 1 else 0.0)
         self._add("tp", sum(costs[r].tp_comm for r in range(lay.pp)) / lay.pp * lay.chunks)
+        self._add("all_to_all", sum(costs[r].ep_comm for r in range(lay.pp)) / lay.pp * lay.chunks)
         return timeline.makespan, busy, lists
 
     def dp_sync(self, backward_s: float, n: int, rank: int) -> float:
@@ -238,6 +268,8 @@ class Model:
                 size = 0.0
         if size:
             done.append((size, ready))
+        if not self.overlaps:
+            return sum(coll(op, nbytes) for nbytes, _ in done)
         for nbytes, ready_at in done:
             free = max(free, ready_at) + coll(op, nbytes)
         return max(0.0, free - backward_s)
@@ -251,12 +283,24 @@ class Model:
         block_bytes = lay.block_parameters * 4.0
         root_bytes = self._ends(0) * 4.0
         wire = WIRE_BYTES.get(lay.grad_comm, 4.0) / 4.0
+        gathered = wire_value_bytes(lay.param_comm, lay.quant_block) / 4.0  # parallel.param_comm (qwZ at int8)
+        crossing = [True]  # under hpZ only the step's first gather of each unit crosses nodes; the rest stay inside
 
         def ag(nbytes: float) -> float:
-            return self.net.seconds("all_gather", nbytes, lay.dp, lay.tp)
+            group = lay.dp if crossing[0] or not lay.hpz_node else lay.hpz_node
+            return self.net.seconds("all_gather", nbytes * gathered, group, lay.tp)
 
         def rs(nbytes: float) -> float:
             return self.net.seconds("reduce_scatter", nbytes * wire, lay.dp, lay.tp)
+
+        if not self.overlaps:  # every gather and reduce-scatter of every micro-step, one after another
+            exposed = 0.0
+            for _ in range(lay.grad_accum):
+                exposed += ag(root_bytes) + blocks * ag(block_bytes)
+                crossing[0] = False
+                exposed += blocks * (ag(block_bytes) + rs(block_bytes)) + rs(root_bytes)
+            self._add("fsdp gathers and reduce-scatters", exposed)
+            return exposed
 
         per_f = [self.block_f] * blocks
         head_f = self.head_f
@@ -271,6 +315,7 @@ class Model:
                 if i + 1 < blocks:
                     gather_end = free = max(free, start) + ag(block_bytes)
                 t = start + per_f[i]
+            crossing[0] = False
             t += head_f + self.head_bw
             compute = sum(per_f) + head_f + self.head_bw
             # backward: the head's (the root stays gathered), then blocks last to first, each gathered again (the
@@ -332,8 +377,9 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
         compute_s, bubble_s, core = busy * lay.grad_accum, max(window - busy, 0.0) * lay.grad_accum, window
     else:
         costs = model.rank_costs(0)
-        compute_s, bubble_s, core = costs.whole - costs.tp_comm, 0.0, costs.whole
+        compute_s, bubble_s, core = costs.whole - costs.tp_comm - costs.ep_comm, 0.0, costs.whole
         model._add("tp", costs.tp_comm * lay.grad_accum)
+        model._add("all_to_all", costs.ep_comm * lay.grad_accum)
         compute_s *= lay.grad_accum
     core *= lay.grad_accum
     backward = model.rank_costs(0).b + model.rank_costs(0).w
@@ -353,9 +399,22 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     peak = peak_flops(device, lay.precision)
     flops = flops_per_token(Shape(lay.shape, lay.seq_len, lay.vocab))
     mfu = flops * tokens_per_s / (lay.world * peak) if peak else None
-    notes = ["parallel.grad_comm=powersgd is priced as fp32"] if lay.grad_comm == "powersgd" else []
+    notes = approximations(lay)
     return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),
                       fullest, mfu, lay.world, notes, memory)
+
+
+def approximations(lay: Layout) -> list[str]:
+    """What the prediction of `lay` prices as something close to it, said beside it."""
+    notes = []
+    if lay.grad_comm == "powersgd":
+        notes.append("parallel.grad_comm=powersgd is priced as fp32 (its low-rank P and Q are not modelled)")
+    if lay.dp_sync == "fsdp2" and lay.dp > 1:
+        notes.append("fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")
+    if lay.ep > 1 and lay.shape.moe:
+        notes.append("parallel.ep: the experts' gradients are priced as reduced over all of dp (they are reduced "
+                     "over their dp/ep replicas), and routing as balanced")
+    return notes
 
 
 def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float:
@@ -374,7 +433,7 @@ def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float
 def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | None) -> list[dict[str, int]]:
     """Each pipeline rank's bytes: training state by the strategy table's closed form, activations of the
     micro-batches it holds at once (weighted `peak_activations` of its schedule, one micro-step without a pipeline),
-    fsdp's gathered units."""
+    fsdp's gathered units, hpZ's secondary copy (`hpz_bytes`)."""
     row = DP_STRATEGIES[lay.dp_sync]
     out = []
     for r in range(lay.pp):
@@ -389,7 +448,8 @@ def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | No
         shard = {part: lay.dp if part in row.sharded else 1 for part in ("params", "grads", "optimizer")}
         parts = {"params": int(n * 4 / shard["params"]), "grads": int(n * 4 / shard["grads"]),
                  "optimizer": int(n * 8 / shard["optimizer"]), "state": int(row.state_bytes(n, lay.dp)),
-                 "activations": int(held), "gathered": gathered}
-        parts["total"] = parts["state"] + parts["activations"] + parts["gathered"]
+                 "activations": int(held), "gathered": gathered,
+                 "hpz": int(hpz_bytes(n, lay.hpz_node, lay.param_comm, lay.quant_block)) if lay.hpz_node else 0}
+        parts["total"] = parts["state"] + parts["activations"] + parts["gathered"] + parts["hpz"]
         out.append(parts)
     return out

@@ -22,6 +22,7 @@ from gptpar.errors import GptparError
 from gptpar.plan.commands import MB, describe, resolved_layout
 from gptpar.plan.layout import Layout
 from gptpar.plan.predict import Prediction, predict
+from gptpar.plan.record import SHIPPED
 from gptpar.plan.target import Target, target_of
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.strategies.schedules import SCHEDULES
@@ -98,8 +99,9 @@ def search(cfg: Config, gpus: int, calibration: str | None) -> tuple[list[Ranked
 
 
 def sweep_text(base: dict[str, object], top: list[Ranked], gpus: int, per_node: int) -> str:
-    """The top layouts as a sweep over `base` (the search's config words): `kind: dp` sets parallel.dp from the
-    job's shape, so it is left out of the axes; every other key that differs between them is a zip axis."""
+    """The top layouts as a sweep over `base` (the search's config words, report.plan_calibration among them, so
+    each run is planned and its report sets the prediction beside the measurement): `kind: dp` sets parallel.dp from
+    the job's shape, so it is left out of the axes; every other key that differs between them is a zip axis."""
     nodes = gpus // per_node if per_node and gpus > per_node else 1
     keys = sorted({k for r in top for k in r.overrides if k != "parallel.dp"})
     zipped = {k: [r.overrides.get(k, DEFAULTS.get(k)) for r in top] for k in keys}
@@ -145,7 +147,9 @@ def search_command(args: argparse.Namespace, cfg: Config) -> int:
             raise GptparError("no valid layout to write as a sweep; see the reasons above")
         per_node = int((target_of(cfg, args.calibration).profile.get("links") or {}).get("gpus_per_node") or 0)
         out = Path(args.sweep)
-        base = overrides_tree([*args.words, *(f"{k}={v}" for k, v in changes.items())])
+        planned = str(Path(args.calibration).resolve()) if args.calibration else SHIPPED  # each run's plan.json
+        base = overrides_tree([*args.words, *(f"{k}={v}" for k, v in changes.items()),
+                               f"report.plan_calibration={planned}"])
         atomic_write_text(out, sweep_text(base, ranked[:args.top], args.gpus, per_node))
         print(f"wrote {out}: the top {min(args.top, len(ranked))} as a sweep (gptpar sweep {out})")
     return 0

@@ -12,7 +12,7 @@ from typing import Any
 from gptpar.config import Config
 from gptpar.errors import GptparError
 from gptpar.launch.profiles import load_profile
-from gptpar.plan.calibration import Calibration, find, local_device_name
+from gptpar.plan.calibration import CALIBRATION_FLAG, Calibration, find, local_device_name
 from gptpar.plan.network import Network, network_of
 
 
@@ -46,8 +46,9 @@ class Target:
         return float(gb) * 1e9 if gb else None
 
 
-def target_of(cfg: Config, calibration: str | None) -> Target:
-    """The device, calibration and network of `cfg`'s launch.profile (the local profile: this machine)."""
+def target_of(cfg: Config, calibration: str | None, key: str = CALIBRATION_FLAG) -> Target:
+    """The device, calibration (named by `key`) and network of `cfg`'s launch.profile (the local profile: this
+    machine)."""
     name = Path(cfg.launch.profile).stem
     profile = load_profile(cfg.launch.profile)
     local = name == "local"
@@ -57,5 +58,5 @@ def target_of(cfg: Config, calibration: str | None) -> Target:
         device = str(profile.get("device") or cfg.launch.gpu_type or profile.get("gpu_type") or "")
         if not device:
             raise GptparError(f"profile {name} names no GPU (device: or gpu_type:); set launch.gpu_type, e.g. a100")
-    calib, label = find(calibration, device, local)
+    calib, label = find(calibration, device, local, key)
     return Target(device, local, name, profile, calib, label, network_of(calib, profile, name, local))

@@ -63,8 +63,13 @@ def hpz_bytes(n: float, node_size: int, param_comm: str = "fp32", quant_block: i
     its node's 1/node_size share of the gathered parameters, kept as they came over the wire (parallel.param_comm's
     type; int8 with one fp32 scale per quant_block values), so that the node can gather them again without the other
     nodes."""
-    per_value = WIRE_BYTES[param_comm] + (4 / quant_block if param_comm == "int8" else 0)
-    return n * per_value / node_size
+    return n * wire_value_bytes(param_comm, quant_block) / node_size
+
+
+def wire_value_bytes(mode: str, quant_block: int = 256) -> float:
+    """Bytes one value takes on the wire in `mode` (grad_comm's or param_comm's), int8's share of its block's fp32
+    scale included."""
+    return WIRE_BYTES[mode] + (4 / quant_block if mode == "int8" else 0)
 
 
 _PACKAGE = "gptpar.parallel.data_parallel"

@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
-from planfix import calibration, layout
+import yaml
+from planfix import calibration, layout, machine_calibration
 
 from gptpar.cli import main
 from gptpar.config import config_from_dict
 from gptpar.launch.sweep import expand
-from gptpar.plan.calibration import installed_torch, local_device_name
 
 WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=4096", "data.seq_len=64",
          "train.precision=fp32"]
@@ -21,13 +21,7 @@ WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=409
 
 @pytest.fixture
 def calib(tmp_path: Path) -> str:
-    """A calibration of this machine (its CPU's name, the installed torch) with collectives measured."""
-    c = calibration(layout("model.preset=gpt2-tiny"), device_name=local_device_name(), torch_version=installed_torch())
-    c.collectives.update({op: [[4096.0, 1e-4], [2.0**20, 1e-3]] for op in ("all_reduce", "reduce_scatter", "all_gather",
-                                                                         "all_to_all", "send_recv")})
-    path = tmp_path / "calib.json"
-    path.write_text(c.to_json())
-    return str(path)
+    return str(machine_calibration(tmp_path / "calib.json"))
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -87,6 +81,8 @@ def test_search_ranks_only_valid_layouts_and_names_why_the_rest_fail(calib: str,
     assert "stages but the model has 4 blocks" in out
     name, kind, points = expand(sweep)
     assert (name, kind, len(points)) == ("plan_top", "dp", 3)
+    base = yaml.safe_load(sweep.read_text())["base"]  # each run planned: its report sets prediction by measurement
+    assert base["report"]["plan_calibration"] == str(Path(calib).resolve())
     for _, words in points:  # every point is a layout the config accepts, on 8 ranks
         cfg = config_from_dict({"model": {"preset": "gpt2-tiny"}, "train": {"batch_size": 64}})
         from gptpar.config import updated

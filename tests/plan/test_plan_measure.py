@@ -1,5 +1,6 @@
 """A real calibration, tiny (one shape, one micro-batch, two sizes of each collective), on the shared 2-rank gloo
-pool: every kind of compute and every collective is measured, and the file reads back as a calibration of this CPU."""
+pool: every kind of compute (our tensor-parallel block on both ranks too) and every collective is measured, and the
+file reads back as a calibration of this CPU."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 from gloo_pool import GlooPools
 
-from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, load, local_device_name
+from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, load, local_device_name, tp_kind
 from gptpar.plan.measure import Plan, measure_rank
 
 TINY = Plan(((64, 2),), ((2, 32),), (4096, 262144), (10**4, 10**5), 512, 2, comm_iters=3)
@@ -24,6 +25,11 @@ def test_a_tiny_calibration_on_two_gloo_ranks(gloo_pool: GlooPools, tmp_path: Pa
     assert all(s > 0 for kind in COMPUTE_KINDS for _, s in calib.compute[kind])
     assert all(s > 0 for kind in COMPUTE_KINDS for _, s in calib.compute_alone[kind])  # rank 0 alone, first
     assert [x for x, _ in calib.compute["optimizer"]] == [1e4, 1e5]
+    assert calib.compute["block_f_counted"][0][1] > 0  # the forward as the pipeline engine runs it
+    for kind in ("block_f", "block_b", "block_w"):  # our tp=2 block, timed whole with and without SP
+        assert all(len(calib.compute[tp_kind(kind, 2, sp)]) == 1 for sp in (False, True))
+    for kind in ("head_f", "head_bw"):  # and its head and loss, with and without loss parallelism
+        assert all(len(calib.compute[tp_kind(kind, 2, sp, lp)]) == 1 for sp in (False, True) for lp in (False, True))
     for op in COLLECTIVES:
         (small, t_small), (big, t_big) = calib.collectives[op]
         assert (small, big) == (4096.0, 262144.0) and t_small > 0 and t_big > 0

@@ -1,5 +1,6 @@
 """The cost model's arithmetic against hand-computed values on synthetic calibrations: the pipeline's bubble is the
-closed form under unit costs, naive exposes every all-reduce, bucketed hides what backward covers, memory is the
+closed form under unit costs, naive exposes every all-reduce, bucketed hides what backward covers on a GPU (nothing
+on a CPU, whose cores do both), memory is the
 strategy table's closed form plus the activations each schedule holds."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import pytest
 from planfix import calibration, layout, network
 
+from gptpar.plan.calibration import tp_kind
+from gptpar.plan.layout import block_flops, head_flops
 from gptpar.plan.predict import predict
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.strategies.schedules import closed_form_bubble
@@ -42,13 +45,17 @@ def test_naive_exposes_every_all_reduce_and_bucketed_hides_what_backward_covers(
 
     bucketed = layout(*words, "parallel.dp_sync=bucketed")
     fast = network(0.0, bandwidth)
-    pred = predict(bucketed, calibration(bucketed), fast, "test cpu")
+    on_cpu = predict(bucketed, calibration(bucketed), fast, "test cpu")
+    # On a CPU gloo's threads sum on the cores that compute: every bucket's time is the step's.
+    assert on_cpu.exposed_comm_s["all_reduce"] == pytest.approx(n * 4 / bandwidth)
+    gpu = calibration(bucketed, device="cuda", device_name="TestGPU")
+    pred = predict(bucketed, gpu, fast, "TestGPU")
     # Each block is a bucket reduced (in block / bandwidth << one block's backward) while the next block's backward
     # runs; the first block's bucket and the tables' complete only at backward's end: those two are exposed.
     block = bucketed.block_parameters * 4 / bandwidth
     tables = (bucketed.end_parameters(0) - bucketed.shape.norm_parameters()) * 4 / bandwidth
     assert pred.exposed_comm_s["all_reduce"] == pytest.approx(block + tables)
-    slow = predict(bucketed, calibration(bucketed), network(0.0, bandwidth / 1000), "test cpu")
+    slow = predict(bucketed, gpu, network(0.0, bandwidth / 1000), "TestGPU")
     whole = n * 4 / (bandwidth / 1000)  # every bucket's time, far longer than backward: all but backward exposed
     assert whole - 8 * 2 <= slow.exposed_comm_s["all_reduce"] <= whole
 
@@ -103,8 +110,81 @@ def test_fsdp_hides_every_gather_but_the_first_of_each_pass_behind_compute() -> 
     fsdp = "fsdp gathers and reduce-scatters"
     # Blocks of 1 s hide every prefetched gather and every reduce-scatter but the last ones: exposed are the root's and
     # block 0's gathers in forward, the last block's gather in backward, and block 0's and the root's reduce-scatters.
-    slow_compute = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")
+    gpu = {"device": "cuda", "device_name": "TestGPU"}
+    slow_compute = predict(lay, calibration(lay, **gpu), network(0.0, bandwidth), "TestGPU")
     assert slow_compute.exposed_comm_s[fsdp] == pytest.approx((root + 1.5 * block) / bandwidth)
-    # Blocks that cost nothing hide nothing: every unit's collectives, one after another.
-    free = predict(lay, calibration(lay, 1e-12, 1e-12, 1e-12), network(0.0, bandwidth), "test cpu")
+    # Blocks that cost nothing hide nothing: every unit's collectives, one after another; on a CPU (gloo's threads
+    # on the computing cores) none is hidden however long the blocks take.
+    free = predict(lay, calibration(lay, 1e-12, 1e-12, 1e-12, **gpu), network(0.0, bandwidth), "TestGPU")
     assert free.exposed_comm_s[fsdp] == pytest.approx((root + 12 * block) / bandwidth, rel=1e-6)
+    on_cpu = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")
+    assert on_cpu.exposed_comm_s[fsdp] == pytest.approx((root + 12 * block) / bandwidth, rel=1e-6)
+
+
+def test_a_tensor_parallel_block_timed_whole_is_priced_as_timed() -> None:
+    """A calibration that timed the tp=2 block whole (collectives inside) prices it so: 2 s each of F, B and W
+    against the whole block's 1 s scaled by its FLOPs, and its head and loss so; a layout it did not time (sequence
+    parallelism) falls back."""
+    lay = layout(*EIGHT_BLOCKS, "parallel.tp=2")
+    calib = calibration(lay)
+    flops = block_flops(lay.shape, lay.tokens, lay.seq_len, 2)
+    for kind, x in zip(("block_f", "block_b", "block_w"), flops, strict=True):
+        calib.compute[tp_kind(kind, 2, False)] = [[x, 2.0]]
+    timed = predict(lay, calib, network(), "test cpu")
+    assert timed.step_time_s == pytest.approx(8 * 6)
+    hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, 2)  # the head and loss timed whole too: 5 s and 10 s
+    calib.compute[tp_kind("head_f", 2, False)] = [[hf, 5.0]]
+    calib.compute[tp_kind("head_bw", 2, False)] = [[2 * hf, 10.0]]
+    assert predict(lay, calib, network(), "test cpu").step_time_s == pytest.approx(8 * 6 + 15)
+    sp = layout(*EIGHT_BLOCKS, "parallel.tp=2", "parallel.sequence_parallel=true")
+    assert predict(sp, calib, network(), "test cpu").step_time_s == pytest.approx(8 * 3)
+
+
+@pytest.mark.parametrize(("words", "expected"), [
+    # fp32: the root once and each of 8 blocks twice gathered (3/4 of each sent over 4 ranks), each reduce-scattered
+    ([], lambda root, block: 0.75 * (root + 16 * block) + 0.75 * (8 * block + root)),
+    # bf16 gathers send half the bytes; the reduce-scatters stay fp32
+    (["parallel.param_comm=bf16"], lambda root, block: 0.375 * (root + 16 * block) + 0.75 * (8 * block + root)),
+    # hpZ over nodes of 2: the forward's gathers cross (3/4), backward's stay in the node (1/2 over 2 ranks)
+    (["parallel.hpz=true", "parallel.hpz_node_size=2"],
+     lambda root, block: 0.75 * (root + 8 * block) + 0.5 * 8 * block + 0.75 * (8 * block + root)),
+])
+def test_fsdp_gathers_are_priced_in_their_wire_type_and_group(words: list[str], expected) -> None:
+    lay = layout(*EIGHT_BLOCKS, "parallel.dp=4", "parallel.dp_sync=fsdp", *words)
+    bandwidth = 1e9
+    pred = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")  # a CPU: every collective exposed
+    root, block = lay.end_parameters(0) * 4, lay.block_parameters * 4
+    assert pred.exposed_comm_s["fsdp gathers and reduce-scatters"] == pytest.approx(expected(root, block) / bandwidth)
+    copy = lay.rank_parameters(0) * 4 / 2 if lay.hpz_node else 0  # hpZ's secondary copy: N·4/L
+    assert pred.memory["hpz"] == int(copy)
+    assert pred.memory["total"] == pred.memory["state"] + pred.memory["activations"] + pred.memory["gathered"] + copy
+
+
+def test_expert_parallel_all_to_alls_are_priced_per_block() -> None:
+    """Each mixture block sends its tokens' top-k picks out and back in forward, and their gradients in backward:
+    four all-to-alls of tokens·k·d·4 bytes, half of which leave the rank over ep = 2; the experts split over ep."""
+    words = ("model.preset=qwen2-moe-tiny", "data.seq_len=64", "train.batch_size=16", "parallel.dp=2")
+    lay = layout(*words, "parallel.ep=2")
+    bandwidth = 1e9
+    pred = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")
+    s = lay.shape
+    picks = lay.tokens * s.top_k * s.n_embd * 4
+    assert pred.exposed_comm_s["all_to_all"] == pytest.approx(s.n_layer * 4 * picks / 2 / bandwidth)
+    whole = layout(*words)
+    assert whole.block_parameters - lay.block_parameters == s.block_parameters() - s.block_parameters(s.n_experts // 2)
+    assert any("parallel.ep" in note for note in pred.notes)
+
+
+def test_a_pipeline_forward_is_priced_as_the_engine_runs_it_counting_saved_bytes() -> None:
+    """The engine counts what each forward saves (a hook per saved tensor): a calibration that timed that forward
+    (block_f_counted, here 2 s against 1) prices the pipeline's forwards with it, and only the pipeline's."""
+    lay = layout(*EIGHT_BLOCKS, "parallel.pp=2", "parallel.chunks=4", "parallel.pp_schedule=gpipe")
+    calib = calibration(lay)
+    plain = predict(lay, calib, network(), "test cpu")
+    calib.compute["block_f_counted"] = [[x, 2.0] for x, _ in calib.compute["block_f"]]
+    counted = predict(lay, calib, network(), "test cpu")
+    assert counted.compute_s - plain.compute_s == pytest.approx(4 * 4)  # 4 micro-batches x 4 blocks a rank, 1 s more
+    single = layout(*EIGHT_BLOCKS)
+    calib = calibration(single)
+    calib.compute["block_f_counted"] = [[x, 2.0] for x, _ in calib.compute["block_f"]]
+    assert predict(single, calib, network(), "test cpu").compute_s == pytest.approx(8 * 3)
