@@ -87,7 +87,8 @@ PLAN_NOTE = (
     "Planned: the run's plan.json, `gptpar plan predict` of its config with report.plan_calibration, written when "
     "its folder was made, before any rank started. Measured: the step time of the footnoted table's steps (each "
     "step's mean over ranks, mean over the kept steps), the job's tokens/s, and the training state (parameters, "
-    "gradients, optimizer state) of the fullest rank's `memory` record against the plan's closed form for it. The "
+    "gradients, optimizer state, and under parallel.hpz its secondary copy) of the fullest rank's `memory` record "
+    "against the plan's closed form for it. The "
     "planner's accuracy and what it leaves out: README, \"Plan before you submit\".")
 MEMORY_NOTE = (
     "Bytes of the distinct storages of each rank's live parameters, gradients and AdamW state after its first "
@@ -439,6 +440,8 @@ def _plan_section(shown: list[RunMetrics]) -> list[str]:
         step, rate = plan["step_time_s"], plan["tokens_per_s"]
         measured = r.step_time[0]
         state = plan["memory"].get("state")
+        if state is not None:  # the accounted total holds parallel.hpz's copy too, so the plan's side does as well
+            state += plan["memory"].get("hpz") or 0
         accounted = r.memory.max["total"] if r.memory is not None else None
         lines.append(f"| {r.run_id} | {plan.get('layout', '–')} | {step * 1e3:.1f} | {_fmt(_ms(measured), '.1f')} | "
                      f"{_error(step, measured)} | {rate:,.0f} | {_fmt(r.job_tokens_per_s, ',.0f')} | "
