@@ -44,7 +44,8 @@ OTHER_DICTS = {
     "analysis/aggregate.py": GRID | MEMORY_PARTS | set(MOE_LOAD_KEYS) | {"all_to_all"},
     "analysis/figures.py": MEMORY_PARTS | {"F", "B", "W"},  # a timeline's action kinds
     "analysis/report.py": {"fork"},  # a multiprocessing start method
-    "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s"},  # a trace's per-rank totals
+    # a trace's per-rank totals; a plan.json's prediction (gptpar.plan.record): its memory's state and hpZ copy, layout
+    "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s", "memory", "state", "hpz", "layout"},
     "analysis/trace.py": {"traceEvents", "name", "cat", "ts", "dur", "ph", "pid", "tid", "calls", "where", "self_s",
                           "nccl"},
     "gptpar/launch/status.py": {"pending"},  # a run state
