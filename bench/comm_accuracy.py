@@ -12,7 +12,7 @@ difference passes its TOLERANCE (by what the mode sends); it draws the curves an
 A finished run is not trained again (gptpar skips a completed run folder), so a second call only redraws.
 
 Run: .venv/bin/python bench/comm_accuracy.py   (`make bench-comm-accuracy`; 16 minutes on the shared 2-core machine
-     at load 5 to 10, 70 to 125 s a mode; --data-dir names the folder holding tinyshakespeare.txt, ../shared/data by
+     at load 5 to 10, 64 to 125 s a mode; --data-dir names the folder holding tinyshakespeare.txt, ../shared/data by
      default)
 """
 
