@@ -78,7 +78,7 @@ def run_id(name: str) -> str:
 
 
 def train(args: argparse.Namespace, name: str, settings: list[str]) -> float:
-    """One mode as `gptpar train` runs it; seconds it took (0 where the run had finished before)."""
+    """One mode as `gptpar train` runs it; the seconds it took (a few where the run had finished: gptpar skips it)."""
     command = [sys.executable, "-m", "gptpar", "train", "model.preset=gpt2-mini", "data.source=tinyshakespeare",
                f"data.dir={args.data_dir}", "data.tokenizer=bpe", f"data.seq_len={args.seq}",
                f"train.batch_size={args.batch}", f"train.max_steps={args.steps}", "train.eval_every=0",
