@@ -17,7 +17,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis bench-moe bench-comm bench-plan figures config-reference log-reference clean
+.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis bench-moe bench-comm bench-comm-accuracy bench-plan figures config-reference log-reference clean
 
 install: $(STAMP)
 
@@ -86,6 +86,11 @@ bench-moe: install
 # Compressed gradients (parallel.grad_comm): every mode of every sync, bytes and speed, ours against torch's hooks.
 bench-comm: install
 	$(PY) bench/bench_comm.py
+
+# Compressed communication against fp32 over 300 steps of gpt2-mini on ../shared/data's tinyshakespeare: the table and
+# docs/comm_accuracy/loss_vs_fp32.png (16 minutes on 2 loaded cores).
+bench-comm-accuracy: install
+	$(PY) bench/comm_accuracy.py
 
 # The planner against real runs: calibrate, predict and train 14 layouts, print each error (under 10 minutes idle).
 bench-plan: install

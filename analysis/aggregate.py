@@ -19,7 +19,10 @@ Definitions (they are repeated in the summary's footnotes):
   state), mean and max over ranks, against the closed form of fp32 AdamW state for the run's
   data-parallel strategy and the rank's own parameter count; a rank off it by more than 1% + 4 KiB
   (the padding of sharded buffers) is flagged. fsdp's optional `gathered_peak_bytes` (unsharded parameters
-  and gradients held at once during a step, transient) is carried beside it, outside the closed form;
+  and gradients held at once during a step, transient) is carried beside it, outside the closed form; its optional
+  `hpz_bytes` (parallel.hpz's secondary copy, held all step) is inside the total, and its closed form N·b/L
+  (strategies.data_parallel.hpz_bytes: b by parallel.param_comm, L the logged `hpz_node_size`, else a nonzero
+  parallel.hpz_node_size) inside the run's; a run whose L is unknown has no closed form;
 - peak memory: each rank's highest `peak_mem_bytes` over its step records (null where the device does not
   measure it), mean and max over the ranks that logged a number;
 - job tokens/s spread: the sample std over the kept epochs (else kept steps) of each one's job tokens/s, the
@@ -46,7 +49,7 @@ from gptpar.run.names import replaced
 from gptpar.run.records import EPOCH_SCORES
 from gptpar.run.state import RunLog, job_of, replica_indices
 from gptpar.run.sweeps import stale_runs
-from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES, closed_form_state_bytes
+from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES, closed_form_state_bytes, hpz_bytes
 from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
 
 TOP_LEVEL = "top-level"  # the sweep of the runs that are not in a sweep folder
@@ -80,6 +83,9 @@ class MemoryUse:
     # (mean, max) of `gathered_peak_bytes` over the ranks that log it (fsdp: unsharded parameters and gradients
     # held at once in a step); transient, so outside the closed form; None when no rank logs it
     gathered_peak: tuple[float, float] | None = None
+    # (mean, max) of `hpz_bytes` (parallel.hpz: fsdp's secondary copy of the parameters), held all step long: inside
+    # "total" and, where the node size L is known, the closed form (N·b/L); None when no rank logs it
+    hpz: tuple[float, float] | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -441,42 +447,64 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     stage's, with parallel.pp > 1); a rank off it beyond the tolerance flags the run with a warning. A record
     with a field that is not a finite number (an optional gathered_peak_bytes that is not null included) is warned
     about and left out."""
-    rows: list[tuple[int, float, dict[str, float]]] = []
+    rows: list[tuple[int, float, dict[str, float], float | None]] = []  # rank, N, bytes, hpZ's closed form
     gathered: list[float] = []
+    held: list[float] = []
     for log in ranks:
         if log.memory is None:
             continue
         parts = {part: _number(log.memory[f"{part}_bytes"]) for part in STATE_BYTES}
         n = _number(log.memory["params"])
-        extra = log.memory.get("gathered_peak_bytes")
+        extra, copy = log.memory.get("gathered_peak_bytes"), log.memory.get("hpz_bytes")
         optional = [] if extra is None else [_number(extra)]
-        if not all(map(math.isfinite, [n, *parts.values(), *optional])):
+        hpz = [] if copy is None else [_number(copy)]
+        if not all(map(math.isfinite, [n, *parts.values(), *optional, *hpz])):
             m.warnings.append(f"{m.run}: rank {log.rank}'s memory record has a field that is not a number; left out")
             continue
-        rows.append((log.rank, n, {**parts, "total": math.fsum(parts.values())}))
+        rows.append((log.rank, n, {**parts, "total": math.fsum([*parts.values(), *hpz])},
+                     _hpz_closed_form(m, log.memory, n) if hpz else 0.0))
         gathered += optional
+        held += hpz
     if not rows:
         return
     strategy = str(m.params.get("parallel.dp_sync", ""))
     # Under parallel.ep a sharding strategy shards only the dense part; the closed form knows one kind of parameter.
     row = DP_STRATEGIES.get(strategy)
     split_experts = _number(m.params.get("parallel.ep", 1)) > 1 and row is not None and bool(row.sharded)
-    closed = [None if split_experts else closed_form_state_bytes(strategy, n, m.dp) for _, n, _ in rows]
+    closed = [None if split_experts or form is None else _plus(closed_form_state_bytes(strategy, n, m.dp), form)
+              for _, n, _, form in rows]
+    if any(form is None for *_, form in rows):
+        m.warnings.append(f"{m.run}: its memory records hold hpZ's copy but not its node size (hpz_node_size), so "
+                          "its memory has no closed form to check")
     known = [c for c in closed if c is not None]  # all or none: one strategy per run
-    off = [(rank, b["total"], c) for (rank, _, b), c in zip(rows, closed, strict=True)
+    off = [(rank, b["total"], c) for (rank, _, b, _), c in zip(rows, closed, strict=True)
            if c is not None and abs(b["total"] - c) > MEMORY_REL_TOL * c + MEMORY_ABS_TOL]
     m.memory = MemoryUse(strategy=_memory_strategy(m.dp, strategy), ranks=len(rows),
-                         params=statistics.fmean(n for _, n, _ in rows),
-                         mean={k: statistics.fmean(b[k] for *_, b in rows) for k in rows[0][2]},
-                         max={k: max(b[k] for *_, b in rows) for k in rows[0][2]},
+                         params=statistics.fmean(n for _, n, *_ in rows),
+                         mean={k: statistics.fmean(b[k] for _, _, b, _ in rows) for k in rows[0][2]},
+                         max={k: max(b[k] for _, _, b, _ in rows) for k in rows[0][2]},
                          closed_form=statistics.fmean(known) if known else None, mismatched=[rank for rank, *_ in off],
-                         gathered_peak=_mean_max(gathered))
+                         gathered_peak=_mean_max(gathered), hpz=_mean_max(held))
     if off:
         rank, total, c = off[0]
         more = f" (and {len(off) - 1} more rank(s))" if len(off) > 1 else ""
         m.warnings.append(f"{m.run}: rank {rank} holds {total / 1e6:.4g} MB of training state, {total / c:.3g}x the "
                           f"closed form {c / 1e6:.4g} MB for {m.memory.strategy} with W={m.dp}{more}; flagged (⚠) in "
                           "the memory table and figure")
+
+
+def _hpz_closed_form(m: RunMetrics, record: dict[str, Any], n: float) -> float | None:
+    """N·b/L of a rank that logged `hpz_bytes`: b by the run's parallel.param_comm and quant_block, L its logged node
+    group size (older records: a nonzero parallel.hpz_node_size); None where neither says L."""
+    size = record.get("hpz_node_size") or m.params.get("parallel.hpz_node_size") or 0
+    if not _finite(size) or int(size) < 1:
+        return None
+    return hpz_bytes(n, int(size), str(m.params.get("parallel.param_comm", "fp32")),
+                     int(m.params.get("parallel.quant_block", 256)))
+
+
+def _plus(state: float | None, copy: float) -> float | None:
+    return None if state is None else state + copy
 
 
 def _bubble(m: RunMetrics, kept: list[tuple[int, dict[int, dict[str, Any]]]]) -> None:

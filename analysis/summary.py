@@ -23,6 +23,7 @@ CSV_COLUMNS = (
     "stitched_epochs", "stale", "pp_schedule", "pp_virtual", "bubble_measured_std", "bubble_flagged",
     "dp_sync", "mem_params", *(f"mem_{part}_bytes_{stat}" for part in MEMORY_COLUMNS for stat in ("mean", "max")),
     "mem_closed_form_bytes", "mem_ratio", "mem_flagged", "mem_gathered_peak_bytes_mean", "mem_gathered_peak_bytes_max",
+    "mem_hpz_bytes_mean", "mem_hpz_bytes_max",
     "peak_mem_bytes_mean", "peak_mem_bytes_max", "job_tokens_per_s_std", "baseline_runs", "ideal_speedup", "repeats",
     "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu", "final_answer_accuracy", "mixed_configs",
     "target_loss", "target_basis", "time_to_target_s", "tokens_to_target", "time_to_target_speedup", "job_id",
@@ -86,7 +87,8 @@ PLAN_NOTE = (
     "Planned: the run's plan.json, `gptpar plan predict` of its config with report.plan_calibration, written when "
     "its folder was made, before any rank started. Measured: the step time of the footnoted table's steps (each "
     "step's mean over ranks, mean over the kept steps), the job's tokens/s, and the training state (parameters, "
-    "gradients, optimizer state) of the fullest rank's `memory` record against the plan's closed form for it. The "
+    "gradients, optimizer state, and under parallel.hpz its secondary copy) of the fullest rank's `memory` record "
+    "against the plan's closed form for it. The "
     "planner's accuracy and what it leaves out: README, \"Plan before you submit\".")
 MEMORY_NOTE = (
     "Bytes of the distinct storages of each rank's live parameters, gradients and AdamW state after its first "
@@ -95,6 +97,9 @@ MEMORY_NOTE = (
     f"fp32 (parameters + gradients + AdamW moments): {_closed_forms()}. "
     f"Sharded buffers are padded to multiples of W, so a rank's total within {MEMORY_REL_TOL:.0%} + "
     f"{MEMORY_ABS_TOL // 1024} KiB of its closed form matches; a rank off by more is flagged (⚠). "
+    "Under parallel.hpz the total includes hpZ's secondary copy of the parameters (`hpz_bytes`, shown as \"incl. "
+    "hpZ\"), and its closed form adds N·b/L (b: 4, 2 or 1 + 4/quant_block bytes a value by parallel.param_comm, L the "
+    "node group's ranks, `hpz_node_size`). "
     "**in flight**: the most bytes of gathered (unsharded) unit parameters and unsharded gradients a rank held at "
     "once during a step (`gathered_peak_bytes`, logged by fsdp); transient, so not in the total or the closed form. "
     "**peak**: each rank's highest `peak_mem_bytes` over its step records (measured on CUDA), everything it allocated "
@@ -111,9 +116,9 @@ def row(r: RunMetrics) -> dict[str, Any]:
         r.mfu, r.hfu, r.mfu_note, r.bubble_theory, r.bubble_measured, r.final_loss, r.val_loss, r.diverged_at,
         r.stitched, r.stale, r.pp_schedule, r.pp_virtual if r.engine else None, r.bubble_std, r.bubble_flagged,
         r.params.get("parallel.dp_sync"),
-        *([None] * (2 * len(MEMORY_COLUMNS) + 6) if mem is None else [
+        *([None] * (2 * len(MEMORY_COLUMNS) + 8) if mem is None else [
             mem.params, *(stat[part] for part in MEMORY_COLUMNS for stat in (mem.mean, mem.max)), mem.closed_form,
-            mem.ratio, bool(mem.mismatched), *(mem.gathered_peak or (None, None))]),
+            mem.ratio, bool(mem.mismatched), *(mem.gathered_peak or (None, None)), *(mem.hpz or (None, None))]),
         *(r.peak_mem or (None, None)), r.job_tokens_std, r.baseline_runs or None, r.ideal_speedup, r.repeats,
         r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu, r.final_answer_accuracy, r.mixed,
         r.target_loss, r.target_basis, r.time_to_target_s, r.tokens_to_target, r.target_speedup, r.job_id or None,
@@ -409,6 +414,8 @@ def _memory_section(shown: list[RunMetrics]) -> list[str]:
              "| total MB | closed form MB | ratio | in flight MB | peak MB |", "|" + "---|" * 12]
     for r, mem in runs:
         mb = {part: _mb(mem.mean[part], mem.max[part]) for part in MEMORY_COLUMNS}
+        if mem.hpz is not None:
+            mb["total"] += f" incl. hpZ {_mb(*mem.hpz)}"
         closed = "–" if mem.closed_form is None else f"{mem.closed_form / 1e6:.4g}"
         ratio = "–" if mem.ratio is None else f"{mem.ratio:.3f}"
         if mem.mismatched:
@@ -433,6 +440,8 @@ def _plan_section(shown: list[RunMetrics]) -> list[str]:
         step, rate = plan["step_time_s"], plan["tokens_per_s"]
         measured = r.step_time[0]
         state = plan["memory"].get("state")
+        if state is not None:  # the accounted total holds parallel.hpz's copy too, so the plan's side does as well
+            state += plan["memory"].get("hpz") or 0
         accounted = r.memory.max["total"] if r.memory is not None else None
         lines.append(f"| {r.run_id} | {plan.get('layout', '–')} | {step * 1e3:.1f} | {_fmt(_ms(measured), '.1f')} | "
                      f"{_error(step, measured)} | {rate:,.0f} | {_fmt(r.job_tokens_per_s, ',.0f')} | "

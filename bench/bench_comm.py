@@ -13,9 +13,12 @@ Everything is measured in one run on the same machine, the modes running round-r
   hidden behind compute, as if no overlap survived: an upper bound for the syncs that overlap). hpZ's gathers within
   a node (`all_gather_intra`) are left out of it: they stay on the node's fast links. Its rows run one rank per
   "node" (parallel.hpz_node_size=1: each rank keeps a whole copy, and only the forward's gathers cross ranks),
-  the layout a 2-rank job can show.
+  the layout a 2-rank job can show;
+- hpZ with real nodes: --node-world ranks (4) in "nodes" of --node-size (2), fsdp in fp32, with hpZ and as zero++,
+  so that the gathers across nodes (`all_gather`) and within them (`all_gather_intra`) are both there. Bytes only:
+  4 ranks on 2 cores time nothing a cluster would see.
 
-Run: .venv/bin/python bench/bench_comm.py   (see --help; `make bench-comm`)
+Run: .venv/bin/python bench/bench_comm.py   (see --help; `make bench-comm`; --node-only: just the 4-rank bytes)
 """
 
 from __future__ import annotations
@@ -51,6 +54,10 @@ MODES: tuple[tuple[str, str, dict], ...] = (
     *((f"fsdp param {w}", "fsdp", {"param_comm": w}) for w in ("bf16", "int8")),
     ("fsdp hpz", "fsdp", HPZ),
     ("fsdp zero++", "fsdp", {"grad_comm": "int8", "param_comm": "int8", **HPZ}))  # qgZ, qwZ and hpZ together
+SENT_KINDS = ("all_reduce", "reduce_scatter", "all_to_all", "all_gather", INTRA)  # comm_bytes' kinds, table order
+ZERO_PP = {"grad_comm": "int8", "param_comm": "int8", "hpz": True}  # node_size from --node-size
+NODE_MODES: tuple[tuple[str, str, dict], ...] = (("fsdp fp32", "fsdp", {}), ("fsdp hpz", "fsdp", {"hpz": True}),
+                                                 ("fsdp zero++", "fsdp", ZERO_PP))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--link-gbps", type=float, default=1.0,
                     help="the simulated link, in Gbit/s per rank: 1 against this CPU's compute is as slow as 100 "
                          "against a GPU's, which steps about 100 times faster")
+    ap.add_argument("--node-world", type=int, default=4, help="ranks of the hpZ bytes table (0: none)")
+    ap.add_argument("--node-size", type=int, default=2, help="ranks per simulated node there")
+    ap.add_argument("--node-only", action="store_true", help="only the hpZ bytes table over --node-world ranks")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
     return ap.parse_args(argv)
 
@@ -81,9 +91,9 @@ def build(args: argparse.Namespace, sync_name: str, settings: dict, world: int, 
 
 
 def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Namespace, communicate: bool
-                ) -> list[tuple[float, float]]:
-    """(seconds, bytes sent) of each of `args.steps` steps after one warm-up step; the ranks meet at a barrier
-    before each, so every rank times the same step."""
+                ) -> list[tuple[float, dict[str, int]]]:
+    """(seconds, bytes sent by collective) of each of `args.steps` steps after one warm-up step; the ranks meet at a
+    barrier before each, so every rank times the same step."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
@@ -99,9 +109,13 @@ def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Names
         opt.step()
         sync.after_step()
         sync.zero_grad()
-        across = {op: n for op, n in read_sent().items() if op != INTRA}  # what crosses nodes
-        samples.append((time.perf_counter() - start, float(sum(across.values()))))
+        samples.append((time.perf_counter() - start, read_sent()))
     return samples[1:]
+
+
+def across(sent: dict[str, int]) -> float:
+    """The bytes that cross nodes: all but hpZ's gathers within a node."""
+    return float(sum(n for op, n in sent.items() if op != INTRA))
 
 
 def rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
@@ -114,13 +128,42 @@ def rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
     names = list(runs)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            samples = timed_steps(*runs[name], args, communicate=name != "local")
+            samples = [(t, across(sent)) for t, sent in timed_steps(*runs[name], args, communicate=name != "local")]
             table = torch.tensor(samples, dtype=torch.float64)
             dist.all_reduce(table, op=dist.ReduceOp.MAX)  # a step ends when its last rank does
             steps[name].append(statistics.median(table[:, 0].tolist()))
             sent[name] = statistics.median(s for _, s in samples)  # the same every step but powersgd's first two
     if info.rank == 0:
         out.write_text(json.dumps({"steps": steps, "sent": sent}))
+
+
+def node_rank_main(info: RankInfo, args: argparse.Namespace, out: Path) -> None:
+    """One warm-up and one counted step of each NODE_MODES row over all ranks, nodes of --node-size; rank 0 writes
+    the counts (every rank sends the same but for padding: the largest over the ranks is kept)."""
+    torch.set_num_threads(args.threads)
+    nodes = {args.node_size: dist.new_subgroups(args.node_size)[0]}
+    counts = {}
+    for name, sync_name, settings in NODE_MODES:
+        hpz = {"hpz_node_size": args.node_size} if settings.get("hpz") else {}
+        sync, opt = build(args, sync_name, {**settings, **hpz}, info.world_size, nodes)
+        [(_, sent)] = timed_steps(sync, opt, argparse.Namespace(**{**vars(args), "steps": 1}), communicate=True)
+        table = torch.tensor([sent.get(k, 0) for k in SENT_KINDS], dtype=torch.float64)
+        dist.all_reduce(table, op=dist.ReduceOp.MAX)
+        counts[name] = dict(zip(SENT_KINDS, map(int, table.tolist()), strict=True))
+    if info.rank == 0:
+        out.write_text(json.dumps(counts))
+
+
+def node_report(args: argparse.Namespace, counts: dict[str, dict[str, int]]) -> None:
+    print(f"\nhpZ over {args.node_world} gloo ranks in nodes of {args.node_size} (parallel.hpz_node_size="
+          f"{args.node_size}), {args.batch}x{args.seq} tokens per rank: bytes one rank sends in a step, by collective "
+          "(ring terms); across = everything but all_gather_intra")
+    kinds = [k for k in SENT_KINDS if any(c.get(k) for c in counts.values())]
+    print(f"{'mode':<14}" + "".join(f"{k + ' KiB':>22}" for k in kinds) + f"{'across KiB':>13}{'vs fp32':>9}")
+    fp32 = across(counts["fsdp fp32"])
+    for name, c in counts.items():
+        print(f"{name:<14}" + "".join(f"{c.get(k, 0) / 1024:>22,.0f}" for k in kinds)
+              + f"{across(c) / 1024:>13,.0f}{across(c) / fp32:>9.3f}")
 
 
 def report(args: argparse.Namespace, res: dict, n_params: int) -> dict:
@@ -164,12 +207,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     started = time.perf_counter()
-    pcfg = ParallelConfig(dp=args.world, backend="gloo", timeout_s=600)
+    full: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         result_file = Path(tmp) / "rank0.json"
-        spawn_local(rank_main, args.world, args, result_file, pcfg=pcfg)
-        res = json.loads(result_file.read_text())
-    full = report(args, res, count_params(build_model(ModelConfig(preset=args.preset), args.vocab, seed=0)))
+        if not args.node_only:
+            spawn_local(rank_main, args.world, args, result_file,
+                        pcfg=ParallelConfig(dp=args.world, backend="gloo", timeout_s=600))
+            res = json.loads(result_file.read_text())
+            full = report(args, res, count_params(build_model(ModelConfig(preset=args.preset), args.vocab, seed=0)))
+        if args.node_world:
+            spawn_local(node_rank_main, args.node_world, args, result_file,
+                        pcfg=ParallelConfig(dp=args.node_world, backend="gloo", timeout_s=600))
+            full["nodes"] = json.loads(result_file.read_text())
+            node_report(args, full["nodes"])
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), **full}, indent=1))
     print(f"\ntotal {time.perf_counter() - started:.0f} s")

@@ -54,10 +54,12 @@ class Rank:
                   step_time_s=step_time_s, tokens_per_s=rate, data_time_s=0.0, peak_mem_bytes=0, **extra)
         return self
 
-    def memory(self, params: int, params_bytes: int, grads_bytes: int, optimizer_bytes: int, step: int = 1) -> Rank:
-        """The training-state record the trainer logs once per start, after its first optimizer step."""
+    def memory(self, params: int, params_bytes: int, grads_bytes: int, optimizer_bytes: int, step: int = 1,
+               **optional: Any) -> Rank:
+        """The training-state record the trainer logs once per start, after its first optimizer step (`optional`:
+        its optional fields, e.g. hpz_bytes)."""
         self._log("memory", step=step, params=params, params_bytes=params_bytes, grads_bytes=grads_bytes,
-                  optimizer_bytes=optimizer_bytes)
+                  optimizer_bytes=optimizer_bytes, **optional)
         return self
 
     def eval(self, step: int, val_loss: float, epoch: int = 1) -> Rank:
@@ -79,7 +81,8 @@ class Rank:
 
 def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | None = None,
            epochs: int = 2, steps_per_epoch: int = 2, status: str = "completed",
-           memory: list[tuple[int, int, int, int]] | None = None, bleu: list[float] | None = None,
+           memory: list[tuple[int, int, int, int]] | None = None, memory_fields: dict[str, Any] | None = None,
+           bleu: list[float] | None = None,
            test_bleu: list[float] | None = None, answer_accuracy: list[float] | None = None, jitter: float = 0.0,
            device: str = "cpu", **cfg: Any) -> list[Rank]:
     """A completed data-parallel run, one rank per entry of tokens_per_s: in every epoch rank r
@@ -88,9 +91,9 @@ def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | 
     loss of step s is 4 - 0.1 s, every epoch's val_loss 2.0. With `jitter` j, odd steps take 1 + j
     and even steps 1 - j times as long (the job's tokens/s unchanged, the step-time spread of two steps
     sqrt(2) j). With `memory`, rank r logs memory[r] (params, params_bytes, grads_bytes,
-    optimizer_bytes) after step 1; with `bleu` (`test_bleu`, `answer_accuracy`), rank 0's record of epoch e carries
-    bleu[e - 1] (test_bleu[e - 1], answer_accuracy[e - 1]). The
-    ranks' header names `device` (cpu, or cuda:0 for a GPU run)."""
+    optimizer_bytes) after step 1, with `memory_fields`' optional fields on every rank; with `bleu`
+    (`test_bleu`, `answer_accuracy`), rank 0's record of epoch e carries bleu[e - 1] (test_bleu[e - 1],
+    answer_accuracy[e - 1]). The ranks' header names `device` (cpu, or cuda:0 for a GPU run)."""
     dp = len(tokens_per_s)
     times = epoch_times or [10.0] * dp
     ranks = [Rank(run_dir, r, config(name=run_dir.name, dp=dp, **cfg), device=device).header() for r in range(dp)]
@@ -102,7 +105,7 @@ def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | 
                 stretch = 1 + jitter if step % 2 else 1 - jitter
                 rank.step(step, e, step_time_s=stretch * 100 / tokens_per_s[rank.rank], loss=4.0 - 0.1 * step)
                 if memory and step == 1:
-                    rank.memory(*memory[rank.rank])
+                    rank.memory(*memory[rank.rank], **(memory_fields or {}))
         for r, rank in enumerate(ranks):
             scores = {"bleu": bleu, "test_bleu": test_bleu, "answer_accuracy": answer_accuracy}.items()
             extra = {key: values[e - 1] for key, values in scores if values and r == 0}

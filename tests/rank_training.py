@@ -34,6 +34,16 @@ BASE = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "data.seq_len=16
         "train.lr=0.01", "train.grad_clip=0.5", "train.threads=1", "parallel.timeout_s=60"]
 
 
+def corpus_base(corpus: Path) -> list[str]:
+    """BASE on the shared tinyshakespeare text where `corpus` is that file (a BPE of BASE's 300 symbols trained on
+    its first 100,000 characters, so the model, its parameter count and every closed form are BASE's), else BASE
+    itself (synthetic tokens)."""
+    if not corpus.is_file():
+        return BASE
+    text = [f"data.source=text:{corpus}", "data.tokenizer=bpe", "data.max_chars=100000"]
+    return [*(o for o in BASE if not o.startswith(("data.source=", "data.synthetic_tokens="))), *text]
+
+
 def train_as_gptpar_does(info: RankInfo, overrides: list[str]) -> None:
     """What `gptpar train` runs on each rank (header, training, final record), for a test on the gloo pool."""
     run_rank(load_config(None, overrides))

@@ -166,6 +166,9 @@ class MemoryRecord(Record):
     hpz_bytes: int | Absent = optional(
         "parallel.hpz: bytes of fsdp's secondary copy of the parameters (this rank's share of its node's), held "
         "beside the state counted above.")
+    hpz_node_size: int | Absent = optional(
+        "parallel.hpz: the ranks of this rank's node group, L (parallel.hpz_node_size as resolved), which the report's "
+        "closed form of `hpz_bytes` divides by.")
 
 
 # The keys inside a step record's `moe` (a mixture of experts' load), which the report reads.

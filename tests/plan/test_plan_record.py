@@ -73,6 +73,12 @@ def test_the_report_sets_the_plan_beside_the_measurement(tmp_path: Path) -> None
     plan = {"step_time_s": 0.8, "tokens_per_s": 250.0, "memory": {"state": 16000}, "layout": "dp=2 (bucketed)"}
     (runs / "b" / PLAN_FILE).write_text(json.dumps(plan))
     dp_run(runs / "c", [100.0, 100.0])  # not planned: not in the table
+    # fsdp under hpZ, N = 1e6 over 4 ranks: 4e6 bytes of state and an int8 copy of 508,000 (L = 2) on each, both planned
+    hpz = {"parallel.dp_sync": "fsdp", "parallel.hpz": True, "parallel.param_comm": "int8"}
+    dp_run(runs / "h", [100.0] * 4, memory=[(1_000_000, 1_000_000, 1_000_000, 2_000_000)] * 4,
+           memory_fields={"hpz_bytes": 508_000, "hpz_node_size": 2}, **hpz)
+    (runs / "h" / PLAN_FILE).write_text(json.dumps({**plan, "tokens_per_s": 500.0, "layout": "dp=4 (fsdp, hpz)",
+                                                     "memory": {"state": 4_000_000, "hpz": 507_812}}))
     (runs / "d").mkdir()
     dp_run(runs / "d", [100.0, 100.0])
     (runs / "d" / PLAN_FILE).write_text("{not json")
@@ -81,4 +87,5 @@ def test_the_report_sets_the_plan_beside_the_measurement(tmp_path: Path) -> None
     section = text.split("## Planned against measured")[1]
     assert "| b | dp=2 (bucketed) | 800.0 | 1000.0 | -20.0% | 250 | 200 | 0.016 | 0.016 | +0.0% |" in section
     assert "| c |" not in section and "| d |" not in section
+    assert "| h | dp=4 (fsdp, hpz) | 800.0 | 1000.0 | -20.0% | 500 | 400 | 4.508 | 4.508 | -0.0% |" in section
     assert any(f"{runs / 'd' / PLAN_FILE}: not a prediction" in w for m in metrics for w in m.warnings)

@@ -554,11 +554,13 @@ def test_fsdp_shards_everything_and_a_run_ten_percent_off_16n_over_w_is_flagged(
 
 
 def sharded_run(run_dir: Path, strategy: str, records: list[dict[str, Any]],
-                peaks: list[list[float | None]]) -> None:
+                peaks: list[list[float | None]], **cfg: Any) -> None:
     """A completed run of len(records) data-parallel ranks, two steps an epoch: rank r logs peak_mem_bytes
-    peaks[r][s - 1] in step s and, after step 1, the memory record records[r] (with its own optional fields)."""
+    peaks[r][s - 1] in step s and, after step 1, the memory record records[r] (with its own optional fields); `cfg`
+    holds further "section.key" settings."""
     for r, (record, rank_peaks) in enumerate(zip(records, peaks, strict=True)):
-        rank = Rank(run_dir, r, config(name=run_dir.name, dp=len(records), **{"parallel.dp_sync": strategy})).header()
+        rank = Rank(run_dir, r, config(name=run_dir.name, dp=len(records), **{"parallel.dp_sync": strategy, **cfg})
+                    ).header()
         for step, peak in enumerate(rank_peaks, 1):
             rank._log("step", step=step, epoch=(step + 1) // 2, loss=3.0, lr=1e-3, grad_norm=1.0, tokens=100,
                       step_time_s=1.0, tokens_per_s=100.0, data_time_s=0.0, peak_mem_bytes=peak)
@@ -593,6 +595,43 @@ def test_in_flight_and_peak_memory_are_shown_over_the_ranks_that_logged_them(tmp
             rows["gpu"]["peak_mem_bytes_mean"], rows["gpu"]["peak_mem_bytes_max"]) == (
         "4000000", "5000000", "400000000", "500000000")
     assert rows["cpu"]["mem_gathered_peak_bytes_mean"] == rows["cpu"]["peak_mem_bytes_mean"] == ""
+
+
+# fsdp, N = 1e6, W = 4: the state is 16N/W = 4e6 bytes; hpZ's int8 copy at L = 2 is N (1 + 4/256) / 2 = 507,812.5.
+HPZ_STATE = {"params": 1_000_000, "params_bytes": 1_000_000, "grads_bytes": 1_000_000, "optimizer_bytes": 2_000_000}
+HPZ_RUN = {"parallel.hpz": True, "parallel.param_comm": "int8", "parallel.quant_block": 256}
+
+
+@pytest.mark.parametrize("copy, flagged", [(508_000, False),  # its closed form and the shards' padding
+                                           (2_000_000, True)])  # an fp32 copy (4N/2) where int8 was asked for
+def test_hpz_copy_is_accounted_and_held_to_its_closed_form(tmp_path: Path, copy: int, flagged: bool) -> None:
+    sharded_run(tmp_path / "runs" / "h", "fsdp", [{**HPZ_STATE, "hpz_bytes": copy, "hpz_node_size": 2}] * 4,
+                [[None] * 2] * 4, **HPZ_RUN)
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    m = result.runs[0]
+    mem = m.memory
+    assert mem is not None and mem.hpz == (copy, copy)
+    assert mem.mean["total"] == 4_000_000 + copy and mem.closed_form == 4_507_812.5
+    assert (mem.mismatched == [0, 1, 2, 3]) is flagged
+    assert any("MB of training state" in w for w in m.warnings) is flagged
+    total = f"{(4_000_000 + copy) / 1e6:.4g} incl. hpZ {copy / 1e6:.4g}"
+    assert f"| h | fsdp | 4 | 1,000,000 | 1 | 1 | 2 | {total} | 4.508 |" in result.summary_md.read_text()
+    row = csv_rows(result.summary_csv)["h"]
+    assert (row["mem_hpz_bytes_mean"], row["mem_total_bytes_mean"], row["mem_flagged"]) == (
+        str(copy), str(4_000_000 + copy), "yes" if flagged else "")
+    assert ("memory_per_rank.png" in {p.name for p in result.figures}) is flagged  # drawn where one is off
+
+
+def test_hpz_node_size_comes_from_the_config_where_the_record_lacks_it_and_is_never_guessed(tmp_path: Path) -> None:
+    record = {**HPZ_STATE, "hpz_bytes": 2_000_000}  # fp32: 4N/2
+    sharded_run(tmp_path / "set" / "fp32", "fsdp", [record] * 4, [[None] * 2] * 4, **{"parallel.hpz": True,
+                                                                                        "parallel.hpz_node_size": 2})
+    sharded_run(tmp_path / "auto" / "fp32", "fsdp", [record] * 4, [[None] * 2] * 4, **{"parallel.hpz": True})
+    set_size, auto = metrics(tmp_path / "set")["fp32"], metrics(tmp_path / "auto")["fp32"]
+    assert set_size.memory is not None and set_size.memory.closed_form == 6_000_000
+    assert not any("node size" in w or "training state" in w for w in set_size.warnings)
+    assert auto.memory is not None and auto.memory.closed_form is None and auto.memory.mean["total"] == 6_000_000
+    assert any("hpZ's copy but not its node size" in w for w in auto.warnings)
 
 
 def test_an_in_flight_count_that_is_not_a_number_leaves_the_record_out(tmp_path: Path) -> None:

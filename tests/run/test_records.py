@@ -44,7 +44,8 @@ OTHER_DICTS = {
     "analysis/aggregate.py": GRID | MEMORY_PARTS | set(MOE_LOAD_KEYS) | {"all_to_all"},
     "analysis/figures.py": MEMORY_PARTS | {"F", "B", "W"},  # a timeline's action kinds
     "analysis/report.py": {"fork"},  # a multiprocessing start method
-    "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s"},  # a trace's per-rank totals
+    # a trace's per-rank totals; a plan.json's prediction (gptpar.plan.record): its memory's state and hpZ copy, layout
+    "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s", "memory", "state", "hpz", "layout"},
     "analysis/trace.py": {"traceEvents", "name", "cat", "ts", "dur", "ph", "pid", "tid", "calls", "where", "self_s",
                           "nccl"},
     "gptpar/launch/status.py": {"pending"},  # a run state
@@ -152,7 +153,7 @@ def test_every_record_a_two_rank_run_writes_is_declared(tmp_path: Path, layout: 
     gloo_pool.run(2, train_as_gptpar_does, [*layout, *TINY, f"log.runs_dir={tmp_path}", "log.run_id=two"])
     records = written(tmp_path / "two")
     assert_declared(records, set(RECORDS))
-    optional = ["pp_timeline"] if "parallel.pp=2" in layout else ["gathered_peak_bytes", "hpz_bytes"]
+    optional = ["pp_timeline"] if "parallel.pp=2" in layout else ["gathered_peak_bytes", "hpz_bytes", "hpz_node_size"]
     assert all(any(field in r for r in records) for field in optional)
     if "parallel.hpz=true" in layout:  # backward's gathers within the node
         assert any("all_gather_intra" in r.get("comm_bytes", {}) for r in records)

@@ -166,7 +166,8 @@ class FSDPSync(UnitSync):
             second.valid = False
 
     def memory_fields(self) -> dict[str, int]:
-        held = {"hpz_bytes": sum(s.nbytes for s in self.secondary.values())} if self.secondary else {}
+        seconds = list(self.secondary.values())
+        held = {"hpz_bytes": sum(s.nbytes for s in seconds), "hpz_node_size": seconds[0].size} if seconds else {}
         return {"gathered_peak_bytes": self._peak} | held
 
     @contextlib.contextmanager

@@ -1,32 +1,38 @@
 """parallel.grad_comm=int8 (naive, bucketed) and powersgd (ddp), and the `comm_bytes` every sync of ours counts.
 
-On the shared 2-rank gloo pool each case trains STEPS steps through the trainer's own step, reading comm.SENT after
-each. Every mode's count is its closed form on this model (ring terms, g = 2): fp32 all-reduces 4N bytes per step
-for N gradient elements, bf16 and fp16 exactly half, int8 a quarter of its padded length plus the scales, PowerSGD
-fp32 for its first two steps, then only the tensors it leaves uncompressed and each matrix's P and Q. A compressed
-mode really sends something else (its losses leave fp32's at some step) yet trains close to it (TOLERANCE); fp32
-itself is unchanged (ddp with its counting hook equals the per-parameter all-reduce bit for bit); replicas stay
-bitwise equal; a PowerSGD run resumed from a checkpoint continues exactly. The sharding syncs count theirs too: zero1
-the bucketed all-reduce and the all-gather of its padded flat layout, zero2 a reduce-scatter of each padded unit and
-its all-gather after the step, fsdp a reduce-scatter of each unit and an all-gather of the root unit once and of
-each block twice (forward, and again for its backward). zero2 and fsdp reduce-scatter in bf16 (half) or as qgZ (an
-all-to-all of each rank's row in int8 blocks and scales); fsdp2's bf16 is torch's reduce_dtype, uncounted (inside
-torch), held to training close to fp32.
+On the shared 2-rank gloo pool each case trains STEPS steps through the trainer's own step on the shared
+tinyshakespeare text (rank_training.corpus_base: synthetic tokens where it is absent, the same model and counts),
+reading comm.SENT after each. Every mode's count is its closed form on this model (ring terms, g = 2): fp32
+all-reduces 4N bytes per step for N gradient elements, bf16 and fp16 exactly half, int8 a quarter of its padded
+length plus the scales, PowerSGD fp32 for its first two steps, then only the tensors it leaves uncompressed and each
+matrix's P and Q. A compressed mode really sends something else (its losses leave fp32's at some step) yet trains
+close to it (TOLERANCE); fp32 itself is unchanged (ddp with its counting hook equals the per-parameter all-reduce
+bit for bit); replicas stay bitwise equal; a PowerSGD run resumed from a checkpoint continues exactly. The sharding
+syncs count theirs too: zero1 the bucketed all-reduce and the all-gather of its padded flat layout, zero2 a
+reduce-scatter of each padded unit and its all-gather after the step, fsdp a reduce-scatter of each unit and an
+all-gather of the root unit once and of each block twice (forward, and again for its backward). zero2 and fsdp
+reduce-scatter in bf16 (half) or as qgZ (an all-to-all of each rank's row in int8 blocks and scales); fsdp2's bf16
+is torch's reduce_dtype, uncounted (inside torch), held to training close to fp32.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SHARED_DATA
 from gloo_pool import GlooPools
-from rank_training import make_config, make_trainer, named_params, resumed_run, saved_ranks, train_steps
+from rank_training import corpus_base, make_config, make_trainer, named_params, resumed_run, saved_ranks, train_steps
 
-from gptpar.config import ConfigError, load_config
-from gptpar.parallel.comm import read_sent
-from gptpar.parallel.process_group import RankInfo
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+import comm_accuracy  # noqa: E402
+
+from gptpar.config import ConfigError, load_config  # noqa: E402
+from gptpar.parallel.comm import read_sent  # noqa: E402
+from gptpar.parallel.process_group import RankInfo  # noqa: E402
 
 STEPS = 4  # PowerSGD all-reduces in fp32 for two steps; its first compressed gradient moves the fourth loss
 BLOCK, RANK = 64, 2
@@ -38,14 +44,15 @@ SETTINGS = ["parallel.dp=2", f"parallel.quant_block={BLOCK}", f"parallel.powersg
             "parallel.bucket_mb=0.01"]
 CASES = {f"{sync}-{wire}": [*SETTINGS, f"parallel.dp_sync={sync}", f"parallel.grad_comm={wire}"]
          for sync, wires in SYNCS.items() for wire in wires}
-# Largest relative loss difference from fp32 over the STEPS steps (measured: bf16 1.1e-4, fp16 3.1e-5, int8 7.4e-4,
-# powersgd 7.6e-4 on this model); the README states them.
+# Largest relative loss difference from fp32 over the STEPS steps on tinyshakespeare (measured: bf16 5.1e-5 on every
+# sync, int8 6.5e-4 to 8.3e-4, powersgd 5.1e-5 on this model); the README states them. Each is also held to
+# bench/comm_accuracy.py's documented 300-step tolerance (1e-2, powersgd 5e-2), which these bounds are well inside.
 TOLERANCE = {"bf16": 1e-3, "fp16": 1e-3, "int8": 2e-3, "powersgd": 5e-3}
 
 
-def _worker(info: RankInfo, runs: Path) -> None:
+def _worker(info: RankInfo, runs: Path, base: list[str]) -> None:
     for name, overrides in CASES.items():
-        trainer = make_trainer(make_config(overrides, runs, name), info)
+        trainer = make_trainer(make_config(overrides, runs, name, base), info)
         read_sent()
         sent = []
         losses = []
@@ -58,14 +65,16 @@ def _worker(info: RankInfo, runs: Path) -> None:
                   "buckets": [b.buffer.numel() for b in getattr(sync, "buckets", [])],
                   "layouts": [u.full.numel() for u in getattr(sync, "units", [getattr(sync, "flat", None)]) if u]}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
-    resumed = resumed_run(make_config(CASES["ddp-powersgd"], runs, "resumed"), info, before=STEPS - 1)
+    resumed = resumed_run(make_config(CASES["ddp-powersgd"], runs, "resumed", base), info, before=STEPS - 1)
     torch.save(resumed, runs / f"resumed.rank{info.rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("comm")
-    gloo_pool.run(2, _worker, runs)
+    base = corpus_base(SHARED_DATA / "tinyshakespeare.txt")  # synthetic tokens where it is absent: same closed forms
+    gloo_pool.run(2, _worker, runs, base)
+    (runs / "base.txt").write_text("\n".join(base))
     return runs
 
 
@@ -137,12 +146,18 @@ def test_each_mode_sends_its_closed_form(results: Path, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in CASES if not n.endswith("fp32")])
 def test_a_compressed_mode_sends_something_else_and_trains_close_to_fp32(results: Path, name: str) -> None:
+    """On tinyshakespeare, each step's loss within the mode's TOLERANCE of fp32's, and so within the tolerance
+    bench/comm_accuracy.py documents for 300 steps of gpt2-mini (of the smoothed loss, which a per-step bound holds)."""
     sync, wire = name.split("-")
     ranks, fp32 = saved_ranks(results, name), saved_ranks(results, f"{sync}-fp32")
     for a, b in zip(ranks, fp32, strict=True):
         assert a["losses"] != b["losses"]
-        assert a["losses"] == pytest.approx(b["losses"], rel=TOLERANCE[wire])
     assert all(torch.equal(v, ranks[1]["params"][k]) for k, v in ranks[0]["params"].items())  # replicas equal
+    if "data.source=synthetic" in (results / "base.txt").read_text():
+        pytest.skip("the losses are compared on ../shared/data/tinyshakespeare.txt, which is not present")
+    tolerance = min(TOLERANCE[wire], comm_accuracy.TOLERANCE[wire])
+    for a, b in zip(ranks, fp32, strict=True):
+        assert max(comm_accuracy.relative(a["losses"], b["losses"])) <= tolerance
 
 
 @pytest.mark.slow

@@ -1,42 +1,48 @@
 """parallel.param_comm (fsdp's parameter all-gathers in fp32, bf16 or int8: ZeRO++'s qwZ) and parallel.hpz (hpZ).
 
 On the shared 4-rank gloo pool, fsdp at dp = 4 trains each case STEPS steps of two micro-steps through the trainer's
-own step; hpz takes hpz_node_size = 2, two "nodes" of two ranks. The counts are their closed forms per step (ring
-terms): every micro-step gathers the root unit once and each block twice (forward, backward), in 4 bytes a value
-(fp32), 2 (bf16), or 1 plus a 4-byte scale per block of each rank's shard padded to whole blocks (int8); under hpz
-only the first micro-step's forward crosses the group (`all_gather`: root and blocks once), the rest is gathered
-within the node (`all_gather_intra`, over 2 ranks). A compressed gather really changes what is computed (the losses
-leave fp32's) yet trains close to one process (TOLERANCE); every rank computes with the same decoded weights bit for
-bit (its own shard decoded too, not its exact master); hpz changes no bit of training (the node's gathers decode the
-bytes the group's gather received); hpz's secondary copy costs its closed form. Neither mode adds state to a
-checkpoint: the optimizer's shards stay the fp32 masters and hpz's copy is rebuilt after every step (so no resume
-test here; test_zero.py resumes fsdp). Bad settings are one line.
+own step on the shared tinyshakespeare text (rank_training.corpus_base: synthetic tokens where it is absent); hpz
+takes hpz_node_size = 2, two "nodes" of two ranks. The counts are their closed forms per step (ring terms): every
+micro-step gathers the root unit once and each block twice (forward, backward), in 4 bytes a value (fp32), 2 (bf16),
+or 1 plus a 4-byte scale per block of each rank's shard padded to whole blocks (int8); under hpz only the first
+micro-step's forward crosses the group (`all_gather`: root and blocks once), the rest is gathered within the node
+(`all_gather_intra`, over 2 ranks). A compressed gather really changes what is computed (the losses leave fp32's)
+yet trains close to one process (TOLERANCE); every rank computes with the same decoded weights bit for bit (its own
+shard decoded too, not its exact master); hpz changes no bit of training (the node's gathers decode the bytes the
+group's gather received); hpz's secondary copy costs its closed form. Neither mode adds state to a checkpoint: the
+optimizer's shards stay the fp32 masters and hpz's copy is rebuilt after every step (so no resume test here;
+test_zero.py resumes fsdp). Bad settings are one line.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import SHARED_DATA
 from gloo_pool import GlooPools
-from rank_training import make_config, make_trainer, named_params, reference_run, saved_ranks, train_steps
+from rank_training import corpus_base, make_config, make_trainer, named_params, reference_run, saved_ranks, train_steps
 
-from gptpar.config import ConfigError, load_config
-from gptpar.parallel.comm import read_sent, ring_share
-from gptpar.parallel.data_parallel.fsdp import FSDPSync
-from gptpar.parallel.grid import block_ranks
-from gptpar.parallel.process_group import RankInfo
-from gptpar.strategies.data_parallel import WIRE_BYTES, hpz_bytes, hpz_node_size
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "bench"))
+import comm_accuracy  # noqa: E402
+
+from gptpar.config import ConfigError, load_config  # noqa: E402
+from gptpar.parallel.comm import read_sent, ring_share  # noqa: E402
+from gptpar.parallel.data_parallel.fsdp import FSDPSync  # noqa: E402
+from gptpar.parallel.grid import block_ranks  # noqa: E402
+from gptpar.parallel.process_group import RankInfo  # noqa: E402
+from gptpar.strategies.data_parallel import WIRE_BYTES, hpz_bytes, hpz_node_size  # noqa: E402
 
 STEPS, BLOCK, W, NODE = 2, 64, 4, 2
 SETTINGS = [f"parallel.dp={W}", "parallel.dp_sync=fsdp", "train.grad_accum=2", f"parallel.quant_block={BLOCK}"]
 HPZ = ["parallel.hpz=true", f"parallel.hpz_node_size={NODE}"]
 CASES = {"fp32": [], "bf16": ["parallel.param_comm=bf16"], "int8": ["parallel.param_comm=int8"],
          "hpz": HPZ, "hpz-int8": [*HPZ, "parallel.param_comm=int8"]}
-# Largest relative loss difference from one process over the STEPS steps (measured: bf16 3.8e-5, int8 4.6e-5), and
-# the relative distance of all parameters together from its (measured: bf16 1.0e-2, int8 2.0e-2); the README states
-# them.
+# Largest relative loss difference from one process over the STEPS steps on tinyshakespeare (measured: bf16 2.9e-5,
+# int8 3.1e-4), and the relative distance of all parameters together from its (measured: bf16 9.0e-3, int8 1.8e-2);
+# the README states them. The loss is also held to bench/comm_accuracy.py's documented 300-step tolerance (1e-2).
 TOLERANCE = {"bf16": 1e-3, "int8": 1e-3}
 PARAM_TOLERANCE = 5e-2
 LR = 0.01  # rank_training.BASE's train.lr
@@ -52,9 +58,9 @@ def _gathered(sync: FSDPSync) -> list[torch.Tensor]:
     return fulls
 
 
-def _worker(info: RankInfo, runs: Path) -> None:
+def _worker(info: RankInfo, runs: Path, base: list[str]) -> None:
     for name, overrides in CASES.items():
-        trainer = make_trainer(make_config([*SETTINGS, *overrides], runs, name), info)
+        trainer = make_trainer(make_config([*SETTINGS, *overrides], runs, name, base), info)
         read_sent()
         sent, losses = [], []
         for _ in range(STEPS):
@@ -73,7 +79,9 @@ def _worker(info: RankInfo, runs: Path) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("param_comm")
-    gloo_pool.run(W, _worker, runs)
+    base = corpus_base(SHARED_DATA / "tinyshakespeare.txt")  # synthetic tokens where it is absent: same closed forms
+    gloo_pool.run(W, _worker, runs, base)
+    (runs / "base.txt").write_text("\n".join(base))
     return runs
 
 
@@ -131,10 +139,17 @@ def test_a_compressed_gather_computes_with_the_decoded_weights_on_every_rank(res
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["bf16", "int8", "hpz-int8"])
 def test_a_compressed_gather_trains_close_to_one_process(results: Path, name: str) -> None:
+    """On tinyshakespeare, each step's loss within the mode's TOLERANCE of one fp32 process's, and so within the
+    tolerance bench/comm_accuracy.py documents for 300 steps of gpt2-mini."""
+    base = (results / "base.txt").read_text().splitlines()
+    if "data.source=synthetic" in base:
+        pytest.skip("the losses are compared on ../shared/data/tinyshakespeare.txt, which is not present")
     ranks = saved_ranks(results, name)
-    ref = reference_run(make_config([*SETTINGS, *CASES[name]], results, name))
+    ref = reference_run(make_config([*SETTINGS, *CASES[name]], results, name, base))
     mean = [sum(losses) / W for losses in zip(*(r["losses"] for r in ranks), strict=True)]
-    assert mean == pytest.approx(ref["losses"], rel=TOLERANCE[name.removeprefix("hpz-")])
+    kind = name.removeprefix("hpz-")
+    tolerance = min(TOLERANCE[kind], comm_accuracy.TOLERANCE[kind])
+    assert max(comm_accuracy.relative(mean, ref["losses"])) <= tolerance
     for param, value in ranks[0]["params"].items():
         assert all(torch.equal(value, r["params"][param]) for r in ranks), param  # the masters, gathered exactly
     # AdamW steps a near-zero gradient by about lr whatever its size, so one whose sign the rounding flips moves by up
@@ -167,7 +182,8 @@ def test_hpz_secondary_copy_costs_its_closed_form(results: Path, name: str) -> N
         assert memory["hpz_bytes"] == padded  # the node's share of every unit's payload, padding included
         closed = hpz_bytes(memory["params"], NODE, kind, BLOCK)  # unpadded
         assert closed <= padded < closed * 1.05
-        assert {k: v for k, v in memory.items() if k != "hpz_bytes"} == plain  # the state is fsdp's
+        assert memory["hpz_node_size"] == NODE  # what the report's closed form divides by
+        assert {k: v for k, v in memory.items() if not k.startswith("hpz_")} == plain  # the state is fsdp's
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
