@@ -39,6 +39,7 @@ from gptpar.parallel.tensor_parallel import loss_function, shard_model
 from gptpar.plan.calibration import Calibration, local_device_name, tp_kind
 from gptpar.presets import ModelShape
 from gptpar.tensor_bytes import saved_activation_bytes
+from gptpar.train.optim import clip_gradients
 from gptpar.train.precision import AUTOCAST_DTYPES, Precision, resolve_precision
 
 
@@ -59,6 +60,7 @@ CPU_PLAN = Plan(((128, 4), (256, 8), (512, 8), (768, 12)), ((1, 64), (4, 64), (2
                 tuple(4 ** k * 1024 for k in range(0, 7)), (10**5, 10**6, 10**7), 4096, 5)
 GPU_PLAN = Plan(((768, 12), (1600, 25), (2048, 16)), ((1, 1024), (4, 1024), (8, 1024)),
                 tuple(4 ** k * 65536 for k in range(0, 7)), (10**6, 10**7, 10**8), 50304, 10)
+TENSORS = 48  # tensors the optimizer's parameters come in: a few blocks' worth (GPT-2 has 12 a block)
 QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 1048576), (10**5, 10**6), 4096, 3)
 
 
@@ -179,15 +181,18 @@ def _tp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: i
     return points
 
 
-def _optimizer_point(n: int, device: torch.device, repeats: int) -> tuple[float, float]:
-    """AdamW (fused where the device has it, as the trainer picks) plus the gradient norm's clip over n parameters."""
-    params = [torch.nn.Parameter(torch.randn(n // 4, device=device)) for _ in range(4)]
+def _optimizer_point(n: int, device: torch.device, repeats: int, groups: list[dist.ProcessGroup] | None = None
+                     ) -> tuple[float, float]:
+    """AdamW (fused where the device has it, as the trainer picks) plus the trainer's clip of the gradient norm
+    (gptpar.train.optim.clip_gradients) over n parameters in TENSORS tensors: torch's own without `groups`, else the
+    per-tensor sum of squares that layouts with pipeline stages, shards or tensor-parallel pieces run."""
+    params = [torch.nn.Parameter(torch.randn(n // TENSORS, device=device)) for _ in range(TENSORS)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
 
     def step() -> None:
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        clip_gradients(params, 1.0, groups or ())
         opt.step()
 
     return float(n), _timer(device, repeats)(step)
@@ -242,6 +247,12 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     rank, world = (info.rank, info.world_size) if info is not None else (0, 1)
     saved: list[float] = []
 
+    # A group of this rank alone, for the grouped clip's own all-reduce (every rank makes every rank's, in order).
+    solo = None
+    for r in range(world if world > 1 else 0):
+        group = dist.new_group([r])
+        solo = group if r == rank else solo
+
     def all_compute() -> dict[str, list[list[float]]]:
         compute: dict[str, list[list[float]]] = {}
         saved.clear()
@@ -254,6 +265,9 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
                 for kind, (flops, seconds) in points.items():
                     compute.setdefault(kind, []).append([flops, seconds])
         compute["optimizer"] = [list(_optimizer_point(n, device, plan.repeats)) for n in plan.optimizer_params]
+        if solo is not None:
+            compute["optimizer_grouped"] = [list(_optimizer_point(n, device, plan.repeats, [solo]))
+                                            for n in plan.optimizer_params]
         return compute
 
     def tp_compute(compute: dict[str, list[list[float]]]) -> None:

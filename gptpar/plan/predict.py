@@ -369,7 +369,10 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
                           f"train.precision={calib.precision}")
     model = Model(lay, calib, net)
     sharded = bool(DP_STRATEGIES[lay.dp_sync].sharded) and lay.dp > 1
-    optimizer = max(calib.seconds("optimizer", lay.rank_parameters(r) / (lay.dp if sharded else 1), model.alone)
+    # Pipeline stages, shards and tensor-parallel pieces sum the norm's squares per tensor (clip_gradients' groups)
+    grouped = lay.pp > 1 or lay.tp > 1 or lay.ep > 1 or (sharded and lay.dp_sync != "fsdp2")
+    kind = "optimizer_grouped" if grouped and "optimizer_grouped" in calib.compute else "optimizer"
+    optimizer = max(calib.seconds(kind, lay.rank_parameters(r) / (lay.dp if sharded else 1), model.alone)
                     for r in range(lay.pp))
     lists = None
     if lay.pp > 1:
@@ -392,7 +395,12 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     model.exposed = exposed
     small = net.seconds("all_reduce", 8, lay.dp, lay.tp) + net.seconds("all_reduce", 8, lay.pp, lay.dp * lay.tp)
     model._add("small", small)
-    step = core + sync + optimizer + small
+    tied = 0.0
+    if lay.pp > 1 and lay.shape.tied:  # the embedding's two copies (first and last stage) add their gradients
+        stride = lay.dp * lay.tp * (lay.pp - 1)
+        tied = net.seconds("all_reduce", lay.vocab // lay.tp * lay.shape.n_embd * 4, 2, stride)
+        model._add("tied embedding all_reduce", tied)
+    step = core + sync + optimizer + small + tied
     memory = memory_parts(lay, calib, lists)
     fullest = max(memory, key=lambda m: m["total"])
     tokens_per_s = lay.step_tokens / step

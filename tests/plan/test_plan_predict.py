@@ -188,3 +188,22 @@ def test_a_pipeline_forward_is_priced_as_the_engine_runs_it_counting_saved_bytes
     calib = calibration(single)
     calib.compute["block_f_counted"] = [[x, 2.0] for x, _ in calib.compute["block_f"]]
     assert predict(single, calib, network(), "test cpu").compute_s == pytest.approx(8 * 3)
+
+
+def test_a_pipeline_adds_the_tied_embedding_all_reduce_and_the_grouped_clip() -> None:
+    """GPT-2's tied table has a copy on the first and the last stage, whose gradients are all-reduced over those two
+    ranks after the schedule (exposed); stages sum the norm's squares per tensor, the grouped clip the calibration
+    timed (here 5 s), where one process takes torch's (free here)."""
+    lay = layout(*EIGHT_BLOCKS, "parallel.pp=2", "parallel.chunks=4")
+    calib = calibration(lay)
+    calib.compute["optimizer_grouped"] = [[1e3, 5.0], [1e9, 5.0 * 1e6]]  # 5 s per 1,000 parameters
+    latency, bandwidth = 1e-3, 1e9
+    pred = predict(lay, calib, network(latency, bandwidth), "test cpu")
+    table = lay.vocab * lay.shape.n_embd * 4
+    assert pred.exposed_comm_s["tied embedding all_reduce"] == pytest.approx(2 * latency + table / bandwidth)
+    slowest = max(lay.rank_parameters(r) for r in range(2))
+    assert pred.compute_s == pytest.approx(4 * 4 * 3 + slowest * 5e-3)  # 4 micro-batches x 4 blocks x 3 s a rank
+    single = layout(*EIGHT_BLOCKS)
+    one = calibration(single)
+    one.compute["optimizer_grouped"] = calib.compute["optimizer_grouped"]
+    assert predict(single, one, network(), "test cpu").compute_s == pytest.approx(8 * 3)
