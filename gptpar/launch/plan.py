@@ -17,7 +17,7 @@ from gptpar.config import Config, ConfigError, check_expert_grid, data_config, u
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
 from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
-from gptpar.plan.record import SHIPPED
+from gptpar.plan.record import SHIPPED, write_plan
 from gptpar.pretrained import PREFIX, folder_of
 from gptpar.run.folder import RunFolder
 from gptpar.run.start import JobState, named_run, write_folder
@@ -130,8 +130,17 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
         require_hub_data(cfg.data)
     cfg = updated(cfg, {"data.tokenizer": resolve_tokenizer_choice(data_config(cfg))})
     if write:
-        write_folder(folder, cfg, start_over, job_state)
+        write_run_folder(folder, cfg, start_over, job_state)
     return Point(cfg, folder)
+
+
+def write_run_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
+                     again: str = "pass --start-over to set the old folder aside and start over") -> None:
+    """The submit side's run folder: gptpar.run.start.write_folder, then the run's plan.json (its prediction,
+    before any rank starts) where report.plan_calibration asks for one."""
+    write_folder(folder, cfg, start_over, job_state, again)
+    if cfg.report.plan_calibration:
+        write_plan(folder.path, cfg)
 
 
 def rank_command(cfg: Config) -> list[str]:

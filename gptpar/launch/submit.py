@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from gptpar.config import Config
 from gptpar.launch.backend import Backend, choose_backend, job_text
-from gptpar.launch.plan import Point, plan_run
+from gptpar.launch.plan import Point, plan_run, write_run_folder
 from gptpar.launch.profiles import resolve
-from gptpar.run.start import write_folder
 from gptpar.run.state import read_run
 
 
@@ -28,7 +27,7 @@ def submit_run(cfg: Config, kind: str) -> tuple[Point, Backend, str]:
     spec = resolve(point.cfg, kind)
     backend = choose_backend(point.cfg.launch)
     backend.check(spec)
-    write_folder(point.folder, point.cfg, again="move the old folder away to start over")
+    write_run_folder(point.folder, point.cfg, again="move the old folder away to start over")
     print(f"{kind} run {point.folder.path}: {spec.nodes * spec.tasks_per_node} rank(s) on {backend.where}",
           flush=True)
     (job_id,) = backend.submit([point], spec, point.folder.name, point.folder.job_dir)

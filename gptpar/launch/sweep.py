@@ -25,12 +25,12 @@ from typing import Any
 from gptpar.config import ConfigError, config_layers, overrides_tree, parse_override, read_yaml, resolve_layers
 from gptpar.errors import GptparError
 from gptpar.launch.backend import Backend, choose_backend, job_text, scheduler_state
-from gptpar.launch.plan import Point, plan_run, shaped
+from gptpar.launch.plan import Point, plan_run, shaped, write_run_folder
 from gptpar.launch.profiles import resolve
 from gptpar.launch.submit import report_started
 from gptpar.run.folder import completed, config_diff
 from gptpar.run.names import point_label, point_name, short_hash, slug
-from gptpar.run.start import make_folder, set_aside, write_folder
+from gptpar.run.start import make_folder, set_aside
 from gptpar.run.state import LIVE_JOB_STATES, NEVER_STARTS, read_run
 from gptpar.run.sweeps import write_sweep_record
 from gptpar.user_defaults import user_layers
@@ -209,7 +209,7 @@ def prepare(path: Path, name: str, kind: str, points: Sequence[Point], overrides
         print(f"sweep {name}: {point.folder.name}: old results set aside as {moved.name}", flush=True)
     for point in points:
         if point.folder.read_config() is None:
-            write_folder(point.folder, point.cfg, again="add --rerun to start it over")
+            write_run_folder(point.folder, point.cfg, again="add --rerun to start it over")
 
 
 def _live(point: Point) -> str:

@@ -49,10 +49,6 @@ def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_s
         set_aside(folder, job_state)
     make_folder(folder.path)
     check_start(folder, cfg, again=again)
-    if cfg.report.plan_calibration:
-        from gptpar.plan.record import write_plan  # the planner only where a run asks for it
-
-        write_plan(folder.path, cfg)
 
 
 def make_folder(path: Path) -> None:

@@ -5,7 +5,8 @@ cannot run are one-line errors.
 
 bf16 runs a small byte-level text model whose loss falls fast, so "it trains" shows in six steps. Its losses stay
 within BF16_LOSS_TOL of fp32's step by step (they differ by ~1e-3: bf16 keeps 8 bits of mantissa) yet differ from
-them (autocast ran). Two ranks in bf16 agree with one bf16 process: losses within PARALLEL_LOSS_TOL,
+them (autocast ran). Two ranks in bf16 agree with one bf16 process: losses within PARALLEL_LOSS_TOL (TP_LOSS_TOL
+under tensor parallelism),
 parameters within a mean |difference| of PARALLEL_PARAM_TOL after two AdamW steps (measured against one bf16
 process: ~4e-5 for every schedule and data-parallel sync, ~1e-4 for tensor parallelism, whose sharded matmuls sum
 their bf16 partial results in another order; ~1.4e-4 against fp32; a missing or wrong gradient moves many
@@ -42,6 +43,10 @@ TEXT = ["data.source=stdlib", "data.tokenizer=bytes", "data.max_chars=40000", "t
         "log.progress=none"]
 BF16_LOSS_TOL = 0.02
 PARALLEL_LOSS_TOL = 1e-3
+# Tensor parallelism's sharded matmuls sum their bf16 partial results in another order: its validation loss after the
+# steps measured 1.0e-3 and 1.1e-3 (ours, torch's) from one bf16 process on a CPU with native bf16 kernels
+# (AVX512-BF16), under 1e-3 on one without.
+TP_LOSS_TOL = 2e-3
 PARALLEL_PARAM_TOL = 3e-4  # mean |difference|: 3% of one AdamW step at lr 0.01, 3x tensor parallelism's measured
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # the pipeline's head copy of the tied matrix
 CPU = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
@@ -210,9 +215,10 @@ def test_bf16_on_two_ranks_trains_like_one_bf16_process(parallel_runs: Path, one
     ref, fp32 = one_process["bf16"], one_process["fp32"]
     # Replicas each report their shard's loss (their mean is the batch's); stages and tensor-parallel ranks the batch's.
     losses = [sum(step) / 2 for step in zip(*(r["losses"] for r in ranks), strict=True)]
-    assert losses == pytest.approx(ref["losses"], abs=PARALLEL_LOSS_TOL)
+    tolerance = TP_LOSS_TOL if name.startswith("tp") else PARALLEL_LOSS_TOL
+    assert losses == pytest.approx(ref["losses"], abs=tolerance)
     assert losses != fp32["losses"]  # the ranks ran under autocast
-    assert ranks[0]["val"] == pytest.approx(ref["val"], abs=PARALLEL_LOSS_TOL)
+    assert ranks[0]["val"] == pytest.approx(ref["val"], abs=tolerance)
     params = {**ranks[1]["params"], **ranks[0]["params"]}  # a pipeline: each rank holds its stages
     assert set(params) - set(TIED) == set(ref["params"])
     diff = torch.cat([(value - ref["params"][TIED.get(p, p)]).flatten() for p, value in params.items()])
