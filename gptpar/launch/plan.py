@@ -20,7 +20,7 @@ from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
 from gptpar.plan.record import SHIPPED, write_plan
 from gptpar.pretrained import PREFIX, folder_of
 from gptpar.run.folder import RunFolder
-from gptpar.run.start import JobState, named_run, write_folder
+from gptpar.run.start import START_OVER, JobState, named_run, write_folder
 
 KINDS = ("dp", "pp")
 FILE_SOURCES = ("text", "jsonl", "tsv")  # data.source kinds that name local files
@@ -135,7 +135,7 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
 
 
 def write_run_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
-                     again: str = "pass --start-over to set the old folder aside and start over") -> None:
+                     again: str = START_OVER) -> None:
     """The submit side's run folder: gptpar.run.start.write_folder, then the run's plan.json (its prediction,
     before any rank starts) where report.plan_calibration asks for one."""
     write_folder(folder, cfg, start_over, job_state, again)

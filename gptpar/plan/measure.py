@@ -136,12 +136,12 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
     hidden = torch.randn(seqs, seq, width, device=device)
     f_s, b_s, w_s = _block_times(block, hidden, precision, timed)
     params = [p for p in block.parameters()]
-    with precision.autocast():
-        saved = saved_activation_bytes(lambda: block(hidden.clone().requires_grad_(True)), params)
 
-    def counted_forward() -> None:  # as the pipeline engine runs a stage: counting what autograd saves
+    def counted_forward() -> int:  # as the pipeline engine runs a stage: counting what autograd saves
         with precision.autocast():
-            saved_activation_bytes(lambda: block(hidden.clone().requires_grad_(True)), params)
+            return saved_activation_bytes(lambda: block(hidden.clone().requires_grad_(True)), params)
+
+    saved = counted_forward()
 
     hf_s, hbw_s = _head_times(embed, head, lm_loss, ids, torch.randint_like(ids, vocab), precision, timed)
     f, b, w = block_flops(shape, tokens, seq)

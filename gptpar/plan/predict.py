@@ -141,14 +141,14 @@ class Model:
             forward = "block_f_counted" if lay.pp > 1 and "block_f_counted" in c.compute else "block_f"
             bf, bb, bw = (c.seconds(forward, f, self.alone), c.seconds("block_b", b, self.alone),
                           c.seconds("block_w", w, self.alone))
-        n = lay.blocks_of(rank)
+        n, recomputed = lay.blocks_of(rank), lay.recomputed_blocks(rank)
+        tp_comm = n * (comm_f + comm_b) + recomputed * comm_f
         a2a = self.expert_comm()
+        ep_comm = (2 * n + recomputed) * a2a
         comm_f, comm_b = comm_f + a2a, comm_b + a2a
         cost_f = n * (bf + comm_f)
-        cost_b = n * (bb + comm_b) + lay.recomputed_blocks(rank) * (bf + comm_f)
+        cost_b = n * (bb + comm_b) + recomputed * (bf + comm_f)
         cost_w = n * bw
-        ep_comm = (2 * n + lay.recomputed_blocks(rank)) * a2a
-        tp_comm = n * (comm_f + comm_b) + lay.recomputed_blocks(rank) * comm_f - ep_comm
         self.block_f, self.block_bw, self.head_f, self.head_bw = bf + comm_f, bb + comm_b + bw, 0.0, 0.0
         if lay.holds_head(rank):
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
@@ -284,10 +284,9 @@ class Model:
         root_bytes = self._ends(0) * 4.0
         wire = WIRE_BYTES.get(lay.grad_comm, 4.0) / 4.0
         gathered = wire_value_bytes(lay.param_comm, lay.quant_block) / 4.0  # parallel.param_comm (qwZ at int8)
-        crossing = [True]  # under hpZ only the step's first gather of each unit crosses nodes; the rest stay inside
+        later = lay.hpz_node or lay.dp  # under hpZ only the step's first gather of each unit crosses nodes
 
-        def ag(nbytes: float) -> float:
-            group = lay.dp if crossing[0] or not lay.hpz_node else lay.hpz_node
+        def ag(nbytes: float, group: int) -> float:
             return self.net.seconds("all_gather", nbytes * gathered, group, lay.tp)
 
         def rs(nbytes: float) -> float:
@@ -295,10 +294,10 @@ class Model:
 
         if not self.overlaps:  # every gather and reduce-scatter of every micro-step, one after another
             exposed = 0.0
-            for _ in range(lay.grad_accum):
-                exposed += ag(root_bytes) + blocks * ag(block_bytes)
-                crossing[0] = False
-                exposed += blocks * (ag(block_bytes) + rs(block_bytes)) + rs(root_bytes)
+            for micro in range(lay.grad_accum):
+                forward = lay.dp if micro == 0 else later
+                exposed += ag(root_bytes, forward) + blocks * ag(block_bytes, forward)
+                exposed += blocks * (ag(block_bytes, later) + rs(block_bytes)) + rs(root_bytes)
             self._add("fsdp gathers and reduce-scatters", exposed)
             return exposed
 
@@ -306,25 +305,25 @@ class Model:
         head_f = self.head_f
         per_bw = [self.block_bw + (costs.b + costs.w - self.head_bw - blocks * self.block_bw) / max(blocks, 1)] * blocks
         exposed = 0.0
-        for _ in range(lay.grad_accum):
+        for micro in range(lay.grad_accum):
             # forward: root, then blocks with one prefetched
-            t = free = ag(root_bytes)
-            gather_end = free = free + ag(block_bytes)
+            forward = lay.dp if micro == 0 else later
+            t = free = ag(root_bytes, forward)
+            gather_end = free = free + ag(block_bytes, forward)
             for i in range(blocks):
                 start = max(t, gather_end)
                 if i + 1 < blocks:
-                    gather_end = free = max(free, start) + ag(block_bytes)
+                    gather_end = free = max(free, start) + ag(block_bytes, forward)
                 t = start + per_f[i]
-            crossing[0] = False
             t += head_f + self.head_bw
             compute = sum(per_f) + head_f + self.head_bw
             # backward: the head's (the root stays gathered), then blocks last to first, each gathered again (the
             # last block's when the head's backward hands it its gradient), its gradients reduce-scattered after it
-            gather_end = free = max(free, t) + ag(block_bytes)
+            gather_end = free = max(free, t) + ag(block_bytes, later)
             for i in range(blocks):
                 start = max(t, gather_end)
                 if i + 1 < blocks:
-                    gather_end = free = max(free, start) + ag(block_bytes)
+                    gather_end = free = max(free, start) + ag(block_bytes, later)
                 t = start + per_bw[i]
                 free = max(free, t) + rs(block_bytes)
             free = max(free, t) + rs(root_bytes)

@@ -16,6 +16,7 @@ from gptpar.run.names import derived_run_id, replaced_name
 from gptpar.run.resume import check_start
 from gptpar.run.state import LIVE_JOB_STATES
 
+START_OVER = "pass --start-over to set the old folder aside and start over"  # how a refused folder starts over
 JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
 
 
@@ -38,7 +39,7 @@ def location_layer(config_file: str | Path) -> list[Layer]:
 
 
 def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
-                 again: str = "pass --start-over to set the old folder aside and start over") -> None:
+                 again: str = START_OVER) -> None:
     """Make a run's folder and write its config.yaml. A live folder is refused naming its holder; a folder whose
     run has another config is refused with what changed (gptpar.run.resume; `again` says how to start over),
     unless `start_over`, which first moves any existing folder aside (set_aside)."""
