@@ -3,8 +3,8 @@
 One run, one machine: `gptpar plan calibrate`'s measurement (2 gloo ranks x 1 thread, shapes around the model's),
 then for each layout its prediction (gptpar.plan, through the config resolver `gptpar train` uses) and a short real
 `gptpar train` of it (local ranks, synthetic data). Measured step time: each step's slowest rank, the median over
-the steps after the warm-up: the fastest (a quiet machine's, which the planner predicts and its calibration keeps;
-the median is shown beside it). The load column is the machine's 1-minute load average after each run (this machine is
+the steps after the warm-up (the typical step, which the planner predicts from the typical call of each piece; the
+fastest step is shown beside it). The load column is the machine's 1-minute load average after each run (this machine is
 shared: a load above its core count slows every step, the calibration's too, and not alike). Measured memory: the
 `memory` record's training-state bytes (parameters, gradients, optimizer state) of the fullest rank, against the
 strategy table's closed form the planner predicts; and, under the pipeline, the bytes autograd held at once
@@ -54,13 +54,13 @@ LAYOUTS: dict[str, list[str]] = {
                               "train.activation_checkpointing=block"],
 }
 BENCH_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (2, 64), (4, 64), (8, 64)),
-                  tuple(4 ** k * 1024 for k in range(1, 8)), (10**5, 10**6, 10**7), 4096, 7)
+                  tuple(4 ** k * 1024 for k in range(1, 8)), (10**5, 10**6, 10**7), 4096, 11)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10, help="steps per run (the first --warmup are dropped)")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="steps per run (the first --warmup are dropped)")
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated layout names (default: all)")
     ap.add_argument("--calibration", default="", help="reuse this calibration instead of measuring one")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def measured(run: Path, warmup: int) -> dict[str, float]:
-    """The fastest and the median of the kept steps (each its slowest rank's time); the fullest rank's state and
+    """The median and the fastest of the kept steps (each its slowest rank's time); the fullest rank's state and
     activation bytes."""
     logs = [read_rank_log(p) for p in sorted(run.glob("rank*.jsonl"))]
     steps = sorted(set.intersection(*(set(log.steps) for log in logs)))[warmup:]
@@ -76,7 +76,7 @@ def measured(run: Path, warmup: int) -> dict[str, float]:
     state = max(sum(log.memory[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes")) for log in logs
                 if log.memory)
     peaks = [log.steps[s].get("pp_peak_activation_bytes") for log in logs for s in steps]
-    return {"step_time_s": min(times), "median_step_s": statistics.median(times), "state_bytes": state,
+    return {"step_time_s": statistics.median(times), "fastest_step_s": min(times), "state_bytes": state,
             "activation_bytes": max(p for p in peaks if p is not None) if any(p is not None for p in peaks) else 0}
 
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
             calibrate(calib, threads=1, plan=BENCH_PLAN)
             print(f"calibrated in {time.perf_counter() - started:.0f} s (load average {os.getloadavg()[0]:.1f} on "
                   f"{os.cpu_count()} cores)", flush=True)
-        print(f"{'layout':<24}{'pred ms':>9}{'meas ms':>9}{'err':>8}{'median ms':>11}{'pred state MB':>15}"
+        print(f"{'layout':<24}{'pred ms':>9}{'meas ms':>9}{'err':>8}{'fastest ms':>11}{'pred state MB':>15}"
               f"{'meas state MB':>15}{'err':>8}{'load':>6}{'pred act MB':>13}{'meas act MB':>13}", flush=True)
         for i, name in enumerate(names):
             words = [*BASE, *LAYOUTS[name], f"train.max_steps={args.steps}"]
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"layout": name, "predicted": pred.to_dict(), "measured": meas, "step_error": err,
                          "state_error": mem_err})
             print(f"{name:<24}{pred.step_time_s * 1e3:>9.1f}{meas['step_time_s'] * 1e3:>9.1f}{err:>+8.1%}"
-                  f"{meas['median_step_s'] * 1e3:>11.1f}"
+                  f"{meas['fastest_step_s'] * 1e3:>11.1f}"
                   f"{state / 1e6:>15.3f}{meas['state_bytes'] / 1e6:>15.3f}{mem_err:>+8.2%}"
                   f"{os.getloadavg()[0]:>6.1f}"
                   + (f"{activations / 1e6:>13.2f}{act / 1e6:>13.2f}" if act else ""), flush=True)

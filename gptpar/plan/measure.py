@@ -4,7 +4,7 @@ The only planner module that imports torch. Device and backend are chosen at run
 (gptpar.parallel.process_group): CUDA with NCCL where GPUs are visible (timed with CUDA events, gptpar.clock), else
 the CPU with gloo. Every rank measures compute at the same time, as the ranks of a job compute side by side; rank 0's
 numbers are kept (on a CPU, whose ranks share the machine's cores, rank 0 also measures alone first: what a one-rank
-layout gets). Each number is the fastest of several calls: the planner predicts a quiet device. Collectives are
+layout gets). Each number is the median of several calls: the planner predicts the typical step. Collectives are
 measured over all ranks (one GPU measures none: a cluster's links then come from its profile). The pieces timed are
 the model's own (gptpar.models' embedding, block and head pieces), so a block costs here what it costs in training.
 """
@@ -65,11 +65,12 @@ QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 104857
 
 
 def _timer(device: torch.device, repeats: int, synced: bool = False) -> Callable[..., float]:
-    """The fastest device seconds of `fn` over `repeats` calls after one warm-up, `setup` (untimed) before each and
-    its result passed to `fn`. The fastest, not the median: the planner predicts a quiet device, and on a shared
-    machine only the fastest calls are free of other processes' time. `synced` work (collectives between its
-    computations) takes the mean instead: each of its collectives waits for the slowest rank's part before it, and
-    in a step that wait is the typical one, not the luckiest (_collective_points)."""
+    """The median device seconds of `fn` over `repeats` calls after one warm-up, `setup` (untimed) before each and
+    its result passed to `fn`. The median, not the fastest: a step is a sum of many pieces, and the sum of each
+    piece's luckiest call is faster than any step (bench-plan read 13% low against the fastest steps, 8% against
+    the median steps with the pieces' medians); the report compares with the mean step. `synced` work (collectives
+    between its computations) takes the mean instead: each of its collectives waits for the slowest rank's part
+    before it, and in a step that wait is the typical one, not the luckiest (_collective_points)."""
     def timed(fn: Callable[..., object], setup: Callable[[], object] | None = None) -> float:
         samples = []
         for i in range(repeats + 1):
@@ -79,7 +80,7 @@ def _timer(device: torch.device, repeats: int, synced: bool = False) -> Callable
             clock.stop()
             if i:
                 samples.append(clock.seconds())
-        return statistics.mean(samples) if synced else min(samples)
+        return statistics.mean(samples) if synced else statistics.median(samples)
     return timed
 
 

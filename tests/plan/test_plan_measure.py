@@ -4,13 +4,15 @@ file reads back as a calibration of this CPU."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from gloo_pool import GlooPools
 
 from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, load, local_device_name, tp_kind
-from gptpar.plan.measure import Plan, measure_rank
+from gptpar.plan.measure import Plan, _timer, measure_rank
 
 TINY = Plan(((64, 2),), ((2, 32),), (4096, 262144), (10**4, 10**5), 512, 2, comm_iters=3)
 
@@ -38,3 +40,16 @@ def test_a_tiny_calibration_on_two_gloo_ranks(gloo_pool: GlooPools, tmp_path: Pa
         assert fit is not None and fit.bandwidth > 0 and fit.latency_s > 0
     # A block saves activations of the order of tens of values per token and unit of width (fp32: ~100 bytes).
     assert 20 < calib.activation_bytes_per_token_width < 1000
+
+
+def test_a_piece_costs_its_median_call_and_synced_work_its_mean() -> None:
+    """A step is a sum of many pieces, so each is priced at its typical call: the sum of each piece's luckiest call
+    is faster than any step. Work with collectives between its computations is priced at its mean wait."""
+    calls = iter([0.030, 0.012, 0.002, 0.004])  # the first call is the untimed warm-up
+
+    def piece() -> None:
+        time.sleep(next(calls))
+
+    assert 0.004 <= _timer(torch.device("cpu"), 3)(piece) < 0.011  # the median: not the fastest (0.002)
+    calls = iter([0.030, 0.012, 0.002, 0.004])
+    assert 0.006 <= _timer(torch.device("cpu"), 3, synced=True)(piece) < 0.011  # the mean, 0.006
