@@ -56,6 +56,7 @@ class Layout:
     schedule: str
     sequence_parallel: bool
     loss_parallel: bool
+    tp_impl: str  # parallel.tp_impl: our tensor-parallel pieces, or torch's DTensor plan
     grad_comm: str
     bucket_mb: float
     param_comm: str  # fsdp's parameter gathers
@@ -150,7 +151,8 @@ def layout_of(cfg: Config) -> Layout:
         virtual=p.pp_virtual, chunks=chunks, grad_accum=t.grad_accum,
         seqs=t.batch_size // (p.dp * t.grad_accum * chunks), seq_len=example_width(cfg), dp_sync=p.dp_sync,
         schedule=p.pp_schedule, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
-        grad_comm=p.grad_comm, bucket_mb=p.bucket_mb, param_comm=p.param_comm, quant_block=p.quant_block,
+        tp_impl=p.tp_impl, grad_comm=p.grad_comm, bucket_mb=p.bucket_mb, param_comm=p.param_comm,
+        quant_block=p.quant_block,
         hpz_node=hpz_node_size(p, cfg.launch.gpus or p.dp * p.tp) if p.hpz else 0, ep=p.ep, precision=t.precision,
         checkpoint_every=checkpoint_interval(t.activation_checkpointing),
         stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)))

@@ -368,8 +368,10 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
                           f"train.precision={calib.precision}")
     model = Model(lay, calib, net)
     sharded = bool(DP_STRATEGIES[lay.dp_sync].sharded) and lay.dp > 1
-    # Pipeline stages, shards and tensor-parallel pieces sum the norm's squares per tensor (clip_gradients' groups)
-    grouped = lay.pp > 1 or lay.tp > 1 or lay.ep > 1 or (sharded and lay.dp_sync != "fsdp2")
+    # Pipeline stages, shards and our tensor-parallel pieces sum the norm's squares per tensor (clip_gradients'
+    # groups, as Trainer._norm_plan picks them); torch's DTensor pieces and fsdp2's shards take torch's own norm.
+    ours = lay.tp > 1 and lay.tp_impl == "gptpar"
+    grouped = lay.pp > 1 or ours or lay.ep > 1 or (sharded and lay.dp_sync != "fsdp2")
     kind = "optimizer_grouped" if grouped and "optimizer_grouped" in calib.compute else "optimizer"
     optimizer = max(calib.seconds(kind, lay.rank_parameters(r) / (lay.dp if sharded else 1), model.alone)
                     for r in range(lay.pp))
@@ -418,6 +420,9 @@ def approximations(lay: Layout) -> list[str]:
         notes.append("parallel.grad_comm=powersgd is priced as fp32 (its low-rank P and Q are not modelled)")
     if lay.dp_sync == "fsdp2" and lay.dp > 1:
         notes.append("fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")
+    if lay.tp > 1 and lay.tp_impl == "torch":
+        notes.append("parallel.tp_impl=torch is priced as our tensor-parallel block and head (the same collectives "
+                     "between the same matmuls; DTensor's dispatch is not timed)")
     if lay.ep > 1 and lay.shape.moe:
         notes.append("parallel.ep: the experts' gradients are priced as reduced over all of dp (they are reduced "
                      "over their dp/ep replicas), and routing as balanced")

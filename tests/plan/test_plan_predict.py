@@ -207,3 +207,16 @@ def test_a_pipeline_adds_the_tied_embedding_all_reduce_and_the_grouped_clip() ->
     one = calibration(single)
     one.compute["optimizer_grouped"] = calib.compute["optimizer_grouped"]
     assert predict(single, one, network(), "test cpu").compute_s == pytest.approx(8 * 3)
+
+
+def test_our_tensor_parallel_pieces_take_the_grouped_clip_and_torchs_take_torchs() -> None:
+    """Our tp pieces sum the norm's squares per tensor over the tp group (the grouped clip, here 5 s per 1,000
+    parameters); torch's DTensor pieces take torch's own norm (free here), as Trainer._norm_plan picks them, and the
+    prediction says that torch's tp is priced as ours."""
+    ours = layout(*EIGHT_BLOCKS, "parallel.tp=2")
+    theirs = layout(*EIGHT_BLOCKS, "parallel.tp=2", "parallel.tp_impl=torch")
+    calib = calibration(ours)
+    calib.compute["optimizer_grouped"] = [[1e3, 5.0], [1e9, 5.0 * 1e6]]
+    grouped, plain = (predict(lay, calib, network(), "test cpu") for lay in (ours, theirs))
+    assert grouped.compute_s - plain.compute_s == pytest.approx(ours.rank_parameters(0) * 5e-3)
+    assert any("tp_impl=torch" in note for note in plain.notes) and not grouped.notes
