@@ -94,10 +94,6 @@ class Layout:
         blocks = set(range(start, start + self.stage_blocks[stage]))
         return len(blocks & set(checkpointed_indices(self.shape.n_layer, self.checkpoint_every)))
 
-    def recomputed_blocks(self, rank: int) -> int:
-        """Blocks of pipeline rank `rank` that recompute their forward in backward."""
-        return sum(self.recomputed_in_stage(s) for s in self.stages_of(rank))
-
     def holds_embedding(self, rank: int) -> bool:
         return rank == 0
 

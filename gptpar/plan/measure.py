@@ -28,8 +28,8 @@ from torch import nn
 
 from gptpar.atomic import atomic_write_text
 from gptpar.clock import DeviceClock
-from gptpar.config import ModelConfig, ParallelConfig
-from gptpar.model import build_model, lm_loss
+from gptpar.config import Config, ModelConfig, ParallelConfig, updated
+from gptpar.model import build_model
 from gptpar.models import architecture
 from gptpar.parallel.comm import all_gather, reduce_scatter
 from gptpar.parallel.dims import ParallelDims
@@ -41,6 +41,7 @@ from gptpar.presets import ModelShape
 from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.optim import clip_gradients
 from gptpar.train.precision import AUTOCAST_DTYPES, Precision, resolve_precision
+from gptpar.train.recompute import whole_logits_loss
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,12 @@ def _head_times(embed: nn.Module, head: nn.Module, loss_of: Callable[..., torch.
     return timed(head_forward), timed(lambda loss: loss.backward(), head_forward)
 
 
+def _eager_loss(device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of whole logits the trainer runs where it does not compile (train.loss_kernel=auto), as every piece
+    here is timed eager."""
+    return whole_logits_loss(updated(Config(), {"train.compile": "false"}), device)
+
+
 def _small_block_model(width: int, heads: int, seq: int, vocab: int) -> nn.Module:
     return build_model(ModelConfig(preset="gpt2-tiny", n_layer=1, n_embd=width, n_head=heads,
                                    n_positions=max(seq, 64)), vocab, seed=0)
@@ -144,7 +151,8 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
 
     saved = counted_forward()
 
-    hf_s, hbw_s = _head_times(embed, head, lm_loss, ids, torch.randint_like(ids, vocab), precision, timed)
+    hf_s, hbw_s = _head_times(embed, head, _eager_loss(device), ids, torch.randint_like(ids, vocab), precision,
+                              timed)
     f, b, w = block_flops(shape, tokens, seq)
     hf = head_flops(width, vocab, tokens)
     return {"block_f": (f, f_s), "block_f_counted": (f, timed(counted_forward)), "block_b": (b, b_s),
@@ -175,8 +183,8 @@ def _tp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: i
                                   strict=True):
                 points[tp_kind(kind, tp, sp)] = (f, s)
         hf = head_flops(width, vocab, seqs * seq, tp)
-        head_s = _head_times(arch.embed_piece(model), arch.head_piece(model), loss_function(pcfg, dims, vocab), ids,
-                             targets, precision, timed)
+        loss = loss_function(pcfg, dims, vocab, _eager_loss(dims.device))
+        head_s = _head_times(arch.embed_piece(model), arch.head_piece(model), loss, ids, targets, precision, timed)
         for kind, f, s in zip(("head_f", "head_bw"), (hf, 2 * hf), head_s, strict=True):
             points[tp_kind(kind, tp, sp, lp)] = (f, s)
     return points

@@ -126,8 +126,14 @@ class Model:
         return self._tp("all_reduce", tokens * d * self.act) + loss
 
     def rank_costs(self, rank: int) -> Costs:
-        """One micro-batch's F, B and W on pipeline rank `rank`: its blocks, recomputation in backward, the head and
-        loss where it holds them, and tensor-parallel communication."""
+        """One micro-batch's F, B and W on pipeline rank `rank`: the sum of its stages'."""
+        self.head_f = self.head_bw = 0.0
+        parts = [self.stage_costs(s) for s in self.lay.stages_of(rank)]
+        return Costs(*(sum(getattr(p, name) for p in parts) for name in ("f", "b", "w", "tp_comm", "ep_comm")))
+
+    def stage_costs(self, stage: int) -> Costs:
+        """One micro-batch's F, B and W on pipeline stage `stage`: its blocks, recomputation in backward, the head and
+        loss on the last stage, and tensor-parallel communication."""
         lay, c = self.lay, self.c
         f, b, w = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp)
         comm_f, comm_b = self.block_comm()
@@ -141,7 +147,7 @@ class Model:
             forward = "block_f_counted" if lay.pp > 1 and "block_f_counted" in c.compute else "block_f"
             bf, bb, bw = (c.seconds(forward, f, self.alone), c.seconds("block_b", b, self.alone),
                           c.seconds("block_w", w, self.alone))
-        n, recomputed = lay.blocks_of(rank), lay.recomputed_blocks(rank)
+        n, recomputed = lay.stage_blocks[stage], lay.recomputed_in_stage(stage)
         tp_comm = n * (comm_f + comm_b) + recomputed * comm_f
         a2a = self.expert_comm()
         ep_comm = (2 * n + recomputed) * a2a
@@ -149,8 +155,8 @@ class Model:
         cost_f = n * (bf + comm_f)
         cost_b = n * (bb + comm_b) + recomputed * (bf + comm_f)
         cost_w = n * bw
-        self.block_f, self.block_bw, self.head_f, self.head_bw = bf + comm_f, bb + comm_b + bw, 0.0, 0.0
-        if lay.holds_head(rank):
+        self.block_f, self.block_bw = bf + comm_f, bb + comm_b + bw
+        if stage == lay.pp * lay.virtual - 1:
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
             head = self.head_comm()
             kinds = [tp_kind(k, lay.tp, lay.sequence_parallel, lay.loss_parallel) for k in ("head_f", "head_bw")]
@@ -175,29 +181,26 @@ class Model:
     def pipeline(self) -> tuple[float, float, list[list[Action]]]:
         """(window of one micro-step's schedule, mean compute inside it, each rank's actions)."""
         lay = self.lay
-        costs = [self.rank_costs(r) for r in range(lay.pp)]
+        last = lay.pp * lay.virtual - 1
+        costs = [self.stage_costs(s) for s in range(last + 1)]
         hop = self.p2p()
         plan = make_plan(lay.schedule, lay.pp, lay.chunks, lay.virtual)
         lists = schedule(lay.schedule, lay.pp, lay.chunks, lay.virtual)
-        per_stage = {s: len(lay.stages_of(s % lay.pp)) for s in range(lay.pp * lay.virtual)}
-
-        last = lay.pp * lay.virtual - 1
 
         def cost(action: Action) -> float:
-            """The action's share of its rank's costs (its stage's blocks), and the send that follows it."""
-            rc = costs[action.stage % lay.pp]
-            share = 1 / per_stage[action.stage]
+            """The action's stage's cost (its own blocks, the head on the last), and the send that follows it."""
+            sc = costs[action.stage]
             if action.kind == "F":
-                return rc.f * share + (hop if action.stage < last else 0.0)
+                return sc.f + (hop if action.stage < last else 0.0)
             if action.kind == "B":
-                return (rc.b if plan.split_backward else rc.b + rc.w) * share + (hop if action.stage > 0 else 0.0)
-            return rc.w * share
+                return (sc.b if plan.split_backward else sc.b + sc.w) + (hop if action.stage > 0 else 0.0)
+            return sc.w
 
         timeline = simulate(lists, cost_of=cost)
-        busy = sum(costs[r].whole for r in range(lay.pp)) * lay.chunks / lay.pp
+        busy = sum(sc.whole for sc in costs) * lay.chunks / lay.pp
         self._add("send_recv", 2 * lay.chunks * lay.virtual * hop if lay.pp > 1 else 0.0)
-        self._add("tp", sum(costs[r].tp_comm for r in range(lay.pp)) / lay.pp * lay.chunks)
-        self._add("all_to_all", sum(costs[r].ep_comm for r in range(lay.pp)) / lay.pp * lay.chunks)
+        self._add("tp", sum(sc.tp_comm for sc in costs) / lay.pp * lay.chunks)
+        self._add("all_to_all", sum(sc.ep_comm for sc in costs) / lay.pp * lay.chunks)
         return timeline.makespan, busy, lists
 
     def dp_sync(self, backward_s: float, n: int, rank: int) -> float:

@@ -12,7 +12,7 @@ from gptpar.plan.calibration import tp_kind
 from gptpar.plan.layout import block_flops, head_flops
 from gptpar.plan.predict import predict
 from gptpar.strategies.data_parallel import DP_STRATEGIES
-from gptpar.strategies.schedules import closed_form_bubble
+from gptpar.strategies.schedules import closed_form_bubble, schedule, simulate
 
 EIGHT_BLOCKS = ("model.preset=gpt2-mini", "model.n_layer=8", "data.seq_len=64", "train.batch_size=16")
 
@@ -220,3 +220,20 @@ def test_our_tensor_parallel_pieces_take_the_grouped_clip_and_torchs_take_torchs
     grouped, plain = (predict(lay, calib, network(), "test cpu") for lay in (ours, theirs))
     assert grouped.compute_s - plain.compute_s == pytest.approx(ours.rank_parameters(0) * 5e-3)
     assert any("tp_impl=torch" in note for note in plain.notes) and not grouped.notes
+
+
+def test_each_pipeline_stage_is_priced_by_its_own_blocks() -> None:
+    """Interleaved stages of 3, 3, 1 and 1 blocks (rank 0 holds stages 0 and 2, rank 1 stages 1 and 3): each action
+    costs its own stage's blocks (F, B and W 1 s a block, the head free), not half its rank's, so the step is the
+    schedule simulated with those costs, and another cut with the same blocks per rank (2, 2, 2, 2) differs."""
+    words = (*EIGHT_BLOCKS, "parallel.pp=2", "parallel.pp_virtual=2", "parallel.pp_schedule=interleaved_1f1b",
+             "parallel.chunks=2")
+    uneven, even = (layout(*words, f"parallel.pp_split={cut}") for cut in ("3,3,1,1", "2,2,2,2"))
+    steps = []
+    for lay in (uneven, even):
+        lists = schedule("interleaved_1f1b", 2, 2, 2)
+        blocks = lay.stage_blocks
+        expected = simulate(lists, cost_of=lambda a, blocks=blocks: blocks[a.stage] * (1.0 if a.kind == "F" else 2.0))
+        steps.append(predict(lay, calibration(lay), network(), "test cpu").step_time_s)
+        assert steps[-1] == pytest.approx(expected.makespan)
+    assert steps[0] != pytest.approx(steps[1])
