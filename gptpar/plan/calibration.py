@@ -27,6 +27,8 @@ from gptpar.strategies.collectives import ring_share, ring_steps
 FORMAT = 1
 SHIPPED_DIR = Path(__file__).with_name("calibrations")
 COMPUTE_KINDS = ("block_f", "block_b", "block_w", "head_f", "head_bw", "optimizer")
+# A block under train.activation_checkpointing, timed whole: F keeps only its input, B runs F again first.
+RECOMPUTED = ("recomputed_f", "recomputed_b", "recomputed_w")
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv")
 CALIBRATION_FLAG = "--calibration"  # where a calibration is named: the plan commands' flag, or a config key
 

@@ -36,12 +36,12 @@ from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
 from gptpar.parallel.tensor_parallel import loss_function, shard_model
-from gptpar.plan.calibration import Calibration, local_device_name, tp_kind
+from gptpar.plan.calibration import RECOMPUTED, Calibration, local_device_name, tp_kind
 from gptpar.presets import ModelShape
 from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.optim import clip_gradients
 from gptpar.train.precision import AUTOCAST_DTYPES, Precision, resolve_precision
-from gptpar.train.recompute import whole_logits_loss
+from gptpar.train.recompute import checkpoint_blocks, whole_logits_loss
 
 
 @dataclass(frozen=True)
@@ -155,9 +155,15 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
                               timed)
     f, b, w = block_flops(shape, tokens, seq)
     hf = head_flops(width, vocab, tokens)
-    return {"block_f": (f, f_s), "block_f_counted": (f, timed(counted_forward)), "block_b": (b, b_s),
-            "block_w": (w, w_s), "head_f": (hf, hf_s),
-            "head_bw": (2 * hf, hbw_s), "saved": (tokens * width, float(saved))}
+    points = {"block_f": (f, f_s), "block_f_counted": (f, timed(counted_forward)), "block_b": (b, b_s),
+              "block_w": (w, w_s), "head_f": (hf, hf_s), "head_bw": (2 * hf, hbw_s),
+              "saved": (tokens * width, float(saved))}
+    # The same block under the trainer's activation checkpointing: its forward keeps only the input (through
+    # torch.utils.checkpoint's saved-tensor hooks), and backward runs that forward again before B.
+    checkpoint_blocks(model, 1)
+    for kind, flops, seconds in zip(RECOMPUTED, (f, b, w), _block_times(block, hidden, precision, timed), strict=True):
+        points[kind] = (flops, seconds)
+    return points
 
 
 def _tp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: int, batch: tuple[int, int],

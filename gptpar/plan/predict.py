@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from analysis.mfu import Shape, flops_per_token, peak_flops
 from gptpar.errors import GptparError
-from gptpar.plan.calibration import Calibration, tp_kind
+from gptpar.plan.calibration import RECOMPUTED, Calibration, tp_kind
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
 from gptpar.strategies.data_parallel import DP_STRATEGIES, WIRE_BYTES, hpz_bytes, wire_value_bytes
@@ -148,13 +148,18 @@ class Model:
             bf, bb, bw = (c.seconds(forward, f, self.alone), c.seconds("block_b", b, self.alone),
                           c.seconds("block_w", w, self.alone))
         n, recomputed = lay.stage_blocks[stage], lay.recomputed_in_stage(stage)
+        if lay.tp == 1 and all(k in c.compute for k in RECOMPUTED):  # a recomputed block timed whole
+            rf, rb, rw = (c.seconds(k, flops, self.alone) for k, flops in zip(RECOMPUTED, (f, b, w), strict=True))
+        else:  # its forward again in backward
+            rf, rb, rw = bf, bb + bf, bw
         tp_comm = n * (comm_f + comm_b) + recomputed * comm_f
         a2a = self.expert_comm()
         ep_comm = (2 * n + recomputed) * a2a
         comm_f, comm_b = comm_f + a2a, comm_b + a2a
-        cost_f = n * (bf + comm_f)
-        cost_b = n * (bb + comm_b) + recomputed * (bf + comm_f)
-        cost_w = n * bw
+        kept = n - recomputed
+        cost_f = kept * (bf + comm_f) + recomputed * (rf + comm_f)
+        cost_b = kept * (bb + comm_b) + recomputed * (rb + comm_b + comm_f)
+        cost_w = kept * bw + recomputed * rw
         self.block_f, self.block_bw = bf + comm_f, bb + comm_b + bw
         if stage == lay.pp * lay.virtual - 1:
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gloo_pool import GlooPools
 
-from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, load, local_device_name, tp_kind
+from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, RECOMPUTED, load, local_device_name, tp_kind
 from gptpar.plan.measure import Plan, _timer, measure_rank
 
 TINY = Plan(((64, 2),), ((2, 32),), (4096, 262144), (10**4, 10**5), 512, 2, comm_iters=3)
@@ -29,6 +29,7 @@ def test_a_tiny_calibration_on_two_gloo_ranks(gloo_pool: GlooPools, tmp_path: Pa
     for kind in ("optimizer", "optimizer_grouped"):  # torch's clip, and the per-tensor one of stages and shards
         assert [x for x, _ in calib.compute[kind]] == [1e4, 1e5]
     assert calib.compute["block_f_counted"][0][1] > 0  # the forward as the pipeline engine runs it
+    assert all(calib.compute[kind][0][1] > 0 for kind in RECOMPUTED)  # a block under activation checkpointing
     for kind in ("block_f", "block_b", "block_w"):  # our tp=2 block, timed whole with and without SP
         assert all(len(calib.compute[tp_kind(kind, 2, sp)]) == 1 for sp in (False, True))
     for kind in ("head_f", "head_bw"):  # and its head and loss, with and without loss parallelism

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from planfix import calibration, layout, network
 
-from gptpar.plan.calibration import tp_kind
+from gptpar.plan.calibration import RECOMPUTED, tp_kind
 from gptpar.plan.layout import block_flops, head_flops
 from gptpar.plan.predict import predict
 from gptpar.strategies.data_parallel import DP_STRATEGIES
@@ -101,6 +101,13 @@ def test_recomputed_blocks_keep_only_their_input_and_run_forward_twice() -> None
     tokens = 16 * 64
     assert pred.memory["activations"] == tokens * 256 * 4 * 8 + tokens * 4096 * 4
     assert pred.compute_s == pytest.approx(8 * 4)  # F, B, W and the recomputed F of each block
+    # Where the calibration timed a checkpointed block whole (its forward through checkpoint's hooks, its backward
+    # with the recompute inside), every fourth block costs those: 2 + 5 + 1 s against the others' 3 s.
+    every_fourth = layout(*EIGHT_BLOCKS, "train.activation_checkpointing=4")
+    calib = calibration(every_fourth)
+    flops = block_flops(every_fourth.shape, every_fourth.tokens, every_fourth.seq_len)
+    calib.compute.update({k: [[x, t]] for k, x, t in zip(RECOMPUTED, flops, (2.0, 5.0, 1.0), strict=True)})
+    assert predict(every_fourth, calib, network(), "test cpu").compute_s == pytest.approx(6 * 3 + 2 * 8)
 
 
 def test_fsdp_hides_every_gather_but_the_first_of_each_pass_behind_compute() -> None:
