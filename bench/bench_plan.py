@@ -54,7 +54,7 @@ LAYOUTS: dict[str, list[str]] = {
                               "train.activation_checkpointing=block"],
 }
 BENCH_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (2, 64), (4, 64), (8, 64)),
-                  tuple(4 ** k * 1024 for k in range(1, 8)), (10**5, 10**6, 10**7), 4096, 11)
+                  tuple(4 ** k * 1024 for k in range(1, 8)), (10**5, 10**6, 10**7), 4096, 21)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

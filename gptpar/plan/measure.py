@@ -68,10 +68,10 @@ QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 104857
 def _timer(device: torch.device, repeats: int, synced: bool = False) -> Callable[..., float]:
     """The median device seconds of `fn` over `repeats` calls after one warm-up, `setup` (untimed) before each and
     its result passed to `fn`. The median, not the fastest: a step is a sum of many pieces, and the sum of each
-    piece's luckiest call is faster than any step (bench-plan read 13% low against the fastest steps, 8% against
-    the median steps with the pieces' medians); the report compares with the mean step. `synced` work (collectives
-    between its computations) takes the mean instead: each of its collectives waits for the slowest rank's part
-    before it, and in a step that wait is the typical one, not the luckiest (_collective_points)."""
+    piece's luckiest call is faster than any step; the report, too, compares a plan with the run's mean step.
+    `synced` work (collectives between its computations) takes the mean instead: each of its collectives waits for
+    the slowest rank's part before it, and in a step that wait is the typical one, not the luckiest
+    (_collective_points)."""
     def timed(fn: Callable[..., object], setup: Callable[[], object] | None = None) -> float:
         samples = []
         for i in range(repeats + 1):
