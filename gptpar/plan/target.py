@@ -55,7 +55,12 @@ def target_of(cfg: Config, calibration: str | None, key: str = CALIBRATION_FLAG)
     if local:
         device = local_gpu_name() or local_device_name()
     else:
-        device = str(profile.get("device") or cfg.launch.gpu_type or profile.get("gpu_type") or "")
+        described, asked = str(profile.get("device") or profile.get("gpu_type") or ""), cfg.launch.gpu_type
+        if profile.get("links") and described and asked and asked.lower() != described.lower():
+            raise GptparError(f"launch.gpu_type={asked}: profile {name}'s links and GPU memory describe {described} "
+                              f"nodes; plan with launch.gpu_type={described}, or give the {asked} nodes a profile "
+                              "of their own (links: as in gptpar/launch/profiles/bridges2.yaml)")
+        device = described or asked
         if not device:
             raise GptparError(f"profile {name} names no GPU (device: or gpu_type:); set launch.gpu_type, e.g. a100")
     calib, label = find(calibration, device, local, key)

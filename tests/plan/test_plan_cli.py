@@ -50,6 +50,9 @@ def test_predict_json_is_one_object_with_the_step_and_memory(calib: str, capsys:
     (["--calibration", "missing.json"], "--calibration 'missing.json' does not exist; name a file written by "
                                         "`gptpar plan calibrate --out FILE`"),
     (["launch.profile=bridges2"], "was made on"),
+    (["launch.profile=bridges2", "launch.gpu_type=h100"], "launch.gpu_type=h100: profile bridges2's links and GPU "
+                                                          "memory describe v100-32 nodes; plan with "
+                                                          "launch.gpu_type=v100-32"),
     (["train.precision=bf16"], "train.precision=bf16 but the calibration was measured in fp32; calibrate with "
                                "--precision bf16, or set train.precision=fp32"),
 ])
