@@ -60,7 +60,7 @@ def target_of(cfg: Config, calibration: str | None, key: str = CALIBRATION_FLAG)
             raise GptparError(f"launch.gpu_type={asked}: profile {name}'s links and GPU memory describe {described} "
                               f"nodes; plan with launch.gpu_type={described}, or give the {asked} nodes a profile "
                               "of their own (links: as in gptpar/launch/profiles/bridges2.yaml)")
-        device = described or asked
+        device = str(profile.get("device") or asked or profile.get("gpu_type") or "")
         if not device:
             raise GptparError(f"profile {name} names no GPU (device: or gpu_type:); set launch.gpu_type, e.g. a100")
     calib, label = find(calibration, device, local, key)
