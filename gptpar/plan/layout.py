@@ -97,8 +97,13 @@ class Layout:
     def holds_embedding(self, rank: int) -> bool:
         return rank == 0
 
+    @property
+    def last_stage(self) -> int:
+        """The stage with the final norm, the head and the loss."""
+        return self.pp * self.virtual - 1
+
     def holds_head(self, rank: int) -> bool:
-        return (self.pp * self.virtual - 1) % self.pp == rank
+        return self.last_stage % self.pp == rank
 
     @property
     def block_parameters(self) -> int:

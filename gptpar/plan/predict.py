@@ -161,7 +161,7 @@ class Model:
         cost_b = kept * (bb + comm_b) + recomputed * (rb + comm_b + comm_f)
         cost_w = kept * bw + recomputed * rw
         self.block_f, self.block_bw = bf + comm_f, bb + comm_b + bw
-        if stage == lay.pp * lay.virtual - 1:
+        if stage == lay.last_stage:
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
             head = self.head_comm()
             kinds = [tp_kind(k, lay.tp, lay.sequence_parallel, lay.loss_parallel) for k in ("head_f", "head_bw")]
@@ -186,7 +186,7 @@ class Model:
     def pipeline(self) -> tuple[float, float, list[list[Action]]]:
         """(window of one micro-step's schedule, mean compute inside it, each rank's actions)."""
         lay = self.lay
-        last = lay.pp * lay.virtual - 1
+        last = lay.last_stage
         costs = [self.stage_costs(s) for s in range(last + 1)]
         hop = self.p2p()
         plan = make_plan(lay.schedule, lay.pp, lay.chunks, lay.virtual)
@@ -394,7 +394,8 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
         model._add("all_to_all", costs.ep_comm * lay.grad_accum)
         compute_s *= lay.grad_accum
     core *= lay.grad_accum
-    backward = model.rank_costs(0).b + model.rank_costs(0).w
+    first = model.rank_costs(0)
+    backward = first.b + first.w
     before, (sync, exposed) = dict(model.exposed), (0.0, dict(model.exposed))
     for r in range(lay.pp):  # every pipeline rank syncs its own stage; the step waits for the slowest
         model.exposed = dict(before)
@@ -446,7 +447,7 @@ def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float
     block = lay.tokens * calib.activation_bytes_per_token_width * lay.shape.n_embd * split
     recomputed = lay.recomputed_in_stage(stage)
     held = (lay.stage_blocks[stage] - recomputed) * block + recomputed * lay.tokens * lay.shape.n_embd * act
-    head = stage == lay.pp * lay.virtual - 1
+    head = stage == lay.last_stage
     return held + (lay.tokens * lay.vocab / lay.tp * 4 if head else 0.0)
 
 
