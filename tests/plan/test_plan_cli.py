@@ -107,3 +107,13 @@ def test_search_rejects_what_does_not_fit_a_gpu(tmp_path: Path, capsys: pytest.C
                         *WORDS[1:], "--calibration", str(file)], capsys)
     assert code == 0
     assert "0 valid layout(s)" in out and "GB per GPU, over the 0 GB a GPU holds" in out
+
+
+def test_a_profile_without_links_plans_the_users_gpu_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Only a profile whose links describe its GPU refuses another launch.gpu_type; one without links plans the
+    user's (here the shipped H100 calibration's device), not the profile's own gpu_type."""
+    profile = tmp_path / "nolinks.yaml"
+    profile.write_text("gpu_type: v100-32\n")
+    code, out, _ = run(["plan", "predict", *WORDS, f"launch.profile={profile}", "launch.gpu_type=h100",
+                        "train.precision=bf16"], capsys)
+    assert code == 0 and " on h100 " in out.splitlines()[0]
