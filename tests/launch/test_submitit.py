@@ -76,7 +76,7 @@ def test_dry_run_prints_what_submitit_is_given(capsys: pytest.CaptureFixture, tm
                  f"log.runs_dir={tmp_path}", "log.run_id=x"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"# submitit AutoExecutor(folder={tmp_path / 'x' / 'job'}): each task runs, in its run "
-                          f"folder, {REPO / '.venv' / 'bin' / 'gptpar'} train config.yaml from a snapshot")
+                          f"folder, {Path(sys.prefix) / 'bin' / 'gptpar'} train config.yaml from a snapshot")
     assert "\ntasks_per_node=2\n" in out and "\nslurm_signal_delay_s=90\n" in out and "\ntimeout_min=30\n" in out
     assert not (tmp_path / "x").exists()
 
