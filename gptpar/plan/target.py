@@ -3,8 +3,10 @@ profile's GPU), the calibration that fits it, the network between its ranks, and
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,10 @@ from gptpar.plan.calibration import CALIBRATION_FLAG, Calibration, find, local_d
 from gptpar.plan.network import Network, network_of
 
 
-def local_gpu_name() -> str | None:
-    """This machine's first GPU by nvidia-smi (no torch import), or None without one."""
-    if shutil.which("nvidia-smi") is None:
+def local_gpu_name(env: Mapping[str, str] = os.environ) -> str | None:
+    """This machine's first GPU by nvidia-smi (no torch import), or None without one or where CUDA_VISIBLE_DEVICES
+    hides every GPU (empty or -1: the ranks would then train on the CPU, as torch would)."""
+    if env.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1") or shutil.which("nvidia-smi") is None:
         return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,

@@ -76,3 +76,12 @@ def test_rank_parameters_follow_gpt2s_own_count_over_tp_and_pp() -> None:
     # pp=2: the last stage holds a copy of the table as its LM head
     staged = layout("model.preset=gpt2-mini", "parallel.pp=2")
     assert [staged.rank_parameters(r) for r in (0, 1)] == [v * d + positions * d + 3 * block, 3 * block + 2 * d + v * d]
+
+
+@pytest.mark.parametrize("hidden", ["", "-1", " "])
+def test_gpus_hidden_by_cuda_visible_devices_are_not_this_machines_device(hidden: str) -> None:
+    """A job that hides every GPU trains on the CPU (torch sees none), so the planner must not price a GPU; the rule
+    is read before nvidia-smi would be asked (a fast test may start no process)."""
+    from gptpar.plan.target import local_gpu_name
+
+    assert local_gpu_name({"CUDA_VISIBLE_DEVICES": hidden}) is None
