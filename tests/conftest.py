@@ -112,11 +112,3 @@ def shakespeare_dir() -> Path:
         pytest.skip("../shared/data/tinyshakespeare.txt is not present")
     return SHARED_DATA
 
-
-@pytest.fixture
-def planner_on_this_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The planner's tests price a calibration of this machine's CPU; on a machine with a GPU the local profile's
-    device would be that GPU (its own calibration), so the GPU is left out of the planner's view of this machine."""
-    from gptpar.plan import target
-
-    monkeypatch.setattr(target, "local_gpu_name", lambda env=os.environ: None)

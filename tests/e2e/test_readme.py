@@ -129,7 +129,6 @@ def test_every_readme_command_is_accounted_for():
     assert not stale, f"commands listed here but gone from the README: {stale}"
 
 
-@pytest.mark.usefixtures("planner_on_this_cpu")
 @pytest.mark.parametrize("command", WITH_CALIBRATION)
 def test_plan_commands_run_on_a_calibration_of_this_machine(command: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
