@@ -55,13 +55,27 @@ def slurm_queue_unasked() -> Iterator[None]:
         status.queued_plain_jobs = asked
 
 
+@contextlib.contextmanager
+def local_gpu_unasked() -> Iterator[None]:
+    """Within, the planner's local profile plans this machine's CPU instead of asking nvidia-smi (a process) for its
+    GPU: a fast test's calibrations are of the CPU, on CI's machine and on a GPU machine alike."""
+    from gptpar.plan import target
+
+    asked = target.local_gpu_name
+    target.local_gpu_name = lambda: None
+    try:
+        yield
+    finally:
+        target.local_gpu_name = asked
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """A test not marked slow runs (setup of fixtures of every scope included) with processes refused, and so
-    without SLURM's queue."""
+    without SLURM's queue or nvidia-smi."""
     if item.get_closest_marker("slow"):
         return (yield)
-    with processes_refused(), slurm_queue_unasked():
+    with processes_refused(), slurm_queue_unasked(), local_gpu_unasked():
         return (yield)
 
 

@@ -22,6 +22,7 @@ each step's start (`new_step`), so an evaluation's traffic between steps counts 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -65,9 +66,9 @@ def read_spent() -> dict[str, list[DeviceClock]]:
 
 
 @contextlib.contextmanager
-def timed(op: str, device: torch.device) -> Iterator[None]:
-    """Count the device time of the enclosed collective in SPENT under `op`."""
-    clock = DeviceClock(device)
+def timed(op: str, device: torch.device, now: Callable[[], float] = time.perf_counter) -> Iterator[None]:
+    """Count the device time of the enclosed collective in SPENT under `op` (`now`: DeviceClock's clock off a GPU)."""
+    clock = DeviceClock(device, now)
     try:
         yield
     finally:

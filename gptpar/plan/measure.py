@@ -18,6 +18,7 @@ import os
 import socket
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,18 +66,19 @@ TENSORS = 48  # tensors the optimizer's parameters come in: a few blocks' worth 
 QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 1048576), (10**5, 10**6), 4096, 3)
 
 
-def _timer(device: torch.device, repeats: int, synced: bool = False) -> Callable[..., float]:
+def _timer(device: torch.device, repeats: int, synced: bool = False,
+           now: Callable[[], float] = time.perf_counter) -> Callable[..., float]:
     """The median device seconds of `fn` over `repeats` calls after one warm-up, `setup` (untimed) before each and
     its result passed to `fn`. The median, not the fastest: a step is a sum of many pieces, and the sum of each
     piece's luckiest call is faster than any step; the report, too, compares a plan with the run's mean step.
     `synced` work (collectives between its computations) takes the mean instead: each of its collectives waits for
     the slowest rank's part before it, and in a step that wait is the typical one, not the luckiest
-    (_collective_points)."""
+    (_collective_points). `now` is DeviceClock's clock off a GPU."""
     def timed(fn: Callable[..., object], setup: Callable[[], object] | None = None) -> float:
         samples = []
         for i in range(repeats + 1):
             args = (setup(),) if setup else ()
-            clock = DeviceClock(device)
+            clock = DeviceClock(device, now)
             fn(*args)
             clock.stop()
             if i:

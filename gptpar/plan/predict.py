@@ -106,24 +106,34 @@ class Model:
                else self._tp("all_reduce", hidden))
         return 2 * one, 2 * one
 
-    def expert_comm(self) -> float:
-        """A mixture block's all-to-alls under parallel.ep, forward or backward: its tokens' top-k picks sent to their
-        experts' ranks and the results back (backward sends their gradients the same two ways); 0 without ep."""
+    def expert_comm(self) -> tuple[float, float]:
+        """A mixture block's all-to-alls under parallel.ep in forward and in backward (gptpar.parallel.expert_parallel):
+        forward exchanges each expert's count of picks (int64), then sends its tokens' top-k picks to their experts'
+        ranks and the results back; backward sends their gradients the same two ways. (0, 0) without ep."""
         lay = self.lay
         if lay.ep == 1 or not lay.shape.moe:
-            return 0.0
+            return 0.0, 0.0
         picks = lay.tokens * lay.shape.top_k * lay.shape.n_embd * self.act
-        return 2 * self.net.seconds("all_to_all", picks, lay.ep, lay.tp)
+        counts = self.net.seconds("all_to_all", lay.shape.n_experts * 8, lay.ep, lay.tp)
+        both_ways = 2 * self.net.seconds("all_to_all", picks, lay.ep, lay.tp)
+        return counts + both_ways, both_ways
 
-    def head_comm(self) -> float:
-        """The vocabulary-parallel embedding's all-reduce and the loss: three all-reduces of one number per token on
-        vocabulary shards (parallel.loss_parallel), else an all-gather of the logits."""
+    def head_comm(self) -> tuple[float, float]:
+        """The vocabulary-parallel embedding's and head's communication in forward and in backward (gptpar.parallel.
+        tensor_parallel.layers): the embedding's partial rows all-reduced, and the head's input all-reduced in
+        backward (its copy to the group); with sequence parallelism a reduce-scatter into sequence shards and an
+        all-gather of them for the head in forward, the conjugates in backward. Then the loss, forward only: three
+        all-reduces of one fp32 number per token on vocabulary shards (parallel.loss_parallel), else an all-gather of
+        the logits."""
         if self.lay.tp == 1:
-            return 0.0
+            return 0.0, 0.0
         tokens, d = self.lay.tokens, self.lay.shape.n_embd
+        hidden = tokens * d * self.act
+        one_way = (self._tp("reduce_scatter", hidden) + self._tp("all_gather", hidden) if self.lay.sequence_parallel
+                   else self._tp("all_reduce", hidden))
         loss = (3 * self._tp("all_reduce", tokens * 4) if self.lay.loss_parallel
                 else self._tp("all_gather", tokens * self.lay.vocab * self.act))
-        return self._tp("all_reduce", tokens * d * self.act) + loss
+        return one_way + loss, one_way
 
     def rank_costs(self, rank: int) -> Costs:
         """One micro-batch's F, B and W on pipeline rank `rank`: the sum of its stages'."""
@@ -153,9 +163,9 @@ class Model:
         else:  # its forward again in backward
             rf, rb, rw = bf, bb + bf, bw
         tp_comm = n * (comm_f + comm_b) + recomputed * comm_f
-        a2a = self.expert_comm()
-        ep_comm = (2 * n + recomputed) * a2a
-        comm_f, comm_b = comm_f + a2a, comm_b + a2a
+        a2a_f, a2a_b = self.expert_comm()
+        ep_comm = n * (a2a_f + a2a_b) + recomputed * a2a_f
+        comm_f, comm_b = comm_f + a2a_f, comm_b + a2a_b
         kept = n - recomputed
         cost_f = kept * (bf + comm_f) + recomputed * (rf + comm_f)
         cost_b = kept * (bb + comm_b) + recomputed * (rb + comm_b + comm_f)
@@ -163,17 +173,18 @@ class Model:
         self.block_f, self.block_bw = bf + comm_f, bb + comm_b + bw
         if stage == lay.last_stage:
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
-            head = self.head_comm()
+            head_cf, head_cb = self.head_comm()
             kinds = [tp_kind(k, lay.tp, lay.sequence_parallel, lay.loss_parallel) for k in ("head_f", "head_bw")]
             if lay.tp > 1 and all(k in c.compute for k in kinds):  # measured whole: its collectives are inside
                 head_f, hbw = c.seconds(kinds[0], hf), c.seconds(kinds[1], 2 * hf)
             else:
-                head_f, hbw = c.seconds("head_f", hf, self.alone) + head, c.seconds("head_bw", 2 * hf, self.alone)
+                head_f = c.seconds("head_f", hf, self.alone) + head_cf
+                hbw = c.seconds("head_bw", 2 * hf, self.alone) + head_cb
             cost_f += head_f
             self.head_f, self.head_bw = head_f, hbw
             cost_b += hbw / 2
             cost_w += hbw / 2
-            tp_comm += head
+            tp_comm += head_cf + head_cb
         return Costs(cost_f, cost_b, cost_w, tp_comm, ep_comm)
 
     def p2p(self) -> float:

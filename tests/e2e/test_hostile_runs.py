@@ -563,13 +563,18 @@ def test_tokenizer_auto_is_decided_once_at_submission_and_recorded(tmp_path: Pat
 
 
 def test_a_device_that_is_not_there_is_an_error_not_a_cpu_run() -> None:
+    """The first GPU past those visible (cuda:0 on CI's machine, cuda:1 on a machine with one)."""
+    import torch
+
     from gptpar.config import ParallelConfig
     from gptpar.model import build_model
     from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 
-    cfg = load_config(None, ["parallel.devices=cuda:0"])
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cfg = load_config(None, [f"parallel.devices=cuda:{visible}"])
     model = build_model(cfg.model, 300, 0)
-    with pytest.raises(GptparError, match=r"parallel.devices='cuda:0': cuda:0 is not visible \(0 GPUs visible\)"):
+    with pytest.raises(GptparError, match=rf"parallel.devices='cuda:{visible}': cuda:{visible} is not visible "
+                                          rf"\({visible} GPUs? visible\)"):
         build_parallel_model(model, cfg.parallel)
     with pytest.raises(GptparError, match="is not a device"):
         build_parallel_model(model, ParallelConfig(devices="gpu7"))

@@ -4,12 +4,12 @@ file reads back as a calibration of this CPU."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from gloo_pool import GlooPools
+from manual_clock import ManualClock
 
 from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, RECOMPUTED, load, local_device_name, tp_kind
 from gptpar.plan.measure import Plan, _timer, measure_rank
@@ -45,12 +45,15 @@ def test_a_tiny_calibration_on_two_gloo_ranks(gloo_pool: GlooPools, tmp_path: Pa
 
 def test_a_piece_costs_its_median_call_and_synced_work_its_mean() -> None:
     """A step is a sum of many pieces, so each is priced at its typical call: the sum of each piece's luckiest call
-    is faster than any step. Work with collectives between its computations is priced at its mean wait."""
-    calls = iter([0.030, 0.012, 0.002, 0.004])  # the first call is the untimed warm-up
+    is faster than any step. Work with collectives between its computations is priced at its mean wait. The pieces
+    move an injected clock by exact seconds, so the figures are exact."""
+    clock = ManualClock()
 
     def piece() -> None:
-        time.sleep(next(calls))
+        clock.advance(next(calls))
 
-    assert 0.004 <= _timer(torch.device("cpu"), 3)(piece) < 0.011  # the median: not the fastest (0.002)
-    calls = iter([0.030, 0.012, 0.002, 0.004])
-    assert 0.006 <= _timer(torch.device("cpu"), 3, synced=True)(piece) < 0.011  # the mean, 0.006
+    calls = iter([0.5, 3.0, 0.25, 1.25])  # the first call is the untimed warm-up
+    # the median, not the fastest (0.25), nor the median with the warm-up (0.875)
+    assert _timer(torch.device("cpu"), 3, now=clock)(piece) == 1.25
+    calls = iter([0.5, 3.0, 0.25, 1.25])
+    assert _timer(torch.device("cpu"), 3, synced=True, now=clock)(piece) == 1.5  # the mean, not 1.25 with the warm-up

@@ -167,16 +167,13 @@ def test_fsdp_gathers_are_priced_in_their_wire_type_and_group(words: list[str], 
     assert pred.memory["total"] == pred.memory["state"] + pred.memory["activations"] + pred.memory["gathered"] + copy
 
 
-def test_expert_parallel_all_to_alls_are_priced_per_block() -> None:
-    """Each mixture block sends its tokens' top-k picks out and back in forward, and their gradients in backward:
-    four all-to-alls of tokens·k·d·4 bytes, half of which leave the rank over ep = 2; the experts split over ep."""
+def test_expert_parallel_splits_the_experts_and_says_what_it_approximates() -> None:
+    """Over ep = 2 each rank holds half the experts; the prediction says how it prices their gradients and routing
+    (its all-to-alls: tests/plan/test_plan_comm.py)."""
     words = ("model.preset=qwen2-moe-tiny", "data.seq_len=64", "train.batch_size=16", "parallel.dp=2")
     lay = layout(*words, "parallel.ep=2")
-    bandwidth = 1e9
-    pred = predict(lay, calibration(lay), network(0.0, bandwidth), "test cpu")
+    pred = predict(lay, calibration(lay), network(), "test cpu")
     s = lay.shape
-    picks = lay.tokens * s.top_k * s.n_embd * 4
-    assert pred.exposed_comm_s["all_to_all"] == pytest.approx(s.n_layer * 4 * picks / 2 / bandwidth)
     whole = layout(*words)
     assert whole.block_parameters - lay.block_parameters == s.block_parameters() - s.block_parameters(s.n_experts // 2)
     assert any("parallel.ep" in note for note in pred.notes)

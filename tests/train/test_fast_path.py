@@ -4,13 +4,13 @@ records what it resolved to. One process, the trainer's own step (`Trainer.train
 from __future__ import annotations
 
 import json
-import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from manual_clock import ManualClock
 from rank_training import make_config, make_trainer, named_params, train_steps
 
 import gptpar
@@ -224,14 +224,14 @@ def test_a_mixtures_step_on_a_gpu_waits_only_inside_its_libraries(tmp_path: Path
 def test_a_steps_timed_collectives_are_summed_into_its_record_at_the_fetch() -> None:
     """`comm_s`: every span a step's collectives spent under gptpar.parallel.comm.timed, summed by kind when the
     step's record is fetched; the next step starts with none (an evaluation between steps counts in neither)."""
-    cpu = torch.device("cpu")
+    cpu, clock = torch.device("cpu"), ManualClock()
     new_step()
-    for _ in range(3):
-        with timed("all_to_all", cpu):
-            time.sleep(0.01)
+    for seconds in (0.25, 0.5, 1.0):
+        with timed("all_to_all", cpu, now=clock):
+            clock.advance(seconds)
     spans = read_spent()
-    with timed("all_to_all", cpu):  # between steps
-        pass
+    with timed("all_to_all", cpu, now=clock):  # between steps
+        clock.advance(2.0)
     new_step()
     assert read_spent() == {}
     pending = PendingSteps()
@@ -241,5 +241,4 @@ def test_a_steps_timed_collectives_are_summed_into_its_record_at_the_fetch() -> 
                             {"step": 1, "epoch": 0, "lr": 0.1, "skipped": False, "loss_scale": None, "tokens": 8,
                              "data_time_s": 0.0, "peak_mem_bytes": 0, "bubble": None, "comm_s": Spans(spans)}))
     (record,) = pending.fetch()
-    seconds = sum(c.seconds() for c in spans["all_to_all"])
-    assert record.comm_s == {"all_to_all": seconds} and 0.03 <= seconds < 1.0
+    assert record.comm_s == {"all_to_all": 1.75}
