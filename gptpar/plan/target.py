@@ -18,10 +18,14 @@ from gptpar.plan.calibration import CALIBRATION_FLAG, Calibration, find, local_d
 from gptpar.plan.network import Network, network_of
 
 
-def local_gpu_name(env: Mapping[str, str] = os.environ) -> str | None:
-    """This machine's first GPU by nvidia-smi (no torch import), or None without one or where CUDA_VISIBLE_DEVICES
-    hides every GPU (empty or -1: the ranks would then train on the CPU, as torch would)."""
-    if env.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1") or shutil.which("nvidia-smi") is None:
+def gpus_hidden(env: Mapping[str, str]) -> bool:
+    """CUDA_VISIBLE_DEVICES empty or -1 hides every GPU: the ranks then train on the CPU, as torch sees none."""
+    return env.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1")
+
+
+def local_gpu_name() -> str | None:
+    """This machine's first visible GPU by nvidia-smi (no torch import), or None without one."""
+    if gpus_hidden(os.environ) or shutil.which("nvidia-smi") is None:
         return None
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,

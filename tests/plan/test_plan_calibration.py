@@ -81,7 +81,8 @@ def test_rank_parameters_follow_gpt2s_own_count_over_tp_and_pp() -> None:
 @pytest.mark.parametrize("hidden", ["", "-1", " "])
 def test_gpus_hidden_by_cuda_visible_devices_are_not_this_machines_device(hidden: str) -> None:
     """A job that hides every GPU trains on the CPU (torch sees none), so the planner must not price a GPU; the rule
-    is read before nvidia-smi would be asked (a fast test may start no process)."""
-    from gptpar.plan.target import local_gpu_name
+    only shows a GPU that torch would use."""
+    from gptpar.plan.target import gpus_hidden
 
-    assert local_gpu_name({"CUDA_VISIBLE_DEVICES": hidden}) is None
+    assert gpus_hidden({"CUDA_VISIBLE_DEVICES": hidden})
+    assert not gpus_hidden({}) and not gpus_hidden({"CUDA_VISIBLE_DEVICES": "0"})
