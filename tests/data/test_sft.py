@@ -1,9 +1,10 @@
 """data.task=sft: question/response pairs (MetaMathQA's schema, the bundled sample), the loss on response tokens
 only, and the final answer's exact-match accuracy at each epoch end.
 
-The pair machinery is translation's (tests/data/test_translation.py holds its equality under every layout); here:
-the fields read and refused, the template's masks, the answer extraction with known answers, and a whole run that
-logs answer_accuracy in its epoch record and learns to state the answers of the bundled problems' easiest kind.
+The pair machinery is translation's (tests/data/test_translation.py holds its equality under every layout); here: the
+fields read and refused, the template's masks, the answer extraction with known answers, the trainer's score of known
+decoded responses against their own references, and a whole run that logs answer_accuracy in its epoch record and learns
+to state the answers of the bundled problems' easiest kind.
 The llama family trains sft under data parallelism, the pipeline and tensor parallelism like one process in
 tests/model/test_architectures.py.
 """

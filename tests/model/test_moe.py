@@ -1,10 +1,11 @@
 """Mixtures of experts (model.arch=mixtral, qwen2_moe): their shapes, the router's load-balancing loss, and data
 parallelism training them exactly like one process.
 
-In-process: the presets' parameter counts are their closed forms and the published totals (built on the meta device
-for the real shapes), MFU counts the active parameters by a hand count, the load-balancing loss is transformers' own
-on one process and leaves padding out, the logged loss includes it and the step record carries it with the expert
-load, a folder's config gives the mixture's shape, and bad settings are one line. On the shared gloo pool: every
+In-process: the presets' parameter counts are their closed forms and the published totals (built on the meta device for
+the real shapes), MFU counts the active parameters by a hand count, the load-balancing loss is transformers' own on one
+process and leaves padding out, and over two in-process replicas is one process's on their rows (value and gradient),
+the logged loss includes it and the step record carries it with the expert load, a folder's config gives the mixture's
+shape, and bad settings are one line. On the shared gloo pool: every
 data-parallel strategy (and deferred initialisation) trains qwen2-moe-tiny, and fsdp2 mixtral-tiny and sft, like one
 process, with the auxiliary loss on (its routing statistics gathered over the replicas).
 """

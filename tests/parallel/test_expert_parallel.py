@@ -1,10 +1,11 @@
 """Expert parallelism (parallel.ep, gptpar/parallel/expert_parallel.py) on the shared gloo pool: every supported
 data-parallel strategy trains a mixture with its experts split over ep ranks like one process (capacity 0, fp32, rel
-1e-5, the load-balancing loss on), each expert's parameters equal wherever they are replicated; a checkpoint holds
-whole experts, resumes exactly under its layout and loads under another ep; the all-to-all bytes and the dropped picks
-equal what the routing gives; and the capacity cut, in one process, routes as transformers does when nothing is
-dropped. Mixtures inside the multi-process pipeline (EP x PP) train like one process on the same micro-steps (a
-pipeline's chunks), the step record's aux_loss and expert load included, and resume exactly."""
+1e-5, the load-balancing loss on), each expert's parameters equal wherever they are replicated; a checkpoint holds whole
+experts, resumes exactly under its layout and loads under another ep; the all-to-all bytes and the dropped picks equal
+what the routing gives; and the capacity cut, in one process, routes as transformers does when nothing is dropped and
+drops each expert's top-k picks past its capacity. Mixtures inside the multi-process pipeline (EP x PP) train like one
+process on the same micro-steps (a pipeline's chunks), the step record's aux_loss and expert load included, and resume
+exactly."""
 
 from __future__ import annotations
 
