@@ -86,7 +86,7 @@ def _torch_autocast_losses(cfg: Config) -> dict[str, list[float]]:
     """The run's losses by torch alone, in fp32 and under torch's bf16 autocast: its initial model and batches (from
     an fp32 trainer), AdamW with its groups and lr schedule, its clip, in a plain loop. The difference is this CPU's
     own bf16 error, which no code of gptpar's precision path takes part in."""
-    trainer = make_trainer(cfg, CPU)
+    trainer = make_trainer(updated(cfg, {"log.run_id": f"{cfg.log.run_id}-torch"}), CPU)  # a folder of its own
     batches = [step[0] for step in itertools.islice(trainer.batches(0, 0), trainer.total_steps)]
     losses: dict[str, list[float]] = {}
     for name in ("fp32", "bf16"):
