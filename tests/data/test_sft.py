@@ -1,9 +1,10 @@
 """data.task=sft: question/response pairs (MetaMathQA's schema, the bundled sample), the loss on response tokens
 only, and the final answer's exact-match accuracy at each epoch end.
 
-The pair machinery is translation's (tests/data/test_translation.py holds its equality under every layout); here:
-the fields read and refused, the template's masks, the answer extraction with known answers, and a whole run that
-logs answer_accuracy in its epoch record and learns to state the answers of the bundled problems' easiest kind.
+The pair machinery is translation's (tests/data/test_translation.py holds its equality under every layout); here: the
+fields read and refused, the template's masks, the answer extraction with known answers, the trainer's score of known
+decoded responses against their own references, and a whole run that logs answer_accuracy in its epoch record and learns
+to state the answers of the bundled problems' easiest kind.
 The llama family trains sft under data parallelism, the pipeline and tensor parallelism like one process in
 tests/model/test_architectures.py.
 """
@@ -14,16 +15,22 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from rank_training import make_config, make_trainer
 
 from gptpar.config import ConfigError, DataConfig, load_config
 from gptpar.data.pairs import IGNORE, load_pairs, read_pairs
 from gptpar.errors import GptparError
+from gptpar.parallel.process_group import RankInfo
 from gptpar.run.logfile import format_record, read_rank_log
 from gptpar.train.bleu import answer_accuracy, final_answer
 from gptpar.train.entry import run_rank
+from gptpar.train.trainer import Trainer
 
 SFT = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=116",
        "data.max_target_len=120"]
+SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
+                  launcher="single", backend="gloo", device=torch.device("cpu"))
 
 
 @pytest.mark.parametrize(("text", "answer"), [
@@ -42,6 +49,40 @@ def test_answer_accuracy_is_the_share_of_matching_final_answers() -> None:
     responses = ["The answer is: 4", "The answer is: 13", "7", "The answer is: 9."]
     assert answer_accuracy(responses, references) == 0.75
     assert answer_accuracy([], []) == 0.0
+
+
+def _write_pairs(path: Path, pairs: list[tuple[str, str]]) -> str:
+    path.write_text("".join(json.dumps({"query": query, "response": response}) + "\n" for query, response in pairs))
+    return str(path)
+
+
+def test_the_trainers_answer_accuracy_scores_each_response_against_its_own_reference(tmp_path: Path) -> None:
+    """The epoch record's score as the trainer forms it (`Trainer.scores`), on responses known in advance: a first
+    trainer decodes the validation prompts; a second, the same model (same seed, same byte vocabulary) on the same
+    prompts, gets references that state the response's own final answer for samples 0, 1 and 3 and another answer
+    for 2 (and for the two pairs past train.answer_samples=4). It decodes the same responses and scores exactly 0.75:
+    scoring the responses against themselves gives 1.0, against another row's reference less. An initialised model
+    answers every prompt alike (12 × "!"); its weights scaled by 5 make each answer its own."""
+    train = _write_pairs(tmp_path / "train.jsonl", [(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}\nThe answer is: "
+                                                    f"{2 * i}") for i in range(16)])
+    questions = [f"How many legs do {n} spiders have?" for n in range(2, 8)]
+    base = [*SFT, "data.max_source_len=40", "data.max_target_len=12", "model.preset=qwen2-tiny", "model.n_layer=2",
+            "model.n_embd=32", "model.n_head=2", "train.batch_size=8", "train.answer_samples=4", "train.threads=1"]
+
+    def trainer(name: str, references: list[str]) -> Trainer:
+        val = _write_pairs(tmp_path / f"{name}.jsonl", list(zip(questions, references, strict=True)))
+        made = make_trainer(make_config([*base, f"data.source=jsonl:{train},{val}"], tmp_path, name), SINGLE)
+        with torch.no_grad():
+            for param in made.net.parameters():
+                param.mul_(5)
+        return made
+
+    first = trainer("first", ["The answer is: 0"] * 6)
+    (responses,) = first.translate(4, [first.pairs.val])
+    other = [f"The answer is: {final_answer(r)}7" for r in responses]  # never the response's own final answer
+    second = trainer("second", [responses[0], responses[1], other[2], responses[3], other[3], other[3]])
+    assert second.translate(4, [second.pairs.val]) == [responses]  # the same model decodes the same texts
+    assert second.scores() == {"answer_accuracy": 0.75}
 
 
 def test_the_bundled_sample_is_metamathqa_shaped_and_held_out_by_position() -> None:

@@ -164,6 +164,17 @@ def test_only_keys_that_leave_the_run_as_it_was_may_change_on_resume(tmp_path):
     assert folder.read_config()["train"]["max_steps"] == 0  # a refused start leaves config.yaml as it was
 
 
+def test_a_config_yaml_edited_to_agree_with_the_start_is_refused_by_the_log_header(tmp_path):
+    """config.yaml hand-edited (train.lr) and resumed from that very file: config.yaml agrees with the start, so only
+    the last log header (what the ranks ran) can refuse it; the fast kin of the two slow tests above."""
+    folder = trained(tmp_path)
+    edit_config(folder.path, train={"lr": 0.001})
+    with pytest.raises(GptparError) as exc:
+        plan_run(resolve_config(str(folder.config_path), [])[0])
+    assert str(exc.value) == refusal(folder.path, "was trained with a different config", "train.lr: 0.0006 -> 0.001")
+    assert folder.read_config()["train"]["lr"] == 0.001  # the refused start wrote nothing
+
+
 def test_status_and_report_flag_a_run_whose_starts_ran_different_configs(tmp_path, capsys):
     """A log that a gptpar before this check wrote: the run resumed with another train.lr, then completed."""
     cfg = load_config(None, ["data.tokenizer=bytes"]).to_dict()

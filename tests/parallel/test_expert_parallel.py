@@ -1,10 +1,11 @@
 """Expert parallelism (parallel.ep, gptpar/parallel/expert_parallel.py) on the shared gloo pool: every supported
 data-parallel strategy trains a mixture with its experts split over ep ranks like one process (capacity 0, fp32, rel
-1e-5, the load-balancing loss on), each expert's parameters equal wherever they are replicated; a checkpoint holds
-whole experts, resumes exactly under its layout and loads under another ep; the all-to-all bytes and the dropped picks
-equal what the routing gives; and the capacity cut, in one process, routes as transformers does when nothing is
-dropped. Mixtures inside the multi-process pipeline (EP x PP) train like one process on the same micro-steps (a
-pipeline's chunks), the step record's aux_loss and expert load included, and resume exactly."""
+1e-5, the load-balancing loss on), each expert's parameters equal wherever they are replicated; a checkpoint holds whole
+experts, resumes exactly under its layout and loads under another ep; the all-to-all bytes and the dropped picks equal
+what the routing gives; and the capacity cut, in one process, routes as transformers does when nothing is dropped and
+drops each expert's top-k picks past its capacity. Mixtures inside the multi-process pipeline (EP x PP) train like one
+process on the same micro-steps (a pipeline's chunks), the step record's aux_loss and expert load included, and resume
+exactly."""
 
 from __future__ import annotations
 
@@ -279,3 +280,22 @@ def test_the_capacity_path_routes_as_transformers_does_when_nothing_is_dropped(t
     assert runs["0.5"][2]["moe"]["dropped"] > 0 and runs["0.5"][0][1] != runs["0"][0][1]
     assert runs["0.5-recomputed"][0] == pytest.approx(runs["0.5"][0], rel=1e-5)
     assert runs["0.5-recomputed"][2]["moe"]["dropped"] == runs["0.5"][2]["moe"]["dropped"]
+
+
+@pytest.mark.parametrize(("top_k", "capacity"), [(1, 8), (2, 16)])
+def test_the_dropped_picks_are_each_experts_top_k_picks_past_its_capacity(tmp_path: Path, top_k: int,
+                                                                          capacity: int) -> None:
+    """Capacity factor 0.5 over 8 experts, one micro-batch of 8 × 16 = 128 tokens: an expert keeps
+    ceil(0.5 · 128 · k / 8) picks (8 for top-1, 16 for top-2), and the step record's `dropped` is, over the 4 blocks,
+    each expert's picks among the routers' own top-k assignments past that (a capacity that forgot k, 8 for top-2,
+    drops more)."""
+    overrides = [*QWEN_MOE, "model.moe_capacity_factor=0.5", f"model.moe_top_k={top_k}"]
+    trainer = make_trainer(make_config(overrides, tmp_path, f"top{top_k}"), SINGLE)
+    picks: list[torch.Tensor] = []
+    for router in architecture(trainer.net.model).routers(trainer.net.model):
+        router.register_forward_hook(lambda m, i, out: picks.append(out[2]) if torch.is_grad_enabled() else None)
+    records: list[dict] = []
+    train_steps(trainer, 1, records=records)
+    assert [p.shape for p in picks] == [(128, top_k)] * 4  # one training forward of every block
+    past = sum(int((torch.bincount(p.reshape(-1), minlength=8) - capacity).clamp(min=0).sum()) for p in picks)
+    assert past > 0 and records[0]["moe"]["dropped"] == past

@@ -89,6 +89,20 @@ def test_the_sweeps_report_target_loss_is_its_target(tmp_path: Path) -> None:
     assert {(row["target_loss"], row["time_to_target_s"]) for row in rows.values()} == {("5", "2")}
 
 
+def test_runs_that_disagree_on_report_target_loss_are_timed_to_the_highest(tmp_path: Path) -> None:
+    """a asks 5.0, b asks 4.5, c asks none: every run is timed to 5.0 (step 2, 2 s, 200 tokens a rank), the target
+    that every run's own ask is at or below; the lowest (4.5) would take step 3."""
+    for name, dp, target in (("a", 1, 5.0), ("b", 2, 4.5), ("c", 1, None)):
+        asked = {"report.target_loss": target} if target is not None else {}
+        run(tmp_path / "s" / name, dp, [6.0, 5.0, 4.0], 1.0, **asked)
+    result = report(tmp_path, tmp_path / "out", now=LATER, warmup_steps=0)
+    rows = csv_rows(result.summary_csv)
+    assert {name: (row["target_loss"], row["time_to_target_s"], row["tokens_to_target"])
+            for name, row in rows.items()} == {"s/a": ("5", "2", "200"), "s/b": ("5", "2", "400"),
+                                               "s/c": ("5", "2", "200")}
+    assert "- s: 5 (report.target_loss)" in result.summary_md.read_text()
+
+
 @pytest.mark.parametrize("value", ["-1", "abc", "0"])
 def test_a_bad_target_loss_is_one_line(tmp_path: Path, value: str, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:

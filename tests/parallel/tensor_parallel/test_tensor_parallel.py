@@ -54,6 +54,11 @@ CASES_8 = {"3d": [*TP, "parallel.pp=2", "parallel.dp=2", "parallel.chunks=2", "m
 # fsdp2-tp2-torch's, plain dp x tp the 3D case's, pp x tp without SP the 3D case's too.)
 RESUMED = {"tp2-sp-lp": 2, "fsdp-tp2": 4}
 ALL = CASES_2 | CASES_4 | CASES_8
+# Parameters after STEPS AdamW steps, absolute: a share of one step of train.lr. AdamW normalises each element's
+# update, so an element whose gradient is rounding noise moves by a rounding-dependent part of lr: the worst measured,
+# over every case above (Intel Xeon), is one element of transformer.h.2.mlp.c_proj.weight (about -1.3e-3) at
+# 7.3e-6..1.02e-5 (tp2-lp-accum-ckpt), 1.0e-3 of a step; 3x that. A wrong plan moves whole rows by about a step.
+PARAM_ATOL_STEPS = 3e-3
 
 
 def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]]) -> None:
@@ -99,7 +104,8 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
 @pytest.mark.slow
 def test_tensor_parallel_trains_like_one_process(results: Path, name: str) -> None:
     ranks = saved_ranks(results, name)
-    ref = reference_run(make_config(ALL[name], results, name))
+    cfg = make_config(ALL[name], results, name)
+    ref = reference_run(cfg)
     losses = [r["losses"] for r in ranks if r["losses"][0] is not None]  # a pipeline's first stage logs null
     mean = [sum(step) / len(losses) for step in zip(*losses, strict=True)]
     assert mean == pytest.approx(ref["losses"], rel=1e-5)
@@ -111,7 +117,8 @@ def test_tensor_parallel_trains_like_one_process(results: Path, name: str) -> No
     assert set(model) >= set(ref["params"]) - {"lm_head.weight"}
     for param, value in model.items():
         expected = ref["params"]["transformer.wte.weight" if param == "lm_head.weight" else param]
-        torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5, msg=lambda m, p=param: f"{name}: {p}: {m}")
+        torch.testing.assert_close(value, expected, rtol=1e-4, atol=PARAM_ATOL_STEPS * cfg.train.lr,
+                                   msg=lambda m, p=param: f"{name}: {p}: {m}")
 
 
 @pytest.mark.parametrize("name", list(RESUMED))
