@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.serialization import get_unsafe_globals_in_checkpoint
 from transformers import GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
@@ -156,12 +158,23 @@ def _from_folder(cfg: ModelConfig, folder: Path, vocab_size: int, seq_len: int |
         raise GptparError(f"model.init=pretrained:{folder}: its token table has {config.vocab_size} rows, fewer than "
                           f"the tokenizer's {vocab_size} ids; use the folder's own tokenizer (data.tokenizer=auto)")
     transformers_logging.disable_progress_bar()  # a bar per load in every rank's log says nothing
-    try:
+    try:  # transformers reads pickled weights (pytorch_model.bin) with torch.load(weights_only=True): tensors, no calls
         return arch.model_class.from_pretrained(str(folder), config=config, local_files_only=True,
                                                 dtype=torch.float32, attn_implementation="sdpa")
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise GptparError(f"model.init=pretrained:{folder}: its weights cannot be loaded "
-                          f"({str(exc).splitlines()[0]})") from None
+    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+        raise _weights_error(folder, exc) from None
+
+
+def _weights_error(folder: Path, exc: Exception) -> GptparError:
+    """Why the folder's weights do not load, in one line. Pickled weights that name a function or class are refused
+    by name (torch.load stopped before calling it; its own message would advise loading them unrestricted)."""
+    pickled = sorted(folder.glob("pytorch_model*.bin")) if isinstance(exc, pickle.UnpicklingError) else []
+    names = sorted({name for file in pickled for name in get_unsafe_globals_in_checkpoint(file)})
+    if names:
+        return GptparError(f"model.init=pretrained:{folder}: refused to load its weights: they name "
+                           f"{', '.join(names)}, which weights never hold (loading them could run code); save the "
+                           "model there again with save_pretrained, from a source you trust")
+    return GptparError(f"model.init=pretrained:{folder}: its weights cannot be loaded ({str(exc).splitlines()[0]})")
 
 
 def _hub_gpt2(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len: int | None = None

@@ -75,7 +75,7 @@ def pretrained_tokenizer(folder: Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
     try:
-        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise GptparError(f"data.tokenizer=pretrained:{folder}: the tokenizer cannot be loaded "
                           f"({str(exc).splitlines()[0]})") from None

@@ -4,7 +4,8 @@ DCP lets each rank write only what it owns (replicated tensors once, shards of F
 tensor-parallel slices each by their owner) and reshards on load, so one format serves every layout. A save is
 atomic at the folder level: DCP writes into `checkpoint.tmp`, then rank 0 renames it into place, so a job killed
 at any moment leaves a loadable checkpoint (the previous one or the new one). The run folder must be on a
-filesystem that every rank sees.
+filesystem that every rank sees. A checkpoint is read without running code from it (gptpar.train.checkpoint_reader):
+a file that names anything but DCP's own types and tensors is refused in one line.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -43,6 +43,7 @@ from gptpar.parallel.data_parallel.fsdp import join_pieces
 from gptpar.parallel.pipeline.names import plain_state
 from gptpar.paths import check_path
 from gptpar.run.folder import CHECKPOINT_DIR, CONFIG_FILE
+from gptpar.train.checkpoint_reader import CheckedLoadPlanner, CheckedReader, CheckedWholeLoadPlanner
 
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
 # hold different parameters, and a group's index would name different parameters on each stage's rank.
@@ -158,6 +159,14 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".splitlines()[0].split(". ")[0]
 
 
+def _raise_refusal(exc: BaseException) -> None:
+    """Raise the checkpoint reader's one-line refusal of a value where DCP wrapped it into its error (on every rank).
+    The index is refused before DCP reads it (_check_metadata), since DCP folds that error into a message of its own."""
+    cause = _cause(exc)
+    if isinstance(cause, GptparError):
+        raise cause from None
+
+
 def _check_metadata(path: Path) -> None:
     """Fail in one line on an unreadable index before DCP does, since DCP logs a traceback on the way."""
     meta = path / METADATA_FILE
@@ -165,7 +174,9 @@ def _check_metadata(path: Path) -> None:
         raise GptparError(f"checkpoint {path} is incomplete (it has no {METADATA_FILE}); "
                           f"delete {path} to start the run over")
     try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = CheckedReader(path).read_metadata()
+    except GptparError:  # refused: it names what a checkpoint never holds
+        raise
     except Exception as exc:  # unpickling arbitrary bytes can raise nearly any exception type
         raise GptparError(f"checkpoint file {meta} is corrupt ({_reason(exc)}); delete {path} to start the run over"
                           ) from exc
@@ -186,8 +197,10 @@ def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
     _check_metadata(path)
     try:
         with _quiet():
-            dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+            dcp.load(state, storage_reader=CheckedReader(path), planner=CheckedLoadPlanner(path),
+                     no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        _raise_refusal(exc)
         raise GptparError(f"cannot load checkpoint {path} ({_reason(exc)}); it is damaged or from a different "
                           f"model/optimizer; delete {path} to start the run over") from exc
     return True
@@ -212,6 +225,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
                 state["trainer"]["model"] = join_pieces(state["trainer"]["model"])
             state[arch.name] = plain_state(state["trainer"]["model"], arch, state["trainer"].get("vocab_size"))
     except (Exception, CheckpointException) as exc:
+        _raise_refusal(exc)
         raise GptparError(f"cannot export checkpoint {path} ({_reason(exc)}); it is damaged") from exc
     # Through a file object: torch.save to a path loses the OSError of a full disk ("basic_ios::clear").
     atomic_write(out, lambda f: torch.save(state, f), kept=f"the checkpoint {path} is unchanged")
@@ -222,8 +236,7 @@ def _read_whole(path: Path) -> dict[str, Any]:
     """A DCP checkpoint as one plain state dict in memory, as dcp_to_torch_save reads it before it writes (that
     function writes to a path itself, so its read and write failures could not be told apart)."""
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    _load_state_dict(state, storage_reader=CheckedReader(path), planner=CheckedWholeLoadPlanner(path), no_dist=True)
     return state
 
 

@@ -10,6 +10,7 @@ parallelism and fsdp2 trains like one process.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gloo_pool import GlooPools
+from hostile_pickle import RunsCode
 from rank_training import BASE, assert_trains_like_one_process, make_config, reference_run, save_cases, saved_ranks
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -30,6 +32,7 @@ from transformers import (
 from analysis.mfu import model_shape
 from gptpar.config import ConfigError, data_config, load_config
 from gptpar.data.pairs import IGNORE, SAMPLES, load_pairs, read_pairs
+from gptpar.data.tokenizer import pretrained_tokenizer
 from gptpar.errors import GptparError
 from gptpar.launch.plan import plan_run
 from gptpar.model import build_model
@@ -189,6 +192,41 @@ def test_a_chat_template_that_drops_the_response_is_one_line(folders: dict[str, 
     assert str(error.value) == (f"data.tokenizer=pretrained:{folder}: its chat template drops the response (a user "
                                 "turn and an assistant turn render without the assistant's text after the prompt); "
                                 "fix chat_template in tokenizer_config.json, or delete it to use the plain template")
+
+
+def test_weights_that_would_run_code_are_refused_in_one_line_and_run_none(folders: dict[str, Path],
+                                                                         tmp_path: Path) -> None:
+    """A pytorch_model.bin is a pickle: it is read with torch.load(weights_only=True), so one that names a function
+    (here io.open, creating the marker) is refused before the function is called."""
+    folder, marker = tmp_path / "hostile", tmp_path / "MARK"
+    shutil.copytree(folders["llama"], folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": RunsCode(marker)}, folder / "pytorch_model.bin")
+    cfg = load_config(None, [f"model.init=pretrained:{folder}"])
+    with pytest.raises(GptparError) as error:
+        build_model(cfg.model, 400, seed=1, seq_len=64)
+    assert not marker.exists()
+    assert str(error.value) == (f"model.init=pretrained:{folder}: refused to load its weights: they name io.open, "
+                                "which weights never hold (loading them could run code); save the model there again "
+                                "with save_pretrained, from a source you trust")
+
+
+def test_a_tokenizer_with_its_own_code_is_refused_even_if_the_user_says_yes(folders: dict[str, Path], tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tokenizer_config.json whose auto_map names a class in the folder's own Python: transformers asks on a
+    terminal whether to run it (a user may press y) unless told no, which gptpar does."""
+    folder, marker = tmp_path / "own-code", tmp_path / "MARK"
+    shutil.copytree(folders["llama"], folder)
+    config = folder / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "tokenizer_class": "OwnTokenizer",
+                                  "auto_map": {"AutoTokenizer": [None, "own.OwnTokenizer"]}}))
+    (folder / "own.py").write_text(f"open({str(marker)!r}, 'w')\n")
+    monkeypatch.setattr("builtins.input", lambda prompt: "y")  # the user's answer at transformers' prompt
+    with pytest.raises(GptparError) as error:
+        pretrained_tokenizer(folder)
+    assert not marker.exists()
+    assert str(error.value).startswith(f"data.tokenizer=pretrained:{folder}: the tokenizer cannot be loaded (")
+    assert "\n" not in str(error.value)
 
 
 PRETRAINED_CASES = [("tp2", ["parallel.tp=2", "parallel.sequence_parallel=true"]),

@@ -1,15 +1,17 @@
 """DCP checkpoints: exact round trips, atomic replacement, recovery from a killed swap, one-line errors, export,
-and a two-rank gloo save/load."""
+a checkpoint that would run code refused without running it, and a two-rank gloo save/load."""
 
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from gloo_pool import GlooPools
+from hostile_pickle import RunsCode
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -136,6 +138,41 @@ def test_export_is_one_plain_file(tmp_path: Path) -> None:
     model = saved.model.state_dict()
     assert exported["train"]["model"].keys() == model.keys()
     assert all(torch.equal(exported["train"]["model"][k], v) for k, v in model.items())
+
+
+REFUSAL = ("refused to load{value}: it names io.open, which a checkpoint never holds; gptpar did not write this file "
+           "as it is (loading it could run code): do not use this folder")
+
+
+def _hostile_checkpoint(run_dir: Path, where: str, marker: Path) -> tuple[Path, str]:
+    """A real checkpoint holding a pickle that creates `marker` when unpickled without restriction: in its index
+    (`.metadata`) among DCP's own records, or as a non-tensor value saved beside the model. Returns the file the
+    refusal must name and what it must say."""
+    if where == "value":
+        save_checkpoint(run_dir, {"train": build(seed=0), "extra": RunsCode(marker)})
+        return checkpoint_dir(run_dir) / "__0_0.distcp", REFUSAL.format(value=" the value of extra")
+    save_checkpoint(run_dir, {"train": build(seed=0)})
+    index = checkpoint_dir(run_dir) / ".metadata"
+    metadata = pickle.loads(index.read_bytes())  # written by this test: trusted
+    metadata.planner_data["extra"] = RunsCode(marker)
+    index.write_bytes(pickle.dumps(metadata))
+    return index, REFUSAL.format(value="")
+
+
+@pytest.mark.parametrize("where", ["index", "value"])
+@pytest.mark.parametrize("reader", ["resume", "export"])
+def test_a_checkpoint_that_would_run_code_is_refused_in_one_line_and_runs_none(tmp_path: Path, where: str,
+                                                                               reader: str) -> None:
+    """Resuming (load_checkpoint, as `gptpar train` does) and `gptpar checkpoint export` read a copied run folder."""
+    marker = tmp_path / "MARK"
+    file, message = _hostile_checkpoint(tmp_path / "run", where, marker)
+    with pytest.raises(GptparError) as err:
+        if reader == "resume":
+            load_checkpoint(tmp_path / "run", {"train": build(seed=1, steps=0), "extra": None})
+        else:
+            export_checkpoint(tmp_path / "run", tmp_path / "whole.pt")
+    assert not marker.exists()  # nothing the file names ran
+    assert str(err.value) == f"{file}: {message}"
 
 
 def _two_rank_save_load(info: RankInfo, run_dir: Path) -> None:
