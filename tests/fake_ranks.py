@@ -21,7 +21,8 @@ from pathlib import Path
 from logsets import Rank, config
 
 FORWARDED = {signal.SIGUSR2, signal.SIGTERM, signal.SIGINT}  # the signals gptpar.launch.submitit_task passes on
-STEP_S = 0.5  # the rest of the step the signal came in: the final records come this long after it
+STEP_S = 0.5  # the rest of the step the signal came in: the final records come this long after it, so a task that
+# decided without waiting for them would decide on none (the tests pass whatever its value)
 DEADLINE_S = 60.0  # a hang guard (a signal never passed on; a task that never ends the child): never a timing claim
 NOT_SIGNALLED, CRASHED = 3, 1
 

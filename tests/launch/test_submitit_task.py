@@ -21,9 +21,11 @@ from gptpar.run.logfile import read_rank_log
 FAKE_RANKS = Path(__file__).resolve().parents[1] / "fake_ranks.py"
 REQUEUED = {"status": "requeued", "signal": "SIGUSR2"}
 FAILED = {"status": "failed", "error": "RuntimeError: x"}
+JOB_ID = "7"
 
 
 def test_a_job_is_resubmitted_only_if_no_rank_failed_and_its_child_did_not_fail() -> None:
+    """A failed run started again fails again, after a wait in the queue each time: never resubmitted."""
     assert resubmits(None, [REQUEUED, REQUEUED])  # the child still tearing down, every rank stopped resumable
     assert resubmits(0, [REQUEUED, {"status": "stopped", "signal": "SIGTERM"}])
     assert resubmits(0, [])  # exited cleanly before its records were read: nothing says it failed
@@ -36,7 +38,7 @@ def test_a_job_is_resubmitted_only_if_no_rank_failed_and_its_child_did_not_fail(
 @pytest.fixture
 def job_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """This process as rank 0 of a 2-task job of submitit's local executor (the variables its tasks get)."""
-    for name, value in {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "7", "SUBMITIT_LOCAL_NTASKS": "2",
+    for name, value in {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": JOB_ID, "SUBMITIT_LOCAL_NTASKS": "2",
                         "SUBMITIT_LOCAL_JOB_NUM_NODES": "1", "SUBMITIT_LOCAL_GLOBALID": "0",
                         "SUBMITIT_LOCAL_LOCALID": "0"}.items():
         monkeypatch.setenv(name, value)
@@ -52,7 +54,7 @@ def _task(run: Path, sig: str, then: str, *outcomes: str) -> RankTask:
 
 
 def _paths(job_dir: Path) -> JobPaths:
-    return JobPaths(job_dir, job_id="7", task_id=0)
+    return JobPaths(job_dir, job_id=JOB_ID, task_id=0)
 
 
 def _run_as_submitit_does(task: RankTask, job_dir: Path) -> dict:
@@ -91,8 +93,9 @@ def test_a_preempted_job_whose_ranks_stopped_resumable_is_resubmitted(tmp_path: 
                          ids=["a-rank-failed", "the-child-crashed"])
 def test_a_preempted_job_with_a_failed_rank_is_never_resubmitted(tmp_path: Path, job_dir: Path, then: str,
                                                                  outcomes: tuple[str, ...]) -> None:
-    """Rank 1 fails in the step the signal came in (its final record comes after the signal, which checkpoint()
-    waits for), or the child exits 1: no resubmission, and submitit reports the job failed."""
+    """Rank 1 fails in the step the signal came in (its final record comes fake_ranks.STEP_S after the signal:
+    checkpoint() must wait for it), or the child exits 1, rank 1 without a final record: no resubmission, and
+    submitit reports the job failed."""
     with pytest.raises(UncompletedJobError, match="checkpoint function returned None"):
         _run_as_submitit_does(_task(tmp_path / "run", "USR2", then, *outcomes), job_dir)
 
@@ -101,6 +104,8 @@ def test_a_preempted_job_with_a_failed_rank_is_never_resubmitted(tmp_path: Path,
 @pytest.mark.parametrize("sig", ["TERM", "INT"])
 def test_term_and_int_reach_the_child_which_stops_and_the_task_returns_the_run(tmp_path: Path, job_dir: Path,
                                                                               sig: str) -> None:
+    """TERM (scancel; the local executor's cancel) and INT (Ctrl-C) are passed on too, without a checkpoint() call:
+    the ranks stop, the child exits and the task returns the run's result."""
     run = tmp_path / "run"
     result = _run_as_submitit_does(_task(run, sig, "exit", "stopped", "stopped"), job_dir)
     assert (result["state"], result["final"]["signal"]) == ("stopped", f"SIG{sig}")
