@@ -73,8 +73,9 @@ class Rank:
                   val_loss=val_loss, steps=steps, **extra)
         return self
 
-    def final(self, status: str = "completed", step: int = 0) -> Rank:
-        self._log("final", status=status, step=step)
+    def final(self, status: str = "completed", step: int = 0, **optional: Any) -> Rank:
+        """The segment's final record; `optional`: its optional fields (signal, error)."""
+        self._log("final", status=status, step=step, **optional)
         self.logger.close()
         return self
 

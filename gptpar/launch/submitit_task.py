@@ -24,7 +24,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -86,8 +86,7 @@ class RankTask(Checkpointable):
         boundary with a checkpoint); once every rank's final record is written (or the child has exited cleanly),
         resubmit this task. A failed rank or child is not resubmitted (None: submitit reports the job failed)."""
         code = self._wait(until_final=True)
-        failed = any(final.get("status") == "failed" for final in self._finals.values())
-        return super().checkpoint() if code in (None, 0) and not failed else None
+        return super().checkpoint() if resubmits(code, self._finals.values()) else None
 
     def _pass_on(self, signum: int, frame: FrameType | None) -> None:
         self._pending.append(signum)
@@ -132,6 +131,14 @@ class RankTask(Checkpointable):
                 records, self._logs[log] = read_new_records(log, offset)
                 self._finals.update((log, r) for r in records if r.get("kind") == "final")
         return len(self._finals) == len(self._logs)
+
+
+def resubmits(code: int | None, finals: Iterable[Mapping[str, Any]]) -> bool:
+    """Whether checkpoint() resubmits a job, given its child's exit code (None: still running, as a rank holding
+    torch is while it tears down) and the final records its ranks wrote in this start: only if the child has not
+    exited with an error or a signal and no rank failed. A failed run started again fails again, each time after
+    a wait in the queue; submitit reports it failed instead."""
+    return code in (None, 0) and not any(final.get("status") == "failed" for final in finals)
 
 
 def _size(path: Path) -> int:

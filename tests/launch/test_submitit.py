@@ -1,14 +1,17 @@
 """launch.launcher=submitit without a cluster: the executor's parameters from the job spec, the choice of backend,
 the code snapshot, the Python API's handle, and (slow) a real run on submitit's local executor, equal to the same
-run trained as `gptpar train` trains it. The SLURM side is in tests/launch/test_slurm.py."""
+run trained as `gptpar train` trains it, and one interrupted there, requeued and resumed to its end. The SLURM side
+is in tests/launch/test_slurm.py; the task's requeue decision in tests/launch/test_submitit_task.py."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from gptpar.launch.plan import plan_run
 from gptpar.launch.profiles import MODULE_GUARD, resolve
 from gptpar.launch.submitit_backend import SubmititBackend, executor_parameters
 from gptpar.run.folder import RunFolder
+from gptpar.run.logfile import read_new_records
 from gptpar.snapshot import SNAPSHOT_FILE, take_snapshot
 from gptpar.train import preemption
 
@@ -33,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = {"model.n_layer": 2, "model.n_embd": 32, "model.n_head": 2, "data.source": "synthetic",
         "data.tokenizer": "bytes", "data.seq_len": 16, "data.synthetic_tokens": 20000, "train.batch_size": 4,
         "train.max_steps": 2, "train.eval_every": 0, "train.threads": 1}
+DEADLINE_S = 300.0  # a hang guard while waiting on a job or its records: never a timing claim
 
 
 def _spec(overrides: list[str], kind: str = "dp"):
@@ -158,3 +163,62 @@ def test_api_submit_on_the_local_executor_trains_as_gptpar_train_does(tmp_path: 
     assert Path(snapshot["path"]).parent == runs / "api" / "job"
     assert snapshot["commit"] == _git("rev-parse", "HEAD").strip()
     assert "Starting with JobEnvironment" in job.stdout()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid`."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+def _segments(log: Path) -> list[list[dict]]:
+    """A rank log's records, one list per start (each begins with its header)."""
+    segments: list[list[dict]] = []
+    for record in read_new_records(log, 0)[0]:
+        if record["kind"] == "header":
+            segments.append([])
+        segments[-1].append(record)
+    return segments
+
+
+def _first_step(log: Path) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not any(r["kind"] == "step" for r in read_new_records(log, 0)[0]):
+        assert time.monotonic() < deadline, f"no step record in {log} within {DEADLINE_S:g} s"
+        time.sleep(0.005)
+
+
+@pytest.mark.slow
+def test_a_local_submitit_job_interrupted_is_requeued_and_resumes_to_its_end(tmp_path: Path) -> None:
+    """USR2 to the job's task (what SLURM sends before a time limit; the local controller passes on only TERM): the
+    task passes it on, its rank stops at a step boundary with a checkpoint, checkpoint() resubmits the task and the
+    local executor starts it again, which resumes the run from its folder: every step logged once, in order."""
+    steps = 30
+    run = tmp_path / "runs" / "preempted"
+    job = api.submit("dp", gpus=1, overrides={**TINY, "train.max_steps": steps, "launch.cluster": "local",
+                                              "launch.launcher": "submitit", "log.runs_dir": run.parent,
+                                              "log.run_id": run.name})
+    _first_step(run / "rank0.jsonl")
+    (task,) = _children(int(job.job_id.partition(":")[2]))  # the local controller's one task (job id host:pid)
+    (rank,) = _children(task)
+    os.kill(rank, signal.SIGSTOP)  # held at its step k >= 1, < steps: the stop cannot race the run's end
+    try:
+        os.kill(task, signal.SIGUSR2)
+    finally:
+        os.kill(rank, signal.SIGCONT)
+    assert job.wait(timeout=DEADLINE_S, poll_s=0.1) == "completed"
+    segments = _segments(run / "rank0.jsonl")
+    assert [(s[-1]["kind"], s[-1].get("status")) for s in segments] == [("final", "requeued"), ("final", "completed")]
+    first, second = segments
+    assert first[-1]["signal"] == "SIGUSR2" and 1 <= first[-1]["step"] < steps
+    logged = [r["step"] for segment in (first, second) for r in segment if r["kind"] == "step"]
+    assert logged == list(range(1, steps + 1))  # resumed after the last step taken: none repeated, none skipped
+    assert second[0]["restart"] == 1
+    log = job.stdout()
+    assert log.count("Calling checkpoint method.") == 1 and log.count("Requeued job") == 1
