@@ -1,10 +1,13 @@
 """Ranks as threads of the test process: each thread joins one real gloo group (over an in-memory store) as its
-default group, so code that asks torch.distributed "who am I" (`dist.get_rank()`, `dist.group.WORLD`, new_group,
-DDP) runs unchanged, and a value-level check of a sync stays in the fast tier (no process is started).
+default group, so code that asks torch.distributed "who am I" (`dist.get_rank()`, `dist.group.WORLD`, DDP) runs
+unchanged, and a value-level check of a sync stays in the fast tier (no process is started).
 
 torch keeps the default group in one module-level registry; torch's own threaded-rank tests swap it for a per-thread
-one (`ThreadLocalWorld`), which is done here for the duration of one `run_threads` call only. The groups' names are
-kept apart by rank (GROUP_NAMES), since torch registers names once per process.
+one (`ThreadLocalWorld`), which is done here for the duration of one `run_threads` call only. torch also registers
+group names once per process, so each rank names its groups from its own offset (GROUP_NAMES) and its store
+(`RankStore`) maps them back to the shared names under which the ranks meet. Only the default group: a subgroup
+(`dist.new_group`) asks the store for more than a Python store gives. What is process-wide stays shared by the
+threads: torch's default random generator (a hook that seeds and draws from it races with its peers).
 """
 
 from __future__ import annotations
