@@ -17,6 +17,8 @@ bounds the synced values:
 - powersgd: a one-process PowerSGD (rank-r projection with warm start and error feedback) of the same gradients,
   over four compressed steps.
 Every rank's input is offset by its rank, so the average is far from the sum (W times it) and from the sum / W^2.
+ZeRO++ is fsdp with qgZ, qwZ (the gradients are then those of the rounded weights) and hpZ, whose backward gathers
+come from the node's copy of the parameters: on a GPT-2 of two blocks (units gathered again for backward).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import torch.distributed as dist
 from thread_ranks import run_threads
 from torch import nn
 
-from gptpar.config.schema import ParallelConfig
+from gptpar.config import ModelConfig, ParallelConfig
+from gptpar.model import build_model, lm_loss
 from gptpar.parallel.data_parallel import GradSync, make_grad_sync
 from gptpar.parallel.data_parallel.ddp import POWERSGD_START
 from gptpar.parallel.data_parallel.quantized import LEVELS
@@ -41,6 +44,7 @@ WORLD = 3  # not a power of two: the division by W rounds, and shards and blocks
 BLOCK = 8  # parallel.quant_block: several blocks per parameter and per shard row
 BUCKET_MB = 0.001  # about 260 values: several buckets (bucketed, zero1) and units (zero2)
 RANK = 2  # parallel.powersgd_rank
+VOCAB = 64  # the GPT-2's
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8, "fp16": 2.0**-11}
 SUBNORMAL_HALF_STEP = {"fp32": 0.0, "bf16": 0.0, "fp16": 2.0**-25}  # fp16's absolute rounding below 2^-14
 WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,7 +53,8 @@ WIRE = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # the largest result; dropping the error feedback moves a result by 6e-2 or more).
 POWERSGD_TOLERANCE = 3e-6
 # The bounds are worst cases, not measurements: the largest |synced - average| / bound measured over every element,
-# rank and sync is fp32 0.63, bf16 0.55, fp16 0.57, int8 0.93 (0.95 under qwZ); a scaling bug is 3x it or more.
+# rank and sync is fp32 0.63, bf16 0.55, fp16 0.57, int8 0.93 (0.95 under qwZ and on the GPT-2 under hpZ); a scaling
+# bug is 3x it or more.
 # Every (parallel.dp_sync, parallel.grad_comm) the config accepts but powersgd, which
 # test_powersgd_is_its_one_process_projection_with_error_feedback holds, and fsdp2's (torch's reduce_dtype).
 MODES = {sync: [c for c in row.grad_comm if c != "powersgd"] for sync, row in DP_STRATEGIES.items() if sync != "fsdp2"}
@@ -71,6 +76,39 @@ def batch(rank: int, step: int) -> torch.Tensor:
 
 def loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return module(x).square().mean()
+
+
+def tiny_gpt() -> nn.Module:
+    """A GPT-2 of two blocks: fsdp makes each block a unit of its own, gathered again for its backward."""
+    return build_model(ModelConfig(preset="gpt2-tiny", n_layer=2, n_embd=16, n_head=2), VOCAB, seed=0)
+
+
+def tokens(rank: int, step: int) -> torch.Tensor:
+    """Two sequences: one every rank shares (so that the ranks' gradients have a common part), one its own."""
+    shared, own = (torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(1000 * step + seed))
+                   for seed in (WORLD, rank))
+    return torch.cat([shared, own])
+
+
+def gpt_loss(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return lm_loss(module(x).logits, x)
+
+
+@dataclass(frozen=True)
+class Task:
+    """What every rank trains: its model (the same on every rank), its input at a step, the loss; and where the
+    weights its forward used are read: at the forward's end (True: every parameter is still there, the MLP being one
+    fsdp unit), or before the step from the fp32 masters (a model of several units frees each block after its
+    forward; with fp32 gathers the masters are what forward uses)."""
+
+    model: Callable[[], nn.Module]
+    batch: Callable[[int, int], torch.Tensor]
+    loss: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    forward_weights: bool = True
+
+
+MLP = Task(tiny_model, batch, loss)
+GPT = Task(tiny_gpt, tokens, gpt_loss, forward_weights=False)
 
 
 @dataclass
@@ -102,12 +140,12 @@ def int8_layout(sync, model: nn.Module) -> list[tuple[list[str], int | None]]:  
     return [([n], None) for n in names.values()]
 
 
-def run_sync(world: int, dp_sync: str, grad_comm: str, steps: int = 1,
+def run_sync(world: int, dp_sync: str, grad_comm: str, steps: int = 1, task: Task = MLP,
              prepare: Callable[[GradSync], None] | None = None, **settings: object) -> list[RankRun]:
-    """`steps` steps of the sync named on `world` thread ranks, each backward on its own batch(), after
+    """`steps` steps of the sync named on `world` thread ranks training `task`, each on its own batch, after
     `prepare(sync)`."""
     def rank_main(rank: int) -> RankRun:
-        model = tiny_model()
+        model = task.model()
         pcfg = ParallelConfig(dp=world, dp_sync=dp_sync, grad_comm=grad_comm, quant_block=BLOCK,
                               bucket_mb=BUCKET_MB, powersgd_rank=RANK, **settings)
         node = dist.group.WORLD if pcfg.hpz else None  # hpZ's node group: all of dp (one node)
@@ -115,11 +153,17 @@ def run_sync(world: int, dp_sync: str, grad_comm: str, steps: int = 1,
         if prepare is not None:
             prepare(sync)
         run = RankRun(layout=int8_layout(sync, model))
-        model.register_forward_hook(lambda module, args, out: run.used.append(
-            {n: p.detach().clone() for n, p in module.named_parameters()}))
+        def weights() -> Named:
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+        if task.forward_weights:
+            model.register_forward_hook(lambda module, args, out: run.used.append(weights()))
         for step in range(steps):
+            if not task.forward_weights:
+                with sync.whole_parameters():
+                    run.used.append(weights())
             with sync.accumulating(is_last_micro_step=True):
-                loss(sync.module, batch(rank, step)).backward()
+                task.loss(sync.module, task.batch(rank, step)).backward()
             sync.finish()
             run.synced.append(synced_values(sync, model))
             sync.zero_grad()
@@ -130,16 +174,18 @@ def run_sync(world: int, dp_sync: str, grad_comm: str, steps: int = 1,
     return run_threads(world, rank_main)
 
 
-def local_gradient(weights: Named, rank: int, step: int) -> Named:
+def local_gradient(weights: Named, rank: int, step: int, task: Task = MLP) -> Named:
     """Rank `rank`'s own gradient at `step`, in one process, from the weights its forward used."""
-    model = tiny_model()
-    model.load_state_dict(weights)
-    loss(model, batch(rank, step)).backward()
+    model = task.model()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(weights[name])
+    task.loss(model, task.batch(rank, step)).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def local_gradients(runs: list[RankRun], step: int = 0) -> list[Named]:
-    return [local_gradient(run.used[step], rank, step) for rank, run in enumerate(runs)]
+def local_gradients(runs: list[RankRun], step: int = 0, task: Task = MLP) -> list[Named]:
+    return [local_gradient(run.used[step], rank, step, task) for rank, run in enumerate(runs)]
 
 
 def mean(grads: list[Named]) -> Named:
@@ -228,6 +274,19 @@ def test_zero_plus_plus_reduces_the_gradients_of_the_weights_it_gathered(param_c
     runs = run_sync(WORLD, "fsdp", "int8", param_comm=param_comm, hpz=hpz)
     grads = local_gradients(runs)
     bound = int8_bound(grads, runs[0].layout)
+    expected = mean(grads)
+    assert_scaling_is_visible(expected, bound, WORLD)
+    assert worst(runs, expected, bound) <= 1
+
+
+@pytest.mark.parametrize("grad_comm", ["fp32", "int8"])
+def test_hpz_backward_gathers_give_the_gradients_of_the_weights_forward_used(grad_comm: str) -> None:
+    """fsdp on a GPT-2 of two blocks under hpZ: each block's backward gathers its parameters from the node's copy
+    (all of dp is one node here), not over the group, and its gradient shards hold the average of the gradients of
+    the weights the forward used."""
+    runs = run_sync(WORLD, "fsdp", grad_comm, task=GPT, hpz=True)
+    grads = local_gradients(runs, task=GPT)
+    bound = int8_bound(grads, runs[0].layout) if grad_comm == "int8" else rounding_bound(grads, grad_comm)
     expected = mean(grads)
     assert_scaling_is_visible(expected, bound, WORLD)
     assert worst(runs, expected, bound) <= 1
