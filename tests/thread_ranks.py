@@ -68,6 +68,8 @@ class RankStore(dist.Store):
 def run_threads(world: int, fn: Callable[[int], T]) -> list[T]:
     """fn(rank) on `world` threads, each rank `rank` of one gloo group of `world`; their results in rank order.
     The first rank's exception is raised after all threads are done."""
+    if dist.is_initialized():  # a rank's teardown unregisters every group name of the process (torch's registry)
+        raise RuntimeError("run_threads: this process already has a default group; its ranks would unregister it")
     store = dist.HashStore()
     results: list[T | None] = [None] * world
     errors: list[BaseException | None] = [None] * world
