@@ -44,10 +44,11 @@ SETTINGS = ["parallel.dp=2", f"parallel.quant_block={BLOCK}", f"parallel.powersg
             "parallel.bucket_mb=0.01"]
 CASES = {f"{sync}-{wire}": [*SETTINGS, f"parallel.dp_sync={sync}", f"parallel.grad_comm={wire}"]
          for sync, wires in SYNCS.items() for wire in wires}
-# Largest relative loss difference from fp32 over the STEPS steps on tinyshakespeare (measured: bf16 5.1e-5 on every
-# sync, int8 6.5e-4 to 8.3e-4, powersgd 5.1e-5 on this model); the README states them. Each is also held to
-# bench/comm_accuracy.py's documented 300-step tolerance (1e-2, powersgd 5e-2), which these bounds are well inside.
-TOLERANCE = {"bf16": 1e-3, "fp16": 1e-3, "int8": 2e-3, "powersgd": 5e-3}
+# Largest relative loss difference from fp32 over the STEPS steps on tinyshakespeare, about 3x the measured one
+# (measured: bf16 5.1e-5 on every sync, int8 6.5e-4 to 8.3e-4, powersgd 5.1e-5 on this model); the README states
+# them. Each is also held to bench/comm_accuracy.py's documented 300-step tolerance (1e-2, powersgd 5e-2), which these
+# bounds are well inside. The gradients' values themselves are held to each mode's own bound in test_comm_values.py.
+TOLERANCE = {"bf16": 1.5e-4, "int8": 2.5e-3, "powersgd": 1.5e-4}
 
 
 def _worker(info: RankInfo, runs: Path, base: list[str]) -> None:

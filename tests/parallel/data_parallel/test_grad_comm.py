@@ -4,8 +4,7 @@ On the shared gloo pool, two ranks train each case through the trainer's own ste
 buckets, with and without micro-steps, zero1) must equal DDP with torch's own compression hook bit for bit, losses and
 parameters (fp16_compress_hook; for bf16 on gloo gptpar's copy of bf16_compress_hook, which refuses to run without
 NCCL); a compressed mode must really send something else (it differs from fp32 at some step) yet train close
-to it (losses within 1e-3, all parameters together within 1% of fp32's; measured 0.5% for bf16, 0.25% for fp16); a
-sync that cannot compress says so in one line.
+to it (losses and all parameters together within CLOSE of fp32's); a sync that cannot compress says so in one line.
 """
 
 from __future__ import annotations
@@ -19,6 +18,9 @@ from rank_training import save_cases, saved_ranks
 
 from gptpar.config import ConfigError, load_config
 
+# About 3x the largest relative difference from fp32 measured on 2 ranks: (losses, all parameters together) measured
+# bf16 (7.7e-6, 4.9e-3), fp16 (1.5e-5, 2.5e-3).
+CLOSE = {"bf16": (2.5e-5, 1.5e-2), "fp16": (4.5e-5, 7.5e-3)}
 SYNCS = {"naive": [], "bucketed": ["parallel.bucket_mb=0.01"], "zero1": ["parallel.bucket_mb=0.01"], "ddp": []}
 ACCUM = ["train.grad_accum=2", "parallel.grad_comm=bf16"]
 CASES = [(f"{sync}-{wire}", ["parallel.dp=2", f"parallel.dp_sync={sync}", f"parallel.grad_comm={wire}", *extra])
@@ -55,13 +57,14 @@ def test_our_compressed_reducers_are_torchs_compression_hook_bit_for_bit(results
 def test_a_compressed_mode_sends_something_else_and_trains_close_to_fp32(results: Path, wire: str) -> None:
     fp32, sent = saved_ranks(results, "ddp-fp32"), saved_ranks(results, f"ddp-{wire}")
     assert not _same(sent, fp32)
+    losses, params = CLOSE[wire]
     for a, b in zip(sent, fp32, strict=True):
-        assert a["losses"] == pytest.approx(b["losses"], rel=1e-3)
+        assert a["losses"] == pytest.approx(b["losses"], rel=losses)
         # AdamW steps a near-zero gradient by about lr whatever its size, so a rounding that flips its sign moves that
         # element by up to 2 lr (a zero-initialised bias most visibly): the model as a whole stays close.
         both = [(value.flatten(), b["params"][name].flatten()) for name, value in a["params"].items()]
         ours, reference = torch.cat([x for x, _ in both]), torch.cat([y for _, y in both])
-        assert (ours - reference).norm() / reference.norm() < 1e-2
+        assert (ours - reference).norm() / reference.norm() < params
 
 
 @pytest.mark.parametrize("sync", ["zero1", "fsdp2"])
