@@ -7,7 +7,10 @@ one (`ThreadLocalWorld`), which is done here for the duration of one `run_thread
 group names once per process, so each rank names its groups from its own offset (GROUP_NAMES) and its store
 (`RankStore`) maps them back to the shared names under which the ranks meet. Only the default group: a subgroup
 (`dist.new_group`) asks the store for more than a Python store gives. What is process-wide stays shared by the
-threads: torch's default random generator (a hook that seeds and draws from it races with its peers).
+threads: torch's default random generator (a hook that seeds and draws from it races with its peers), and DDP's
+class-wide "active module" that dynamo reads: its save-and-restore around each forward, interleaved by the threads,
+can leave one rank's module set after all have returned (every later torch.compile in the process then took the DDP
+optimizer's path and failed), so run_threads puts it back.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TypeVar
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.nn.parallel import DistributedDataParallel
 from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
 
 T = TypeVar("T")
@@ -86,7 +90,7 @@ def run_threads(world: int, fn: Callable[[int], T]) -> list[T]:
         finally:
             dist.destroy_process_group()
 
-    saved = c10d._world
+    saved, active_ddp = c10d._world, DistributedDataParallel._active_ddp_module
     c10d._world = ThreadLocalWorld()
     try:
         threads = [threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
@@ -97,6 +101,7 @@ def run_threads(world: int, fn: Callable[[int], T]) -> list[T]:
             thread.join(2 * TIMEOUT_S)
     finally:
         c10d._world = saved
+        DistributedDataParallel._active_ddp_module = active_ddp
     if error := next((e for e in errors if e is not None), None):
         raise error
     if any(thread.is_alive() for thread in threads):
