@@ -27,7 +27,7 @@ from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch.plan import plan_run
 from gptpar.run.folder import RunFolder
-from gptpar.run.logfile import CorruptLog, read_rank_log
+from gptpar.run.logfile import CorruptLog, RankLogger, read_rank_log
 from gptpar.run.state import read_run
 from gptpar.user_defaults import resolve_config
 
@@ -225,3 +225,42 @@ def test_a_log_of_a_newer_schema_is_refused_in_one_line(tmp_path, capsys):
     assert "corrupt  r" in capsys.readouterr().out
     result = report(tmp_path, tmp_path / "figures", include_incomplete=True)
     assert result.shown == [] and f"run r is corrupt and left out: {why}" in capsys.readouterr().err
+
+
+# --- Issue 46 point 3: a torn last line, once resumed, never hides the run ------------------------------------------
+
+TORN = b'{"kind":"step","step":7,"los'  # what a writer killed in the middle of a record leaves
+
+
+def torn_line_message(log: Path) -> str:
+    return (f"gptpar: {log} ended in a torn line ({len(TORN)} bytes, what a killed writer leaves); set it aside in "
+            f"{log.name}.torn and resumed the log after its last whole record")
+
+
+def test_a_torn_last_line_is_set_aside_when_the_log_resumes(tmp_path, capsys):
+    folder = trained(tmp_path)
+    log = folder.rank_log(0)
+    whole = log.read_bytes()
+    log.write_bytes(whole + TORN)
+    resumed_log = Rank(folder.path, 0, folder.read_config())
+    assert resumed_log.logger.torn == torn_line_message(log)
+    resumed_log.header(restart=1, schema_version=2).step(4).final(step=4)
+    assert log.read_bytes().startswith(whole) and (folder.path / "rank0.jsonl.torn").read_bytes() == TORN + b"\n"
+    assert read_run(folder).state == "completed"
+    assert gptpar_main(["status", str(tmp_path)]) == 0 and "completed  r" in capsys.readouterr().out
+    assert gptpar_main(["logs", "r", "--runs-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "state: completed"
+    assert [r.run for r in report(tmp_path, tmp_path / "figures", warmup_steps=0).shown] == ["r"]
+    assert RankLogger(folder.path, 0).torn == ""  # a whole log is left alone
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_record_resumes_and_completes(stopped, tmp_path, data_dir):
+    run = own_copy(stopped, tmp_path / "runs")
+    step = stop_step(run)
+    with open(run / "rank0.jsonl", "ab") as log:
+        log.write(TORN)
+    done = _gptpar(data_dir, "train", str(run / "config.yaml"))
+    assert done.returncode == 0, done.stderr
+    resumed(run, step)  # readable, and completed
+    assert torn_line_message(run / "rank0.jsonl") in done.stderr.splitlines()
