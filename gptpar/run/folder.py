@@ -24,12 +24,20 @@ import yaml
 from gptpar.atomic import atomic_write_text
 from gptpar.config import Config, to_yaml
 from gptpar.errors import GptparError
-from gptpar.run.logfile import RANK_FILE, RANK_GLOB, rank_log_path, rank_of
+from gptpar.run.logfile import RANK_ENTRY, RANK_FILE, RANK_GLOB, rank_log_path, rank_of
 from gptpar.run.names import check_run_id
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoint"  # gptpar.train.checkpoint writes it (and checkpoint.tmp, checkpoint.old on the way)
+TMP_SUFFIX, OLD_SUFFIX = ".tmp", ".old"
+EXPORT_FILE = "checkpoint.pt"  # `gptpar checkpoint export`'s default output, beside the checkpoint (no run reads it)
 LOCK_FILE = ".lock"
+PLAN_FILE = "plan.json"  # gptpar.plan.record: the run's prediction
+TB_FOLDER, WANDB_FOLDER = "tb", "wandb"  # gptpar.run.sinks' mirrors
+# The names a run folder gives meaning to, besides its rank logs: a file written over one of them (or into one) loses
+# the run's config, checkpoint or records.
+RUN_ENTRIES = frozenset({CONFIG_FILE, LOCK_FILE, PLAN_FILE, CHECKPOINT_DIR, CHECKPOINT_DIR + TMP_SUFFIX,
+                         CHECKPOINT_DIR + OLD_SUFFIX, "job", "trace", TB_FOLDER, WANDB_FOLDER})
 CANCEL_FILE = "cancelled.json"  # in job/: written by `gptpar cancel`
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
@@ -179,6 +187,19 @@ def run_folder(runs_dir: str | Path, run_id: str, key: str = "log.run_id") -> Ru
 def holds_run(path: Path) -> bool:
     """Whether a folder is a run's: it holds config.yaml or a rank log (a run started by hand may have no config)."""
     return (path / CONFIG_FILE).is_file() or any(RANK_FILE.fullmatch(p.name) for p in path.glob(RANK_GLOB))
+
+
+def run_entry(path: str | Path) -> Path | None:
+    """The run folder entry (RUN_ENTRIES, a rank log or its torn tail) that `path` is or lies inside, symlinks
+    resolved, in whichever run folder holds it; None for a path no run reads. What a command that writes a file of
+    the user's choosing checks first, so that it never writes over a run."""
+    target = Path(path).resolve()
+    for folder in target.parents:
+        if holds_run(folder) or RunFolder(folder).holds_run():
+            entry = folder / target.relative_to(folder).parts[0]
+            if entry.name in RUN_ENTRIES or RANK_ENTRY.fullmatch(entry.name):
+                return entry
+    return None
 
 
 def find_runs(runs_dir: str | Path) -> list[RunFolder]:

@@ -38,6 +38,7 @@ MAY_DIVERGE = tuple(dict.fromkeys(f.name for cls in RECORDS.values() for f in fi
                                   if f.metadata["may_diverge"]))
 RANK_GLOB, RANK_FILE = "rank*.jsonl", re.compile(r"rank(\d+)\.jsonl")
 TORN_SUFFIX = ".torn"  # rank<R>.jsonl.torn: torn last lines a resumed writer set aside (RankLogger)
+RANK_ENTRY = re.compile(RANK_FILE.pattern + f"(?:{re.escape(TORN_SUFFIX)})?")  # a rank log or its torn lines
 # The step fields the analysis reads; the hot path checks only these (the writer validated the rest).
 STEP_FIELDS = operator.itemgetter(*names(StepRecord, "time", "step", "epoch", "loss", "tokens", "step_time_s",
                                          "tokens_per_s"))
