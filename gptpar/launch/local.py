@@ -27,6 +27,7 @@ from gptpar.launch.plan import Point, rank_command
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.slurm import clean_env
 from gptpar.parallel.env import LAUNCHER_MARKER, LAUNCHER_PID, free_port
+from gptpar.run.folder import handed_fds
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors get this long to be logged
@@ -60,7 +61,7 @@ def run_ranks(point: Point, world: int) -> int:
         with open(job_dir / f"rank{rank}.err", "ab") as err:
             procs.append(subprocess.Popen(command, cwd=point.folder.path, stdout=out, stderr=err,
                                           env=rank_env(rank, world, port, dict(os.environ)),
-                                          start_new_session=True))
+                                          start_new_session=True, pass_fds=handed_fds()))
         if out is not None:
             out.close()
     forward = _Forwarder(procs)

@@ -39,6 +39,7 @@ TB_FOLDER, WANDB_FOLDER = "tb", "wandb"  # gptpar.run.sinks' mirrors
 RUN_ENTRIES = frozenset({CONFIG_FILE, LOCK_FILE, PLAN_FILE, CHECKPOINT_DIR, CHECKPOINT_DIR + TMP_SUFFIX,
                          CHECKPOINT_DIR + OLD_SUFFIX, "job", "trace", TB_FOLDER, WANDB_FOLDER})
 CANCEL_FILE = "cancelled.json"  # in job/: written by `gptpar cancel`
+LOCK_FD_ENV = "GPTPAR_RUN_LOCK_FD"  # the descriptor of the run lock a launcher holds for the ranks it starts
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
 
@@ -123,12 +124,16 @@ class RunFolder:
         return sorted(p for p in self.job_dir.glob("*.err") if p.is_file())
 
     @contextmanager
-    def hold(self, job_id: str = "") -> Iterator[None]:
-        """Hold the folder for the life of this process: a second run into it is refused, naming us."""
+    def hold(self, job_id: str = "", hand_down: bool = False, adopt: bool = False) -> Iterator[RunLock]:
+        """Hold the folder until the block ends: a second run into it is refused, naming us. `hand_down`: a launcher's
+        hold, passed on to the ranks it starts (LOCK_FD_ENV); `adopt`: a rank's hold, taking over its launcher's where
+        it was handed down, so that the run is held from its launcher's start, not only from its ranks'."""
         lock = RunLock(self.path / LOCK_FILE)
-        lock.acquire(job_id)
+        lock.acquire(job_id, adopt)
         try:
-            yield
+            if hand_down:
+                lock.hand_down()
+            yield lock
         finally:
             lock.release()
 
@@ -219,10 +224,14 @@ class RunLock:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._info: dict[str, Any] = {}
+        self._adopted = False
 
-    def acquire(self, job_id: str = "") -> None:
+    def acquire(self, job_id: str = "", adopt: bool = False) -> None:
+        """Take the lock, or refuse naming its holder; `adopt`: take over the one a launcher handed down, if any."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._adopted = adopt and (fd := self._handed_down()) is not None
+        if not self._adopted:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         flocked = _try_flock(fd)
         info = _read_info(fd)
         # A fresh heartbeat counts where flock cannot tell: no flock here, or the holder is on another node
@@ -232,10 +241,28 @@ class RunLock:
             os.close(fd)
             raise GptparError(in_use(self.path.parent, info))
         self._fd = fd
+        if self._adopted:  # the launcher's record and heartbeat go on standing for the run (its pid takes a cancel)
+            return
         self._info = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id, "flock": flocked}
         self._write_heartbeat()
         self._beat = threading.Thread(target=self._heartbeat, name="gptpar-run-lock", daemon=True)
         self._beat.start()
+
+    def hand_down(self) -> None:
+        """Let the ranks this process starts (in it, or as children given `handed_fds`) take this lock over: its
+        descriptor, named by LOCK_FD_ENV, shares the flock, which lasts while any of them keeps it open."""
+        os.set_inheritable(self._fd, True)
+        os.environ[LOCK_FD_ENV] = str(self._fd)
+
+    def _handed_down(self) -> int | None:
+        """A copy of the descriptor of this lock's file that a launcher handed down, or None: LOCK_FD_ENV unset, or
+        naming a descriptor that is not this file's (another run's, or none: the variable outlived its launcher)."""
+        try:
+            fd = int(os.environ[LOCK_FD_ENV])
+            mine, handed = os.stat(self.path), os.fstat(fd)
+        except (KeyError, ValueError, OSError):
+            return None
+        return os.dup(fd) if (mine.st_dev, mine.st_ino) == (handed.st_dev, handed.st_ino) else None
 
     def _write_heartbeat(self) -> None:
         text = json.dumps({**self._info, "heartbeat": time.time()}).encode()
@@ -253,9 +280,12 @@ class RunLock:
         self._stop.set()
         if self._fd is not None:
             try:
-                os.ftruncate(self._fd, 0)
+                if os.environ.get(LOCK_FD_ENV) == str(self._fd):
+                    del os.environ[LOCK_FD_ENV]
+                if not self._adopted:  # an adopted lock is its launcher's to let go
+                    os.ftruncate(self._fd, 0)
             finally:
-                os.close(self._fd)  # closing drops the flock
+                os.close(self._fd)  # closing the last descriptor of the file drops the flock
             self._fd = None
 
     def holder(self) -> dict[str, Any] | None:
@@ -281,6 +311,12 @@ class RunLock:
             return None
         same_host_with_flock = info.get("flock") and info.get("host") == socket.gethostname() and flock_free
         return info if _fresh(info) and not same_host_with_flock else None
+
+
+def handed_fds() -> tuple[int, ...]:
+    """The run lock's descriptor that a launcher hands down to the ranks it starts as processes (Popen's pass_fds)."""
+    fd = os.environ.get(LOCK_FD_ENV, "")
+    return (int(fd),) if fd.isdigit() else ()
 
 
 def _read_info(fd: int) -> dict[str, Any]:

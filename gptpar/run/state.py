@@ -133,11 +133,13 @@ def _diverged(log: RankLog) -> bool:
     return isinstance(loss, float) and not math.isfinite(loss)
 
 
-def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None, now: float) -> tuple[str, str]:
-    """(state, detail) of a run that is not corrupt; `scheduler` is one of SCHEDULER_STATES or None."""
+def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None, now: float,
+                 held: bool = False) -> tuple[str, str]:
+    """(state, detail) of a run that is not corrupt; `scheduler` is one of SCHEDULER_STATES or None; `held`: the
+    caller holds the run's lock (a start claiming it), so the records decide."""
     if scheduler == "pending":
         return "pending", getattr(scheduler, "why", "") or "queued"
-    holder = folder.holder()
+    holder = None if held else folder.holder()
     if holder is not None or scheduler == "running":
         where = f"host {holder.get('host')} pid {holder.get('pid')}" if holder else "the scheduler says so"
         return "running", f"running ({where})"
@@ -203,8 +205,8 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
 
 
 def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: str | None = None,
-             now: float | None = None) -> RunLog:
-    """Read one run; a corrupt log makes the run "corrupt" instead of failing the caller."""
+             now: float | None = None, held: bool = False) -> RunLog:
+    """Read one run; a corrupt log makes the run "corrupt" instead of failing the caller. `held`: see decide_state."""
     now = time.time() if now is None else now
     sweep = ""
     if runs_dir is not None:
@@ -225,7 +227,7 @@ def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: s
         world = int(started[0].header["world_size"])
         if len(ranks) < world:
             warnings.append(f"{folder.path}: {len(ranks)} rank file(s) for world_size {world}")
-    state, detail = decide_state(folder, ranks, scheduler, now)
+    state, detail = decide_state(folder, ranks, scheduler, now, held)
     return RunLog(folder, sweep, config, started, state, detail, warnings, mixed_configs(started))
 
 
