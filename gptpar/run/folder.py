@@ -86,6 +86,14 @@ class RunFolder:
         """Write config.yaml atomically; whether a start may change it is gptpar.run.resume's to decide."""
         atomic_write_text(self.config_path, to_yaml(cfg))
 
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path / CHECKPOINT_DIR
+
+    def has_checkpoint(self) -> bool:
+        """A checkpoint to resume from: `checkpoint`, or `checkpoint.old` where a save was killed between renames."""
+        return self.checkpoint_path.exists() or self.path.joinpath(CHECKPOINT_DIR + OLD_SUFFIX).exists()
+
     def holds_run(self) -> bool:
         """Whether a run has started here: rank logs, a checkpoint or job/ (config.yaml alone is only planned)."""
         return bool(self.rank_logs()) or self.job_dir.is_dir() or any(self.path.glob(f"{CHECKPOINT_DIR}*"))

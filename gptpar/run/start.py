@@ -15,7 +15,7 @@ from gptpar.errors import GptparError
 from gptpar.run.folder import LOCK_FILE, RunFolder, in_use, run_folder
 from gptpar.run.names import derived_run_id, replaced_name
 from gptpar.run.resume import check_start
-from gptpar.run.state import LIVE_JOB_STATES
+from gptpar.run.state import LIVE_JOB_STATES, check_checkpoint, read_run
 
 START_OVER = "pass --start-over to set the old folder aside and start over"  # how a refused folder starts over
 JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
@@ -57,6 +57,8 @@ def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_s
             make_folder(folder.path)
             held.enter_context(folder.hold(hand_down=stack is not None))
             lock.release()
+        if folder.rank_logs():
+            check_checkpoint(read_run(folder, held=True), again)
         check_start(folder, cfg, again=again)
         if stack is not None:
             stack.enter_context(held.pop_all())
