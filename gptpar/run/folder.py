@@ -249,8 +249,6 @@ class RunLock:
             os.close(fd)
             raise GptparError(in_use(self.path.parent, info))
         self._fd = fd
-        if self._adopted:  # the launcher's record and heartbeat go on standing for the run (its pid takes a cancel)
-            return
         self._info = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id, "flock": flocked}
         self._write_heartbeat()
         self._beat = threading.Thread(target=self._heartbeat, name="gptpar-run-lock", daemon=True)
@@ -258,7 +256,8 @@ class RunLock:
 
     def hand_down(self) -> None:
         """Let the ranks this process starts (in it, or as children given `handed_fds`) take this lock over: its
-        descriptor, named by LOCK_FD_ENV, shares the flock, which lasts while any of them keeps it open."""
+        descriptor, named by LOCK_FD_ENV, shares the flock, which lasts while any of them keeps it open. The rank
+        that adopts it records itself (the holder a refusal names and `gptpar cancel` interrupts) and beats on."""
         os.set_inheritable(self._fd, True)
         os.environ[LOCK_FD_ENV] = str(self._fd)
 
@@ -280,7 +279,8 @@ class RunLock:
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self._write_heartbeat()
+                if _read_info(self._fd).get("pid", os.getpid()) == os.getpid():  # else a rank took it over
+                    self._write_heartbeat()
             except OSError:
                 return
 
