@@ -233,6 +233,7 @@ class RunLock:
         self._beat: threading.Thread | None = None
         self._info: dict[str, Any] = {}
         self._adopted = False
+        self._launcher: dict[str, Any] = {}  # an adopted lock's record before it was adopted
 
     def acquire(self, job_id: str = "", adopt: bool = False) -> None:
         """Take the lock, or refuse naming its holder; `adopt`: take over the one a launcher handed down, if any."""
@@ -249,6 +250,7 @@ class RunLock:
             os.close(fd)
             raise GptparError(in_use(self.path.parent, info))
         self._fd = fd
+        self._launcher = info if self._adopted else {}
         self._info = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id, "flock": flocked}
         self._write_heartbeat()
         self._beat = threading.Thread(target=self._heartbeat, name="gptpar-run-lock", daemon=True)
@@ -290,7 +292,10 @@ class RunLock:
             try:
                 if os.environ.get(LOCK_FD_ENV) == str(self._fd):
                     del os.environ[LOCK_FD_ENV]
-                if not self._adopted:  # an adopted lock is its launcher's to let go
+                if self._adopted:  # the lock is its launcher's again, to let go: its record goes back
+                    self._info = self._launcher
+                    self._write_heartbeat()
+                else:
                     os.ftruncate(self._fd, 0)
             finally:
                 os.close(self._fd)  # closing the last descriptor of the file drops the flock
