@@ -292,10 +292,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from gptpar.run.folder import EXPORT_FILE
     from gptpar.train.checkpoint import export_checkpoint
 
     run = _run_path(args)
-    out = Path(args.out or run / "checkpoint.pt")
+    out = Path(args.out or run / EXPORT_FILE)
     print(f"wrote {export_checkpoint(run, out)}")
     return 0
 

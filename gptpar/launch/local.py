@@ -27,6 +27,7 @@ from gptpar.launch.plan import Point, rank_command
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.slurm import clean_env
 from gptpar.parallel.env import LAUNCHER_MARKER, LAUNCHER_PID, free_port
+from gptpar.run.folder import handed_fds
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors get this long to be logged
@@ -50,7 +51,8 @@ def rank_env(rank: int, world: int, port: int, base: dict[str, str]) -> dict[str
 
 
 def run_ranks(point: Point, world: int) -> int:
-    """Run `world` ranks of `point` here and wait; 0 when every rank exited cleanly."""
+    """Run `world` ranks of `point` here and wait; 0 when every rank exited cleanly. Rank 0, which claims the run
+    folder, gets the run lock's descriptor that this launcher holds (gptpar.run.folder.RunLock.hand_down)."""
     job_dir = point.folder.job_dir
     job_dir.mkdir(parents=True, exist_ok=True)
     port, command = free_port(), rank_command(point.cfg)
@@ -60,7 +62,7 @@ def run_ranks(point: Point, world: int) -> int:
         with open(job_dir / f"rank{rank}.err", "ab") as err:
             procs.append(subprocess.Popen(command, cwd=point.folder.path, stdout=out, stderr=err,
                                           env=rank_env(rank, world, port, dict(os.environ)),
-                                          start_new_session=True))
+                                          start_new_session=True, pass_fds=handed_fds() if rank == 0 else ()))
         if out is not None:
             out.close()
     forward = _Forwarder(procs)

@@ -9,6 +9,7 @@ all come through `plan_run`; the ranks then only check it against what the launc
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,11 +114,13 @@ def absolute_paths(cfg: Config) -> dict[str, str]:
 
 
 def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None = None, run_id: str = "",
-             write: bool = True, start_over: bool = False, job_state: JobState | None = None) -> Point:
+             write: bool = True, start_over: bool = False, job_state: JobState | None = None,
+             stack: contextlib.ExitStack | None = None) -> Point:
     """Resolve the submit side: job kind, absolute runs folder, run id (explicit, or derived once
     by gptpar.run.start.named_run), concrete tokenizer; then write config.yaml (unless `write` is False,
     as for --dry-run). A folder that is live or holds a different config is refused; `start_over` sets a
-    folder that is not live aside first (see gptpar.run.start.write_folder)."""
+    folder that is not live aside first; with `stack`, the run's lock stays held until it closes (see
+    gptpar.run.start.write_folder)."""
     if kind is not None:
         cfg = shaped(cfg, kind)
     check_expert_grid(cfg)
@@ -130,15 +133,15 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
         require_hub_data(cfg.data)
     cfg = updated(cfg, {"data.tokenizer": resolve_tokenizer_choice(data_config(cfg))})
     if write:
-        write_run_folder(folder, cfg, start_over, job_state)
+        write_run_folder(folder, cfg, start_over, job_state, stack=stack)
     return Point(cfg, folder)
 
 
 def write_run_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
-                     again: str = START_OVER) -> None:
+                     again: str = START_OVER, stack: contextlib.ExitStack | None = None) -> None:
     """The submit side's run folder: gptpar.run.start.write_folder, then the run's plan.json (its prediction,
     before any rank starts) where report.plan_calibration asks for one."""
-    write_folder(folder, cfg, start_over, job_state, again)
+    write_folder(folder, cfg, start_over, job_state, again, stack)
     if cfg.report.plan_calibration:
         write_plan(folder.path, cfg)
 

@@ -4,6 +4,7 @@ submitter does, then trains in this process or starts its ranks as local process
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from gptpar.config import Config
@@ -26,21 +27,25 @@ def users_own_command(layout: Layout) -> bool:
 def train_here_or_start_ranks(cfg: Config, layout: Layout, start_over: bool, train_here: TrainHere) -> int:
     """One rank of a launched job trains here. The user's own command is the submitter: it plans the run
     (--start-over sets an existing folder aside first), then trains in this process (one rank) or, asked for
-    several ranks, starts them on this node and waits for them."""
+    several ranks, starts them on this node and waits for them. It holds the run's lock from planning to the ranks'
+    end (they take it over), so a start-over meanwhile is refused before the ranks exist."""
     one_task_step = users_own_command(layout) and layout.launcher == "slurm" and world_size(cfg) > 1
     if layout.launcher != "single" and not one_task_step:
         return train_here(cfg)
-    point = plan_run(cfg, start_over=start_over, job_state=scheduler_state)
-    ranks = world_size(point.cfg)
+    with contextlib.ExitStack() as stack:  # held until the ranks have ended, then the run's state is read
+        point = plan_run(cfg, start_over=start_over, job_state=scheduler_state, stack=stack)
+        ranks = world_size(point.cfg)
+        if ranks == 1:
+            if cfg.log.progress != "none":
+                print(f"gptpar: training in this process: {point.folder.path}", flush=True)
+            code = train_here(point.cfg)
+        else:
+            print(f"gptpar: {ranks} ranks as local processes on this machine: {point.folder.path}", flush=True)
+            local.run_ranks(point, ranks)
     if ranks == 1:
-        if cfg.log.progress != "none":
-            print(f"gptpar: training in this process: {point.folder.path}", flush=True)
-        code = train_here(point.cfg)
         if code == 0 and cfg.log.progress != "none":
             print(completion(point.folder)[1], flush=True)
         return code
-    print(f"gptpar: {ranks} ranks as local processes on this machine: {point.folder.path}", flush=True)
-    local.run_ranks(point, ranks)
     state, line = completion(point.folder)
     print(line, flush=True)
     return 0 if state in ("completed", "diverged", "pending") else 1

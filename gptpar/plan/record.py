@@ -10,8 +10,8 @@ from typing import Any
 
 from gptpar.atomic import atomic_write_text
 from gptpar.config import Config
+from gptpar.run.folder import PLAN_FILE
 
-PLAN_FILE = "plan.json"
 SHIPPED = "shipped"  # report.plan_calibration's word for the shipped calibration of the job's device
 
 

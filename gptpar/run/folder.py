@@ -24,13 +24,22 @@ import yaml
 from gptpar.atomic import atomic_write_text
 from gptpar.config import Config, to_yaml
 from gptpar.errors import GptparError
-from gptpar.run.logfile import RANK_FILE, RANK_GLOB, rank_log_path, rank_of
+from gptpar.run.logfile import RANK_ENTRY, RANK_FILE, RANK_GLOB, rank_log_path, rank_of
 from gptpar.run.names import check_run_id
 
 CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoint"  # gptpar.train.checkpoint writes it (and checkpoint.tmp, checkpoint.old on the way)
+TMP_SUFFIX, OLD_SUFFIX = ".tmp", ".old"
+EXPORT_FILE = "checkpoint.pt"  # `gptpar checkpoint export`'s default output, beside the checkpoint (no run reads it)
 LOCK_FILE = ".lock"
+PLAN_FILE = "plan.json"  # gptpar.plan.record: the run's prediction
+TB_FOLDER, WANDB_FOLDER = "tb", "wandb"  # gptpar.run.sinks' mirrors
+# The names a run folder gives meaning to, besides its rank logs: a file written over one of them (or into one) loses
+# the run's config, checkpoint or records.
+RUN_ENTRIES = frozenset({CONFIG_FILE, LOCK_FILE, PLAN_FILE, CHECKPOINT_DIR, CHECKPOINT_DIR + TMP_SUFFIX,
+                         CHECKPOINT_DIR + OLD_SUFFIX, "job", "trace", TB_FOLDER, WANDB_FOLDER})
 CANCEL_FILE = "cancelled.json"  # in job/: written by `gptpar cancel`
+LOCK_FD_ENV = "GPTPAR_RUN_LOCK_FD"  # the descriptor of the run lock a launcher holds for the ranks it starts
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
 
@@ -77,6 +86,14 @@ class RunFolder:
         """Write config.yaml atomically; whether a start may change it is gptpar.run.resume's to decide."""
         atomic_write_text(self.config_path, to_yaml(cfg))
 
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path / CHECKPOINT_DIR
+
+    def has_checkpoint(self) -> bool:
+        """A checkpoint to resume from: `checkpoint`, or `checkpoint.old` where a save was killed between renames."""
+        return self.checkpoint_path.exists() or self.path.joinpath(CHECKPOINT_DIR + OLD_SUFFIX).exists()
+
     def holds_run(self) -> bool:
         """Whether a run has started here: rank logs, a checkpoint or job/ (config.yaml alone is only planned)."""
         return bool(self.rank_logs()) or self.job_dir.is_dir() or any(self.path.glob(f"{CHECKPOINT_DIR}*"))
@@ -115,12 +132,16 @@ class RunFolder:
         return sorted(p for p in self.job_dir.glob("*.err") if p.is_file())
 
     @contextmanager
-    def hold(self, job_id: str = "") -> Iterator[None]:
-        """Hold the folder for the life of this process: a second run into it is refused, naming us."""
+    def hold(self, job_id: str = "", hand_down: bool = False, adopt: bool = False) -> Iterator[RunLock]:
+        """Hold the folder until the block ends: a second run into it is refused, naming us. `hand_down`: a launcher's
+        hold, passed on to the ranks it starts (LOCK_FD_ENV); `adopt`: a rank's hold, taking over its launcher's where
+        it was handed down, so that the run is held from its launcher's start, not only from its ranks'."""
         lock = RunLock(self.path / LOCK_FILE)
-        lock.acquire(job_id)
+        lock.acquire(job_id, adopt)
         try:
-            yield
+            if hand_down:
+                lock.hand_down()
+            yield lock
         finally:
             lock.release()
 
@@ -181,6 +202,19 @@ def holds_run(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() or any(RANK_FILE.fullmatch(p.name) for p in path.glob(RANK_GLOB))
 
 
+def run_entry(path: str | Path) -> Path | None:
+    """The run folder entry (RUN_ENTRIES, a rank log or its torn tail) that `path` is or lies inside, symlinks
+    resolved, in whichever run folder holds it; None for a path no run reads. What a command that writes a file of
+    the user's choosing checks first, so that it never writes over a run."""
+    target = Path(path).resolve()
+    for folder in target.parents:
+        if holds_run(folder) or RunFolder(folder).holds_run():
+            entry = folder / target.relative_to(folder).parts[0]
+            if entry.name in RUN_ENTRIES or RANK_ENTRY.fullmatch(entry.name):
+                return entry
+    return None
+
+
 def find_runs(runs_dir: str | Path) -> list[RunFolder]:
     """Every run folder (see holds_run) under runs_dir, at any depth."""
     root = Path(runs_dir)
@@ -198,10 +232,15 @@ class RunLock:
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
         self._info: dict[str, Any] = {}
+        self._adopted = False
+        self._launcher: dict[str, Any] = {}  # an adopted lock's record before it was adopted
 
-    def acquire(self, job_id: str = "") -> None:
+    def acquire(self, job_id: str = "", adopt: bool = False) -> None:
+        """Take the lock, or refuse naming its holder; `adopt`: take over the one a launcher handed down, if any."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._adopted = adopt and (fd := self._handed_down()) is not None
+        if not self._adopted:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         flocked = _try_flock(fd)
         info = _read_info(fd)
         # A fresh heartbeat counts where flock cannot tell: no flock here, or the holder is on another node
@@ -211,10 +250,28 @@ class RunLock:
             os.close(fd)
             raise GptparError(in_use(self.path.parent, info))
         self._fd = fd
+        self._launcher = info if self._adopted else {}
         self._info = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": job_id, "flock": flocked}
         self._write_heartbeat()
         self._beat = threading.Thread(target=self._heartbeat, name="gptpar-run-lock", daemon=True)
         self._beat.start()
+
+    def hand_down(self) -> None:
+        """Let the ranks this process starts (in it, or as children given `handed_fds`) take this lock over: its
+        descriptor, named by LOCK_FD_ENV, shares the flock, which lasts while any of them keeps it open. The rank
+        that adopts it records itself (the holder a refusal names and `gptpar cancel` interrupts) and beats on."""
+        os.set_inheritable(self._fd, True)
+        os.environ[LOCK_FD_ENV] = str(self._fd)
+
+    def _handed_down(self) -> int | None:
+        """A copy of the descriptor of this lock's file that a launcher handed down, or None: LOCK_FD_ENV unset, or
+        naming a descriptor that is not this file's (another run's, or none: the variable outlived its launcher)."""
+        try:
+            fd = int(os.environ[LOCK_FD_ENV])
+            mine, handed = os.stat(self.path), os.fstat(fd)
+        except (KeyError, ValueError, OSError):
+            return None
+        return os.dup(fd) if (mine.st_dev, mine.st_ino) == (handed.st_dev, handed.st_ino) else None
 
     def _write_heartbeat(self) -> None:
         text = json.dumps({**self._info, "heartbeat": time.time()}).encode()
@@ -224,7 +281,8 @@ class RunLock:
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self._write_heartbeat()
+                if _read_info(self._fd).get("pid", os.getpid()) == os.getpid():  # else a rank took it over
+                    self._write_heartbeat()
             except OSError:
                 return
 
@@ -232,9 +290,15 @@ class RunLock:
         self._stop.set()
         if self._fd is not None:
             try:
-                os.ftruncate(self._fd, 0)
+                if os.environ.get(LOCK_FD_ENV) == str(self._fd):
+                    del os.environ[LOCK_FD_ENV]
+                if self._adopted:  # the lock is its launcher's again, to let go: its record goes back
+                    self._info = self._launcher
+                    self._write_heartbeat()
+                else:
+                    os.ftruncate(self._fd, 0)
             finally:
-                os.close(self._fd)  # closing drops the flock
+                os.close(self._fd)  # closing the last descriptor of the file drops the flock
             self._fd = None
 
     def holder(self) -> dict[str, Any] | None:
@@ -260,6 +324,12 @@ class RunLock:
             return None
         same_host_with_flock = info.get("flock") and info.get("host") == socket.gethostname() and flock_free
         return info if _fresh(info) and not same_host_with_flock else None
+
+
+def handed_fds() -> tuple[int, ...]:
+    """The run lock's descriptor that a launcher hands down to the ranks it starts as processes (Popen's pass_fds)."""
+    fd = os.environ.get(LOCK_FD_ENV, "")
+    return (int(fd),) if fd.isdigit() else ()
 
 
 def _read_info(fd: int) -> dict[str, Any]:

@@ -37,6 +37,8 @@ NON_FINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 MAY_DIVERGE = tuple(dict.fromkeys(f.name for cls in RECORDS.values() for f in fields(cls)
                                   if f.metadata["may_diverge"]))
 RANK_GLOB, RANK_FILE = "rank*.jsonl", re.compile(r"rank(\d+)\.jsonl")
+TORN_SUFFIX = ".torn"  # rank<R>.jsonl.torn: torn last lines a resumed writer set aside (RankLogger)
+RANK_ENTRY = re.compile(RANK_FILE.pattern + f"(?:{re.escape(TORN_SUFFIX)})?")  # a rank log or its torn lines
 # The step fields the analysis reads; the hot path checks only these (the writer validated the rest).
 STEP_FIELDS = operator.itemgetter(*names(StepRecord, "time", "step", "epoch", "loss", "tokens", "step_time_s",
                                          "tokens_per_s"))
@@ -78,7 +80,8 @@ class RankLogger:
     """Appends validated records to `rank<R>.jsonl`, flushing and fsync-ing each one.
 
     A record that cannot be written (a full disk) is cut back out of the file, so no partial line is
-    left for later records to follow, and raises a one-line GptparError naming the file.
+    left for later records to follow, and raises a one-line GptparError naming the file. A torn last line that
+    a killed writer left is set aside first (`torn` says so), so that the next record starts a line of its own.
     A mirror (gptpar.run.sinks) gets each record once it is on disk and is closed with the log."""
 
     def __init__(self, run_dir: str | Path, rank: int):
@@ -86,6 +89,7 @@ class RankLogger:
         self.mirror: Mirror | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.torn = set_aside_torn_line(self.path)
             self._file = open(self.path, "ab", buffering=0)  # unbuffered: each record is one os.write
         except OSError as exc:
             raise write_error(self.path, exc) from exc
@@ -121,6 +125,43 @@ class RankLogger:
             self._file.close()
         if self.mirror is not None:
             self.mirror.close()
+
+
+def set_aside_torn_line(path: Path) -> str:
+    """Move the bytes after the last newline of a log (a line a killed writer tore) to the end of `path`.torn, then
+    cut them from the log: a record appended after them would be glued onto them, and the reader would find the whole
+    run corrupt. Nothing is lost. Returns the one line that says so, or "" for a whole log (or none yet)."""
+    try:
+        log = open(path, "r+b", buffering=0)
+    except FileNotFoundError:
+        return ""
+    with log:
+        fd = log.fileno()
+        end = os.lseek(fd, 0, os.SEEK_END)
+        start = _after_last_newline(fd, end)
+        if start == end:
+            return ""
+        torn = path.with_name(path.name + TORN_SUFFIX)
+        with open(torn, "ab") as aside:
+            aside.write(os.pread(fd, end - start, start) + b"\n")
+            aside.flush()
+            os.fsync(aside.fileno())
+        os.ftruncate(fd, start)
+        os.fsync(fd)
+    return (f"gptpar: {path} ended in a torn line ({end - start} bytes, what a killed writer leaves); set it aside "
+            f"in {torn.name} and resumed the log after its last whole record")
+
+
+def _after_last_newline(fd: int, end: int) -> int:
+    """The offset just past the last newline before `end` (0 when there is none), read backwards in chunks."""
+    pos = end
+    while pos > 0:
+        size = min(pos, 1 << 16)
+        chunk = os.pread(fd, size, pos - size)
+        if (i := chunk.rfind(b"\n")) >= 0:
+            return pos - size + i + 1
+        pos -= size
+    return 0
 
 
 class CorruptLog(Exception):

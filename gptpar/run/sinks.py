@@ -36,10 +36,10 @@ from typing import Any, Protocol
 
 from gptpar.config import LogConfig
 from gptpar.errors import require_extra
+from gptpar.run.folder import TB_FOLDER
 from gptpar.run.logfile import Mirror
 from gptpar.run.records import EpochRecord, StepRecord, names
 
-TB_FOLDER = "tb"
 THROUGHPUT_TAG = "throughput/tokens_per_s"
 # The fields each record kind mirrors, as `<prefix>/<field>`; None: every numeric field but the step and epoch, so an
 # evaluation metric a later gptpar logs (an epoch's BLEU, test BLEU, answer accuracy, ...) is mirrored without a change

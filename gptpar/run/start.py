@@ -5,16 +5,17 @@ submit side only names its run here too (gptpar.run.claim)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from gptpar.config import Config, Layer, nested, updated
 from gptpar.errors import GptparError
-from gptpar.run.folder import RunFolder, in_use, run_folder
+from gptpar.run.folder import LOCK_FILE, RunFolder, in_use, run_folder
 from gptpar.run.names import derived_run_id, replaced_name
 from gptpar.run.resume import check_start
-from gptpar.run.state import LIVE_JOB_STATES
+from gptpar.run.state import LIVE_JOB_STATES, check_checkpoint, read_run
 
 START_OVER = "pass --start-over to set the old folder aside and start over"  # how a refused folder starts over
 JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
@@ -39,17 +40,28 @@ def location_layer(config_file: str | Path) -> list[Layer]:
 
 
 def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
-                 again: str = START_OVER) -> None:
+                 again: str = START_OVER, stack: contextlib.ExitStack | None = None) -> None:
     """Make a run's folder and write its config.yaml. A live folder is refused naming its holder; a folder whose
     run has another config is refused with what changed (gptpar.run.resume; `again` says how to start over),
-    unless `start_over`, which first moves any existing folder aside (set_aside)."""
+    unless `start_over`, which first moves any existing folder aside (set_aside). The check, the move and the write
+    are one step under the run's lock; with `stack` (a launcher that starts the ranks) the lock stays held, and is
+    handed down to the ranks, until the stack closes: the run is live from here, before its ranks exist."""
     holder = folder.holder()
     if holder is not None:
         raise GptparError(in_use(folder.path, holder))
-    if start_over and folder.path.is_dir() and any(folder.path.iterdir()):
-        set_aside(folder, job_state)
-    make_folder(folder.path)
-    check_start(folder, cfg, again=again)
+    with contextlib.ExitStack() as held:
+        make_folder(folder.path)
+        lock = held.enter_context(folder.hold(hand_down=stack is not None))
+        if start_over and any(p.name != LOCK_FILE for p in folder.path.iterdir()):
+            _move_aside(folder, job_state)  # the lock moves with it: held until the new folder's is
+            make_folder(folder.path)
+            held.enter_context(folder.hold(hand_down=stack is not None))
+            lock.release()
+        if folder.rank_logs():
+            check_checkpoint(read_run(folder, held=True), again)
+        check_start(folder, cfg, again=again)
+        if stack is not None:
+            stack.enter_context(held.pop_all())
 
 
 def make_folder(path: Path) -> None:
@@ -66,6 +78,12 @@ def set_aside(folder: RunFolder, job_state: JobState | None = None) -> Path:
     """Start a run folder over: move it to `<folder>.replaced-<time>` (never deleted: an edit made by
     mistake can be undone by renaming it back, and a rename cannot be cut off half-way). A folder
     whose run is live (its lock is held) or whose job is pending or running is refused."""
+    with folder.hold():  # refuses a live folder, naming its holder; the lock moves with the folder
+        return _move_aside(folder, job_state)
+
+
+def _move_aside(folder: RunFolder, job_state: JobState | None) -> Path:
+    """set_aside's move, under the folder's lock held by the caller."""
     state = job_state(folder) if job_state is not None else None
     if state in LIVE_JOB_STATES:
         job = folder.read_job_record().get("job_id", "?")
@@ -76,10 +94,9 @@ def set_aside(folder: RunFolder, job_state: JobState | None = None) -> Path:
         if not target.exists():
             break
         target = folder.path.with_name(f"{replaced_name(folder.name)}.{n}")
-    with folder.hold():  # refuses a live folder, naming its holder; the lock moves with the folder
-        try:
-            os.rename(folder.path, target)
-        except OSError as exc:
-            raise GptparError(f"cannot set run folder {folder.path} aside as {target.name}: "
-                              f"{exc.strerror or exc}") from None
+    try:
+        os.rename(folder.path, target)
+    except OSError as exc:
+        raise GptparError(f"cannot set run folder {folder.path} aside as {target.name}: "
+                          f"{exc.strerror or exc}") from None
     return target

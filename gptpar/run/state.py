@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.resume import mixed_configs
@@ -133,11 +134,13 @@ def _diverged(log: RankLog) -> bool:
     return isinstance(loss, float) and not math.isfinite(loss)
 
 
-def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None, now: float) -> tuple[str, str]:
-    """(state, detail) of a run that is not corrupt; `scheduler` is one of SCHEDULER_STATES or None."""
+def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None, now: float,
+                 held: bool = False) -> tuple[str, str]:
+    """(state, detail) of a run that is not corrupt; `scheduler` is one of SCHEDULER_STATES or None; `held`: the
+    caller holds the run's lock (a start claiming it), so the records decide."""
     if scheduler == "pending":
         return "pending", getattr(scheduler, "why", "") or "queued"
-    holder = folder.holder()
+    holder = None if held else folder.holder()
     if holder is not None or scheduler == "running":
         where = f"host {holder.get('host')} pid {holder.get('pid')}" if holder else "the scheduler says so"
         return "running", f"running ({where})"
@@ -203,8 +206,8 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
 
 
 def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: str | None = None,
-             now: float | None = None) -> RunLog:
-    """Read one run; a corrupt log makes the run "corrupt" instead of failing the caller."""
+             now: float | None = None, held: bool = False) -> RunLog:
+    """Read one run; a corrupt log makes the run "corrupt" instead of failing the caller. `held`: see decide_state."""
     now = time.time() if now is None else now
     sweep = ""
     if runs_dir is not None:
@@ -225,8 +228,26 @@ def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: s
         world = int(started[0].header["world_size"])
         if len(ranks) < world:
             warnings.append(f"{folder.path}: {len(ranks)} rank file(s) for world_size {world}")
-    state, detail = decide_state(folder, ranks, scheduler, now)
+    state, detail = decide_state(folder, ranks, scheduler, now, held)
     return RunLog(folder, sweep, config, started, state, detail, warnings, mixed_configs(started))
+
+
+def check_checkpoint(run: RunLog, again: str) -> None:
+    """Refuse to resume a run whose checkpoint is gone (deleted, or lost with a copy) although its log says one was
+    saved: a start would silently train from step 0 again. `again` says how to start over instead."""
+    saved = saved_step(run)
+    if saved and run.state not in FINISHED and not run.folder.has_checkpoint():
+        raise GptparError(f"run folder {run.folder.path} cannot resume: its log says a checkpoint was saved at step "
+                          f"{saved}, but {run.folder.checkpoint_path} is missing, so a start would train from step 0 "
+                          f"again; put the checkpoint back, or {again}")
+
+
+def saved_step(run: RunLog) -> int:
+    """The latest step at which the log shows a checkpoint saved (0: none): a start that stopped or requeued saved one
+    at its last step, and a step logged past a multiple of train.checkpoint_every shows that multiple's save done."""
+    every = int((run.config.get("train") or {}).get("checkpoint_every") or 0)
+    halted = [log.final["step"] for log in run.ranks if log.final and log.final["status"] in ("stopped", "requeued")]
+    return max([*halted, (last_step(run) - 1) // every * every if every else 0, 0])
 
 
 def replica_indices(ranks: list[RankLog]) -> list[int]:

@@ -42,13 +42,12 @@ from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
 from gptpar.parallel.pipeline.names import plain_state
 from gptpar.paths import check_path
-from gptpar.run.folder import CHECKPOINT_DIR, CONFIG_FILE
+from gptpar.run.folder import CHECKPOINT_DIR, CONFIG_FILE, EXPORT_FILE, OLD_SUFFIX, TMP_SUFFIX, run_entry
 from gptpar.train.checkpoint_reader import CheckedLoadPlanner, CheckedReader, CheckedWholeLoadPlanner
 
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
 # hold different parameters, and a group's index would name different parameters on each stage's rank.
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-TMP_SUFFIX, OLD_SUFFIX = ".tmp", ".old"
 METADATA_FILE = ".metadata"  # DCP's index of the checkpoint, written last by the coordinator rank
 
 
@@ -215,6 +214,9 @@ def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
     if path is None:
         raise GptparError(f"{run_dir} has no checkpoint to export ({checkpoint_dir(run_dir)} does not exist)")
     out = check_path(out, "file", "--out", "name a file to write", must_exist=False)
+    if (entry := run_entry(out)) is not None:
+        raise GptparError(f"--out {str(out)!r} would write over {entry}, which run folder {entry.parent} keeps for its "
+                          f"run; write the export outside it, or as {Path(run_dir) / EXPORT_FILE} (the default)")
     _check_metadata(path)
     config = Path(run_dir) / CONFIG_FILE
     arch = ARCHITECTURES[load_config(config).model.shape().arch if config.is_file() else "gpt2"]

@@ -8,6 +8,7 @@ which names the run only for ranks started on a config file with no run id).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -57,6 +58,8 @@ def _from_rank_zero(answer: list[Any]) -> None:
 
 def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict[str, Any]:
     log = RankLogger(folder.path, dims.rank)
+    if log.torn:
+        print(log.torn, file=sys.stderr, flush=True)
     restart = segments(log.path)
     trainer, started = None, False
     try:

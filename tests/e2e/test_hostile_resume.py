@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,10 @@ from gptpar.cli import main as gptpar_main
 from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch.plan import plan_run
+from gptpar.parallel.env import Layout
+from gptpar.run.claim import claim_run_folder
 from gptpar.run.folder import RunFolder
-from gptpar.run.logfile import CorruptLog, read_rank_log
+from gptpar.run.logfile import CorruptLog, RankLogger, read_rank_log
 from gptpar.run.state import read_run
 from gptpar.user_defaults import resolve_config
 
@@ -41,6 +44,11 @@ START_OVER = "pass --start-over to set the old folder aside and start over"
 # checkpoints and profiles, where its data is cached, how long a rank waits for a dead peer.
 RESUMABLE = ("data.dir, data.hub_timeout_s, train.eval_every, train.checkpoint_every, train.profile_steps, "
              "train.dump_grads, parallel.timeout_s, launch.* (not gpus, nodes, repeat), log.*, report.*")
+RANK0 = Layout("single", 0, 1, 0, 1, "127.0.0.1", 0)  # a run's one rank, started on its config file
+
+
+def share(answer: list) -> None:
+    """A one-rank group's broadcast: rank 0's answer is already everyone's."""
 
 
 def _env(data_dir: Path) -> dict[str, str]:
@@ -145,10 +153,12 @@ def test_a_rank_started_on_the_edited_file_refuses_it_too(stopped, tmp_path):
 
 
 def trained(tmp_path: Path, *overrides: str) -> RunFolder:
-    """A planned run that has started once: config.yaml, and a header recording the config its ranks ran."""
+    """A planned run that has started once: config.yaml, a header recording the config its ranks ran, and the
+    checkpoint it stopped with (an empty folder standing for it: nothing here loads it)."""
     cfg = plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes",
                                       *overrides])).cfg
     Rank(tmp_path / "r", 0, cfg.to_dict()).header(schema_version=2).final("stopped", step=3)
+    (tmp_path / "r" / "checkpoint").mkdir()
     return RunFolder(tmp_path / "r")
 
 
@@ -236,3 +246,100 @@ def test_a_log_of_a_newer_schema_is_refused_in_one_line(tmp_path, capsys):
     assert "corrupt  r" in capsys.readouterr().out
     result = report(tmp_path, tmp_path / "figures", include_incomplete=True)
     assert result.shown == [] and f"run r is corrupt and left out: {why}" in capsys.readouterr().err
+
+
+# --- Issue 46 point 3: a torn last line, once resumed, never hides the run ------------------------------------------
+
+TORN = b'{"kind":"step","step":7,"los'  # what a writer killed in the middle of a record leaves
+
+
+def torn_line_message(log: Path) -> str:
+    return (f"gptpar: {log} ended in a torn line ({len(TORN)} bytes, what a killed writer leaves); set it aside in "
+            f"{log.name}.torn and resumed the log after its last whole record")
+
+
+def test_a_torn_last_line_is_set_aside_when_the_log_resumes(tmp_path, capsys):
+    folder = trained(tmp_path)
+    log = folder.rank_log(0)
+    whole = log.read_bytes()
+    log.write_bytes(whole + TORN)
+    resumed_log = Rank(folder.path, 0, folder.read_config())
+    assert resumed_log.logger.torn == torn_line_message(log)
+    resumed_log.header(restart=1, schema_version=2).step(4).final(step=4)
+    assert log.read_bytes().startswith(whole) and (folder.path / "rank0.jsonl.torn").read_bytes() == TORN + b"\n"
+    assert read_run(folder).state == "completed"
+    assert gptpar_main(["status", str(tmp_path)]) == 0 and "completed  r" in capsys.readouterr().out
+    assert gptpar_main(["logs", "r", "--runs-dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "state: completed"
+    assert [r.run for r in report(tmp_path, tmp_path / "figures", warmup_steps=0).shown] == ["r"]
+    assert RankLogger(folder.path, 0).torn == ""  # a whole log is left alone
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_record_resumes_and_completes(stopped, tmp_path, data_dir):
+    run = own_copy(stopped, tmp_path / "runs")
+    step = stop_step(run)
+    with open(run / "rank0.jsonl", "ab") as log:
+        log.write(TORN)
+    done = _gptpar(data_dir, "train", str(run / "config.yaml"))
+    assert done.returncode == 0, done.stderr
+    resumed(run, step)  # readable, and completed
+    assert torn_line_message(run / "rank0.jsonl") in done.stderr.splitlines()
+
+
+# --- Issue 46 point 5: a run whose checkpoint is gone is not retrained from step 0 without a word --------------------
+
+def lost(folder: RunFolder, again: str = START_OVER) -> str:
+    return (f"run folder {folder.path} cannot resume: its log says a checkpoint was saved at step 3, but "
+            f"{folder.path / 'checkpoint'} is missing, so a start would train from step 0 again; put the checkpoint "
+            f"back, or {again}")
+
+
+def test_a_stopped_run_whose_checkpoint_is_gone_is_refused_until_started_over(tmp_path):
+    folder = trained(tmp_path)
+    (folder.path / "checkpoint").rmdir()
+    before = folder.rank_log(0).read_bytes()
+    with pytest.raises(GptparError) as exc:  # `gptpar train`, submit or a sweep: the submit side
+        plan_run(load_config(folder.config_path))
+    assert one_line(str(exc.value)) == lost(folder)
+    with pytest.raises(GptparError) as exc, ExitStack() as stack:  # srun or torchrun on config.yaml: rank 0's claim
+        claim_run_folder(load_config(folder.config_path), load_config(folder.config_path), RANK0, share, stack)
+    assert one_line(str(exc.value)) == lost(folder, "move the old folder away to start over")
+    assert folder.rank_log(0).read_bytes() == before and folder.holder() is None
+    plan_run(load_config(folder.config_path), start_over=True)  # what the refusal offers
+    (aside,) = tmp_path.glob("r.replaced-*")
+    assert RunFolder(aside).rank_logs() and not folder.rank_logs()
+
+
+def test_a_failed_run_past_a_checkpoint_every_step_is_refused_too(tmp_path):
+    folder = trained(tmp_path, "train.checkpoint_every=2")
+    Rank(folder.path, 0, folder.read_config()).header(restart=1, schema_version=2).step(4).step(5).final("failed", 5)
+    (folder.path / "checkpoint").rmdir()
+    with pytest.raises(GptparError, match=r"its log says a checkpoint was saved at step 4, but .* is missing"):
+        plan_run(load_config(folder.config_path))
+
+
+def test_a_run_with_its_checkpoint_or_done_resumes_without_a_word(tmp_path):
+    folder = trained(tmp_path, "train.checkpoint_every=2")
+    shutil.move(folder.path / "checkpoint", folder.path / "checkpoint.old")  # a save killed between its renames
+    plan_run(load_config(folder.config_path))
+    shutil.rmtree(folder.path / "checkpoint.old")
+    Rank(folder.path, 0, folder.read_config()).header(restart=1, schema_version=2).step(4).step(5).final(step=5)
+    plan_run(load_config(folder.config_path))  # a completed run trains nothing: no checkpoint needed
+    with ExitStack() as stack:
+        assert claim_run_folder(load_config(folder.config_path), load_config(folder.config_path), RANK0, share,
+                                stack)[1] == "completed"
+
+
+@pytest.mark.slow
+def test_a_stopped_run_whose_checkpoint_was_deleted_is_refused_in_one_line(stopped, tmp_path, data_dir):
+    run = own_copy(stopped, tmp_path / "runs")
+    shutil.rmtree(run / "checkpoint")
+    before = (run / "rank0.jsonl").read_bytes()
+    done = _gptpar(data_dir, "train", str(run / "config.yaml"))
+    assert done.returncode == 2 and done.stdout == ""
+    assert one_line(done.stderr) == (
+        f"gptpar: error: run folder {run} cannot resume: its log says a checkpoint was saved at step "
+        f"{stop_step(run)}, but {run / 'checkpoint'} is missing, so a start would train from step 0 again; put the "
+        f"checkpoint back, or {START_OVER}")
+    assert (run / "rank0.jsonl").read_bytes() == before

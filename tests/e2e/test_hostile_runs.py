@@ -10,13 +10,16 @@ never run (a stand-in takes its place), and a job script is executed only to sho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -33,6 +36,8 @@ from gptpar.launch.plan import plan_run
 from gptpar.launch.profiles import PROFILE_DIR, load_profile, resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.sweep import build_points, expand, run_sweep
+from gptpar.parallel.env import Layout
+from gptpar.run.claim import claim_run_folder
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
 from gptpar.run.names import replaced
@@ -276,6 +281,46 @@ def test_train_start_over_sets_the_old_folder_aside(tmp_path, capsys, no_trainer
     with first.folder.hold("9"):  # a live folder is never set aside
         code, _, err = run_cli(["train", *common, "train.lr=0.2", "--start-over"], capsys)
     assert code == 2 and "is in use by host" in one_line(err) and len(no_trainer) == 1
+
+
+def test_start_over_never_moves_a_run_whose_ranks_are_starting(tmp_path, capsys, monkeypatch, no_trainer):
+    """Issue 46 point 4: from `gptpar train` planning a run to its rank 0 claiming the folder (seconds: torch's
+    import, the group's rendez-vous) the run holds only config.yaml, yet it is live. Its launcher holds the run's lock
+    from the planning on and rank 0 takes it over, so a start-over in another thread meanwhile, with another lr or the
+    same config, is refused and moves nothing; the race is made deterministic by trying it from inside the rank."""
+    common = [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"]
+    refusals: dict[str, str] = {}
+
+    def start_over(when: str, lr: str) -> None:
+        try:
+            plan_run(load_config(None, [*common, f"train.lr={lr}"]), start_over=True)
+        except GptparError as exc:
+            refusals[f"{when} {lr}"] = one_line(exc)
+
+    def starting_rank(cfg) -> dict:
+        for lr in ("0.1", "0.0006"):  # another config, and the same one
+            attempt(start_over, "starting", lr)
+        with contextlib.ExitStack() as stack:  # rank 0 claims the folder: it takes over its launcher's lock
+            claim_run_folder(cfg, cfg, Layout("single", 0, 1, 0, 1, "127.0.0.1", 0), lambda answer: None, stack)
+            attempt(start_over, "training", "0.1")
+        return {"status": "completed"}
+
+    monkeypatch.setattr(sys.modules["gptpar.train.entry"], "run_rank", starting_rank)
+    code, _, err = run_cli(["train", *common], capsys)
+    assert code == 0, err
+    folder = RunFolder(tmp_path / "r")
+    live = f"run folder {folder.path} is in use by host {socket.gethostname()} pid {os.getpid()}"
+    assert sorted(refusals) == ["starting 0.0006", "starting 0.1", "training 0.1"]
+    assert all(why.startswith(live) for why in refusals.values()), refusals
+    assert [p.name for p in tmp_path.iterdir()] == ["r"] and folder.read_config()["train"]["lr"] == 0.0006
+    assert folder.holder() is None  # let go once the ranks ended
+
+
+def attempt(action, *args) -> None:
+    """Run `action` in a thread of its own, as a second command would, and wait for it."""
+    thread = threading.Thread(target=action, args=args)
+    thread.start()
+    thread.join()
 
 
 def test_start_over_refuses_a_folder_whose_job_is_queued(tmp_path):

@@ -4,10 +4,12 @@ exactly the command the SLURM script runs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
+import socket
 import stat
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from gptpar.launch.local import LocalBackend
 from gptpar.launch.plan import plan_run, rank_command
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
-from gptpar.run.folder import RunFolder, run_folder
+from gptpar.run.folder import RunFolder, handed_fds, run_folder
 from gptpar.run.logfile import RankLogger, encode, read_rank_log
 from gptpar.run.names import check_run_id, derived_run_id, point_name, slug
 from gptpar.run.state import read_run
@@ -104,6 +106,25 @@ def test_a_live_folder_is_refused_naming_its_holder(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
         assert out.returncode != 0 and f"pid {os.getpid()} job 777" in out.stderr
     assert folder.holder() is None  # released with the context, and with the process
+
+
+@pytest.mark.slow
+def test_a_rank_process_takes_over_the_lock_its_launcher_handed_down(tmp_path: Path) -> None:
+    """Issue 46 point 4: `gptpar train` holds the run's lock from planning on and its local ranks take it over through
+    the inherited descriptor (launch/local.py passes it), so there is no moment when the run is not held."""
+    cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"])
+    with contextlib.ExitStack() as launcher:
+        folder = plan_run(cfg, stack=launcher).folder
+        code = ("from pathlib import Path\nfrom gptpar.run.folder import RunFolder\n"
+                f"with RunFolder(Path({str(folder.path)!r})).hold('5', adopt=True): print('held')")
+        rank = subprocess.run([sys.executable, "-c", code], pass_fds=handed_fds(), capture_output=True, text=True,
+                              cwd=REPO)
+        stranger = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+        assert (rank.returncode, rank.stdout) == (0, "held\n"), rank.stderr
+        assert stranger.returncode != 0 and f"is in use by host {socket.gethostname()} pid {os.getpid()}" in \
+            stranger.stderr  # without the descriptor, the launcher's lock refuses it
+        assert folder.holder() is not None  # the launcher's still, after its rank ended
+    assert folder.holder() is None
 
 
 @pytest.mark.slow

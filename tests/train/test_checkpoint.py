@@ -10,13 +10,17 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from gloo_pool import GlooPools
 from hostile_pickle import RunsCode
+from logsets import Rank, config
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from gptpar.cli import main
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
+from gptpar.run.folder import EXPORT_FILE
 from gptpar.train.checkpoint import (
     CHECKPOINT_DIR,
     checkpoint_dir,
@@ -173,6 +177,35 @@ def test_a_checkpoint_that_would_run_code_is_refused_in_one_line_and_runs_none(t
             export_checkpoint(tmp_path / "run", tmp_path / "whole.pt")
     assert not marker.exists()  # nothing the file names ran
     assert str(err.value) == f"{file}: {message}"
+
+
+@pytest.mark.parametrize("out, entry", [
+    ("r/checkpoint/__0_0.distcp", "r/checkpoint"),  # the checkpoint being read
+    ("r/rank0.jsonl", "r/rank0.jsonl"), ("r/config.yaml", "r/config.yaml"),  # the run would vanish from status
+    ("log-link", "r/rank0.jsonl"),  # a link is followed to what it names
+    ("r/checkpoint/../config.yaml", "r/config.yaml"),
+    ("other/config.yaml", "other/config.yaml"),  # another run's file
+    ("other/job/x.pt", "other/job"),
+])
+def test_export_never_writes_over_a_run_folders_files(tmp_path: Path, capsys: pytest.CaptureFixture, out: str,
+                                                      entry: str) -> None:
+    """Issue 46 point 2: `--out` naming a file a run folder keeps (or a path inside one) is one line, and every
+    file of the runs is left as it was; the default, RUN/checkpoint.pt beside the checkpoint, is still written."""
+    runs = tmp_path / "runs"
+    for name in ("r", "other"):
+        Rank(runs / name, 0, config()).header().step(1).final("stopped", step=1)
+        (runs / name / "config.yaml").write_text(yaml.safe_dump(config()))
+    save_checkpoint(runs / "r", {"w": torch.arange(4.0), "step": 1})
+    (runs / "log-link").symlink_to(runs / "r" / "rank0.jsonl")
+    before = {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()}
+    assert main(["checkpoint", "export", str(runs / "r"), "--out", str(runs / out)]) == 2
+    assert capsys.readouterr().err == (
+        f"gptpar: error: --out {str(runs / out)!r} would write over {runs / entry}, which run folder "
+        f"{(runs / entry).parent} keeps for its run; write the export outside it, or as {runs / 'r' / EXPORT_FILE} "
+        "(the default)\n")
+    assert {p: p.read_bytes() for p in runs.rglob("*") if p.is_file()} == before
+    assert main(["checkpoint", "export", str(runs / "r")]) == 0
+    assert torch.load(runs / "r" / EXPORT_FILE)["step"] == 1
 
 
 def _two_rank_save_load(info: RankInfo, run_dir: Path) -> None:
