@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from analysis.mfu import Shape, flops_per_token, peak_flops
 from gptpar.errors import GptparError
+from gptpar.flops import Shape, flops_per_token, peak_flops
 from gptpar.plan.calibration import RECOMPUTED, Calibration, tp_kind
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
@@ -364,16 +364,6 @@ class Model:
         ends = 1 + t.learned_positions + 1 + t.norm_biases + (0 if s.tied else 1)
         count = blocks * per_block + ends
         return [1.0 / count] * count
-
-
-def precision_of(setting: str, device: str) -> str:
-    """train.precision=auto as a rank on `device` resolves it: bf16 where the GPU has it, fp16 on older GPUs, fp32
-    on a CPU."""
-    if setting != "auto":
-        return setting
-    if device == "cpu":
-        return "fp32"
-    return "bf16" if peak_flops(device, "bf16") else "fp16"
 
 
 def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Prediction:
