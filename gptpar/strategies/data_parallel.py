@@ -1,19 +1,16 @@
 """The data-parallel strategies (`parallel.dp_sync`) as one table: for each, the class that runs it, what it
-shards over the replicas, what it composes with, and its memory closed form. The config's choices and checks,
-the trainer's choice of sync, the report's memory check and the planner all read this table; a new strategy
-is one module under gptpar/parallel/data_parallel/ (a GradSync with `from_setup`) plus one row here.
+shards over the replicas, what it composes with, its memory closed form and how the planner prices its
+communication. The config's choices and checks (gptpar/config/parallel_checks.py), the trainer's choice of sync, the
+report's memory check and the planner all read this table; a new strategy is one module under
+gptpar/parallel/data_parallel/ (a GradSync with `from_setup`) plus one row here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gptpar.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gptpar.config import Config, ParallelConfig
 
 # Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), in the parts a strategy
 # may shard over its W replicas; every rank holds the parts it does not shard whole.
@@ -72,30 +69,31 @@ def wire_value_bytes(mode: str, quant_block: int = 256) -> float:
     return WIRE_BYTES[mode] + (4 / quant_block if mode == "int8" else 0)
 
 
-_PACKAGE = "gptpar.parallel.data_parallel"
 _NOT_SHARDED_YET = "does not shard pipeline stages yet"
 
 DP_STRATEGIES: dict[str, DataParallelStrategy] = {
-    "naive": DataParallelStrategy(f"{_PACKAGE}.naive:NaiveSync", "all-reduce per parameter",
+    "naive": DataParallelStrategy("gptpar.parallel.data_parallel.naive:NaiveSync", "all-reduce per parameter",
                                   grad_comm=(*HALF, "int8"), expert_parallel=True),
-    "bucketed": DataParallelStrategy(f"{_PACKAGE}.bucketed:BucketedSync", "overlapped flat buckets",
+    "bucketed": DataParallelStrategy("gptpar.parallel.data_parallel.bucketed:BucketedSync", "overlapped flat buckets",
                                      grad_comm=(*HALF, "int8"), expert_parallel=True),
     "ddp": DataParallelStrategy(
-        f"{_PACKAGE}.ddp:DDPSync", "torch DDP",
+        "gptpar.parallel.data_parallel.ddp:DDPSync", "torch DDP",
         without_pipeline="cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many "
                          "per step)", grad_comm=(*HALF, "powersgd"), expert_parallel=True),
-    "zero1": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroOneSync", "bucketed, optimizer state sharded",
+    "zero1": DataParallelStrategy("gptpar.parallel.data_parallel.zero:ZeroOneSync", "bucketed, optimizer state sharded",
                                   ("optimizer",), _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True),
-    "zero2": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroTwoSync", "gradients sharded too",
+    "zero2": DataParallelStrategy("gptpar.parallel.data_parallel.zero:ZeroTwoSync", "gradients sharded too",
                                   ("grads", "optimizer"), _NOT_SHARDED_YET, grad_comm=(*HALF, "int8"),
                                   expert_parallel=True),
-    "fsdp": DataParallelStrategy(f"{_PACKAGE}.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered "
-                                 "per block", ("params", "grads", "optimizer"), _NOT_SHARDED_YET,
+    "fsdp": DataParallelStrategy("gptpar.parallel.data_parallel.fsdp:FSDPSync",
+                                 "ours, ZeRO-3: parameters sharded too, gathered per block",
+                                 ("params", "grads", "optimizer"), _NOT_SHARDED_YET,
                                  materialises_shards=True, grad_comm=(*HALF, "int8"), param_comm=PARAM_COMMS,
                                  hpz=True,
                                  without_whole_compile="gathers and frees each block's parameters in hooks around the "
                                                        "block, which one whole-model graph cannot hold"),
-    "fsdp2": DataParallelStrategy(f"{_PACKAGE}.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
+    "fsdp2": DataParallelStrategy("gptpar.parallel.data_parallel.fsdp2:FSDP2Sync",
+                                  "torch's fully_shard, the same units",
                                   ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",),
                                   grad_comm=HALF, expert_parallel=True),
 }
@@ -112,48 +110,15 @@ def either(names: list[str]) -> str:
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
 
 
-def hpz_node_size(p: ParallelConfig, ranks_per_node: int) -> int:
-    """The data-parallel ranks of one parallel.hpz group: parallel.hpz_node_size, or where it is 0 those on one node,
-    the launcher's ranks per node (LOCAL_WORLD_SIZE, SLURM's tasks per node) over parallel.tp (the grid puts tp
-    fastest, so a node holds ranks_per_node / tp consecutive dp coordinates), at most parallel.dp."""
-    size = p.hpz_node_size or min(p.dp, max(1, ranks_per_node // p.tp))
-    if p.dp % size:
-        source = (f"parallel.hpz_node_size={size}" if p.hpz_node_size else
+def hpz_node_size(node_size: int, dp: int, tp: int, ranks_per_node: int) -> int:
+    """The data-parallel ranks of one parallel.hpz group: parallel.hpz_node_size (`node_size`), or where it is 0 those
+    on one node, the launcher's ranks per node (LOCAL_WORLD_SIZE, SLURM's tasks per node) over parallel.tp (the grid
+    puts tp fastest, so a node holds ranks_per_node / tp consecutive dp coordinates), at most parallel.dp."""
+    size = node_size or min(dp, max(1, ranks_per_node // tp))
+    if dp % size:
+        source = (f"parallel.hpz_node_size={size}" if node_size else
                   f"parallel.hpz_node_size=0 takes {size} data-parallel ranks per node (the launcher's "
-                  f"{ranks_per_node} ranks per node over parallel.tp={p.tp}), which")
-        raise ConfigError(f"{source} does not divide parallel.dp={p.dp}; set parallel.hpz_node_size to a divisor of "
+                  f"{ranks_per_node} ranks per node over parallel.tp={tp}), which")
+        raise ConfigError(f"{source} does not divide parallel.dp={dp}; set parallel.hpz_node_size to a divisor of "
                           "it (the data-parallel ranks on one node)")
     return size
-
-
-def check(cfg: Config) -> None:
-    """train.dump_grads against what the strategy (and tensor parallelism) leaves each rank, parallel.grad_comm and
-    parallel.param_comm against what it can send, parallel.hpz against the strategies that keep its copy (and its
-    node size against dp), then parallel.dp_sync against the multi-process pipeline."""
-    p = cfg.parallel
-    row = DP_STRATEGIES[p.dp_sync]
-    if cfg.train.dump_grads and (p.tp > 1 or (p.dp > 1 and not row.whole_gradients)):
-        split = f"parallel.tp={p.tp}" if p.tp > 1 else f"parallel.dp_sync={p.dp_sync}"
-        whole = [name for name, r in DP_STRATEGIES.items() if r.whole_gradients]
-        raise ConfigError(f"train.dump_grads saves whole gradients, but {split} leaves each rank pieces of them; "
-                          f"use parallel.dp_sync={either(whole)} with parallel.tp=1, or leave it empty")
-    if p.grad_comm not in row.grad_comm:
-        sending = [name for name, r in DP_STRATEGIES.items() if p.grad_comm in r.grad_comm]
-        raise ConfigError(f"parallel.grad_comm={p.grad_comm} is not built for parallel.dp_sync={p.dp_sync} (it sends "
-                          f"{either(list(row.grad_comm))}); use parallel.dp_sync={either(sending)}, or "
-                          "parallel.grad_comm=fp32")
-    if p.param_comm not in row.param_comm:
-        gathering = [name for name, r in DP_STRATEGIES.items() if p.param_comm in r.param_comm]
-        raise ConfigError(f"parallel.param_comm={p.param_comm} is not built for parallel.dp_sync={p.dp_sync} (it "
-                          f"gathers {either(list(row.param_comm))}); use parallel.dp_sync={either(gathering)}, or "
-                          "parallel.param_comm=fp32")
-    if p.hpz and not row.hpz:
-        keeping = [name for name, r in DP_STRATEGIES.items() if r.hpz]
-        raise ConfigError(f"parallel.hpz=true is not built for parallel.dp_sync={p.dp_sync}; use "
-                          f"parallel.dp_sync={either(keeping)}, or parallel.hpz=false")
-    if p.hpz and p.hpz_node_size:
-        hpz_node_size(p, 0)
-    if p.pp > 1 and row.without_pipeline:
-        syncing = [name for name, r in DP_STRATEGIES.items() if not r.without_pipeline]
-        raise ConfigError(f"parallel.dp_sync={p.dp_sync} {row.without_pipeline}; use parallel.dp_sync="
-                          f"{either(syncing)} with parallel.pp > 1")
