@@ -59,7 +59,7 @@ class Layout:
     tp_impl: str  # parallel.tp_impl: our tensor-parallel pieces, or torch's DTensor plan
     grad_comm: str
     bucket_mb: float
-    param_comm: str  # fsdp's parameter gathers
+    param_comm: str  # a parameter-sharding sync's gathers
     quant_block: int
     hpz_node: int  # parallel.hpz's node group of data-parallel ranks (0: no hpZ)
     ep: int  # parallel.ep: each block's experts split over ep data-parallel ranks

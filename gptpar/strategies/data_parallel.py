@@ -27,10 +27,41 @@ PARAM_COMMS = ("fp32", "bf16", "int8")
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
 
+# How the planner models a strategy's sync over one step without the multi-process pipeline (gptpar/plan/predict.py
+# prices each shape; under the pipeline every sync reduces after the schedule, all of it exposed):
+SYNC_SHAPES = {
+    "tensors": "every parameter tensor all-reduced alone after backward: all of it exposed",
+    "buckets": "flat buckets of parallel.bucket_mb (last parameter first), each reduced as the last micro-step's "
+               "backward fills it, one after another: what runs past backward's end is exposed; sharded gradients are "
+               "reduce-scattered so in every micro-step, and sharded state all-gathers the updated parameters after "
+               "the step (exposed)",
+    "units": "the root unit gathered, then each block while the one before it computes (one unit of prefetch), in "
+             "forward and again in backward, each block's gradients reduce-scattered after its backward; one "
+             "collective at a time on the group",
+}
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What the planner needs of a strategy beyond its state: the shape of its communication, and what it holds or
+    computes differently from that shape."""
+
+    shape: str  # a key of SYNC_SHAPES
+    label: str = ""  # the entry its exposed seconds go under; "" for the collectives' own names
+    in_flight: tuple[int, int] = (0, 0)  # (root, block) units it holds gathered at once, 4 bytes a parameter each
+    grouped_norm: bool = True  # its gradient shards' norm is summed per tensor over dp (clip_gradients' groups);
+    # False: torch's own norm over DTensor shards
+    note: str = ""  # what its price approximates, said beside the prediction
+
+    def __post_init__(self) -> None:
+        if self.shape not in SYNC_SHAPES:
+            raise ValueError(f"Pricing.shape={self.shape!r}: use one of {', '.join(SYNC_SHAPES)}")
+
+
 @dataclass(frozen=True)
 class DataParallelStrategy:
     """One row: `sync` is "module:Class" of its GradSync, imported only when a rank builds it (this table
-    stays torch-free)."""
+    stays torch-free); `pricing` is how the planner prices it (None: the planner refuses it)."""
 
     sync: str
     help: str
@@ -43,6 +74,7 @@ class DataParallelStrategy:
     expert_parallel: bool = False  # syncs the dense parameters only, beside parallel.ep's expert shards
     param_comm: tuple[str, ...] = ("fp32",)  # the parallel.param_comm types it gathers parameters in
     hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
+    pricing: Pricing | None = None
 
     @property
     def whole_gradients(self) -> bool:
@@ -70,32 +102,39 @@ def wire_value_bytes(mode: str, quant_block: int = 256) -> float:
 
 
 _NOT_SHARDED_YET = "does not shard pipeline stages yet"
+_PIPELINE_DDP = "cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many per step)"
+_WHOLE_COMPILE_FSDP = ("gathers and frees each block's parameters in hooks around the block, which one whole-model "
+                       "graph cannot hold")
+_BUCKETS = Pricing("buckets")
+_UNITS = "fsdp gathers and reduce-scatters"
 
 DP_STRATEGIES: dict[str, DataParallelStrategy] = {
-    "naive": DataParallelStrategy("gptpar.parallel.data_parallel.naive:NaiveSync", "all-reduce per parameter",
-                                  grad_comm=(*HALF, "int8"), expert_parallel=True),
-    "bucketed": DataParallelStrategy("gptpar.parallel.data_parallel.bucketed:BucketedSync", "overlapped flat buckets",
-                                     grad_comm=(*HALF, "int8"), expert_parallel=True),
+    "naive": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.naive:NaiveSync", "all-reduce per parameter", grad_comm=(*HALF, "int8"),
+        expert_parallel=True, pricing=Pricing("tensors")),
+    "bucketed": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.bucketed:BucketedSync", "overlapped flat buckets", grad_comm=(*HALF, "int8"),
+        expert_parallel=True, pricing=_BUCKETS),
     "ddp": DataParallelStrategy(
-        "gptpar.parallel.data_parallel.ddp:DDPSync", "torch DDP",
-        without_pipeline="cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many "
-                         "per step)", grad_comm=(*HALF, "powersgd"), expert_parallel=True),
-    "zero1": DataParallelStrategy("gptpar.parallel.data_parallel.zero:ZeroOneSync", "bucketed, optimizer state sharded",
-                                  ("optimizer",), _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True),
-    "zero2": DataParallelStrategy("gptpar.parallel.data_parallel.zero:ZeroTwoSync", "gradients sharded too",
-                                  ("grads", "optimizer"), _NOT_SHARDED_YET, grad_comm=(*HALF, "int8"),
-                                  expert_parallel=True),
-    "fsdp": DataParallelStrategy("gptpar.parallel.data_parallel.fsdp:FSDPSync",
-                                 "ours, ZeRO-3: parameters sharded too, gathered per block",
-                                 ("params", "grads", "optimizer"), _NOT_SHARDED_YET,
-                                 materialises_shards=True, grad_comm=(*HALF, "int8"), param_comm=PARAM_COMMS,
-                                 hpz=True,
-                                 without_whole_compile="gathers and frees each block's parameters in hooks around the "
-                                                       "block, which one whole-model graph cannot hold"),
-    "fsdp2": DataParallelStrategy("gptpar.parallel.data_parallel.fsdp2:FSDP2Sync",
-                                  "torch's fully_shard, the same units",
-                                  ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",),
-                                  grad_comm=HALF, expert_parallel=True),
+        "gptpar.parallel.data_parallel.ddp:DDPSync", "torch DDP", without_pipeline=_PIPELINE_DDP,
+        grad_comm=(*HALF, "powersgd"), expert_parallel=True, pricing=_BUCKETS),
+    "zero1": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.zero:ZeroOneSync", "bucketed, optimizer state sharded", ("optimizer",),
+        _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True, pricing=_BUCKETS),
+    "zero2": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.zero:ZeroTwoSync", "gradients sharded too", ("grads", "optimizer"),
+        _NOT_SHARDED_YET, grad_comm=(*HALF, "int8"), expert_parallel=True, pricing=_BUCKETS),
+    "fsdp": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered per block",
+        ("params", "grads", "optimizer"), _NOT_SHARDED_YET, materialises_shards=True, grad_comm=(*HALF, "int8"),
+        param_comm=PARAM_COMMS, hpz=True, without_whole_compile=_WHOLE_COMPILE_FSDP,
+        pricing=Pricing("units", _UNITS, in_flight=(2, 4))),  # 2 root and 4 block units in flight (fsdp.py)
+    "fsdp2": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
+        ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",), grad_comm=HALF,
+        expert_parallel=True,
+        pricing=Pricing("units", _UNITS, grouped_norm=False,
+                        note="fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")),
 }
 
 
