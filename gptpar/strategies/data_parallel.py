@@ -8,6 +8,7 @@ gptpar/parallel/data_parallel/ (a GradSync with `from_setup`) plus one row here.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gptpar.errors import ConfigError
@@ -144,9 +145,14 @@ def closed_form_state_bytes(strategy: str, n: float, w: int) -> float | None:
     return row.state_bytes(n, w) if row is not None else None
 
 
-def either(names: list[str]) -> str:
-    """`a, b or c`: the allowed values an error message offers."""
-    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+def either(names: list[str], conjunction: str = "or") -> str:
+    """`a, b or c`: the allowed values an error message offers (`a, b and c` with conjunction="and")."""
+    return ", ".join(names[:-1]) + f" {conjunction} {names[-1]}" if len(names) > 1 else names[0]
+
+
+def strategies_where(has: Callable[[DataParallelStrategy], bool]) -> list[str]:
+    """The names of the rows that `has` holds for, in the table's order: what help text lists, read from the rows."""
+    return [name for name, row in DP_STRATEGIES.items() if has(row)]
 
 
 def hpz_node_size(node_size: int, dp: int, tp: int, ranks_per_node: int) -> int:
