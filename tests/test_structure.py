@@ -11,6 +11,7 @@ train) therefore never imports the login side (launch, plan, analysis) nor the u
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,6 +62,11 @@ KNOWN_CYCLES = {
 }
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(REPO).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -79,7 +85,7 @@ def unit(module: str) -> str:
 def imported_names(module: str, path: Path) -> Iterator[str]:
     """Every module name `module` imports or loads by name, wherever in the file."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -102,7 +108,7 @@ def _is_import_module(func: ast.expr) -> bool:
 
 def named_classes(path: Path) -> Iterator[str]:
     """The modules of the `"module:Class"` strings in a file."""
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.count(":") == 1:
             name, _, cls = node.value.partition(":")
             if name.split(".")[0] in PACKAGES and cls.isidentifier():
@@ -173,7 +179,7 @@ def test_every_unit_has_a_layer() -> None:
 
 def test_a_loader_of_named_classes_imports_by_name() -> None:
     for loader in LOADERS.values():
-        calls = [n for n in ast.walk(ast.parse(modules()[loader].read_text()))
+        calls = [n for n in ast.walk(parsed(modules()[loader]))
                  if isinstance(n, ast.Call) and _is_import_module(n.func)]
         assert calls, f"{loader} is said to load the table's classes but never calls import_module"
 
