@@ -247,13 +247,13 @@ class Model:
             exposed = coll(op, grads) + (params_gather if row.sharded else 0.0)
             self._add(op, exposed)
             return exposed
-        shape = priced(lay.dp_sync).shape
-        if shape == "tensors":
+        pricing = priced(lay.dp_sync)
+        if pricing.shape == "tensors":
             t = sum(coll("all_reduce", grads * share) for share in self.tensors(rank))
             self._add("all_reduce", t)
             return t
-        if shape == "units":
-            return self.gathered_units(n, row.pricing.label)
+        if pricing.shape == "units":
+            return self.gathered_units(n, pricing.label or "gathers and reduce-scatters")
         return self.bucket_sync(row, backward_s, grads, coll, params_gather)
 
     def bucket_sync(self, row: DataParallelStrategy, backward_s: float, grads: float, coll,

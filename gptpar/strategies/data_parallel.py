@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gptpar.errors import ConfigError
+from gptpar.errors import ConfigError, GptparError
 
 # Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), in the parts a strategy
 # may shard over its W replicas; every rank holds the parts it does not shard whole.
@@ -56,7 +56,8 @@ class Pricing:
 
     def __post_init__(self) -> None:
         if self.shape not in SYNC_SHAPES:
-            raise ValueError(f"Pricing.shape={self.shape!r}: use one of {', '.join(SYNC_SHAPES)}")
+            raise GptparError(f"Pricing.shape={self.shape!r} is no sync shape the planner knows; use one of "
+                              f"{', '.join(SYNC_SHAPES)}")
 
 
 @dataclass(frozen=True)
