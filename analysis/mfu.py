@@ -1,15 +1,8 @@
 """Model and hardware FLOPs utilisation: training FLOPs per token from the model shape, over a known peak.
 
-Model FLOPs per token (what the model needs, whatever the implementation does):
-    6·N + 6·V·d + 12·L·H·Q·T
-N the parameters of the blocks and the final norm (2 FLOPs per multiply-add, ×3 for forward and
-backward; the architecture's blocks: GPT-2's 12d² + 13d, or the Llama family's grouped-query attention
-and gated MLP; a mixture of experts counts the parameters a token goes through, its router, top-k of its experts
-and the shared one, gptpar.presets.ModelShape.active_block_parameters), 6·V·d the LM head's vocabulary
-projection (2·V·d forward, tied or not), 12·L·H·Q·T attention's score and value products over every
-query head (L layers, H heads, Q head width, T sequence length). Hardware FLOPs add the forward of
-every block that activation checkpointing recomputes: 2·N_blocks/L + 4·H·Q·T per recomputed block.
-MFU divides model FLOPs, HFU hardware FLOPs, by the devices' dense peak.
+MFU divides model FLOPs, HFU hardware FLOPs (model FLOPs plus the forward of every block activation checkpointing
+recomputes), by the devices' dense peak. The FLOPs per token, their formula and the peaks are gptpar.flops' (the
+planner's too); `Shape`, `flops_per_token`, `hardware_flops_per_token` and `peak_flops` stay importable from here.
 
 An MFU against a guessed peak is worse than none, so an unknown device (a CPU included) gets an
 explicit "n/a" naming it unless the user gives its peak (`gptpar report --peak-flops`), and an MFU
@@ -22,21 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gptpar.config import ConfigError, checkpoint_interval, checkpointed_indices
-from gptpar.hardware import peaks_of
-from gptpar.presets import PRESETS, ModelShape
+from gptpar.flops import Shape, flops_per_token, hardware_flops_per_token, peak_flops
+from gptpar.presets import PRESETS
 from gptpar.pretrained import folder_of, folder_shape
 
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the FLOPs of one trained token depend on."""
-
-    model: ModelShape
-    seq_len: int
-    vocab_size: int
-    recomputed_blocks: int = 0  # blocks whose forward activation checkpointing runs twice
 
 
 def model_shape(params: dict[str, Any], vocab_size: int) -> Shape | None:
@@ -55,25 +38,6 @@ def model_shape(params: dict[str, Any], vocab_size: int) -> Shape | None:
     every = checkpoint_interval(str(params.get("train.activation_checkpointing", "none")))
     return Shape(model, params.get("data.seq_len", 128), vocab_size,
                  len(checkpointed_indices(model.n_layer, every)))
-
-
-def flops_per_token(shape: Shape) -> float:
-    """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T (module docstring)."""
-    m = shape.model
-    n_params = m.n_layer * m.active_block_parameters() + m.norm_parameters()
-    attention = 12.0 * m.n_layer * m.n_head * m.head_dim * shape.seq_len
-    return 6.0 * n_params + 6.0 * shape.vocab_size * m.n_embd + attention
-
-
-def hardware_flops_per_token(shape: Shape) -> float:
-    """Model FLOPs plus one more forward of every recomputed block (2 FLOPs per weight, 4·H·Q·T attention)."""
-    m = shape.model
-    recompute_forward = 2.0 * m.active_block_parameters() + 4.0 * m.n_head * m.head_dim * shape.seq_len
-    return flops_per_token(shape) + shape.recomputed_blocks * recompute_forward
-
-
-def peak_flops(device_name: str, precision: str) -> float | None:
-    return (peaks_of(device_name) or {}).get(precision)
 
 
 def device_label(header: dict[str, Any], params: dict[str, Any]) -> tuple[str, str]:

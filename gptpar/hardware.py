@@ -1,10 +1,13 @@
 """What each GPU can compute: its dense peak FLOP/s by precision, from the vendor's datasheet.
 
-One table for two readers: the report's MFU (analysis.mfu), and the submit side, which refuses a precision the
-profile's GPU type lacks (bf16 on a V100) before the job waits in the queue only to fail at its first step.
+One table for three readers: the MFU of the report and of the planner (gptpar.flops), the planner's reading of
+train.precision=auto (`resolved_precision`, which the trainer calls too), and the submit side, which refuses a precision
+the profile's GPU type lacks (bf16 on a V100) before the job waits in the queue only to fail at its first step.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 DATASHEETS = "NVIDIA datasheets, dense Tensor Core peaks (without sparsity); fp32 is the non-Tensor-Core peak"
 # Dense peak FLOP/s per GPU, by a fragment of the lower-cased device name (first match wins, so the
@@ -32,3 +35,14 @@ def peaks_of(device_name: str) -> dict[str, float] | None:
     unknown (a CPU, a GPU the table lacks)."""
     name = device_name.lower().replace("_", " ")
     return next((peaks for fragment, peaks in PEAK_FLOPS if fragment in name), None)
+
+
+def resolved_precision(setting: str, gpu: bool, native_bf16: Callable[[], bool]) -> str:
+    """`train.precision` as a rank runs it, the one rule the trainer and the planner both apply: `auto` is bf16 on a GPU
+    with native bf16 (compute capability 8.0 and newer; asked only then), fp16 with the loss scale on older GPUs, fp32
+    on CPUs (bf16 matmuls are slower than fp32 there)."""
+    if setting != "auto":
+        return setting
+    if not gpu:
+        return "fp32"
+    return "bf16" if native_bf16() else "fp16"

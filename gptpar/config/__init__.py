@@ -2,8 +2,8 @@
 
 schema.py declares every key with its help text and constraints; text.py reads and writes configs (YAML,
 overrides, layers with their origins); checks.py holds the cross-key checks and calls each parallelism's own
-(gptpar/strategies); reference.py generates the README's reference. The package imports nothing of gptpar above
-it: errors, paths, presets and the torch-free strategy tables only.
+(parallel_checks.py, which reads the tables of gptpar/strategies); reference.py generates the README's reference.
+The package imports nothing of gptpar above it: errors, paths, presets and the torch-free strategy tables only.
 """
 
 from gptpar.config.checks import (

@@ -1,16 +1,16 @@
-"""Checks of a config as a whole: those that involve several keys, then each strategy table's own check
-(gptpar/strategies: the data-parallel strategies, the pipeline and tensor parallelism validate their own keys),
-and the values the rest of gptpar derives from validated keys."""
+"""Checks of a config as a whole: those that involve several keys, then each parallelism's check of its own keys
+(parallel_checks.py, which reads the strategy tables of gptpar/strategies), and the values the rest of gptpar derives
+from validated keys."""
 
 from __future__ import annotations
 
 import dataclasses
 
+from gptpar.config.parallel_checks import PARALLEL_CHECKS
 from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import MOE_ARCHS, PRESETS
 from gptpar.pretrained import PREFIX, check_tokenizer, check_weights, folder_of
-from gptpar.strategies import STRATEGY_CHECKS
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 
 TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
@@ -43,7 +43,7 @@ def validate(cfg: Config) -> None:
     if t.compile == "model" and (obstacle := whole_compile_obstacle(cfg)):
         raise ConfigError(f"train.compile=model compiles the whole model as one graph, but {obstacle}; use "
                           "train.compile=blocks")
-    for check in STRATEGY_CHECKS:
+    for check in PARALLEL_CHECKS:
         check(cfg)
     _validate_task(cfg)
     _check_moe_layout(cfg)

@@ -11,7 +11,7 @@ from typing import Any
 
 from gptpar.presets import ARCHS, PRESETS, ModelShape
 from gptpar.pretrained import folder_of, folder_shape
-from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, PARAM_COMMS, either
+from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, PARAM_COMMS, either, strategies_where
 from gptpar.strategies.schedules import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
@@ -197,7 +197,8 @@ class TrainConfig:
                              "(Chrome trace, viewable in Perfetto; `gptpar trace` analyses them); empty: none.")
     dump_grads: str = opt("", "Folder where each rank saves the gradients of the run's last step, synced and as the "
                           "optimizer applied them, as model<RANK>_gradients.pth ({GPT-2 parameter name: tensor}, the "
-                          "assignment's check); empty: none. Not with sharded gradients (zero2, fsdp, fsdp2) or tp.")
+                          "assignment's check); empty: none. Not with sharded gradients "
+                          f"({', '.join(strategies_where(lambda r: not r.whole_gradients))}) or tp.")
 
 
 @dataclass(frozen=True)
@@ -221,9 +222,10 @@ class ParallelConfig:
     ep: int = opt(1, "Expert parallelism, inside data parallelism (a mixture of experts): each block's experts are "
                   "split over groups of ep neighbouring data-parallel ranks (n_experts / ep each), tokens reach their "
                   "experts' ranks by all-to-all and come back; attention and the dense parts stay data-parallel "
-                  "(zero1, zero2 and fsdp2 shard what they shard of it; the experts' state stays whole on their "
-                  "ranks). ep divides parallel.dp and model.n_experts and adds no ranks; parallel.dp_sync naive, "
-                  "bucketed, ddp, zero1, zero2 or fsdp2.", min=1, max=65_536)
+                  f"({either(strategies_where(lambda r: r.expert_parallel and bool(r.sharded)), 'and')} shard what "
+                  "they shard of it; the experts' state stays whole on their ranks). ep divides parallel.dp and "
+                  "model.n_experts and adds no ranks; parallel.dp_sync "
+                  f"{either(strategies_where(lambda r: r.expert_parallel))}.", min=1, max=65_536)
     tp_impl: str = opt("gptpar", "Tensor parallelism: " + "; ".join(
         f"{name} ({impl.help}; with dp > 1 only dp_sync="
         f"{either([sync for sync, row in DP_STRATEGIES.items() if name in row.tensor_parallel])}"
@@ -242,15 +244,19 @@ class ParallelConfig:
                          "parallel.dp_sync: ddp through torch's hooks, fsdp2 through its reduce_dtype); int8 (about a "
                          "quarter: blocks of parallel.quant_block values with one scale each, reduced by all-to-all, "
                          "summed in fp32 on each rank's shard (and all-gathered where every rank needs the average), "
-                         "ZeRO++'s qgZ; naive, bucketed, zero2 and fsdp); powersgd (torch's "
-                         "low-rank PowerSGD hook, of rank parallel.powersgd_rank, with error feedback saved in "
-                         "checkpoints; ddp, from its third step).", choices=GRAD_COMMS)
-    param_comm: str = opt("fp32", "What fsdp gathers its parameters in, forward and backward (the optimizer's shards "
+                         f"ZeRO++'s qgZ; {either(strategies_where(lambda r: 'int8' in r.grad_comm), 'and')}); "
+                         "powersgd (torch's low-rank PowerSGD hook, of rank parallel.powersgd_rank, with error "
+                         "feedback saved in checkpoints; "
+                         f"{either(strategies_where(lambda r: 'powersgd' in r.grad_comm))}, from its third step).",
+                         choices=GRAD_COMMS)
+    param_comm: str = opt("fp32", f"What {either(strategies_where(lambda r: len(r.param_comm) > 1))} gathers its "
+                          "parameters in, forward and backward (the optimizer's shards "
                           "stay fp32, the master copy): fp32; bf16 (half the bytes: each shard cast for the wire and "
                           "back); int8 (about a quarter: each shard in blocks of parallel.quant_block values with one "
                           "fp32 scale each, ZeRO++'s qwZ). Every rank, its own shard included, computes with the "
                           "weights as they came over the wire, so replicas stay bitwise equal.", choices=PARAM_COMMS)
-    hpz: bool = opt(False, "ZeRO++'s hpZ (fsdp): the first all-gather of each unit in a step (over all of dp) also "
+    hpz: bool = opt(False, f"ZeRO++'s hpZ ({either(strategies_where(lambda r: r.hpz))}):"
+                    " the first all-gather of each unit in a step (over all of dp) also "
                     "keeps this node's share of it, a secondary copy of 1/parallel.hpz_node_size of the parameters "
                     "in parallel.param_comm's type, from which every later gather of the step (backward's, and the "
                     "forwards of further micro-steps) is made within the node; dropped at the optimizer step.")

@@ -5,19 +5,23 @@ from __future__ import annotations
 import json
 
 from gptpar.config import Config, updated
+from gptpar.flops import peak_flops
+from gptpar.hardware import resolved_precision
 from gptpar.launch.plan import shaped
 from gptpar.parallel.grid import ranks_per_replica
 from gptpar.plan.calibration import CALIBRATION_FLAG
 from gptpar.plan.layout import Layout, layout_of
-from gptpar.plan.predict import Prediction, precision_of, predict
+from gptpar.plan.predict import Prediction, predict
 from gptpar.plan.target import Target, target_of
 
 MB = 1e6
 
 
 def resolved_layout(cfg: Config, target: Target) -> Layout:
-    """The layout of `cfg` with train.precision=auto resolved for the target's device, as its ranks would."""
-    precision = precision_of(cfg.train.precision, "cpu" if target.calibration.device == "cpu" else target.device)
+    """The layout of `cfg` with train.precision=auto resolved for the target's device, as its ranks would: native bf16
+    where the device's datasheet peaks have it."""
+    device = "cpu" if target.calibration.device == "cpu" else target.device
+    precision = resolved_precision(cfg.train.precision, device != "cpu", lambda: bool(peak_flops(device, "bf16")))
     return layout_of(updated(cfg, {"train.precision": precision}) if precision != cfg.train.precision else cfg)
 
 

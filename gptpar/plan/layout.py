@@ -59,7 +59,7 @@ class Layout:
     tp_impl: str  # parallel.tp_impl: our tensor-parallel pieces, or torch's DTensor plan
     grad_comm: str
     bucket_mb: float
-    param_comm: str  # fsdp's parameter gathers
+    param_comm: str  # a parameter-sharding sync's gathers
     quant_block: int
     hpz_node: int  # parallel.hpz's node group of data-parallel ranks (0: no hpZ)
     ep: int  # parallel.ep: each block's experts split over ep data-parallel ranks
@@ -141,7 +141,7 @@ def layout_of(cfg: Config) -> Layout:
     pipeline = p.pp > 1 or p.pp_mode == "pipeline_parallel"
     chunks = p.chunks if pipeline else 1
     stages = p.pp * p.pp_virtual
-    counts = pp_split_counts(p) if p.pp > 1 else None
+    counts = pp_split_counts(p.pp_split, stages) if p.pp > 1 else None
     if counts is None and p.balance == "params" and p.pp > 1:
         table = vocabulary(cfg) * shape.n_embd
         counts = stage_sizes([shape.block_parameters()] * shape.n_layer, stages, table, table)
@@ -154,6 +154,7 @@ def layout_of(cfg: Config) -> Layout:
         schedule=p.pp_schedule, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
         tp_impl=p.tp_impl, grad_comm=p.grad_comm, bucket_mb=p.bucket_mb, param_comm=p.param_comm,
         quant_block=p.quant_block,
-        hpz_node=hpz_node_size(p, cfg.launch.gpus or p.dp * p.tp) if p.hpz else 0, ep=p.ep, precision=t.precision,
+        hpz_node=hpz_node_size(p.hpz_node_size, p.dp, p.tp, cfg.launch.gpus or p.dp * p.tp) if p.hpz else 0,
+        ep=p.ep, precision=t.precision,
         checkpoint_every=checkpoint_interval(t.activation_checkpointing),
         stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)))

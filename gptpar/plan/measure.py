@@ -248,7 +248,7 @@ def _collective_points(op: str, sizes: tuple[int, ...], world: int, device: torc
         # The mean call, not the fastest (as _timer's synced work): a step issues its collectives one at a time
         # between computations, and each pays the typical wake-up of the backend's threads. On a CPU the fastest
         # of a burst of back-to-back calls is several times faster than the mean (gloo: 0.3 against 1.1 ms for
-        # 1 KB), and a step of many small all-reduces (naive's one per parameter) took the mean's time.
+        # 1 KB), and a step of many small all-reduces (one per parameter) took the mean's time.
         points.append([float(n * 4), float(table.mean().item())])
     return points
 

@@ -2,15 +2,10 @@
 as each strategy really does it, the pipeline through `schedules.simulate`, memory from the strategy table's closed
 form plus activations held per schedule (`peak_activations`).
 
-Overlap, per gptpar's syncs (gptpar/parallel/data_parallel):
-- naive all-reduces every parameter after backward: all of it exposed;
-- bucketed, ddp and zero1 all-reduce buckets (parallel.bucket_mb, last parameter first) as the last micro-step's
-  backward fills them, one after another: what runs past backward's end is exposed; zero1 then all-gathers the
-  updated parameters after the step (exposed);
-- zero2 reduce-scatters its buckets the same way in every micro-step, and all-gathers after the step;
-- fsdp (and fsdp2) gathers the root unit, then each block while the one before it computes (one unit of prefetch),
-  in forward and again in backward, reduce-scattering each block's gradients after its backward; one collective at
-  a time on the group;
+Overlap, as each sync does it (gptpar/parallel/data_parallel):
+- a data-parallel strategy is priced by its row's `pricing` (gptpar/strategies/data_parallel.py): the shape of its
+  sync (`SYNC_SHAPES` says each: per tensor, buckets, units), what it shards, what it holds in flight; the planner
+  never names a strategy, and refuses one whose row has no pricing;
 - under the multi-process pipeline every data-parallel sync reduces in finish(), after the schedule: exposed;
 - tensor parallelism's all-reduces (or all-gathers and reduce-scatters with sequence parallelism) sit between the
   matmuls that need them: exposed, added to the actions they belong to;
@@ -21,12 +16,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from analysis.mfu import Shape, flops_per_token, peak_flops
 from gptpar.errors import GptparError
+from gptpar.flops import Shape, flops_per_token, peak_flops
 from gptpar.plan.calibration import RECOMPUTED, Calibration, tp_kind
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
-from gptpar.strategies.data_parallel import DP_STRATEGIES, WIRE_BYTES, hpz_bytes, wire_value_bytes
+from gptpar.strategies.data_parallel import (
+    DP_STRATEGIES,
+    WIRE_BYTES,
+    DataParallelStrategy,
+    Pricing,
+    either,
+    hpz_bytes,
+    wire_value_bytes,
+)
 from gptpar.strategies.schedules import Action, make_plan, peak_activations, schedule, simulate
 
 ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -81,8 +84,8 @@ class Model:
         self.lay, self.c, self.net = layout, calib, net
         self.alone = layout.world == 1  # one rank: on a CPU it has the machine to itself
         # On a CPU the backend's threads copy and sum the bytes on the cores the ranks compute on, so what a
-        # strategy overlaps with backward still takes its time from the step (bench-plan: bucketed's backward ran
-        # 31% slower beside its all-reduces than alone). On GPUs the collectives run beside the kernels.
+        # strategy overlaps with backward still takes its time from the step (bench-plan: backward ran 31% slower
+        # beside a sync's bucket all-reduces than alone). On GPUs the collectives run beside the kernels.
         self.overlaps = calib.device != "cpu"
         self.act = ACTIVATION_BYTES.get(layout.precision, 4)
         self.exposed: dict[str, float] = {}
@@ -221,7 +224,8 @@ class Model:
 
     def dp_sync(self, backward_s: float, n: int, rank: int) -> float:
         """Exposed seconds of the data-parallel sync of one step on pipeline rank `rank`, whose last micro-step's
-        backward took `backward_s` (what bucketed overlaps with) and whose rank holds `n` parameters."""
+        backward took `backward_s` (what buckets overlap with) and whose rank holds `n` parameters: the shape its row's
+        pricing names."""
         lay = self.lay
         if lay.dp == 1:
             return 0.0
@@ -243,17 +247,24 @@ class Model:
             exposed = coll(op, grads) + (params_gather if row.sharded else 0.0)
             self._add(op, exposed)
             return exposed
-        if lay.dp_sync == "naive":
-            tensors = self.tensors(rank)
-            t = sum(coll("all_reduce", grads * share) for share in tensors)
+        pricing = priced(lay.dp_sync)
+        if pricing.shape == "tensors":
+            t = sum(coll("all_reduce", grads * share) for share in self.tensors(rank))
             self._add("all_reduce", t)
             return t
-        if lay.dp_sync in ("fsdp", "fsdp2"):
-            return self.fsdp(n)
-        op = "reduce_scatter" if lay.dp_sync == "zero2" else "all_reduce"
-        exposed = self.buckets(backward_s, grads, op, coll) * (lay.grad_accum if lay.dp_sync == "zero2" else 1)
+        if pricing.shape == "units":
+            return self.gathered_units(n, pricing.label or "gathers and reduce-scatters")
+        return self.bucket_sync(row, backward_s, grads, coll, params_gather)
+
+    def bucket_sync(self, row: DataParallelStrategy, backward_s: float, grads: float, coll,
+                    params_gather: float) -> float:
+        """The "buckets" shape: sharded gradients reduce-scattered in every micro-step (else all-reduced once), and
+        sharded state's updated parameters all-gathered after the step."""
+        shards_grads = "grads" in row.sharded
+        op = "reduce_scatter" if shards_grads else "all_reduce"
+        exposed = self.buckets(backward_s, grads, op, coll) * (self.lay.grad_accum if shards_grads else 1)
         self._add(op, exposed)
-        if lay.dp_sync in ("zero1", "zero2"):
+        if row.sharded:
             self._add("all_gather", params_gather)
             exposed += params_gather
         return exposed
@@ -293,9 +304,10 @@ class Model:
             free = max(free, ready_at) + coll(op, nbytes)
         return max(0.0, free - backward_s)
 
-    def fsdp(self, n: int) -> float:
-        """Exposed seconds of fsdp's gathers and reduce-scatters over one step: a FIFO of collectives, each block's
-        gather issued when the block before it starts (one unit of prefetch), its reduce-scatter after its backward."""
+    def gathered_units(self, n: int, label: str) -> float:
+        """Exposed seconds of the "units" shape's gathers and reduce-scatters over one step (under `label`): a FIFO of
+        collectives, each block's gather issued when the block before it starts (one unit of prefetch), its
+        reduce-scatter after its backward."""
         lay = self.lay
         costs = self.rank_costs(0)
         blocks = lay.blocks_of(0)
@@ -317,7 +329,7 @@ class Model:
                 forward = lay.dp if micro == 0 else later
                 exposed += ag(root_bytes, forward) + blocks * ag(block_bytes, forward)
                 exposed += blocks * (ag(block_bytes, later) + rs(block_bytes)) + rs(root_bytes)
-            self._add("fsdp gathers and reduce-scatters", exposed)
+            self._add(label, exposed)
             return exposed
 
         per_f = [self.block_f] * blocks
@@ -348,12 +360,12 @@ class Model:
             free = max(free, t) + rs(root_bytes)
             compute += sum(per_bw)
             exposed += max(free, t) - compute
-        self._add("fsdp gathers and reduce-scatters", exposed)
+        self._add(label, exposed)
         return exposed
 
     def tensors(self, rank: int) -> list[float]:
-        """The rank's parameter tensors as shares of its parameters (naive all-reduces each alone): per block its
-        weights, biases and norms, then the tables and final norm."""
+        """The rank's parameter tensors as shares of its parameters (the "tensors" shape reduces each alone): per block
+        its weights, biases and norms, then the tables and final norm."""
         s = self.lay.shape
         t = s.traits
         if t.gated_mlp:  # q, k, v, o, gate, up, down and two norms; qwen2's q, k and v biases
@@ -366,14 +378,14 @@ class Model:
         return [1.0 / count] * count
 
 
-def precision_of(setting: str, device: str) -> str:
-    """train.precision=auto as a rank on `device` resolves it: bf16 where the GPU has it, fp16 on older GPUs, fp32
-    on a CPU."""
-    if setting != "auto":
-        return setting
-    if device == "cpu":
-        return "fp32"
-    return "bf16" if peak_flops(device, "bf16") else "fp16"
+def priced(dp_sync: str) -> Pricing:
+    """The pricing of parallel.dp_sync's row, or a one-line refusal naming the strategies the planner can price."""
+    pricing = DP_STRATEGIES[dp_sync].pricing
+    if pricing is None:
+        pricable = [name for name, row in DP_STRATEGIES.items() if row.pricing is not None]
+        raise GptparError(f"parallel.dp_sync={dp_sync} has no pricing in its row (gptpar/strategies/data_parallel.py), "
+                          f"so the planner cannot predict it; plan with parallel.dp_sync={either(pricable)}")
+    return pricing
 
 
 def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Prediction:
@@ -381,16 +393,20 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     the slowest pipeline rank's data-parallel sync, the optimizer on what the rank steps, and the step's small
     all-reduces (the global loss over dp, the gradient norm over pp)."""
     lay = layout
+    if lay.dp > 1:
+        priced(lay.dp_sync)
     if lay.precision != calib.precision:
         raise GptparError(f"train.precision={lay.precision} but the calibration was measured in "
                           f"{calib.precision}; calibrate with --precision {lay.precision}, or set "
                           f"train.precision={calib.precision}")
     model = Model(lay, calib, net)
-    sharded = bool(DP_STRATEGIES[lay.dp_sync].sharded) and lay.dp > 1
+    row = DP_STRATEGIES[lay.dp_sync]
+    sharded = bool(row.sharded) and lay.dp > 1
     # Pipeline stages, shards and our tensor-parallel pieces sum the norm's squares per tensor (clip_gradients'
-    # groups, as Trainer._norm_plan picks them); torch's DTensor pieces and fsdp2's shards take torch's own norm.
+    # groups, as Trainer._norm_plan picks them); torch's DTensor pieces and DTensor shards (a row whose pricing says
+    # grouped_norm=False) take torch's own norm.
     ours = lay.tp > 1 and lay.tp_impl == "gptpar"
-    grouped = lay.pp > 1 or ours or lay.ep > 1 or (sharded and lay.dp_sync != "fsdp2")
+    grouped = lay.pp > 1 or ours or lay.ep > 1 or (sharded and row.pricing.grouped_norm)
     kind = "optimizer_grouped" if grouped and "optimizer_grouped" in calib.compute else "optimizer"
     optimizer = max(calib.seconds(kind, lay.rank_parameters(r) / (lay.dp if sharded else 1), model.alone)
                     for r in range(lay.pp))
@@ -438,8 +454,9 @@ def approximations(lay: Layout) -> list[str]:
     notes = []
     if lay.grad_comm == "powersgd":
         notes.append("parallel.grad_comm=powersgd is priced as fp32 (its low-rank P and Q are not modelled)")
-    if lay.dp_sync == "fsdp2" and lay.dp > 1:
-        notes.append("fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")
+    pricing = DP_STRATEGIES[lay.dp_sync].pricing
+    if lay.dp > 1 and pricing.note:
+        notes.append(pricing.note)
     if lay.tp > 1 and lay.tp_impl == "torch":
         notes.append("parallel.tp_impl=torch is priced as our tensor-parallel block and head (the same collectives "
                      "between the same matmuls; DTensor's dispatch is not timed)")
@@ -465,7 +482,7 @@ def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float
 def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | None) -> list[dict[str, int]]:
     """Each pipeline rank's bytes: training state by the strategy table's closed form, activations of the
     micro-batches it holds at once (weighted `peak_activations` of its schedule, one micro-step without a pipeline),
-    fsdp's gathered units, hpZ's secondary copy (`hpz_bytes`)."""
+    the units a sharding sync holds gathered (its pricing's `in_flight`), hpZ's secondary copy (`hpz_bytes`)."""
     row = DP_STRATEGIES[lay.dp_sync]
     out = []
     for r in range(lay.pp):
@@ -475,8 +492,9 @@ def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | No
         else:
             held = peak_activations(lists[r], lambda a: stage_activation_bytes(lay, calib, a.stage))
         gathered = 0
-        if lay.dp_sync == "fsdp" and lay.dp > 1:  # 2 root and 4 block units in flight (fsdp.py's docstring)
-            gathered = 4 * (2 * lay.end_parameters(r) + 4 * lay.block_parameters)
+        if lay.dp > 1 and any(row.pricing.in_flight):
+            roots, blocks = row.pricing.in_flight
+            gathered = 4 * (roots * lay.end_parameters(r) + blocks * lay.block_parameters)
         shard = {part: lay.dp if part in row.sharded else 1 for part in ("params", "grads", "optimizer")}
         parts = {"params": int(n * 4 / shard["params"]), "grads": int(n * 4 / shard["grads"]),
                  "optimizer": int(n * 8 / shard["optimizer"]), "state": int(row.state_bytes(n, lay.dp)),

@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from gptpar.atomic import atomic_write_text
-from gptpar.config import Config, ConfigError, overrides_tree, updated
+from gptpar.config import Config, ConfigError, ParallelConfig, overrides_tree, updated
 from gptpar.errors import GptparError
 from gptpar.plan.commands import MB, describe, resolved_layout
 from gptpar.plan.layout import Layout
@@ -45,17 +45,19 @@ def divisors(n: int) -> list[int]:
 
 
 def candidates(gpus: int, per_node: int) -> list[dict[str, object]]:
-    """Every combination the search tries, as parallel.* and train.* overrides (most of them valid)."""
+    """Every combination the search tries, as parallel.* and train.* overrides (most of them valid): of the
+    data-parallel strategies, those the planner can price (their rows' `pricing`)."""
+    priced = [name for name, row in DP_STRATEGIES.items() if row.pricing is not None]
     out = []
     for tp in [d for d in divisors(gpus) if not per_node or d <= per_node]:
         for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            for sync, sp, ckpt in itertools.product(DP_STRATEGIES, (False, True), ("none", "block")):
-                if (sp and tp == 1) or (dp == 1 and sync != "bucketed"):
+            for sync, sp, ckpt in itertools.product(priced, (False, True), ("none", "block")):
+                if (sp and tp == 1) or (dp == 1 and sync != ParallelConfig.dp_sync):  # one replica: the default
                     continue
                 base = {"parallel.dp": dp, "parallel.tp": tp, "parallel.pp": pp, "parallel.dp_sync": sync,
                         "parallel.sequence_parallel": sp, "train.activation_checkpointing": ckpt,
-                        "parallel.tp_impl": "torch" if sync == "fsdp2" and tp > 1 else "gptpar"}
+                        "parallel.tp_impl": DP_STRATEGIES[sync].tensor_parallel[0] if tp > 1 else "gptpar"}  # its first
                 if pp == 1:
                     out += [{**base, "train.grad_accum": ga} for ga in MICRO_STEPS]
                     continue

@@ -1,19 +1,17 @@
 """The data-parallel strategies (`parallel.dp_sync`) as one table: for each, the class that runs it, what it
-shards over the replicas, what it composes with, and its memory closed form. The config's choices and checks,
-the trainer's choice of sync, the report's memory check and the planner all read this table; a new strategy
-is one module under gptpar/parallel/data_parallel/ (a GradSync with `from_setup`) plus one row here.
+shards over the replicas, what it composes with, its memory closed form and how the planner prices its
+communication. The config's choices and checks (gptpar/config/parallel_checks.py), the trainer's choice of sync, the
+report's memory check and the planner all read this table; a new strategy is one module under
+gptpar/parallel/data_parallel/ (a GradSync with `from_setup`) plus one row here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from gptpar.errors import ConfigError
-
-if TYPE_CHECKING:
-    from gptpar.config import Config, ParallelConfig
+from gptpar.errors import ConfigError, GptparError
 
 # Bytes per parameter of fp32 AdamW training state (weight, gradient, two moments), in the parts a strategy
 # may shard over its W replicas; every rank holds the parts it does not shard whole.
@@ -30,10 +28,42 @@ PARAM_COMMS = ("fp32", "bf16", "int8")
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
 
 
+# How the planner models a strategy's sync over one step without the multi-process pipeline (gptpar/plan/predict.py
+# prices each shape; under the pipeline every sync reduces after the schedule, all of it exposed):
+SYNC_SHAPES = {
+    "tensors": "every parameter tensor all-reduced alone after backward: all of it exposed",
+    "buckets": "flat buckets of parallel.bucket_mb (last parameter first), each reduced as the last micro-step's "
+               "backward fills it, one after another: what runs past backward's end is exposed; sharded gradients are "
+               "reduce-scattered so in every micro-step, and sharded state all-gathers the updated parameters after "
+               "the step (exposed)",
+    "units": "the root unit gathered, then each block while the one before it computes (one unit of prefetch), in "
+             "forward and again in backward, each block's gradients reduce-scattered after its backward; one "
+             "collective at a time on the group",
+}
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What the planner needs of a strategy beyond its state: the shape of its communication, and what it holds or
+    computes differently from that shape."""
+
+    shape: str  # a key of SYNC_SHAPES
+    label: str = ""  # the entry its exposed seconds go under; "" for the collectives' own names
+    in_flight: tuple[int, int] = (0, 0)  # (root, block) units it holds gathered at once, 4 bytes a parameter each
+    grouped_norm: bool = True  # its gradient shards' norm is summed per tensor over dp (clip_gradients' groups);
+    # False: torch's own norm over DTensor shards
+    note: str = ""  # what its price approximates, said beside the prediction
+
+    def __post_init__(self) -> None:
+        if self.shape not in SYNC_SHAPES:
+            raise GptparError(f"Pricing.shape={self.shape!r} is no sync shape the planner knows; use one of "
+                              f"{', '.join(SYNC_SHAPES)}")
+
+
 @dataclass(frozen=True)
 class DataParallelStrategy:
     """One row: `sync` is "module:Class" of its GradSync, imported only when a rank builds it (this table
-    stays torch-free)."""
+    stays torch-free); `pricing` is how the planner prices it (None: the planner refuses it)."""
 
     sync: str
     help: str
@@ -46,6 +76,7 @@ class DataParallelStrategy:
     expert_parallel: bool = False  # syncs the dense parameters only, beside parallel.ep's expert shards
     param_comm: tuple[str, ...] = ("fp32",)  # the parallel.param_comm types it gathers parameters in
     hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
+    pricing: Pricing | None = None
 
     @property
     def whole_gradients(self) -> bool:
@@ -72,32 +103,40 @@ def wire_value_bytes(mode: str, quant_block: int = 256) -> float:
     return WIRE_BYTES[mode] + (4 / quant_block if mode == "int8" else 0)
 
 
-_PACKAGE = "gptpar.parallel.data_parallel"
 _NOT_SHARDED_YET = "does not shard pipeline stages yet"
+_PIPELINE_DDP = "cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many per step)"
+_WHOLE_COMPILE_FSDP = ("gathers and frees each block's parameters in hooks around the block, which one whole-model "
+                       "graph cannot hold")
+_BUCKETS = Pricing("buckets")
+_UNITS = "fsdp gathers and reduce-scatters"
 
 DP_STRATEGIES: dict[str, DataParallelStrategy] = {
-    "naive": DataParallelStrategy(f"{_PACKAGE}.naive:NaiveSync", "all-reduce per parameter",
-                                  grad_comm=(*HALF, "int8"), expert_parallel=True),
-    "bucketed": DataParallelStrategy(f"{_PACKAGE}.bucketed:BucketedSync", "overlapped flat buckets",
-                                     grad_comm=(*HALF, "int8"), expert_parallel=True),
+    "naive": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.naive:NaiveSync", "all-reduce per parameter", grad_comm=(*HALF, "int8"),
+        expert_parallel=True, pricing=Pricing("tensors")),
+    "bucketed": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.bucketed:BucketedSync", "overlapped flat buckets", grad_comm=(*HALF, "int8"),
+        expert_parallel=True, pricing=_BUCKETS),
     "ddp": DataParallelStrategy(
-        f"{_PACKAGE}.ddp:DDPSync", "torch DDP",
-        without_pipeline="cannot sync a pipeline stage (DDP reduces inside every backward, the engine runs many "
-                         "per step)", grad_comm=(*HALF, "powersgd"), expert_parallel=True),
-    "zero1": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroOneSync", "bucketed, optimizer state sharded",
-                                  ("optimizer",), _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True),
-    "zero2": DataParallelStrategy(f"{_PACKAGE}.zero:ZeroTwoSync", "gradients sharded too",
-                                  ("grads", "optimizer"), _NOT_SHARDED_YET, grad_comm=(*HALF, "int8"),
-                                  expert_parallel=True),
-    "fsdp": DataParallelStrategy(f"{_PACKAGE}.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered "
-                                 "per block", ("params", "grads", "optimizer"), _NOT_SHARDED_YET,
-                                 materialises_shards=True, grad_comm=(*HALF, "int8"), param_comm=PARAM_COMMS,
-                                 hpz=True,
-                                 without_whole_compile="gathers and frees each block's parameters in hooks around the "
-                                                       "block, which one whole-model graph cannot hold"),
-    "fsdp2": DataParallelStrategy(f"{_PACKAGE}.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
-                                  ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",),
-                                  grad_comm=HALF, expert_parallel=True),
+        "gptpar.parallel.data_parallel.ddp:DDPSync", "torch DDP", without_pipeline=_PIPELINE_DDP,
+        grad_comm=(*HALF, "powersgd"), expert_parallel=True, pricing=_BUCKETS),
+    "zero1": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.zero:ZeroOneSync", "bucketed, optimizer state sharded", ("optimizer",),
+        _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True, pricing=_BUCKETS),
+    "zero2": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.zero:ZeroTwoSync", "gradients sharded too", ("grads", "optimizer"),
+        _NOT_SHARDED_YET, grad_comm=(*HALF, "int8"), expert_parallel=True, pricing=_BUCKETS),
+    "fsdp": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered per block",
+        ("params", "grads", "optimizer"), _NOT_SHARDED_YET, materialises_shards=True, grad_comm=(*HALF, "int8"),
+        param_comm=PARAM_COMMS, hpz=True, without_whole_compile=_WHOLE_COMPILE_FSDP,
+        pricing=Pricing("units", _UNITS, in_flight=(2, 4))),  # 2 root and 4 block units in flight (fsdp.py)
+    "fsdp2": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
+        ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",), grad_comm=HALF,
+        expert_parallel=True,
+        pricing=Pricing("units", _UNITS, grouped_norm=False,
+                        note="fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")),
 }
 
 
@@ -107,53 +146,25 @@ def closed_form_state_bytes(strategy: str, n: float, w: int) -> float | None:
     return row.state_bytes(n, w) if row is not None else None
 
 
-def either(names: list[str]) -> str:
-    """`a, b or c`: the allowed values an error message offers."""
-    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+def either(names: list[str], conjunction: str = "or") -> str:
+    """`a, b or c`: the allowed values an error message offers (`a, b and c` with conjunction="and")."""
+    return ", ".join(names[:-1]) + f" {conjunction} {names[-1]}" if len(names) > 1 else names[0]
 
 
-def hpz_node_size(p: ParallelConfig, ranks_per_node: int) -> int:
-    """The data-parallel ranks of one parallel.hpz group: parallel.hpz_node_size, or where it is 0 those on one node,
-    the launcher's ranks per node (LOCAL_WORLD_SIZE, SLURM's tasks per node) over parallel.tp (the grid puts tp
-    fastest, so a node holds ranks_per_node / tp consecutive dp coordinates), at most parallel.dp."""
-    size = p.hpz_node_size or min(p.dp, max(1, ranks_per_node // p.tp))
-    if p.dp % size:
-        source = (f"parallel.hpz_node_size={size}" if p.hpz_node_size else
+def strategies_where(has: Callable[[DataParallelStrategy], bool]) -> list[str]:
+    """The names of the rows that `has` holds for, in the table's order: what help text lists, read from the rows."""
+    return [name for name, row in DP_STRATEGIES.items() if has(row)]
+
+
+def hpz_node_size(node_size: int, dp: int, tp: int, ranks_per_node: int) -> int:
+    """The data-parallel ranks of one parallel.hpz group: parallel.hpz_node_size (`node_size`), or where it is 0 those
+    on one node, the launcher's ranks per node (LOCAL_WORLD_SIZE, SLURM's tasks per node) over parallel.tp (the grid
+    puts tp fastest, so a node holds ranks_per_node / tp consecutive dp coordinates), at most parallel.dp."""
+    size = node_size or min(dp, max(1, ranks_per_node // tp))
+    if dp % size:
+        source = (f"parallel.hpz_node_size={size}" if node_size else
                   f"parallel.hpz_node_size=0 takes {size} data-parallel ranks per node (the launcher's "
-                  f"{ranks_per_node} ranks per node over parallel.tp={p.tp}), which")
-        raise ConfigError(f"{source} does not divide parallel.dp={p.dp}; set parallel.hpz_node_size to a divisor of "
+                  f"{ranks_per_node} ranks per node over parallel.tp={tp}), which")
+        raise ConfigError(f"{source} does not divide parallel.dp={dp}; set parallel.hpz_node_size to a divisor of "
                           "it (the data-parallel ranks on one node)")
     return size
-
-
-def check(cfg: Config) -> None:
-    """train.dump_grads against what the strategy (and tensor parallelism) leaves each rank, parallel.grad_comm and
-    parallel.param_comm against what it can send, parallel.hpz against the strategies that keep its copy (and its
-    node size against dp), then parallel.dp_sync against the multi-process pipeline."""
-    p = cfg.parallel
-    row = DP_STRATEGIES[p.dp_sync]
-    if cfg.train.dump_grads and (p.tp > 1 or (p.dp > 1 and not row.whole_gradients)):
-        split = f"parallel.tp={p.tp}" if p.tp > 1 else f"parallel.dp_sync={p.dp_sync}"
-        whole = [name for name, r in DP_STRATEGIES.items() if r.whole_gradients]
-        raise ConfigError(f"train.dump_grads saves whole gradients, but {split} leaves each rank pieces of them; "
-                          f"use parallel.dp_sync={either(whole)} with parallel.tp=1, or leave it empty")
-    if p.grad_comm not in row.grad_comm:
-        sending = [name for name, r in DP_STRATEGIES.items() if p.grad_comm in r.grad_comm]
-        raise ConfigError(f"parallel.grad_comm={p.grad_comm} is not built for parallel.dp_sync={p.dp_sync} (it sends "
-                          f"{either(list(row.grad_comm))}); use parallel.dp_sync={either(sending)}, or "
-                          "parallel.grad_comm=fp32")
-    if p.param_comm not in row.param_comm:
-        gathering = [name for name, r in DP_STRATEGIES.items() if p.param_comm in r.param_comm]
-        raise ConfigError(f"parallel.param_comm={p.param_comm} is not built for parallel.dp_sync={p.dp_sync} (it "
-                          f"gathers {either(list(row.param_comm))}); use parallel.dp_sync={either(gathering)}, or "
-                          "parallel.param_comm=fp32")
-    if p.hpz and not row.hpz:
-        keeping = [name for name, r in DP_STRATEGIES.items() if r.hpz]
-        raise ConfigError(f"parallel.hpz=true is not built for parallel.dp_sync={p.dp_sync}; use "
-                          f"parallel.dp_sync={either(keeping)}, or parallel.hpz=false")
-    if p.hpz and p.hpz_node_size:
-        hpz_node_size(p, 0)
-    if p.pp > 1 and row.without_pipeline:
-        syncing = [name for name, r in DP_STRATEGIES.items() if not r.without_pipeline]
-        raise ConfigError(f"parallel.dp_sync={p.dp_sync} {row.without_pipeline}; use parallel.dp_sync="
-                          f"{either(syncing)} with parallel.pp > 1")

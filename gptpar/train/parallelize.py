@@ -87,7 +87,7 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
                if shards_only else None)
     mesh = dims.mesh["dp"] if dims.mesh is not None and dp_group is not None else None
     local = experts.name_in(net) if experts is not None and dims.size("ep") > 1 else frozenset()
-    node_group = (dims.block_group("dp", hpz_node_size(p, dims.local_world_size))
+    node_group = (dims.block_group("dp", hpz_node_size(p.hpz_node_size, p.dp, p.tp, dims.local_world_size))
                   if p.hpz and dp_group is not None else None)
     sync = make_grad_sync(net, p, dp_group, device, initial, mesh, local, node_group)  # 6
     pieces = tp_group is not None and p.tp_impl == "gptpar"

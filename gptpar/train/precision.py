@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from gptpar.config import TrainConfig
 from gptpar.errors import GptparError
+from gptpar.hardware import resolved_precision
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -52,14 +53,13 @@ class DynamicLossScaler:
 
 
 def resolve_precision(setting: str, device: torch.device) -> str:
-    """`train.precision` as this rank runs it: `auto` is bf16 on a CUDA GPU with native bf16 (compute capability 8.0
-    and newer), fp16 with the loss scale on older GPUs, fp32 on CPUs (bf16 matmuls are slower than fp32 there)."""
-    if setting != "auto":
-        return setting
-    if device.type != "cuda":
-        return "fp32"
-    with torch.cuda.device(device):
-        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
+    """`train.precision` as this rank runs it (`gptpar.hardware.resolved_precision`), native bf16 asked of the GPU."""
+
+    def native_bf16() -> bool:
+        with torch.cuda.device(device):
+            return torch.cuda.is_bf16_supported(including_emulation=False)
+
+    return resolved_precision(setting, device.type == "cuda", native_bf16)
 
 
 def check_precision(precision: str, device: torch.device) -> None:

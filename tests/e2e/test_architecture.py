@@ -1,5 +1,6 @@
-"""The layering holds: no import loops, the login side (launch/) and the report (analysis/) never import
-torch or the trainer, the log format has one writer and one reader, and every subcommand answers --help."""
+"""The login side (launch/) and the report (analysis/) never import torch or the trainer, the log format has one
+writer and one reader, and every subcommand answers --help. The layers and the import loops are
+tests/test_structure.py's, which reads every import (deferred and type-only ones too)."""
 
 from __future__ import annotations
 
@@ -36,25 +37,6 @@ def imports(path: Path, top_level_only: bool) -> set[str]:
             found.add(node.module)
             found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return found
-
-
-def test_no_import_loops() -> None:
-    modules = {module_name(p): p for p in LIBRARY}
-    graph = {name: {m for m in imports(path, top_level_only=True) if m in modules and m != name}
-             for name, path in modules.items()}
-    done: set[str] = set()
-
-    def visit(name: str, trail: list[str]) -> None:
-        if name in trail:
-            raise AssertionError("import loop: " + " -> ".join([*trail[trail.index(name):], name]))
-        if name in done:
-            return
-        for target in graph[name]:
-            visit(target, [*trail, name])
-        done.add(name)
-
-    for name in graph:
-        visit(name, [])
 
 
 @pytest.mark.parametrize("path", [p for p in LIBRARY if p.parent.name in ("launch", "analysis")],
@@ -98,55 +80,6 @@ def test_the_log_format_has_one_writer_and_one_reader() -> None:
             if names_a_log or parses:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not offenders, offenders
-
-
-# The floors of the package, lowest first: a module imports only from its own floor or below (at run time; an
-# `if TYPE_CHECKING:` import is a type hint, not a dependency). The config and the strategy tables sit low so that
-# every side reads them; the parallelisms, the run folder, data and model above them; the trainer above those.
-FLOORS = (
-    ("gptpar", "gptpar.errors", "gptpar.paths", "gptpar.presets", "gptpar.markdown", "gptpar.atomic", "gptpar.hub",
-     "gptpar.snapshot",
-     "gptpar.tensor_bytes"),
-    ("gptpar.strategies", "gptpar.pretrained"),
-    ("gptpar.config",),
-    ("gptpar.data", "gptpar.model", "gptpar.models", "gptpar.run", "gptpar.parallel"),
-    ("gptpar.train", "gptpar.pipeline"),
-    ("gptpar.launch", "gptpar.user_defaults", "gptpar.doctor", "gptpar.api", "analysis", "gptpar.plan"),
-    ("gptpar.cli", "gptpar.__main__"),
-)
-
-
-def floor(module: str) -> int:
-    """The floor of the longest prefix of `module` that FLOORS names."""
-    best = max(((len(prefix), level) for level, names in enumerate(FLOORS) for prefix in names
-                if module == prefix or module.startswith(prefix + ".")), default=None)
-    assert best is not None, f"{module} is on no floor: add it to FLOORS"
-    return best[1]
-
-
-def runtime_imports(path: Path) -> set[str]:
-    """Modules of gptpar and analysis a file imports when it runs (anywhere but under `if TYPE_CHECKING:`)."""
-    found: set[str] = set()
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
-            return
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
-    return {m for m in found if m.split(".")[0] in ("gptpar", "analysis")}
-
-
-def test_no_import_points_upward() -> None:
-    upward = [f"{module_name(path)} (floor {floor(module_name(path))}) imports {target} (floor {floor(target)})"
-              for path in LIBRARY for target in sorted(runtime_imports(path))
-              if floor(target) > floor(module_name(path))]
-    assert not upward, upward
 
 
 def subcommands() -> list[str]:

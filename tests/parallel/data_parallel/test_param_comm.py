@@ -207,8 +207,8 @@ def test_bad_settings_are_one_line(overrides: list[str], message: str) -> None:
 
 def test_the_node_group_is_the_launchers_node_unless_set() -> None:
     def size(ranks_per_node: int, *overrides: str) -> int:
-        return hpz_node_size(load_config(None, ["parallel.dp_sync=fsdp", "parallel.hpz=true", *overrides]).parallel,
-                             ranks_per_node)
+        p = load_config(None, ["parallel.dp_sync=fsdp", "parallel.hpz=true", *overrides]).parallel
+        return hpz_node_size(p.hpz_node_size, p.dp, p.tp, ranks_per_node)
 
     assert size(8, "parallel.dp=8", "parallel.tp=2") == 4  # 8 ranks a node, tp pairs: 4 replicas
     assert size(8, "parallel.dp=4") == 4  # the whole group on one node

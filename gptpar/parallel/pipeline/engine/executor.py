@@ -131,7 +131,8 @@ class PipelineEngine(nn.Module):
         self.seq_shards = p.tp if p.tp > 1 and p.sequence_parallel else 1  # stages exchange sequence shards
         self.loss_fn, self.routing, self.aux_coef = loss_fn, routing, aux_coef
         replica_batch = cfg.train.batch_size // (p.dp * cfg.train.grad_accum)
-        sizes = pp_split_counts(p) or self._balanced(model, cfg, replica_batch // p.chunks, device)
+        sizes = (pp_split_counts(p.pp_split, p.pp * p.pp_virtual)
+                 or self._balanced(model, cfg, replica_batch // p.chunks, device))
         self.stage_ids = [self.rank + k * p.pp for k in range(p.pp_virtual)]
         self.stages = nn.ModuleDict({str(s): stage.to(device) for s, stage in
                                      zip(self.stage_ids, pipeline_stages(model, self.stage_ids, sizes), strict=True)})

@@ -1,0 +1,51 @@
+"""Training FLOPs per token from the model shape, and a device's dense peak: what the report's MFU (analysis.mfu) and
+the planner's (gptpar.plan.predict) both divide, kept here below both so that neither imports the other.
+
+Model FLOPs per token (what the model needs, whatever the implementation does):
+    6·N + 6·V·d + 12·L·H·Q·T
+N the parameters of the blocks and the final norm (2 FLOPs per multiply-add, ×3 for forward and
+backward; the architecture's blocks: GPT-2's 12d² + 13d, or the Llama family's grouped-query attention
+and gated MLP; a mixture of experts counts the parameters a token goes through, its router, top-k of its experts
+and the shared one, gptpar.presets.ModelShape.active_block_parameters), 6·V·d the LM head's vocabulary
+projection (2·V·d forward, tied or not), 12·L·H·Q·T attention's score and value products over every
+query head (L layers, H heads, Q head width, T sequence length). Hardware FLOPs add the forward of
+every block that activation checkpointing recomputes: 2·N_blocks/L + 4·H·Q·T per recomputed block.
+MFU divides model FLOPs, HFU hardware FLOPs, by the devices' dense peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gptpar.hardware import peaks_of
+from gptpar.presets import ModelShape
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the FLOPs of one trained token depend on."""
+
+    model: ModelShape
+    seq_len: int
+    vocab_size: int
+    recomputed_blocks: int = 0  # blocks whose forward activation checkpointing runs twice
+
+
+def flops_per_token(shape: Shape) -> float:
+    """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T (module docstring)."""
+    m = shape.model
+    n_params = m.n_layer * m.active_block_parameters() + m.norm_parameters()
+    attention = 12.0 * m.n_layer * m.n_head * m.head_dim * shape.seq_len
+    return 6.0 * n_params + 6.0 * shape.vocab_size * m.n_embd + attention
+
+
+def hardware_flops_per_token(shape: Shape) -> float:
+    """Model FLOPs plus one more forward of every recomputed block (2 FLOPs per weight, 4·H·Q·T attention)."""
+    m = shape.model
+    recompute_forward = 2.0 * m.active_block_parameters() + 4.0 * m.n_head * m.head_dim * shape.seq_len
+    return flops_per_token(shape) + shape.recomputed_blocks * recompute_forward
+
+
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """The dense peak FLOP/s of a device in a precision; None for a device or precision the datasheets lack."""
+    return (peaks_of(device_name) or {}).get(precision)
