@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 from gptpar.config import ConfigError, ModelConfig, load_config
 from gptpar.data import corpus as corpus_module
@@ -256,8 +257,11 @@ def _tree(root: Path) -> dict[str, int]:
 
 def test_tinyshakespeare_tests_leave_the_shared_data_folder_alone(shakespeare_dir, tmp_path, monkeypatch):
     """The suite's tinyshakespeare run reads ../shared/data but writes its token cache elsewhere."""
-    import test_data
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("test_data", REPO / "tests" / "data" / "test_data.py")
+    test_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(test_data)  # by path: this file may run without tests/data collected
     run = test_data.test_tinyshakespeare_from_a_data_dir_without_download
     given = {"shakespeare_dir": shakespeare_dir, "tmp_path": tmp_path, "monkeypatch": monkeypatch}
     before = _tree(shakespeare_dir)
