@@ -28,7 +28,7 @@ from transformers import GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from gptpar.config import PRETRAINED_ON_META, ModelConfig, check_context
-from gptpar.errors import GptparError
+from gptpar.errors import GptparError, first_sentence
 from gptpar.hub import hub_reachable
 from gptpar.models import architecture, find_model
 from gptpar.pretrained import check_weights, folder_of, folder_shape
@@ -159,9 +159,9 @@ def _from_folder(cfg: ModelConfig, folder: Path, vocab_size: int, seq_len: int |
     try:
         return arch.model_class.from_pretrained(str(folder), config=config, local_files_only=True,
                                                 dtype=torch.float32, attn_implementation="sdpa")
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise GptparError(f"model.init=pretrained:{folder}: its weights cannot be loaded "
-                          f"({str(exc).splitlines()[0]})") from None
+    except Exception as exc:  # safetensors' and unpickling's errors are of many types, none of them OSError
+        raise GptparError(f"model.init=pretrained:{folder}: its weights cannot be loaded ({first_sentence(exc)}); "
+                          "save them again with save_pretrained") from None
 
 
 def _hub_gpt2(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len: int | None = None

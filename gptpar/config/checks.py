@@ -9,7 +9,7 @@ import dataclasses
 from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import MOE_ARCHS, PRESETS
-from gptpar.pretrained import PREFIX, check_tokenizer, check_weights, folder_of
+from gptpar.pretrained import PREFIX, check_named, check_tokenizer, check_weights, folder_of
 from gptpar.strategies import STRATEGY_CHECKS
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 
@@ -55,6 +55,8 @@ def _check_weights_and_tokenizer(cfg: Config) -> None:
     """model.init and data.tokenizer name a known kind or a folder that holds what they read; a folder's weights fix
     the shape (no size key may change it) and come with their own tokenizer."""
     model, data = cfg.model, cfg.data
+    check_named(model.init, "model.init")
+    check_named(data.tokenizer, "data.tokenizer")
     folder = folder_of(model.init)
     if model.init not in INITS[:2] and folder is None:
         raise ConfigError(f"model.init={model.init!r} is not allowed; use {', '.join(INITS)}")

@@ -149,6 +149,14 @@ def _broken(folders: dict[str, Path], tmp_path: Path, what: str) -> Path:
     elif what == "no-response":
         (folder / "chat_template.jinja").write_text(CHAT.replace("{{ m['content'] }}", "{% if m['role'] == 'user' %}"
                                                                  "{{ m['content'] }}{% endif %}"))
+    elif what in ("empty-weights", "truncated-weights", "corrupt-weights"):
+        weights = folder / "model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes({"empty-weights": b"", "truncated-weights": data[:len(data) // 2],
+                             "corrupt-weights": data[:8] + b"x" * 32 + data[40:]}[what])
+    elif what == "corrupt-bin":
+        (folder / "model.safetensors").unlink()
+        (folder / "pytorch_model.bin").write_bytes(b"garbage" * 100)
     elif what == "mistral":
         config = folder / "config.json"
         config.write_text(config.read_text().replace('"model_type": "qwen2"', '"model_type": "mistral"'))
@@ -173,6 +181,32 @@ def test_a_folder_that_cannot_be_trained_is_one_line(folders: dict[str, Path], t
     with pytest.raises(ConfigError) as error:
         load_config(None, [f"model.init=pretrained:{folder}", *overrides])
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("what", "reason"), [
+    ("empty-weights", "SafetensorError: Error while deserializing header: header too small"),
+    ("truncated-weights", "SafetensorError: Error while deserializing header: incomplete metadata"),
+    ("corrupt-weights", "SafetensorError: Error while deserializing header: invalid JSON in header"),
+    ("corrupt-bin", "UnpicklingError: Weights only load failed)"),
+])
+def test_weights_that_cannot_be_read_are_one_line(folders: dict[str, Path], tmp_path: Path, what: str,
+                                                  reason: str) -> None:
+    folder = _broken(folders, tmp_path, what)
+    cfg = load_config(None, [f"model.init=pretrained:{folder}"])
+    with pytest.raises(GptparError) as error:
+        build_model(cfg.model, 400, seed=1, seq_len=64)
+    message = str(error.value)
+    assert message.startswith(f"model.init=pretrained:{folder}: its weights cannot be loaded ({reason}")
+    assert message.endswith("; save them again with save_pretrained") and "\n" not in message
+
+
+@pytest.mark.parametrize("key", ["model.init", "data.tokenizer"])
+def test_a_file_or_no_path_for_a_folder_is_one_line(folders: dict[str, Path], key: str) -> None:
+    config = folders["qwen2"] / "config.json"
+    with pytest.raises(ConfigError, match=rf"^{key}=pretrained:{config}: is a file, not a folder"):
+        load_config(None, [f"{key}=pretrained:{config}"])
+    with pytest.raises(ConfigError, match=rf"^{key}=pretrained: names no folder; use pretrained:PATH "):
+        load_config(None, [f"{key}=pretrained:"])
 
 
 @pytest.mark.parametrize(("key", "value"), [("model.init", "pretrained-ish"), ("data.tokenizer", "sentencepiece")])
