@@ -100,6 +100,9 @@ def _check_shape(model: ModelConfig) -> None:
     if shape.arch == "gpt2" and model.n_kv_head:
         raise ConfigError(f"model.n_kv_head={model.n_kv_head}: GPT-2 has no grouped-query attention; leave it 0 or "
                           "use model.arch=llama or qwen2")
+    if shape.arch in MOE_ARCHS and not shape.moe:
+        raise ConfigError(f"model.arch={shape.arch} is a mixture of experts, and model.preset={model.preset} has none; "
+                          "set model.n_experts and model.moe_top_k, or use a preset of one (e.g. mixtral-tiny)")
     if shape.moe and not 1 <= shape.top_k <= shape.n_experts:
         raise ConfigError(f"model.moe_top_k={shape.top_k} must be between 1 and model.n_experts={shape.n_experts} "
                           "(each token goes to that many of the block's experts)")
@@ -107,6 +110,10 @@ def _check_shape(model: ModelConfig) -> None:
         key = next(k for k in ("n_experts", "moe_top_k", "moe_capacity_factor") if getattr(model, k))
         raise ConfigError(f"model.{key}={getattr(model, key)}: {shape.arch} has no experts; use model.arch="
                           f"{' or '.join(MOE_ARCHS)} (or a preset of one, e.g. qwen2-moe-tiny)")
+    if shape.moe and model.moe_capacity_factor > (most := shape.n_experts / shape.top_k):
+        raise ConfigError(f"model.moe_capacity_factor={model.moe_capacity_factor:g} is above model.n_experts / "
+                          f"model.moe_top_k = {most:g}, where every expert has room for every token; use at most "
+                          f"{most:g}, or 0 to route every token")
     if model.init == "pretrained" and shape.arch != "gpt2":
         raise ConfigError(f"model.init=pretrained loads GPT-2's hub weights, not {shape.arch}'s; use model.init=random")
 
