@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from gptpar.config import ConfigError, DataConfig, load_config
-from gptpar.data.pairs import IGNORE, load_pairs, read_pairs
+from gptpar.data.pair_files import read_pairs
+from gptpar.data.pairs import IGNORE, load_pairs
 from gptpar.errors import GptparError
 from gptpar.run.logfile import format_record, read_rank_log
 from gptpar.train.bleu import answer_accuracy, final_answer

@@ -29,7 +29,8 @@ from transformers import (
 
 from analysis.mfu import model_shape
 from gptpar.config import ConfigError, data_config, load_config
-from gptpar.data.pairs import IGNORE, SAMPLES, load_pairs, read_pairs
+from gptpar.data.pair_files import SAMPLES, read_pairs
+from gptpar.data.pairs import IGNORE, load_pairs
 from gptpar.errors import GptparError
 from gptpar.launch.plan import plan_run
 from gptpar.model import build_model
