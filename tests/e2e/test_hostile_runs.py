@@ -28,6 +28,7 @@ from gptpar import api, cli
 from gptpar.config import config_digest, load_config
 from gptpar.errors import GptparError
 from gptpar.launch import local as local_module
+from gptpar.launch import profiles as profiles_module
 from gptpar.launch import slurm
 from gptpar.launch import sweep as sweep_module
 from gptpar.launch.plan import plan_run
@@ -593,3 +594,23 @@ def test_a_device_that_is_not_there_is_an_error_not_a_cpu_run() -> None:
         build_parallel_model(model, cfg.parallel)
     with pytest.raises(GptparError, match="is not a device"):
         build_parallel_model(model, ParallelConfig(devices="gpu7"))
+
+
+def test_a_large_sweep_reads_each_profile_once_and_its_dry_run_counts_the_points_past_twenty(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """160,000 points printed nothing for minutes: every point read all five profiles (detecting the cluster) and
+    its own again, and the dry run listed every point's name."""
+    sweep = write_sweep(tmp_path / "s.yaml", "name: big\ngrid: {train.lr: [0.001, 0.002, 0.003, 0.004, 0.005, 0.006], "
+                        "train.seed: [1, 2, 3, 4, 5]}\nbase: {data: {tokenizer: bytes}}\n")
+    reads: list[str] = []
+    real_read = profiles_module.read_yaml
+    monkeypatch.setattr(profiles_module, "read_yaml", lambda path: reads.append(str(path)) or real_read(path))
+    profiles_module._read_profile.cache_clear()
+    defaults, real_defaults = [], sweep_module.user_layers
+    monkeypatch.setattr(sweep_module, "user_layers", lambda: defaults.append(1) or real_defaults())
+    assert run_sweep(sweep, dry_run=True, runs_dir=str(tmp_path / "runs")) == 0
+    assert len(reads) == len(set(reads))  # each profile file parsed once, for all 30 points
+    assert len(defaults) == 1  # the user's defaults (the cluster detected from every profile) resolved once
+    (points,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# points: ")]
+    names = [name for name, _ in expand(sweep)[2]]
+    assert points == f"# points: {', '.join(names[:20])} and 10 more"
