@@ -153,8 +153,10 @@ def _from_folder(cfg: ModelConfig, folder: Path, vocab_size: int, seq_len: int |
         setattr(config, key, cfg.dropout)
     config.use_cache = False
     if config.vocab_size < vocab_size:
-        raise GptparError(f"model.init=pretrained:{folder}: its token table has {config.vocab_size} rows, fewer than "
-                          f"the tokenizer's {vocab_size} ids; use the folder's own tokenizer (data.tokenizer=auto)")
+        raise GptparError(f"model.init=pretrained:{folder}: its token table has {config.vocab_size} rows (vocab_size "
+                          f"in its config.json), fewer than the {vocab_size} ids of its own tokenizer: config.json "
+                          "does not describe these weights (was it edited?); save the model and its tokenizer again "
+                          "with save_pretrained")
     transformers_logging.disable_progress_bar()  # a bar per load in every rank's log says nothing
     try:
         return arch.model_class.from_pretrained(str(folder), config=config, local_files_only=True,

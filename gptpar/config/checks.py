@@ -9,7 +9,7 @@ import dataclasses
 from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import MOE_ARCHS, PRESETS
-from gptpar.pretrained import PREFIX, check_named, check_tokenizer, check_weights, folder_of
+from gptpar.pretrained import PREFIX, check_named, check_tokenizer, check_weights, folder_config, folder_of
 from gptpar.strategies import STRATEGY_CHECKS
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 
@@ -75,6 +75,10 @@ def _check_weights_and_tokenizer(cfg: Config) -> None:
         raise ConfigError(f"model.{changed[0]}={getattr(model, changed[0])}: the weights of model.init={model.init} "
                           f"fix the model's shape; leave model.{changed[0]} unset")
     check_weights(folder)
+    rows = folder_config(folder).get("vocab_size")
+    if data.source == "synthetic" and isinstance(rows, int) and data.vocab_size > rows:
+        raise ConfigError(f"data.vocab_size={data.vocab_size}: data.source=synthetic draws token ids below it, but the "
+                          f"token table of model.init={model.init} has {rows} rows; use data.vocab_size={rows} or less")
     if data.tokenizer not in ("auto", model.init) and data.source != "synthetic":
         raise ConfigError(f"data.tokenizer={data.tokenizer}: the weights of model.init={model.init} were trained "
                           "with their folder's tokenizer; leave data.tokenizer=auto (it reads it)")

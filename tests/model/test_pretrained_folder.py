@@ -158,6 +158,9 @@ def _broken(folders: dict[str, Path], tmp_path: Path, what: str) -> Path:
     elif what == "corrupt-bin":
         (folder / "model.safetensors").unlink()
         (folder / "pytorch_model.bin").write_bytes(b"garbage" * 100)
+    elif what == "small-table":  # config.json edited: its table no longer covers the folder's own tokenizer
+        config = folder / "config.json"
+        config.write_text(config.read_text().replace('"vocab_size": 448', '"vocab_size": 300'))
     elif what == "mistral":
         config = folder / "config.json"
         config.write_text(config.read_text().replace('"model_type": "qwen2"', '"model_type": "mistral"'))
@@ -199,6 +202,23 @@ def test_weights_that_cannot_be_read_are_one_line(folders: dict[str, Path], tmp_
     message = str(error.value)
     assert message.startswith(f"model.init=pretrained:{folder}: its weights cannot be loaded ({reason}")
     assert message.endswith("; save them again with save_pretrained") and "\n" not in message
+
+
+def test_a_token_table_too_small_for_the_ids_names_the_real_cause(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Both said "use the folder's own tokenizer (data.tokenizer=auto)", which was already the setting."""
+    with pytest.raises(ConfigError) as error:  # synthetic data draws ids below data.vocab_size, 4096 by default
+        load_config(None, [f"model.init=pretrained:{folders['qwen2']}", "data.source=synthetic"])
+    assert str(error.value) == (f"data.vocab_size=4096: data.source=synthetic draws token ids below it, but the token "
+                                f"table of model.init=pretrained:{folders['qwen2']} has 448 rows; use "
+                                "data.vocab_size=448 or less")
+    load_config(None, [f"model.init=pretrained:{folders['qwen2']}", "data.source=synthetic", "data.vocab_size=448"])
+    folder = _broken(folders, tmp_path, "small-table")
+    with pytest.raises(GptparError) as error:
+        build_model(load_config(None, [f"model.init=pretrained:{folder}"]).model, 400, seed=1, seq_len=64)
+    assert str(error.value) == (f"model.init=pretrained:{folder}: its token table has 300 rows (vocab_size in its "
+                                "config.json), fewer than the 400 ids of its own tokenizer: config.json does not "
+                                "describe these weights (was it edited?); save the model and its tokenizer again with "
+                                "save_pretrained")
 
 
 @pytest.mark.parametrize("key", ["model.init", "data.tokenizer"])
