@@ -110,6 +110,7 @@ def read_pairs(cfg: DataConfig) -> PairSplits:
                                          source)
             offered = len(train_pairs)
         train, capped = _capped(train_pairs, cfg.max_chars, offered)
+        _check_responses(train, f"data.source={source}", fields[1])
         named = {"train": train, "validation": val,
                  "test": list(_hub_pairs(source, splits["test"], "test", fields)) if "test" in splits else None}
         empty = [split for split, pairs in named.items() if pairs == []]
@@ -128,7 +129,15 @@ def read_pairs(cfg: DataConfig) -> PairSplits:
     if len(paths) == 1:
         files = _held_out(files[0], cfg.val_fraction, f"{kind}:TRAIN,VALID", paths[0])
     train, capped = _capped(files[0], cfg.max_chars, len(files[0]))
+    _check_responses(train, f"data.source={kind}: {paths[0]}", fields[1])
     return PairSplits(train, files[1], files[2] if len(files) == 3 else None, capped)
+
+
+def _check_responses(train: list[Pair], where: str, field: str) -> None:
+    """The loss is on the responses: with every one empty a run would train on the end token alone, silently."""
+    if not any(response.strip() for _, response in train):
+        raise GptparError(f"{where}: every training pair's response ({field!r}) is empty, and the loss is on the "
+                          "responses; fill them in, or name the field that holds them (data.response_field for sft)")
 
 
 def _held_out(pairs: list[Pair], val_fraction: float, two_files: str, path: str | Path) -> list[list[Pair]]:
