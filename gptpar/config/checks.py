@@ -114,10 +114,11 @@ def _check_shape(model: ModelConfig) -> None:
         key = next(k for k in ("n_experts", "moe_top_k", "moe_capacity_factor") if getattr(model, k))
         raise ConfigError(f"model.{key}={getattr(model, key)}: {shape.arch} has no experts; use model.arch="
                           f"{' or '.join(MOE_ARCHS)} (or a preset of one, e.g. qwen2-moe-tiny)")
-    if shape.moe and model.moe_capacity_factor > (most := shape.n_experts / shape.top_k):
-        raise ConfigError(f"model.moe_capacity_factor={model.moe_capacity_factor:g} is above model.n_experts / "
-                          f"model.moe_top_k = {most:g}, where every expert has room for every token; use at most "
-                          f"{most:g}, or 0 to route every token")
+    # Capacity is ceil(c * tokens * top_k / n_experts): past c = n_experts it exceeds every pick there is.
+    if shape.moe and model.moe_capacity_factor > shape.n_experts:
+        raise ConfigError(f"model.moe_capacity_factor={model.moe_capacity_factor:g} is above model.n_experts="
+                          f"{shape.n_experts}, where each expert has room for every pick of every token already; "
+                          f"use at most {shape.n_experts}, or 0 to route every token")
     if model.init == "pretrained" and shape.arch != "gpt2":
         raise ConfigError(f"model.init=pretrained loads GPT-2's hub weights, not {shape.arch}'s; use model.init=random")
 

@@ -130,14 +130,14 @@ def test_durations_and_sizes_that_would_overflow_later_are_refused(override):
      "model.arch=mixtral is a mixture of experts, and model.preset=llama-tiny has none; set model.n_experts and "
      "model.moe_top_k, or use a preset of one (e.g. mixtral-tiny)"),
     (["model.preset=mixtral-tiny", "model.moe_capacity_factor=1e300"],  # was an OverflowError in a rank
-     "model.moe_capacity_factor=1e+300 is above model.n_experts / model.moe_top_k = 2, where every expert has room "
-     "for every token; use at most 2, or 0 to route every token"),
+     "model.moe_capacity_factor=1e+300 is above model.n_experts=4, where each expert has room for every pick of "
+     "every token already; use at most 4, or 0 to route every token"),
 ])
 def test_a_mixture_without_experts_or_with_a_boundless_capacity_is_one_line(overrides, message):
     with pytest.raises(ConfigError) as exc:
         load_config(None, overrides)
     assert one_line(exc) == message
-    load_config(None, ["model.preset=mixtral-tiny", "model.moe_capacity_factor=2"])  # the bound itself is allowed
+    load_config(None, ["model.preset=mixtral-tiny", "model.moe_capacity_factor=4"])  # the bound itself is allowed
 
 
 # --- Config files ------------------------------------------------------------------------------------
