@@ -39,7 +39,10 @@ DEADLINE_S = 120.0  # a hang guard while waiting on records: never a timing clai
 
 
 def _gptpar(runs: Path, *words: str, command: tuple[str, ...] = ("train",)) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gptpar", *command, *TINY, f"log.runs_dir={runs}", *words],
+    """`gptpar` on TINY with `words`, which replace TINY's keys (the command line takes each key once)."""
+    given = {word.partition("=")[0] for word in words}
+    tiny = [word for word in TINY if word.partition("=")[0] not in given]
+    return subprocess.Popen([sys.executable, "-m", "gptpar", *command, *tiny, f"log.runs_dir={runs}", *words],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -260,10 +263,7 @@ def test_sigterm_while_the_data_is_prepared_stops_the_run_at_once(tmp_path):
     with open(huge, "wb") as f:
         f.write(b"some text\n" * (1 << 20))  # 10 MiB of text: what the submit side checks of it is text
         f.truncate(1 << 40)  # then sparse, to 1 TiB: hashing it all would take the rank many minutes
-    words = [w for w in TINY if not w.startswith("data.source=")]
-    proc = subprocess.Popen([sys.executable, "-m", "gptpar", "train", *words, f"data.source=text:{huge}",
-                             "data.max_chars=0", "data.tokenizer=bytes", f"log.runs_dir={tmp_path}",
-                             "log.run_id=prep"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = _gptpar(tmp_path, f"data.source=text:{huge}", "data.max_chars=0", "data.tokenizer=bytes", "log.run_id=prep")
     try:
         deadline = time.monotonic() + DEADLINE_S
         # The folder is written after the submit side's check: an open file then is the rank hashing it.
