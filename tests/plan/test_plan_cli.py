@@ -134,7 +134,7 @@ def test_a_profile_without_links_plans_the_users_gpu_type(tmp_path: Path, capsys
     (lambda c: {**c, "collectives": {"all_reduce": [[4096.0, 1e-4, 3]]}},
      "collectives.all_reduce[0] is [4096.0, 0.0001, 3], not [size, seconds]"),
     (lambda c: {**c, "activation_bytes_per_token_width": -1}, "activation_bytes_per_token_width is -1, not a finite"),
-])
+], ids=["list", "compute-text", "world-size-text", "negative-time", "nan-time", "three-numbers", "negative-bytes"])
 def test_a_calibration_of_the_wrong_shape_or_with_impossible_times_is_one_line(
         edit: Callable[[dict], Any], reason: str, calib: str, capsys: pytest.CaptureFixture[str]) -> None:
     Path(calib).write_text(json.dumps(edit(json.loads(Path(calib).read_text()))))
