@@ -41,6 +41,9 @@ def _words(overrides: Overrides) -> list[str]:
         return [f"{key}={value}" for key, value in overrides.items()]
     if isinstance(overrides, str):
         raise GptparError(f"overrides: {overrides!r} is one string; give a mapping or a list of section.key=value")
+    if not isinstance(overrides, Sequence) or not all(isinstance(word, str) for word in overrides):
+        raise GptparError(f"overrides: {overrides!r} is not a mapping or a list of section.key=value strings; give "
+                          "e.g. {'train.lr': 1e-3} or ['train.lr=1e-3']")
     return list(overrides)
 
 

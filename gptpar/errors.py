@@ -22,3 +22,9 @@ def require_extra(module: str, setting: str, extra: str) -> ModuleType:
     except ImportError:
         raise GptparError(f"{setting} needs the {extra} extra: pip install 'gptpar[{extra}]' "
                           "(or make install)") from None
+
+
+def first_sentence(exc: BaseException) -> str:
+    """`Type: the first sentence` of an error from a library: torch.load(weights_only=True) and safetensors go on
+    for lines, and torch's later sentences wrongly suggest retrying with weights_only=False."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0].split(". ")[0]

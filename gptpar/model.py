@@ -30,7 +30,7 @@ from transformers import GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from gptpar.config import PRETRAINED_ON_META, ModelConfig, check_context
-from gptpar.errors import GptparError
+from gptpar.errors import GptparError, first_sentence
 from gptpar.hub import hub_reachable
 from gptpar.models import architecture, find_model
 from gptpar.pretrained import check_weights, folder_of, folder_shape
@@ -155,13 +155,15 @@ def _from_folder(cfg: ModelConfig, folder: Path, vocab_size: int, seq_len: int |
         setattr(config, key, cfg.dropout)
     config.use_cache = False
     if config.vocab_size < vocab_size:
-        raise GptparError(f"model.init=pretrained:{folder}: its token table has {config.vocab_size} rows, fewer than "
-                          f"the tokenizer's {vocab_size} ids; use the folder's own tokenizer (data.tokenizer=auto)")
+        raise GptparError(f"model.init=pretrained:{folder}: its token table has {config.vocab_size} rows (vocab_size "
+                          f"in its config.json), fewer than the {vocab_size} ids of its own tokenizer: config.json "
+                          "does not describe these weights (was it edited?); save the model and its tokenizer again "
+                          "with save_pretrained")
     transformers_logging.disable_progress_bar()  # a bar per load in every rank's log says nothing
     try:  # transformers reads pickled weights (pytorch_model.bin) with torch.load(weights_only=True): tensors, no calls
         return arch.model_class.from_pretrained(str(folder), config=config, local_files_only=True,
                                                 dtype=torch.float32, attn_implementation="sdpa")
-    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as exc:
+    except Exception as exc:  # safetensors' and unpickling's errors are of many types, none of them OSError
         raise _weights_error(folder, exc) from None
 
 
@@ -174,7 +176,8 @@ def _weights_error(folder: Path, exc: Exception) -> GptparError:
         return GptparError(f"model.init=pretrained:{folder}: refused to load its weights: they name "
                            f"{', '.join(names)}, which weights never hold (loading them could run code); save the "
                            "model there again with save_pretrained, from a source you trust")
-    return GptparError(f"model.init=pretrained:{folder}: its weights cannot be loaded ({str(exc).splitlines()[0]})")
+    return GptparError(f"model.init=pretrained:{folder}: its weights cannot be loaded ({first_sentence(exc)}); "
+                       "save them again with save_pretrained")
 
 
 def _hub_gpt2(cfg: ModelConfig, vocab_size: int, hub_timeout_s: float, seq_len: int | None = None

@@ -28,12 +28,25 @@ def folder_of(setting: str) -> Path | None:
     return Path(setting[len(PREFIX):]).expanduser() if setting.startswith(PREFIX) else None
 
 
+def check_named(setting: str, key: str) -> None:
+    """`pretrained:` with no path would quietly read the current folder: a setting must name its folder."""
+    if setting == PREFIX:
+        raise ConfigError(f"{key}={PREFIX} names no folder; use {PREFIX}PATH (a folder written by transformers' "
+                          "save_pretrained)")
+
+
+def _require_folder(folder: Path, key: str, hint: str = "") -> None:
+    """`folder` must be a folder: a file, or nothing, at that path fails in one line naming `key`."""
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "no such folder"
+        raise ConfigError(f"{key}={PREFIX}{folder}: {what}{hint}")
+
+
 def folder_config(folder: Path, key: str = "model.init") -> dict:
     """The folder's config.json; a missing folder or file, or one that is not JSON, fails in one line naming `key`."""
     path = folder / "config.json"
-    if not folder.is_dir():
-        raise ConfigError(f"{key}={PREFIX}{folder}: no such folder; name a folder written by transformers' "
-                          "save_pretrained (see the README: fetch it once on a login node)")
+    _require_folder(folder, key, "; name a folder written by transformers' save_pretrained (see the README: fetch "
+                    "it once on a login node)")
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
@@ -83,8 +96,7 @@ def check_weights(folder: Path) -> None:
 
 def check_tokenizer(folder: Path, key: str) -> None:
     """A tokenizer setting naming a folder must find the tokenizer there."""
-    if not folder.is_dir():
-        raise ConfigError(f"{key}={PREFIX}{folder}: no such folder")
+    _require_folder(folder, key)
     if not (folder / TOKENIZER_FILES[0]).is_file():
         raise ConfigError(f"{key}={PREFIX}{folder}: the folder has no {TOKENIZER_FILES[0]} (a fast tokenizer, as "
                           "save_pretrained writes it); save the tokenizer there too")

@@ -10,7 +10,7 @@ from gptpar.config.parallel_checks import PARALLEL_CHECKS
 from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from gptpar.errors import ConfigError
 from gptpar.presets import MOE_ARCHS, PRESETS
-from gptpar.pretrained import PREFIX, check_tokenizer, check_weights, folder_of
+from gptpar.pretrained import PREFIX, check_named, check_tokenizer, check_weights, folder_config, folder_of
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 
 TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
@@ -55,6 +55,8 @@ def _check_weights_and_tokenizer(cfg: Config) -> None:
     """model.init and data.tokenizer name a known kind or a folder that holds what they read; a folder's weights fix
     the shape (no size key may change it) and come with their own tokenizer."""
     model, data = cfg.model, cfg.data
+    check_named(model.init, "model.init")
+    check_named(data.tokenizer, "data.tokenizer")
     folder = folder_of(model.init)
     if model.init not in INITS[:2] and folder is None:
         raise ConfigError(f"model.init={model.init!r} is not allowed; use {', '.join(INITS)}")
@@ -73,6 +75,10 @@ def _check_weights_and_tokenizer(cfg: Config) -> None:
         raise ConfigError(f"model.{changed[0]}={getattr(model, changed[0])}: the weights of model.init={model.init} "
                           f"fix the model's shape; leave model.{changed[0]} unset")
     check_weights(folder)
+    rows = folder_config(folder).get("vocab_size")
+    if data.source == "synthetic" and isinstance(rows, int) and data.vocab_size > rows:
+        raise ConfigError(f"data.vocab_size={data.vocab_size}: data.source=synthetic draws token ids below it, but the "
+                          f"token table of model.init={model.init} has {rows} rows; use data.vocab_size={rows} or less")
     if data.tokenizer not in ("auto", model.init) and data.source != "synthetic":
         raise ConfigError(f"data.tokenizer={data.tokenizer}: the weights of model.init={model.init} were trained "
                           "with their folder's tokenizer; leave data.tokenizer=auto (it reads it)")
@@ -98,6 +104,9 @@ def _check_shape(model: ModelConfig) -> None:
     if shape.arch == "gpt2" and model.n_kv_head:
         raise ConfigError(f"model.n_kv_head={model.n_kv_head}: GPT-2 has no grouped-query attention; leave it 0 or "
                           "use model.arch=llama or qwen2")
+    if shape.arch in MOE_ARCHS and not shape.moe:
+        raise ConfigError(f"model.arch={shape.arch} is a mixture of experts, and model.preset={model.preset} has none; "
+                          "set model.n_experts and model.moe_top_k, or use a preset of one (e.g. mixtral-tiny)")
     if shape.moe and not 1 <= shape.top_k <= shape.n_experts:
         raise ConfigError(f"model.moe_top_k={shape.top_k} must be between 1 and model.n_experts={shape.n_experts} "
                           "(each token goes to that many of the block's experts)")
@@ -105,6 +114,11 @@ def _check_shape(model: ModelConfig) -> None:
         key = next(k for k in ("n_experts", "moe_top_k", "moe_capacity_factor") if getattr(model, k))
         raise ConfigError(f"model.{key}={getattr(model, key)}: {shape.arch} has no experts; use model.arch="
                           f"{' or '.join(MOE_ARCHS)} (or a preset of one, e.g. qwen2-moe-tiny)")
+    # Capacity is ceil(c * tokens * top_k / n_experts): past c = n_experts it exceeds every pick there is.
+    if shape.moe and model.moe_capacity_factor > shape.n_experts:
+        raise ConfigError(f"model.moe_capacity_factor={model.moe_capacity_factor:g} is above model.n_experts="
+                          f"{shape.n_experts}, where each expert has room for every pick of every token already; "
+                          f"use at most {shape.n_experts}, or 0 to route every token")
     if model.init == "pretrained" and shape.arch != "gpt2":
         raise ConfigError(f"model.init=pretrained loads GPT-2's hub weights, not {shape.arch}'s; use model.init=random")
 

@@ -185,11 +185,12 @@ _Loader.add_implicit_resolver(
 
 
 def split_config_args(words: typing.Sequence[str]) -> tuple[str | None, list[str]]:
-    """The optional YAML path and the overrides: a first word with '=' that is no file is an override."""
+    """The optional YAML path and the overrides, each key at most once (as in YAML): a first word with '=' that is no
+    file is an override."""
     words = list(words)
-    if words and ("=" not in words[0] or Path(words[0]).is_file()):
-        return words[0], words[1:]
-    return None, words
+    path = words.pop(0) if words and ("=" not in words[0] or Path(words[0]).is_file()) else None
+    _refuse_repeated(words)
+    return path, words
 
 
 def read_yaml(path: str | Path) -> Any:
@@ -235,6 +236,17 @@ def config_layers(path: str | Path | None = None, overrides: typing.Iterable[str
     layers: list[Layer] = [(str(path), read_yaml(path))] if path else []
     tree = overrides_tree(overrides)
     return [*layers, ("command line", tree)] if tree else layers
+
+
+def _refuse_repeated(overrides: typing.Sequence[str]) -> None:
+    """A key given twice would silently take its last value, where a YAML file refuses the same."""
+    first: dict[str, str] = {}
+    for text in overrides:
+        key, value = parse_override(text)
+        if key in first:
+            raise ConfigError(f"{key} is given twice on the command line ({key}={first[key]} and {key}={value}); "
+                              "keep one")
+        first[key] = value
 
 
 def resolve_layers(layers: typing.Sequence[Layer]) -> tuple[Config, dict[str, str]]:

@@ -17,7 +17,7 @@ from filelock import FileLock
 
 from gptpar.atomic import atomic_write
 from gptpar.config import DataConfig
-from gptpar.data.sources import TINYSHAKESPEARE_SHA256, cache_dir, load_text, sha256_of, text_paths
+from gptpar.data.sources import TINYSHAKESPEARE_SHA256, bytes_used, cache_dir, load_text, sha256_of, text_paths
 from gptpar.data.tokenizer import get_tokenizer
 from gptpar.errors import GptparError
 
@@ -53,9 +53,10 @@ def _synthetic(cfg: DataConfig) -> TokenSplits:
 def _content(cfg: DataConfig) -> object:
     """What the source's text is, as far as it can be told before reading it.
 
-    A `text:` file counts by size, mtime and sha256, so an edit (even one that keeps the size and the
-    mtime) retokenizes; tinyshakespeare is checked against a fixed sha256; the stdlib corpus is the
-    interpreter's own. hf: datasets are named only (their revision is not known before loading).
+    A `text:` file counts by size, mtime and the sha256 of the bytes data.max_chars can use, so an edit (even one
+    that keeps the size and the mtime) retokenizes, and a huge file is not read to its end; tinyshakespeare is
+    checked against a fixed sha256; the stdlib corpus is the interpreter's own. hf: datasets are named only (their
+    revision is not known before loading).
     """
     if cfg.source == "stdlib":
         return {"python": sys.version}
@@ -65,7 +66,8 @@ def _content(cfg: DataConfig) -> object:
         files = []
         for path in text_paths(cfg.source):
             stat = path.stat()
-            files.append({"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_of(path)})
+            files.append({"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                          "sha256": sha256_of(path, bytes_used(cfg.max_chars))})
         return files
     return None
 

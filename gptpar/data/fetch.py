@@ -1,19 +1,22 @@
 """Data before the job: `gptpar data fetch` fills the local Hugging Face cache with a hub dataset (and GPT-2's
 tokenizer) on a machine that reaches the hub, a login node, so that compute nodes without internet train from the
 cache; and the submit side refuses, before any run folder is written, a hub dataset that is neither cached nor
-reachable (it would only fail on the rank, after the queue)."""
+reachable, or a local data file the ranks would refuse (either would only fail on the rank, after the queue)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-from gptpar.config.schema import DataConfig
-from gptpar.data.sources import hf_split
+from gptpar.config.schema import PAIR_TASKS, DataConfig
+from gptpar.data.pair_files import read_pairs
+from gptpar.data.sources import hf_split, load_text, text_paths
 from gptpar.data.tokenizer import gpt2_tokenizer
 from gptpar.errors import GptparError, require_extra
 from gptpar.hub import hub_reachable
 
 HF = "hf:"
+LOGIN_CHARS = 2_000_000  # of a corpus, checked on the login side (data.max_chars's default): not a whole corpus
 
 
 def fetch_hint(spec: str) -> str:
@@ -32,6 +35,26 @@ def require_hub_data(cfg: DataConfig) -> None:
     except Exception:
         raise GptparError(f"data.source={cfg.source}: not in this machine's Hugging Face cache and the hub is "
                           f"unreachable; {fetch_hint(cfg.source[len(HF):])}") from None
+
+
+def check_local_data(cfg: DataConfig) -> None:
+    """Read a local data file as the ranks will (pairs: every line; text: what data.max_chars uses, up to
+    LOGIN_CHARS), so that data they would refuse (not UTF-8, a line that is not a pair, a split without pairs, ...)
+    is one line here, before any run folder is written, as a bad config key is. A hub dataset, and the bundled
+    sample, are the rank's to read."""
+    local = cfg.source.startswith(("jsonl:", "tsv:")) if cfg.task in PAIR_TASKS else cfg.source.startswith("text:")
+    if local:
+        stamps = tuple((stat.st_size, stat.st_mtime_ns) for stat in (path.stat() for path in text_paths(cfg.source)))
+        _read_as_ranks(cfg, stamps)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_as_ranks(cfg: DataConfig, stamps: tuple[tuple[int, int], ...]) -> None:
+    """Remembered by the files' sizes and times (`stamps`), so that a sweep's points read their shared files once."""
+    if cfg.task in PAIR_TASKS:
+        read_pairs(cfg)
+    else:
+        load_text(dataclasses.replace(cfg, max_chars=min(cfg.max_chars or LOGIN_CHARS, LOGIN_CHARS)))
 
 
 def fetch(cfg: DataConfig) -> str:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
+import stat
 import sysconfig
 import urllib.request
 from collections.abc import Iterable
@@ -43,12 +45,20 @@ def cache_dir(cfg: DataConfig) -> Path:
     return path
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
+def sha256_of(path: Path, limit: int = 0) -> str:
+    """The sha256 of the file's first `limit` bytes (0: all of it)."""
+    digest, done = hashlib.sha256(), 0
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        while block := f.read(min(1 << 20, limit - done) if limit else 1 << 20):
             digest.update(block)
+            done += len(block)
     return digest.hexdigest()
+
+
+def bytes_used(max_chars: int) -> int:
+    """The bytes of a text file that can hold its first `max_chars` characters (UTF-8 spends at most 4 on one, and a
+    \r\n read as one newline 2): what is read and hashed of it; 0 (data.max_chars=0) for all."""
+    return 4 * max_chars
 
 
 def _truncate(texts: Iterable[str], max_chars: int) -> str:
@@ -104,8 +114,20 @@ def text_paths(source: str) -> list[Path]:
     if not paths:
         raise GptparError(f"data.source={kind}: names no file (got {source!r}); use {kind}:PATH[,PATH...]")
     files = [check_path(Path(p).expanduser(), "file", f"data.source={kind}:") for p in paths]
+    for path in files:
+        if not path.is_file():  # it exists (check_path), as a pipe or a device: reading it may never end
+            raise GptparError(f"data.source={kind}: {path} is {_special_kind(path)}, not a regular file; save the "
+                              "text in a file and name that")
     _refuse_duplicates(kind, files)
     return files
+
+
+def _special_kind(path: Path) -> str:
+    """What a path that exists but is neither a file nor a folder is, in words."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def _refuse_duplicates(kind: str, files: list[Path]) -> None:
@@ -128,11 +150,14 @@ def _refuse_duplicates(kind: str, files: list[Path]) -> None:
                                   "(a copy trains twice, and validates on text it trained on)")
 
 
-def read_text_file(path: Path, kind: str = "text") -> str:
-    """One document: the file as UTF-8 text, with universal newlines; anything else is refused."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
+def read_text_file(path: Path, kind: str = "text", max_chars: int = 0) -> str:
+    """One document: the file as UTF-8 text (at least its first `max_chars` characters, 0: all), with universal
+    newlines; anything else is refused."""
+    limit = bytes_used(max_chars)
+    with open(path, "rb") as f:
+        data = f.read(limit) if limit else f.read()
+    try:  # a character that the limit cut in two is left out, not an error
+        text = codecs.getincrementaldecoder("utf-8")().decode(data, final=not limit or len(data) < limit)
     except UnicodeDecodeError as exc:
         raise GptparError(f"data.source={kind}: {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at "
                           f"offset {exc.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
@@ -144,7 +169,7 @@ def read_text_file(path: Path, kind: str = "text") -> str:
 
 def text_files(paths: list[Path], max_chars: int) -> str:
     """Local text files, each one document."""
-    return _truncate((read_text_file(p) for p in paths), max_chars)
+    return _truncate((read_text_file(p, max_chars=max_chars) for p in paths), max_chars)
 
 
 def hf_split(spec: str, cfg: DataConfig, split: str | None):

@@ -14,6 +14,7 @@ there saying so (gptpar.run.state reads it).
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -147,6 +148,10 @@ def _note_ends(procs: Sequence[subprocess.Popen], killed: dict[int, str], job_di
             err.write(f"gptpar: rank {rank} (pid {proc.pid}) {why}\n")
 
 
+# Jobs this process has run, over all its LocalBackends (each api.submit makes one): the next one's number.
+_STARTED = itertools.count(1)
+
+
 def local_job_id(host: str, pid: int, n: int) -> str:
     """The id of the n-th job a local launcher (process `pid` on `host`) runs: `host:pid.n`, one per point, as a
     SLURM array gives each task its own id, so `gptpar status` and the console tell a sweep's points apart."""
@@ -161,14 +166,10 @@ class LocalBackend:
     where = "local processes on this machine"
     scheduler = ""  # the ranks are the job: cancel interrupts them (gptpar.launch.backend.cancel_run)
 
-    def __init__(self) -> None:
-        self.started = 0  # jobs this launcher has run: the next one's number
-
     def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
         ids, world = [], spec.nodes * spec.tasks_per_node
         for point in points:
-            self.started += 1
-            job_id = local_job_id(socket.gethostname(), os.getpid(), self.started)
+            job_id = local_job_id(socket.gethostname(), os.getpid(), next(_STARTED))
             point.folder.write_job_record(self.name, job_id, spec.kind)
             print(f"{point.label or point.folder.name}: job {job_id} starts, {world} rank(s) on this machine",
                   flush=True)

@@ -127,10 +127,10 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
     cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point")
     cfg = updated(cfg, {"log.runs_dir": str(root), **absolute_paths(cfg)})
-    if cfg.data.source.startswith("hf:"):  # a hub dataset neither cached nor reachable: said before any folder
-        from gptpar.data.fetch import require_hub_data
+    from gptpar.data.fetch import check_local_data, require_hub_data  # bad data is said before any folder
 
-        require_hub_data(cfg.data)
+    require_hub_data(cfg.data)
+    check_local_data(cfg.data)
     cfg = updated(cfg, {"data.tokenizer": resolve_tokenizer_choice(data_config(cfg))})
     if write:
         write_run_folder(folder, cfg, start_over, job_state, stack=stack)

@@ -6,6 +6,8 @@ queue forever) fails at once with the limit named.
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,6 +77,12 @@ def load_profile(name: str) -> dict[str, Any]:
     if not path.is_file():
         raise GptparError(f"launch.profile: no profile {name!r}; shipped: {', '.join(profile_names())} "
                           "(or a path to a .yaml file)")
+    return copy.deepcopy(_read_profile(path, path.stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=32)
+def _read_profile(path: Path, mtime_ns: int) -> dict[str, Any]:
+    """A profile file, parsed once while it is unchanged (`mtime_ns`): a sweep resolves a job for every point."""
     data = read_yaml(path) or {}
     if data.get("gpu_request", "gres") not in GPU_REQUESTS:
         raise GptparError(f"{str(path)!r}: gpu_request must be one of {', '.join(GPU_REQUESTS)}")

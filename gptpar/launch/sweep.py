@@ -37,6 +37,7 @@ from gptpar.user_defaults import user_layers
 
 SWEEP_KEYS = ("name", "kind", "config", "base", "grid", "zip", "repeats")
 MAX_REPEATS = 100
+SHOWN_POINTS = 20  # point names a dry run prints per job array; the rest are counted
 
 
 def _axes(data: dict[str, Any], key: str, path: Path) -> dict[str, list[Any]]:
@@ -108,17 +109,19 @@ def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
     name, kind, expanded = expand(path)
     data = read_yaml(path)
     base_path = _base_path(path, data)
-    points = []
+    # Read once, not per point: the user's defaults (detecting the cluster reads every profile) and the base file.
+    points, below = [], [*user_layers(), *config_layers(base_path)]
+    base_yaml = read_yaml(base_path) if base_path else None
     for name_of_point, point_overrides in expanded:
         try:
-            layers = [*user_layers(), *config_layers(base_path), (str(path), data.get("base")),
+            layers = [*below, (str(path), data.get("base")),
                       ("command line", overrides_tree(overrides)),
                       (f"{path} point {name_of_point}", overrides_tree(point_overrides))]
             cfg = resolve_layers(layers)[0]
             if cfg.log.run_id:
                 raise ConfigError(f"log.run_id={cfg.log.run_id!r} is set, but a sweep names each point's folder "
                                   "itself; drop log.run_id")
-            cfg = shaped(cfg, kind, _sets_dp(base_path, data, [*overrides, *point_overrides]))
+            cfg = shaped(cfg, kind, _sets_dp(base_yaml, data, [*overrides, *point_overrides]))
         except ConfigError as exc:
             raise GptparError(f"{path}: point {name_of_point}: {exc}") from None
         runs = Path(runs_dir or cfg.log.runs_dir).resolve()
@@ -134,9 +137,9 @@ def _base_path(path: Path, data: dict[str, Any]) -> Path | None:
     return (path.parent / data["config"]) if data.get("config") else None
 
 
-def _sets_dp(base_path: Path | None, data: dict[str, Any], overrides: Sequence[str]) -> bool:
+def _sets_dp(base_yaml: Any, data: dict[str, Any], overrides: Sequence[str]) -> bool:
     """Whether the sweep (its base config file, base, command line or axes) sets parallel.dp itself."""
-    sections = [read_yaml(base_path) if base_path else None, data.get("base")]
+    sections = [base_yaml, data.get("base")]
     in_yaml = any(isinstance(s, dict) and isinstance(s.get("parallel"), dict) and "dp" in s["parallel"]
                   for s in sections)
     return in_yaml or any(parse_override(o)[0] == "parallel.dp" for o in overrides)
@@ -251,7 +254,7 @@ def submit_sweep(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
     for (_, spec), members in groups.items():
         out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else members[0].folder.job_dir
         if backend is None:
-            print(f"# points: {', '.join(p.folder.name for p in members)}")
+            print(f"# points: {_listed([p.folder.name for p in members], SHOWN_POINTS)}")
             print(job_text(members, spec, f"{name}-{kind}", out), end="")
             continue
         job_ids = backend.submit(members, spec, f"{name}-{kind}", out)

@@ -15,7 +15,7 @@ import bisect
 import json
 import math
 import platform
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -147,10 +147,13 @@ def load(path: str | Path, key: str = CALIBRATION_FLAG) -> Calibration:
     """A calibration file, or a one-line error naming what is wrong with it (and `key`, where it was named)."""
     file = check_path(path, "file", key, "name a file written by `gptpar plan calibrate --out FILE`")
     try:
-        data: dict[str, Any] = json.loads(file.read_text())
+        data: Any = json.loads(file.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"a JSON {type(data).__name__}, not an object")
         if data.get("format") != FORMAT:
             raise GptparError(f"{key} {str(file)!r} has format {data.get('format')!r}, this gptpar reads "
                               f"{FORMAT}; {calibrate_hint(key)}")
+        _check_fields(data)
         calib = Calibration(**data)
         missing = [k for k in COMPUTE_KINDS if not calib.compute.get(k)]
     except (ValueError, TypeError) as exc:
@@ -159,6 +162,48 @@ def load(path: str | Path, key: str = CALIBRATION_FLAG) -> Calibration:
     if missing:
         raise GptparError(f"{key} {str(file)!r} lacks {', '.join(missing)}; {calibrate_hint(key)}")
     return calib
+
+
+def _check_fields(data: dict[str, Any]) -> None:
+    """Each field of the type Calibration declares, and every measured number finite and positive: a negative or
+    NaN time would be predicted as a negative or NaN step (ValueError naming the field, for `load` to report)."""
+    for f in fields(Calibration):
+        if f.name not in data:
+            continue  # Calibration(**data) names a missing field; the defaulted ones may be absent
+        value, bad = data[f.name], ""
+        if f.type == "str" and not isinstance(value, str):
+            bad = "a string"
+        elif f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            bad = "a whole number >= 1"
+        elif f.type == "float" and not _positive(value):
+            bad = "a finite number > 0"
+        elif f.type.startswith("dict"):
+            _check_points(f.name, value)
+        if bad:
+            raise ValueError(f"{f.name} is {_shown(value)}, not {bad}")
+
+
+def _check_points(name: str, table: Any) -> None:
+    """A table of measured points: kind -> [[size, seconds], ...], each number finite and positive."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{name} is {_shown(table)}, not an object of [[size, seconds], ...] lists")
+    for kind, points in table.items():
+        if not isinstance(points, list):
+            raise ValueError(f"{name}.{kind} is {_shown(points)}, not a list of [size, seconds] pairs")
+        for i, point in enumerate(points):
+            if not (isinstance(point, list) and len(point) == 2 and all(map(_positive, point))):
+                raise ValueError(f"{name}.{kind}[{i}] is {_shown(point)}, not [size, seconds] with both finite "
+                                 "and > 0")
+
+
+def _shown(value: Any) -> str:
+    """A value as the file spells it, cut short: a message stays one readable line."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def shipped() -> dict[str, Path]:

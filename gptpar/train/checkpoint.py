@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 
 from gptpar.atomic import atomic_write, os_error, probe_space, write_error
 from gptpar.config import load_config
-from gptpar.errors import GptparError
+from gptpar.errors import GptparError, first_sentence
 from gptpar.models import ARCHITECTURES
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
@@ -148,14 +148,10 @@ def _existing(run_dir: str | Path) -> Path | None:
 
 
 def _reason(exc: BaseException) -> str:
-    """The first sentence of the underlying error.
-
-    DCP wraps each rank's error in a multi-line CheckpointException, and a damaged tensor file fails in
-    torch.load(weights_only=True), whose later sentences wrongly suggest retrying with weights_only=False.
-    """
+    """The first sentence of the underlying error: DCP wraps each rank's error in a multi-line CheckpointException."""
     if isinstance(exc, CheckpointException) and exc.failures:
         exc = next(iter(exc.failures.values()))[0]
-    return f"{type(exc).__name__}: {exc}".splitlines()[0].split(". ")[0]
+    return first_sentence(exc)
 
 
 def _raise_refusal(exc: BaseException) -> None:

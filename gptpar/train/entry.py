@@ -25,7 +25,15 @@ from gptpar.run.sinks import open_sinks
 from gptpar.run.start import named_run
 from gptpar.run.state import FINISHED, resume_hint
 from gptpar.train.checkpoint import load_checkpoint
-from gptpar.train.preemption import can_requeue, launcher_watch, requeue_current_job, stop_request, stop_signals
+from gptpar.train.preemption import (
+    StopBeforeTraining,
+    can_requeue,
+    launcher_watch,
+    polled,
+    requeue_current_job,
+    stop_request,
+    stop_signals,
+)
 from gptpar.train.provenance import header_fields, job_id
 from gptpar.train.trainer import Trainer
 
@@ -70,18 +78,24 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
                                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
                                total_steps=trainer.total_steps, fast_path=trainer.fast_path()))
         started = True
-        status, loss = trainer.run()
-        request = stop_request() if status != "completed" else None  # this rank's own signal, if any
-        log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),
-                              signal=request[1] if request else None))
+        with polled():
+            status, loss = trainer.run()
+            request = stop_request() if status != "completed" else None  # this rank's own signal, if any
+            log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),
+                                  signal=request[1] if request else None))
     except BaseException as exc:
-        if not started:  # set-up or loading the checkpoint failed: the segment still says who failed and why
+        if not started:  # set-up or loading the checkpoint failed or was stopped: the segment still says why
             log.write(HeaderRecord(**header_fields(cfg, dims, restart)))
-        log.write(FinalRecord(status="failed", step=trainer.step if trainer else 0,
-                              error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500]))
-        raise
+        step = trainer.step if trainer else 0
+        if not isinstance(exc, StopBeforeTraining):
+            error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+            log.write(FinalRecord(status="failed", step=step, error=error))
+            raise
+        status, loss = "stopped", None  # while the data or the model was prepared: nothing to save yet
+        log.write(FinalRecord(status=status, step=step, signal=exc.signal))
     finally:
         log.close()
+    step = trainer.step if trainer else 0
     if status == "requeued" and can_requeue():
         if dims.world_size > 1:
             dist.barrier()  # every rank's final record is on disk before SLURM kills the job
@@ -91,9 +105,9 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
         status = "stopped"
         if dims.rank == 0 and dims.launcher != "local":  # the local launcher says it for its ranks
             launcher = dims.launcher if not can_requeue() else "slurm"
-            print(f"gptpar: run {folder.path} stopped at step {trainer.step}{_by(stop_request())}; "
+            print(f"gptpar: run {folder.path} stopped at step {step}{_by(stop_request())}; "
                   f"{resume_hint(folder, launcher)}", flush=True)
-    return {"status": status, "step": trainer.step, "loss": loss, "run_dir": str(folder.path)}
+    return {"status": status, "step": step, "loss": loss, "run_dir": str(folder.path)}
 
 
 def _by(request: tuple[str, str] | None) -> str:

@@ -6,7 +6,9 @@ Jobs ask SLURM for SIGUSR2 shortly before their time limit (`--signal=USR2@N`; U
 NCCL). A signal handler must not checkpoint by itself (it may fire mid all-reduce), so it only
 records the signal; the trainer polls `stop_request()` at each step boundary, agrees across ranks
 (a requeue wins over a stop), saves, logs a final "requeued" or "stopped" record and, for a requeue,
-calls `requeue_current_job()` on rank 0. A second Ctrl-C raises KeyboardInterrupt at once.
+calls `requeue_current_job()` on rank 0. A second Ctrl-C raises KeyboardInterrupt at once. Before the trainer's
+loop polls (`polled`), while the data and the model are prepared (minutes, for a large corpus), TERM and INT stop
+the rank at once (StopBeforeTraining: a "stopped" final record at the step it started from, nothing to save).
 
 A rank of gptpar's local launcher also stops so when the launcher is gone (`launcher_watch`): killed with
 SIGKILL, it could not pass a signal on, and its ranks would otherwise train to the end unattended.
@@ -35,12 +37,37 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SIGNALS = (REQUEUE_SIGNAL, *STOP_SIGNALS)
 _received: dict[int, None] = {}  # the signals received since their handler was installed, in order
 LAUNCHER_POLL_S = 0.5  # how often a local rank checks that its launcher still lives
+_polled = False  # whether a trainer loop polls the requests (`polled`)
+
+
+class StopBeforeTraining(KeyboardInterrupt):
+    """A stop signal (TERM, INT) that arrived before the trainer polls for one: preparing the data or the model can
+    take minutes in loops that reach no step boundary, and there is nothing to save yet, so the rank stops at once.
+    A KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signal = signal.Signals(signum).name
+        super().__init__(f"{self.signal} before the first step")
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     if signum == signal.SIGINT and signum in _received:
         raise KeyboardInterrupt("a second Ctrl-C: stopped at once, without a checkpoint")
     _received[signum] = None
+    if signum in STOP_SIGNALS and not _polled:
+        raise StopBeforeTraining(signum)
+
+
+@contextmanager
+def polled() -> Iterator[None]:
+    """While the trainer's loop runs, polling `stop_request()` at each step boundary (and saving on the way out), a
+    stop signal is only recorded; before it, the signal raises StopBeforeTraining."""
+    global _polled
+    _polled = True
+    try:
+        yield
+    finally:
+        _polled = False
 
 
 def install_preemption_handler(signum: int | None = None) -> None:

@@ -19,7 +19,8 @@ import torch
 from rank_training import make_config, make_trainer
 
 from gptpar.config import ConfigError, DataConfig, load_config
-from gptpar.data.pairs import IGNORE, load_pairs, read_pairs
+from gptpar.data.pair_files import read_pairs
+from gptpar.data.pairs import IGNORE, load_pairs
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.logfile import format_record, read_rank_log

@@ -27,7 +27,8 @@ from gloo_pool import GlooPools
 from rank_training import STEPS, make_config, make_trainer, named_params, saved_ranks, train_steps
 
 from gptpar.config import ConfigError, DataConfig, ModelConfig, fixed_width, load_config, updated
-from gptpar.data.pairs import IGNORE, PairSplits, load_pairs, read_pairs, target_tokens
+from gptpar.data.pair_files import PairSplits, read_pairs
+from gptpar.data.pairs import IGNORE, load_pairs, target_tokens
 from gptpar.errors import GptparError
 from gptpar.launch.status import completion
 from gptpar.model import build_model

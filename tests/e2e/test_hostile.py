@@ -22,7 +22,7 @@ from conftest import REPO
 from gptpar.config import ConfigError, ModelConfig, load_config
 from gptpar.data import corpus as corpus_module
 from gptpar.data import load_tokens
-from gptpar.data.sources import cache_dir
+from gptpar.data.sources import cache_dir, text_paths
 from gptpar.errors import GptparError
 from gptpar.model import build_model, model_config
 
@@ -126,6 +126,21 @@ def test_durations_and_sizes_that_would_overflow_later_are_refused(override):
     one_line(exc)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["model.preset=llama-tiny", "model.arch=mixtral"],  # was 110 lines: "torch.histc bins must be > 0"
+     "model.arch=mixtral is a mixture of experts, and model.preset=llama-tiny has none; set model.n_experts and "
+     "model.moe_top_k, or use a preset of one (e.g. mixtral-tiny)"),
+    (["model.preset=mixtral-tiny", "model.moe_capacity_factor=1e300"],  # was an OverflowError in a rank
+     "model.moe_capacity_factor=1e+300 is above model.n_experts=4, where each expert has room for every pick of "
+     "every token already; use at most 4, or 0 to route every token"),
+])
+def test_a_mixture_without_experts_or_with_a_boundless_capacity_is_one_line(overrides, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, overrides)
+    assert one_line(exc) == message
+    load_config(None, ["model.preset=mixtral-tiny", "model.moe_capacity_factor=4"])  # the bound itself is allowed
+
+
 # --- Config files ------------------------------------------------------------------------------------
 
 def test_a_yaml_file_that_is_not_utf8_is_one_line(tmp_path):
@@ -186,6 +201,34 @@ def test_a_missing_text_file_is_still_one_line(tmp_path):
     with pytest.raises(GptparError, match="data.source=text: '.*missing.txt' does not exist") as exc:
         load_tokens(data_cfg(tmp_path, f"text:{tmp_path / 'missing.txt'}"))
     one_line(exc)
+
+
+@pytest.mark.parametrize("special", ["fifo", "/dev/zero"])
+def test_a_pipe_or_a_device_as_a_text_file_is_one_line(tmp_path, special):
+    """Both hung for minutes, hashing without end, then ignored SIGTERM."""
+    path = tmp_path / "pipe" if special == "fifo" else Path(special)
+    if special == "fifo":
+        os.mkfifo(path)
+    kind = "a named pipe" if special == "fifo" else "a character device"
+    for source in (f"text:{path}", f"jsonl:{path}"):
+        with pytest.raises(GptparError) as exc:
+            text_paths(source)
+        assert one_line(exc) == (f"data.source={source.partition(':')[0]}: {path} is {kind}, not a regular file; "
+                                 "save the text in a file and name that")
+
+
+def test_a_text_file_is_read_and_hashed_only_as_far_as_data_max_chars_can_use(tmp_path, monkeypatch):
+    """UTF-8 spends at most 4 bytes on a character: past 4 * max_chars bytes nothing is read, nor hashed."""
+    path = tmp_path / "corpus.txt"
+    path.write_bytes("é".encode() * 200 + b"\xff" * 1000)  # 400 bytes of text, then bytes that are not UTF-8
+    cfg = data_cfg(tmp_path, f"text:{path}", "data.max_chars=100", "data.val_fraction=0.5")
+    first = load_tokens(cfg)
+    assert as_text(np.concatenate([first.train, first.val])) == "é" * 100
+    stat = path.stat()
+    path.write_bytes("é".encode() * 200 + b"\xfe" * 1000)  # an edit past what is used, keeping size and mtime
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    monkeypatch.setattr(corpus_module, "load_text", lambda _cfg: pytest.fail("tokenized again for unused bytes"))
+    assert np.array_equal(load_tokens(cfg).train, first.train)
 
 
 # --- The token cache ---------------------------------------------------------------------------------

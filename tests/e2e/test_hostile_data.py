@@ -160,3 +160,34 @@ def test_val_fraction_0_for_language_modelling_names_the_key() -> None:
         load_config(None, ["data.val_fraction=0"])
     assert one_line(exc) == ("data.val_fraction=0 holds out no text for validation, which data.task=lm needs; use a "
                              "fraction above 0 (the default is 0.1)")
+
+
+# --- issue 46, item 11: bad data is found by the submit side, before a run folder exists, as a bad key is --------
+
+@pytest.mark.parametrize("command", [["train"], ["train", "parallel.dp=2"], ["submit", "dp"]],
+                         ids=["one-process", "dp2", "submit"])
+@pytest.mark.parametrize("data", ["sft-not-json", "corpus-not-utf8", "sft-no-responses"])
+def test_bad_data_is_refused_before_a_run_folder_or_a_rank(tmp_path: Path, capsys, usr2_kept, command: list[str],
+                                                            data: str) -> None:
+    """Both were found on the rank, which left a `failed` run folder (after the queue, on SLURM)."""
+    path = tmp_path / "data"
+    if data == "sft-not-json":
+        path.write_text('{"query": "q0", "response": "r0"}\n{"query": "q1", "response": \n')
+        words, message = ["data.task=sft", f"data.source=jsonl:{path}", "data.max_source_len=8",
+                          "data.max_target_len=7"], f"data.source=jsonl: {path}:2: not valid JSON (Expecting value)"
+    elif data == "sft-no-responses":  # trained silently on the end token alone
+        path.write_text("".join(json.dumps({"query": f"q{i}", "response": " " * (i % 2)}) + "\n" for i in range(20)))
+        words, message = ["data.task=sft", f"data.source=jsonl:{path}", "data.max_source_len=8",
+                          "data.max_target_len=7"], (f"data.source=jsonl: {path}: every training pair's response "
+                                                     "('response') is empty, and the loss is on the responses; fill "
+                                                     "them in, or name the field that holds them "
+                                                     "(data.response_field for sft)\n")
+    else:
+        path.write_bytes("caf\u00e9\n".encode("latin-1") * 100)
+        words, message = [f"data.source=text:{path}"], f"data.source=text: {path} is not UTF-8 text (byte 0xe9 at "
+    runs = tmp_path / "runs"
+    tiny = [w for w in TINY if not w.startswith("data.source=")]
+    assert gptpar_main([*command, *tiny, "data.tokenizer=bytes", *words, f"log.runs_dir={runs}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gptpar: error: {message}") and err.count("\n") == 1, err
+    assert not runs.exists()

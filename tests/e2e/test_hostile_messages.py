@@ -286,3 +286,15 @@ def test_every_submit_help_example_passes_its_profiles_limits(tmp_path: Path, mo
     for words in examples:
         assert main([*words, "--dry-run", "data.tokenizer=bytes"]) == 0, (words, capsys.readouterr().err)
     assert "#SBATCH --nodes=2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["train", "RUNS", "train.lr=1", "train.lr=2"],
+                                  ["config", "show", "CONFIG", "train.lr=1", "train.lr=2"]])
+def test_a_key_given_twice_on_the_command_line_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                            argv: list[str]) -> None:
+    """It silently took the last value, where a YAML file with a key twice is refused (issue 46, item 12)."""
+    config = tmp_path / "cfg.yaml"
+    config.write_text("train: {lr: 0.5}\n")
+    words = {"CONFIG": str(config), "RUNS": f"log.runs_dir={tmp_path / 'runs'}"}
+    assert main([words.get(word, word) for word in argv]) == 2
+    assert error_line(capsys) == "train.lr is given twice on the command line (train.lr=1 and train.lr=2); keep one"

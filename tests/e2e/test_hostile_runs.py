@@ -11,6 +11,7 @@ never run (a stand-in takes its place), and a job script is executed only to sho
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -26,10 +27,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gptpar import cli
+from gptpar import api, cli
 from gptpar.config import config_digest, load_config
 from gptpar.errors import GptparError
 from gptpar.launch import local as local_module
+from gptpar.launch import profiles as profiles_module
 from gptpar.launch import slurm
 from gptpar.launch import sweep as sweep_module
 from gptpar.launch.plan import plan_run
@@ -379,6 +381,7 @@ def test_submit_runs_locally_only_without_any_slurm_client_and_says_so_first(tmp
 
     monkeypatch.setattr(local_module, "run_ranks", fake_ranks)
     monkeypatch.setattr(local_module.socket, "gethostname", lambda: "vm")
+    monkeypatch.setattr(local_module, "_STARTED", itertools.count(1))  # this process's first local job
     runs = tmp_path / "runs"
     code, out, _ = run_cli(["submit", "dp", f"log.runs_dir={runs}", "log.run_id=here", "data.tokenizer=bytes"], capsys)
     pid = os.getpid()
@@ -394,9 +397,27 @@ def test_submit_runs_locally_only_without_any_slurm_client_and_says_so_first(tmp
     assert run_sweep(sweep, runs_dir=str(runs)) == 0
     starts = [line for text in seen for line in text.splitlines() if " starts, " in line]
     assert starts == [f"lr={lr}, repeat={r}: job vm:{pid}.{n} starts, 1 rank(s) on this machine"
-                      for n, (r, lr) in enumerate(((0, 0.001), (0, 0.002), (1, 0.001), (1, 0.002)), 1)]
+                      for n, (r, lr) in enumerate(((0, 0.001), (0, 0.002), (1, 0.001), (1, 0.002)), 2)]
     code, out, _ = run_cli(["status", str(runs / "lrs")], capsys)
-    assert code == 0 and all(f"vm:{pid}.{n}" in out for n in range(1, 5))
+    assert code == 0 and all(f"vm:{pid}.{n}" in out for n in range(2, 6))
+
+
+def test_two_local_submits_in_one_process_get_their_own_job_ids(tmp_path, monkeypatch):
+    """Each api.submit makes its own backend: both were job host:pid.1 when the count was the backend's."""
+    stub_path(tmp_path, monkeypatch, None)
+    monkeypatch.setattr(local_module, "run_ranks", lambda point, world: complete(point.folder) or 0)
+    jobs = [api.submit("dp", overrides=[f"log.runs_dir={tmp_path / 'runs'}", f"log.run_id=r{n}",
+                                        "data.tokenizer=bytes"]) for n in (1, 2)]
+    first, second = (job.job_id for job in jobs)
+    assert first != second and second.endswith(f":{os.getpid()}.{int(first.rpartition('.')[2]) + 1}")
+
+
+@pytest.mark.parametrize("overrides", [42, [1], {"train.lr"}])
+def test_overrides_that_are_neither_a_mapping_nor_words_are_one_line(overrides):
+    with pytest.raises(GptparError) as exc:  # 42 was a TypeError traceback: 'int' object is not iterable
+        api.submit("dp", overrides=overrides)
+    assert one_line(exc.value) == (f"overrides: {overrides!r} is not a mapping or a list of section.key=value "
+                                   "strings; give e.g. {'train.lr': 1e-3} or ['train.lr=1e-3']")
 
 
 # --- Item 9: every run folder resolves inside the runs folder -----------------------------------
@@ -623,3 +644,23 @@ def test_a_device_that_is_not_there_is_an_error_not_a_cpu_run() -> None:
         build_parallel_model(model, cfg.parallel)
     with pytest.raises(GptparError, match="is not a device"):
         build_parallel_model(model, ParallelConfig(devices="gpu7"))
+
+
+def test_a_large_sweep_reads_each_profile_once_and_its_dry_run_counts_the_points_past_twenty(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """160,000 points printed nothing for minutes: every point read all five profiles (detecting the cluster) and
+    its own again, and the dry run listed every point's name."""
+    sweep = write_sweep(tmp_path / "s.yaml", "name: big\ngrid: {train.lr: [0.001, 0.002, 0.003, 0.004, 0.005, 0.006], "
+                        "train.seed: [1, 2, 3, 4, 5]}\nbase: {data: {tokenizer: bytes}}\n")
+    reads: list[str] = []
+    real_read = profiles_module.read_yaml
+    monkeypatch.setattr(profiles_module, "read_yaml", lambda path: reads.append(str(path)) or real_read(path))
+    profiles_module._read_profile.cache_clear()
+    defaults, real_defaults = [], sweep_module.user_layers
+    monkeypatch.setattr(sweep_module, "user_layers", lambda: defaults.append(1) or real_defaults())
+    assert run_sweep(sweep, dry_run=True, runs_dir=str(tmp_path / "runs")) == 0
+    assert len(reads) == len(set(reads))  # each profile file parsed once, for all 30 points
+    assert len(defaults) == 1  # the user's defaults (the cluster detected from every profile) resolved once
+    (points,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("# points: ")]
+    names = [name for name, _ in expand(sweep)[2]]
+    assert points == f"# points: {', '.join(names[:20])} and 10 more"

@@ -39,7 +39,10 @@ DEADLINE_S = 120.0  # a hang guard while waiting on records: never a timing clai
 
 
 def _gptpar(runs: Path, *words: str, command: tuple[str, ...] = ("train",)) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "gptpar", *command, *TINY, f"log.runs_dir={runs}", *words],
+    """`gptpar` on TINY with `words`, which replace TINY's keys (the command line takes each key once)."""
+    given = {word.partition("=")[0] for word in words}
+    tiny = [word for word in TINY if word.partition("=")[0] not in given]
+    return subprocess.Popen([sys.executable, "-m", "gptpar", *command, *tiny, f"log.runs_dir={runs}", *words],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -245,6 +248,36 @@ def test_ctrl_c_on_the_launcher_leaves_every_rank_s_final_record_and_one_line(tm
     assert code != 0 and err == ""
     assert out == [f"gptpar: 2 ranks as local processes on this machine: {run}",
                    f"gptpar: run stopped: stopped at step {step} by SIGINT; {_resume(run)}"]
+
+
+def _opened(pid: int, path: Path) -> bool:
+    """Whether process `pid` has `path` open."""
+    with contextlib.suppress(OSError):
+        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return False
+
+
+def test_sigterm_while_the_data_is_prepared_stops_the_run_at_once(tmp_path):
+    """It was recorded and left for the first step boundary, after minutes of hashing (or without end, for a pipe)."""
+    huge, run = tmp_path / "huge.txt", tmp_path / "prep"
+    with open(huge, "wb") as f:
+        f.write(b"some text\n" * (1 << 20))  # 10 MiB of text: what the submit side checks of it is text
+        f.truncate(1 << 40)  # then sparse, to 1 TiB: hashing it all would take the rank many minutes
+    proc = _gptpar(tmp_path, f"data.source=text:{huge}", "data.max_chars=0", "data.tokenizer=bytes", "log.run_id=prep")
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        # The folder is written after the submit side's check: an open file then is the rank hashing it.
+        while not ((run / "config.yaml").is_file() and _opened(proc.pid, huge)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        code, out, err = _finish(proc)  # a hang guard: stopping takes well under a second
+    finally:
+        proc.kill()
+    final = _log(run, 0).final
+    assert (final["status"], final["signal"], final["step"]) == ("stopped", "SIGTERM", 0)
+    assert code == 1 and err == "" and out == [f"gptpar: run {run} stopped at step 0 by SIGTERM; {_resume(run)}"]
+    assert read_run(RunFolder(run)).state == "stopped"
 
 
 # 3. USR2 sent to the launcher of local ranks.

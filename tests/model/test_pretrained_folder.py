@@ -31,7 +31,8 @@ from transformers import (
 
 from analysis.mfu import model_shape
 from gptpar.config import ConfigError, data_config, load_config
-from gptpar.data.pairs import IGNORE, SAMPLES, load_pairs, read_pairs
+from gptpar.data.pair_files import SAMPLES, read_pairs
+from gptpar.data.pairs import IGNORE, load_pairs
 from gptpar.data.tokenizer import pretrained_tokenizer
 from gptpar.errors import GptparError
 from gptpar.launch.plan import plan_run
@@ -152,6 +153,17 @@ def _broken(folders: dict[str, Path], tmp_path: Path, what: str) -> Path:
     elif what == "no-response":
         (folder / "chat_template.jinja").write_text(CHAT.replace("{{ m['content'] }}", "{% if m['role'] == 'user' %}"
                                                                  "{{ m['content'] }}{% endif %}"))
+    elif what in ("empty-weights", "truncated-weights", "corrupt-weights"):
+        weights = folder / "model.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes({"empty-weights": b"", "truncated-weights": data[:len(data) // 2],
+                             "corrupt-weights": data[:8] + b"x" * 32 + data[40:]}[what])
+    elif what == "corrupt-bin":
+        (folder / "model.safetensors").unlink()
+        (folder / "pytorch_model.bin").write_bytes(b"garbage" * 100)
+    elif what == "small-table":  # config.json edited: its table no longer covers the folder's own tokenizer
+        config = folder / "config.json"
+        config.write_text(config.read_text().replace('"vocab_size": 448', '"vocab_size": 300'))
     elif what == "mistral":
         config = folder / "config.json"
         config.write_text(config.read_text().replace('"model_type": "qwen2"', '"model_type": "mistral"'))
@@ -176,6 +188,49 @@ def test_a_folder_that_cannot_be_trained_is_one_line(folders: dict[str, Path], t
     with pytest.raises(ConfigError) as error:
         load_config(None, [f"model.init=pretrained:{folder}", *overrides])
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("what", "reason"), [
+    ("empty-weights", "SafetensorError: Error while deserializing header: header too small"),
+    ("truncated-weights", "SafetensorError: Error while deserializing header: incomplete metadata"),
+    ("corrupt-weights", "SafetensorError: Error while deserializing header: invalid JSON in header"),
+    ("corrupt-bin", "UnpicklingError: Weights only load failed)"),
+])
+def test_weights_that_cannot_be_read_are_one_line(folders: dict[str, Path], tmp_path: Path, what: str,
+                                                  reason: str) -> None:
+    folder = _broken(folders, tmp_path, what)
+    cfg = load_config(None, [f"model.init=pretrained:{folder}"])
+    with pytest.raises(GptparError) as error:
+        build_model(cfg.model, 400, seed=1, seq_len=64)
+    message = str(error.value)
+    assert message.startswith(f"model.init=pretrained:{folder}: its weights cannot be loaded ({reason}")
+    assert message.endswith("; save them again with save_pretrained") and "\n" not in message
+
+
+def test_a_token_table_too_small_for_the_ids_names_the_real_cause(folders: dict[str, Path], tmp_path: Path) -> None:
+    """Both said "use the folder's own tokenizer (data.tokenizer=auto)", which was already the setting."""
+    with pytest.raises(ConfigError) as error:  # synthetic data draws ids below data.vocab_size, 4096 by default
+        load_config(None, [f"model.init=pretrained:{folders['qwen2']}", "data.source=synthetic"])
+    assert str(error.value) == (f"data.vocab_size=4096: data.source=synthetic draws token ids below it, but the token "
+                                f"table of model.init=pretrained:{folders['qwen2']} has 448 rows; use "
+                                "data.vocab_size=448 or less")
+    load_config(None, [f"model.init=pretrained:{folders['qwen2']}", "data.source=synthetic", "data.vocab_size=448"])
+    folder = _broken(folders, tmp_path, "small-table")
+    with pytest.raises(GptparError) as error:
+        build_model(load_config(None, [f"model.init=pretrained:{folder}"]).model, 400, seed=1, seq_len=64)
+    assert str(error.value) == (f"model.init=pretrained:{folder}: its token table has 300 rows (vocab_size in its "
+                                "config.json), fewer than the 400 ids of its own tokenizer: config.json does not "
+                                "describe these weights (was it edited?); save the model and its tokenizer again with "
+                                "save_pretrained")
+
+
+@pytest.mark.parametrize("key", ["model.init", "data.tokenizer"])
+def test_a_file_or_no_path_for_a_folder_is_one_line(folders: dict[str, Path], key: str) -> None:
+    config = folders["qwen2"] / "config.json"
+    with pytest.raises(ConfigError, match=rf"^{key}=pretrained:{config}: is a file, not a folder"):
+        load_config(None, [f"{key}=pretrained:{config}"])
+    with pytest.raises(ConfigError, match=rf"^{key}=pretrained: names no folder; use pretrained:PATH "):
+        load_config(None, [f"{key}=pretrained:"])
 
 
 @pytest.mark.parametrize(("key", "value"), [("model.init", "pretrained-ish"), ("data.tokenizer", "sentencepiece")])

@@ -5,7 +5,10 @@ reasons and sweep file."""
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -58,7 +61,8 @@ def test_predict_json_is_one_object_with_the_step_and_memory(calib: str, capsys:
 ])
 def test_bad_input_is_one_line_and_exit_2(words: list[str], message: str, calib: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["plan", "predict", *WORDS, *words]
+    keys = {word.partition("=")[0] for word in words}
+    argv = ["plan", "predict", *(w for w in WORDS if w.partition("=")[0] not in keys), *words]
     code, _, err = run([*argv, "--calibration", calib] if "--calibration" not in words else argv, capsys)
     assert code == 2
     assert err.startswith("gptpar: error: ") and message in err and err.count("\n") == 1
@@ -114,6 +118,28 @@ def test_a_profile_without_links_plans_the_users_gpu_type(tmp_path: Path, capsys
     user's (here the shipped H100 calibration's device), not the profile's own gpu_type."""
     profile = tmp_path / "nolinks.yaml"
     profile.write_text("gpu_type: v100-32\n")
-    code, out, _ = run(["plan", "predict", *WORDS, f"launch.profile={profile}", "launch.gpu_type=h100",
+    code, out, _ = run(["plan", "predict", *WORDS[:-1], f"launch.profile={profile}", "launch.gpu_type=h100",
                         "train.precision=bf16"], capsys)
     assert code == 0 and " on h100 " in out.splitlines()[0]
+
+
+@pytest.mark.parametrize(("edit", "reason"), [
+    (lambda c: [c], "a JSON list, not an object"),  # was AttributeError: 'list' object has no attribute 'get'
+    (lambda c: {**c, "compute": "fast"}, 'compute is "fast", not an object of [[size, seconds], ...] lists'),
+    (lambda c: {**c, "world_size": "2"}, 'world_size is "2", not a whole number >= 1'),
+    (lambda c: {**c, "compute": {**c["compute"], "block_f": [[1e9, -0.5]]}},  # was a negative step time
+     "compute.block_f[0] is [1000000000.0, -0.5], not [size, seconds] with both finite and > 0"),
+    (lambda c: {**c, "compute": {**c["compute"], "block_b": [[1e9, math.nan]]}},  # was NaN, bare in --json
+     "compute.block_b[0] is [1000000000.0, NaN], not [size, seconds] with both finite and > 0"),
+    (lambda c: {**c, "collectives": {"all_reduce": [[4096.0, 1e-4, 3]]}},
+     "collectives.all_reduce[0] is [4096.0, 0.0001, 3], not [size, seconds]"),
+    (lambda c: {**c, "activation_bytes_per_token_width": -1}, "activation_bytes_per_token_width is -1, not a finite"),
+], ids=["list", "compute-text", "world-size-text", "negative-time", "nan-time", "three-numbers", "negative-bytes"])
+def test_a_calibration_of_the_wrong_shape_or_with_impossible_times_is_one_line(
+        edit: Callable[[dict], Any], reason: str, calib: str, capsys: pytest.CaptureFixture[str]) -> None:
+    Path(calib).write_text(json.dumps(edit(json.loads(Path(calib).read_text()))))
+    code, out, err = run(["plan", "predict", *WORDS, "--calibration", calib, "--json"], capsys)
+    assert code == 2 and not out
+    assert err.startswith(f"gptpar: error: --calibration {calib!r} is not a calibration ({reason}")
+    assert err.count("\n") == 1 and err.endswith("); run `python -m gptpar plan calibrate --out FILE` on that device "
+                                                 "and pass --calibration FILE\n")

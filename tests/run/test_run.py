@@ -327,7 +327,10 @@ def test_a_run_starts_with_a_banner_and_ends_with_a_summary_line(tmp_path: Path)
 def test_the_planned_config_names_files_absolutely_for_ranks_that_run_elsewhere(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "b.txt").write_text("world")  # the submit side reads both, as the ranks will
     cfg = load_config(None, ["data.source=text:a.txt, ~/b.txt", "data.dir=cache", "train.dump_grads=grads",
                              "data.tokenizer=bytes", "log.run_id=r"])
     planned = plan_run(cfg, "dp").cfg
