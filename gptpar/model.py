@@ -167,12 +167,19 @@ def _from_folder(cfg: ModelConfig, folder: Path, vocab_size: int, seq_len: int |
         raise _weights_error(folder, exc) from None
 
 
+def _named_globals(file: Path) -> list[str]:
+    """The functions and classes a pickled weights file names; none where it is no pickle at all (garbage)."""
+    try:
+        return get_unsafe_globals_in_checkpoint(file)
+    except Exception:  # not a torch.save archive: its own error is the one to report
+        return []
+
+
 def _weights_error(folder: Path, exc: Exception) -> GptparError:
     """Why the folder's weights do not load, in one line. Pickled weights that name a function or class are refused
     by name (torch.load stopped before calling it; its own message would advise loading them unrestricted)."""
     pickled = sorted(folder.glob("pytorch_model*.bin")) if isinstance(exc, pickle.UnpicklingError) else []
-    names = sorted({name for file in pickled for name in get_unsafe_globals_in_checkpoint(file)})
-    if names:
+    if names := sorted({name for file in pickled for name in _named_globals(file)}):
         return GptparError(f"model.init=pretrained:{folder}: refused to load its weights: they name "
                            f"{', '.join(names)}, which weights never hold (loading them could run code); save the "
                            "model there again with save_pretrained, from a source you trust")
