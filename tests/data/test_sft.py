@@ -18,13 +18,16 @@ import pytest
 import torch
 from rank_training import make_config, make_trainer
 
-from gptpar.config import ConfigError, DataConfig, load_config
+from analysis.answers import answers_section
+from gptpar.config import ConfigError, DataConfig, LogConfig, load_config
 from gptpar.data.pairs import IGNORE, load_pairs, read_pairs
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
+from gptpar.run.answers import answers_path, read_answers, write_answers
 from gptpar.run.logfile import format_record, read_rank_log
 from gptpar.train.bleu import answer_accuracy, final_answer
 from gptpar.train.entry import run_rank
+from gptpar.train.progress import Progress
 from gptpar.train.trainer import Trainer
 
 SFT = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=116",
@@ -56,13 +59,15 @@ def _write_pairs(path: Path, pairs: list[tuple[str, str]]) -> str:
     return str(path)
 
 
-def test_the_trainers_answer_accuracy_scores_each_response_against_its_own_reference(tmp_path: Path) -> None:
-    """The epoch record's score as the trainer forms it (`Trainer.scores`), on responses known in advance: a first
-    trainer decodes the validation prompts; a second, the same model (same seed, same byte vocabulary) on the same
+def test_the_trainers_answer_accuracy_scores_each_response_against_its_own_reference(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The epoch record's score as the trainer forms it (`Trainer.scoring.scores`), on responses known in advance: a
+    first trainer decodes the validation prompts; a second, the same model (same seed, same byte vocabulary) on the same
     prompts, gets references that state the response's own final answer for samples 0, 1 and 3 and another answer
     for 2 (and for the two pairs past train.answer_samples=4). It decodes the same responses and scores exactly 0.75:
     scoring the responses against themselves gives 1.0, against another row's reference less. An initialised model
-    answers every prompt alike (12 × "!"); its weights scaled by 5 make each answer its own."""
+    answers every prompt alike (12 × "!"); its weights scaled by 5 make each answer its own. Scored as an epoch's
+    end, the answers are kept in the run folder (prompt, response, reference, correct) and decoding shows progress."""
     train = _write_pairs(tmp_path / "train.jsonl", [(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}\nThe answer is: "
                                                     f"{2 * i}") for i in range(16)])
     questions = [f"How many legs do {n} spiders have?" for n in range(2, 8)]
@@ -78,11 +83,46 @@ def test_the_trainers_answer_accuracy_scores_each_response_against_its_own_refer
         return made
 
     first = trainer("first", ["The answer is: 0"] * 6)
-    (responses,) = first.translate(4, [first.pairs.val])
+    (responses,) = first.scoring.translate(4, [first.pairs.val])
     other = [f"The answer is: {final_answer(r)}7" for r in responses]  # never the response's own final answer
     second = trainer("second", [responses[0], responses[1], other[2], responses[3], other[3], other[3]])
-    assert second.translate(4, [second.pairs.val]) == [responses]  # the same model decodes the same texts
-    assert second.scores() == {"answer_accuracy": 0.75}
+    assert second.scoring.translate(4, [second.pairs.val]) == [responses]  # the same model decodes the same texts
+    assert second.scoring.scores() == {"answer_accuracy": 0.75}
+    assert not (tmp_path / "second" / "answers").exists()  # no epoch given: nothing kept
+
+    # ISSUE 48.4: at an epoch's end rank 0 keeps the decoded answers and shows its progress on the progress channel.
+    second.scoring.progress = Progress(LogConfig(progress="lines"), rank=0, ranks=1, total=1, start=0)
+    capsys.readouterr()
+    assert second.scoring.scores(3) == {"answer_accuracy": 0.75}
+    assert "decoding for answers: 4/4 prompts" in capsys.readouterr().out
+    kept = read_answers(tmp_path / "second")
+    assert list(kept) == [3] and [a["response"] for a in kept[3]] == responses
+    assert [a["correct"] for a in kept[3]] == [True, True, False, True]
+    assert [a["reference"] for a in kept[3]] == [responses[0], responses[1], other[2], responses[3]]
+    assert all(f"How many legs do {n} spiders have?" in a["prompt"] for a, n in zip(kept[3], range(2, 6), strict=True))
+
+
+def test_an_epochs_answers_are_written_once_and_never_overwritten(tmp_path: Path) -> None:
+    """A resumed start that scores a completed epoch again keeps its file; later epochs add files; no temporary
+    file is left beside them."""
+    first = [{"prompt": "Q: 2+2?", "response": "The answer is: 4", "reference": "The answer is: 4", "correct": True}]
+    again = [{**first[0], "response": "The answer is: 5", "correct": False}]
+    assert write_answers(tmp_path, 0, first) and not write_answers(tmp_path, 0, again)
+    assert write_answers(tmp_path, 1, again)
+    assert read_answers(tmp_path) == {0: first, 1: again}
+    assert sorted(p.name for p in answers_path(tmp_path, 0).parent.iterdir()) == ["epoch0.jsonl", "epoch1.jsonl"]
+
+
+def test_the_report_shows_a_few_answers_of_the_last_epoch(tmp_path: Path) -> None:
+    rows = [{"prompt": f"Question {i} | with a bar", "response": f"The answer is: {i}", "reference": "The answer is: 1",
+             "correct": i == 1} for i in range(5)]
+    write_answers(tmp_path / "sft", 0, rows[:1])
+    write_answers(tmp_path / "sft", 1, rows)
+    lines = answers_section([("sft", tmp_path / "sft"), ("lm", tmp_path / "lm")], shown=2)
+    assert lines[-3:] == ["|---|---|---|---|---|---|",
+                          "| sft | 1 | Question 0 / with a bar | The answer is: 0 | The answer is: 1 | no |",
+                          "| sft | 1 | Question 1 / with a bar | The answer is: 1 | The answer is: 1 | yes |"]
+    assert answers_section([("lm", tmp_path / "lm")]) == []
 
 
 def test_the_bundled_sample_is_metamathqa_shaped_and_held_out_by_position() -> None:
