@@ -172,7 +172,8 @@ def test_config_refuses_what_sft_cannot_train(overrides: list[str], message: str
 @pytest.mark.slow  # the data loader's workers
 def test_a_run_logs_answer_accuracy_each_epoch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The whole run (`gptpar train`'s code) on qwen2-tiny: every epoch record carries answer_accuracy, a share in
-    [0, 1] of train.answer_samples decoded prompts, shown in the progress line and by `gptpar logs`."""
+    [0, 1] of train.answer_samples decoded prompts, shown in the progress line and by `gptpar logs`; decoding shows its
+    progress, and each epoch's answers are kept in the run folder."""
     cfg = load_config(None, [*SFT, "model.preset=qwen2-tiny", "model.n_layer=2", "model.n_embd=64",
                              "train.batch_size=16", "train.epochs=2", "train.eval_every=0", "train.answer_samples=4",
                              "train.threads=1", "log.progress=lines", f"log.runs_dir={tmp_path}", "log.run_id=sft"])
@@ -181,4 +182,9 @@ def test_a_run_logs_answer_accuracy_each_epoch(tmp_path: Path, capsys: pytest.Ca
     scores = [log.epochs[e]["answer_accuracy"] for e in sorted(log.epochs)]
     assert len(scores) == 2 and all(s in (0.0, 0.25, 0.5, 0.75, 1.0) for s in scores)
     shown = f"answer_accuracy {scores[-1]:.2f}"
-    assert shown in capsys.readouterr().out and format_record(log.epochs[1]).endswith(shown)
+    out = capsys.readouterr().out
+    assert shown in out and format_record(log.epochs[1]).endswith(shown)
+    assert out.count("decoding for answers: 4/4 prompts") == 2
+    answers = read_answers(tmp_path / "sft")  # each epoch's, their share correct its score
+    assert list(answers) == [0, 1] and all(len(rows) == 4 for rows in answers.values())
+    assert [sum(a["correct"] for a in answers[e]) / 4 for e in (0, 1)] == scores
