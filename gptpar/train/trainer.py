@@ -36,6 +36,7 @@ from gptpar.parallel.comm import comm_span, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import GRID_DIMS
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
+from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
 from gptpar.parallel.tensor_parallel.state import counts_in_norm
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
@@ -110,13 +111,18 @@ class Trainer:
         self.step = 0
         self.checkpoints = Checkpointing(folder, t.checkpoint_every, self)
         self.memory_count = MemoryCount(self.net, self.optimizer, self.sync)
-        self.participants: list[Participant] = [  # in this order: the memory is counted before anything resets
-            self.memory_count,
-            *([GradientDump(self.net, t.dump_grads, self.total_steps, dims.rank)] if t.dump_grads else []),
-            *([ExpertGradients(self.experts)] if self.experts is not None else []),
-            *([MixtureGradients(wrapped.mixture_grads)] if wrapped.mixture_grads is not None else [])]
+        self.participants = self._participants(wrapped.mixture_grads)
         self.scoring = Scoring(cfg, dims, folder, self.net, self.precision, self.pairs, self.whole_logits,
                                self.model_config, self.pipeline, self.micro_batch)
+
+    def _participants(self, mixture_grads: ShardedMixtureGradients | None) -> list[Participant]:
+        """The optional parts of this run's step, in the order the step calls them: the memory is counted and the
+        gradients dumped before any part resets gradients."""
+        dump = self.cfg.train.dump_grads
+        return [self.memory_count,
+                *([GradientDump(self.net, dump, self.total_steps, self.dims.rank)] if dump else []),
+                *([ExpertGradients(self.experts)] if self.experts is not None else []),
+                *([MixtureGradients(mixture_grads)] if mixture_grads is not None else [])]
 
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = model_state(self.net, self.optimizer, self.sync)
