@@ -73,6 +73,10 @@ class ParallelDims(RankInfo):
             return self.composites.get(dim)
         return self.mesh.get_group(dim) if self.mesh is not None and self.sizes[dim] > 1 else None
 
+    def submesh(self, dim: str) -> DeviceMesh | None:
+        """The DeviceMesh along the grid dimension `dim` (torch's sharding strategies take one); None alone."""
+        return self.mesh[dim] if self.mesh is not None and self.sizes[dim] > 1 else None
+
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in coordinate order."""
         return group_ranks(self.rank, self.sizes, dim)

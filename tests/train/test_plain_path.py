@@ -10,6 +10,7 @@ import pytest
 import torch
 from rank_training import make_config, make_trainer, train_steps
 
+from gptpar.errors import GptparError
 from gptpar.parallel.pipeline.one_process.gpt2 import ParallelGPT2
 from gptpar.parallel.placement import WholeModel
 from gptpar.parallel.process_group import RankInfo
@@ -47,3 +48,12 @@ def test_model_parallel_still_runs_in_the_one_process_wrapper(
     trainer = make_trainer(make_config(["parallel.pp_mode=model_parallel", "parallel.devices=cpu,cpu"], tmp_path,
                                        "mp"), SINGLE)
     assert type(trainer.net) is ParallelGPT2 and wrappers_made == [trainer.net]
+
+
+def test_the_plain_path_still_checks_the_devices_it_is_given(tmp_path: Path) -> None:
+    """parallel.devices is resolved on the plain path as in the one-process modes: a GPU that is not there is one
+    line, not a model silently left on the CPU."""
+    visible = torch.cuda.device_count()
+    with pytest.raises(GptparError) as error:
+        make_trainer(make_config([f"parallel.devices=cuda:{visible}"], tmp_path, "gpu"), SINGLE)
+    assert str(error.value).startswith(f"parallel.devices='cuda:{visible}': cuda:{visible} is not visible")
