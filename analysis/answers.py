@@ -1,11 +1,11 @@
-"""The report's look at sft's decoded answers: a few of each run's last scored epoch (gptpar.run.answers), so a
+"""The report's look at sft's decoded answers: a few of each run's last scored epoch (gptpar.run.logfile), so a
 low answer_accuracy shows whether the model answered wrongly or answered in another format."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from gptpar.run.answers import read_answers
+from gptpar.run.logfile import read_answers
 
 SHOWN = 3  # answers per run
 WIDTH = 80  # characters of a prompt or response in the table

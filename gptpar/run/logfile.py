@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from gptpar.atomic import write_error
+from gptpar.atomic import atomic_write, write_error
 from gptpar.run.records import EPOCH_SCORES, RECORDS, Record, StepRecord, names, validate_record
 
 SCHEMA_VERSION = 2
@@ -300,3 +300,45 @@ def format_record(record: dict[str, Any]) -> str:
         why = get("error") or (f"by {get('signal')}" if get("signal") else "")
         return f"final: {get('status')} at step {get('step')}" + (f" ({why})" if why else "")
     return " ".join(f"{key}={value}" for key, value in record.items() if key != "time")
+
+
+# Each epoch's decoded answers of data.task=sft, `answers/epoch<N>.jsonl`: one line per scored validation sample
+# (`prompt` as the model saw it, its greedy `response`, the `reference`, whether the final answers matched:
+# `correct`), so a 0% answer_accuracy can be told apart from a formatting problem by reading them. A file is written
+# whole and atomically once its epoch is scored; a start that resumes before an epoch's end and scores it again
+# finds the file there and keeps it: a completed epoch's answers are never overwritten, the folder only gains the
+# epochs that follow.
+ANSWERS_DIR, ANSWER_FIELDS = "answers", ("prompt", "response", "reference", "correct")
+
+
+def answers_path(run_dir: str | Path, epoch: int) -> Path:
+    return Path(run_dir) / ANSWERS_DIR / f"epoch{epoch}.jsonl"
+
+
+def write_answers(run_dir: str | Path, epoch: int, rows: list[dict[str, Any]]) -> bool:
+    """Write epoch `epoch`'s answers (dicts of ANSWER_FIELDS) unless its file exists; returns whether it wrote."""
+    path = answers_path(run_dir, epoch)
+    if path.exists():
+        return False
+    atomic_write(path, lambda f: f.write(b"".join(encode({key: row[key] for key in ANSWER_FIELDS}) for row in rows)))
+    return True
+
+
+def read_answers(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
+    """Every epoch's answers in the run folder, by epoch ({} when there are none); a line that is not an answer
+    (edited by hand: the writer writes whole files) is left out."""
+    folder = Path(run_dir) / ANSWERS_DIR
+    epochs = {}
+    for path in folder.glob("epoch*.jsonl") if folder.is_dir() else []:
+        number = path.stem.removeprefix("epoch")
+        if number.isdigit():
+            epochs[int(number)] = [row for line in path.read_bytes().splitlines() if (row := _answer(line))]
+    return dict(sorted(epochs.items()))
+
+
+def _answer(line: bytes) -> dict[str, Any] | None:
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and set(ANSWER_FIELDS) <= set(row) else None

@@ -2,7 +2,8 @@
 wherever the layout lets a forward run, translation's BLEU and sft's answer accuracy (gptpar.train.bleu scores them).
 
 Decoding has no KV cache and runs for minutes on a CPU, so rank 0 says how far it got on the progress channel,
-and sft keeps each epoch's decoded answers in the run folder (gptpar.run.answers): a 0% accuracy can be read there.
+and sft keeps each epoch's decoded answers in the run folder (gptpar.run.logfile.write_answers): a 0% accuracy
+can be read there.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.names import plain_state
 from gptpar.parallel.tensor_parallel.state import whole
-from gptpar.run.answers import write_answers
 from gptpar.run.folder import RunFolder
+from gptpar.run.logfile import write_answers
 from gptpar.train.bleu import Decoded, answer_accuracy, answers_correct, corpus_bleu, decode_split
 from gptpar.train.precision import Precision
 from gptpar.train.progress import Progress

@@ -23,8 +23,7 @@ from gptpar.config import ConfigError, DataConfig, LogConfig, load_config
 from gptpar.data.pairs import IGNORE, load_pairs, read_pairs
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
-from gptpar.run.answers import answers_path, read_answers, write_answers
-from gptpar.run.logfile import format_record, read_rank_log
+from gptpar.run.logfile import answers_path, format_record, read_answers, read_rank_log, write_answers
 from gptpar.train.bleu import answer_accuracy, final_answer
 from gptpar.train.entry import run_rank
 from gptpar.train.progress import Progress
