@@ -18,8 +18,8 @@ def answers_section(runs: list[tuple[str, Path]], shown: int = SHOWN) -> list[st
         epochs = read_answers(folder)
         if epochs:
             epoch, answers = next(reversed(epochs.items()))
-            rows += [f"| {run_id} | {epoch} | {_cell(a['prompt'])} | {_cell(a['response'])} | {_cell(a['reference'])} "
-                     f"| {'yes' if a['correct'] else 'no'} |" for a in answers[:shown]]
+            rows += [f"| {run_id} | {epoch} | {_cell(a.prompt)} | {_cell(a.response)} | {_cell(a.reference)} "
+                     f"| {'yes' if a.correct else 'no'} |" for a in answers[:shown]]
     if not rows:
         return []
     return ["", "## Decoded answers (data.task=sft)", "",

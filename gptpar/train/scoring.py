@@ -26,7 +26,7 @@ from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.names import plain_state
 from gptpar.parallel.tensor_parallel.state import whole
 from gptpar.run.folder import RunFolder
-from gptpar.run.logfile import write_answers
+from gptpar.run.logfile import Answer, write_answers
 from gptpar.train.bleu import Decoded, answer_accuracy, answers_correct, corpus_bleu, decode_split
 from gptpar.train.precision import Precision
 from gptpar.train.progress import Progress
@@ -64,9 +64,8 @@ class Scoring:
         if epoch is not None and self.dims.rank == 0:
             correct = answers_correct(responses, references)
             write_answers(self.folder.path, epoch, [
-                {"prompt": self.pairs.text(val.prompt(i)), "response": response, "reference": reference,
-                 "correct": ok} for i, (response, reference, ok) in enumerate(zip(responses, references, correct,
-                                                                                 strict=True))])
+                Answer(self.pairs.text(val.prompt(i)), response, reference, ok)
+                for i, (response, reference, ok) in enumerate(zip(responses, references, correct, strict=True))])
         return {"answer_accuracy": answer_accuracy(responses, references)}
 
     def bleu(self) -> Scores:

@@ -23,7 +23,7 @@ from gptpar.config import ConfigError, DataConfig, LogConfig, load_config
 from gptpar.data.pairs import IGNORE, load_pairs, read_pairs
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
-from gptpar.run.logfile import answers_path, format_record, read_answers, read_rank_log, write_answers
+from gptpar.run.logfile import Answer, answers_path, format_record, read_answers, read_rank_log, write_answers
 from gptpar.train.bleu import answer_accuracy, final_answer
 from gptpar.train.entry import run_rank
 from gptpar.train.progress import Progress
@@ -95,17 +95,17 @@ def test_the_trainers_answer_accuracy_scores_each_response_against_its_own_refer
     assert second.scoring.scores(3) == {"answer_accuracy": 0.75}
     assert "decoding for answers: 4/4 prompts" in capsys.readouterr().out
     kept = read_answers(tmp_path / "second")
-    assert list(kept) == [3] and [a["response"] for a in kept[3]] == responses
-    assert [a["correct"] for a in kept[3]] == [True, True, False, True]
-    assert [a["reference"] for a in kept[3]] == [responses[0], responses[1], other[2], responses[3]]
-    assert all(f"How many legs do {n} spiders have?" in a["prompt"] for a, n in zip(kept[3], range(2, 6), strict=True))
+    assert list(kept) == [3] and [a.response for a in kept[3]] == responses
+    assert [a.correct for a in kept[3]] == [True, True, False, True]
+    assert [a.reference for a in kept[3]] == [responses[0], responses[1], other[2], responses[3]]
+    assert all(f"How many legs do {n} spiders have?" in a.prompt for a, n in zip(kept[3], range(2, 6), strict=True))
 
 
 def test_an_epochs_answers_are_written_once_and_never_overwritten(tmp_path: Path) -> None:
     """A resumed start that scores a completed epoch again keeps its file; later epochs add files; no temporary
     file is left beside them."""
-    first = [{"prompt": "Q: 2+2?", "response": "The answer is: 4", "reference": "The answer is: 4", "correct": True}]
-    again = [{**first[0], "response": "The answer is: 5", "correct": False}]
+    first = [Answer("Q: 2+2?", "The answer is: 4", "The answer is: 4", correct=True)]
+    again = [Answer("Q: 2+2?", "The answer is: 5", "The answer is: 4", correct=False)]
     assert write_answers(tmp_path, 0, first) and not write_answers(tmp_path, 0, again)
     assert write_answers(tmp_path, 1, again)
     assert read_answers(tmp_path) == {0: first, 1: again}
@@ -113,8 +113,8 @@ def test_an_epochs_answers_are_written_once_and_never_overwritten(tmp_path: Path
 
 
 def test_the_report_shows_a_few_answers_of_the_last_epoch(tmp_path: Path) -> None:
-    rows = [{"prompt": f"Question {i} | with a bar", "response": f"The answer is: {i}", "reference": "The answer is: 1",
-             "correct": i == 1} for i in range(5)]
+    rows = [Answer(f"Question {i} | with a bar", f"The answer is: {i}", "The answer is: 1", correct=i == 1)
+            for i in range(5)]
     write_answers(tmp_path / "sft", 0, rows[:1])
     write_answers(tmp_path / "sft", 1, rows)
     lines = answers_section([("sft", tmp_path / "sft"), ("lm", tmp_path / "lm")], shown=2)
@@ -186,4 +186,4 @@ def test_a_run_logs_answer_accuracy_each_epoch(tmp_path: Path, capsys: pytest.Ca
     assert out.count("decoding for answers: 4/4 prompts") == 2
     answers = read_answers(tmp_path / "sft")  # each epoch's, their share correct its score
     assert list(answers) == [0, 1] and all(len(rows) == 4 for rows in answers.values())
-    assert [sum(a["correct"] for a in answers[e]) / 4 for e in (0, 1)] == scores
+    assert [sum(a.correct for a in answers[e]) / 4 for e in (0, 1)] == scores
