@@ -29,6 +29,7 @@ def answers_section(runs: list[tuple[str, Path]], shown: int = SHOWN) -> list[st
 
 
 def _cell(text: str) -> str:
-    """`text` on one line of a table cell, at most WIDTH characters."""
+    """`text` on one line of a table cell, at most WIDTH characters; an empty one (an untrained model's answer)
+    says so."""
     flat = " ".join(str(text).split()).replace("|", "/")
-    return flat if len(flat) <= WIDTH else flat[:WIDTH - 1] + "…"
+    return (flat if len(flat) <= WIDTH else flat[:WIDTH - 1] + "…") or "(empty)"

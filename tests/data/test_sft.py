@@ -122,6 +122,9 @@ def test_the_report_shows_a_few_answers_of_the_last_epoch(tmp_path: Path) -> Non
                           "| sft | 1 | Question 0 / with a bar | The answer is: 0 | The answer is: 1 | no |",
                           "| sft | 1 | Question 1 / with a bar | The answer is: 1 | The answer is: 1 | yes |"]
     assert answers_section([("lm", tmp_path / "lm")]) == []
+    write_answers(tmp_path / "untrained", 0, [Answer("Q", " \n", "The answer is: 1", correct=False)])
+    shown_empty = answers_section([("untrained", tmp_path / "untrained")])[-1]
+    assert shown_empty == "| untrained | 0 | Q | (empty) | The answer is: 1 | no |"
 
 
 def test_the_bundled_sample_is_metamathqa_shaped_and_held_out_by_position() -> None:
