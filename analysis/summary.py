@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, RunMetrics
+from analysis.answers import answers_section
 from analysis.grouping import point_keys, point_name
 from analysis.scaling import Point, repeat_points
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
@@ -315,6 +316,7 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
     lines += _flagged_section(shown)
     lines += _spread_section(shown)
     lines += _bleu_section(shown)
+    lines += answers_section([(r.run_id, runs_dir / r.run) for r in shown if r.final_answer_accuracy is not None])
     lines += _memory_section(shown)
     lines += _plan_section(shown)
     lines += _overlap_section(shown)

@@ -3,21 +3,29 @@ config, that every parallelism asks: the launcher's layout, the backend and devi
 coordinates, and its process group (on torch's DeviceMesh) along each dimension. Data shards follow the `dp`
 coordinate, gradients are averaged in the `dp` group; nothing asks the global rank what it should do. Expert
 parallelism's groups (`ep`, and EXPERT_REPLICAS: the ranks holding the same experts) lie inside the dp dimension,
-outside the DeviceMesh, as groups of their own.
+outside the DeviceMesh: named composites (grid.COMPOSITES), made once here and asked for by name like an axis.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gptpar.errors import GptparError
-from gptpar.parallel.grid import EXPERT_REPLICAS, GRID_DIMS, INNER_DIMS, block_ranks, coordinates, group_ranks
+from gptpar.parallel.grid import (
+    COMPOSITES,
+    GRID_DIMS,
+    INNER_DIMS,
+    block_ranks,
+    composite_groups,
+    coordinates,
+    every_group,
+    group_ranks,
+)
 from gptpar.parallel.process_group import RankInfo
 
 
@@ -28,7 +36,7 @@ class ParallelDims(RankInfo):
     sizes: dict[str, int] = field(default_factory=dict)
     coords: dict[str, int] = field(default_factory=dict)
     mesh: DeviceMesh | None = None
-    inner_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)  # ep and EXPERT_REPLICAS, where > 1
+    composites: dict[str, dist.ProcessGroup] = field(default_factory=dict)  # grid.COMPOSITES', where made
 
     @classmethod
     def build(cls, info: RankInfo, sizes: dict[str, int]) -> ParallelDims:
@@ -49,7 +57,7 @@ class ParallelDims(RankInfo):
         mesh = (init_device_mesh(info.device.type, tuple(full[dim] for dim in GRID_DIMS), mesh_dim_names=GRID_DIMS)
                 if info.world_size > 1 else None)
         return cls(**{f.name: getattr(info, f.name) for f in dataclasses.fields(RankInfo)}, sizes=full,
-                   coords=coordinates(info.rank, full), mesh=mesh, inner_groups=_inner_groups(info.rank, full))
+                   coords=coordinates(info.rank, full), mesh=mesh, composites=_composites(full))
 
     def size(self, dim: str) -> int:
         return self.sizes[dim]
@@ -58,11 +66,16 @@ class ParallelDims(RankInfo):
         return self.coords[dim]
 
     def group(self, dim: str) -> dist.ProcessGroup | None:
-        """The process group of the ranks that differ from this one only along `dim` (None alone); for ep, the
-        ranks that share the experts, for EXPERT_REPLICAS those that hold the same ones."""
-        if dim in self.inner_groups or dim in (*INNER_DIMS, EXPERT_REPLICAS):
-            return self.inner_groups.get(dim)
+        """The process group of the ranks that differ from this one only along `dim` (None alone); for a named
+        composite (grid.COMPOSITES: ep, the ranks that share the experts; EXPERT_REPLICAS, those that hold the same
+        ones) its group, None where the grid does not make it."""
+        if dim in COMPOSITES:
+            return self.composites.get(dim)
         return self.mesh.get_group(dim) if self.mesh is not None and self.sizes[dim] > 1 else None
+
+    def submesh(self, dim: str) -> DeviceMesh | None:
+        """The DeviceMesh along the grid dimension `dim` (torch's sharding strategies take one); None alone."""
+        return self.mesh[dim] if self.mesh is not None and self.sizes[dim] > 1 else None
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in coordinate order."""
@@ -71,22 +84,11 @@ class ParallelDims(RankInfo):
     def block_group(self, dim: str, size: int) -> dist.ProcessGroup:
         """This rank's group of `size` consecutive coordinates along `dim` (grid.block_ranks): parallel.hpz's node
         group inside dp. Every rank must ask, in the same order (torch's rule for new groups)."""
-        return _new_groups(self.world_size, lambda r: block_ranks(r, self.sizes, dim, size))
+        groups = every_group(self.world_size, lambda r: block_ranks(r, self.sizes, dim, size))
+        return dist.new_subgroups_by_enumeration(groups)[0]
 
 
-def _new_groups(world: int, members: Callable[[int], list[int]]) -> dist.ProcessGroup:
-    """Every rank creates every group (each rank's `members`), in one order, and keeps its own."""
-    groups = sorted({tuple(members(r)) for r in range(world)})
-    mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
-    return mine
-
-
-def _inner_groups(rank: int, sizes: dict[str, int]) -> dict[str, dist.ProcessGroup]:
-    """This rank's expert-parallel groups; none where ep is 1 (and no replicas group where ep spans dp)."""
-    groups = {}
-    world = math.prod(sizes[dim] for dim in GRID_DIMS)
-    for dim, size in (("ep", sizes["ep"]), (EXPERT_REPLICAS, sizes["dp"] // sizes["ep"])):
-        if sizes["ep"] == 1 or size == 1:
-            continue
-        groups[dim] = _new_groups(world, lambda r, d=dim: group_ranks(r, sizes, d))
-    return groups
+def _composites(sizes: dict[str, int]) -> dict[str, dist.ProcessGroup]:
+    """This rank's group of each named composite the grid makes (`composite_groups`); every rank makes them all,
+    in one order, and keeps its own."""
+    return {name: dist.new_subgroups_by_enumeration(groups)[0] for name, groups in composite_groups(sizes).items()}

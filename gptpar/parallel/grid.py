@@ -4,7 +4,8 @@ rule that fills parallel.dp from a launched rank count.
 
 Ranks are laid out row-major over GRID_DIMS (pp slowest, tp fastest), so a tensor-parallel group is a run of
 consecutive ranks: with one task per GPU and tasks filled node by node, it stays on one node, the fastest link.
-A new dimension (experts, context) is one more name here and one more size in `grid_sizes`.
+A new dimension (experts, context) is one more name here and one more size in `grid_sizes`; a group that
+combines dimensions (dp x ep today, dp x cp next) is one more named `Composite`.
 
 Expert parallelism (ep) is a dimension inside dp, not a factor of the world size: the dp coordinate d of a rank
 splits into its expert-parallel coordinate d % ep (which experts it holds) and its expert replica d // ep, so a
@@ -14,6 +15,8 @@ group of ep neighbouring replicas shares every block's experts and ranks with eq
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from gptpar.config import Config, check_expert_grid, updated
 from gptpar.errors import ConfigError
@@ -49,16 +52,58 @@ def coordinates(rank: int, sizes: dict[str, int]) -> dict[str, int]:
 
 
 def group_ranks(rank: int, sizes: dict[str, int], dim: str) -> list[int]:
-    """Global ranks of `rank`'s group along `dim` (those differing from it only there), in coordinate order: for an
-    inner dimension (ep) the ranks of its block of the outer one, for EXPERT_REPLICAS those with its ep coordinate."""
-    outer = INNER_DIMS.get(dim, "dp" if dim == EXPERT_REPLICAS else dim)
-    stride = math.prod(sizes[d] for d in GRID_DIMS[GRID_DIMS.index(outer) + 1:])
-    coord, ep = coordinates(rank, sizes)[outer], sizes.get("ep", 1)
-    if dim == "ep":
-        return block_ranks(rank, sizes, outer, ep)
-    if dim == EXPERT_REPLICAS:
-        return [rank + (coord % ep + i * ep - coord) * stride for i in range(sizes[outer] // ep)]
+    """Global ranks of `rank`'s group along `dim` (those differing from it only there), in coordinate order; for a
+    named composite (COMPOSITES: ep, EXPERT_REPLICAS) its members."""
+    if dim in COMPOSITES:
+        return COMPOSITES[dim].members(rank, sizes)
+    stride = math.prod(sizes[d] for d in GRID_DIMS[GRID_DIMS.index(dim) + 1:])
+    coord = coordinates(rank, sizes)[dim]
     return [rank - coord * stride + i * stride for i in range(sizes[dim])]
+
+
+@dataclass(frozen=True)
+class Composite:
+    """A named group that is not one grid axis (torchtitan's `dp_cp`, `dp_shard_cp`): its members for a rank (a pure
+    function of the grid), made only where every dimension of `needs` is larger than 1. A new dimension adds a name
+    and its groups here; every caller asks ParallelDims.group(name)."""
+
+    needs: tuple[str, ...]
+    members: Callable[[int, dict[str, int]], list[int]]
+
+
+def _expert_group(rank: int, sizes: dict[str, int]) -> list[int]:
+    """The ep neighbouring replicas that share every block's experts: a block of ep along dp."""
+    return block_ranks(rank, sizes, "dp", sizes["ep"])
+
+
+def _expert_replicas(rank: int, sizes: dict[str, int]) -> list[int]:
+    """The replicas that hold the same experts: equal ep coordinate (dp % ep), every ep-th along dp."""
+    stride = math.prod(sizes[d] for d in GRID_DIMS[GRID_DIMS.index("dp") + 1:])
+    coord, ep = coordinates(rank, sizes)["dp"], sizes["ep"]
+    return [rank + (coord % ep + i * ep - coord) * stride for i in range(sizes["dp"] // ep)]
+
+
+COMPOSITES = {"ep": Composite(("ep",), _expert_group), EXPERT_REPLICAS: Composite(("ep",), _expert_replicas)}
+
+
+def composite_groups(sizes: dict[str, int]) -> dict[str, list[list[int]]]:
+    """Every group of each named composite the grid of `sizes` makes (ParallelDims makes these, in this order): the
+    sorted member lists of all ranks; a composite whose `needs` are not met, or whose groups are single ranks, has
+    none."""
+    world = math.prod(sizes[dim] for dim in GRID_DIMS)
+    groups = {}
+    for name, composite in COMPOSITES.items():
+        if all(sizes.get(dim, 1) > 1 for dim in composite.needs):
+            members = every_group(world, lambda r, c=composite: c.members(r, sizes))
+            if len(members[0]) > 1:
+                groups[name] = members
+    return groups
+
+
+def every_group(world: int, members: Callable[[int], list[int]]) -> list[list[int]]:
+    """The distinct groups of `members` over the world's ranks, in one order (torch makes new groups in the same
+    order on every rank)."""
+    return [list(g) for g in sorted({tuple(members(r)) for r in range(world)})]
 
 
 def block_ranks(rank: int, sizes: dict[str, int], dim: str, size: int) -> list[int]:

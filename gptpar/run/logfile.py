@@ -16,6 +16,7 @@ numbers as strings. Version 1 logs stay readable; a log of a newer version than 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import operator
 import os
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from gptpar.atomic import write_error
+from gptpar.atomic import atomic_write, write_error
 from gptpar.run.records import EPOCH_SCORES, RECORDS, Record, StepRecord, names, validate_record
 
 SCHEMA_VERSION = 2
@@ -341,3 +342,55 @@ def format_record(record: dict[str, Any]) -> str:
         why = get("error") or (f"by {get('signal')}" if get("signal") else "")
         return f"final: {get('status')} at step {get('step')}" + (f" ({why})" if why else "")
     return " ".join(f"{key}={value}" for key, value in record.items() if key != "time")
+
+
+# Each epoch's decoded answers of data.task=sft, `answers/epoch<N>.jsonl`: one `Answer` per line, so a 0%
+# answer_accuracy can be told apart from a formatting problem by reading them. A file is written whole and atomically
+# once its epoch is scored; a start that resumes before an epoch's end and scores it again finds the file there and
+# keeps it: a completed epoch's answers are never overwritten, the folder only gains the epochs that follow.
+ANSWERS_DIR = "answers"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One scored validation sample: the prompt as the model saw it, its greedy response, the reference, and whether
+    their final answers matched."""
+
+    prompt: str
+    response: str
+    reference: str
+    correct: bool
+
+
+def answers_path(run_dir: str | Path, epoch: int) -> Path:
+    return Path(run_dir) / ANSWERS_DIR / f"epoch{epoch}.jsonl"
+
+
+def write_answers(run_dir: str | Path, epoch: int, answers: list[Answer]) -> bool:
+    """Write epoch `epoch`'s answers unless its file exists; returns whether it wrote."""
+    path = answers_path(run_dir, epoch)
+    if path.exists():
+        return False
+    atomic_write(path, lambda f: f.write(b"".join(encode(dataclasses.asdict(answer)) for answer in answers)))
+    return True
+
+
+def read_answers(run_dir: str | Path) -> dict[int, list[Answer]]:
+    """Every epoch's answers in the run folder, by epoch ({} when there are none); a line that is not an answer
+    (edited by hand: the writer writes whole files) is left out."""
+    folder = Path(run_dir) / ANSWERS_DIR
+    epochs = {}
+    for path in folder.glob("epoch*.jsonl") if folder.is_dir() else []:
+        number = path.stem.removeprefix("epoch")
+        if number.isdigit():
+            epochs[int(number)] = [answer for line in path.read_bytes().splitlines() if (answer := _answer(line))]
+    return dict(sorted(epochs.items()))
+
+
+def _answer(line: bytes) -> Answer | None:
+    try:
+        row = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    names = [f.name for f in fields(Answer)]
+    return Answer(**{name: row[name] for name in names}) if isinstance(row, dict) and set(names) <= set(row) else None

@@ -27,6 +27,7 @@ from gptpar.parallel.comm import comm_span
 
 Forward = Callable[[torch.Tensor], torch.Tensor]  # (rows, width) ids on the CPU -> (rows, width, vocab) logits
 AnyRank = Callable[[bool], bool]  # a flag OR-ed over the replicas
+Decoded = Callable[[int, int], None]  # told (prompts decoded, of how many) as decoding goes
 
 
 def require_sacrebleu() -> ModuleType:
@@ -46,12 +47,16 @@ def final_answer(text: str) -> str:
     return answer.strip().rstrip(".").replace(",", "").strip()
 
 
+def answers_correct(responses: list[str], references: list[str]) -> list[bool]:
+    """Whether each response's final answer equals its reference's (exact match after `final_answer`)."""
+    return [final_answer(r) == final_answer(ref) for r, ref in zip(responses, references, strict=True)]
+
+
 def answer_accuracy(responses: list[str], references: list[str]) -> float:
-    """The share of responses whose final answer equals the reference's (exact match after `final_answer`)."""
+    """The share of responses whose final answer equals the reference's (`answers_correct`)."""
     if not responses:
         return 0.0
-    return sum(final_answer(r) == final_answer(ref) for r, ref in zip(responses, references, strict=True)) / len(
-        responses)
+    return sum(answers_correct(responses, references)) / len(responses)
 
 
 def corpus_bleu(hypotheses: list[str], references: list[str]) -> float:
@@ -85,8 +90,9 @@ def _decode_batch(forward: Forward, prompts: list[list[int]], eos: int, max_new:
 
 
 def greedy_decode(forward: Forward, prompts: list[list[int]], eos: int, max_new: int, batch_size: int,
-                  any_rank: AnyRank = bool) -> list[list[int]]:
-    """`_decode_batch` over batches of similar prompt lengths (less padding), in the prompts' order."""
+                  any_rank: AnyRank = bool, decoded: Decoded = lambda done, total: None) -> list[list[int]]:
+    """`_decode_batch` over batches of similar prompt lengths (less padding), in the prompts' order; `decoded(done,
+    total)` after each batch of this rank's prompts (a progress line: decoding takes minutes on a CPU)."""
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[list[int]] = [[] for _ in prompts]
     start = 0
@@ -96,6 +102,8 @@ def greedy_decode(forward: Forward, prompts: list[list[int]], eos: int, max_new:
         for index, tokens in zip(batch, _decode_batch(forward, [prompts[i] for i in batch], eos, max_new, any_rank),
                                  strict=True):
             outputs[index] = tokens
+        if batch:
+            decoded(min(start, len(order)), len(order))
     return outputs
 
 
@@ -114,20 +122,20 @@ def _no_model(ids: torch.Tensor) -> torch.Tensor:
 
 
 def decode_split(forward: Forward | None, data: PairData, split: PairDataset, samples: int, batch_size: int,
-                 group: dist.ProcessGroup | None, device: torch.device, share: tuple[int, int] | None = None
-                 ) -> list[str]:
+                 group: dist.ProcessGroup | None, device: torch.device, share: tuple[int, int] | None = None,
+                 decoded: Decoded = lambda done, total: None) -> list[str]:
     """Greedy translations of the first `samples` sources of `split` (data.val or data.test; all of them if it has
     fewer), decoded in interleaved shares and gathered over `group`, so every rank returns all of them. Share (i, n)
     takes samples i, i + n, ... (default: the rank's place in `group` and its size). A rank without a model
     (`forward` None) takes none and keeps in step, so no rank waits in one collective for the whole decoding, which
-    parallel.timeout_s would cut."""
+    parallel.timeout_s would cut. `decoded` hears of this rank's share as it is decoded."""
     samples = min(samples, len(split))
     rank, replicas = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     index, count = share or (rank, replicas)
     mine = list(range(index, samples, count)) if forward is not None else []
     any_rank = _any_rank(group, device) if group is not None else bool
     tokens = greedy_decode(forward or _no_model, [split.prompt(i) for i in mine], data.eos, data.max_new_tokens,
-                           batch_size, any_rank)
+                           batch_size, any_rank, decoded)
     texts = {i: data.text(ids) for i, ids in zip(mine, tokens, strict=True)}
     if group is not None:
         shares: list[dict[int, str] | None] = [None] * replicas

@@ -1,6 +1,8 @@
 """The trainer's components that decide their own cadence, so the step loop only says "a step happened" and
 "an epoch ended": checkpoints, evaluation, and the metrics (step records, the memory record, progress, the epoch's
-record). The profiler (profiling.py) follows the same shape.
+record). The profiler (profiling.py) follows the same shape. Inside the optimizer step the optional parts
+(experts, a sharded mixture's gradients, the memory count, the gradient dump) are `Participant`s the step calls at
+their moments, so the step itself never asks which of them a run has.
 """
 
 from __future__ import annotations
@@ -8,10 +10,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch import nn
+
+from gptpar.parallel.data_parallel.base import GradSync
+from gptpar.parallel.expert_parallel import ExpertParallel
+from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
 from gptpar.run.records import EpochRecord, EvalRecord, MemoryRecord, StepRecord
 from gptpar.train.checkpoint import save_checkpoint
+from gptpar.train.grad_dump import dump_gradients
+from gptpar.train.memory import state_bytes
 from gptpar.train.progress import Progress
 
 
@@ -38,7 +48,7 @@ class Evaluation:
     validation loss and the task's scores (BLEU) that the epoch record carries."""
 
     def __init__(self, every: int, evaluate: Callable[[], float | None],
-                 scores: Callable[[], dict[str, float | None]], log: RankLogger, progress: Progress):
+                 scores: Callable[[int], dict[str, float | None]], log: RankLogger, progress: Progress):
         self.every, self.evaluate, self.scores, self.log, self.progress = every, evaluate, scores, log, progress
 
     def due(self, step: int) -> bool:
@@ -52,8 +62,8 @@ class Evaluation:
         if val is not None:
             self.progress.message(f"step {step}: val_loss {val:.4f}")
 
-    def at_epoch_end(self) -> dict[str, Any]:
-        return {"val_loss": self.evaluate(), **self.scores()}
+    def at_epoch_end(self, epoch: int) -> dict[str, Any]:
+        return {"val_loss": self.evaluate(), **self.scores(epoch)}
 
 
 class Metrics:
@@ -90,3 +100,64 @@ class Metrics:
                               (f", val_loss {val:.4f}" if val is not None else "") +
                               "".join(f", {key} {score:.2f}" for key, score in fields.items()
                                       if key != "val_loss" and score is not None))
+
+
+class Participant:
+    """An optional part of the optimizer step, called at its moments in the order the trainer lists them (torchtitan's
+    components own their cadence): `after_backward` once the gradients are synced over the replicas (before the norm
+    and the optimizer), `after_optimizer(step)` after the optimizer ran (or an fp16 overflow skipped it) and before
+    the gradients are reset; `step` is the 1-based number of the step taken. Each hook does nothing by default."""
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_optimizer(self, step: int) -> None:
+        pass
+
+
+class ExpertGradients(Participant):
+    """Expert parallelism's (or a capacity's) experts: their gradients summed over the replicas that hold them, and
+    reset with the rest (gptpar.parallel.expert_parallel)."""
+
+    def __init__(self, experts: ExpertParallel):
+        self.experts = experts
+
+    def after_backward(self) -> None:
+        self.experts.finish()
+
+    def after_optimizer(self, step: int) -> None:
+        self.experts.zero_grad()
+
+
+class MixtureGradients(Participant):
+    """A mixture under sequence parallelism: its parameters' gradients summed over the tp group after the sync."""
+
+    def __init__(self, gradients: ShardedMixtureGradients):
+        self.gradients = gradients
+
+    def after_backward(self) -> None:
+        self.gradients.finish()
+
+
+class MemoryCount(Participant):
+    """The training state's bytes (the memory record), counted once, at this start's first step: AdamW's state
+    exists only after its first update, and the gradients are still there."""
+
+    def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer, sync: GradSync):
+        self.net, self.optimizer, self.sync = net, optimizer, sync
+        self.counted: dict[str, int] | None = None
+
+    def after_optimizer(self, step: int) -> None:
+        if self.counted is None:
+            self.counted = state_bytes(self.net, self.optimizer) | self.sync.memory_fields()
+
+
+class GradientDump(Participant):
+    """train.dump_grads: the run's last step's synced gradients, the assignment's files (gptpar.train.grad_dump)."""
+
+    def __init__(self, net: nn.Module, folder: str, last_step: int, rank: int):
+        self.net, self.folder, self.last_step, self.rank = net, folder, last_step, rank
+
+    def after_optimizer(self, step: int) -> None:
+        if step == self.last_step:
+            dump_gradients(self.net.original_parameters(), self.folder, self.rank)

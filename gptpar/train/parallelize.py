@@ -6,7 +6,8 @@ another's files.
 2. tensor parallelism cuts this rank's pieces of every layer; expert parallelism (or a capacity) its experts;
 3. recompute and compile, block by block, before any wrapper or stage split sees the blocks;
 4. the loss for this layout (on vocabulary shards under loss parallelism);
-5. the multi-process pipeline keeps this rank's stages, or the one-process modes place the whole model;
+5. the multi-process pipeline keeps this rank's stages, tensor parallelism or the one-process modes of
+   parallel.pp_mode (gptpar.pipeline) place their pieces, and otherwise the model goes whole on the rank's device;
 6. data parallelism wraps the result with the strategy parallel.dp_sync names.
 """
 
@@ -30,6 +31,7 @@ from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.expert_parallel import ExpertParallel
 from gptpar.parallel.pipeline.engine.executor import Loss, PipelineEngine, Routing
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
+from gptpar.parallel.placement import WholeModel
 from gptpar.parallel.tensor_parallel import TensorParallelModel, loss_context, loss_function, shard_model, whole_logits
 from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout
@@ -80,12 +82,14 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
             experts.held_by(net)
     elif tp_group is not None:
         net = TensorParallelModel(model, device)
-    else:
+    elif p.pp_mode != "single":  # the one-process model or pipeline parallelism over parallel.devices
         net = build_parallel_model(model, p, device)
+    else:  # the plain path
+        net = WholeModel(model, p.devices, device)
     config = model.config
     initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, config, seed))
                if shards_only else None)
-    mesh = dims.mesh["dp"] if dims.mesh is not None and dp_group is not None else None
+    mesh = dims.submesh("dp")
     local = experts.name_in(net) if experts is not None and dims.size("ep") > 1 else frozenset()
     node_group = (dims.block_group("dp", hpz_node_size(p.hpz_node_size, p.dp, p.tp, dims.local_world_size))
                   if p.hpz and dp_group is not None else None)

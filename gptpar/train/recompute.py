@@ -34,7 +34,7 @@ from gptpar.config import Config, checkpoint_interval, checkpointed_indices, who
 from gptpar.errors import GptparError
 from gptpar.model import chunked_lm_loss, lm_loss
 from gptpar.models import architecture
-from gptpar.parallel.pipeline.one_process.gpt2 import resolve_devices
+from gptpar.parallel.placement import resolve_devices
 
 
 def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:

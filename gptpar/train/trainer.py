@@ -6,7 +6,7 @@ to logits, and the multi-process pipeline (parallel.pp > 1) through its engine, 
 forwards and backwards on this rank's stages; the loop itself does not change. A rank's life around the
 loop (process group, run folder, final record) is gptpar.train.entry's.
 data.task=translation runs under every layout: its masked loss is token-weighted over the whole step (micro-batches,
-pipeline chunks, replicas), and its BLEU is decoded wherever the layout lets a forward run (see `translate`).
+pipeline chunks, replicas), and its BLEU is decoded wherever the layout lets a forward run (gptpar.train.scoring).
 """
 
 from __future__ import annotations
@@ -14,39 +14,44 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from itertools import islice
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
-from transformers import PreTrainedModel
 
 from gptpar.clock import DeviceClock
 from gptpar.config import Config, example_width
 from gptpar.data import partition_dataset
-from gptpar.data.pairs import PairDataset, target_tokens
+from gptpar.data.pairs import target_tokens
 from gptpar.data.training import load_training_data
 from gptpar.errors import GptparError
-from gptpar.model import build_model, count_params, empty_model
+from gptpar.model import build_model, count_params
 from gptpar.models import architecture
 from gptpar.parallel.comm import comm_span, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import GRID_DIMS
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
-from gptpar.parallel.pipeline.names import plain_state
-from gptpar.parallel.tensor_parallel.state import counts_in_norm, whole
+from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
+from gptpar.parallel.tensor_parallel.state import counts_in_norm
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
-from gptpar.train.bleu import answer_accuracy, corpus_bleu, decode_split, require_sacrebleu
+from gptpar.train.bleu import require_sacrebleu
 from gptpar.train.checkpoint import load_model_state, model_state
-from gptpar.train.components import Checkpointing, Evaluation, Metrics
-from gptpar.train.grad_dump import dump_gradients
-from gptpar.train.memory import state_bytes
+from gptpar.train.components import (
+    Checkpointing,
+    Evaluation,
+    ExpertGradients,
+    GradientDump,
+    MemoryCount,
+    Metrics,
+    MixtureGradients,
+    Participant,
+)
 from gptpar.train.moe import RouterLoad
 from gptpar.train.optim import clip_gradients, kind_of, learning_rate, make_optimizer
 from gptpar.train.parallelize import parallelize
@@ -55,6 +60,7 @@ from gptpar.train.preemption import stop_request
 from gptpar.train.profiling import StepProfiler
 from gptpar.train.progress import Progress, peak_memory_bytes
 from gptpar.train.recompute import compile_mode, loss_kernel
+from gptpar.train.scoring import Scoring
 from gptpar.train.step_records import PendingStep, PendingSteps, Spans, sync_every
 
 Batch = tuple[torch.Tensor, ...]  # inputs, labels, and the position ids of packed rows (data.packing)
@@ -93,9 +99,10 @@ class Trainer:
         self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
         self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
-        self.mixture_grads = wrapped.mixture_grads
         if self.router_load is not None and self.experts is not None and cfg.model.moe_capacity_factor:
             self.router_load.dropped_source = self.experts.dropped
+        # What holds its parameters as pieces of the checkpoint's whole tensors, each saving and loading its own.
+        self.state_layouts = [layout for layout in (self.checkpoint_layout, self.experts) if layout is not None]
         self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
@@ -103,24 +110,32 @@ class Trainer:
             self.total_steps = min(self.total_steps, t.max_steps)
         self.step = 0
         self.checkpoints = Checkpointing(folder, t.checkpoint_every, self)
-        self.memory: dict[str, int] | None = None  # training state bytes, counted at this start's first step
+        self.memory_count = MemoryCount(self.net, self.optimizer, self.sync)
+        self.participants = self._participants(wrapped.mixture_grads)
+        self.scoring = Scoring(cfg, dims, folder, self.net, self.precision, self.pairs, self.whole_logits,
+                               self.model_config, self.pipeline, self.micro_batch)
+
+    def _participants(self, mixture_grads: ShardedMixtureGradients | None) -> list[Participant]:
+        """The optional parts of this run's step, in the order the step calls them: the memory is counted and the
+        gradients dumped before any part resets gradients."""
+        dump = self.cfg.train.dump_grads
+        return [self.memory_count,
+                *([GradientDump(self.net, dump, self.total_steps, self.dims.rank)] if dump else []),
+                *([ExpertGradients(self.experts)] if self.experts is not None else []),
+                *([MixtureGradients(mixture_grads)] if mixture_grads is not None else [])]
 
     def state_dict(self) -> dict[str, Any]:
         model, optimizer = model_state(self.net, self.optimizer, self.sync)
-        if self.checkpoint_layout is not None:
-            model, optimizer = self.checkpoint_layout.save(model, optimizer)
-        if self.experts is not None:
-            model, optimizer = self.experts.save(model, optimizer)
+        for layout in self.state_layouts:
+            model, optimizer = layout.save(model, optimizer)
         comm = self.sync.comm_state()
         return {"model": model, "optimizer": optimizer, "step": self.step, "vocab_size": self.vocab_size,
                 **self.precision.state_dict(), **({"comm": comm} if comm else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model, optimizer = state["model"], state["optimizer"]
-        if self.checkpoint_layout is not None:
-            model, optimizer = self.checkpoint_layout.load(model, optimizer)
-        if self.experts is not None:
-            model, optimizer = self.experts.load(model, optimizer)
+        for layout in self.state_layouts:
+            model, optimizer = layout.load(model, optimizer)
         load_model_state(self.net, self.optimizer, model, optimizer, self.sync)
         self.step = int(state["step"])
         self.precision.load_state_dict(state)
@@ -237,10 +252,8 @@ class Trainer:
         self.precision.set_matmul_precision()
         total = self.forward_backward_step(micro_batches)
         self.sync.finish()
-        if self.experts is not None:
-            self.experts.finish()
-        if self.mixture_grads is not None:
-            self.mixture_grads.finish()
+        for part in self.participants:
+            part.after_backward()
         max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
         targets, groups, counted = self._norm_plan()
         # An fp16 overflow skips the step on every rank: the data is consumed and the lr moves on, the weights not.
@@ -250,14 +263,15 @@ class Trainer:
             with record_function("optimizer"):
                 self.optimizer.step()
                 self.sync.after_step()
-        if self.memory is None:
-            self.memory = state_bytes(self.net, self.optimizer) | self.sync.memory_fields()
-        if t.dump_grads and self.step + 1 == self.total_steps:  # the run's last step, synced, not yet zeroed
-            dump_gradients(self.net.original_parameters(), t.dump_grads, self.dims.rank)
+        for part in self.participants:
+            part.after_optimizer(self.step + 1)
         self.sync.zero_grad()
-        if self.experts is not None:
-            self.experts.zero_grad()
         return total, grad_norm
+
+    @property
+    def memory(self) -> dict[str, int] | None:
+        """The training state's bytes, counted at this start's first step (None before it)."""
+        return self.memory_count.counted
 
     def _norm_plan(self) -> tuple[list[torch.Tensor], list[dist.ProcessGroup], list[torch.Tensor] | None]:
         """The gradients of the global norm, the groups over which their squares are summed, and the ones this rank
@@ -306,83 +320,6 @@ class Trainer:
             loss_sum, count = self._dp_sum(sum(loss * n for loss, n in zip(losses, counts, strict=True)), sum(counts))
             return loss_sum / count
         return self._dp_mean(sum(losses) / len(losses))
-
-    @torch.no_grad()
-    def translate(self, samples: int, splits: Sequence[PairDataset]) -> list[list[str]]:
-        """Greedy responses (translations) to the first `samples` prompts of each split (validation, test), decoded by
-        the replicas in shares of per-replica micro-batches and gathered (every rank returns all). Tensor parallelism
-        decodes on every rank of the tp group in lockstep (its forward is a collective); the multi-process pipeline
-        on its model gathered whole once for all the splits (`_whole_model`), one rank per replica, while the other
-        ranks keep in step."""
-        self.net.eval()
-        self.precision.set_matmul_precision()
-        batch, device = self.micro_batch // self.dims.size("dp"), self.dims.device
-        with self.precision.autocast():
-            if self.pipeline:
-                model = self._whole_model()
-                forward = (lambda ids: model(ids.to(device)).logits) if model is not None else None
-                group, share = dist.group.WORLD, (self.dims.coord("dp"), self.dims.size("dp"))
-            else:
-                forward, group, share = self._decode_logits, self.dp_group, None
-            return [decode_split(forward, self.pairs, split, samples, batch, group, device, share)
-                    for split in splits]
-
-    def _decode_logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """The whole logits of `ids`, right-padded to the batches' fixed width where there is one (sequence
-        parallelism's equal shards): causal attention keeps the real positions' logits as they were."""
-        if (width := self.pairs.width) is not None:
-            ids = F.pad(ids, (0, width - ids.size(1)), value=self.pairs.eos)
-        return self.whole_logits(self.net(ids.to(self.net.input_device)))
-
-    def _whole_model(self) -> PreTrainedModel | None:
-        """The pipeline's model as one model on each replica's first-stage rank of tp coordinate 0 (None
-        on the others): every stage's parameters made whole over the tp group and gathered over the pp group, named
-        as the checkpoint export names them (`plain_state`). Memory: while it decodes, that rank holds a
-        second, whole copy of the parameters (no gradients, no optimizer state) beside its stage, and the gathered
-        pieces once more on the host; a model that cannot fit one device whole cannot be scored this way
-        (train.bleu_samples=0 turns BLEU off)."""
-        pieces = {name: whole(p, self.tp_group).cpu() for name, p in self.net.named_parameters()}  # tp collectives
-        if self.dims.coord("tp") != 0:
-            return None
-        first = self.dims.coord("pp") == 0
-        gathered: list[Any] | None = [None] * self.dims.size("pp") if first else None
-        with comm_span("gather"):
-            dist.gather_object(pieces, gathered, dst=self.dims.group_ranks("pp")[0], group=self.dims.group("pp"))
-        if not first:
-            return None
-        model = empty_model(self.model_config)
-        arch = architecture(model)
-        model.load_state_dict(plain_state({name: p for piece in gathered for name, p in piece.items()}, arch),
-                              assign=True)
-        arch.restore_buffers(model, self.dims.device)
-        return model.to(self.dims.device).eval()
-
-    def scores(self) -> dict[str, float | None]:
-        """The epoch record's scores of the task: translation's BLEU, sft's answer accuracy; {} for lm."""
-        if self.pairs is None:
-            return {}
-        return self.bleu() if self.cfg.data.task == "translation" else self.answer_accuracy()
-
-    def answer_accuracy(self) -> dict[str, float | None]:
-        """`answer_accuracy`: the share of the first train.answer_samples validation prompts whose greedy response
-        states the reference's final answer (gptpar.train.bleu.final_answer); None when train.answer_samples=0."""
-        samples = self.cfg.train.answer_samples
-        if not samples:
-            return {"answer_accuracy": None}
-        (responses,) = self.translate(samples, [self.pairs.val])
-        return {"answer_accuracy": answer_accuracy(responses, self.pairs.val.references[:len(responses)])}
-
-    def bleu(self) -> dict[str, float | None]:
-        """The epoch record's BLEU fields: `bleu`, corpus BLEU of the first train.bleu_samples validation pairs'
-        translations (None when train.bleu_samples=0), and `test_bleu`, the same of the test split's, only where
-        the source has one and BLEU is on."""
-        data, samples = self.pairs, self.cfg.train.bleu_samples
-        if not samples:
-            return {"bleu": None}
-        scored = {"bleu": data.val} | ({"test_bleu": data.test} if data.test is not None else {})
-        texts = self.translate(samples, list(scored.values()))
-        return {key: corpus_bleu(hypotheses, split.references[:len(hypotheses)])
-                for (key, split), hypotheses in zip(scored.items(), texts, strict=True)}
 
     def banner(self) -> str:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
@@ -457,7 +394,8 @@ class Trainer:
         progress = Progress(cfg.log, dims.rank, dims.world_size, self.total_steps, self.step)
         progress.message(self.banner())
         metrics = Metrics(self.log, progress, dims.size("dp"))
-        evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.scores, self.log, progress)
+        self.scoring.progress = progress
+        evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.scoring.scores, self.log, progress)
         profiler = StepProfiler(cfg.train, dims.device, self.folder.trace_path(dims.rank))
         pending, every = PendingSteps(), sync_every(cfg.log.sync_every, dims.device)
         status, loss = "completed", math.nan
@@ -487,7 +425,7 @@ class Trainer:
                     self.checkpoints.after_step(self.step)
                 write_pending()
                 if status == "completed" and metrics.epoch_steps(self.step):
-                    metrics.end_epoch(epoch, self.step, evaluation.at_epoch_end())
+                    metrics.end_epoch(epoch, self.step, evaluation.at_epoch_end(epoch))
             self.checkpoints.save()
         finally:
             progress.close()

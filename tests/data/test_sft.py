@@ -18,14 +18,16 @@ import pytest
 import torch
 from rank_training import make_config, make_trainer
 
-from gptpar.config import ConfigError, DataConfig, load_config
+from analysis.answers import answers_section
+from gptpar.config import ConfigError, DataConfig, LogConfig, load_config
 from gptpar.data.pair_files import read_pairs
 from gptpar.data.pairs import IGNORE, load_pairs
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
-from gptpar.run.logfile import format_record, read_rank_log
+from gptpar.run.logfile import Answer, answers_path, format_record, read_answers, read_rank_log, write_answers
 from gptpar.train.bleu import answer_accuracy, final_answer
 from gptpar.train.entry import run_rank
+from gptpar.train.progress import Progress
 from gptpar.train.trainer import Trainer
 
 SFT = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=116",
@@ -57,13 +59,15 @@ def _write_pairs(path: Path, pairs: list[tuple[str, str]]) -> str:
     return str(path)
 
 
-def test_the_trainers_answer_accuracy_scores_each_response_against_its_own_reference(tmp_path: Path) -> None:
-    """The epoch record's score as the trainer forms it (`Trainer.scores`), on responses known in advance: a first
-    trainer decodes the validation prompts; a second, the same model (same seed, same byte vocabulary) on the same
+def test_the_trainers_answer_accuracy_scores_each_response_against_its_own_reference(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The epoch record's score as the trainer forms it (`Trainer.scoring.scores`), on responses known in advance: a
+    first trainer decodes the validation prompts; a second, the same model (same seed, same byte vocabulary) on the same
     prompts, gets references that state the response's own final answer for samples 0, 1 and 3 and another answer
     for 2 (and for the two pairs past train.answer_samples=4). It decodes the same responses and scores exactly 0.75:
     scoring the responses against themselves gives 1.0, against another row's reference less. An initialised model
-    answers every prompt alike (12 × "!"); its weights scaled by 5 make each answer its own."""
+    answers every prompt alike (12 × "!"); its weights scaled by 5 make each answer its own. Scored as an epoch's
+    end, the answers are kept in the run folder (prompt, response, reference, correct) and decoding shows progress."""
     train = _write_pairs(tmp_path / "train.jsonl", [(f"What is {i} + {i}?", f"{i} + {i} = {2 * i}\nThe answer is: "
                                                     f"{2 * i}") for i in range(16)])
     questions = [f"How many legs do {n} spiders have?" for n in range(2, 8)]
@@ -79,11 +83,49 @@ def test_the_trainers_answer_accuracy_scores_each_response_against_its_own_refer
         return made
 
     first = trainer("first", ["The answer is: 0"] * 6)
-    (responses,) = first.translate(4, [first.pairs.val])
+    (responses,) = first.scoring.translate(4, [first.pairs.val])
     other = [f"The answer is: {final_answer(r)}7" for r in responses]  # never the response's own final answer
     second = trainer("second", [responses[0], responses[1], other[2], responses[3], other[3], other[3]])
-    assert second.translate(4, [second.pairs.val]) == [responses]  # the same model decodes the same texts
-    assert second.scores() == {"answer_accuracy": 0.75}
+    assert second.scoring.translate(4, [second.pairs.val]) == [responses]  # the same model decodes the same texts
+    assert second.scoring.scores() == {"answer_accuracy": 0.75}
+    assert not (tmp_path / "second" / "answers").exists()  # no epoch given: nothing kept
+
+    # ISSUE 48.4: at an epoch's end rank 0 keeps the decoded answers and shows its progress on the progress channel.
+    second.scoring.progress = Progress(LogConfig(progress="lines"), rank=0, ranks=1, total=1, start=0)
+    capsys.readouterr()
+    assert second.scoring.scores(3) == {"answer_accuracy": 0.75}
+    assert "decoding for answers: 4/4 prompts" in capsys.readouterr().out
+    kept = read_answers(tmp_path / "second")
+    assert list(kept) == [3] and [a.response for a in kept[3]] == responses
+    assert [a.correct for a in kept[3]] == [True, True, False, True]
+    assert [a.reference for a in kept[3]] == [responses[0], responses[1], other[2], responses[3]]
+    assert all(f"How many legs do {n} spiders have?" in a.prompt for a, n in zip(kept[3], range(2, 6), strict=True))
+
+
+def test_an_epochs_answers_are_written_once_and_never_overwritten(tmp_path: Path) -> None:
+    """A resumed start that scores a completed epoch again keeps its file; later epochs add files; no temporary
+    file is left beside them."""
+    first = [Answer("Q: 2+2?", "The answer is: 4", "The answer is: 4", correct=True)]
+    again = [Answer("Q: 2+2?", "The answer is: 5", "The answer is: 4", correct=False)]
+    assert write_answers(tmp_path, 0, first) and not write_answers(tmp_path, 0, again)
+    assert write_answers(tmp_path, 1, again)
+    assert read_answers(tmp_path) == {0: first, 1: again}
+    assert sorted(p.name for p in answers_path(tmp_path, 0).parent.iterdir()) == ["epoch0.jsonl", "epoch1.jsonl"]
+
+
+def test_the_report_shows_a_few_answers_of_the_last_epoch(tmp_path: Path) -> None:
+    rows = [Answer(f"Question {i} | with a bar", f"The answer is: {i}", "The answer is: 1", correct=i == 1)
+            for i in range(5)]
+    write_answers(tmp_path / "sft", 0, rows[:1])
+    write_answers(tmp_path / "sft", 1, rows)
+    lines = answers_section([("sft", tmp_path / "sft"), ("lm", tmp_path / "lm")], shown=2)
+    assert lines[-3:] == ["|---|---|---|---|---|---|",
+                          "| sft | 1 | Question 0 / with a bar | The answer is: 0 | The answer is: 1 | no |",
+                          "| sft | 1 | Question 1 / with a bar | The answer is: 1 | The answer is: 1 | yes |"]
+    assert answers_section([("lm", tmp_path / "lm")]) == []
+    write_answers(tmp_path / "untrained", 0, [Answer("Q", " \n", "The answer is: 1", correct=False)])
+    shown_empty = answers_section([("untrained", tmp_path / "untrained")])[-1]
+    assert shown_empty == "| untrained | 0 | Q | (empty) | The answer is: 1 | no |"
 
 
 def test_the_bundled_sample_is_metamathqa_shaped_and_held_out_by_position() -> None:
@@ -133,7 +175,8 @@ def test_config_refuses_what_sft_cannot_train(overrides: list[str], message: str
 @pytest.mark.slow  # the data loader's workers
 def test_a_run_logs_answer_accuracy_each_epoch(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """The whole run (`gptpar train`'s code) on qwen2-tiny: every epoch record carries answer_accuracy, a share in
-    [0, 1] of train.answer_samples decoded prompts, shown in the progress line and by `gptpar logs`."""
+    [0, 1] of train.answer_samples decoded prompts, shown in the progress line and by `gptpar logs`; decoding shows its
+    progress, and each epoch's answers are kept in the run folder."""
     cfg = load_config(None, [*SFT, "model.preset=qwen2-tiny", "model.n_layer=2", "model.n_embd=64",
                              "train.batch_size=16", "train.epochs=2", "train.eval_every=0", "train.answer_samples=4",
                              "train.threads=1", "log.progress=lines", f"log.runs_dir={tmp_path}", "log.run_id=sft"])
@@ -142,4 +185,9 @@ def test_a_run_logs_answer_accuracy_each_epoch(tmp_path: Path, capsys: pytest.Ca
     scores = [log.epochs[e]["answer_accuracy"] for e in sorted(log.epochs)]
     assert len(scores) == 2 and all(s in (0.0, 0.25, 0.5, 0.75, 1.0) for s in scores)
     shown = f"answer_accuracy {scores[-1]:.2f}"
-    assert shown in capsys.readouterr().out and format_record(log.epochs[1]).endswith(shown)
+    out = capsys.readouterr().out
+    assert shown in out and format_record(log.epochs[1]).endswith(shown)
+    assert out.count("decoding for answers: 4/4 prompts") == 2
+    answers = read_answers(tmp_path / "sft")  # each epoch's, their share correct its score
+    assert list(answers) == [0, 1] and all(len(rows) == 4 for rows in answers.values())
+    assert [sum(a.correct for a in answers[e]) / 4 for e in (0, 1)] == scores

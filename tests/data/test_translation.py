@@ -209,8 +209,8 @@ def _train_and_decode(cfg, info: RankInfo) -> dict:
     counts = [target_tokens(y) for _, y in next(trainer.batches(0, 0))]
     losses = train_steps(trainer, STEPS)
     splits = [split for split in (trainer.pairs.val, trainer.pairs.test) if split is not None]
-    return {"losses": losses, "val": trainer.evaluate(), "bleu": trainer.bleu(),
-            "hypotheses": trainer.translate(16, splits), "counts": counts, "params": named_params(trainer)}
+    return {"losses": losses, "val": trainer.evaluate(), "bleu": trainer.scoring.bleu(),
+            "hypotheses": trainer.scoring.translate(16, splits), "counts": counts, "params": named_params(trainer)}
 
 
 def assert_nearly_all_close(value: torch.Tensor, expected: torch.Tensor, name: str) -> None:
@@ -343,12 +343,12 @@ def _run_and_decode(cfg, info: RankInfo) -> dict:
     is long) and after, and the whole parameters this rank holds."""
     trainer = make_trainer(cfg, info)
     widths = [x.size(1) for x, _ in next(trainer.batches(0, 0))]
-    untrained = trainer.translate(16, [trainer.pairs.val])
+    untrained = trainer.scoring.translate(16, [trainer.pairs.val])
     trainer.log.log("header", **header_fields(cfg, trainer.dims, restart=0))
     trainer.run()
     log = read_rank_log(trainer.log.path)
     return {"losses": [log.steps[step]["global_loss"] for step in sorted(log.steps)], "epoch": log.epochs[0],
-            "widths": widths, "untrained": untrained, "hypotheses": trainer.translate(16, [trainer.pairs.val]),
+            "widths": widths, "untrained": untrained, "hypotheses": trainer.scoring.translate(16, [trainer.pairs.val]),
             "params": named_params(trainer)}
 
 

@@ -15,7 +15,7 @@ from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.env import Layout, expand_nodelist, free_port, is_slurm_step, layout_from_env, slurm_port
-from gptpar.parallel.grid import EXPERT_REPLICAS, coordinates, group_ranks
+from gptpar.parallel.grid import EXPERT_REPLICAS, composite_groups, coordinates, group_ranks
 from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed
 from gptpar.parallel.spawn import spawn_local
 
@@ -217,6 +217,25 @@ def test_the_expert_dimension_splits_dp_into_groups_of_neighbouring_replicas() -
     assert group_ranks(5, sizes, "dp") == [1, 3, 5, 7]
     with pytest.raises(GptparError, match="ep=3 does not divide dp=4"):
         ParallelDims.build(_cpu_rank(0, 8), {**sizes, "ep": 3})
+
+
+@pytest.mark.parametrize(("sizes", "expected"), [
+    # dp=4 x tp=2 (rank = 2 dp + tp), ep=2: pairs of neighbouring replicas share experts; dp 0 and 2 (1 and 3) hold
+    # the same ones.
+    ({"pp": 1, "dp": 4, "tp": 2, "ep": 2}, {"ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                                            EXPERT_REPLICAS: [[0, 4], [1, 5], [2, 6], [3, 7]]}),
+    # pp=2 x dp=4 (rank = 4 pp + dp), ep=4: one expert group per stage, each replica alone with its experts.
+    ({"pp": 2, "dp": 4, "tp": 1, "ep": 4}, {"ep": [[0, 1, 2, 3], [4, 5, 6, 7]]}),
+    ({"pp": 2, "dp": 4, "tp": 1, "ep": 1}, {}),  # no expert parallelism: no composite
+])
+def test_named_composite_groups_are_a_function_of_the_grid(sizes: dict[str, int], expected: dict) -> None:
+    """ISSUE 47.5: the groups ParallelDims makes once and names (grid.COMPOSITES), on 8-rank grids, every rank's own
+    group among them (as ParallelDims.group_ranks gives it)."""
+    made = composite_groups(sizes)
+    assert made == expected
+    for name, groups in made.items():
+        for rank in range(8):
+            assert group_ranks(rank, sizes, name) in groups
 
 
 def _cpu_rank(rank: int, world_size: int) -> RankInfo:

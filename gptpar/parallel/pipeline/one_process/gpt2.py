@@ -24,35 +24,10 @@ from transformers.modeling_outputs import CausalLMOutput
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
-from gptpar.models import architecture, packed_attention
+from gptpar.models import architecture
 from gptpar.parallel.pipeline.cuts import balanced_sizes, untie_lm_head
 from gptpar.parallel.pipeline.one_process.pipe import ModelParallel, Pipe, micro_batch_size
-
-
-def resolve_devices(spec: str) -> list[torch.device]:
-    """`parallel.devices` as torch devices; empty means every visible GPU, else one CPU."""
-    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    names = [name.strip() for name in spec.split(",") if name.strip()]
-    if not names:
-        return [torch.device("cuda", i) for i in range(visible)] or [torch.device("cpu")]
-    devices = []
-    for name in names:
-        try:
-            dev = torch.device(name)
-        except RuntimeError:
-            raise GptparError(f"parallel.devices={spec!r}: {name!r} is not a device; "
-                              "use cpu or cuda:N") from None
-        if dev.type == "cpu":
-            devices.append(torch.device("cpu"))
-        elif dev.type == "cuda":
-            index = dev.index or 0
-            if index >= visible:
-                raise GptparError(f"parallel.devices={spec!r}: cuda:{index} is not visible "
-                                  f"({visible} GPU{'s' if visible != 1 else ''} visible)")
-            devices.append(torch.device("cuda", index))
-        else:
-            raise GptparError(f"parallel.devices={spec!r}: {name!r} is not supported; use cpu or cuda:N")
-    return devices
+from gptpar.parallel.placement import logits, place, resolve_devices, whole_device
 
 
 def gpt2_stages(model: PreTrainedModel, devices: list[torch.device], balance: str
@@ -91,17 +66,16 @@ class ParallelGPT2(nn.Module):
     def __init__(self, model: PreTrainedModel, pcfg: ParallelConfig, rank_device: torch.device,
                  split_size: int | None = None) -> None:
         super().__init__()
-        devices = resolve_devices(pcfg.devices)  # checked even in single mode: a missing GPU is an error
         self.mode, self.chunks, self.split_size = pcfg.pp_mode, pcfg.chunks, split_size
         # Kept out of the module tree: the stages wrap its modules, which state_dict() would otherwise list twice.
         self.__dict__["gpt2"] = model
         if self.mode == "single":
-            device = devices[0] if pcfg.devices.strip() else rank_device
-            # A model still on the meta device (model.init_device=meta under fsdp) is materialised by its sync.
-            self.model = model if next(model.parameters()).is_meta else model.to(device)
+            device = whole_device(pcfg.devices, rank_device)
+            self.model = place(model, device)
             self.input_device = self.output_device = device
             self.stage_devices = [device]
             return
+        devices = resolve_devices(pcfg.devices)
         seq, per_stage = gpt2_stages(model, devices, pcfg.balance)
         if self.mode == "pipeline_parallel":
             rows = 1 if split_size is None else split_size  # None: forward passes each batch's own
@@ -126,11 +100,7 @@ class ParallelGPT2(nn.Module):
         """`positions`: the position ids of packed rows (data.packing, single mode only), which also mask attention
         between their examples."""
         if self.mode == "single":
-            if positions is None:
-                return self.model(input_ids.to(self.input_device)).logits
-            positions = positions.to(self.input_device)
-            return self.model(input_ids.to(self.input_device), position_ids=positions,
-                              attention_mask=packed_attention(positions)).logits
+            return logits(self.model, self.input_device, input_ids, positions)
         if self.mode == "pipeline_parallel":
             rows = micro_batch_size(input_ids.size(0), self.chunks) if self.split_size is None else None
             return self.runner(input_ids, split_size=rows)  # None: the Pipe's own split_size
