@@ -6,7 +6,7 @@ from gptpar.config import Config
 from gptpar.launch.backend import Backend, choose_backend, job_text
 from gptpar.launch.plan import Point, plan_run, write_run_folder
 from gptpar.launch.profiles import resolve
-from gptpar.run.state import read_run
+from gptpar.run.state import LIVE_JOB_STATES, read_run
 
 
 def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
@@ -39,4 +39,4 @@ def report_started(point: Point, backend: Backend, job_id: str) -> bool:
     run = read_run(point.folder, scheduler=backend.state(job_id))
     print(f"{point.folder.name}: {run.state} (job {job_id})" + (f": {run.detail}" if run.detail else ""),
           flush=True)
-    return run.state in ("pending", "running", "completed", "requeued")
+    return run.state in (*LIVE_JOB_STATES, "completed", "requeued")

@@ -31,6 +31,7 @@ CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoint"  # gptpar.train.checkpoint writes it (and checkpoint.tmp, checkpoint.old on the way)
 LOCK_FILE = ".lock"
 CANCEL_FILE = "cancelled.json"  # in job/: written by `gptpar cancel`
+QUEUE_LOCK = "queue.lock"  # in job/: held by the launcher process that will start the run (gptpar.run.queue)
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
 
@@ -128,6 +129,11 @@ class RunFolder:
         """Who runs in this folder now (host, pid, job id), or None when nobody does."""
         return RunLock(self.path / LOCK_FILE).holder()
 
+    def launcher(self) -> dict[str, Any] | None:
+        """The live launcher that holds this run in its queue (host, pid, and the job id once it starts the run's
+        ranks: gptpar.run.queue), or None."""
+        return RunLock(self.job_dir / QUEUE_LOCK).holder()
+
 
 def completed(saved: dict[str, Any]) -> dict[str, Any]:
     """A saved config with the keys a later gptpar added at their defaults: a folder written before a key
@@ -215,6 +221,11 @@ class RunLock:
         self._write_heartbeat()
         self._beat = threading.Thread(target=self._heartbeat, name="gptpar-run-lock", daemon=True)
         self._beat.start()
+
+    def relabel(self, job_id: str) -> None:
+        """Record another job id in a lock this process holds (a queued run whose ranks now start)."""
+        self._info["job_id"] = job_id
+        self._write_heartbeat()
 
     def _write_heartbeat(self) -> None:
         text = json.dumps({**self._info, "heartbeat": time.time()}).encode()

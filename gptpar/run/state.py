@@ -3,6 +3,8 @@
 The scheduler's answer is passed in (this module never asks SLURM itself), so `gptpar status`
 (which asks), `gptpar report` (which does not) and the trainer's resume all use the same rules:
 - pending: the scheduler says the job waits (also right after a requeue);
+- queued / starting: a launcher on this machine holds the run in its queue (gptpar.run.queue): its ranks have not
+  started yet (a local sweep's later points), or they are starting and have not logged yet;
 - running: the run's lock is held (or its heartbeat is fresh), or the scheduler says it runs;
 - otherwise the logs decide: completed (every rank's last segment says so), diverged (completed
   with a non-finite loss), failed (a rank says failed, or died without a final record, or never
@@ -30,10 +32,10 @@ from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.resume import mixed_configs
 
-STATES = ("pending", "running", "completed", "diverged", "requeued", "stopped", "cancelled", "failed", "timeout",
-          "oom", "corrupt")
+STATES = ("queued", "pending", "starting", "running", "completed", "diverged", "requeued", "stopped", "cancelled",
+          "failed", "timeout", "oom", "corrupt")
 SCHEDULER_STATES = ("pending", "running", "completed", "failed", "timeout", "oom")
-LIVE_JOB_STATES = ("pending", "running")  # a job in these states must not have its folder touched
+LIVE_JOB_STATES = ("queued", "pending", "starting", "running")  # a run in these must not have its folder touched
 FINISHED = ("completed", "diverged")  # states in which a start trains nothing
 REQUEUE_GRACE_S = 60.0  # a "requeued" final record precedes the scheduler showing the job pending
 PLAIN_SCRIPT_RUN = re.compile(r"(dp|pp)-\d+")  # the folder jobs/dp.sbatch and jobs/pp.sbatch name after their job
@@ -141,6 +143,12 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
     if holder is not None or scheduler == "running":
         where = f"host {holder.get('host')} pid {holder.get('pid')}" if holder else "the scheduler says so"
         return "running", f"running ({where})"
+    launcher = folder.launcher()
+    if launcher is not None:
+        where = f"host {launcher.get('host')} pid {launcher.get('pid')}"
+        if launcher.get("job_id"):
+            return "starting", f"job {launcher['job_id']}: its ranks are starting ({where}); no log record yet"
+        return "queued", f"waiting for its turn in the launcher ({where})"
     started = [log for log in ranks if log.headers]
     expected = max((int(log.header["world_size"]) for log in started), default=0)
     finals = {log.rank: log.final for log in started}

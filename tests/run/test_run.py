@@ -271,8 +271,8 @@ def test_status_filters_by_state_and_gives_elapsed_since_the_jobs_start_and_an_e
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]] == ["completed"]
     assert main(["status", str(tmp_path), "--state", "runing"]) == 2
     assert capsys.readouterr().err == ("gptpar: error: --state 'runing': 'runing' is not a state; choose from "
-                                       "pending, running, completed, diverged, requeued, stopped, cancelled, failed, "
-                                       "timeout, oom, corrupt (comma-separated)\n")
+                                       "queued, pending, starting, running, completed, diverged, requeued, stopped, "
+                                       "cancelled, failed, timeout, oom, corrupt (comma-separated)\n")
 
 
 @pytest.mark.slow
