@@ -3,8 +3,9 @@
 The scheduler's answer is passed in (this module never asks SLURM itself), so `gptpar status`
 (which asks), `gptpar report` (which does not) and the trainer's resume all use the same rules:
 - pending: the scheduler says the job waits (also right after a requeue);
-- queued / starting: a launcher on this machine holds the run in its queue (gptpar.run.queue): its ranks have not
-  started yet (a local sweep's later points), or they are starting and have not logged yet;
+- queued / starting: a launcher on this machine holds the run in its queue (gptpar.run.queue) and its ranks have not
+  started yet (a local sweep's later points); starting: its ranks (or its job, says the scheduler) are starting and
+  have not logged yet;
 - running: the run's lock is held (or its heartbeat is fresh), or the scheduler says it runs;
 - otherwise the logs decide: completed (every rank's last segment says so), diverged (completed
   with a non-finite loss), failed (a rank says failed, or died without a final record, or never
@@ -99,7 +100,8 @@ def _rank_reason(folder: RunFolder, rank: int) -> str:
 def resume_hint(folder: RunFolder, launcher: str | None) -> str:
     """The command that resumes a run from its checkpoint, as a user types it: a run `gptpar submit` or `sweep` made
     is submitted again from its own config.yaml (its job record names the kind); a run of jobs/dp.sbatch or
-    jobs/pp.sbatch (folder dp-<job id>, pp-<job id>) is that script again with RUN naming the folder; a run gptpar
+    jobs/pp.sbatch (folder dp-<job id>, pp-<job id>) is that script again with the folder as its argument (which
+    `gptpar status` shows as that run while the job waits); a run gptpar
     started here (one process, or the local launcher's ranks) is `gptpar train` of its config.yaml; any other is that
     command again under the launcher that started it."""
     config = shlex.quote(str(folder.config_path))
@@ -108,7 +110,7 @@ def resume_hint(folder: RunFolder, launcher: str | None) -> str:
     if kind:
         command = f"gptpar submit {kind} {config}"
     elif launcher == "slurm" and plain:
-        command = f"RUN={shlex.quote(str(folder.path))} sbatch jobs/{plain[1]}.sbatch"
+        command = f"sbatch jobs/{plain[1]}.sbatch {shlex.quote(str(folder.path))}"
     elif launcher in ("single", "local"):
         command = f"gptpar train {config}"
     else:
@@ -140,6 +142,8 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
     if scheduler == "pending":
         return "pending", getattr(scheduler, "why", "") or "queued"
     holder = folder.holder()
+    if holder is None and scheduler == "running" and not any(log.headers for log in ranks):
+        return "starting", "its job runs; no log record yet"
     if holder is not None or scheduler == "running":
         where = f"host {holder.get('host')} pid {holder.get('pid')}" if holder else "the scheduler says so"
         return "running", f"running ({where})"
