@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpar.config import Config, ConfigError, check_expert_grid, data_config, updated
+from gptpar.config import Config, ConfigError, LogConfig, check_expert_grid, data_config, updated
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
 from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
@@ -122,7 +122,8 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
         cfg = shaped(cfg, kind)
     check_expert_grid(cfg)
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
-    cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point")
+    prefix = kind if kind is not None and cfg.log.name == LogConfig().name else ""  # `dp.3`, unless log.name is set
+    cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point", prefix, reserve=write)
     cfg = updated(cfg, {"log.runs_dir": str(root), **absolute_paths(cfg)})
     if cfg.data.source.startswith("hf:"):  # a hub dataset neither cached nor reachable: said before any folder
         from gptpar.data.fetch import require_hub_data
