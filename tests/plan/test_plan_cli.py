@@ -5,6 +5,7 @@ reasons and sweep file."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from planfix import calibration, layout, machine_calibration
 from gptpar.cli import main
 from gptpar.config import config_from_dict
 from gptpar.launch.sweep import expand
+from gptpar.plan.search import render
 
 WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=4096", "data.seq_len=64",
          "train.precision=fp32"]
@@ -38,9 +40,11 @@ def test_predict_json_is_one_object_with_the_step_and_memory(calib: str, capsys:
     assert {"step_time_s", "tokens_per_s", "memory_bytes", "exposed_comm_s", "bubble_s", "mfu", "cost"} <= set(data)
     assert data["tokens_per_s"] == pytest.approx(16 * 64 / data["step_time_s"])
     assert data["cost"]["gpu_hours"] == pytest.approx(data["step_time_s"] * 100 * 2 / 3600)
+    assert data["cost"]["unit"] == "CPU-hours"  # a CPU's hours are not GPU-hours
     assert data["mfu"] is None  # a CPU has no datasheet peak
     code, out, _ = run(["plan", "predict", *WORDS, "--calibration", calib], capsys)
     assert code == 0 and out.splitlines()[1].startswith("step time ")
+    assert out.splitlines()[-1].startswith("cost ") and out.splitlines()[-1].endswith(" CPU-hours")
 
 
 @pytest.mark.parametrize(("words", "message"), [
@@ -117,3 +121,10 @@ def test_a_profile_without_links_plans_the_users_gpu_type(tmp_path: Path, capsys
     code, out, _ = run(["plan", "predict", *WORDS, f"launch.profile={profile}", "launch.gpu_type=h100",
                         "train.precision=bf16"], capsys)
     assert code == 0 and " on h100 " in out.splitlines()[0]
+
+
+def test_a_search_with_nothing_rejected_ends_its_count_without_a_colon() -> None:
+    assert render([], Counter(), {}, 3).splitlines()[-1] == "0 valid layout(s); none rejected"
+    reasons = Counter({"parallel.tp=8 must divide model.n_head=4": 2})
+    assert render([], reasons, {"parallel.tp=8 must divide model.n_head=4": "tp=8"}, 3).splitlines()[-2:] == [
+        "0 valid layout(s); 2 rejected:", "  2 x parallel.tp=8 must divide model.n_head=4 (e.g. tp=8)"]
