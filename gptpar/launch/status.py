@@ -198,14 +198,16 @@ def completion(folder: RunFolder) -> tuple[str, str]:
 
 
 def run_result(folder: RunFolder, scheduler: str | None = None) -> dict[str, Any]:
-    """A run's row as Python values, with rank 0's last final record; `scheduler` is its job's state (a job's own
-    tasks pass None). A failed run (FAILURES) has no result: a one-line GptparError says why."""
+    """A run's row as Python values, with rank 0's last final record (its `status`, the report's word; also `state`);
+    `scheduler` is its job's state (a job's own tasks pass None). A failed run (FAILURES) has no result: a one-line
+    GptparError says why."""
     run = read_run(folder, scheduler=scheduler)
     if run.state in FAILURES:
         raise GptparError(f"run {folder.path} {run.state}" + (f": {run.detail}" if run.detail else ""))
     job = job_of(folder)
     row = row_of(run, job, folder.path.parent, time.time())
-    return {"run_id": folder.name, "run_dir": str(folder.path), "state": run.state, "detail": run.detail,
+    return {"run_id": folder.name, "run_dir": str(folder.path), "status": run.state, "detail": run.detail,
             "job_id": job[1] if job else None, "step": row.step, "total_steps": row.total_steps,
             "final_loss": row.loss, "tokens_per_s": row.tokens_per_s, "elapsed_s": row.elapsed_s,
-            "final": next((log.final for log in run.ranks if log.rank == 0), None)}
+            "final": next((log.final for log in run.ranks if log.rank == 0), None),
+            "state": run.state}  # `status` under its first name, for code written before it matched the report's

@@ -16,6 +16,8 @@ parallel.dp the job's shape would replace, is an error.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,7 +28,7 @@ from gptpar.config import ConfigError, config_layers, overrides_tree, parse_over
 from gptpar.errors import GptparError
 from gptpar.launch.backend import Backend, choose_backend, job_text, scheduler_state
 from gptpar.launch.plan import Point, plan_run, shaped, write_run_folder
-from gptpar.launch.profiles import resolve
+from gptpar.launch.profiles import account_warning, resolve
 from gptpar.launch.submit import report_started
 from gptpar.run.folder import completed, config_diff
 from gptpar.run.names import point_label, point_name, short_hash, slug
@@ -249,6 +251,8 @@ def submit_sweep(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
     print(f"sweep {name}: {len(points)} point(s), {skipped} skipped (done or queued), {len(todo)} to run on {where}",
           flush=True)
     if backend is None:
+        for warning in sorted({w for _, spec in groups if (w := account_warning(spec, os.environ)) is not None}):
+            print(warning, file=sys.stderr)
         for (_, spec), members in groups.items():
             out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else members[0].folder.job_dir
             print(f"# points: {', '.join(p.folder.name for p in members)}")
