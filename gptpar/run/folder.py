@@ -223,8 +223,8 @@ class RunLock:
         self._beat.start()
 
     def relabel(self, job_id: str) -> None:
-        """Record another job id in a lock this process holds (a queued run whose ranks now start)."""
-        self._info["job_id"] = job_id
+        """Record another job id in a lock this process holds, and since when (a queued run whose ranks now start)."""
+        self._info.update(job_id=job_id, since=time.time())
         self._write_heartbeat()
 
     def _write_heartbeat(self) -> None:

@@ -1,7 +1,8 @@
 """A launcher's queue: the runs a process will start, one after another (a local sweep runs its points in turn).
 
 Each queued run's `job/queue.lock` is held by the launcher (a RunLock: its flock dies with the process, its heartbeat
-tells other hosts) from when the run is queued until its ranks end, with the job id once its ranks start. So
+tells other hosts) from when the run is queued until its ranks end, with the job id and the time once its ranks
+start (a rank header from then on means they have started: the records decide from there). So
 gptpar.run.state tells a run waiting its turn (`queued`) and one whose ranks are starting (`starting`) from one that
 died before its first log record, and a launcher that was killed leaves no run looking queued.
 """
@@ -45,11 +46,8 @@ def dequeue(folders: Sequence[RunFolder]) -> None:
 @contextmanager
 def starting(folder: RunFolder, job_id: str) -> Iterator[None]:
     """Mark a run's ranks starting as job `job_id` (queued by this process or not), until they end."""
-    lock = _HELD.get(folder.path)
-    if lock is None:
-        lock = _lock(folder, job_id)
-    else:
-        lock.relabel(job_id)
+    lock = _HELD.get(folder.path) or _lock(folder)
+    lock.relabel(job_id)
     try:
         yield
     finally:

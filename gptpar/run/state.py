@@ -150,9 +150,11 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
     launcher = folder.launcher()
     if launcher is not None:
         where = f"host {launcher.get('host')} pid {launcher.get('pid')}"
-        if launcher.get("job_id"):
+        if not launcher.get("job_id"):
+            return "queued", f"waiting for its turn in the launcher ({where})"
+        since = float(launcher.get("since", 0.0))
+        if not any(float(log.headers[-1].get("start_time", 0.0)) >= since for log in ranks if log.headers):
             return "starting", f"job {launcher['job_id']}: its ranks are starting ({where}); no log record yet"
-        return "queued", f"waiting for its turn in the launcher ({where})"
     started = [log for log in ranks if log.headers]
     expected = max((int(log.header["world_size"]) for log in started), default=0)
     finals = {log.rank: log.final for log in started}

@@ -53,8 +53,8 @@ OTHER_DICTS = {
     "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
     "gptpar/run/records.py": FIELD_METADATA,
     "gptpar/run/start.py": {"job_id"},  # the job record of a folder set aside
-    # the job record's keys, the lock's pid, error texts
-    "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "MemoryError", "out of memory", "oom-kill"},
+    # the job record's keys, the lock's pid (and a launcher's queue lock's since), error texts
+    "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "since", "MemoryError", "out of memory", "oom-kill"},
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
 }
 
