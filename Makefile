@@ -10,8 +10,10 @@ RUNS ?= runs
 FIGURES ?= figures
 # One stamp per torch spec: `make install TORCH_SPEC=...` after a plain install installs that torch.
 STAMP := $(VENV)/.installed-$(shell printf '%s' '$(subst ','\'',$(TORCH_SPEC))' | cksum | cut -d' ' -f1)
-# pip warns about every local wheel folder it does not find; its real errors still fail the target.
-QUIET_PIP := 2>&1 | { grep -v "^WARNING: Location" || true; }
+# pip says each package as it collects and installs it (a sign of life through minutes of downloads), less its
+# warning about every local wheel folder it does not find and what is installed already; its real errors still
+# fail the target.
+QUIET_PIP := 2>&1 | { grep --line-buffered -Ev "^(WARNING: Location|Requirement already satisfied)" || true; }
 # `make demo CLUSTER=slurm` runs the same demo as SLURM jobs on a cluster (e.g. `make cluster-up`).
 CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
@@ -22,12 +24,15 @@ DEMO_FIGURES ?= $(FIGURES)/demo
 install: $(STAMP)
 
 $(STAMP): requirements.lock pyproject.toml
+	@echo "creating the virtual environment $(VENV) (where none is)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	@echo "installing $(TORCH_SPEC) (a CUDA build is GBs: minutes on a slow network)"
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) $(QUIET_PIP)
-	@echo "installing the tested lock (requirements.lock: every extra and the dev tools)"
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock $(QUIET_PIP)
+	$(PY) -m pip install --disable-pip-version-check $(TORCH_SPEC) $(QUIET_PIP)
+	@echo "installing the tested lock (requirements.lock: every extra and the dev tools; minutes)"
+	$(PY) -m pip install --disable-pip-version-check -r requirements.lock $(QUIET_PIP)
+	@echo "installing gptpar itself (editable: the checkout is the package)"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . $(QUIET_PIP)
+	@echo "checking that every package imports (up to a minute on a busy login node)"
 	$(PY) -c "import torch, transformers, datasets, sacrebleu, tensorboard, wandb, submitit, pytest, gptpar, analysis"
 	rm -f $(VENV)/.installed*
 	touch $(STAMP)

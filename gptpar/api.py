@@ -87,9 +87,9 @@ class Job:
         return state
 
     def result(self) -> dict[str, Any]:
-        """Wait for the run, then its result: run_id, run_dir, state, detail, job_id, step, total_steps, final_loss
-        (the last step's global_loss), tokens_per_s (summed over replicas), elapsed_s and rank 0's final record.
-        A failed run raises a one-line GptparError saying why."""
+        """Wait for the run, then its result: run_id, run_dir, status (the report's word; also as `state`), detail,
+        job_id, step, total_steps, final_loss (the last step's global_loss), tokens_per_s (summed over replicas),
+        elapsed_s and rank 0's final record. A failed run raises a one-line GptparError saying why."""
         self.wait()
         return run_result(self.folder, self.backend.state(self.job_id))
 

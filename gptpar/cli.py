@@ -146,11 +146,33 @@ def cmd_status(args: argparse.Namespace) -> int:
             return 0
 
 
+def _target(args: argparse.Namespace, sweeps: bool = False):
+    """What `RUN` names for cancel and logs: a run's folder (or with `sweeps` a folder of runs) as a path, as
+    `gptpar status` shows it under --runs-dir, or by its job id; with the live job of a plain sbatch script that runs
+    it (SLURM alone knows such a job until its trainer writes the folder), or None."""
+    from gptpar.launch.status import plain_job_named, run_of_job
+
+    runs_dir = Path(args.runs_dir)
+    job = plain_job_named(args.run, runs_dir)
+    if job is not None:
+        return job.run, job
+    try:
+        return _run_path(args, sweeps), None
+    except GptparError:
+        if (folder := run_of_job(args.run, runs_dir)) is None:
+            raise GptparError(f"run {args.run!r} not found (as a path, a run or a job id under {args.runs_dir})"
+                              ) from None
+        return folder.path, None
+
+
 def cmd_cancel(args: argparse.Namespace) -> int:
     from gptpar.launch.backend import cancel_run
     from gptpar.run.folder import RunFolder, find_runs
 
-    path = _run_path(args, sweeps=True)
+    path, job = _target(args, sweeps=True)
+    if job is not None:
+        print(f"{path}: {cancel_run(RunFolder(path), ('slurm', job.job_id))}")
+        return 0
     for folder in find_runs(path) or [RunFolder(path)]:  # a sweep's (or a runs folder's) runs, or one run
         print(f"{folder.path}: {cancel_run(folder)}")
     return 0
@@ -185,7 +207,9 @@ def cmd_logs(args: argparse.Namespace) -> int:
     from gptpar.run.logfile import CorruptLog
     from gptpar.run.state import read_run
 
-    folder = RunFolder(_run_path(args))
+    path, job = _target(args)
+    folder = RunFolder(path)
+    scheduler = job.state if job is not None else scheduler_state(folder)
     files = sorted(p for p in folder.job_dir.glob("*") if p.suffix in (".out", ".err") and p.stat().st_size)
     for file in files:
         print(f"==> {file} <==")
@@ -195,7 +219,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         _print_rank_log(folder, args)
     except CorruptLog as exc:  # said where the records would be; the state below is `corrupt`, as in `gptpar status`
         print(f"unreadable: {exc}")
-    run = read_run(folder, scheduler=scheduler_state(folder))
+    run = read_run(folder, scheduler=scheduler)
     print(f"state: {run.state}" + (f" ({run.detail})" if run.detail else ""))
     return 0
 

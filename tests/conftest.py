@@ -47,12 +47,12 @@ def slurm_queue_unasked() -> Iterator[None]:
     a fast test's runs are the folders it wrote; tests/launch/test_slurm.py asks the real queue."""
     from gptpar.launch import status
 
-    asked = status.queued_plain_jobs
-    status.queued_plain_jobs = list
+    asked = status.plain_jobs
+    status.plain_jobs = list
     try:
         yield
     finally:
-        status.queued_plain_jobs = asked
+        status.plain_jobs = asked
 
 
 @contextlib.contextmanager

@@ -317,7 +317,8 @@ class LaunchConfig:
 @dataclass(frozen=True)
 class LogConfig:
     runs_dir: str = opt("runs", "Where run folders are written.")
-    run_id: str = opt("", f"Run folder name, at most {RUN_ID_MAX} characters; empty derives NAME-<timestamp>.")
+    run_id: str = opt("", f"Run folder name, at most {RUN_ID_MAX} characters; empty derives NAME.N (the next number; "
+                          "NAME is the job kind for gptpar submit), or NAME-<job id> in a SLURM job.")
     name: str = opt("run", "Human name of the run, the prefix of its run id.")
     every: int = opt(10, "Print progress every N steps (plain-line mode).", min=1)
     sync_every: int = opt(0, "Read the steps' loss, gradient norm and time back from the device every N steps, so "

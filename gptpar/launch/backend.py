@@ -97,11 +97,12 @@ def scheduler_state(folder: RunFolder) -> str | None:
     return job_state(job_of(folder))
 
 
-def cancel_run(folder: RunFolder) -> str:
-    """Stop a folder's run and say what was done: cancel its job while the scheduler holding it (SLURM, or
-    submitit's local executor) says it is pending or running, else interrupt the process holding the folder on
-    this host (SIGINT: every rank stops at the next step boundary, checkpointed, and the run can be resumed)."""
-    job = job_of(folder)
+def cancel_run(folder: RunFolder, job: tuple[str, str] | None = None) -> str:
+    """Stop a folder's run and say what was done: cancel its job (`job`, else the folder's own) while the scheduler
+    holding it (SLURM, or submitit's local executor) says it is pending or running, else interrupt the process
+    holding the folder on this host (SIGINT: every rank stops at the next step boundary, checkpointed, and the run can
+    be resumed). A job whose run has not started (a plain script's pending job) leaves no folder behind."""
+    job = job or job_of(folder)
     backend = backend_named(job[0]) if job is not None else None
     if job is not None and backend.scheduler:
         state = backend.state(job[1])
@@ -109,6 +110,8 @@ def cancel_run(folder: RunFolder) -> str:
             known = state or f"no longer known to {backend.scheduler}"
             return f"nothing to cancel: {backend.scheduler} job {job[1]} is {known}"
         backend.cancel(job[1])
+        if not folder.holds_run():
+            return f"cancelled {backend.scheduler} job {job[1]} ({state}); its run had not started"
         folder.record_cancel(job[1])
         return f"cancelled {backend.scheduler} job {job[1]} ({state}); {_resume(folder)}"
     holder = folder.holder()

@@ -29,6 +29,7 @@ from gptpar.launch.profiles import JobSpec
 from gptpar.launch.slurm import clean_env
 from gptpar.parallel.env import LAUNCHER_MARKER, LAUNCHER_PID, free_port
 from gptpar.run.folder import handed_fds
+from gptpar.run.queue import starting
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors get this long to be logged
@@ -173,7 +174,8 @@ class LocalBackend:
             point.folder.write_job_record(self.name, job_id, spec.kind)
             print(f"{point.label or point.folder.name}: job {job_id} starts, {world} rank(s) on this machine",
                   flush=True)
-            run_ranks(point, world)
+            with starting(point.folder, job_id):
+                run_ranks(point, world)
             ids.append(job_id)
         return ids
 

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpar.config import Config, ConfigError, check_expert_grid, data_config, updated
+from gptpar.config import Config, ConfigError, LogConfig, check_expert_grid, data_config, updated
 from gptpar.data.tokenizer import resolve_tokenizer_choice
 from gptpar.errors import GptparError
 from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
@@ -125,7 +125,8 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
         cfg = shaped(cfg, kind)
     check_expert_grid(cfg)
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
-    cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point")
+    prefix = kind if kind is not None and cfg.log.name == LogConfig().name else ""  # `dp.3`, unless log.name is set
+    cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point", prefix, reserve=write)
     cfg = updated(cfg, {"log.runs_dir": str(root), **absolute_paths(cfg)})
     from gptpar.data.fetch import check_local_data, require_hub_data  # bad data is said before any folder
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,3 +194,12 @@ def resolve(cfg: Config, kind: str) -> JobSpec:
     _check_limits(Path(launch.profile).stem, prof, spec)
     check_precision(cfg.train.precision, launch.gpu_type or str(prof.get("gpu_type") or ""), shape.gpus_per_node)
     return spec
+
+
+def account_warning(spec: JobSpec, env: Mapping[str, str]) -> str | None:
+    """One line where a cluster profile's job names no account (launch.account, nor sbatch's SBATCH_ACCOUNT): a
+    cluster that bills an allocation refuses it at submission, which a dry run never reaches."""
+    if spec.profile == "local" or spec.account or env.get("SBATCH_ACCOUNT"):
+        return None
+    return (f"warning: profile {spec.profile}: no account (launch.account, GPTPAR_ACCOUNT or SBATCH_ACCOUNT); a "
+            "cluster that bills an allocation refuses the job; set launch.account=...")

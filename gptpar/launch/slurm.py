@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from gptpar.errors import GptparError
@@ -143,31 +144,39 @@ SLURM_STATES = {
 }
 
 
-# SLURM's pending reasons that waiting never clears, with what does ({job}: the job id).
+# SLURM's pending reasons that waiting never clears, with what does ({job}: the job id; the other fields name the
+# options of the job's shape as its submitter gives them: LAUNCH_KEYS, or sbatch's own for the plain scripts).
 NEVER_CLEARS = {
     "PartitionConfig": "the job asks for more than the partition's nodes or limits allow (CPUs, GPUs, memory, nodes "
-                       "or time); lower --gpus, --nodes, launch.cpus_per_task or launch.time, or use another partition",
-    "PartitionNodeLimit": "the job asks for more nodes than the partition allows; lower --nodes",
-    "PartitionTimeLimit": "launch.time is above the partition's time limit; lower it",
-    "BadConstraints": "no node has what the job asks for (launch.constraint, the GPU type or count); compare with "
+                       "or time); lower {gpus}, {nodes}, {cpus} or {time}, or use another partition",
+    "PartitionNodeLimit": "the job asks for more nodes than the partition allows; lower {nodes}",
+    "PartitionTimeLimit": "{time} is above the partition's time limit; lower it",
+    "BadConstraints": "no node has what the job asks for ({constraint}, the GPU type or count); compare with "
                       "sinfo -o '%N %c %G %f'",
     "ReqNodeNotAvail": "a node the job needs is down, drained or reserved; ask the cluster's staff, or cancel it",
-    "InvalidAccount": "the account is not one of yours; fix launch.account",
-    "InvalidQOS": "the QOS is not one the account may use; fix launch.qos",
+    "InvalidAccount": "the account is not one of yours; fix {account}",
+    "InvalidQOS": "the QOS is not one the account may use; fix {qos}",
     "JobHeldUser": "it is held; release it with: scontrol release {job}",
     "JobHeldAdmin": "an administrator holds it; ask the cluster's staff",
     "DependencyNeverSatisfied": "a job it depends on failed; cancel it",
 }
+LAUNCH_KEYS = {"gpus": "--gpus", "nodes": "--nodes", "cpus": "launch.cpus_per_task", "time": "launch.time",
+               "constraint": "launch.constraint", "account": "launch.account", "qos": "launch.qos"}
+# A plain script's job (jobs/dp.sbatch) is shaped by its #SBATCH lines, which sbatch's options override.
+SBATCH_OPTIONS = {"gpus": "sbatch --gpus=TYPE:N", "nodes": "sbatch --nodes=N", "cpus": "sbatch --cpus-per-task=N",
+                  "time": "sbatch --time=HH:MM:SS", "constraint": "sbatch --constraint", "account": "sbatch -A ACCOUNT",
+                  "qos": "sbatch --qos=QOS"}
 
 
-def pending_why(reason: str, job_id: str) -> str:
+def pending_why(reason: str, job_id: str, keys: Mapping[str, str] = LAUNCH_KEYS) -> str:
     """A pending job's reason as the user reads it: NEVER_STARTS with the fix where waiting cannot clear it (the
-    reasons above, and a QOS's or association's per-job limit), else what it waits for."""
+    reasons above, and a QOS's or association's per-job limit), else what it waits for. `keys` names the options that
+    shape the job as its submitter gives them."""
     fix = NEVER_CLEARS.get(reason)
     if fix is None and reason.startswith(("QOSMax", "AssocMax")) and "PerJob" in reason:
-        fix = "the job asks for more than its QOS or account allows one job; ask for less, or another launch.qos"
+        fix = "the job asks for more than its QOS or account allows one job; ask for less, or another {qos}"
     if fix is not None:
-        return f"{NEVER_STARTS}: {reason}; {fix.format(job=job_id)}"
+        return f"{NEVER_STARTS}: {reason}; {fix.format(job=job_id, **keys)}"
     return "queued" if reason in ("", "None") else f"queued: {reason}"
 
 
@@ -185,29 +194,49 @@ PLAIN_SCRIPTS = {"gptpar-dp": "dp", "gptpar-pp": "pp"}
 QUEUE_TIMEOUT_S = 3.0
 
 
-def queued_plain_jobs() -> list[tuple[str, Path, str]]:
-    """(job id, run folder, why it waits) of each of this user's jobs of jobs/dp.sbatch and jobs/pp.sbatch that SLURM
-    holds pending: the folder does not exist until the job starts, so only SLURM knows them. The folder is the
-    script's default, runs/<kind>-<job id> under the folder it was sbatch-ed from (a RUNS or RUN given to sbatch
-    is SLURM's secret); [] where squeue cannot say within QUEUE_TIMEOUT_S (a controller answers in milliseconds, a
-    client whose controller is down only after 9 s, which every `gptpar status` would wait for)."""
+@dataclass(frozen=True)
+class PlainJob:
+    """A live job of jobs/dp.sbatch or jobs/pp.sbatch as SLURM shows it: the run folder it writes (the one its
+    argument names, which it continues, else its own new one), and its state (pending with why: Pending)."""
+
+    job_id: str
+    run: Path
+    state: str
+
+
+def plain_job(line: str) -> PlainJob | None:
+    """One line of squeue's `%i|%j|%r|%Z|%T|%o` as a plain script's job (None for another job, or an array's pending
+    tasks, which have no folder name yet). The run is the script's argument (its command, %o, after the script's
+    path), relative to the folder it was sbatch-ed from, else runs/<kind>-<job id> there (a RUNS or RUN given in the
+    environment is SLURM's secret)."""
+    job_id, name, reason, workdir, state, command = (line.split("|", 5) + [""] * 5)[:6]
+    if not (job_id.isdigit() and name in PLAIN_SCRIPTS and workdir):
+        return None
+    argument = command.partition(" ")[2].strip()
+    run = Path(workdir) / (argument or f"runs/{PLAIN_SCRIPTS[name]}-{job_id}")
+    ours = SLURM_STATES.get(state, "failed")
+    if ours not in ("pending", "running"):
+        return None
+    why = pending_why(reason, job_id, SBATCH_OPTIONS) + (f"; it continues {argument}" if argument else "")
+    return PlainJob(job_id, run, Pending(why) if ours == "pending" else ours)
+
+
+def plain_jobs() -> list[PlainJob]:
+    """This user's live jobs of jobs/dp.sbatch and jobs/pp.sbatch: until such a job's trainer writes its folder's
+    config (a minute after it starts), only SLURM knows it. [] where squeue cannot say within QUEUE_TIMEOUT_S (a
+    controller answers in milliseconds, a client whose controller is down only after 9 s, which every `gptpar status`
+    would wait for)."""
     if not shutil.which("squeue"):
         return []
     try:
-        result = subprocess.run(["squeue", "--me", "-h", "-t", "PENDING", "-n", ",".join(PLAIN_SCRIPTS),
-                                 "-o", "%i|%j|%r|%Z"], capture_output=True, text=True, timeout=QUEUE_TIMEOUT_S,
-                                env=clean_env())
+        result = subprocess.run(["squeue", "--me", "-h", "-t", "PENDING,RUNNING", "-n", ",".join(PLAIN_SCRIPTS),
+                                 "-o", "%i|%j|%r|%Z|%T|%o"], capture_output=True, text=True,
+                                timeout=QUEUE_TIMEOUT_S, env=clean_env())
     except (OSError, subprocess.TimeoutExpired):
         return []
     if result.returncode != 0:
         return []
-    jobs = []
-    for line in result.stdout.splitlines():
-        job_id, name, reason, workdir = (line.split("|", 3) + ["", "", ""])[:4]
-        if job_id.isdigit() and name in PLAIN_SCRIPTS and workdir:  # an array's pending tasks have no folder name yet
-            run = Path(workdir) / "runs" / f"{PLAIN_SCRIPTS[name]}-{job_id}"
-            jobs.append((job_id, run, pending_why(reason, job_id)))
-    return jobs
+    return [job for line in result.stdout.splitlines() if (job := plain_job(line)) is not None]
 
 
 class SlurmBackend:

@@ -12,7 +12,7 @@ from typing import Any
 
 from gptpar.errors import GptparError
 from gptpar.launch.backend import job_of, job_state
-from gptpar.launch.slurm import queued_plain_jobs
+from gptpar.launch.slurm import PlainJob, plain_jobs
 from gptpar.run.folder import RunFolder, find_runs
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
@@ -118,29 +118,42 @@ def parse_states(text: str) -> tuple[str, ...]:
     return states
 
 
-def queued_rows(root: Path, known: set[str]) -> list[StatusRow]:
-    """Pending jobs of the plain sbatch scripts (jobs/dp.sbatch, jobs/pp.sbatch) whose run will be under `root`: they
-    have no folder yet, so SLURM alone knows them; a job in `known` (a folder's) is already listed."""
-    top = root.resolve()
-    return [StatusRow(state="pending", run=run.relative_to(top).as_posix(), job=job_id, elapsed_s=None, step=0,
-                      total_steps=None, loss=None, tokens_per_s=None, nodes="", restarts=0, detail=why)
-            for job_id, run, why in queued_plain_jobs() if job_id not in known and run.is_relative_to(top)]
-
-
 def status_rows(root: Path, now: float | None = None,
                 states: tuple[str, ...] = STATES) -> tuple[list[StatusRow], int]:
-    """Every current run under `root` in one of `states`, ordered by state (with the pending jobs of the plain sbatch
-    scripts, which have no folder yet), and the count of folders set aside (not listed)."""
+    """Every current run under `root` in one of `states`, ordered by state, and the count of folders set aside (not
+    listed). The live jobs of the plain sbatch scripts are SLURM's to tell: one that continues a run folder shows as
+    that run, one whose folder does not hold a run yet as a row of its own."""
     now = time.time() if now is None else now
+    top = root.resolve()
+    plain = {job.run.resolve(): job for job in plain_jobs() if job.run.resolve().is_relative_to(top)}
     folders = find_runs(root)
     aside = [f for f in folders if replaced(f.name)]  # results of an earlier config, kept but not current
-    runs = [_read(folder, root, now) for folder in folders if folder not in aside]
-    rows = [row_of(run, job, root, now) for state in STATES if state in states for run, job in runs
-            if run.state == state]
-    if "pending" in states:
-        after = sum(row.state == "pending" for row in rows)  # after the pending runs, before the running ones
-        rows[after:after] = queued_rows(root, {job[1] for _, job in runs if job})
-    return rows, len(aside)
+    rows = []
+    for folder in folders:
+        if folder in aside:
+            continue
+        job = plain.pop(folder.path.resolve(), None)
+        if job is None:
+            run, found = _read(folder, root, now)
+        else:  # a plain script's job continuing this run: SLURM's word on it, not on the job that ran it before
+            run, found = read_run(folder, root, job.state, now), ("slurm", job.job_id)
+        rows.append(row_of(run, found, root, now))
+    rows += [row_of(read_run(RunFolder(job.run), top, job.state, now), ("slurm", job.job_id), top, now)
+             for job in plain.values()]  # no run folder yet
+    return sorted((row for row in rows if row.state in states), key=lambda row: STATES.index(row.state)), len(aside)
+
+
+def plain_job_named(name: str, runs_dir: Path) -> PlainJob | None:
+    """The live job of a plain script that `name` names: its job id, or its run as `gptpar status` shows it (under
+    runs_dir) or as a path."""
+    places = {Path(name).resolve(), (runs_dir / name).resolve()}
+    return next((job for job in plain_jobs() if job.job_id == name or job.run.resolve() in places), None)
+
+
+def run_of_job(job_id: str, runs_dir: Path) -> RunFolder | None:
+    """The run under runs_dir whose job (job.json's, or a plain script's SLURM job) has this id, as the JOB column
+    shows it."""
+    return next((folder for folder in find_runs(runs_dir) if (job := job_of(folder)) and job[1] == job_id), None)
 
 
 def render_status(rows: list[StatusRow], aside: int) -> str:
@@ -185,14 +198,16 @@ def completion(folder: RunFolder) -> tuple[str, str]:
 
 
 def run_result(folder: RunFolder, scheduler: str | None = None) -> dict[str, Any]:
-    """A run's row as Python values, with rank 0's last final record; `scheduler` is its job's state (a job's own
-    tasks pass None). A failed run (FAILURES) has no result: a one-line GptparError says why."""
+    """A run's row as Python values, with rank 0's last final record (its `status`, the report's word; also `state`);
+    `scheduler` is its job's state (a job's own tasks pass None). A failed run (FAILURES) has no result: a one-line
+    GptparError says why."""
     run = read_run(folder, scheduler=scheduler)
     if run.state in FAILURES:
         raise GptparError(f"run {folder.path} {run.state}" + (f": {run.detail}" if run.detail else ""))
     job = job_of(folder)
     row = row_of(run, job, folder.path.parent, time.time())
-    return {"run_id": folder.name, "run_dir": str(folder.path), "state": run.state, "detail": run.detail,
+    return {"run_id": folder.name, "run_dir": str(folder.path), "status": run.state, "detail": run.detail,
             "job_id": job[1] if job else None, "step": row.step, "total_steps": row.total_steps,
             "final_loss": row.loss, "tokens_per_s": row.tokens_per_s, "elapsed_s": row.elapsed_s,
-            "final": next((log.final for log in run.ranks if log.rank == 0), None)}
+            "final": next((log.final for log in run.ranks if log.rank == 0), None),
+            "state": run.state}  # `status` under its first name, for code written before it matched the report's

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 from gptpar.config import Config
 from gptpar.launch.backend import Backend, choose_backend, job_text
 from gptpar.launch.plan import Point, plan_run, write_run_folder
-from gptpar.launch.profiles import resolve
-from gptpar.run.state import read_run
+from gptpar.launch.profiles import account_warning, resolve
+from gptpar.run.state import LIVE_JOB_STATES, read_run
 
 
 def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
     """Print the job script (--dry-run), or submit it: queued on SLURM, or run now as local processes."""
     if dry_run:
         point = plan_run(cfg, kind, write=False)
-        print(job_text([point], resolve(point.cfg, kind), point.folder.name, point.folder.job_dir), end="")
+        spec = resolve(point.cfg, kind)
+        if (warning := account_warning(spec, os.environ)) is not None:
+            print(warning, file=sys.stderr)
+        print(job_text([point], spec, point.folder.name, point.folder.job_dir), end="")
         return 0
     point, backend, job_id = submit_run(cfg, kind)
     return 0 if report_started(point, backend, job_id) else 1
@@ -39,4 +45,4 @@ def report_started(point: Point, backend: Backend, job_id: str) -> bool:
     run = read_run(point.folder, scheduler=backend.state(job_id))
     print(f"{point.folder.name}: {run.state} (job {job_id})" + (f": {run.detail}" if run.detail else ""),
           flush=True)
-    return run.state in ("pending", "running", "completed", "requeued")
+    return run.state in (*LIVE_JOB_STATES, "completed", "requeued")

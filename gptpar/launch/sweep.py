@@ -16,6 +16,8 @@ parallel.dp the job's shape would replace, is an error.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -26,12 +28,13 @@ from gptpar.config import ConfigError, config_layers, overrides_tree, parse_over
 from gptpar.errors import GptparError
 from gptpar.launch.backend import Backend, choose_backend, job_text, scheduler_state
 from gptpar.launch.plan import Point, plan_run, shaped, write_run_folder
-from gptpar.launch.profiles import resolve
+from gptpar.launch.profiles import account_warning, resolve
 from gptpar.launch.submit import report_started
 from gptpar.run.folder import completed, config_diff
 from gptpar.run.names import point_label, point_name, short_hash, slug
+from gptpar.run.queue import dequeue, queued
 from gptpar.run.start import make_folder, set_aside
-from gptpar.run.state import LIVE_JOB_STATES, NEVER_STARTS, read_run
+from gptpar.run.state import FINISHED, LIVE_JOB_STATES, NEVER_STARTS, read_run
 from gptpar.run.sweeps import write_sweep_record
 from gptpar.user_defaults import user_layers
 
@@ -160,7 +163,7 @@ def wait_for(points: Sequence[Point], poll_s: float = 5.0) -> list[str]:
             if run.folder.path not in said:
                 print(f"{run.folder.name}: {run.detail}", flush=True)
                 said.add(run.folder.path)
-        if not any(r.state in ("pending", "running") for r in runs if all(r is not s for s in stuck)):
+        if not any(r.state in LIVE_JOB_STATES for r in runs if all(r is not s for s in stuck)):
             return [r.state for r in runs]
         time.sleep(poll_s)
 
@@ -241,7 +244,7 @@ def submit_sweep(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
         print(f"# would refuse: {stale_message(name, stale)}")
     again = {p.folder.name for p, _ in stale} if rerun else set()
     todo = [p for p in points if p.folder.name in again or not p.folder.rank_logs() or point_state(p) not in
-            ("completed", "diverged", "pending", "running")]
+            (*FINISHED, *LIVE_JOB_STATES)]
     skipped = len(points) - len(todo)
     # One job array per round of repeats and job shape, in sweep order: locally the rounds run one after another.
     groups: dict[tuple[int, Any], list[Point]] = {}
@@ -250,15 +253,21 @@ def submit_sweep(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
     where = backend.where if backend else "nowhere (dry run)"
     print(f"sweep {name}: {len(points)} point(s), {skipped} skipped (done or queued), {len(todo)} to run on {where}",
           flush=True)
-    failures = 0
-    for (_, spec), members in groups.items():
-        out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else members[0].folder.job_dir
-        if backend is None:
+    if backend is None:
+        for warning in sorted({w for _, spec in groups if (w := account_warning(spec, os.environ)) is not None}):
+            print(warning, file=sys.stderr)
+        for (_, spec), members in groups.items():
+            out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else members[0].folder.job_dir
             print(f"# points: {_listed([p.folder.name for p in members], SHOWN_POINTS)}")
             print(job_text(members, spec, f"{name}-{kind}", out), end="")
-            continue
-        job_ids = backend.submit(members, spec, f"{name}-{kind}", out)
-        failures += sum(not report_started(p, backend, j) for p, j in zip(members, job_ids, strict=True))
+        return points, None, 0
+    failures = 0
+    with queued([p.folder for p in todo]):  # each point reads `queued` until its job takes it
+        for (_, spec), members in groups.items():
+            out = Path(members[0].cfg.log.runs_dir) / "_jobs" if len(members) > 1 else members[0].folder.job_dir
+            job_ids = backend.submit(members, spec, f"{name}-{kind}", out)
+            dequeue([p.folder for p in members])  # handed over: their job says what becomes of them
+            failures += sum(not report_started(p, backend, j) for p, j in zip(members, job_ids, strict=True))
     return points, backend, failures
 
 

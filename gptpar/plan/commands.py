@@ -50,14 +50,17 @@ def describe(layout: Layout) -> str:
     return " ".join(parts) + f", micro-batch {layout.seqs}x{layout.seq_len}, {layout.precision}"
 
 
-def cost(pred: Prediction, steps: int) -> dict[str, float]:
+def cost(pred: Prediction, steps: int, target: Target) -> dict[str, float | str]:
+    """Wall time and device-hours of `steps` steps; `unit` names the device-hours (a CPU's are not GPU-hours; the key
+    stays gpu_hours for readers of --json)."""
     seconds = pred.step_time_s * steps
-    return {"steps": steps, "seconds": seconds, "gpu_hours": seconds * pred.gpus / 3600}
+    unit = "CPU-hours" if target.calibration.device == "cpu" else "GPU-hours"
+    return {"steps": steps, "seconds": seconds, "gpu_hours": seconds * pred.gpus / 3600, "unit": unit}
 
 
 def as_json(layout: Layout, target: Target, pred: Prediction, steps: int) -> str:
     return json.dumps({**pred.to_dict(), "layout": describe(layout), "device": target.device,
-                       "calibration": target.calibration_name, "cost": cost(pred, steps),
+                       "calibration": target.calibration_name, "cost": cost(pred, steps, target),
                        "memory_limit_bytes": target.memory_bytes})
 
 
@@ -65,7 +68,7 @@ def as_text(layout: Layout, target: Target, pred: Prediction, steps: int) -> str
     comm = sum(pred.exposed_comm_s.values())
     kinds = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(pred.exposed_comm_s.items(), key=lambda kv: -kv[1]))
     m = pred.memory
-    c = cost(pred, steps)
+    c = cost(pred, steps, target)
     limit = f" of {target.memory_bytes / MB:,.0f} MB" if target.memory_bytes else ""
     lines = [
         f"{describe(layout)}; {pred.gpus} rank(s) on {target.device} (calibration: {target.calibration_name})",
@@ -77,6 +80,6 @@ def as_text(layout: Layout, target: Target, pred: Prediction, steps: int) -> str
         + (f", gathered {m['gathered'] / MB:,.1f}" if m["gathered"] else "")
         + (f", hpZ copy {m['hpz'] / MB:,.1f}" if m.get("hpz") else ""),
         "MFU          " + (f"{pred.mfu:.1%}" if pred.mfu is not None else "n/a (no datasheet peak for this device)"),
-        f"cost         {c['steps']:,} steps: {c['seconds'] / 3600:,.2f} h wall, {c['gpu_hours']:,.2f} GPU-hours",
+        f"cost         {c['steps']:,} steps: {c['seconds'] / 3600:,.2f} h wall, {c['gpu_hours']:,.2f} {c['unit']}",
     ]
     return "\n".join(lines + [f"note: {n}" for n in pred.notes])

@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -253,6 +254,27 @@ def _collective_points(op: str, sizes: tuple[int, ...], world: int, device: torc
     return points
 
 
+LOADED = 0.5  # a 1-minute load average above this share of the CPUs: other work shares the machine's cores
+
+
+def load_warning(load: float, cpus: int) -> str | None:
+    """One line where the machine is busy with other work (a login node): its timings would measure that work too."""
+    if load <= LOADED * cpus:
+        return None
+    return (f"warning: this machine's load average is {load:.1f} on {cpus} CPU(s): other work shares it, so these "
+            "timings measure that work too; calibrate on an idle node (inside an allocation, e.g. srun)")
+
+
+def _progress(rank: int) -> Callable[[str], None]:
+    """Rank 0's progress line per piece on stderr (a calibration takes minutes), with the seconds since it began."""
+    began = time.monotonic()
+
+    def say(piece: str) -> None:
+        if rank == 0:
+            print(f"calibrate: {piece} ({time.monotonic() - began:.0f} s)", file=sys.stderr, flush=True)
+    return say
+
+
 def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int, out: Path) -> None:
     """One rank's measurements; rank 0 writes them to `out` as JSON."""
     if threads:
@@ -263,6 +285,7 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     amp.set_matmul_precision()  # the trainer's: TF32 matmuls under tf32 only
     rank, world = (info.rank, info.world_size) if info is not None else (0, 1)
     saved: list[float] = []
+    say = _progress(rank)
 
     # A group of this rank alone, for the grouped clip's own all-reduce (every rank makes every rank's, in order).
     solo = None
@@ -270,17 +293,19 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
         group = dist.new_group([r])
         solo = group if r == rank else solo
 
-    def all_compute() -> dict[str, list[list[float]]]:
+    def all_compute(ranks: str) -> dict[str, list[list[float]]]:
         compute: dict[str, list[list[float]]] = {}
         saved.clear()
         for width, heads in plan.widths:
             shape = ModelShape("gpt2", 1, width, heads, 1024)
             for batch in plan.batches:
+                say(f"a block of width {width}, micro-batch {batch[0]}x{batch[1]}, {ranks}")
                 points = _block_points(shape, width, heads, batch, plan.vocab, device, amp, plan.repeats)
                 per_token_width, saved_bytes = points.pop("saved")
                 saved.append(saved_bytes / per_token_width)
                 for kind, (flops, seconds) in points.items():
                     compute.setdefault(kind, []).append([flops, seconds])
+        say(f"the optimizer step, {ranks}")
         compute["optimizer"] = [list(_optimizer_point(n, device, plan.repeats)) for n in plan.optimizer_params]
         if solo is not None:
             compute["optimizer_grouped"] = [list(_optimizer_point(n, device, plan.repeats, [solo]))
@@ -295,6 +320,7 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
             for batch in plan.batches:
                 if batch[1] % world:
                     continue
+                say(f"a tensor-parallel block of width {width}, micro-batch {batch[0]}x{batch[1]}, {world} ranks")
                 points = _tp_block_points(dims, ModelShape("gpt2", 1, width, heads, 1024), width, heads, batch,
                                           plan.vocab, amp, plan.repeats)
                 for kind, point in points.items():
@@ -303,14 +329,15 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     alone: dict[str, list[list[float]]] = {}
     if device.type == "cpu" and world > 1:  # ranks share this machine's cores: one rank alone computes faster
         if rank == 0:
-            alone = all_compute()
+            alone = all_compute("rank 0 alone")
         dist.barrier()
-    compute = all_compute()
+    compute = all_compute(f"{world} rank(s) at once")
     if world > 1:
         tp_compute(compute)
     collectives = {}
     if world > 1:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"):
+            say(f"{op} of {len(plan.comm_bytes)} sizes on {world} ranks")
             collectives[op] = _collective_points(op, plan.comm_bytes, world, device, plan.comm_iters)
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else local_device_name()
@@ -325,10 +352,14 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
 
 
 def calibrate(out: str | Path, quick: bool = False, world: int = 0, precision: str = "auto", threads: int = 0,
-              plan: Plan | None = None) -> Calibration:
+              plan: Plan | None = None, load: tuple[float, int] | None = None) -> Calibration:
     """Measure this machine (`world` ranks: by default 2 on a CPU, every visible GPU up to 8 on CUDA) and write the
-    calibration to `out`."""
-    from gptpar.plan.calibration import load
+    calibration to `out`, warning first where the machine is loaded (`load`: its 1-minute load average and CPU count,
+    by default this machine's)."""
+    from gptpar.plan.calibration import load as load_calibration
+
+    if (warning := load_warning(*(load or (os.getloadavg()[0], os.cpu_count() or 1)))) is not None:
+        print(warning, file=sys.stderr, flush=True)
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     precision = resolve_precision(precision, torch.device("cuda" if gpus else "cpu"))  # as the trainer resolves it
@@ -343,7 +374,7 @@ def calibrate(out: str | Path, quick: bool = False, world: int = 0, precision: s
         with tempfile.TemporaryDirectory():
             spawn_local(measure_rank, world, plan, precision, threads, out,
                         pcfg=ParallelConfig(dp=world, backend="auto", timeout_s=1800))
-    return load(out)
+    return load_calibration(out)
 
 
 def dump(calib: Calibration) -> str:

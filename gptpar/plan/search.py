@@ -125,7 +125,8 @@ def render(ranked: list[Ranked], reasons: Counter[str], example: dict[str, str],
         lines.append(f"{i:>3} {p.tokens_per_s:>12,.0f} {p.step_time_s * 1e3:>10,.1f} {p.memory_bytes / MB:>10,.0f} "
                      f"{mfu:>6} {p.bubble_s * 1e3:>10,.1f} {sum(p.exposed_comm_s.values()) * 1e3:>9,.1f}  "
                      f"{describe(r.layout)}")
-    lines.append(f"{len(ranked)} valid layout(s); {sum(reasons.values())} rejected:")
+    rejected = sum(reasons.values())
+    lines.append(f"{len(ranked)} valid layout(s); " + (f"{rejected} rejected:" if rejected else "none rejected"))
     lines += [f"  {n} x {reason} (e.g. {example[reason]})" for reason, n in reasons.most_common()]
     return "\n".join(lines)
 

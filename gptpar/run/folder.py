@@ -40,6 +40,7 @@ RUN_ENTRIES = frozenset({CONFIG_FILE, LOCK_FILE, PLAN_FILE, CHECKPOINT_DIR, CHEC
                          CHECKPOINT_DIR + OLD_SUFFIX, "job", "trace", TB_FOLDER, WANDB_FOLDER})
 CANCEL_FILE = "cancelled.json"  # in job/: written by `gptpar cancel`
 LOCK_FD_ENV = "GPTPAR_RUN_LOCK_FD"  # the descriptor of the run lock a launcher holds for the ranks it starts
+QUEUE_LOCK = "queue.lock"  # in job/: held by the launcher process that will start the run (gptpar.run.queue)
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
 
@@ -148,6 +149,11 @@ class RunFolder:
     def holder(self) -> dict[str, Any] | None:
         """Who runs in this folder now (host, pid, job id), or None when nobody does."""
         return RunLock(self.path / LOCK_FILE).holder()
+
+    def launcher(self) -> dict[str, Any] | None:
+        """The live launcher that holds this run in its queue (host, pid, and the job id once it starts the run's
+        ranks: gptpar.run.queue), or None."""
+        return RunLock(self.job_dir / QUEUE_LOCK).holder()
 
 
 def completed(saved: dict[str, Any]) -> dict[str, Any]:
@@ -272,6 +278,11 @@ class RunLock:
         except (KeyError, ValueError, OSError):
             return None
         return os.dup(fd) if (mine.st_dev, mine.st_ino) == (handed.st_dev, handed.st_ino) else None
+
+    def relabel(self, job_id: str) -> None:
+        """Record another job id in a lock this process holds, and since when (a queued run whose ranks now start)."""
+        self._info.update(job_id=job_id, since=time.time())
+        self._write_heartbeat()
 
     def _write_heartbeat(self) -> None:
         text = json.dumps({**self._info, "heartbeat": time.time()}).encode()

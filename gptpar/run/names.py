@@ -2,8 +2,8 @@
 
 An explicit `log.run_id` is used as given (after validation: one path segment of safe characters).
 Only derived ids get a suffix: the SLURM job (and array task) id, which a requeued job keeps so it
-resumes in its own folder, else a timestamp with microseconds plus random digits, so runs started
-in the same second never share a folder.
+resumes in its own folder, else a number one above the runs of that name in the runs folder (`dp.3`), whose
+folder is made as it is chosen (gptpar.run.start.next_run_id), so runs named at the same moment never share one.
 
 Also the name of a run folder set aside by `gptpar sweep --rerun` or `gptpar train --start-over`:
 `<folder>.replaced-<time>` (gptpar.run.sweeps tells the report which folders are stale).
@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import secrets
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -49,17 +48,26 @@ def check_run_id(run_id: str, key: str = "log.run_id") -> str:
     return run_id
 
 
-def derived_run_id(name: str, env: Mapping[str, str] | None = None, now: float | None = None) -> str:
-    """`NAME-<job id>` inside a SLURM job (stable across requeues), else `NAME-<time>-<random>`."""
+def job_run_id(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """`NAME-<job id>` inside a SLURM job (stable across requeues), else None."""
     env = os.environ if env is None else env
-    prefix = slug(name, 60)
     job = env.get("SLURM_ARRAY_JOB_ID") or env.get("SLURM_JOB_ID")
-    if job:
-        task = env.get("SLURM_ARRAY_TASK_ID")
-        return check_run_id(f"{prefix}-{job}_{task}" if task else f"{prefix}-{job}")
-    now = time.time() if now is None else now
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f".{int(now % 1 * 1e6):06d}"
-    return check_run_id(f"{prefix}-{stamp}-{secrets.token_hex(4)}")
+    if not job:
+        return None
+    task = env.get("SLURM_ARRAY_TASK_ID")
+    prefix = slug(name, 60)
+    return check_run_id(f"{prefix}-{job}_{task}" if task else f"{prefix}-{job}")
+
+
+def numbered(name: str) -> re.Pattern[str]:
+    """The folders of the runs numbered after `name` (`NAME.N`, also set aside: `NAME.N.replaced-<time>`); the
+    number is group 1."""
+    return re.compile(re.escape(slug(name, 60)) + r"\.(\d+)(?:\.replaced-.*)?")
+
+
+def numbered_run_id(name: str, number: int) -> str:
+    """`NAME.N`: short, and never a plain sbatch script's `NAME-<job id>`, whose folder a pending job will make."""
+    return check_run_id(f"{slug(name, 60)}.{number}")
 
 
 def point_name(pairs: Sequence[str]) -> str:

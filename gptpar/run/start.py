@@ -13,7 +13,7 @@ from pathlib import Path
 from gptpar.config import Config, Layer, nested, updated
 from gptpar.errors import GptparError
 from gptpar.run.folder import LOCK_FILE, RunFolder, in_use, run_folder
-from gptpar.run.names import derived_run_id, replaced_name
+from gptpar.run.names import job_run_id, numbered, numbered_run_id, replaced_name
 from gptpar.run.resume import check_start
 from gptpar.run.state import LIVE_JOB_STATES, check_checkpoint, read_run
 
@@ -21,13 +21,39 @@ START_OVER = "pass --start-over to set the old folder aside and start over"  # h
 JobState = Callable[[RunFolder], "str | None"]  # the scheduler's word on a folder's job (backend.scheduler_state)
 
 
-def named_run(cfg: Config, run_id: str = "", runs_dir: str | Path | None = None,
-              key: str = "log.run_id") -> tuple[Config, RunFolder]:
+def named_run(cfg: Config, run_id: str = "", runs_dir: str | Path | None = None, key: str = "log.run_id",
+              prefix: str = "", reserve: bool = True) -> tuple[Config, RunFolder]:
     """A run's config with its id, and its folder under `runs_dir` (by default log.runs_dir). The id is
     `run_id` (a sweep point's, or the one rank 0 chose), else log.run_id, else derived here: the one place a
-    run is named, so a run id is derived once per run. `key` names the id's origin in a refusal."""
-    folder = run_folder(runs_dir or cfg.log.runs_dir, run_id or cfg.log.run_id or derived_run_id(cfg.log.name), key)
+    run is named, so a run id is derived once per run. A derived id is `<log.name>-<job id>` inside a SLURM job, else
+    `<prefix or log.name>.N` (next_run_id; `reserve`: False to name it without making its folder, as --dry-run
+    does). `key` names the id's origin in a refusal."""
+    root = runs_dir or cfg.log.runs_dir
+    name = run_id or cfg.log.run_id or job_run_id(cfg.log.name) or next_run_id(root, prefix or cfg.log.name, reserve)
+    folder = run_folder(root, name, key)
     return updated(cfg, {"log.run_id": folder.name}), folder
+
+
+def next_run_id(runs_dir: str | Path, name: str, reserve: bool = True) -> str:
+    """`NAME.N`, N one above every run of that name under runs_dir (those set aside too); with `reserve` its folder is
+    made at once (reserved_run_id)."""
+    root = Path(runs_dir)
+    pattern = numbered(name)
+    taken = [int(m[1]) for p in (root.iterdir() if root.is_dir() else ()) if (m := pattern.fullmatch(p.name))]
+    number = max(taken, default=0) + 1
+    return reserved_run_id(root, name, number) if reserve else numbered_run_id(name, number)
+
+
+def reserved_run_id(root: Path, name: str, number: int) -> str:
+    """`NAME.N` for the first N from `number` whose folder this process makes: mkdir fails where another process made
+    it first (it named its run in the same moment), and that one keeps the number."""
+    make_folder(root)
+    while True:
+        try:
+            (root / numbered_run_id(name, number)).mkdir()
+            return numbered_run_id(name, number)
+        except FileExistsError:
+            number += 1
 
 
 def location_layer(config_file: str | Path) -> list[Layer]:

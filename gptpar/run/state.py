@@ -3,6 +3,9 @@
 The scheduler's answer is passed in (this module never asks SLURM itself), so `gptpar status`
 (which asks), `gptpar report` (which does not) and the trainer's resume all use the same rules:
 - pending: the scheduler says the job waits (also right after a requeue);
+- queued / starting: a launcher on this machine holds the run in its queue (gptpar.run.queue) and its ranks have not
+  started yet (a local sweep's later points); starting: its ranks (or its job, says the scheduler) are starting and
+  have not logged yet;
 - running: the run's lock is held (or its heartbeat is fresh), or the scheduler says it runs;
 - otherwise the logs decide: completed (every rank's last segment says so), diverged (completed
   with a non-finite loss), failed (a rank says failed, or died without a final record, or never
@@ -31,10 +34,10 @@ from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.resume import mixed_configs
 
-STATES = ("pending", "running", "completed", "diverged", "requeued", "stopped", "cancelled", "failed", "timeout",
-          "oom", "corrupt")
+STATES = ("queued", "pending", "starting", "running", "completed", "diverged", "requeued", "stopped", "cancelled",
+          "failed", "timeout", "oom", "corrupt")
 SCHEDULER_STATES = ("pending", "running", "completed", "failed", "timeout", "oom")
-LIVE_JOB_STATES = ("pending", "running")  # a job in these states must not have its folder touched
+LIVE_JOB_STATES = ("queued", "pending", "starting", "running")  # a run in these must not have its folder touched
 FINISHED = ("completed", "diverged")  # states in which a start trains nothing
 REQUEUE_GRACE_S = 60.0  # a "requeued" final record precedes the scheduler showing the job pending
 PLAIN_SCRIPT_RUN = re.compile(r"(dp|pp)-\d+")  # the folder jobs/dp.sbatch and jobs/pp.sbatch name after their job
@@ -98,7 +101,8 @@ def _rank_reason(folder: RunFolder, rank: int) -> str:
 def resume_hint(folder: RunFolder, launcher: str | None) -> str:
     """The command that resumes a run from its checkpoint, as a user types it: a run `gptpar submit` or `sweep` made
     is submitted again from its own config.yaml (its job record names the kind); a run of jobs/dp.sbatch or
-    jobs/pp.sbatch (folder dp-<job id>, pp-<job id>) is that script again with RUN naming the folder; a run gptpar
+    jobs/pp.sbatch (folder dp-<job id>, pp-<job id>) is that script again with the folder as its argument (which
+    `gptpar status` shows as that run while the job waits); a run gptpar
     started here (one process, or the local launcher's ranks) is `gptpar train` of its config.yaml; any other is that
     command again under the launcher that started it."""
     config = shlex.quote(str(folder.config_path))
@@ -107,7 +111,7 @@ def resume_hint(folder: RunFolder, launcher: str | None) -> str:
     if kind:
         command = f"gptpar submit {kind} {config}"
     elif launcher == "slurm" and plain:
-        command = f"RUN={shlex.quote(str(folder.path))} sbatch jobs/{plain[1]}.sbatch"
+        command = f"sbatch jobs/{plain[1]}.sbatch {shlex.quote(str(folder.path))}"
     elif launcher in ("single", "local"):
         command = f"gptpar train {config}"
     else:
@@ -141,9 +145,19 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
     if scheduler == "pending":
         return "pending", getattr(scheduler, "why", "") or "queued"
     holder = None if held else folder.holder()
+    if holder is None and scheduler == "running" and not any(log.headers for log in ranks):
+        return "starting", "its job runs; no log record yet"
     if holder is not None or scheduler == "running":
         where = f"host {holder.get('host')} pid {holder.get('pid')}" if holder else "the scheduler says so"
         return "running", f"running ({where})"
+    launcher = folder.launcher()
+    if launcher is not None:
+        where = f"host {launcher.get('host')} pid {launcher.get('pid')}"
+        if not launcher.get("job_id"):
+            return "queued", f"waiting for its turn in the launcher ({where})"
+        since = float(launcher.get("since", 0.0))
+        if not any(float(log.headers[-1].get("start_time", 0.0)) >= since for log in ranks if log.headers):
+            return "starting", f"job {launcher['job_id']}: its ranks are starting ({where}); no log record yet"
     started = [log for log in ranks if log.headers]
     expected = max((int(log.header["world_size"]) for log in started), default=0)
     finals = {log.rank: log.final for log in started}

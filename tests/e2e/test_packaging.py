@@ -60,3 +60,15 @@ def test_training_and_the_report_run_without_the_extras_and_an_hf_source_names_i
     assert out.returncode == 2
     assert out.stderr.strip() == ("gptpar: error: data.source=hf:x/y needs the hf extra: pip install 'gptpar[hf]' "
                                   "(or make install)")
+
+
+@pytest.mark.slow
+def test_make_install_says_what_it_does_before_each_long_step(tmp_path: Path) -> None:
+    """`make install` runs for minutes: every step that can take long (the venv, each pip install, the import check)
+    follows a line saying what it is, and pip says each package it collects (not -q) for the two big installs. `make -n`
+    prints the recipe without running it."""
+    recipe = subprocess.run(["make", "-n", "install", f"VENV={tmp_path / 'venv'}"], cwd=REPO, capture_output=True,
+                            text=True, check=True, timeout=60).stdout.splitlines()
+    long = [i for i, line in enumerate(recipe) if "-m venv" in line or "pip install" in line or '-c "import' in line]
+    assert len(long) == 5 and all(recipe[i - 1].startswith("echo ") for i in long)
+    assert [" -q " in recipe[i] for i in long if "pip install" in recipe[i]] == [False, False, True]  # torch, lock

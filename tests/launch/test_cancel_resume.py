@@ -1,5 +1,5 @@
 """A cancelled run reads `cancelled`, and every message that says how to resume a run names the command that
-resumes that run: `gptpar submit KIND CONFIG` for a run submit or sweep made, `RUN=FOLDER sbatch jobs/KIND.sbatch`
+resumes that run: `gptpar submit KIND CONFIG` for a run submit or sweep made, `sbatch jobs/KIND.sbatch FOLDER`
 for a run of the plain scripts (which take RUN and continue it), `gptpar train CONFIG` for one started here."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def test_a_stopped_run_names_the_command_that_resumes_it(tmp_path: Path) -> None
     for folder, launcher in ((plain, "slurm"), (submitted, "slurm"), (here, "single")):
         Rank(folder.path, 0, config(), launcher=launcher).header().step(1).final("stopped", 1)
     assert [read_run(f).detail.split("; ")[1] for f in (plain, submitted, here)] == [
-        f"`RUN={shlex.quote(str(plain.path))} sbatch jobs/pp.sbatch` resumes it from its checkpoint",
+        f"`sbatch jobs/pp.sbatch {shlex.quote(str(plain.path))}` resumes it from its checkpoint",
         f"`gptpar submit pp {shlex.quote(str(submitted.config_path))}` resumes it from its checkpoint",
         f"`gptpar train {shlex.quote(str(here.config_path))}` resumes it from its checkpoint"]
 
@@ -82,8 +82,29 @@ def test_the_plain_scripts_continue_the_run_RUN_names(kind: str, tmp_path: Path)
     assert args[1:4] == [f"{tmp_path}/.venv/bin/gptpar", "train", f"{run}/config.yaml"]
     assert "train.max_steps=9" in args and "$(touch" in args and not any(a.startswith("log.") for a in args)
     assert (run / "job" / "slurm-15.out").read_text().startswith(f"gptpar {kind}: job 15 ")
+    (tmp_path / "args").unlink()
+    subprocess.run(["bash", script, str(run)], env=env, cwd=tmp_path, check=True)  # the folder as its argument
+    assert (tmp_path / "args").read_text().splitlines() == args
     subprocess.run(["bash", script], env=env, cwd=tmp_path, check=True)
     args = (tmp_path / "args").read_text().splitlines()
     assert {"log.runs_dir=runs", f"log.run_id={kind}-15"} <= set(args)
     assert (tmp_path / "runs" / f"{kind}-15" / "job" / "slurm-15.out").is_file()
     assert not (tmp_path / "owned").exists() and not os.path.exists(run / "owned")
+
+
+def test_cancel_and_logs_take_a_run_by_the_job_id_status_shows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The JOB column names a run too (here a local launcher's job id, `host:pid.N`); a name that is nothing is one
+    line saying where it was looked for."""
+    from gptpar.cli import main
+
+    folder = RunFolder(tmp_path / "sweep" / "lr=0.1")
+    folder.write_job_record("local", "vm:4242.2", "dp")
+    folder.config_path.write_text("{}\n")
+    assert main(["cancel", "vm:4242.2", "--runs-dir", str(tmp_path)]) == 0
+    assert main(["logs", "vm:4242.2", "--runs-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{folder.path}: nothing to cancel: no process runs it"
+    assert out[-1] == "state: failed (died before its first log record)"
+    assert main(["cancel", "vm:4242.3", "--runs-dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"gptpar: error: run 'vm:4242.3' not found (as a path, a run or a job id under "
+                                       f"{tmp_path})\n")

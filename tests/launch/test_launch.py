@@ -93,6 +93,27 @@ def test_a_precision_the_gpu_type_has_or_an_unknown_type_is_accepted(overrides: 
     resolve(shaped(load_config(None, ["launch.profile=bridges2", *overrides]), "dp"), "dp")
 
 
+def test_a_dry_run_on_a_cluster_profile_without_an_account_warns_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """sbatch refuses such a job on a cluster that bills an allocation; a dry run never reaches sbatch, so it says so
+    (on stderr: stdout is the script). An account from launch.account or sbatch's SBATCH_ACCOUNT silences it."""
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("name: s\nkind: dp\ngrid:\n  train.lr: [0.1, 0.2]\n")
+    runs = f"log.runs_dir={tmp_path / 'runs'}"
+    warning = ("warning: profile bridges2: no account (launch.account, GPTPAR_ACCOUNT or SBATCH_ACCOUNT); a cluster "
+               "that bills an allocation refuses the job; set launch.account=...\n")
+    for argv in (["submit", "dp", "--gpus", "2", runs], ["sweep", str(sweep), runs]):
+        assert main([*argv, "--dry-run", "launch.profile=bridges2"]) == 0
+        out, err = capsys.readouterr()
+        assert err == warning and "#SBATCH --partition=GPU-shared" in out
+        assert main([*argv, "--dry-run", "launch.profile=bridges2", "launch.account=abc123"]) == 0
+        assert capsys.readouterr().err == ""
+    monkeypatch.setenv("SBATCH_ACCOUNT", "abc123")
+    assert main(["submit", "dp", "--gpus", "2", runs, "--dry-run", "launch.profile=bridges2"]) == 0
+    assert capsys.readouterr().err == ""
+    assert main(["submit", "dp", "--gpus", "2", runs, "--dry-run"]) == 0 and capsys.readouterr().err == ""  # local
+
+
 def test_bf16_on_v100_is_one_line_at_submission(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["submit", "dp", "--gpus", "2", "--dry-run", "launch.profile=bridges2", "train.precision=bf16"]) == 2
     assert capsys.readouterr().err == ("gptpar: error: train.precision=bf16: the job's v100-32 GPUs (launch.gpu_type) "

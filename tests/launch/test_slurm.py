@@ -23,7 +23,7 @@ from gptpar import api
 from gptpar.launch.backend import scheduler_state
 from gptpar.launch.slurm import clean_env, job_info, slurm_reachable
 from gptpar.run.folder import RunFolder
-from gptpar.run.state import read_run
+from gptpar.run.state import LIVE_JOB_STATES, read_run
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(not slurm_reachable(), reason="no SLURM cluster answers sinfo (make cluster-up)")]
@@ -77,7 +77,7 @@ def _wait(run_dir: Path, timeout_s: float = 300) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = run_state(run_dir)
-        if state not in ("pending", "running"):
+        if state not in LIVE_JOB_STATES:
             return state
         time.sleep(1)
     raise AssertionError(f"{run_dir} still {run_state(run_dir)} after {timeout_s} s")
@@ -124,6 +124,7 @@ def work(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     env = {**clean_env(), "VENV": str(REPO / ".venv"), "RUNS": str(runs), "OVERRIDES": " ".join(TINY)}
     # The script asks for Bridges-2's 5 CPUs per GPU; the local nodes have 2, and a command-line option
     # overrides the script's own.
+    (work / "jobs" / "logs").mkdir(parents=True)  # where the plain scripts' own output goes, as in a checkout
     pp_job = _run(["sbatch", "--parsable", "--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")], work, env).strip()
     (work / "pp_job").write_text(pp_job)
     _run([GPTPAR, "sweep", str(REPO / "sweeps" / "ci_small.yaml"), "--runs-dir", str(runs)], work)
@@ -467,7 +468,7 @@ def _release_requeues_until_done(job_id: str, run: Path) -> None:
     job, so that the second round finishes however loaded the machine is (a 1-minute limit goes round once per
     30 s of training, and a round whose start-up outlasts the 30 s makes no progress at all)."""
     deadline, released = time.monotonic() + 600, 0
-    while time.monotonic() < deadline and run_state(run) in ("pending", "running"):
+    while time.monotonic() < deadline and run_state(run) in LIVE_JOB_STATES:
         info = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
                               env=clean_env()).stdout
         restarts = int(info.split("Restarts=")[1].split()[0]) if "Restarts=" in info else 0
@@ -491,3 +492,76 @@ def test_real_time_limit_signal_requeues_until_done(work: Path) -> None:
     assert len(restarts) >= 2 and restarts == list(range(len(restarts)))
     assert finals == ["requeued"] * (len(restarts) - 1) + ["completed"]
     assert [r["step"] for r in records if r["kind"] == "step"] == list(range(1, LIMIT_STEPS + 1))
+
+
+def _sbatch(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    return _run(["sbatch", "--parsable", *args], cwd, env).strip()
+
+
+def _gptpar(cwd: Path, *args: str) -> str:
+    return _run([GPTPAR, *args], cwd)
+
+
+def test_cancel_and_logs_take_every_name_status_shows_a_plain_job_by(tmp_path: Path) -> None:
+    """A pending job of jobs/dp.sbatch has no folder: `gptpar cancel` takes it by the RUN status shows (dp-<id>), as
+    runs/dp-<id>, or by its job id, and `gptpar logs` says it is pending; no folder is left behind."""
+    dp = str(REPO / "jobs" / "dp.sbatch")
+    jobs = [_sbatch(tmp_path, "--hold", "--cpus-per-task=1", dp) for _ in range(3)]
+    try:
+        logs = _gptpar(tmp_path, "logs", f"dp-{jobs[0]}")
+        said = [_gptpar(tmp_path, "cancel", name) for name in (f"dp-{jobs[0]}", jobs[1], f"runs/dp-{jobs[2]}")]
+    finally:
+        subprocess.run(["scancel", *jobs], env=clean_env())
+    assert logs.rstrip().endswith(f"state: pending (will never start: JobHeldUser; it is held; release it with: "
+                                  f"scontrol release {jobs[0]})")
+    assert said == [f"{tmp_path}/runs/dp-{job}: cancelled SLURM job {job} (pending); its run had not started\n"
+                    for job in jobs]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_plain_job_that_continues_a_run_shows_as_that_run_with_sbatchs_own_fix(tmp_path: Path) -> None:
+    """`sbatch jobs/pp.sbatch runs/pp-3` (what `gptpar cancel` prints to resume pp-3) is pp-3 pending, not a new run;
+    its 10 CPUs per task never fit the local nodes' 4, and the fix named is sbatch's option, not a launch key."""
+    stopped = tmp_path / "runs" / "pp-3"
+    stopped.mkdir(parents=True)
+    (stopped / "config.yaml").write_text("{}\n")
+    job = _sbatch(tmp_path, str(REPO / "jobs" / "pp.sbatch"), "runs/pp-3")
+    try:
+        deadline = time.monotonic() + 60  # the controller gives its reason at its next scheduling pass
+        while "PartitionConfig" not in (out := _gptpar(tmp_path, "status")) and time.monotonic() < deadline:
+            time.sleep(1)
+        cancelled = _gptpar(tmp_path, "cancel", job)
+    finally:
+        subprocess.run(["scancel", job], env=clean_env())
+    row, detail, count = out.splitlines()[1:]
+    assert row.split()[:3] == ["pending", "pp-3", job] and count == "1 run(s): 1 pending"
+    assert detail == ("    will never start: PartitionConfig; the job asks for more than the partition's nodes or "
+                      "limits allow (CPUs, GPUs, memory, nodes or time); lower sbatch --gpus=TYPE:N, sbatch --nodes=N, "
+                      "sbatch --cpus-per-task=N or sbatch --time=HH:MM:SS, or use another partition; it continues "
+                      "runs/pp-3")
+    assert cancelled.startswith(f"{stopped}: cancelled SLURM job {job} (pending); ")
+
+
+def test_a_running_plain_job_shows_before_its_trainer_writes_and_its_output_stays_out_of_the_checkout(
+        tmp_path: Path) -> None:
+    """From squeue's RUNNING to its trainer's first write (30-60 s of imports on a login node) a plain job's folder
+    holds no run yet: status lists it `starting`. Its own output goes to jobs/logs/, not the checkout's root. The
+    stand-in `gptpar` sleeps until cancelled."""
+    (tmp_path / "jobs" / "logs").mkdir(parents=True)
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "gptpar").write_text("#!/bin/bash\necho started\nexec sleep 300\n")
+    (tmp_path / "venv" / "bin" / "gptpar").chmod(0o755)
+    env = {**clean_env(), "VENV": str(tmp_path / "venv")}
+    job = _sbatch(tmp_path, "--cpus-per-task=1", "--gpus=1", str(REPO / "jobs" / "dp.sbatch"), env=env)
+    out = tmp_path / "runs" / f"dp-{job}" / "job" / f"slurm-{job}.out"
+    try:
+        deadline = time.monotonic() + 120
+        while "started" not in (out.read_text() if out.is_file() else "") and time.monotonic() < deadline:
+            time.sleep(1)
+        status = _gptpar(tmp_path, "status")
+    finally:
+        subprocess.run(["scancel", job], env=clean_env())
+    row, detail, count = status.splitlines()[1:]
+    assert row.split()[:3] == ["starting", f"dp-{job}", job] and count == "1 run(s): 1 starting"
+    assert detail == "    its job runs; no log record yet"
+    assert (tmp_path / "jobs" / "logs" / f"slurm-{job}.out").is_file() and not list(tmp_path.glob("slurm-*"))

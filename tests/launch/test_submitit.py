@@ -104,9 +104,12 @@ def test_the_api_handle_reads_its_run_from_the_folder(tmp_path: Path) -> None:
     job = api.Job.of(folder.path)
     assert (job.job_id, job.state(), job.wait(timeout=0)) == ("elsewhere:1", "completed", "completed")
     result = job.result()
-    assert {k: result[k] for k in ("run_id", "run_dir", "state", "step", "final_loss", "tokens_per_s")} == {
-        "run_id": "r1", "run_dir": str(folder.path), "state": "completed", "step": 3, "final_loss": 4.0 - 0.1 * 3,
+    assert {k: result[k] for k in ("run_id", "run_dir", "status", "step", "final_loss", "tokens_per_s")} == {
+        "run_id": "r1", "run_dir": str(folder.path), "status": "completed", "step": 3, "final_loss": 4.0 - 0.1 * 3,
         "tokens_per_s": 400.0}
+    assert result["state"] == "completed"  # the key's earlier name, still read
+    report_row = next(row for row in api.report(tmp_path / "runs", frame=False) if row["run"] == "r1")
+    assert report_row["status"] == result["status"]  # one word for the run's state in both
     assert result["final"]["status"] == "completed" and result["job_id"] == "elsewhere:1"
     failed = RunFolder(tmp_path / "runs" / "r2")
     dp_run(failed.path, [100.0], epochs=1, status="failed")
@@ -222,3 +225,12 @@ def test_a_local_submitit_job_interrupted_is_requeued_and_resumes_to_its_end(tmp
     assert second[0]["restart"] == 1
     log = job.stdout()
     assert log.count("Calling checkpoint method.") == 1 and log.count("Requeued job") == 1
+
+
+def test_the_api_report_says_its_warnings_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A notebook's (or a script's) stdout holds what it prints itself: the report's warnings go to stderr."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "rank0.jsonl").write_text('{"kind": "header", bad\n')  # a truncated last line: a warning
+    assert len(api.report(tmp_path, frame=False)) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"warning: {tmp_path / 'a' / 'rank0.jsonl'}:1: skipped a truncated last line")

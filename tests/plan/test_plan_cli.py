@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from planfix import calibration, layout, machine_calibration
 from gptpar.cli import main
 from gptpar.config import config_from_dict
 from gptpar.launch.sweep import expand
+from gptpar.plan.search import render
 
 WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=4096", "data.seq_len=64",
          "train.precision=fp32"]
@@ -41,9 +43,11 @@ def test_predict_json_is_one_object_with_the_step_and_memory(calib: str, capsys:
     assert {"step_time_s", "tokens_per_s", "memory_bytes", "exposed_comm_s", "bubble_s", "mfu", "cost"} <= set(data)
     assert data["tokens_per_s"] == pytest.approx(16 * 64 / data["step_time_s"])
     assert data["cost"]["gpu_hours"] == pytest.approx(data["step_time_s"] * 100 * 2 / 3600)
+    assert data["cost"]["unit"] == "CPU-hours"  # a CPU's hours are not GPU-hours
     assert data["mfu"] is None  # a CPU has no datasheet peak
     code, out, _ = run(["plan", "predict", *WORDS, "--calibration", calib], capsys)
     assert code == 0 and out.splitlines()[1].startswith("step time ")
+    assert out.splitlines()[-1].startswith("cost ") and out.splitlines()[-1].endswith(" CPU-hours")
 
 
 @pytest.mark.parametrize(("words", "message"), [
@@ -143,3 +147,10 @@ def test_a_calibration_of_the_wrong_shape_or_with_impossible_times_is_one_line(
     assert err.startswith(f"gptpar: error: --calibration {calib!r} is not a calibration ({reason}")
     assert err.count("\n") == 1 and err.endswith("); run `python -m gptpar plan calibrate --out FILE` on that device "
                                                  "and pass --calibration FILE\n")
+
+
+def test_a_search_with_nothing_rejected_ends_its_count_without_a_colon() -> None:
+    assert render([], Counter(), {}, 3).splitlines()[-1] == "0 valid layout(s); none rejected"
+    reasons = Counter({"parallel.tp=8 must divide model.n_head=4": 2})
+    assert render([], reasons, {"parallel.tp=8 must divide model.n_head=4": "tp=8"}, 3).splitlines()[-2:] == [
+        "0 valid layout(s); 2 rejected:", "  2 x parallel.tp=8 must divide model.n_head=4 (e.g. tp=8)"]

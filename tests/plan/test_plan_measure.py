@@ -12,7 +12,7 @@ from gloo_pool import GlooPools
 from manual_clock import ManualClock
 
 from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, RECOMPUTED, load, local_device_name, tp_kind
-from gptpar.plan.measure import Plan, _timer, measure_rank
+from gptpar.plan.measure import Plan, _timer, calibrate, load_warning, measure_rank
 
 TINY = Plan(((64, 2),), ((2, 32),), (4096, 262144), (10**4, 10**5), 512, 2, comm_iters=3)
 
@@ -57,3 +57,17 @@ def test_a_piece_costs_its_median_call_and_synced_work_its_mean() -> None:
     assert _timer(torch.device("cpu"), 3, now=clock)(piece) == 1.25
     calls = iter([0.5, 3.0, 0.25, 1.25])
     assert _timer(torch.device("cpu"), 3, synced=True, now=clock)(piece) == 1.5  # the mean, not 1.25 with the warm-up
+
+
+def test_a_calibration_says_each_piece_and_warns_once_on_a_loaded_machine(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A login node's calibration takes minutes: a line per piece; and a machine busy with other work (a load average
+    above half its CPUs) makes the timings meaningless: one line says so first."""
+    calibrate(tmp_path / "c.json", world=1, precision="fp32", threads=1, plan=TINY, load=(6.0, 4))
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == ("warning: this machine's load average is 6.0 on 4 CPU(s): other work shares it, so these "
+                        "timings measure that work too; calibrate on an idle node (inside an allocation, e.g. srun)")
+    assert [line.rsplit(" (", 1)[0] for line in lines[1:]] == [
+        "calibrate: a block of width 64, micro-batch 2x32, 1 rank(s) at once", "calibrate: the optimizer step, 1 "
+        "rank(s) at once"]
+    assert load_warning(2.0, 4) is None and load_warning(2.1, 4) is not None

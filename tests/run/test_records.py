@@ -53,9 +53,10 @@ OTHER_DICTS = {
     "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
     "gptpar/run/records.py": FIELD_METADATA,
     "gptpar/run/start.py": {"job_id"},  # the job record of a folder set aside
-    # the job record's keys, the lock's pid, error texts, the config's train.checkpoint_every
-    "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "MemoryError", "out of memory", "oom-kill", "train",
-                                   "checkpoint_every"},
+    # the job record's keys, the lock's pid (and a launcher's queue lock's since), error texts, the config's
+    # train.checkpoint_every
+    "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "since", "MemoryError", "out of memory", "oom-kill",
+                                   "train", "checkpoint_every"},
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
 }
 

@@ -29,7 +29,8 @@ from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
 from gptpar.run.folder import RunFolder, handed_fds, run_folder
 from gptpar.run.logfile import RankLogger, encode, read_rank_log
-from gptpar.run.names import check_run_id, derived_run_id, point_name, slug
+from gptpar.run.names import check_run_id, job_run_id, point_name, slug
+from gptpar.run.start import next_run_id, reserved_run_id
 from gptpar.run.state import read_run
 
 FIXTURE_V1 = REPO / "tests" / "fixtures" / "schema_v1"
@@ -46,15 +47,31 @@ def test_an_explicit_run_id_is_used_as_given(tmp_path: Path) -> None:
     assert run_folder(tmp_path, "my-run").path == (tmp_path / "my-run").resolve()
 
 
-def test_derived_ids_never_collide_and_follow_the_slurm_job() -> None:
-    now = 1_800_000_000.25
-    ids = {derived_run_id("run", env={}, now=now) for _ in range(200)}
-    assert len(ids) == 200 and all(i.startswith("run-") for i in ids)
+def test_derived_ids_are_short_numbers_that_never_collide_and_follow_the_slurm_job(tmp_path: Path) -> None:
+    """Outside SLURM a run is `<kind or log.name>.N`, one above the runs of that name (set-aside ones too); a process
+    naming a run in the same moment as another gets the next number. Inside a job, the job's id."""
+    runs = tmp_path / "runs"
+    (runs / "dp.2.replaced-20260101-120000").mkdir(parents=True)
+    (runs / "dp-7").mkdir()  # a plain sbatch script's run: another name
+    assert next_run_id(runs, "dp", reserve=False) == "dp.3" and not (runs / "dp.3").exists()
+    assert [next_run_id(runs, "dp") for _ in range(2)] == ["dp.3", "dp.4"] and (runs / "dp.4").is_dir()
+    # Another process took 5 and 6 between this one's listing and its mkdir: this one gets 7.
+    (runs / "dp.5").mkdir()
+    (runs / "dp.6").mkdir()
+    assert reserved_run_id(runs, "dp", 5) == "dp.7" and (runs / "dp.7").is_dir()
     job = {"SLURM_JOB_ID": "42"}
-    assert derived_run_id("dp test", env=job) == derived_run_id("dp test", env=job) == "dp_test-436c779e-42"
-    assert derived_run_id("x", env={"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "9"}) \
-        == "x-7_3"
-    assert "/" not in derived_run_id("../../etc", env={"SLURM_JOB_ID": "1"})
+    assert job_run_id("dp test", env=job) == job_run_id("dp test", env=job) == "dp_test-436c779e-42"
+    assert job_run_id("x", env={"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3", "SLURM_JOB_ID": "9"}) == "x-7_3"
+    assert "/" not in job_run_id("../../etc", env={"SLURM_JOB_ID": "1"}) and job_run_id("x", env={}) is None
+
+
+def test_a_submitted_run_is_named_after_its_kind_unless_log_name_is_set(tmp_path: Path) -> None:
+    cfg = load_config(None, ["data.tokenizer=bytes"])
+    assert plan_run(cfg, "dp", tmp_path, write=False).folder.name == "dp.1"
+    assert plan_run(cfg, "pp", tmp_path).folder.name == "pp.1" and (tmp_path / "pp.1" / "config.yaml").is_file()
+    assert plan_run(cfg, "pp", tmp_path).folder.name == "pp.2"
+    named = load_config(None, ["data.tokenizer=bytes", "log.name=lr-test"])
+    assert plan_run(named, "dp", tmp_path).folder.name == "lr-test.1"
 
 
 def test_slugs_are_unique_per_text_and_safe() -> None:
@@ -292,8 +309,8 @@ def test_status_filters_by_state_and_gives_elapsed_since_the_jobs_start_and_an_e
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:-1]] == ["completed"]
     assert main(["status", str(tmp_path), "--state", "runing"]) == 2
     assert capsys.readouterr().err == ("gptpar: error: --state 'runing': 'runing' is not a state; choose from "
-                                       "pending, running, completed, diverged, requeued, stopped, cancelled, failed, "
-                                       "timeout, oom, corrupt (comma-separated)\n")
+                                       "queued, pending, starting, running, completed, diverged, requeued, stopped, "
+                                       "cancelled, failed, timeout, oom, corrupt (comma-separated)\n")
 
 
 @pytest.mark.slow
