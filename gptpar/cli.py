@@ -156,13 +156,11 @@ def _target(args: argparse.Namespace, sweeps: bool = False):
     job = plain_job_named(args.run, runs_dir)
     if job is not None:
         return job.run, job
-    try:
-        return _run_path(args, sweeps), None
-    except GptparError:
-        if (folder := run_of_job(args.run, runs_dir)) is None:
-            raise GptparError(f"run {args.run!r} not found (as a path, a run or a job id under {args.runs_dir})"
-                              ) from None
-        return folder.path, None
+    if any(p.exists() for p in (Path(args.run), runs_dir / args.run)):
+        return _run_path(args, sweeps), None  # a path of the wrong kind is named as such, not as missing
+    if (folder := run_of_job(args.run, runs_dir)) is None:
+        raise GptparError(f"run {args.run!r} not found (as a path, a run or a job id under {args.runs_dir})")
+    return folder.path, None
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:

@@ -126,12 +126,12 @@ def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None =
     check_expert_grid(cfg)
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
     prefix = kind if kind is not None and cfg.log.name == LogConfig().name else ""  # `dp.3`, unless log.name is set
-    cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point", prefix, reserve=write)
     cfg = updated(cfg, {"log.runs_dir": str(root), **absolute_paths(cfg)})
     from gptpar.data.fetch import check_local_data, require_hub_data  # bad data is said before any folder
 
     require_hub_data(cfg.data)
     check_local_data(cfg.data)
+    cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point", prefix, reserve=write)
     cfg = updated(cfg, {"data.tokenizer": resolve_tokenizer_choice(data_config(cfg))})
     if write:
         write_run_folder(folder, cfg, start_over, job_state, stack=stack)
