@@ -31,6 +31,9 @@ from analysis.canvas import (
     REFERENCE,
     STYLE,
     FigureSet,
+    bar_x,
+    categorical,
+    draw_bars,
     draw_marks,
     error_note,
     figure_size,
@@ -43,7 +46,20 @@ from analysis.canvas import (
     x_name,
     x_positions,
 )
-from analysis.grouping import Mark, Spread, compared, marks, point_keys, point_name, run_labels, run_names, series
+from analysis.grouping import (
+    GRAD_COMM,
+    Mark,
+    Spread,
+    category_order,
+    compared,
+    fp32_ratios,
+    marks,
+    point_keys,
+    point_name,
+    run_labels,
+    run_names,
+    series,
+)
 from analysis.scaling import repeat_points
 from gptpar.run.names import slug
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
@@ -376,11 +392,17 @@ def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
                 per_axis.setdefault(key, []).extend(members)
     for key, data in sorted(per_axis.items()):
         fig, ax = plt.subplots()
-        at = x_positions(ax, [key_value(r, key) for r in data])
+        values = [key_value(r, key) for r in data]
+        at = x_positions(ax, values, category_order(data, key))
         shown: list[Mark] = []
-        for label, members in series(data, key, figs.group_by).items():
+        lines = series(data, key, figs.group_by)
+        for i, (label, members) in enumerate(lines.items()):
             points = marks(members, key, _job)
-            draw_marks(ax, points, at, label=label)
+            if categorical(values):  # categories in a meaningful order, as bars: a line between them means nothing
+                draw_bars(ax, points, at, (i, len(lines)), label=label)
+                ax.grid(axis="x", visible=False)
+            else:
+                draw_marks(ax, points, at, label=label)
             shown += points
         ax.set_xlabel(key)
         ax.set_ylabel(JOB_RATE)
@@ -390,6 +412,54 @@ def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
         legend(fig)
         figs.save(fig, stem("throughput_vs", key.rpartition(".")[2]), key)
     return bool(per_axis)
+
+
+def _communication(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """One figure per sweep that varies parallel.grad_comm and logged its bytes: the MB one rank sent per step as
+    bars by grad_comm (fp32 first, then by bytes), each labelled with its ratio to fp32, and the step time beside
+    them, which says whether sending fewer bytes bought anything."""
+    by_sweep: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        if "total" in r.comm_bytes and r.step_time[0] is not None:
+            by_sweep.setdefault(r.sweep, []).append(r)
+    ratios = fp32_ratios(runs)
+    drawn = False
+    for sweep, members in sorted(by_sweep.items()):
+        values = [key_value(r, GRAD_COMM) or "fp32" for r in members]
+        if len(set(values)) < 2:
+            continue
+        fig, (bytes_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.4))
+        rank = category_order(members, GRAD_COMM)
+        at = x_positions(bytes_ax, values, rank)
+        x_positions(time_ax, values, rank)
+        lines = series(members, GRAD_COMM, figs.group_by)
+        shown: list[Mark] = []
+        for i, (label, line) in enumerate(lines.items()):
+            sent = marks(line, GRAD_COMM, lambda r: (r.comm_bytes["total"] / 1e6, None))
+            colour = draw_bars(bytes_ax, sent, at, (i, len(lines)), label=label)
+            for m in sent:
+                known = [ratios[r.run] for r in m.runs if r.run in ratios]
+                if len(known) == len(m.runs):
+                    bytes_ax.annotate(f"{statistics.fmean(known):.2f}×", (bar_x(at(m.x), (i, len(lines))), m.high),
+                                      textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+            times = marks(line, GRAD_COMM, lambda r: tuple(None if v is None else v * 1e3 for v in r.step_time))
+            draw_bars(time_ax, times, at, (i, len(lines)), color=colour)
+            shown += times
+        for ax, ylabel in ((bytes_ax, "MB one rank sent per step (mean over ranks)"),
+                           (time_ax, "step time (ms, mean over ranks)")):
+            ax.set_xlabel(GRAD_COMM)
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+            ax.grid(axis="x", visible=False)
+        bytes_ax.set_ylim(top=1.15 * bytes_ax.get_ylim()[1])  # room for the ratio labels
+        bytes_ax.set_title("Bytes sent per step (labels: ratio to fp32)", fontsize=9)
+        time_ax.set_title("Step time", fontsize=9)
+        fig.suptitle(f"Communication vs {GRAD_COMM}: {sweep}", fontsize=10)
+        footnote(fig, "step time " + error_note(shown, "± sample std over its kept steps"))
+        legend(fig)
+        figs.save(fig, stem("communication", sweep), sweep)
+        drawn = True
+    return drawn
 
 
 GANTT_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
@@ -635,7 +705,7 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
 
 OWN_FIGURES = ("time_vs_*", "throughput_vs_*", "speedup_vs_*", "pipeline_vs_model_parallel", "loss_*", "bleu_*",
                "answer_accuracy_*", "expert_load_*", "pipeline_timeline*", "pipeline_bubble", "memory_per_rank",
-               "memory_vs_world_size")
+               "memory_vs_world_size", "communication_*")
 
 
 def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], None] = print) -> list[Path]:
@@ -663,6 +733,7 @@ def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], N
         ("answer_accuracy_*", partial(_scores, key="answer_accuracy", label="answer accuracy"),
          "no run logged an answer_accuracy in its epoch records"),
         ("expert_load_*", _expert_load, "no mixture-of-experts run logged its expert load"),
+        ("communication_*", _communication, f"no sweep varies {GRAD_COMM} with its bytes logged (comm_bytes)"),
         ("throughput_vs_<axis>", _axes, "no sweep varies a key other than the GPU count" + (f" and {x}" if x else "")),
         ("pipeline_timeline", _timelines, "no multi-process pipeline run (parallel.pp > 1) logged a step's "
                                           "pp_timeline on every stage"),
