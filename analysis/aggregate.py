@@ -250,6 +250,24 @@ def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
         m.bubble_theory = (m.devices - 1) / (m.chunks + m.devices - 1)
 
 
+# A measured bubble this far (idle share) above its closed form is no noise: the closed form prices compute alone.
+BUBBLE_GAP = 0.05
+PIPELINE_OVERHEAD = (
+    "the closed form counts compute alone; each micro-batch also pays a fixed per-micro-batch overhead and a "
+    "point-to-point send between stages (on a CPU a copy through memory), which more micro-batches multiply")
+
+
+def pipeline_shortfall(r: RunMetrics) -> str:
+    """Why a pipeline run falls short of its closed form, in a few words ("" where it does not): slower than model
+    parallel on the same devices, or a measured bubble BUBBLE_GAP or more above the closed form."""
+    if r.pp_mode == "pipeline_parallel" and r.speedup is not None and r.speedup < 1 and r.baseline != r.run_id:
+        return f"{r.speedup:.2f}× model parallel's job tokens/s"
+    if (r.bubble_measured is not None and r.bubble_theory is not None and not r.bubble_flagged
+            and r.bubble_measured - r.bubble_theory >= BUBBLE_GAP):
+        return f"bubble {r.bubble_measured:.3f} against {r.bubble_theory:.3f} closed form"
+    return ""
+
+
 def _schema1_devices(m: RunMetrics, header: dict[str, Any]) -> int:
     if m.pp_mode == "single":
         return 1

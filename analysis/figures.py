@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -22,7 +23,15 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, PercentFormatter
 from matplotlib.transforms import blended_transform_factory
 
-from analysis.aggregate import MemoryUse, RunMetrics, key_value, sweep_axes
+from analysis.aggregate import (
+    PIPELINE_OVERHEAD,
+    TOP_LEVEL,
+    MemoryUse,
+    RunMetrics,
+    key_value,
+    pipeline_shortfall,
+    sweep_axes,
+)
 from analysis.canvas import (
     FORMATS,
     NAME_MAX,
@@ -137,6 +146,7 @@ def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
     at_speed = x_positions(speed_ax, [key_value(r, x) for r in kept])
     at_eff = x_positions(eff_ax, [key_value(r, x) for r in kept])
     shown: list[Mark] = []
+    ratio = _device_ratio(kept)
     top = 1.1  # the efficiency axis shows 0 to at least 110%
     for label, members in series(kept, x, figs.group_by).items():
         points = marks(members, x, lambda r: (r.speedup, None))
@@ -147,7 +157,7 @@ def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
             draw_marks(speed_ax, to_target, at_speed, color=colour, marker="s", markerfacecolor="white",
                        linestyle=":", label="time to target (squares, dotted)")
         ideal = marks(members, x, lambda r: (r.ideal_speedup, None))
-        speed_ax.plot([at_speed(m.x) for m in ideal], [m.y for m in ideal], **REFERENCE, label="ideal: GPU ratio")
+        speed_ax.plot([at_speed(m.x) for m in ideal], [m.y for m in ideal], **REFERENCE, label=f"ideal: {ratio}")
         efficiency = marks(members, x, lambda r: (r.efficiency, None))
         if efficiency:
             draw_marks(eff_ax, efficiency, at_eff, color=colour)
@@ -158,16 +168,26 @@ def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
     eff_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     for ax in (speed_ax, eff_ax):
         ax.set_xlabel(x_label(kept, x))
-    speed_ax.set_ylabel("speedup over the baseline: job tokens/s, and time to target")
-    speed_ax.set_title("Speedup over the sweep's baseline (circles: throughput, squares: time to target)",
-                       fontsize=9)
-    eff_ax.set_ylabel("efficiency (speedup / GPU ratio)")
+    speed_ax.set_ylabel("speedup over the sweep's baseline")
+    speed_ax.set_title("Speedup (circles: job tokens/s, squares: time to target)", fontsize=9)
+    eff_ax.set_ylabel(f"efficiency (speedup / {ratio})")
     eff_ax.set_title("Efficiency (grey dashed: 100%)", fontsize=9)
     fig.suptitle(f"Speedup and efficiency vs {x_name(kept, x)}", fontsize=9)
     footnote(fig, error_note(shown, "none (one run)"), _left_out(flagged))
     legend(fig)
     figs.save(fig, stem("speedup_vs", x.rpartition(".")[2]), x)
     return True
+
+
+def _device_ratio(runs: list[RunMetrics]) -> str:
+    """What a speedup's ideal is the ratio of (analysis.scaling): GPUs, or ranks where the runs ran on CPUs."""
+    return {"GPUs": "GPU ratio", "ranks": "rank ratio"}.get(x_name(runs, "gpus"), "device ratio")
+
+
+def _shortfall(runs: list[RunMetrics]) -> str:
+    """Why pipelines fall short of their closed form, where some do (aggregate.pipeline_shortfall): a footnote."""
+    short = [r.run_id for r in runs if pipeline_shortfall(r)]
+    return f"Short of the closed form ({', '.join(short)}): {PIPELINE_OVERHEAD}." if short else ""
 
 
 def _left_out(flagged: list[str]) -> str:
@@ -252,7 +272,7 @@ def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
     speed_ax.set_title("Speedup over model parallel (grey dashed: the bubble's bound)", fontsize=9)
     bubble_ax.set_title("Bubble: measured (markers), closed form (grey dashed)", fontsize=9)
     fig.suptitle("Model parallel (dashed horizontal lines) vs pipeline parallel", fontsize=10)
-    footnote(fig, error_note(shown, ONE_RUN_STD), _left_out(flagged))
+    footnote(fig, error_note(shown, ONE_RUN_STD), _left_out(flagged), _shortfall(pipes))
     legend(fig)
     figs.save(fig, "pipeline_vs_model_parallel")
     return True
@@ -279,7 +299,8 @@ def _losses(runs: list[RunMetrics], figs: FigureSet) -> bool:
     for sweep, members in sorted(by_sweep.items()):
         fig, axes = plt.subplots(1, 3, sharey=True, figsize=(13, 4.4))
         groups = identical_curves(members)
-        labels = run_labels([group[0] for group in groups])
+        firsts = [group[0] for group in groups]
+        labels = run_names(firsts) if sweep == TOP_LEVEL else run_labels(firsts)  # ad-hoc runs: by their ids
         for group in groups:
             first, colour = group[0], None
             label = labels[first.run] + (f" ({len(group)} runs: identical losses)" if len(group) > 1 else "")
@@ -554,7 +575,7 @@ def _bubbles(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ax.set_ylabel("bubble (idle share of the window)")
     ax.set_ylim(bottom=0)
     ax.set_title("Pipeline bubble vs micro-batches (grey: closed forms, once where they coincide)", fontsize=9)
-    footnote(fig, error_note(shown, "± sample std over its kept steps"))
+    footnote(fig, error_note(shown, "± sample std over its kept steps"), _shortfall(data))
     legend(fig)
     figs.save(fig, "pipeline_bubble")
     return True
@@ -663,6 +684,13 @@ def _memory_lines(runs: list[RunMetrics]) -> dict[tuple[str, str, int], dict[int
     return lines
 
 
+def _memory_point(records: list[MemoryUse]) -> tuple[float, float | None, bool]:
+    """What a line draws at one W: the mean total, the mean closed form, and whether a run is off it."""
+    closed = [mem.closed_form for mem in records if mem.closed_form is not None]
+    return (statistics.fmean(mem.mean["total"] for mem in records), statistics.fmean(closed) if closed else None,
+            any(mem.mismatched for mem in records))
+
+
 def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Training-state MB per rank (mean over ranks, and over runs at the same W) against the data-parallel size W,
     one line per strategy with its closed form dashed in the same colour; a W where a run is off its closed form
@@ -674,10 +702,16 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     fig, ax = plt.subplots()
     flagged = False
     keys = sorted(lines, key=lambda k: (*_strategy_order(k[0]), *k[1:]))
-    for i, (strategy, mode, n) in enumerate(keys):
-        by_w, colour = lines[strategy, mode, n], LINE_COLOURS[i % len(LINE_COLOURS)]
+    names = {key: key[0] + (f" {key[1]}" if key[1] else "") + (f", N={key[2]:,}" if models else "") for key in keys}
+    drawn: dict[tuple, list[tuple[str, str, int]]] = {}  # a line's points -> the lines that have them all
+    for key in keys:
+        by_w = lines[key]
+        drawn.setdefault(tuple((w, _memory_point(by_w[w])) for w in sorted(by_w)), []).append(key)
+    for i, same in enumerate(drawn.values()):  # lines on one another are drawn once, named together
+        (strategy, mode, n), colour = same[0], LINE_COLOURS[i % len(LINE_COLOURS)]
+        by_w = lines[strategy, mode, n]
         ws = sorted(by_w)
-        label = strategy + (f" {mode}" if mode else "") + (f", N={n:,}" if models else "")
+        label = " = ".join(names[key] for key in same) + (" (identical)" if len(same) > 1 else "")
         totals = [statistics.fmean(mem.mean["total"] for mem in by_w[w]) / 1e6 for w in ws]
         ax.plot(ws, totals, marker="o", color=colour, label=label)
         closed = [[mem.closed_form for mem in by_w[w] if mem.closed_form is not None] for w in ws]
@@ -697,7 +731,11 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("data-parallel size W")
     ax.set_ylabel("training state per rank (MB, mean over ranks)")
-    ax.set_title("Memory per rank vs W (dashed, ×: closed form)")
+    ax.set_title("Memory per rank vs W (dashed, ×: closed form)", fontsize=10)
+    starts = {w: n for w, n in Counter(w for line in drawn for w, _ in line).items() if n > 1}
+    if 1 in starts:
+        footnote(fig, f"W=1: one run of one replica, which holds the whole state under any strategy, starts "
+                      f"{starts[1]} of the lines (their markers coincide there).")
     legend(fig)
     figs.save(fig, "memory_vs_world_size")
     return True

@@ -9,7 +9,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, TOP_LEVEL, RunMetrics
+from analysis.aggregate import (
+    MEMORY_ABS_TOL,
+    MEMORY_REL_TOL,
+    PIPELINE_OVERHEAD,
+    TOP_LEVEL,
+    RunMetrics,
+    pipeline_shortfall,
+)
 from analysis.grouping import GRAD_COMM, category_order, fp32_ratios, point_keys, point_name, reference_key
 from analysis.scaling import Point, repeat_points
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
@@ -359,6 +366,9 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
                   f"{_pm((r.bubble_measured, r.bubble_std), '.3f')}{' ⚠ outside [0, 1]' if r.bubble_flagged else ''} |"
                   for r in pipelines]
         lines += ["", BUBBLE_NOTE]
+        short = [f"{r.run_id} ({why})" for r in shown if (why := pipeline_shortfall(r))]
+        if short:
+            lines += ["", f"**Why short of the closed form** ({', '.join(short)}): {PIPELINE_OVERHEAD}."]
     lines += _flagged_section(shown)
     lines += _spread_section(shown)
     lines += _bleu_section(shown)
