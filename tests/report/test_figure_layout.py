@@ -79,8 +79,8 @@ def clash(a: Bbox, b: Bbox) -> bool:
 
 
 def layout_faults(fig: Figure) -> list[str]:
-    """Every title, axis label and legend outside the figure or on another of them, every two x tick labels of one
-    axes on each other."""
+    """Every title, axis label and legend outside the figure or on another of them, a panel's title wider than its
+    panel, every two x tick labels of one axes on each other."""
     renderer = FigureCanvasAgg(fig).get_renderer()  # a closed figure has lost its canvas
     fig.draw(renderer)
     whole = fig.bbox
@@ -95,6 +95,9 @@ def layout_faults(fig: Figure) -> list[str]:
     faults += [f"{a} on {b}" for (a, _), (b, _) in combinations([*titles, *labels, *legends], 2)
                if clash(boxes[a], boxes[b])]
     for i, ax in enumerate(fig.axes):
+        title, panel = boxes.get(f"axes {i} title"), ax.get_window_extent(renderer)
+        if len(fig.axes) > 1 and title is not None and (title.x0 < panel.x0 - 1 or title.x1 > panel.x1 + 1):
+            faults.append(f"axes {i} title wider than its panel")  # it runs into its neighbours and the figure title
         ticks = [label.get_window_extent(renderer) for label in ax.get_xticklabels()
                  if label.get_visible() and label.get_text()]
         faults += [f"axes {i}: x tick labels on each other" for a, b in combinations(ticks, 2) if clash(a, b)][:1]
