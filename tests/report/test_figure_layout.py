@@ -104,17 +104,33 @@ def layout_faults(fig: Figure) -> list[str]:
     return faults
 
 
-def test_no_title_label_legend_or_tick_label_is_clipped_or_covered(tmp_path: Path, drawn: dict[str, Figure]) -> None:
-    crowded_set(tmp_path / "runs")
-    report(tmp_path / "runs", tmp_path / "out", now=LATER, workers=1)  # 25 runs: in this process, not a pool
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Figure]:
+    """The figures of crowded_set's report, drawn once for the tests that read them."""
+    kept: dict[str, Figure] = {}
+    write = canvas.write
+
+    def keep(fig: Figure, path: Path, dpi: int | None = None) -> None:
+        write(fig, path, dpi)
+        kept[path.name] = fig
+
+    root = tmp_path_factory.mktemp("crowded")
+    crowded_set(root / "runs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(canvas, "write", keep)
+        report(root / "runs", root / "out", now=LATER, workers=1)  # 25 runs: in this process, not a pool
+    return kept
+
+
+def test_no_title_label_legend_or_tick_label_is_clipped_or_covered(crowded: dict[str, Figure]) -> None:
+    drawn = crowded
     assert {"speedup_vs_gpus.png", "memory_vs_world_size.png", "loss_top-level.png", "pipeline_bubble.png",
             "memory_per_rank.png"} <= set(drawn) and any(name.startswith("pipeline_timeline") for name in drawn)
     assert {name: faults for name, fig in drawn.items() if (faults := layout_faults(fig))} == {}
 
 
-def test_lines_that_coincide_say_so(tmp_path: Path, drawn: dict[str, Figure]) -> None:
-    crowded_set(tmp_path / "runs")
-    report(tmp_path / "runs", tmp_path / "out", now=LATER, workers=1)
+def test_lines_that_coincide_say_so(crowded: dict[str, Figure]) -> None:
+    drawn = crowded
     fig = drawn["memory_vs_world_size.png"]
     entries = [text.get_text() for legend in fig.legends for text in legend.get_texts()]
     # naive, bucketed and ddp hold the same state at every W: one line, named for all three.
