@@ -731,7 +731,7 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("data-parallel size W")
     ax.set_ylabel("training state per rank (MB, mean over ranks)")
-    ax.set_title("Memory per rank vs W (dashed, ×: closed form)", fontsize=10)
+    ax.set_title("Memory per rank vs W (dashed, ×: closed form)")
     starts = {w: n for w, n in Counter(w for line in drawn for w, _ in line).items() if n > 1}
     if 1 in starts:
         footnote(fig, f"W=1: one run of one replica, which holds the whole state under any strategy, starts "

@@ -14,8 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from analysis.grouping import fp32_ratios
 from analysis.report import print_warnings, run_table
-from analysis.summary import fp32_ratios, row
+from analysis.summary import row
 from gptpar.errors import GptparError
 
 
