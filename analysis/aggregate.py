@@ -31,7 +31,9 @@ Definitions (they are repeated in the summary's footnotes):
   slowest rank's step times summed: evaluation, checkpoints and restarts left out), the x of the loss and
   BLEU curves against tokens and time;
 - validation points: the `eval` records, and each epoch record's `val_loss` at the epoch's last step;
-- BLEU: an epoch record's optional `bleu` (corpus BLEU, 0-100, logged by one rank of the run).
+- BLEU: an epoch record's optional `bleu` (corpus BLEU, 0-100, logged by one rank of the run);
+- communication: the bytes a rank sent per kept step (`comm_bytes`), by collective and in all, per rank the mean
+  over its steps, then the mean over ranks.
 """
 
 from __future__ import annotations
@@ -143,6 +145,8 @@ class RunMetrics:
     # step's share in all-to-all (rank 0's; nan where not logged)
     expert_load: list[tuple[int, float, float, float]] = field(default_factory=list)
     all_to_all_share: float | None = None  # seconds in all-to-all over the kept steps' seconds, mean over ranks
+    # Bytes one rank sent per kept step (`comm_bytes`), by collective and in all, mean over the ranks that logged any
+    comm_bytes: dict[str, float] = field(default_factory=dict)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
     progress: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (tokens seen, training s)
     epoch_points: list[EpochPoint] = field(default_factory=list)
@@ -170,6 +174,7 @@ class RunMetrics:
     flag: str = ""  # why its speedup or efficiency breaks a physical bound; shown ⚠, not plotted
     target_loss: float | None = None  # the loss its sweep is timed to (analysis.target)
     target_basis: str = ""  # "validation" or "train": which of its losses was compared with the target
+    target_final_loss: float | None = None  # the last value of the loss compared with the target (target_basis)
     target_origin: str = ""  # where the target came from: --target-loss, report.target_loss or the sweep's losses
     time_to_target_s: float | None = None  # training time at the first step that reached it; None: not reached
     tokens_to_target: float | None = None  # tokens seen (all replicas) by then
@@ -243,6 +248,24 @@ def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
         m.bubble_theory = closed_form_bubble(m.pp_schedule, stages, m.chunks, m.pp_virtual)
     elif m.pp_mode != "single":
         m.bubble_theory = (m.devices - 1) / (m.chunks + m.devices - 1)
+
+
+# A measured bubble this far (idle share) above its closed form is no noise: the closed form prices compute alone.
+BUBBLE_GAP = 0.05
+PIPELINE_OVERHEAD = (
+    "the closed form counts compute alone; each micro-batch also pays a fixed per-micro-batch overhead and a "
+    "point-to-point send between stages (on a CPU a copy through memory), which more micro-batches multiply")
+
+
+def pipeline_shortfall(r: RunMetrics) -> str:
+    """Why a pipeline run falls short of its closed form, in a few words ("" where it does not): slower than model
+    parallel on the same devices, or a measured bubble BUBBLE_GAP or more above the closed form."""
+    if r.pp_mode == "pipeline_parallel" and r.speedup is not None and r.speedup < 1 and r.baseline != r.run_id:
+        return f"{r.speedup:.2f}× model parallel's job tokens/s"
+    if (r.bubble_measured is not None and r.bubble_theory is not None and not r.bubble_flagged
+            and r.bubble_measured - r.bubble_theory >= BUBBLE_GAP):
+        return f"bubble {r.bubble_measured:.3f} against {r.bubble_theory:.3f} closed form"
+    return ""
 
 
 def _schema1_devices(m: RunMetrics, header: dict[str, Any]) -> int:
@@ -342,6 +365,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     m.final_loss = losses[-1][1] if losses else None
     m.expert_load = expert_load(ranks[0])
     m.all_to_all_share = comm_share(kept, "all_to_all")
+    m.comm_bytes = comm_bytes(kept)
     m.diverged_at = next((s for s, v in losses if not math.isfinite(v)), None)
     m.progress, ends = _progress(ranks, set(replicas))
     m.epoch_points = _epoch_points(m, ranks, replica_logs, ends)
@@ -625,6 +649,22 @@ def comm_share(kept: list[dict[int, dict[str, Any]]], kind: str) -> float | None
             shares.append(math.fsum(_number(r["comm_s"][kind]) for r in timed)
                           / math.fsum(_number(r["step_time_s"]) for r in timed))
     return math.fsum(shares) / len(shares) if shares else None
+
+
+def comm_bytes(kept: list[dict[int, dict[str, Any]]]) -> dict[str, float]:
+    """Bytes a rank sent per kept step by collective (`comm_bytes`) and in all ("total"): per rank the mean over its
+    steps that logged any, then the mean over those ranks; {} where none did (a run of one replica, older logs)."""
+    per_rank: list[dict[str, float]] = []
+    for steps in kept:
+        logged = [rec["comm_bytes"] for rec in steps.values() if isinstance(rec.get("comm_bytes"), dict)]
+        if logged:
+            kinds = sorted(set().union(*logged))
+            mean = {kind: math.fsum(_number(one.get(kind, 0)) for one in logged) / len(logged) for kind in kinds}
+            per_rank.append({**mean, "total": math.fsum(mean.values())})
+    if not per_rank:
+        return {}
+    kinds = sorted(set().union(*per_rank), key=lambda kind: (kind == "total", kind))
+    return {kind: math.fsum(one.get(kind, 0.0) for one in per_rank) / len(per_rank) for kind in kinds}
 
 
 def loss_series(replica_logs: list[RankLog]) -> list[tuple[int, float]]:

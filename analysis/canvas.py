@@ -144,14 +144,36 @@ def x_label(runs: list[RunMetrics], x: str) -> str:
     return f"{'ranks (CPU processes)' if devices == 'ranks' else devices}: data-parallel ranks × devices per replica"
 
 
-def x_positions(ax: plt.Axes, values: list[Any]) -> Callable[[Any], float]:
-    """Ticks at every x value; numbers stand at their value, any other values at 0, 1, 2... in order."""
-    values = sorted(set(values), key=order)
-    if all(order(v)[0] == 0 for v in values):
+def categorical(values: Sequence[Any]) -> bool:
+    """Whether an axis of these values has categories (text), drawn as bars, not a line between numbers."""
+    return any(order(v)[0] for v in values)
+
+
+def x_positions(ax: plt.Axes, values: list[Any], rank: Callable[[Any], Any] = order) -> Callable[[Any], float]:
+    """Ticks at every x value; numbers stand at their value, categories at 0, 1, 2... in the order `rank` gives
+    (grouping.category_order: fp32 first for a wire type)."""
+    values = sorted(set(values), key=rank)
+    if not categorical(values):
         ax.set_xticks(values)
         return float
     ax.set_xticks(range(len(values)), [str(v) for v in values])
     return values.index
+
+
+def bar_x(position: float, slot: tuple[int, int]) -> float:
+    """The centre of series slot[0]'s bar, of slot[1] series sharing a category's width of 0.8 at `position`."""
+    index, count = slot
+    return position - 0.4 + 0.8 / count * (index + 0.5)
+
+
+def draw_bars(ax: plt.Axes, points: list[Mark], at: Callable[[Any], float], slot: tuple[int, int] = (0, 1),
+              **style: Any) -> str:
+    """A series' points as bars at their categories (slot: this series' index among the series, which share each
+    category's width), with their error bars; the bars' colour."""
+    xs = [bar_x(at(m.x), slot) for m in points]
+    bars = ax.bar(xs, [m.y for m in points], 0.8 / slot[1], yerr=[[m.y - m.low for m in points],
+                                                           [m.high - m.y for m in points]], capsize=3, **style)
+    return bars.patches[0].get_facecolor() if bars.patches else "black"
 
 
 def draw_marks(ax: plt.Axes, points: list[Mark], at: Callable[[Any], float], ring: bool = False,

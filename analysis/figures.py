@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -22,7 +23,15 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, PercentFormatter
 from matplotlib.transforms import blended_transform_factory
 
-from analysis.aggregate import MemoryUse, RunMetrics, key_value, sweep_axes
+from analysis.aggregate import (
+    PIPELINE_OVERHEAD,
+    TOP_LEVEL,
+    MemoryUse,
+    RunMetrics,
+    key_value,
+    pipeline_shortfall,
+    sweep_axes,
+)
 from analysis.canvas import (
     FORMATS,
     NAME_MAX,
@@ -31,6 +40,9 @@ from analysis.canvas import (
     REFERENCE,
     STYLE,
     FigureSet,
+    bar_x,
+    categorical,
+    draw_bars,
     draw_marks,
     error_note,
     figure_size,
@@ -43,7 +55,20 @@ from analysis.canvas import (
     x_name,
     x_positions,
 )
-from analysis.grouping import Mark, Spread, compared, marks, point_keys, point_name, run_labels, run_names, series
+from analysis.grouping import (
+    GRAD_COMM,
+    Mark,
+    Spread,
+    category_order,
+    compared,
+    fp32_ratios,
+    marks,
+    point_keys,
+    point_name,
+    run_labels,
+    run_names,
+    series,
+)
 from analysis.scaling import repeat_points
 from gptpar.run.names import slug
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
@@ -121,6 +146,7 @@ def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
     at_speed = x_positions(speed_ax, [key_value(r, x) for r in kept])
     at_eff = x_positions(eff_ax, [key_value(r, x) for r in kept])
     shown: list[Mark] = []
+    ratio = _device_ratio(kept)
     top = 1.1  # the efficiency axis shows 0 to at least 110%
     for label, members in series(kept, x, figs.group_by).items():
         points = marks(members, x, lambda r: (r.speedup, None))
@@ -131,7 +157,7 @@ def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
             draw_marks(speed_ax, to_target, at_speed, color=colour, marker="s", markerfacecolor="white",
                        linestyle=":", label="time to target (squares, dotted)")
         ideal = marks(members, x, lambda r: (r.ideal_speedup, None))
-        speed_ax.plot([at_speed(m.x) for m in ideal], [m.y for m in ideal], **REFERENCE, label="ideal: GPU ratio")
+        speed_ax.plot([at_speed(m.x) for m in ideal], [m.y for m in ideal], **REFERENCE, label=f"ideal: {ratio}")
         efficiency = marks(members, x, lambda r: (r.efficiency, None))
         if efficiency:
             draw_marks(eff_ax, efficiency, at_eff, color=colour)
@@ -142,16 +168,26 @@ def _speedup(runs: list[RunMetrics], figs: FigureSet) -> bool:
     eff_ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     for ax in (speed_ax, eff_ax):
         ax.set_xlabel(x_label(kept, x))
-    speed_ax.set_ylabel("speedup over the baseline: job tokens/s, and time to target")
-    speed_ax.set_title("Speedup over the sweep's baseline (circles: throughput, squares: time to target)",
-                       fontsize=9)
-    eff_ax.set_ylabel("efficiency (speedup / GPU ratio)")
+    speed_ax.set_ylabel("speedup over the sweep's baseline")
+    speed_ax.set_title("Speedup (circles: job tokens/s, squares: time to target)", fontsize=9)
+    eff_ax.set_ylabel(f"efficiency (speedup / {ratio})")
     eff_ax.set_title("Efficiency (grey dashed: 100%)", fontsize=9)
     fig.suptitle(f"Speedup and efficiency vs {x_name(kept, x)}", fontsize=9)
     footnote(fig, error_note(shown, "none (one run)"), _left_out(flagged))
     legend(fig)
     figs.save(fig, stem("speedup_vs", x.rpartition(".")[2]), x)
     return True
+
+
+def _device_ratio(runs: list[RunMetrics]) -> str:
+    """What a speedup's ideal is the ratio of (analysis.scaling): GPUs, or ranks where the runs ran on CPUs."""
+    return {"GPUs": "GPU ratio", "ranks": "rank ratio"}.get(x_name(runs, "gpus"), "device ratio")
+
+
+def _shortfall(runs: list[RunMetrics]) -> str:
+    """Why pipelines fall short of their closed form, where some do (aggregate.pipeline_shortfall): a footnote."""
+    short = [r.run_id for r in runs if pipeline_shortfall(r)]
+    return f"Short of the closed form ({', '.join(short)}): {PIPELINE_OVERHEAD}." if short else ""
 
 
 def _left_out(flagged: list[str]) -> str:
@@ -236,7 +272,7 @@ def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
     speed_ax.set_title("Speedup over model parallel (grey dashed: the bubble's bound)", fontsize=9)
     bubble_ax.set_title("Bubble: measured (markers), closed form (grey dashed)", fontsize=9)
     fig.suptitle("Model parallel (dashed horizontal lines) vs pipeline parallel", fontsize=10)
-    footnote(fig, error_note(shown, ONE_RUN_STD), _left_out(flagged))
+    footnote(fig, error_note(shown, ONE_RUN_STD), _left_out(flagged), _shortfall(pipes))
     legend(fig)
     figs.save(fig, "pipeline_vs_model_parallel")
     return True
@@ -263,7 +299,8 @@ def _losses(runs: list[RunMetrics], figs: FigureSet) -> bool:
     for sweep, members in sorted(by_sweep.items()):
         fig, axes = plt.subplots(1, 3, sharey=True, figsize=(13, 4.4))
         groups = identical_curves(members)
-        labels = run_labels([group[0] for group in groups])
+        firsts = [group[0] for group in groups]
+        labels = run_names(firsts) if sweep == TOP_LEVEL else run_labels(firsts)  # ad-hoc runs: by their ids
         for group in groups:
             first, colour = group[0], None
             label = labels[first.run] + (f" ({len(group)} runs: identical losses)" if len(group) > 1 else "")
@@ -376,11 +413,17 @@ def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
                 per_axis.setdefault(key, []).extend(members)
     for key, data in sorted(per_axis.items()):
         fig, ax = plt.subplots()
-        at = x_positions(ax, [key_value(r, key) for r in data])
+        values = [key_value(r, key) for r in data]
+        at = x_positions(ax, values, category_order(data, key))
         shown: list[Mark] = []
-        for label, members in series(data, key, figs.group_by).items():
+        lines = series(data, key, figs.group_by)
+        for i, (label, members) in enumerate(lines.items()):
             points = marks(members, key, _job)
-            draw_marks(ax, points, at, label=label)
+            if categorical(values):  # categories in a meaningful order, as bars: a line between them means nothing
+                draw_bars(ax, points, at, (i, len(lines)), label=label)
+                ax.grid(axis="x", visible=False)
+            else:
+                draw_marks(ax, points, at, label=label)
             shown += points
         ax.set_xlabel(key)
         ax.set_ylabel(JOB_RATE)
@@ -390,6 +433,54 @@ def _axes(runs: list[RunMetrics], figs: FigureSet) -> bool:
         legend(fig)
         figs.save(fig, stem("throughput_vs", key.rpartition(".")[2]), key)
     return bool(per_axis)
+
+
+def _communication(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """One figure per sweep that varies parallel.grad_comm and logged its bytes: the MB one rank sent per step as
+    bars by grad_comm (fp32 first, then by bytes), each labelled with its ratio to fp32, and the step time beside
+    them, which says whether sending fewer bytes bought anything."""
+    by_sweep: dict[str, list[RunMetrics]] = {}
+    for r in runs:
+        if "total" in r.comm_bytes and r.step_time[0] is not None:
+            by_sweep.setdefault(r.sweep, []).append(r)
+    ratios = fp32_ratios(runs)
+    drawn = False
+    for sweep, members in sorted(by_sweep.items()):
+        values = [key_value(r, GRAD_COMM) or "fp32" for r in members]
+        if len(set(values)) < 2:
+            continue
+        fig, (bytes_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.4))
+        rank = category_order(members, GRAD_COMM)
+        at = x_positions(bytes_ax, values, rank)
+        x_positions(time_ax, values, rank)
+        lines = series(members, GRAD_COMM, figs.group_by)
+        shown: list[Mark] = []
+        for i, (label, line) in enumerate(lines.items()):
+            sent = marks(line, GRAD_COMM, lambda r: (r.comm_bytes["total"] / 1e6, None))
+            colour = draw_bars(bytes_ax, sent, at, (i, len(lines)), label=label)
+            for m in sent:
+                known = [ratios[r.run] for r in m.runs if r.run in ratios]
+                if len(known) == len(m.runs):
+                    bytes_ax.annotate(f"{statistics.fmean(known):.2f}×", (bar_x(at(m.x), (i, len(lines))), m.high),
+                                      textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+            times = marks(line, GRAD_COMM, lambda r: tuple(None if v is None else v * 1e3 for v in r.step_time))
+            draw_bars(time_ax, times, at, (i, len(lines)), color=colour)
+            shown += times
+        for ax, ylabel in ((bytes_ax, "MB one rank sent per step (mean over ranks)"),
+                           (time_ax, "step time (ms, mean over ranks)")):
+            ax.set_xlabel(GRAD_COMM)
+            ax.set_ylabel(ylabel)
+            ax.set_ylim(bottom=0)
+            ax.grid(axis="x", visible=False)
+        bytes_ax.set_ylim(top=1.15 * bytes_ax.get_ylim()[1])  # room for the ratio labels
+        bytes_ax.set_title("Bytes sent per step (labels: ratio to fp32)", fontsize=9)
+        time_ax.set_title("Step time", fontsize=9)
+        fig.suptitle(f"Communication vs {GRAD_COMM}: {sweep}", fontsize=10)
+        footnote(fig, "step time " + error_note(shown, "± sample std over its kept steps"))
+        legend(fig)
+        figs.save(fig, stem("communication", sweep), sweep)
+        drawn = True
+    return drawn
 
 
 GANTT_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
@@ -484,7 +575,7 @@ def _bubbles(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ax.set_ylabel("bubble (idle share of the window)")
     ax.set_ylim(bottom=0)
     ax.set_title("Pipeline bubble vs micro-batches (grey: closed forms, once where they coincide)", fontsize=9)
-    footnote(fig, error_note(shown, "± sample std over its kept steps"))
+    footnote(fig, error_note(shown, "± sample std over its kept steps"), _shortfall(data))
     legend(fig)
     figs.save(fig, "pipeline_bubble")
     return True
@@ -593,6 +684,13 @@ def _memory_lines(runs: list[RunMetrics]) -> dict[tuple[str, str, int], dict[int
     return lines
 
 
+def _memory_point(records: list[MemoryUse]) -> tuple[float, float | None, bool]:
+    """What a line draws at one W: the mean total, the mean closed form, and whether a run is off it."""
+    closed = [mem.closed_form for mem in records if mem.closed_form is not None]
+    return (statistics.fmean(mem.mean["total"] for mem in records), statistics.fmean(closed) if closed else None,
+            any(mem.mismatched for mem in records))
+
+
 def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Training-state MB per rank (mean over ranks, and over runs at the same W) against the data-parallel size W,
     one line per strategy with its closed form dashed in the same colour; a W where a run is off its closed form
@@ -604,10 +702,16 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     fig, ax = plt.subplots()
     flagged = False
     keys = sorted(lines, key=lambda k: (*_strategy_order(k[0]), *k[1:]))
-    for i, (strategy, mode, n) in enumerate(keys):
-        by_w, colour = lines[strategy, mode, n], LINE_COLOURS[i % len(LINE_COLOURS)]
+    names = {key: key[0] + (f" {key[1]}" if key[1] else "") + (f", N={key[2]:,}" if models else "") for key in keys}
+    drawn: dict[tuple, list[tuple[str, str, int]]] = {}  # a line's points -> the lines that have them all
+    for key in keys:
+        by_w = lines[key]
+        drawn.setdefault(tuple((w, _memory_point(by_w[w])) for w in sorted(by_w)), []).append(key)
+    for i, same in enumerate(drawn.values()):  # lines on one another are drawn once, named together
+        (strategy, mode, n), colour = same[0], LINE_COLOURS[i % len(LINE_COLOURS)]
+        by_w = lines[strategy, mode, n]
         ws = sorted(by_w)
-        label = strategy + (f" {mode}" if mode else "") + (f", N={n:,}" if models else "")
+        label = " = ".join(names[key] for key in same) + (" (identical)" if len(same) > 1 else "")
         totals = [statistics.fmean(mem.mean["total"] for mem in by_w[w]) / 1e6 for w in ws]
         ax.plot(ws, totals, marker="o", color=colour, label=label)
         closed = [[mem.closed_form for mem in by_w[w] if mem.closed_form is not None] for w in ws]
@@ -628,6 +732,10 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ax.set_xlabel("data-parallel size W")
     ax.set_ylabel("training state per rank (MB, mean over ranks)")
     ax.set_title("Memory per rank vs W (dashed, ×: closed form)")
+    starts = {w: n for w, n in Counter(w for line in drawn for w, _ in line).items() if n > 1}
+    if 1 in starts:
+        footnote(fig, f"W=1: one run of one replica, which holds the whole state under any strategy, starts "
+                      f"{starts[1]} of the lines (their markers coincide there).")
     legend(fig)
     figs.save(fig, "memory_vs_world_size")
     return True
@@ -635,7 +743,7 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
 
 OWN_FIGURES = ("time_vs_*", "throughput_vs_*", "speedup_vs_*", "pipeline_vs_model_parallel", "loss_*", "bleu_*",
                "answer_accuracy_*", "expert_load_*", "pipeline_timeline*", "pipeline_bubble", "memory_per_rank",
-               "memory_vs_world_size")
+               "memory_vs_world_size", "communication_*")
 
 
 def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], None] = print) -> list[Path]:
@@ -663,6 +771,7 @@ def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], N
         ("answer_accuracy_*", partial(_scores, key="answer_accuracy", label="answer accuracy"),
          "no run logged an answer_accuracy in its epoch records"),
         ("expert_load_*", _expert_load, "no mixture-of-experts run logged its expert load"),
+        ("communication_*", _communication, f"no sweep varies {GRAD_COMM} with its bytes logged (comm_bytes)"),
         ("throughput_vs_<axis>", _axes, "no sweep varies a key other than the GPU count" + (f" and {x}" if x else "")),
         ("pipeline_timeline", _timelines, "no multi-process pipeline run (parallel.pp > 1) logged a step's "
                                           "pp_timeline on every stage"),

@@ -29,6 +29,7 @@ from analysis.aggregate import (
 )
 from gptpar.errors import GptparError
 from gptpar.run.names import short_names
+from gptpar.strategies.data_parallel import WIRE_BYTES
 
 Spread = tuple[float | None, float | None]  # (mean, sample std) of one run's measurement
 
@@ -54,6 +55,30 @@ def order(value: Any) -> tuple[int, float, str]:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return 0, float(value), ""
     return 1, 0.0, str(value)
+
+
+GRAD_COMM = "parallel.grad_comm"
+WIRE_KEYS = (GRAD_COMM, "parallel.param_comm")  # how values cross the wire: fp32 the reference
+
+
+def category_order(runs: list[RunMetrics], key: str) -> Callable[[Any], tuple]:
+    """A sort key for the values of `key` on an axis or in a table, in an order that means something: numbers by
+    value; a wire type (WIRE_KEYS) fp32 first, then by the bytes its runs sent per step (the most first; its bytes
+    per value where a run logged none); other text by name."""
+    sent: dict[str, list[float]] = {}
+    for r in runs:
+        if "total" in r.comm_bytes:
+            sent.setdefault(str(key_value(r, key)), []).append(r.comm_bytes["total"])
+
+    def rank(value: Any) -> tuple:
+        kind, number, text = order(value)
+        if kind == 0:
+            return kind, number, 0.0, text
+        if key not in WIRE_KEYS:
+            return kind, 0.0, 0.0, text
+        size = statistics.fmean(sent[text]) if text in sent else WIRE_BYTES.get(text, 0.0)
+        return kind, float(text != "fp32"), -size, text
+    return rank
 
 
 def _varying(runs: list[RunMetrics], keys: Sequence[str]) -> list[str]:
@@ -177,3 +202,22 @@ def marks(members: list[RunMetrics], x: str, value: Callable[[RunMetrics], Sprea
             y, low, high = means[0], means[0] - std, means[0] + std
         points.append(Mark(key_value(runs[0], x), y, low, high, runs))
     return points
+
+
+def reference_key(r: RunMetrics, keys: list[str]) -> tuple[str, str]:
+    """What a run's fp32 reference shares with it: its sweep and its values of the sweep's point keys but
+    parallel.grad_comm."""
+    return r.sweep, repr([point_value(r, k) for k in keys if k != GRAD_COMM])
+
+
+def fp32_ratios(runs: list[RunMetrics]) -> dict[str, float]:
+    """Each run's bytes sent per step over those of its fp32 reference (run path -> ratio): the mean over the runs
+    of its sweep that send gradients in fp32 and differ from it in no other point key; runs without one left out."""
+    logged = [r for r in runs if "total" in r.comm_bytes]
+    keys = {sweep: point_keys([r for r in logged if r.sweep == sweep]) for sweep in {r.sweep for r in logged}}
+    fp32: dict[tuple[str, str], list[float]] = {}
+    for r in logged:
+        if r.params.get(GRAD_COMM, "fp32") == "fp32":
+            fp32.setdefault(reference_key(r, keys[r.sweep]), []).append(r.comm_bytes["total"])
+    return {r.run: r.comm_bytes["total"] / statistics.fmean(ref) for r in logged
+            if (ref := fp32.get(reference_key(r, keys[r.sweep]))) and statistics.fmean(ref) > 0}

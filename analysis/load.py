@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from analysis.grouping import fp32_ratios
 from analysis.report import print_warnings, run_table
 from analysis.summary import row
 from gptpar.errors import GptparError
@@ -27,7 +28,8 @@ def load_runs(runs_dir: str | Path = "runs", frame: bool | None = None, warmup_e
     runs, shown = run_table(runs_dir, warmup_epochs, warmup_steps, include_incomplete, peak_flops=peak_flops,
                             target_loss=target_loss)
     print_warnings(runs)
-    rows = [{**row(r), "shown": r in shown, **r.params} for r in runs]
+    ratios = fp32_ratios(runs)
+    rows = [{**row(r, ratios), "shown": r in shown, **r.params} for r in runs]
     if frame is False:
         return rows
     try:

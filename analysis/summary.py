@@ -5,13 +5,20 @@ from __future__ import annotations
 import csv
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from analysis.aggregate import MEMORY_ABS_TOL, MEMORY_REL_TOL, RunMetrics
+from analysis.aggregate import (
+    MEMORY_ABS_TOL,
+    MEMORY_REL_TOL,
+    PIPELINE_OVERHEAD,
+    TOP_LEVEL,
+    RunMetrics,
+    pipeline_shortfall,
+)
 from analysis.answers import answers_section
-from analysis.grouping import point_keys, point_name
+from analysis.grouping import GRAD_COMM, category_order, fp32_ratios, point_keys, point_name, reference_key
 from analysis.scaling import Point, repeat_points
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
 
@@ -28,7 +35,7 @@ CSV_COLUMNS = (
     "peak_mem_bytes_mean", "peak_mem_bytes_max", "job_tokens_per_s_std", "baseline_runs", "ideal_speedup", "repeats",
     "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu", "final_answer_accuracy", "mixed_configs",
     "target_loss", "target_basis", "time_to_target_s", "tokens_to_target", "time_to_target_speedup", "job_id",
-    "all_to_all_share",
+    "all_to_all_share", "target_final_loss", "grad_comm", "comm_bytes_per_step", "comm_bytes_vs_fp32",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -59,7 +66,8 @@ FOOTNOTES = (
     "**time to target**: the training time (the slowest rank's step times summed) to the first step whose "
     "validation loss (train loss for a run without evaluation) is at or below the sweep's target loss (`gptpar report "
     "--target-loss`, else the sweep's `report.target_loss`, else the highest final loss of its runs); \"not "
-    "reached\" where no step reached it. **speedup (time to target)**: the baseline's mean time to target over the "
+    "reached\" where no step reached it; **final loss checked against the target** is the last value of that loss. "
+    "**speedup (time to target)**: the baseline's mean time to target over the "
     "point's. Repeats show their mean (min – max).",
     "**final loss**: the last step's loss, averaged over data-parallel replicas (`global_loss`); a diverged "
     "run shows its non-finite loss and the step where it first appeared.",
@@ -108,8 +116,10 @@ MEMORY_NOTE = (
 )
 
 
-def row(r: RunMetrics) -> dict[str, Any]:
-    """A run's CSV_COLUMNS as raw values (None where it has none): summary.csv's row, and analysis.load's."""
+def row(r: RunMetrics, wire_ratios: dict[str, float] | None = None) -> dict[str, Any]:
+    """A run's CSV_COLUMNS as raw values (None where it has none): summary.csv's row, and analysis.load's;
+    wire_ratios: each run's bytes per step over its fp32 reference's (fp32_ratios)."""
+    wire_ratios = wire_ratios or {}
     mem = r.memory
     values = [
         r.sweep, r.run, r.run_id, r.status, r.detail, r.dp, r.pp_mode, r.chunks, r.devices, r.gpus, r.basis,
@@ -123,7 +133,8 @@ def row(r: RunMetrics) -> dict[str, Any]:
         *(r.peak_mem or (None, None)), r.job_tokens_std, r.baseline_runs or None, r.ideal_speedup, r.repeats,
         r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu, r.final_answer_accuracy, r.mixed,
         r.target_loss, r.target_basis, r.time_to_target_s, r.tokens_to_target, r.target_speedup, r.job_id or None,
-        r.all_to_all_share,
+        r.all_to_all_share, r.target_final_loss, r.params.get(GRAD_COMM), r.comm_bytes.get("total"),
+        wire_ratios.get(r.run),
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 
@@ -140,11 +151,12 @@ def _cell(value: Any) -> str:
 
 
 def write_csv(runs: list[RunMetrics], path: Path) -> None:
+    ratios = fp32_ratios(runs)
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(CSV_COLUMNS)
         for r in runs:
-            writer.writerow([_cell(value) for value in row(r).values()])
+            writer.writerow([_cell(value) for value in row(r, ratios).values()])
 
 
 def _pm(pair: tuple[float | None, float | None], fmt: str) -> str:
@@ -165,15 +177,29 @@ def _loss(r: RunMetrics) -> str:
 
 def named_points(shown: list[RunMetrics]) -> list[tuple[Point, str]]:
     """The sweep points of the shown runs, sweep by sweep, each named by the keys its sweep varies
-    (grouping.point_keys); the first run's id where that names nothing or would name two points alike."""
+    (grouping.point_keys); the first run's id where that names nothing or would name two points alike. Runs
+    outside a sweep folder were not run as one comparison, so the keys they differ in name nothing: their run ids
+    name them."""
     named: list[tuple[Point, str]] = []
     for sweep in dict.fromkeys(r.sweep for r in shown):
         points = repeat_points([r for r in shown if r.sweep == sweep])
         keys = point_keys([r for p in points for r in p.runs])
-        names = [point_name(p.first, keys) or p.first.run_id for p in points]
+        if GRAD_COMM in keys:
+            points = _by_wire(points, keys)
+        names = [", ".join(r.run_id for r in p.runs) if sweep == TOP_LEVEL else point_name(p.first, keys)
+                 or p.first.run_id for p in points]
         named += [(p, name if names.count(name) == 1 else p.first.run_id)
                   for p, name in zip(points, names, strict=True)]
     return named
+
+
+def _by_wire(points: list[Point], keys: list[str]) -> list[Point]:
+    """A sweep's points with those that differ only in parallel.grad_comm together, fp32 first, then by the bytes
+    they sent (grouping.category_order); otherwise in their order."""
+    rank = category_order([r for p in points for r in p.runs], GRAD_COMM)
+    others = [reference_key(p.first, keys) for p in points]
+    return [p for _, p in sorted(zip(others, points, strict=True), key=lambda pair: (
+        others.index(pair[0]), rank(pair[1].first.params.get(GRAD_COMM, "fp32"))))]
 
 
 def _spread(values: list[float | None], fmt: str, one: tuple[float | None, float | None] | None = None) -> str:
@@ -195,6 +221,30 @@ def _target_cell(p: Point, value: Callable[[RunMetrics], float | None], fmt: str
     if missed:
         return "not reached" + (f" by {missed} of {len(p.runs)}" if missed < len(p.runs) else "")
     return _spread([value(r) for r in p.runs], fmt)
+
+
+def _checked_loss(p: Point) -> str:
+    """The last value of the loss the target is checked on, with its kind (`2.310 (validation)`): beside "not
+    reached" it shows the loss that missed, which the training loss column does not where the run evaluates."""
+    if p.first.target_loss is None:
+        return "–"
+    return f"{_spread([r.target_final_loss for r in p.runs], '.3f')} ({p.first.target_basis})"
+
+
+def _fastest(named: list[tuple[Point, str]], sweep: str) -> str:
+    """The sentence naming a sweep's fastest point to its target (the least mean training time), or saying none
+    reached it."""
+    reached = [(p.time_to_target, p, name) for p, name in named if p.first.sweep == sweep
+               and p.time_to_target is not None]
+    if not reached:
+        return f"No point of {sweep} reaches its target."
+    seconds, p, name = min(reached, key=lambda t: t[0])
+    tokens = statistics.fmean(r.tokens_to_target for r in p.runs)
+    r = p.first
+    devices = ("GPU" if r.on_gpu else "rank") + ("s" if r.gpus > 1 else "")
+    layout = f"{r.gpus} {devices}, dp={r.dp}" + ("" if r.pp_mode == "single" else f", {r.pp_mode}")
+    return (f"Fastest to the target in {sweep}: {name} ({layout}), after {seconds:.1f} s of training and "
+            f"{tokens:,.0f} tokens.")
 
 
 def _target_speedup_cell(p: Point) -> str:
@@ -240,7 +290,8 @@ def _target_section(named: list[tuple[Point, str]], names: dict[str, str]) -> li
     if not targets:
         return []
     lines = ["", "## Time to target loss", ""]
-    lines += [f"- {sweep}: {r.target_loss:.4g} ({r.target_origin})" for sweep, r in targets.items()]
+    lines += [f"- {sweep}: {r.target_loss:.4g} ({r.target_origin}). {_fastest(named, sweep)}"
+              for sweep, r in targets.items()]
     sentences = [text for p, name in named if (text := _disagreement(p, name, names))]
     if sentences:
         lines += ["", "Where throughput and time to target disagree (a researcher decides by the time to a "
@@ -280,13 +331,14 @@ def _row(p: Point, name: str, names: dict[str, str]) -> str:
         _spread([x.epoch_time[0] for x in p.runs], ".2f", r.epoch_time if one else None),
         _spread([x.tokens_per_s[0] for x in p.runs], ",.0f", r.tokens_per_s if one else None),
         _spread([x.job_tokens_per_s for x in p.runs], ",.0f"), speedup, efficiency,
-        _target_cell(p, lambda x: x.time_to_target_s, ".1f"), _target_speedup_cell(p), mfu,
+        _target_cell(p, lambda x: x.time_to_target_s, ".1f"), _checked_loss(p), _target_speedup_cell(p), mfu,
         _loss(r) if one else _spread([x.final_loss for x in p.runs], ".3f"),
     ]
     return "| " + " | ".join(cells) + " |"
 
 
-def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, warmup: str) -> str:
+def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, warmup: str,
+             left_out: Sequence[str] = ()) -> str:
     named = named_points(shown)
     names = {r.run_id: name for p, name in named for r in p.runs}
     counts: dict[str, int] = {}
@@ -295,15 +347,17 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
     lines = [
         "# Training runs", "",
         f"Runs under `{runs_dir}`: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
+        *(f"Left out: {note}." for note in left_out),
         f"Warm-up dropped: {warmup}.", "",
         "| sweep | point | runs | dp | pp_mode | chunks | GPUs | epoch time (s) | tokens/s (sum over DP) "
-        "| job tokens/s | speedup (job tokens/s) | efficiency | time to target (s) | speedup (time to target) | MFU "
-        "| final loss |",
-        "|" + "---|" * 16,
+        "| job tokens/s | speedup (job tokens/s) | efficiency | time to target (s) | final loss checked against "
+        "the target | speedup (time to target) | MFU | final loss (train) |",
+        "|" + "---|" * 17,
         *(_row(p, name, names) for p, name in named), "",
         *(f"{i}. {note}" for i, note in enumerate(FOOTNOTES, 1)),
     ]
     lines += _target_section(named, names)
+    lines += _comm_section(named, fp32_ratios(shown))
     pipelines = [r for r in shown if r.bubble_theory is not None]
     if pipelines:
         lines += ["", "## Pipeline bubble", "",
@@ -313,6 +367,9 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
                   f"{_pm((r.bubble_measured, r.bubble_std), '.3f')}{' ⚠ outside [0, 1]' if r.bubble_flagged else ''} |"
                   for r in pipelines]
         lines += ["", BUBBLE_NOTE]
+        short = [f"{r.run_id} ({why})" for r in shown if (why := pipeline_shortfall(r))]
+        if short:
+            lines += ["", f"**Why short of the closed form** ({', '.join(short)}): {PIPELINE_OVERHEAD}."]
     lines += _flagged_section(shown)
     lines += _spread_section(shown)
     lines += _bleu_section(shown)
@@ -337,6 +394,36 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
         lines += ["", "## Incomplete, failed or corrupt runs", "", "| run | status | detail |", "|---|---|---|"]
         lines += [f"| {r.run} | {r.status} | {r.detail.replace('|', '/')} |" for r in others]
     return "\n".join(lines) + "\n"
+
+
+COMM_NOTE = (
+    "MB sent: the bytes one rank sent to other ranks per step (`comm_bytes`, MB = 10^6 bytes; collectives in ring "
+    "terms), per rank the mean over its kept steps, then the mean over ranks; by collective beside it. **vs fp32**: "
+    "over the bytes of the sweep's point that sends gradients in fp32 and differs in nothing else. Rows: fp32 "
+    "first, then by bytes sent. Step time: the mean over ranks, mean ± sample std over the kept steps.")
+
+
+def _comm_section(named: list[tuple[Point, str]], ratios: dict[str, float]) -> list[str]:
+    """The bytes each point sent per step, by parallel.grad_comm, their ratio to fp32 and the step time beside them;
+    none where no run logged comm_bytes."""
+    rows = [(p, name) for p, name in named if all("total" in r.comm_bytes for r in p.runs)]
+    if not rows:
+        return []
+    lines = ["", f"## Communication per step, by `{GRAD_COMM}`", "",
+             "| sweep | point | grad_comm | MB sent per step | by collective (MB) | vs fp32 | step time (ms) "
+             "| job tokens/s |", "|" + "---|" * 8]
+    for p, name in rows:  # in named_points' order: fp32 first, then by bytes sent
+        r = p.first
+        by_kind = ", ".join(f"{k} {statistics.fmean(x.comm_bytes.get(k, 0.0) for x in p.runs) / 1e6:.3g}"
+                            for k in r.comm_bytes if k != "total")
+        known = [ratios[x.run] for x in p.runs if x.run in ratios]
+        ratio = f"{statistics.fmean(known):.3f}×" if len(known) == len(p.runs) else "– (no fp32 point)"
+        step = _spread([_ms(x.step_time[0]) for x in p.runs], ".1f",
+                       (_ms(r.step_time[0]), _ms(r.step_time[1])) if len(p.runs) == 1 else None)
+        lines.append(f"| {r.sweep} | {name} | {r.params.get(GRAD_COMM, 'fp32')} | "
+                     f"{_spread([x.comm_bytes['total'] / 1e6 for x in p.runs], '.3g')} | {by_kind} | {ratio} | "
+                     f"{step} | {_spread([x.job_tokens_per_s for x in p.runs], ',.0f')} |")
+    return [*lines, "", COMM_NOTE]
 
 
 def _flagged_section(shown: list[RunMetrics]) -> list[str]:

@@ -3,7 +3,8 @@ a target quality, not by its throughput, and the two disagree whenever scaling c
 global batch takes half the steps, each of which gains less).
 
 Definitions (the summary's footnotes repeat them):
-- the loss compared: the run's validation points where it has any, else its training loss per step;
+- the loss compared: the run's validation points where it has any, else its training loss per step (the summary
+  shows its last value beside the time to target, so "not reached" never stands beside a lower loss of another kind);
 - the target: `gptpar report --target-loss`, else the sweep's `report.target_loss` (where it is above 0), else the
   highest final loss any run of the sweep reached, which every run reaches by its end;
 - time and tokens to target: the training time (the slowest rank's step times summed) and the tokens seen (all
@@ -57,6 +58,7 @@ def apply_targets(runs: list[RunMetrics], target_loss: float | None = None) -> N
         for r in members:
             curve, r.target_basis = quality_curve(r)
             r.target_loss, r.target_origin = target, origin
+            r.target_final_loss = curve[-1][1] if curve else None
             step = next((s for s, v in curve if v <= target and s in r.progress), None)
             if step is not None:
                 r.tokens_to_target, r.time_to_target_s = r.progress[step]

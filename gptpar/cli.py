@@ -228,8 +228,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     group_by = [key for words in args.group_by for key in words.split(",") if key]
     result = report(args.runs_dir, args.out, args.warmup_epochs, args.warmup_steps, args.include_incomplete,
                     peak_flops=args.peak_flops, group_by=group_by, x=args.x, fmt=args.format, dpi=args.dpi,
-                    target_loss=args.target_loss)
-    for message in result.skipped:
+                    target_loss=args.target_loss, include_running=args.include_running)
+    for message in [*result.skipped, *(f"left out: {note}" for note in result.left_out)]:
         print(message)
     completed = sum(r.status == "completed" for r in result.runs)
     print(f"{len(result.runs)} run(s), {completed} completed; {len(result.shown)} in the table")
@@ -461,6 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leading steps dropped from a run with too few epochs (default: 5)")
     p.add_argument("--include-incomplete", action="store_true",
                    help="also tabulate and plot running, requeued and failed runs")
+    p.add_argument("--include-running", action="store_true",
+                   help="list runs still pending or running in summary.csv and summary.md (left out and counted "
+                        "by default); runs folders nested in RUNS_DIR (runs/demo) are always left to their own "
+                        "report")
     p.add_argument("--peak-flops", type=_positive_number, default=None, metavar="FLOPS",
                    help="peak FLOP/s per device for devices the MFU table lacks, e.g. a CPU: 2.5e11 (never guessed)")
     p.add_argument("--group-by", action="append", default=[], metavar="KEY",

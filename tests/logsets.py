@@ -147,3 +147,22 @@ def engine_run(run_dir: Path, bubbles: list[float], dp: int = 1, chunks: int = 4
     for rank in ranks:
         rank.epoch(1, float(steps), 100.0, steps=steps).final(step=steps)
     return ranks
+
+
+# Bytes one rank sends per step by parallel.grad_comm, as a dp=2 run of the demo's model logs them (issue 48): fp32
+# and bf16 all-reduce, int8 quantises into an all-to-all (reduce-scatter) and an all-gather with one scale a block.
+COMM_BYTES = {"fp32": {"all_reduce": 5_400_000}, "bf16": {"all_reduce": 2_700_000},
+              "int8": {"all_to_all": 685_000, "all_gather": 685_000}}
+
+
+def comm_run(run_dir: Path, grad_comm: str, step_time_s: float, steps: int = 4) -> list[Rank]:
+    """A completed run of 2 data-parallel ranks sending gradients in `grad_comm`: every step logs COMM_BYTES[grad_comm]
+    on each rank, takes step_time_s and carries 100 tokens a rank."""
+    cfg = config(name=run_dir.name, dp=2, **{"parallel.grad_comm": grad_comm})
+    ranks = [Rank(run_dir, r, cfg).header() for r in range(2)]
+    for step in range(1, steps + 1):
+        for rank in ranks:
+            rank.step(step, 1, step_time_s=step_time_s, loss=4.0 - 0.1 * step, comm_bytes=COMM_BYTES[grad_comm])
+    for rank in ranks:
+        rank.epoch(1, step_time_s * steps, 100 / step_time_s, steps=steps).final(step=steps)
+    return ranks

@@ -150,8 +150,8 @@ def test_a_diverged_run_is_reported_as_diverged_with_its_numbers(
     row = csv_rows(result.summary_csv)["div"]
     assert (row["status"], row["final_loss"], row["diverged_at_step"]) == ("diverged", "nan", "4")
     assert row["tokens_per_s_mean"] == "200"
-    table = next(line for line in result.summary_md.read_text().splitlines() if line.startswith("| top-level | dp=2"))
-    assert "dp=2 (diverged)" in table and table.endswith("| NaN (diverged at step 4) |")
+    table = next(line for line in result.summary_md.read_text().splitlines() if line.startswith("| top-level | div"))
+    assert "div (diverged)" in table and table.endswith("| NaN (diverged at step 4) |")  # a standalone run: its id
     assert (tmp_path / "out" / "loss_top-level.png").is_file()
 
 

@@ -320,7 +320,7 @@ def test_report_writes_summary_rows_and_valid_figures(tmp_path: Path) -> None:
     dp2 = next(line for line in table if line.split(" | ")[1] == "dp=2, dp_sync=bucketed").split(" | ")
     assert dp2[2:7] == ["1", "2", "single", "–", "2"]
     assert dp2[7:9] == ["20.00", "180"] and dp2[10:12] == ["1.80× vs dp=1, dp_sync=bucketed", "90%"]
-    assert dp2[14] == "n/a (unknown peak for cpu)"
+    assert dp2[15] == "n/a (unknown peak for cpu)"
     mp, pp4 = (next(line for line in table if line.split(" | ")[1] == f"pp_mode={mode}").split(" | ")
                for mode in ("model_parallel, chunks=4", "pipeline_parallel, chunks=4"))
     mp_name = "pp_mode=model_parallel, chunks=4"

@@ -240,6 +240,9 @@ def test_scaling_axes_start_at_zero_and_count_ranks_or_gpus(tmp_path: Path, draw
             assert ax.get_ylim()[0] == 0.0
             assert ax.get_xlabel() == f"{counted}: data-parallel ranks × devices per replica"
         assert titles(drawn["throughput_vs_gpus.png"]).startswith(f"Throughput vs {word} (grey dashed: ideal")
+        ratio = "ideal: rank ratio" if device == "cpu" else "ideal: GPU ratio"  # a CPU figure names no GPU
+        assert ratio in legend_labels(drawn["speedup_vs_gpus.png"])
+        assert drawn["speedup_vs_gpus.png"].axes[1].get_ylabel() == f"efficiency (speedup / {ratio[7:]})"
 
 
 def test_error_bars_say_what_they_are(tmp_path: Path, drawn: dict[str, Figure]) -> None:
@@ -268,7 +271,7 @@ def test_the_speedup_figure_has_its_ideals_and_leaves_flagged_results_out(tmp_pa
     assert points(efficiency) == [([1, 4], [1.0, 0.9])] and dashed(efficiency) == [([0, 1], [1.0, 1.0])]
     assert "⚠ flagged, not plotted: dp2 (see summary.md)" in footer(fig)
     # The ideals are in their own style, labelled, above the data so that a run on them hides nothing.
-    ideal = next(line for line in speed.get_lines() if line.get_label() == "ideal: GPU ratio")
+    ideal = next(line for line in speed.get_lines() if line.get_label() == "ideal: rank ratio")  # CPU ranks
     data = max(line.get_zorder() for line in speed.get_lines() if line.get_marker() == "o")
     assert (ideal.get_color(), ideal.get_linestyle(), ideal.get_zorder() > data) == ("grey", "--", True)
     assert "ideal: 100%" in [line.get_label() for line in efficiency.get_lines()]
@@ -322,7 +325,8 @@ def test_every_figure_draws_without_a_warning_and_with_its_legend_outside_the_ax
     assert not recwarn.list and not any("matplotlib warned" in message for message in result.skipped)
     assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 17
     assert {"answer_accuracy_sft.png", "loss_sft.png", "expert_load_moe.png", "loss_moe.png"} <= set(drawn)
-    assert [message.split(":")[0] for message in result.skipped] == ["figure throughput_vs_<axis>.png skipped"]
+    assert [message.split(":")[0] for message in result.skipped] == ["figure communication_*.png skipped",
+                                                                      "figure throughput_vs_<axis>.png skipped"]
     for name, fig in drawn.items():
         # Every title is one line: notes such as what the error bars are stand under the figure.
         assert not any("\n" in title for title in [*(ax.get_title() for ax in fig.axes), titles(fig)]), name

@@ -31,6 +31,11 @@ def run(path: Path, dp: int, losses: list[float], step_s: float, val: dict[int, 
         rank.epoch(1, step_s * len(losses), 100 / step_s, steps=len(losses), val_loss=None).final(step=len(losses))
 
 
+def cells(line: str) -> list[str]:
+    """A markdown table row's cells."""
+    return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+
 def demo_like(root: Path) -> None:
     """The demo's shape: 2 ranks give twice the tokens/s (steps of 1 s either way) but, at twice the global batch,
     lose less per step: dp=1 reaches 5.45 at step 3 (3 s, 300 tokens), dp=2 at step 4 (4 s, 800 tokens), twice."""
@@ -60,7 +65,7 @@ def test_time_and_tokens_to_the_default_target_and_the_disagreement_said(tmp_pat
     main = [line for line in summary.split("\n## ")[0].splitlines() if line.startswith("| s | ")]
     assert [line.split(" | ")[1:3] for line in main] == [["dp=1, batch_size=16", "2"], ["dp=2, batch_size=32", "2"]]
     dp2 = main[1].split(" | ")
-    assert dp2[10:14] == ["2.00× vs mean of 2 repeats of dp=1, batch_size=16", "100%", "4.0", "0.75×"]
+    assert dp2[10:15] == ["2.00× vs mean of 2 repeats of dp=1, batch_size=16", "100%", "4.0", "5.450 (train)", "0.75×"]
     assert ("- dp=2, batch_size=32: 2.00× the job tokens/s of mean of 2 repeats of dp=1, batch_size=16, but it "
             "reaches the target train loss 5.45 later: after 4.0 s of training against 3.0 s") in summary
 
@@ -77,7 +82,7 @@ def test_a_given_target_uses_validation_loss_and_one_never_reached_says_so(tmp_p
         "", "", "4.5")
     summary = result.summary_md.read_text()
     b = next(line for line in summary.splitlines() if line.startswith("| s | dp=2 |")).split(" | ")
-    assert b[12:14] == ["not reached", "not reached"]
+    assert b[12:15] == ["not reached", "4.900 (train)", "not reached"]
     assert "- s: 4.5 (--target-loss)" in summary
     assert "dp=2: 1.00× the job tokens/s of dp=1, yet it never reaches" not in summary  # no faster: no claim
 
@@ -112,3 +117,23 @@ def test_a_bad_target_loss_is_one_line(tmp_path: Path, value: str, capsys: pytes
     assert err.count("\n") == 1 and "--target-loss" in err and "positive finite number" in err
     with pytest.raises(GptparError, match="target loss is a finite number above 0"):
         report(tmp_path, tmp_path / "out", target_loss=float("nan"))
+
+
+def test_the_loss_the_target_is_checked_on_stands_beside_it_and_the_fastest_layout_is_named(tmp_path: Path) -> None:
+    # b's train loss ends at 4.3, below the target 4.5, but its validation loss, which the target is checked on,
+    # ends at 4.8: "not reached" must stand beside 4.8, not only beside the lower train loss.
+    run(tmp_path / "s" / "a", 1, [4.4, 4.3, 4.2, 4.1], 2.0, val={2: 5.0, 4: 4.0})  # reached at step 4: 8 s
+    run(tmp_path / "s" / "b", 2, [6.0, 4.4, 4.3], 1.0, val={3: 4.8}, **{"train.lr": 0.001})
+    run(tmp_path / "s" / "c", 2, [5.0, 4.4], 1.0, val={1: 4.6, 2: 4.2}, **{"train.lr": 0.002})  # 2 s, 400 tokens
+    summary = report(tmp_path, tmp_path / "out", now=LATER, warmup_steps=0, target_loss=4.5).summary_md.read_text()
+    header = cells(next(line for line in summary.splitlines() if line.startswith("| sweep |")))
+    rows = {row["point"]: row for line in summary.split("\n## ")[0].splitlines() if line.startswith("| s | ")
+            and (row := dict(zip(header, cells(line), strict=True)))}
+    checked = "final loss checked against the target"
+    shown = {name: (row["time to target (s)"], row[checked], row["final loss (train)"]) for name, row in rows.items()}
+    assert shown == {
+        "dp=1, lr=0.0006": ("8.0", "4.000 (validation)", "4.100"),
+        "dp=2, lr=0.001": ("not reached", "4.800 (validation)", "4.300"),
+        "dp=2, lr=0.002": ("2.0", "4.200 (validation)", "4.400")}
+    assert ("- s: 4.5 (--target-loss). Fastest to the target in s: dp=2, lr=0.002 (2 ranks, dp=2), after 2.0 s of "
+            "training and 400 tokens.") in summary
