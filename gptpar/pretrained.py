@@ -33,7 +33,7 @@ def folder_config(folder: Path, key: str = "model.init") -> dict:
     path = folder / "config.json"
     if not folder.is_dir():
         raise ConfigError(f"{key}={PREFIX}{folder}: no such folder; name a folder written by transformers' "
-                          "save_pretrained (see the README: fetch it once on a login node)")
+                          "save_pretrained (see docs/models.md: fetch it once on a login node)")
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
