@@ -104,13 +104,13 @@ bench-plan: install
 figures: install
 	$(GPTPAR) report $(RUNS) --out $(FIGURES)
 
-# Rewrite the README's config reference from the config classes (tests/e2e/test_readme.py checks it).
+# Rewrite docs/config_reference.md's table from the config classes (tests/e2e/test_readme.py checks it).
 config-reference: install
-	$(PY) -c "import pathlib, gptpar.config as c; p = pathlib.Path('README.md'); p.write_text(c.readme_with_reference(p.read_text()))"
+	$(PY) -c "import pathlib, gptpar.config as c; p = pathlib.Path('docs/config_reference.md'); p.write_text(c.with_reference(p.read_text()))"
 
-# Rewrite the README's log schema table from the record classes (tests/test_readme.py checks it).
+# Rewrite docs/log_schema.md's table from the record classes (tests/e2e/test_readme.py checks it).
 log-reference: install
-	$(PY) -c "import pathlib, gptpar.run.records as r; p = pathlib.Path('README.md'); p.write_text(r.readme_with_reference(p.read_text()))"
+	$(PY) -c "import pathlib, gptpar.run.records as r; p = pathlib.Path('docs/log_schema.md'); p.write_text(r.with_reference(p.read_text()))"
 
 clean:
 	rm -rf $(RUNS) $(FIGURES) .pytest_cache

@@ -51,7 +51,7 @@ def arch_finding(capability: tuple[int, int], arch_list: list[str]) -> str | Non
     if f"sm_{own}" in numbers or any(tag.startswith("compute_") and n <= own for tag, n in numbers.items()):
         return None
     return (f"the GPU is sm_{own} but this torch wheel holds {', '.join(arch_list) or 'no CUDA kernels'}; install "
-            "a wheel built for it (make install TORCH_SPEC=... with the CUDA index, see the README)")
+            "a wheel built for it (make install TORCH_SPEC=... with the CUDA index, see docs/cluster.md)")
 
 
 def _imports() -> Iterator[Check]:
@@ -82,7 +82,7 @@ def _gpus() -> Iterator[Check]:
     built = torch.version.cuda
     if not built:
         gpu_node = shutil.which("nvidia-smi") is not None
-        wasted = ", but this node has NVIDIA GPUs (nvidia-smi): install the CUDA build (see the README)"
+        wasted = ", but this node has NVIDIA GPUs (nvidia-smi): install the CUDA build (see docs/cluster.md)"
         yield Check("torch build", "finding" if gpu_node else "ok", "CPU only (gloo; no NCCL)" + (wasted * gpu_node))
         return
     yield Check("torch build", "ok", f"CUDA {built}")

@@ -1,4 +1,4 @@
-"""The README's generated sections: text between a pair of HTML comment markers, rewritten from code
+"""The docs' generated sections: text between a pair of HTML comment markers, rewritten from code
 (the config reference, the log schema) so that the prose around it is kept and the table cannot go stale."""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ def _require_folder(folder: Path, key: str, hint: str = "") -> None:
 def folder_config(folder: Path, key: str = "model.init") -> dict:
     """The folder's config.json; a missing folder or file, or one that is not JSON, fails in one line naming `key`."""
     path = folder / "config.json"
-    _require_folder(folder, key, "; name a folder written by transformers' save_pretrained (see the README: fetch "
+    _require_folder(folder, key, "; name a folder written by transformers' save_pretrained (see docs/models.md: fetch "
                     "it once on a login node)")
     try:
         config = json.loads(path.read_text())

@@ -2,7 +2,7 @@
 
 schema.py declares every key with its help text and constraints; text.py reads and writes configs (YAML,
 overrides, layers with their origins); checks.py holds the cross-key checks and calls each parallelism's own
-(parallel_checks.py, which reads the tables of gptpar/strategies); reference.py generates the README's reference.
+(parallel_checks.py, which reads the tables of gptpar/strategies); reference.py generates docs/config_reference.md.
 The package imports nothing of gptpar above it: errors, paths, presets and the torch-free strategy tables only.
 """
 
@@ -21,7 +21,7 @@ from gptpar.config.checks import (
     validate,
     whole_compile_obstacle,
 )
-from gptpar.config.reference import readme_with_reference, reference_markdown
+from gptpar.config.reference import reference_markdown, with_reference
 from gptpar.config.schema import (
     PAIR_TASKS,
     PRECISIONS,
@@ -62,7 +62,7 @@ __all__ = [
     "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "ReportConfig", "TrainConfig",
     "apply_dict", "check_context", "check_expert_grid", "checkpoint_interval", "checkpointed_indices", "config_digest",
     "config_from_dict", "config_layers", "data_config", "example_width", "fixed_width", "load_config", "nested",
-    "overrides_tree", "parse_override", "profiled_steps", "read_yaml", "readme_with_reference", "reference_markdown",
+    "overrides_tree", "parse_override", "profiled_steps", "read_yaml", "reference_markdown",
     "resolve_layers", "shape_values", "split_config_args", "to_yaml", "to_yaml_with_origins", "updated", "validate",
-    "whole_compile_obstacle",
+    "whole_compile_obstacle", "with_reference",
 ]

@@ -1,4 +1,4 @@
-"""The README's config reference, generated from the schema so that it cannot go stale
+"""docs/config_reference.md's table, generated from the schema so that it cannot go stale
 (`make config-reference` writes it; a test checks it)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from gptpar.markdown import between_markers
 
 
 def reference_markdown() -> str:
-    """The README's config reference, generated so that it cannot go stale."""
+    """The config reference table, generated so that it cannot go stale."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
     for section in dataclasses.fields(Config):
         for f in dataclasses.fields(section_class(section.name)):
@@ -21,6 +21,6 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def readme_with_reference(readme: str) -> str:
-    """The README text with the generated reference between its two markers."""
-    return between_markers(readme, "config-reference", reference_markdown())
+def with_reference(text: str) -> str:
+    """`text` (docs/config_reference.md) with the generated reference between its two markers."""
+    return between_markers(text, "config-reference", reference_markdown())

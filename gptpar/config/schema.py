@@ -1,5 +1,5 @@
 """The config's schema: one frozen dataclass per section, every field with its help text, allowed values and
-range in its metadata, so validation, error messages and the README's config reference all come from here.
+range in its metadata, so validation, error messages and docs/config_reference.md all come from here.
 Choices that name strategies are the strategy tables themselves (gptpar/strategies), read live."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ reader may rely on. Torch-free, so the login side and the analysis import it.
 A field is required (every log of schema 1 or 2 has it; a reader may index it) or optional (added
 later, or written only by some runs: absent from a record is not the same as null, e.g. `bleu` is
 absent outside translation and null with train.bleu_samples=0). Field order is the order of the
-JSON keys. The README's log schema table is generated from these classes (`make log-reference`).
+JSON keys. docs/log_schema.md's table is generated from these classes (`make log-reference`).
 """
 
 from __future__ import annotations
@@ -256,12 +256,12 @@ def parse(record: dict[str, Any], strict: bool = False) -> Record:
 
 
 def _type(spec: dataclasses.Field) -> str:
-    """The annotation as the README shows it: Absent is the required column's, `|` escaped for the table."""
+    """The annotation as docs/log_schema.md shows it: Absent is the required column's, `|` escaped for the table."""
     return str(spec.type).replace(" | Absent", "").replace("|", "\\|")
 
 
 def reference_markdown() -> str:
-    """The README's log schema table, generated so that it cannot go stale."""
+    """The log schema table, generated so that it cannot go stale."""
     lines = ["| record | field | type | required | meaning |", "| --- | --- | --- | --- | --- |"]
     common = {f.name for f in dataclasses.fields(Record)}  # `time`: in the prose, with `kind`
     for kind, cls in RECORDS.items():
@@ -273,6 +273,6 @@ def reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def readme_with_reference(readme: str) -> str:
-    """The README text with the generated log schema between its two markers."""
-    return between_markers(readme, "log-reference", reference_markdown())
+def with_reference(text: str) -> str:
+    """`text` (docs/log_schema.md) with the generated log schema between its two markers."""
+    return between_markers(text, "log-reference", reference_markdown())

@@ -1,5 +1,6 @@
-"""The README stays true: its config reference is generated, and every command it shows is run
-by CI, by a test, or here (or is marked as needing a real GPU cluster)."""
+"""The README and the docs/ pages stay true: the config reference and log schema are generated, every command a
+page shows is run by CI, by a test, or here (or is marked as needing a real GPU cluster), every relative link
+leads to a file, and the README stays an entry page."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ import pytest
 from conftest import REPO, isolated_environ
 
 from gptpar.cli import main
-from gptpar.config import readme_with_reference
+from gptpar.config import with_reference
 from gptpar.run import records
 
-README = (REPO / "README.md").read_text()
+# The README and every page under docs/: the commands, tables and examples they hold are checked together.
+PAGES = {path: path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]}
+DOCS = "\n".join(PAGES.values())
+README_MAX_LINES = 400  # an entry page, as nanoGPT's and torchtitan's are; the guides live in docs/
 CI = (REPO / ".ci" / "run").read_text()
 SLURM_TESTS = (REPO / "tests" / "launch" / "test_slurm.py").read_text()
 
@@ -33,7 +37,7 @@ BY_CI = ["make test", "make cluster-up NODES=2 GPUS_PER_NODE=2", "make cluster-s
 BY_HAND = ["make demo", "make figures",
            # a real calibration takes minutes: `make bench-plan` makes one, tests/plan/test_plan_measure.py a tiny one
            ".venv/bin/python -m gptpar plan calibrate --out calib.json",
-           "make bench-moe",  # its table is in the README; bench/bench_moe.py trains through the trainer's step
+           "make bench-moe",  # its table is in docs/models.md; bench/bench_moe.py trains through the trainer's step
            # docs/qwen2_sft: the sweep resolves in tests/launch/test_launch.py, its layouts train like one process
            # in tests/model/test_architectures.py
            ".venv/bin/gptpar sweep sweeps/qwen2_sft.yaml launch.cluster=local --runs-dir runs/sft --wait",
@@ -86,6 +90,9 @@ CLUSTER_ONLY = [
     "sbatch jobs/pp.sbatch",
     ".venv/bin/gptpar submit pp --gpus 4 parallel.pp=4 parallel.pp_schedule=1f1b parallel.chunks=8",
     'make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"',
+    # the README's first run: Bridges-2's $PROJECT and a real account (the dry run of its submit is checked below)
+    "export PIP_CACHE_DIR=$PROJECT/.cache/pip HF_HOME=$PROJECT/.cache/huggingface GPTPAR_DATA_DIR=$PROJECT/gptpar-data",
+    ".venv/bin/gptpar submit dp --gpus 2 launch.account=abc123",
 ]
 # `gptpar plan` commands that read calib.json: run here, in this process, on a synthetic calibration of this machine
 # (tests/plan/ holds the predictions' arithmetic).
@@ -113,20 +120,40 @@ USERS_OWN = [
 ]
 
 
-def readme_commands() -> list[str]:
-    """Every command line of the README's bash blocks, comments stripped."""
-    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+ACCOUNTS = [BY_CI, BY_HAND, list(BY_SLURM_TESTS), RUN_HERE, RUN_HERE_IN_ORDER, CLUSTER_ONLY, USERS_OWN, NEEDS_HUB,
+            WITH_CALIBRATION]
+
+
+def page_commands(text: str) -> list[str]:
+    """Every command line of a page's bash blocks, comments stripped."""
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
     lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
     return [line for line in lines if line and not line.startswith("#")]
 
 
-def test_every_readme_command_is_accounted_for():
-    known = {*BY_CI, *BY_HAND, *BY_SLURM_TESTS, *RUN_HERE, *RUN_HERE_IN_ORDER, *CLUSTER_ONLY, *USERS_OWN,
-             *NEEDS_HUB, *WITH_CALIBRATION}
-    unaccounted = [c for c in readme_commands() if c not in known]
-    assert not unaccounted, f"README commands run by nothing: {unaccounted}"
-    stale = sorted(known - set(readme_commands()))
-    assert not stale, f"commands listed here but gone from the README: {stale}"
+def test_every_command_of_every_page_is_accounted_for_once():
+    shown = {command: page.name for page, text in PAGES.items() for command in page_commands(text)}
+    listed = [command for account in ACCOUNTS for command in account]
+    twice = sorted({command for command in listed if listed.count(command) > 1})
+    assert not twice, f"commands accounted for twice: {twice}"
+    unaccounted = [f"{page}: {command}" for command, page in shown.items() if command not in listed]
+    assert not unaccounted, f"commands run by nothing: {unaccounted}"
+    stale = sorted(set(listed) - set(shown))
+    assert not stale, f"commands listed here but gone from README.md and docs/: {stale}"
+
+
+def test_the_readme_is_an_entry_page():
+    lines = PAGES[REPO / "README.md"].count("\n")
+    assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move the detail to a page under docs/"
+
+
+LINK = re.compile(r"\]\(([^()\s]+)\)")  # a markdown link's or image's target
+
+
+def test_every_relative_link_leads_to_a_file():
+    broken = [f"{page.relative_to(REPO)}: {target}" for page, text in PAGES.items() for target in LINK.findall(text)
+              if not re.match(r"[a-z]+:|#", target) and not (page.parent / target.split("#")[0]).exists()]
+    assert not broken, f"links to nothing: {broken}"
 
 
 @pytest.mark.parametrize("command", WITH_CALIBRATION)
@@ -155,41 +182,43 @@ def test_ci_and_slurm_tests_run_their_commands():
 
 
 def test_config_reference_is_current():
-    assert readme_with_reference(README) == README, "run `make config-reference` and commit README.md"
+    page = PAGES[REPO / "docs" / "config_reference.md"]
+    assert "<!-- config-reference:start -->" in page
+    assert with_reference(page) == page, "run `make config-reference` and commit docs/config_reference.md"
 
 
 def test_log_reference_is_current():
-    assert records.readme_with_reference(README) == README, "run `make log-reference` and commit README.md"
-    section = README.split("## Log schema")[1].split("\n## ")[0]
-    assert "<!-- log-reference:start -->" in section
+    page = PAGES[REPO / "docs" / "log_schema.md"]
+    assert "<!-- log-reference:start -->" in page
+    assert records.with_reference(page) == page, "run `make log-reference` and commit docs/log_schema.md"
 
 
 SUBMIT_EXAMPLE = re.compile(r"gptpar submit (?:dp|pp)\b(?:[^`\n#:]|:(?!\s))*")  # up to a comment or a ": "
 PLACEHOLDER = re.compile(r"(?:^|\s)[A-Z]+/")  # `gptpar submit dp RUN/config.yaml`: a pattern, not an example
-# The Qwen folder the README fetches from the hub: a stand-in with its shape, enough for a dry run.
+# The Qwen folder docs/models.md fetches from the hub: a stand-in with its shape, enough for a dry run.
 QWEN_CONFIG = {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
                "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
                "max_position_embeddings": 32768, "tie_word_embeddings": True}
 
 
 def submit_examples() -> list[str]:
-    """Every `gptpar submit` example of the README, in a bash block or inline, with its arguments; `make submit-dp
+    """Every `gptpar submit` example of the pages, in a bash block or inline, with its arguments; `make submit-dp
     GPUS=N` is `gptpar submit dp --gpus N`."""
-    found = {match.group(0).strip() for match in SUBMIT_EXAMPLE.finditer(README)
+    found = {match.group(0).strip() for match in SUBMIT_EXAMPLE.finditer(DOCS)
              if not PLACEHOLDER.search(match.group(0))}
-    return sorted(found | {f"gptpar submit dp --gpus {n}" for n in re.findall(r"make submit-dp GPUS=(\d+)", README)})
+    return sorted(found | {f"gptpar submit dp --gpus {n}" for n in re.findall(r"make submit-dp GPUS=(\d+)", DOCS)})
 
 
 @pytest.mark.parametrize("example", submit_examples())
 def test_every_submit_example_is_accepted_under_its_profile(example: str, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """The README shows its cluster path with `bridges2` (or names the profile in the example): each example is
+    """The pages show their cluster path with `bridges2` (or names the profile in the example): each example is
     rendered under that profile with --dry-run, in this process, and must be accepted as written."""
     monkeypatch.chdir(tmp_path)
     words = shlex.split(example)[2:]
     init = next((w.split("pretrained:", 1)[1] for w in words if w.startswith("model.init=pretrained:")), None)
-    if init:  # fetched once on a login node in the README
+    if init:  # fetched once on a login node (docs/models.md)
         (tmp_path / init).mkdir(parents=True)
         (tmp_path / init / "config.json").write_text(json.dumps(QWEN_CONFIG))
         (tmp_path / init / "model.safetensors").touch()
@@ -267,7 +296,7 @@ def test_the_llama_family_preset_table_is_the_closed_form():
     from gptpar.presets import PRESETS
 
     rows = re.findall(r"^  \| `([\w.-]+)` \| (\w+) \| (\d+) \| ([\d,]+) \| (\d+) \((\d+)\) \| ([\d,]+) \| (\w+) \| "
-                      r"([\d,.]+) M \(([\d,]+)\) \|$", README, flags=re.M)
+                      r"([\d,.]+) M \(([\d,]+)\) \|$", DOCS, flags=re.M)
     assert [row[0] for row in rows] == ["llama-tiny", "qwen2-tiny", "qwen2.5-0.5b", "llama-3.2-1b", "qwen2.5-3b"]
     for name, arch, layers, width, heads, kv, mlp, head, millions, vocab in rows:
         shape = PRESETS[name]
@@ -283,7 +312,7 @@ def test_the_mixture_preset_table_is_the_closed_form():
     from gptpar.presets import PRESETS
 
     rows = re.findall(r"^  \| `([\w.-]+)` \| (\w+) \| (\d+) \| ([\d,]+) \| (\d+) \((\d+)\) \| ([\d,]+) \| "
-                      r"([\d,]+|none) \| ([\d,.]+) M, ([\d,.]+) M \(([\d,]+)\) \|$", README, flags=re.M)
+                      r"([\d,]+|none) \| ([\d,.]+) M, ([\d,.]+) M \(([\d,]+)\) \|$", DOCS, flags=re.M)
     assert [row[0] for row in rows] == ["qwen2-moe-tiny", "mixtral-tiny", "qwen1.5-moe-a2.7b", "mixtral-8x7b"]
     number = lambda text: int(text.replace(",", ""))  # noqa: E731
     for name, arch, layers, width, experts, top_k, mlp, shared, total, active, vocab in rows:
@@ -300,7 +329,7 @@ def test_the_bridges2_preset_table_is_the_closed_form():
     from analysis.aggregate import closed_form_state_bytes
     from gptpar.presets import PRESETS
 
-    rows = re.findall(r"^  \| `(gpt2[\w-]*)` \| (\d+) M \| (.*) \|$", README, flags=re.M)
+    rows = re.findall(r"^  \| `(gpt2[\w-]*)` \| (\d+) M \| (.*) \|$", DOCS, flags=re.M)
     assert [name for name, _, _ in rows] == ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"]
     for name, millions, cells in rows:
         n = PRESETS[name].parameters(50257)

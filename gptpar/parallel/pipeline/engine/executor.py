@@ -189,7 +189,7 @@ class PipelineEngine(nn.Module):
         return self.stats.bubble
 
     def step_fields(self) -> dict[str, Any]:
-        """The step record's pipeline fields (see the README's log schema)."""
+        """The step record's pipeline fields (see docs/log_schema.md)."""
         s = self.stats
         return {"pp_busy_s": s.busy(), "pp_window_s": s.window_s, "pp_peak_activation_bytes": s.peak_activation_bytes,
                 "pp_timeline": [[k, mb, st, round(a, 6), round(b, 6)] for k, mb, st, a, b in s.spans]}
