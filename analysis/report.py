@@ -27,8 +27,8 @@ from analysis.trace import analyse_run
 from gptpar.atomic import write_error
 from gptpar.errors import GptparError
 from gptpar.paths import check_path
-from gptpar.plan.record import read_plan
 from gptpar.run.folder import RunFolder, find_runs, holds_run
+from gptpar.run.plan_file import read_plan
 from gptpar.run.state import LIVE_JOB_STATES, read_run
 from gptpar.run.sweeps import SWEEP_RECORD
 

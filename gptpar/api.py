@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptpar.cluster.shape import KINDS
 from gptpar.errors import GptparError
 from gptpar.launch.backend import Backend, backend_named, cancel_run, job_of
-from gptpar.launch.plan import KINDS
-from gptpar.launch.status import run_result
 from gptpar.launch.submit import submit_run
 from gptpar.launch.sweep import submit_sweep
 from gptpar.run.folder import RunFolder
+from gptpar.run.rows import run_result
 from gptpar.run.state import LIVE_JOB_STATES, read_run
 from gptpar.user_defaults import resolve_config
 

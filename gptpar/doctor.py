@@ -101,8 +101,8 @@ def _gpus() -> Iterator[Check]:
 
 
 def _slurm(cfg: Config, origins: Mapping[str, str]) -> Iterator[Check]:
+    from gptpar.cluster.profiles import load_profile
     from gptpar.launch import slurm
-    from gptpar.launch.profiles import load_profile
 
     reason = slurm.unreachable_reason()
     yield Check("SLURM", "finding" if reason else "ok", reason or "sinfo answers")

@@ -16,8 +16,8 @@ import socket
 import typing
 from pathlib import Path
 
+from gptpar.cluster.profiles import load_profile, profile_names
 from gptpar.config import Config, Layer, config_layers, nested, read_yaml, resolve_layers
-from gptpar.launch.profiles import load_profile, profile_names
 from gptpar.paths import check_path
 from gptpar.run.start import location_layer
 

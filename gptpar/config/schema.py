@@ -291,7 +291,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    profile: str = opt("local", "Cluster profile: a name in gptpar/launch/profiles/ or a path to a .yaml file.")
+    profile: str = opt("local", "Cluster profile: a name in gptpar/cluster/profiles/ or a path to a .yaml file.")
     cluster: str = opt("auto", "auto: SLURM when reachable, else local processes.",
                        choices=("auto", "slurm", "local"))
     launcher: str = opt("sbatch", "How a job is handed over: sbatch (gptpar's templated script) or submitit (a Python "

@@ -21,7 +21,7 @@ from gptpar.config import LaunchConfig
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.local import LocalBackend
-from gptpar.launch.plan import Point
+from gptpar.launch.prepare import Point
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.render import render_script
 from gptpar.launch.submitit_backend import SubmititBackend, executor_text

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
-from gptpar.launch.plan import Point, rank_command
+from gptpar.launch.prepare import Point, rank_command
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.slurm import clean_env
 from gptpar.parallel.env import LAUNCHER_MARKER, LAUNCHER_PID, free_port
@@ -180,7 +180,7 @@ class LocalBackend:
         return ids
 
     def check(self, spec: JobSpec) -> None:
-        """Nothing to refuse: this machine runs whatever shape plan_run accepted."""
+        """Nothing to refuse: this machine runs whatever shape prepare_run accepted."""
 
     def state(self, job_id: str) -> str | None:
         """None: a local run's own lock says whether it runs (gptpar.run.state)."""

@@ -1,4 +1,4 @@
-"""Cluster profiles (YAML data in profiles/) resolved with `launch.*` overrides into a JobSpec.
+"""Cluster profiles (gptpar.cluster.profiles) resolved with `launch.*` overrides into a JobSpec.
 
 Limits are checked here, before anything is submitted, so a request a site would reject (or
 queue forever) fails at once with the limit named.
@@ -6,24 +6,20 @@ queue forever) fails at once with the limit named.
 
 from __future__ import annotations
 
-import copy
-import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gptpar.config import PRECISIONS, Config, read_yaml
+from gptpar.cluster.profiles import load_profile
+from gptpar.cluster.shape import job_shape
+from gptpar.config import PRECISIONS, Config
 from gptpar.errors import GptparError
 from gptpar.hardware import peaks_of
-from gptpar.launch.plan import job_shape
 
-PROFILE_DIR = Path(__file__).with_name("profiles")
-GPU_REQUESTS = ("gpus", "gpus_per_node", "gres")
 # Values written into #SBATCH lines: a comment line cannot be shell-quoted, so only plain tokens pass.
 SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:,+@-]*")
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 MODULE_GUARD = "if command -v module >/dev/null; then  # environment modules exist on this node"
 TIME = re.compile(r"(?:(\d+)-)?(\d{1,2}):(\d{2}):(\d{2})")
 
@@ -62,31 +58,6 @@ def guarded_setup(lines: Sequence[str]) -> list[str]:
             out.append(MODULE_GUARD)
         out += [f"  {line}", "fi"]
     return out
-
-
-def profile_names() -> list[str]:
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
-
-
-def load_profile(name: str) -> dict[str, Any]:
-    """A shipped profile by name, or any profile file by path (a name ending in .yaml). A name with a
-    control character (a newline above all) is refused: the profile is named in the job script."""
-    if CONTROL.search(name):
-        raise GptparError(f"launch.profile: {name!r} holds a control character; rename the profile file")
-    path = Path(name) if name.endswith((".yaml", ".yml")) else PROFILE_DIR / f"{name}.yaml"
-    if not path.is_file():
-        raise GptparError(f"launch.profile: no profile {name!r}; shipped: {', '.join(profile_names())} "
-                          "(or a path to a .yaml file)")
-    return copy.deepcopy(_read_profile(path, path.stat().st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=32)
-def _read_profile(path: Path, mtime_ns: int) -> dict[str, Any]:
-    """A profile file, parsed once while it is unchanged (`mtime_ns`): a sweep resolves a job for every point."""
-    data = read_yaml(path) or {}
-    if data.get("gpu_request", "gres") not in GPU_REQUESTS:
-        raise GptparError(f"{str(path)!r}: gpu_request must be one of {', '.join(GPU_REQUESTS)}")
-    return data
 
 
 # launch keys whose empty value takes the profile's.
@@ -163,7 +134,7 @@ def check_precision(precision: str, gpu_type: str, gpus: int) -> None:
 
 
 def resolve(cfg: Config, kind: str) -> JobSpec:
-    """The job of a planned config: its shape from the rank grid (gptpar.launch.plan.job_shape), the
+    """The job of a planned config: its shape from the rank grid (gptpar.cluster.shape.job_shape), the
     rest from the profile, overridden by every set launch.* key. `kind` only names the job."""
     launch = cfg.launch
     prof = load_profile(launch.profile)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gptpar.errors import GptparError
-from gptpar.launch.plan import Point, rank_command
+from gptpar.launch.prepare import Point, rank_command
 from gptpar.launch.profiles import JobSpec, guarded_setup
 from gptpar.run.names import slug
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gptpar.errors import GptparError
-from gptpar.launch.plan import Point
+from gptpar.launch.prepare import Point
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.render import render_script
 from gptpar.run.state import NEVER_STARTS, Pending

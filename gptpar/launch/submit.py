@@ -7,7 +7,7 @@ import sys
 
 from gptpar.config import Config
 from gptpar.launch.backend import Backend, choose_backend, job_text
-from gptpar.launch.plan import Point, plan_run, write_run_folder
+from gptpar.launch.prepare import Point, prepare_run, write_run_folder
 from gptpar.launch.profiles import account_warning, resolve
 from gptpar.run.state import LIVE_JOB_STATES, read_run
 
@@ -15,7 +15,7 @@ from gptpar.run.state import LIVE_JOB_STATES, read_run
 def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
     """Print the job script (--dry-run), or submit it: queued on SLURM, or run now as local processes."""
     if dry_run:
-        point = plan_run(cfg, kind, write=False)
+        point = prepare_run(cfg, kind, write=False)
         spec = resolve(point.cfg, kind)
         if (warning := account_warning(spec, os.environ)) is not None:
             print(warning, file=sys.stderr)
@@ -29,7 +29,7 @@ def submit_run(cfg: Config, kind: str) -> tuple[Point, Backend, str]:
     """Plan one run and hand it to the backend chosen for it; the point, the backend and its job id. Where it runs
     is decided, and a shape it could never start refused, before anything is written (no folder is left behind),
     and said before it starts."""
-    point = plan_run(cfg, kind, write=False)
+    point = prepare_run(cfg, kind, write=False)
     spec = resolve(point.cfg, kind)
     backend = choose_backend(point.cfg.launch)
     backend.check(spec)

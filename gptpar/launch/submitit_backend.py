@@ -32,7 +32,7 @@ from typing import Any
 
 from gptpar.config import LaunchConfig
 from gptpar.errors import GptparError
-from gptpar.launch.plan import Point, rank_command
+from gptpar.launch.prepare import Point, rank_command
 from gptpar.launch.profiles import JobSpec, guarded_setup, time_seconds
 from gptpar.launch.slurm import SlurmBackend, check_fits, clean_env, slurm_state
 from gptpar.run.names import slug

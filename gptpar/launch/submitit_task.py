@@ -32,10 +32,10 @@ from typing import Any
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from gptpar.launch.local import omp_threads
-from gptpar.launch.status import run_result
 from gptpar.parallel.env import layout_from_env
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import read_new_records
+from gptpar.run.rows import run_result
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
 POLL_S = 0.2
@@ -60,7 +60,7 @@ class RankTask(Checkpointable):
         self.__init__(state["run_dir"], state["command"])
 
     def __call__(self) -> dict[str, Any]:
-        """Train this task's rank to its end; the run's result (gptpar.launch.status.run_result: a failed run
+        """Train this task's rank to its end; the run's result (gptpar.run.rows.run_result: a failed run
         raises, so that submitit reports the job failed)."""
         layout = layout_from_env(os.environ)
         env = {**os.environ, "OMP_NUM_THREADS": omp_threads(os.environ, layout.local_world_size)}

@@ -24,10 +24,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from gptpar.cluster.shape import shaped
 from gptpar.config import ConfigError, config_layers, overrides_tree, parse_override, read_yaml, resolve_layers
 from gptpar.errors import GptparError
 from gptpar.launch.backend import Backend, choose_backend, job_text, scheduler_state
-from gptpar.launch.plan import Point, plan_run, shaped, write_run_folder
+from gptpar.launch.prepare import Point, prepare_run, write_run_folder
 from gptpar.launch.profiles import account_warning, resolve
 from gptpar.launch.submit import report_started
 from gptpar.run.folder import completed, config_diff
@@ -131,7 +132,7 @@ def build_points(path: str | Path, runs_dir: str = "", overrides: Sequence[str] 
         root = (runs / name).resolve()
         if root.parent != runs:
             raise GptparError(f"{path}: sweep folder {runs / name} resolves to {root}, outside the runs folder {runs}")
-        points.append(replace(plan_run(cfg, None, root, name_of_point, write=write),
+        points.append(replace(prepare_run(cfg, None, root, name_of_point, write=write),
                               label=point_label(point_overrides)))
     return name, kind, points
 

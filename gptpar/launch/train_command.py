@@ -10,7 +10,7 @@ from collections.abc import Callable
 from gptpar.config import Config
 from gptpar.launch import local
 from gptpar.launch.backend import scheduler_state
-from gptpar.launch.plan import plan_run
+from gptpar.launch.prepare import prepare_run
 from gptpar.launch.status import completion
 from gptpar.parallel.env import Layout
 from gptpar.parallel.grid import world_size
@@ -33,7 +33,7 @@ def train_here_or_start_ranks(cfg: Config, layout: Layout, start_over: bool, tra
     if layout.launcher != "single" and not one_task_step:
         return train_here(cfg)
     with contextlib.ExitStack() as stack:  # held until the ranks have ended, then the run's state is read
-        point = plan_run(cfg, start_over=start_over, job_state=scheduler_state, stack=stack)
+        point = prepare_run(cfg, start_over=start_over, job_state=scheduler_state, stack=stack)
         ranks = world_size(point.cfg)
         if ranks == 1:
             if cfg.log.progress != "none":

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+from gptpar.cluster.shape import shaped
 from gptpar.config import Config, updated
 from gptpar.flops import peak_flops
 from gptpar.hardware import resolved_precision
-from gptpar.launch.plan import shaped
 from gptpar.parallel.grid import ranks_per_replica
 from gptpar.plan.calibration import CALIBRATION_FLAG
 from gptpar.plan.layout import Layout, layout_of

@@ -1,5 +1,5 @@
 """What a collective costs over one group of ranks: the calibration's measured links where the layout runs on the
-machine that was calibrated, else the cluster profile's figures (`links:` in gptpar/launch/profiles/*.yaml, each with
+machine that was calibrated, else the cluster profile's figures (`links:` in gptpar/cluster/profiles/*.yaml, each with
 its source), intra-node for a group inside one node and inter-node for one that spans nodes. The grid's rank order
 (gptpar.parallel.grid: pp, dp, tp, tp fastest) says which groups span nodes."""
 

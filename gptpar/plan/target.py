@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptpar.cluster.profiles import load_profile
 from gptpar.config import Config
 from gptpar.errors import GptparError
-from gptpar.launch.profiles import load_profile
 from gptpar.plan.calibration import CALIBRATION_FLAG, Calibration, find, local_device_name
 from gptpar.plan.network import Network, network_of
 
@@ -66,7 +66,7 @@ def target_of(cfg: Config, calibration: str | None, key: str = CALIBRATION_FLAG)
         if profile.get("links") and described and asked and asked.lower() != described.lower():
             raise GptparError(f"launch.gpu_type={asked}: profile {name}'s links and GPU memory describe {described} "
                               f"nodes; plan with launch.gpu_type={described}, or give the {asked} nodes a profile "
-                              "of their own (links: as in gptpar/launch/profiles/bridges2.yaml)")
+                              "of their own (links: as in gptpar/cluster/profiles/bridges2.yaml)")
         device = str(profile.get("device") or asked or profile.get("gpu_type") or "")
         if not device:
             raise GptparError(f"profile {name} names no GPU (device: or gpu_type:); set launch.gpu_type, e.g. a100")

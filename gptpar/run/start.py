@@ -1,6 +1,6 @@
 """Starting a run in its folder: the run named (once), or named by the folder its config file sits in, the folder
 made, its config.yaml written (checked against the run's own by gptpar.run.resume), and an old folder set aside to
-start over. The submit side (gptpar.launch.plan) does all of it before any rank starts; a rank started without a
+start over. The submit side (gptpar.launch.prepare) does all of it before any rank starts; a rank started without a
 submit side only names its run here too (gptpar.run.claim)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a rank does from start to exit: join the process group, check its config against the ranks the
 launcher started, claim the run folder, train, write the final record, then ask SLURM to requeue the job
-or say the run stopped, and leave the group. The config arrives resolved (gptpar.launch.plan wrote it),
+or say the run stopped, and leave the group. The config arrives resolved (gptpar.launch.prepare wrote it),
 so a rank only checks it (gptpar.parallel.grid.launched_config) and claims its folder (gptpar.run.claim,
 which names the run only for ranks started on a config file with no run id).
 """

@@ -11,7 +11,7 @@ import pytest
 from gptpar import cli
 from gptpar.config import load_config
 from gptpar.errors import GptparError
-from gptpar.launch.plan import plan_run
+from gptpar.launch.prepare import prepare_run
 
 MISSING = "hf:nobody-gptpar/not-cached"
 
@@ -25,7 +25,7 @@ def test_an_uncached_hub_dataset_offline_is_one_line_before_any_run_folder(tmp_p
     pytest.importorskip("datasets")
     cfg = load_config(None, [f"data.source={MISSING}", "data.task=translation", f"log.runs_dir={tmp_path / 'runs'}"])
     with pytest.raises(GptparError) as error:
-        plan_run(cfg)
+        prepare_run(cfg)
     assert str(error.value) == (f"data.source={MISSING}: not in this machine's Hugging Face cache and the hub is "
                                 f"unreachable; run `gptpar data fetch {MISSING}` where the hub is reachable (a login "
                                 "node), then again here")

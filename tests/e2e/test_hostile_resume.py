@@ -26,7 +26,7 @@ from analysis.report import report
 from gptpar.cli import main as gptpar_main
 from gptpar.config import load_config
 from gptpar.errors import GptparError
-from gptpar.launch.plan import plan_run
+from gptpar.launch.prepare import prepare_run
 from gptpar.parallel.env import Layout
 from gptpar.run.claim import claim_run_folder
 from gptpar.run.folder import RunFolder
@@ -155,7 +155,7 @@ def test_a_rank_started_on_the_edited_file_refuses_it_too(stopped, tmp_path):
 def trained(tmp_path: Path, *overrides: str) -> RunFolder:
     """A planned run that has started once: config.yaml, a header recording the config its ranks ran, and the
     checkpoint it stopped with (an empty folder standing for it: nothing here loads it)."""
-    cfg = plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes",
+    cfg = prepare_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes",
                                       *overrides])).cfg
     Rank(tmp_path / "r", 0, cfg.to_dict()).header(schema_version=2).final("stopped", step=3)
     (tmp_path / "r" / "checkpoint").mkdir()
@@ -165,11 +165,11 @@ def trained(tmp_path: Path, *overrides: str) -> RunFolder:
 def test_only_keys_that_leave_the_run_as_it_was_may_change_on_resume(tmp_path):
     folder = trained(tmp_path)
     path = str(folder.config_path)
-    plan_run(resolve_config(path, ["train.eval_every=7", "launch.time=01:00:00", "log.every=1"])[0])
+    prepare_run(resolve_config(path, ["train.eval_every=7", "launch.time=01:00:00", "log.every=1"])[0])
     assert folder.read_config()["train"]["eval_every"] == 7 and folder.read_config()["launch"]["time"] == "01:00:00"
     for key, old, new in [("train.max_steps", 0, 800), ("parallel.dp", 1, 2), ("model.n_layer", 0, 3)]:
         with pytest.raises(GptparError) as exc:
-            plan_run(resolve_config(path, [f"{key}={new}"])[0])
+            prepare_run(resolve_config(path, [f"{key}={new}"])[0])
         assert str(exc.value) == refusal(folder.path, "holds a different config", f"{key}: {old} -> {new}")
     assert folder.read_config()["train"]["max_steps"] == 0  # a refused start leaves config.yaml as it was
 
@@ -180,7 +180,7 @@ def test_a_config_yaml_edited_to_agree_with_the_start_is_refused_by_the_log_head
     folder = trained(tmp_path)
     edit_config(folder.path, train={"lr": 0.001})
     with pytest.raises(GptparError) as exc:
-        plan_run(resolve_config(str(folder.config_path), [])[0])
+        prepare_run(resolve_config(str(folder.config_path), [])[0])
     assert str(exc.value) == refusal(folder.path, "was trained with a different config", "train.lr: 0.0006 -> 0.001")
     assert folder.read_config()["train"]["lr"] == 0.001  # the refused start wrote nothing
 
@@ -240,7 +240,7 @@ def test_a_log_of_a_newer_schema_is_refused_in_one_line(tmp_path, capsys):
     run = read_run(folder)
     assert (run.state, run.detail) == ("corrupt", why)
     with pytest.raises(GptparError) as exc:  # nor resumed by a gptpar that cannot read it
-        plan_run(load_config(folder.config_path))
+        prepare_run(load_config(folder.config_path))
     assert one_line(str(exc.value)) == f"run folder {folder.path} cannot be resumed: {why}; {START_OVER}"
     assert gptpar_main(["status", str(tmp_path)]) == 0
     assert "corrupt  r" in capsys.readouterr().out
@@ -300,13 +300,13 @@ def test_a_stopped_run_whose_checkpoint_is_gone_is_refused_until_started_over(tm
     (folder.path / "checkpoint").rmdir()
     before = folder.rank_log(0).read_bytes()
     with pytest.raises(GptparError) as exc:  # `gptpar train`, submit or a sweep: the submit side
-        plan_run(load_config(folder.config_path))
+        prepare_run(load_config(folder.config_path))
     assert one_line(str(exc.value)) == lost(folder)
     with pytest.raises(GptparError) as exc, ExitStack() as stack:  # srun or torchrun on config.yaml: rank 0's claim
         claim_run_folder(load_config(folder.config_path), load_config(folder.config_path), RANK0, share, stack)
     assert one_line(str(exc.value)) == lost(folder, "move the old folder away to start over")
     assert folder.rank_log(0).read_bytes() == before and folder.holder() is None
-    plan_run(load_config(folder.config_path), start_over=True)  # what the refusal offers
+    prepare_run(load_config(folder.config_path), start_over=True)  # what the refusal offers
     (aside,) = tmp_path.glob("r.replaced-*")
     assert RunFolder(aside).rank_logs() and not folder.rank_logs()
 
@@ -316,16 +316,16 @@ def test_a_failed_run_past_a_checkpoint_every_step_is_refused_too(tmp_path):
     Rank(folder.path, 0, folder.read_config()).header(restart=1, schema_version=2).step(4).step(5).final("failed", 5)
     (folder.path / "checkpoint").rmdir()
     with pytest.raises(GptparError, match=r"its log says a checkpoint was saved at step 4, but .* is missing"):
-        plan_run(load_config(folder.config_path))
+        prepare_run(load_config(folder.config_path))
 
 
 def test_a_run_with_its_checkpoint_or_done_resumes_without_a_word(tmp_path):
     folder = trained(tmp_path, "train.checkpoint_every=2")
     shutil.move(folder.path / "checkpoint", folder.path / "checkpoint.old")  # a save killed between its renames
-    plan_run(load_config(folder.config_path))
+    prepare_run(load_config(folder.config_path))
     shutil.rmtree(folder.path / "checkpoint.old")
     Rank(folder.path, 0, folder.read_config()).header(restart=1, schema_version=2).step(4).step(5).final(step=5)
-    plan_run(load_config(folder.config_path))  # a completed run trains nothing: no checkpoint needed
+    prepare_run(load_config(folder.config_path))  # a completed run trains nothing: no checkpoint needed
     with ExitStack() as stack:
         assert claim_run_folder(load_config(folder.config_path), load_config(folder.config_path), RANK0, share,
                                 stack)[1] == "completed"

@@ -28,14 +28,15 @@ import pytest
 import yaml
 
 from gptpar import api, cli
+from gptpar.cluster import profiles as profiles_module
+from gptpar.cluster.profiles import PROFILE_DIR, load_profile
 from gptpar.config import config_digest, load_config
 from gptpar.errors import GptparError
 from gptpar.launch import local as local_module
-from gptpar.launch import profiles as profiles_module
 from gptpar.launch import slurm
 from gptpar.launch import sweep as sweep_module
-from gptpar.launch.plan import plan_run
-from gptpar.launch.profiles import PROFILE_DIR, load_profile, resolve
+from gptpar.launch.prepare import prepare_run
+from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.sweep import build_points, expand, run_sweep
 from gptpar.parallel.env import Layout
@@ -142,7 +143,7 @@ def test_points_differing_only_in_replaced_characters_get_their_own_folders(tmp_
     assert first.folder.path != second.folder.path
     assert first.folder.path.parent == second.folder.path.parent == (tmp_path / "runs" / "chars").resolve()
     # The first point ran; the second must start in a folder of its own, not resume the first's.
-    plan_run(first.cfg, None, first.folder.path.parent, first.folder.name)
+    prepare_run(first.cfg, None, first.folder.path.parent, first.folder.name)
     complete(first.folder)
     assert run_sweep(sweep, runs_dir=str(tmp_path / "runs")) == 0
     assert backend.submitted == [second.folder.name]
@@ -258,7 +259,7 @@ def test_the_sweep_record_lets_the_report_flag_points_of_another_definition(tmp_
 
 def test_train_into_a_folder_with_another_config_is_refused_with_a_short_diff(tmp_path, capsys, no_trainer):
     common = [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"]
-    first = plan_run(load_config(None, common))
+    first = prepare_run(load_config(None, common))
     complete(first.folder)
     code, _, err = run_cli(["train", *common, "train.lr=0.1"], capsys)
     assert code == 2 and no_trainer == []
@@ -273,7 +274,7 @@ def test_train_into_a_folder_with_another_config_is_refused_with_a_short_diff(tm
 
 def test_train_start_over_sets_the_old_folder_aside(tmp_path, capsys, no_trainer):
     common = [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"]
-    first = plan_run(load_config(None, common))
+    first = prepare_run(load_config(None, common))
     complete(first.folder)
     code, _, _ = run_cli(["train", *common, "train.lr=0.1", "--start-over"], capsys)
     assert code == 0 and len(no_trainer) == 1 and no_trainer[0].train.lr == 0.1
@@ -295,7 +296,7 @@ def test_start_over_never_moves_a_run_whose_ranks_are_starting(tmp_path, capsys,
 
     def start_over(when: str, lr: str) -> None:
         try:
-            plan_run(load_config(None, [*common, f"train.lr={lr}"]), start_over=True)
+            prepare_run(load_config(None, [*common, f"train.lr={lr}"]), start_over=True)
         except GptparError as exc:
             refusals[f"{when} {lr}"] = one_line(exc)
 
@@ -327,10 +328,10 @@ def attempt(action, *args) -> None:
 
 def test_start_over_refuses_a_folder_whose_job_is_queued(tmp_path):
     common = [f"log.runs_dir={tmp_path}", "log.run_id=q", "data.tokenizer=bytes"]
-    folder = plan_run(load_config(None, common)).folder
+    folder = prepare_run(load_config(None, common)).folder
     folder.write_job_record("slurm", "77", "dp")
     with pytest.raises(GptparError, match=r"has a pending job \(77\); wait for it to end or cancel it") as exc:
-        plan_run(load_config(None, [*common, "train.lr=0.1"]), start_over=True, job_state=lambda f: "pending")
+        prepare_run(load_config(None, [*common, "train.lr=0.1"]), start_over=True, job_state=lambda f: "pending")
     one_line(exc.value)
     assert folder.read_config()["train"]["lr"] == 0.0006
 
@@ -426,7 +427,7 @@ def test_overrides_that_are_neither_a_mapping_nor_words_are_one_line(overrides):
 def test_a_run_id_that_would_leave_the_runs_folder_is_refused(tmp_path, run_id):
     runs = tmp_path / "deep" / "runs"
     with pytest.raises(GptparError, match="log.run_id") as exc:
-        plan_run(load_config(None, [f"log.runs_dir={runs}", f"log.run_id={run_id}", "data.tokenizer=bytes"]))
+        prepare_run(load_config(None, [f"log.runs_dir={runs}", f"log.run_id={run_id}", "data.tokenizer=bytes"]))
     one_line(exc.value)
     assert not runs.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
 
@@ -434,7 +435,7 @@ def test_a_run_id_that_would_leave_the_runs_folder_is_refused(tmp_path, run_id):
 def test_a_run_name_becomes_a_folder_inside_the_runs_folder(tmp_path):
     runs = tmp_path / "runs"
     for name in ("../x", "/abs", "..", "."):
-        point = plan_run(load_config(None, [f"log.runs_dir={runs}", f"log.name={name}", "data.tokenizer=bytes"]))
+        point = prepare_run(load_config(None, [f"log.runs_dir={runs}", f"log.name={name}", "data.tokenizer=bytes"]))
         assert point.folder.path.parent == runs.resolve() and point.folder.path.is_dir()
     assert [p.name for p in tmp_path.iterdir()] == ["runs"]
 
@@ -510,7 +511,7 @@ def test_a_newline_in_the_profile_path_is_refused_in_one_line(tmp_path):
     cfg = load_config(None, [f"launch.profile={path}", "data.tokenizer=bytes"])
     with pytest.raises(GptparError, match=r"^launch.profile: .* holds a control character; rename the profile file$"
                        ) as exc:
-        point = plan_run(cfg, "dp", tmp_path / "runs", "r", write=False)
+        point = prepare_run(cfg, "dp", tmp_path / "runs", "r", write=False)
         render_script([point], resolve(point.cfg, "dp"), "r", point.folder.job_dir)
     one_line(exc.value)
 
@@ -525,7 +526,7 @@ def test_a_profile_path_with_shell_syntax_runs_nothing(tmp_path):
                                          f"json.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
     (venv / "bin" / "gptpar").chmod(0o755)
     cfg = load_config(None, [f"launch.profile={path}", f"launch.venv={venv}", "data.tokenizer=bytes"])
-    point = plan_run(cfg, "dp", tmp_path / "runs", "r", write=False)
+    point = prepare_run(cfg, "dp", tmp_path / "runs", "r", write=False)
     point.folder.path.mkdir(parents=True)
     text = render_script([point], resolve(point.cfg, "dp"), "r", tmp_path / "runs" / "out")
     assert "touch" not in text.replace("touch_pwned", "")  # the profile is named by a safe slug only
@@ -586,7 +587,7 @@ def test_a_parallel_dp_that_agrees_with_the_job_shape_is_fine(tmp_path):
 def test_submit_refuses_a_parallel_dp_its_shape_would_replace():
     for kind, message in (("dp", "kind dp sets it from the job's shape"), ("pp", "kind pp runs one process")):
         with pytest.raises(GptparError, match=message):
-            plan_run(load_config(None, ["parallel.dp=4", "train.batch_size=16"]), kind, write=False)
+            prepare_run(load_config(None, ["parallel.dp=4", "train.batch_size=16"]), kind, write=False)
 
 
 # --- An unwritable runs folder is one line naming it --------------------------------------------
@@ -621,10 +622,10 @@ def test_the_shipped_sweeps_and_profiles_have_no_duplicate_keys():
 def test_tokenizer_auto_is_decided_once_at_submission_and_recorded(tmp_path: Path) -> None:
     """item 6: the concrete tokenizer is in the run's config.yaml (and so in every rank's token-cache key),
     never the literal `auto` that a later probe could answer differently."""
-    point = plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=tok", "data.tokenizer=auto"]))
+    point = prepare_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=tok", "data.tokenizer=auto"]))
     assert point.cfg.data.tokenizer in ("gpt2", "bpe")
     assert yaml.safe_load(point.folder.config_path.read_text())["data"]["tokenizer"] == point.cfg.data.tokenizer
-    offline = plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=syn", "data.source=synthetic"]))
+    offline = prepare_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=syn", "data.source=synthetic"]))
     assert offline.cfg.data.tokenizer == "auto"  # synthetic tokens need no tokenizer
 
 

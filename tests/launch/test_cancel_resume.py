@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from logsets import T0, Rank, config
 
-from gptpar.launch.status import render_status, row_of
+from gptpar.launch.status import render_status
 from gptpar.run.folder import CANCEL_FILE, RunFolder
+from gptpar.run.rows import row_of
 from gptpar.run.state import read_run
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,12 +13,14 @@ from pathlib import Path
 import pytest
 
 from gptpar.cli import main
+from gptpar.cluster.profiles import profile_names
+from gptpar.cluster.shape import shaped
 from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.local import local_job_id
-from gptpar.launch.plan import plan_run, shaped
-from gptpar.launch.profiles import MODULE_GUARD, guarded_setup, profile_names, resolve
+from gptpar.launch.prepare import prepare_run
+from gptpar.launch.profiles import MODULE_GUARD, guarded_setup, resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.sweep import build_points, expand
 from gptpar.run.folder import RunFolder
@@ -32,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _script(kind: str, overrides: list[str], run_dirs: list[str], out: str = "/scratch/runs/x/job") -> str:
-    points = [plan_run(load_config(None, overrides), kind, Path(d).parent, Path(d).name, write=False)
+    points = [prepare_run(load_config(None, overrides), kind, Path(d).parent, Path(d).name, write=False)
               for d in run_dirs]
     return render_script(points, resolve(points[0].cfg, kind), "example", Path(out))
 
@@ -135,7 +137,7 @@ HOSTILE = "$(touch {m}) `touch {m}`; touch {m} && echo 'q\"\n touch {m}"
 def test_hostile_header_values_are_refused(field: str, tmp_path: Path) -> None:
     value = HOSTILE.format(m=tmp_path / "pwned")
     with pytest.raises(GptparError, match=field.split(".")[1]):
-        point = plan_run(load_config(None, [f"{field}={value}"]), "dp", write=False)
+        point = prepare_run(load_config(None, [f"{field}={value}"]), "dp", write=False)
         render_script([point], resolve(point.cfg, "dp"), "x", point.folder.job_dir)
     assert not (tmp_path / "pwned").exists()
 
@@ -158,7 +160,7 @@ def test_hostile_body_values_run_nothing(tmp_path: Path) -> None:
     (bindir / "srun").write_text("#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\nexec \"$@\"\n")
     (bindir / "srun").chmod(0o755)
     run_dir_parent = tmp_path / "runs"
-    point = plan_run(cfg, None, run_dir_parent, "r1", write=False)
+    point = prepare_run(cfg, None, run_dir_parent, "r1", write=False)
     point.folder.path.mkdir(parents=True)
     text = render_script([point], resolve(point.cfg, "dp"), cfg.log.name, run_dir_parent / "out")
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
@@ -271,7 +273,7 @@ def test_plain_job_scripts_do_not_drift_from_the_template(kind: str) -> None:
     overrides = ["launch.profile=bridges2", "launch.gpus=2", "launch.time=01:00:00", "launch.venv=/v"]
     rendered = _script(kind, overrides, ["/scratch/runs/x"])
     assert _sbatch_lines(plain) == _sbatch_lines(rendered)
-    for line in resolve(plan_run(load_config(None, overrides), kind, write=False).cfg, kind).setup:
+    for line in resolve(prepare_run(load_config(None, overrides), kind, write=False).cfg, kind).setup:
         assert f"\n  {line}\n" in plain
     assert "srun --kill-on-bad-exit=1 \\\n" in plain and '"$VENV/bin/gptpar" train ' in plain
     assert "--kill-on-bad-exit=1 \\\n  /v/bin/gptpar train config.yaml" in rendered

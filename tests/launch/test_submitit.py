@@ -25,7 +25,7 @@ from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch.backend import backend_named, choose_backend
 from gptpar.launch.local import LocalBackend
-from gptpar.launch.plan import plan_run
+from gptpar.launch.prepare import prepare_run
 from gptpar.launch.profiles import MODULE_GUARD, resolve
 from gptpar.launch.submitit_backend import SubmititBackend, executor_parameters
 from gptpar.run.folder import RunFolder
@@ -41,7 +41,7 @@ DEADLINE_S = 300.0  # a hang guard while waiting on a job or its records: never 
 
 
 def _spec(overrides: list[str], kind: str = "dp"):
-    cfg = plan_run(load_config(None, overrides), kind, "/scratch/runs", "x", write=False).cfg
+    cfg = prepare_run(load_config(None, overrides), kind, "/scratch/runs", "x", write=False).cfg
     return cfg, resolve(cfg, kind)
 
 

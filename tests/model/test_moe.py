@@ -35,7 +35,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss
 from analysis.mfu import Shape, flops_per_token
 from gptpar.config import ConfigError, load_config
 from gptpar.data.pairs import IGNORE
-from gptpar.launch.plan import plan_run
+from gptpar.launch.prepare import prepare_run
 from gptpar.model import build_model
 from gptpar.models import architecture
 from gptpar.parallel.grid import launched_config
@@ -219,10 +219,10 @@ def test_expert_parallelism_takes_its_data_parallel_size_from_the_jobs_shape(tmp
     it; where nothing fills it, the one replica cannot hold two expert ranks, in one line before anything is
     written."""
     cfg = load_config(None, ["model.preset=qwen2-moe-tiny", "parallel.ep=2", "launch.gpus=4"])
-    point = plan_run(cfg, "dp", tmp_path, "ep", write=False)
+    point = prepare_run(cfg, "dp", tmp_path, "ep", write=False)
     assert (point.cfg.parallel.dp, point.cfg.parallel.ep) == (4, 2)
     assert launched_config(cfg, 4).parallel.dp == 4
-    for refused in (lambda: plan_run(cfg, None, tmp_path, "ep"), lambda: launched_config(cfg, 1)):
+    for refused in (lambda: prepare_run(cfg, None, tmp_path, "ep"), lambda: launched_config(cfg, 1)):
         with pytest.raises(ConfigError, match=r"^parallel.ep=2 must divide parallel.dp=1 \(expert parallelism"):
             refused()
     assert not (tmp_path / "ep").exists()

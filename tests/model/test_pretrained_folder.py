@@ -35,7 +35,7 @@ from gptpar.data.pair_files import SAMPLES, read_pairs
 from gptpar.data.pairs import IGNORE, load_pairs
 from gptpar.data.tokenizer import pretrained_tokenizer
 from gptpar.errors import GptparError
-from gptpar.launch.plan import plan_run
+from gptpar.launch.prepare import prepare_run
 from gptpar.model import build_model
 from gptpar.presets import ModelShape
 
@@ -134,7 +134,7 @@ def test_submitting_makes_the_folder_absolute_for_the_ranks(folders: dict[str, P
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(folders["qwen2"].parent)
     cfg = load_config(None, ["model.init=pretrained:qwen2", *SFT, f"log.runs_dir={tmp_path}"])
-    planned = plan_run(cfg, write=False).cfg
+    planned = prepare_run(cfg, write=False).cfg
     assert planned.model.init == planned.data.tokenizer == f"pretrained:{folders['qwen2']}"
 
 

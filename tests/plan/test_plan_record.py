@@ -16,9 +16,10 @@ from analysis.report import analyse_runs
 from analysis.summary import markdown
 from gptpar.config import load_config
 from gptpar.errors import GptparError
-from gptpar.launch.plan import plan_run
+from gptpar.launch.prepare import prepare_run
 from gptpar.plan.commands import predict_config
-from gptpar.plan.record import PLAN_FILE, read_plan
+from gptpar.run.folder import PLAN_FILE
+from gptpar.run.plan_file import read_plan
 
 WORDS = ["model.preset=gpt2-tiny", "data.source=synthetic", "data.vocab_size=4096", "data.seq_len=64",
          "train.precision=fp32", "parallel.dp=2", "parallel.dp_sync=zero2", "launch.profile=local"]
@@ -34,7 +35,7 @@ def test_a_planned_run_folder_holds_the_prediction_of_its_config(calib: Path, tm
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, [*WORDS, "report.plan_calibration=calib.json", f"log.runs_dir={tmp_path / 'runs'}",
                              "log.run_id=planned"])
-    point = plan_run(cfg)
+    point = prepare_run(cfg)
     plan = read_plan(point.folder.path)
     _, _, expected = predict_config(cfg, str(calib))
     assert plan is not None and plan["step_time_s"] == expected.step_time_s > 0
@@ -44,7 +45,7 @@ def test_a_planned_run_folder_holds_the_prediction_of_its_config(calib: Path, tm
 
 
 def test_an_unplanned_run_has_no_plan(tmp_path: Path) -> None:
-    point = plan_run(load_config(None, [*WORDS, f"log.runs_dir={tmp_path}", "log.run_id=plain"]))
+    point = prepare_run(load_config(None, [*WORDS, f"log.runs_dir={tmp_path}", "log.run_id=plain"]))
     assert not (point.folder.path / PLAN_FILE).exists() and read_plan(point.folder.path) is None
 
 
@@ -61,7 +62,7 @@ def test_a_calibration_that_does_not_fit_stops_the_submission_naming_the_key(
     cfg = load_config(None, [*WORDS, f"report.plan_calibration={setting}", f"log.runs_dir={tmp_path}",
                              "log.run_id=bad"])
     with pytest.raises(GptparError, match="report.plan_calibration") as err:
-        plan_run(cfg)
+        prepare_run(cfg)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 

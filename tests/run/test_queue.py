@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 from logsets import Rank, config
 
-from gptpar.launch.status import render_status, row_of
+from gptpar.launch.status import render_status
 from gptpar.launch.sweep import submit_sweep
 from gptpar.run.folder import RunFolder
 from gptpar.run.queue import queued, starting
+from gptpar.run.rows import row_of
 from gptpar.run.state import read_run
 
 

@@ -43,6 +43,7 @@ OTHER_DICTS = {
     # a step's expert load, a collective kind of its comm_s
     "analysis/aggregate.py": GRID | MEMORY_PARTS | set(MOE_LOAD_KEYS) | {"all_to_all"},
     "analysis/figures.py": MEMORY_PARTS | {"F", "B", "W"},  # a timeline's action kinds
+    "analysis/grouping.py": {"total"},  # a run's bytes sent per step, all collectives (analysis.aggregate)
     "analysis/report.py": {"fork"},  # a multiprocessing start method
     # a trace's per-rank totals; a plan.json's prediction (gptpar.plan.record): its memory's state and hpZ copy, layout
     "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s", "memory", "state", "hpz", "layout"},

@@ -24,7 +24,7 @@ from gptpar.config import load_config
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.local import LocalBackend
-from gptpar.launch.plan import plan_run, rank_command
+from gptpar.launch.prepare import prepare_run, rank_command
 from gptpar.launch.profiles import resolve
 from gptpar.launch.render import render_script
 from gptpar.run.folder import RunFolder, handed_fds, run_folder
@@ -67,11 +67,11 @@ def test_derived_ids_are_short_numbers_that_never_collide_and_follow_the_slurm_j
 
 def test_a_submitted_run_is_named_after_its_kind_unless_log_name_is_set(tmp_path: Path) -> None:
     cfg = load_config(None, ["data.tokenizer=bytes"])
-    assert plan_run(cfg, "dp", tmp_path, write=False).folder.name == "dp.1"
-    assert plan_run(cfg, "pp", tmp_path).folder.name == "pp.1" and (tmp_path / "pp.1" / "config.yaml").is_file()
-    assert plan_run(cfg, "pp", tmp_path).folder.name == "pp.2"
+    assert prepare_run(cfg, "dp", tmp_path, write=False).folder.name == "dp.1"
+    assert prepare_run(cfg, "pp", tmp_path).folder.name == "pp.1" and (tmp_path / "pp.1" / "config.yaml").is_file()
+    assert prepare_run(cfg, "pp", tmp_path).folder.name == "pp.2"
     named = load_config(None, ["data.tokenizer=bytes", "log.name=lr-test"])
-    assert plan_run(named, "dp", tmp_path).folder.name == "lr-test.1"
+    assert prepare_run(named, "dp", tmp_path).folder.name == "lr-test.1"
 
 
 def test_slugs_are_unique_per_text_and_safe() -> None:
@@ -86,37 +86,37 @@ def test_slugs_are_unique_per_text_and_safe() -> None:
 
 def test_config_yaml_is_written_once_and_a_different_config_is_refused(tmp_path: Path) -> None:
     cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"])
-    point = plan_run(cfg)
+    point = prepare_run(cfg)
     text = point.folder.config_path.read_text()
-    assert plan_run(cfg).folder == point.folder and point.folder.config_path.read_text() == text
+    assert prepare_run(cfg).folder == point.folder and point.folder.config_path.read_text() == text
     changed = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes", "train.lr=0.1"])
     with pytest.raises(GptparError, match=r"holds a different config \(train.lr: 0.0006 -> 0.1\)"):
-        plan_run(changed)
+        prepare_run(changed)
     assert point.folder.config_path.read_text() == text
 
 
 def test_a_folder_written_before_a_key_existed_holds_the_same_config_at_that_keys_default(tmp_path: Path) -> None:
     """A requeue or a re-run sweep after an upgrade that added a config key is not refused; a new value is."""
     cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"])
-    folder = plan_run(cfg).folder
+    folder = prepare_run(cfg).folder
     older = yaml.safe_load(folder.config_path.read_text())
     del older["launch"]["repeat"], older["train"]["dump_grads"]
     folder.config_path.write_text(yaml.safe_dump(older))
-    assert plan_run(cfg).folder == folder
+    assert prepare_run(cfg).folder == folder
     with pytest.raises(GptparError, match=r"holds a different config \(launch.repeat: 0 -> 1\)"):
-        plan_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes",
+        prepare_run(load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes",
                                     "launch.repeat=1"]))
 
 
 @pytest.mark.slow
 def test_a_live_folder_is_refused_naming_its_holder(tmp_path: Path) -> None:
     cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=live", "data.tokenizer=bytes"])
-    folder = plan_run(cfg).folder
+    folder = prepare_run(cfg).folder
     with folder.hold("777"):
         holder = folder.holder()
         assert holder["pid"] == os.getpid() and holder["job_id"] == "777"
         with pytest.raises(GptparError, match=r"in use by host .* pid \d+ job 777"):
-            plan_run(cfg)
+            prepare_run(cfg)
         # Another process (a second `gptpar train` into the same folder) is refused too.
         code = ("from pathlib import Path\nfrom gptpar.run.folder import RunFolder\n"
                 f"with RunFolder(Path({str(folder.path)!r})).hold(): pass")
@@ -131,7 +131,7 @@ def test_a_rank_process_takes_over_the_lock_its_launcher_handed_down(tmp_path: P
     the inherited descriptor (launch/local.py passes it), so there is no moment when the run is not held."""
     cfg = load_config(None, [f"log.runs_dir={tmp_path}", "log.run_id=r", "data.tokenizer=bytes"])
     with contextlib.ExitStack() as launcher:
-        folder = plan_run(cfg, stack=launcher).folder
+        folder = prepare_run(cfg, stack=launcher).folder
         code = ("from pathlib import Path\nfrom gptpar.run.folder import RunFolder\n"
                 f"with RunFolder(Path({str(folder.path)!r})).hold('5', adopt=True): print('held')")
         rank = subprocess.run([sys.executable, "-c", code], pass_fds=handed_fds(), capture_output=True, text=True,
@@ -205,7 +205,7 @@ def _recording_venv(tmp_path: Path) -> tuple[Path, Path]:
 def test_the_local_backend_runs_the_command_of_the_slurm_script(tmp_path: Path) -> None:
     venv, records = _recording_venv(tmp_path)
     cfg = load_config(None, [f"launch.venv={venv}", "launch.gpus=2", "data.tokenizer=bytes", "train.batch_size=8"])
-    point = plan_run(cfg, "dp", tmp_path / "runs", "same")
+    point = prepare_run(cfg, "dp", tmp_path / "runs", "same")
     spec = resolve(point.cfg, "dp")
     script = render_script([point], spec, "same", point.folder.job_dir)
     srun = re.search(r"^srun .*\\\n\s+(.*)$", script, flags=re.M).group(1)
@@ -350,8 +350,8 @@ def test_the_planned_config_names_files_absolutely_for_ranks_that_run_elsewhere(
     (tmp_path / "home" / "b.txt").write_text("world")  # the submit side reads both, as the ranks will
     cfg = load_config(None, ["data.source=text:a.txt, ~/b.txt", "data.dir=cache", "train.dump_grads=grads",
                              "data.tokenizer=bytes", "log.run_id=r"])
-    planned = plan_run(cfg, "dp").cfg
+    planned = prepare_run(cfg, "dp").cfg
     assert planned.data.source == f"text:{tmp_path}/a.txt,{Path.home()}/b.txt"
     assert (planned.data.dir, planned.train.dump_grads) == (f"{tmp_path}/cache", f"{tmp_path}/grads")
-    assert plan_run(load_config(None, ["data.source=stdlib", "data.tokenizer=bytes", "log.run_id=s"]),
+    assert prepare_run(load_config(None, ["data.source=stdlib", "data.tokenizer=bytes", "log.run_id=s"]),
                     "dp").cfg.data.source == "stdlib"

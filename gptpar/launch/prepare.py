@@ -3,7 +3,7 @@ rank grid, absolute file paths and the tokenizer; the run is named and its confi
 gptpar.run.start.
 
 `gptpar submit`, `gptpar sweep` and a `gptpar train` that starts its own ranks (or trains in this process)
-all come through `plan_run`; the ranks then only check it against what the launcher started
+all come through `prepare_run`; the ranks then only check it against what the launcher started
 (gptpar.parallel.grid.launched_config) and claim its folder (gptpar.run.claim).
 """
 
@@ -14,16 +14,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from gptpar.config import Config, ConfigError, LogConfig, check_expert_grid, data_config, updated
+from gptpar.cluster.shape import shaped
+from gptpar.config import Config, LogConfig, check_expert_grid, data_config, updated
 from gptpar.data.tokenizer import resolve_tokenizer_choice
-from gptpar.errors import GptparError
-from gptpar.parallel.grid import grid_sizes, ranks_per_replica, world_size
 from gptpar.plan.record import SHIPPED, write_plan
 from gptpar.pretrained import PREFIX, folder_of
 from gptpar.run.folder import RunFolder
 from gptpar.run.start import START_OVER, JobState, named_run, write_folder
 
-KINDS = ("dp", "pp")
 FILE_SOURCES = ("text", "jsonl", "tsv")  # data.source kinds that name local files
 
 
@@ -35,63 +33,6 @@ class Point:
     cfg: Config
     folder: RunFolder
     label: str = ""
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What a job asks the scheduler for: one task per rank, and the GPUs those tasks use."""
-
-    nodes: int
-    tasks_per_node: int
-    gpus_per_node: int
-
-
-def shaped(cfg: Config, kind: str, dp_set: bool | None = None) -> Config:
-    """The config a job kind implies: `dp` fills every requested GPU with a replica (launch.gpus x
-    launch.nodes ranks over the grid's other dimensions); `pp` is the one-process pipeline, or with
-    parallel.pp > 1 the multi-process one, shaped like `dp` (replicas of parallel.pp stage ranks).
-
-    A parallel.dp the user set (`dp_set`; by default: any value but 1) that the job's shape would
-    change is refused rather than silently replaced."""
-    if kind not in KINDS:
-        raise GptparError(f"job kind {kind!r}: choose one of {', '.join(KINDS)}")
-    dp_set = cfg.parallel.dp != 1 if dp_set is None else dp_set
-    if kind == "pp" and cfg.parallel.pp == 1:
-        if dp_set and cfg.parallel.dp != 1:
-            raise ConfigError(f"parallel.dp={cfg.parallel.dp} is set, but kind pp runs one process (parallel.dp=1); "
-                              "drop parallel.dp, or use kind dp")
-        mode = cfg.parallel.pp_mode if cfg.parallel.pp_mode != "single" else "pipeline_parallel"
-        return updated(cfg, {"parallel.dp": 1, "parallel.pp_mode": mode})
-    ranks = max(cfg.launch.gpus, 1) * cfg.launch.nodes
-    others = ranks_per_replica(cfg)
-    if ranks % others:
-        raise GptparError(f"launch.gpus x launch.nodes = {ranks} GPUs do not divide into the grid's other "
-                          f"dimensions ({others} ranks per replica)")
-    if dp_set and cfg.parallel.dp != ranks // others:
-        raise ConfigError(f"parallel.dp={cfg.parallel.dp} is set, but kind dp sets it from the job's shape "
-                          f"(launch.gpus x launch.nodes = {ranks} GPUs: parallel.dp={ranks // others}); drop "
-                          "parallel.dp, or set launch.gpus / launch.nodes instead")
-    return updated(cfg, {"parallel.dp": ranks // others})
-
-
-def job_shape(cfg: Config) -> Shape:
-    """Tasks = ranks of the grid (one per GPU), spread evenly over the nodes; a tensor-parallel group
-    stays inside a node. A one-process pipeline is one task driving every GPU of its node."""
-    launch = cfg.launch
-    if cfg.parallel.pp_mode != "single":
-        if launch.nodes != 1:
-            raise GptparError(f"launch.nodes={launch.nodes}: a one-process pipeline (parallel.pp_mode="
-                              f"{cfg.parallel.pp_mode}) runs on one node")
-        return Shape(1, 1, launch.gpus)
-    ranks = world_size(cfg)
-    if ranks % launch.nodes:
-        raise GptparError(f"the grid's {ranks} ranks do not spread evenly over launch.nodes={launch.nodes}")
-    per_node = ranks // launch.nodes
-    tp = grid_sizes(cfg)["tp"]
-    if per_node % tp:
-        raise GptparError(f"{per_node} ranks per node cannot hold whole tensor-parallel groups of {tp}")
-    gpus = launch.gpus if launch.gpus == 0 else per_node
-    return Shape(launch.nodes, per_node, gpus)
 
 
 def _absolute(path: str) -> str:
@@ -113,7 +54,7 @@ def absolute_paths(cfg: Config) -> dict[str, str]:
     return paths
 
 
-def plan_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None = None, run_id: str = "",
+def prepare_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None = None, run_id: str = "",
              write: bool = True, start_over: bool = False, job_state: JobState | None = None,
              stack: contextlib.ExitStack | None = None) -> Point:
     """Resolve the submit side: job kind, absolute runs folder, run id (explicit, or derived once
