@@ -49,7 +49,8 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from gptpar.config import Config, ParallelConfig, load_config
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.pipeline.engine.executor import PipelineEngine

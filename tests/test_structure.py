@@ -24,8 +24,7 @@ LAYERS = [
     {"pretrained", "snapshot", "flops"},
     {"strategies"},  # torch-free tables of each parallelism: what the config and the planner read
     {"config"},  # schema, load, validate
-    {"models", "data"},  # one file per architecture; tokenizers and corpora
-    {"model"},  # a model built from the config (preset, pretrained weights)
+    {"models", "data"},  # the model home (architectures, the build from a config, the loss); tokenizers, corpora
     {"parallel"},  # everything about ranks
     {"run"},  # the only code that knows a run folder
     {"train"},  # the trainer and its components: the top of the rank side

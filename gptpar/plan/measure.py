@@ -31,8 +31,8 @@ from torch import nn
 from gptpar.atomic import atomic_write_text
 from gptpar.clock import DeviceClock
 from gptpar.config import Config, ModelConfig, ParallelConfig, updated
-from gptpar.model import build_model
 from gptpar.models import architecture
+from gptpar.models.build import build_model
 from gptpar.parallel.comm import all_gather, reduce_scatter
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.process_group import RankInfo

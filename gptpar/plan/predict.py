@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gptpar.errors import GptparError
-from gptpar.flops import Shape, flops_per_token, peak_flops
+from gptpar.flops import FlopsShape, flops_per_token, peak_flops
 from gptpar.plan.calibration import RECOMPUTED, Calibration, tp_kind
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
@@ -442,7 +442,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     fullest = max(memory, key=lambda m: m["total"])
     tokens_per_s = lay.step_tokens / step
     peak = peak_flops(device, lay.precision)
-    flops = flops_per_token(Shape(lay.shape, lay.seq_len, lay.vocab))
+    flops = flops_per_token(FlopsShape(lay.shape, lay.seq_len, lay.vocab))
     mfu = flops * tokens_per_s / (lay.world * peak) if peak else None
     notes = approximations(lay)
     return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),

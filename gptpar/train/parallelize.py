@@ -23,8 +23,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from gptpar.config import Config
-from gptpar.model import initial_value, materialize
 from gptpar.models import architecture
+from gptpar.models.build import initial_value, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.dims import ParallelDims

@@ -20,8 +20,8 @@ from gloo_pool import GlooPools
 from rank_training import assert_trains_like_one_process, make_config, reference_run, save_cases, saved_ranks
 
 from gptpar.config import ConfigError, load_config
-from gptpar.model import build_model, materialize
 from gptpar.models import ARCHITECTURES, architecture
+from gptpar.models.build import build_model, materialize
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.presets import PRESETS
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from gptpar.config import Config, updated
 from gptpar.errors import GptparError
-from gptpar.model import lm_loss
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.pipeline.one_process.pipe import Pipe
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.logfile import RankLog, rank_log_path, read_rank_log

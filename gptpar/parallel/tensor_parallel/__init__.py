@@ -20,8 +20,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from gptpar.config import ParallelConfig
-from gptpar.model import lm_loss
 from gptpar.models import architecture
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.tensor_parallel.comm import gather_last_dim
 from gptpar.parallel.tensor_parallel.gpt2 import shard_gpt2
