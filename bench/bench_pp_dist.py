@@ -57,7 +57,7 @@ from gptpar.parallel.pipeline.engine.executor import PipelineEngine
 from gptpar.parallel.pipeline.engine.stages import pipeline_stages
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.strategies.schedules import closed_form_bubble, peak_activations, schedule, simulate
+from gptpar.strategies.pipeline import closed_form_bubble, peak_activations, schedule, simulate
 
 VOCAB = 256
 RANKS = 2
