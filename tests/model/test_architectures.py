@@ -76,7 +76,7 @@ def test_a_built_model_has_its_shapes_closed_form_parameter_count(preset: str) -
 
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
-def test_each_registry_row_loads_its_own_description_and_plans(row: ArchitectureRow) -> None:
+def test_each_registry_row_loads_its_own_description_and_sharding(row: ArchitectureRow) -> None:
     """The registry's "module:Object" strings name this architecture's code: a row pointing at another's description
     would build the wrong model under the right name."""
     described = architecture(row.name)
