@@ -52,7 +52,7 @@ from gptpar.run.records import EPOCH_SCORES
 from gptpar.run.state import RunLog, job_of, replica_indices
 from gptpar.run.sweeps import stale_runs
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES, closed_form_state_bytes, hpz_bytes
-from gptpar.strategies.schedules import Action, Timeline, closed_form_bubble
+from gptpar.strategies.pipeline import Action, Timeline, closed_form_bubble
 
 TOP_LEVEL = "top-level"  # the sweep of the runs that are not in a sweep folder
 GPU_KEYS = ("parallel.dp", "parallel.pp", "parallel.devices", "launch.gpus", "launch.nodes")

@@ -72,7 +72,7 @@ from analysis.grouping import (
 from analysis.scaling import repeat_points
 from gptpar.run.names import slug
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
-from gptpar.strategies.schedules import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
+from gptpar.strategies.pipeline import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
 
 CHUNKS = "parallel.chunks"
 JOB_RATE = "job tokens/s (all replicas' / slowest rank's time)"

@@ -2,7 +2,7 @@
 
 MFU divides model FLOPs, HFU hardware FLOPs (model FLOPs plus the forward of every block activation checkpointing
 recomputes), by the devices' dense peak. The FLOPs per token, their formula and the peaks are gptpar.flops' (the
-planner's too); `Shape`, `flops_per_token`, `hardware_flops_per_token` and `peak_flops` stay importable from here.
+planner's too); `FlopsShape`, `flops_per_token`, `hardware_flops_per_token` and `peak_flops` stay importable from here.
 
 An MFU against a guessed peak is worse than none, so an unknown device (a CPU included) gets an
 explicit "n/a" naming it unless the user gives its peak (`gptpar report --peak-flops`), and an MFU
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from gptpar.config import ConfigError, checkpoint_interval, checkpointed_indices
-from gptpar.flops import Shape, flops_per_token, hardware_flops_per_token, peak_flops
+from gptpar.flops import FlopsShape, flops_per_token, hardware_flops_per_token, peak_flops
 from gptpar.presets import PRESETS
 from gptpar.pretrained import folder_of, folder_shape
 
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
 
-def model_shape(params: dict[str, Any], vocab_size: int) -> Shape | None:
+def model_shape(params: dict[str, Any], vocab_size: int) -> FlopsShape | None:
     """The shape of a flattened resolved config (a pretrained folder's, else the preset with its overrides) and its
     vocabulary; None when the run's pretrained folder can no longer be read (no FLOPs rather than a guess)."""
     folder = folder_of(str(params.get("model.init", "random")))
@@ -36,7 +36,7 @@ def model_shape(params: dict[str, Any], vocab_size: int) -> Shape | None:
         except ConfigError:
             return None
     every = checkpoint_interval(str(params.get("train.activation_checkpointing", "none")))
-    return Shape(model, params.get("data.seq_len", 128), vocab_size,
+    return FlopsShape(model, params.get("data.seq_len", 128), vocab_size,
                  len(checkpointed_indices(model.n_layer, every)))
 
 
@@ -60,7 +60,7 @@ class Utilisation:
     note: str  # how it was computed, or why it is n/a or flagged
 
 
-def utilisation(tokens_per_s: float | None, devices: int, device: str, precision: str, shape: Shape | None,
+def utilisation(tokens_per_s: float | None, devices: int, device: str, precision: str, shape: FlopsShape | None,
                 user_peak: float | None = None) -> Utilisation:
     """MFU and HFU of a run; user_peak (FLOP/s per device) stands in for a device the table lacks."""
     peak, source = peak_flops(device, precision), "peak"

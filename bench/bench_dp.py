@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from gptpar.config import ModelConfig, ParallelConfig
-from gptpar.model import build_model, count_params, lm_loss
+from gptpar.models.build import build_model, count_params
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.data_parallel import GradSync, make_grad_sync
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import Config, ModelConfig, ParallelConfig, load_config
-from gptpar.model import model_config
+from gptpar.models.build import model_config
 from gptpar.parallel.data_parallel.fsdp2 import transformer_blocks
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from gptpar.plan.commands import predict_config
-from gptpar.plan.measure import Plan, calibrate
+from gptpar.plan.measure import Probes, calibrate
 from gptpar.run.logfile import read_rank_log
 from gptpar.user_defaults import resolve_config
 
@@ -53,7 +53,7 @@ LAYOUTS: dict[str, list[str]] = {
     "dp2 zero2 accum2 ckpt": [*DP, "parallel.dp_sync=zero2", "train.grad_accum=2",
                               "train.activation_checkpointing=block"],
 }
-BENCH_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (2, 64), (4, 64), (8, 64)),
+BENCH_PROBES = Probes(((128, 4), (256, 8)), ((1, 64), (2, 64), (4, 64), (8, 64)),
                   tuple(4 ** k * 1024 for k in range(1, 8)), (10**5, 10**6, 10**7), 4096, 21)
 
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         calib = args.calibration or str(Path(tmp) / "calibration.json")
         if not args.calibration:
-            calibrate(calib, threads=1, plan=BENCH_PLAN)
+            calibrate(calib, threads=1, probes=BENCH_PROBES)
             print(f"calibrated in {time.perf_counter() - started:.0f} s (load average {os.getloadavg()[0]:.1f} on "
                   f"{os.cpu_count()} cores)", flush=True)
         print(f"{'layout':<24}{'pred ms':>9}{'meas ms':>9}{'err':>8}{'fastest ms':>11}{'pred state MB':>15}"

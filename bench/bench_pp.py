@@ -34,8 +34,9 @@ from collections.abc import Callable
 import torch
 
 from gptpar.config import ModelConfig, ParallelConfig
-from gptpar.model import build_model, lm_loss
-from gptpar.pipeline import build_parallel_model
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
+from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 
 VOCAB = 256
 STAGES = 2

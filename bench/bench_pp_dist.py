@@ -49,14 +49,15 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 from gptpar.config import Config, ParallelConfig, load_config
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.pipeline.engine.executor import PipelineEngine
 from gptpar.parallel.pipeline.engine.stages import pipeline_stages
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
-from gptpar.strategies.schedules import closed_form_bubble, peak_activations, schedule, simulate
+from gptpar.strategies.pipeline import closed_form_bubble, peak_activations, schedule, simulate
 
 VOCAB = 256
 RANKS = 2

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from gptpar.config import Config, load_config
-from gptpar.model import lm_loss
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo

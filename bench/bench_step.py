@@ -4,7 +4,7 @@ Setup (and why):
 - One process on this machine's device (CUDA when visible, else the CPU with `--threads` torch threads), the same
   model shape, batch, sequence length and precision for every row, synthetic tokens of GPT-2's vocabulary.
 - Rows:
-  - `bare`: the GPT2LMHeadModel of gptpar.model.build_model (vocabulary unpadded), torch.optim.AdamW with torch's
+  - `bare`: the GPT2LMHeadModel of gptpar.models.build.build_model (vocabulary unpadded), torch.optim.AdamW with torch's
     defaults, clip_grad_norm_, nothing else;
   - `tuned`: the loop the fastest public PyTorch GPT-2 trainers write (nanoGPT, llm.c's train_gpt2.py): the
     vocabulary padded to a multiple of 64 (and trained, as they do), SDPA attention (transformers' sdpa path:
@@ -45,9 +45,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from analysis.mfu import Shape, utilisation
+from analysis.mfu import FlopsShape, utilisation
 from gptpar.config import Config, ModelConfig, load_config
-from gptpar.model import build_model, lm_loss, padded_vocab
+from gptpar.models.build import build_model, padded_vocab
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
@@ -338,7 +339,7 @@ def largest_batch(args: argparse.Namespace) -> int:
 
 
 def summarise(args: argparse.Namespace, batch: int, rows: list[Row]) -> list[dict[str, Any]]:
-    shape = Shape(PRESETS[args.preset], args.seq, args.vocab)
+    shape = FlopsShape(PRESETS[args.preset], args.seq, args.vocab)
     tokens = batch * args.seq
     out = []
     for row in rows:

@@ -69,7 +69,8 @@ from bench_fsdp import (  # noqa: E402
 )
 
 from gptpar.config import ModelConfig, ParallelConfig  # noqa: E402
-from gptpar.model import build_model, lm_loss  # noqa: E402
+from gptpar.models.build import build_model  # noqa: E402
+from gptpar.models.loss import lm_loss  # noqa: E402
 from gptpar.parallel.dims import ParallelDims  # noqa: E402
 from gptpar.parallel.process_group import RankInfo  # noqa: E402
 from gptpar.parallel.tensor_parallel import (  # noqa: E402

@@ -19,7 +19,7 @@ from gptpar.config import reference_markdown, shape_values, split_config_args, t
 from gptpar.errors import GptparError
 from gptpar.paths import check_path
 from gptpar.strategies.data_parallel import either
-from gptpar.strategies.schedules import SCHEDULES
+from gptpar.strategies.pipeline import SCHEDULES
 
 CONFIG_ARGS = "[CONFIG.yaml] [section.key=value ...]"
 
@@ -239,11 +239,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace) -> int:
-    from gptpar.strategies.schedules import (
+    from gptpar.strategies.pipeline import (
         closed_form_bubble,
-        make_plan,
         peak_activations,
         schedule,
+        schedule_shape,
         simulate,
         text_chart,
     )
@@ -254,7 +254,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
         out = check_path(args.out, "file", "--out", "name a file to write", must_exist=False)
         check_format(out.suffix.lstrip(".").lower(), f"--out {args.out!r} (by its suffix)")
     ranks = schedule(args.name, args.pp, args.chunks, args.virtual)
-    split = make_plan(args.name, args.pp, args.chunks, args.virtual).split_backward
+    split = schedule_shape(args.name, args.pp, args.chunks, args.virtual).split_backward
     timeline = simulate(ranks, args.cost_f, args.cost_b, args.cost_w, split_backward=split)
     print(f"{args.name}: P={args.pp} ranks, m={args.chunks} micro-batches, V={args.virtual} stage(s) per rank; "
           f"costs F={args.cost_f:g} B={args.cost_b:g} W={args.cost_w:g} (a whole backward is B+W)")

@@ -22,7 +22,7 @@ from gptpar.presets import ModelShape
 
 
 @dataclass(frozen=True)
-class Shape:
+class FlopsShape:
     """What the FLOPs of one trained token depend on."""
 
     model: ModelShape
@@ -31,7 +31,7 @@ class Shape:
     recomputed_blocks: int = 0  # blocks whose forward activation checkpointing runs twice
 
 
-def flops_per_token(shape: Shape) -> float:
+def flops_per_token(shape: FlopsShape) -> float:
     """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T (module docstring)."""
     m = shape.model
     n_params = m.n_layer * m.active_block_parameters() + m.norm_parameters()
@@ -39,7 +39,7 @@ def flops_per_token(shape: Shape) -> float:
     return 6.0 * n_params + 6.0 * shape.vocab_size * m.n_embd + attention
 
 
-def hardware_flops_per_token(shape: Shape) -> float:
+def hardware_flops_per_token(shape: FlopsShape) -> float:
     """Model FLOPs plus one more forward of every recomputed block (2 FLOPs per weight, 4·H·Q·T attention)."""
     m = shape.model
     recompute_forward = 2.0 * m.active_block_parameters() + 4.0 * m.n_head * m.head_dim * shape.seq_len

@@ -6,38 +6,14 @@ biases, a tied head) and the Llama family (rotary positions, RMSNorm, grouped-qu
 `llama` (no biases) and `qwen2` (biases on q, k and v), and its mixtures of experts, whose MLP is E experts of which
 a router picks the top k per token: `mixtral` (Llama's attention) and `qwen2_moe` (Qwen2's, and a shared expert every
 token goes through, gated). What differs between them that the FLOPs, the parameter counts and the tensor-parallel
-checks need is in `ARCH_TRAITS`; the rest is in gptpar/models.
+checks need is in the registry's traits (gptpar/architectures.py); the rest is in gptpar/models.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-ARCHS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe")
-MOE_ARCHS = ("mixtral", "qwen2_moe")
-
-
-@dataclass(frozen=True)
-class ArchTraits:
-    """What a torch-free reader needs to know of an architecture."""
-
-    learned_positions: bool  # a position table (gpt2) rather than rotary embeddings
-    norm_biases: bool  # LayerNorm with a bias (gpt2) rather than RMSNorm (weight only)
-    gated_mlp: bool  # gate and up projections, then down (Llama) rather than fc and proj (gpt2)
-    qkv_bias: bool
-    out_bias: bool  # on the attention's output projection
-    mlp_bias: bool
-
-
-ARCH_TRAITS = {
-    "gpt2": ArchTraits(learned_positions=True, norm_biases=True, gated_mlp=False, qkv_bias=True, out_bias=True,
-                         mlp_bias=True),
-    "llama": ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=True, qkv_bias=False, out_bias=False,
-                          mlp_bias=False),
-    "qwen2": ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=True, qkv_bias=True, out_bias=False,
-                          mlp_bias=False),
-}
-ARCH_TRAITS |= {"mixtral": ARCH_TRAITS["llama"], "qwen2_moe": ARCH_TRAITS["qwen2"]}
+from gptpar.architectures import ARCHITECTURES, MOE_ARCHS, ArchTraits
 
 
 @dataclass(frozen=True)
@@ -73,7 +49,7 @@ class ModelShape:
 
     @property
     def traits(self) -> ArchTraits:
-        return ARCH_TRAITS[self.arch]
+        return ARCHITECTURES[self.arch].traits
 
     @property
     def moe(self) -> bool:

@@ -14,8 +14,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from gptpar.architectures import ARCHS
 from gptpar.errors import ConfigError
-from gptpar.presets import ARCHS, ModelShape
+from gptpar.presets import ModelShape
 
 PREFIX = "pretrained:"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",

@@ -7,7 +7,7 @@ from typing import Any
 
 from gptpar.config import Config
 from gptpar.run.logfile import RankLogger
-from gptpar.strategies.schedules import COMPUTE, schedule, simulate
+from gptpar.strategies.pipeline import COMPUTE, schedule, simulate
 
 T0 = 1_700_000_000.0  # the clock of every synthetic record; tests pass `now` relative to it
 

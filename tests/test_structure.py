@@ -19,13 +19,12 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("gptpar", "analysis", "bench")
 LAYERS = [
     # the floor: no parallelism, no config; what every layer may use, itself in three steps
-    {"gptpar", "errors", "clock", "markdown", "tensor_bytes", "hardware", "hub"},
+    {"gptpar", "errors", "clock", "markdown", "tensor_bytes", "hardware", "hub", "architectures"},
     {"atomic", "paths", "presets"},
     {"pretrained", "snapshot", "flops"},
     {"strategies"},  # torch-free tables of each parallelism: what the config and the planner read
     {"config"},  # schema, load, validate
-    {"models", "data"},  # one file per architecture; tokenizers and corpora
-    {"model"},  # a model built from the config (preset, pretrained weights)
+    {"models", "data"},  # the model home (architectures, the build from a config, the loss); tokenizers, corpora
     {"parallel"},  # everything about ranks
     {"run"},  # the only code that knows a run folder
     {"train"},  # the trainer and its components: the top of the rank side
@@ -40,8 +39,10 @@ LAYERS = [
     {"bench"},  # benchmarks drive any of it
 ]
 LAYER = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
-# A table that names code by "module:Class" string is not the one that imports it: the loader is.
-LOADERS = {"gptpar.strategies.data_parallel": "gptpar.parallel.data_parallel"}
+# A table that names code by "module:Class" string is not the one that imports it: the loader is, the one of its
+# loaders whose package holds the named module (a name under none of them counts as the table's own import).
+LOADERS = {"gptpar.strategies.data_parallel": ("gptpar.parallel.data_parallel",),
+           "gptpar.architectures": ("gptpar.models", "gptpar.parallel.tensor_parallel")}
 
 # Nothing is left to excuse: every import points down its layers and none closes a circle.
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -101,6 +102,11 @@ def named_classes(path: Path) -> Iterator[str]:
                 yield name
 
 
+def loader_of(table: str, named: str) -> str:
+    """The module that loads `named`, a module a "module:Class" string of `table` names."""
+    return next((loader for loader in LOADERS.get(table, ()) if f"{named}.".startswith(f"{loader}.")), table)
+
+
 def import_graph(extra: dict[str, set[str]] | None = None) -> dict[str, set[str]]:
     """module -> the modules of this repository it imports (an imported name that is no module counts as its
     package's import); `extra` adds edges (a planted import)."""
@@ -114,8 +120,10 @@ def import_graph(extra: dict[str, set[str]] | None = None) -> dict[str, set[str]
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for module, path in mods.items():
         graph[module] |= {r for r in map(resolve, imported_names(module, path)) if r and r != module}
-        loader = LOADERS.get(module, module)
-        graph[loader] |= {r for r in map(resolve, named_classes(path)) if r and r != loader}
+        for named in filter(None, map(resolve, named_classes(path))):
+            loader = loader_of(module, named)
+            if named != loader:
+                graph[loader].add(named)
     for module, targets in (extra or {}).items():
         graph[module] |= targets
     return graph
@@ -164,7 +172,7 @@ def test_every_unit_has_a_layer() -> None:
 
 
 def test_a_loader_of_named_classes_imports_by_name() -> None:
-    for loader in LOADERS.values():
+    for loader in (loader for loaders in LOADERS.values() for loader in loaders):
         calls = [n for n in ast.walk(parsed(modules()[loader]))
                  if isinstance(n, ast.Call) and _is_import_module(n.func)]
         assert calls, f"{loader} is said to load the table's classes but never calls import_module"

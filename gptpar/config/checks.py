@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from gptpar.architectures import MOE_ARCHS
 from gptpar.config.parallel_checks import PARALLEL_CHECKS
 from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from gptpar.errors import ConfigError
-from gptpar.presets import MOE_ARCHS, PRESETS
+from gptpar.presets import PRESETS
 from gptpar.pretrained import PREFIX, check_named, check_tokenizer, check_weights, folder_config, folder_of
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 

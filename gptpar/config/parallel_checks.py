@@ -8,8 +8,7 @@ from __future__ import annotations
 from gptpar.config.schema import Config
 from gptpar.errors import ConfigError, GptparError
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either, hpz_node_size
-from gptpar.strategies.pipeline import pp_split_counts
-from gptpar.strategies.schedules import make_plan
+from gptpar.strategies.pipeline import pp_split_counts, schedule_shape
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
 
@@ -54,7 +53,7 @@ def check_pipeline(cfg: Config) -> None:
                           f"{p.chunks} micro-batches; use a train.batch_size that is a multiple of "
                           f"{p.dp * t.grad_accum * p.chunks}")
     try:
-        make_plan(p.pp_schedule, p.pp, p.chunks, p.pp_virtual)
+        schedule_shape(p.pp_schedule, p.pp, p.chunks, p.pp_virtual)
     except GptparError as exc:
         raise ConfigError(str(exc)) from None
     counts = pp_split_counts(p.pp_split, p.pp * p.pp_virtual)

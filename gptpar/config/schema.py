@@ -9,10 +9,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptpar.presets import ARCHS, PRESETS, ModelShape
+from gptpar.architectures import ARCHS
+from gptpar.presets import PRESETS, ModelShape
 from gptpar.pretrained import folder_of, folder_shape
 from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, PARAM_COMMS, either, strategies_where
-from gptpar.strategies.schedules import SCHEDULES
+from gptpar.strategies.pipeline import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16", "tf32")
@@ -217,7 +218,7 @@ class ParallelConfig:
     pp: int = opt(1, "Pipeline stages, each its own rank (the multi-process engine); the job has "
                   "dp * pp ranks. 1 keeps the one-process modes of parallel.pp_mode.", min=1, max=4096)
     pp_schedule: str = opt("1f1b", "Schedule of the multi-process pipeline (parallel.pp > 1).",
-                           choices=SCHEDULES)  # the table in gptpar/strategies/schedules.py
+                           choices=SCHEDULES)  # the table in gptpar/strategies/pipeline.py
     pp_virtual: int = opt(1, "Model chunks per pipeline rank (interleaved_1f1b needs >= 2).", min=1,
                           max=256)
     pp_split: str = opt("", "Blocks per pipeline stage, e.g. 3,3,2 (pp * pp_virtual numbers); empty "

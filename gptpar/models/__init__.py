@@ -1,20 +1,21 @@
 """Each architecture described once (torchtitan's models/<name>/): how to build it, where its embedding, blocks, final
 norm and head are, how each parameter starts and the pieces a pipeline cuts it into. The parallel code and the
-trainer read an `Architecture` and never name one (tensor parallelism keeps one plan per family, chosen by its
-name); adding a decoder of the same shape is a table entry in llama.py, a new family one file.
+trainer read an `Architecture` and never name one. Which architectures there are, and which description serves each,
+is the registry's (gptpar/architectures.py): a decoder of an existing family is a row there and a description beside
+its family's (llama.py), a new family a row and one file here.
 
+The model home: build.py makes the model of a config (random or pretrained weights), loss.py its training loss.
 `architecture(model_or_config)` finds the description from transformers' `config.model_type`.
 """
 
 from __future__ import annotations
 
+import functools
+from importlib import import_module
+
+from gptpar.architectures import ARCHITECTURES
 from gptpar.errors import GptparError
 from gptpar.models.base import Architecture, find_model, packed_attention
-from gptpar.models.gpt2 import GPT2
-from gptpar.models.llama import LLAMA, QWEN2
-from gptpar.models.moe import MIXTRAL, QWEN2_MOE
-
-ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (GPT2, LLAMA, QWEN2, MIXTRAL, QWEN2_MOE)}
 
 
 def architecture(of: object) -> Architecture:
@@ -22,8 +23,15 @@ def architecture(of: object) -> Architecture:
     name = of if isinstance(of, str) else getattr(getattr(of, "config", of), "model_type", None)
     if name not in ARCHITECTURES:
         raise GptparError(f"gptpar has no description of the architecture {name!r}; it knows "
-                          f"{', '.join(ARCHITECTURES)} (gptpar/models)")
-    return ARCHITECTURES[name]
+                          f"{', '.join(ARCHITECTURES)} (gptpar/architectures.py)")
+    return _described(name)
 
 
-__all__ = ["ARCHITECTURES", "Architecture", "architecture", "find_model", "packed_attention"]
+@functools.cache
+def _described(name: str) -> Architecture:
+    """The registry's description of `name`, loaded by its "module:Object" string."""
+    module, _, obj = ARCHITECTURES[name].description.partition(":")
+    return getattr(import_module(module), obj)
+
+
+__all__ = ["Architecture", "architecture", "find_model", "packed_attention"]

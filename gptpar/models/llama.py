@@ -1,7 +1,8 @@
 """The Llama family (transformers' LlamaForCausalLM, Qwen2ForCausalLM): rotary positions, RMSNorm, grouped-query
 attention (q_proj over n_head heads, k_proj and v_proj over n_kv_head), a gated SiLU MLP (gate_proj, up_proj,
 down_proj), the head tied or not. Llama has no biases; Qwen2 has them on q, k and v. Another decoder of this
-shape (Mistral without its sliding window, for one) is one more `LlamaFamily` entry.
+shape (Mistral without its sliding window, for one) is one more `LlamaFamily` entry here and its row in the
+registry (gptpar/architectures.py).
 
 Every parameter starts as the family's `_init_weights` draws it: N(0, initializer_range) for linear and embedding
 weights, zeros for biases, ones for the norms. The rotary tables are buffers computed from the config, re-made

@@ -1,6 +1,7 @@
 """Where a rank's model runs when nothing cuts it (parallel.pp = 1, parallel.tp = 1, parallel.pp_mode=single): the
-plain path, whole on one device, with no one-process pipeline (gptpar.pipeline) around it. `parallel.devices` is
-resolved here for every layout that reads it, so a listed GPU that is not there fails the same way in each."""
+plain path, whole on one device, with no one-process pipeline (gptpar.parallel.pipeline.one_process) around it.
+`parallel.devices` is resolved here for every layout that reads it, so a listed GPU that is not there fails the same
+way in each."""
 
 from __future__ import annotations
 

@@ -31,8 +31,8 @@ from torch import nn
 from gptpar.atomic import atomic_write_text
 from gptpar.clock import DeviceClock
 from gptpar.config import Config, ModelConfig, ParallelConfig, updated
-from gptpar.model import build_model
 from gptpar.models import architecture
+from gptpar.models.build import build_model
 from gptpar.parallel.comm import all_gather, reduce_scatter
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.process_group import RankInfo
@@ -47,7 +47,7 @@ from gptpar.train.recompute import checkpoint_blocks, whole_logits_loss
 
 
 @dataclass(frozen=True)
-class Plan:
+class Probes:
     """What to measure: (width, heads) shapes, micro-batch shapes as (sequences, seq_len), collective sizes."""
 
     widths: tuple[tuple[int, int], ...]
@@ -59,12 +59,12 @@ class Plan:
     comm_iters: int = 50  # most calls of a collective timed per size (about 200 MB moved, at least 3)
 
 
-CPU_PLAN = Plan(((128, 4), (256, 8), (512, 8), (768, 12)), ((1, 64), (4, 64), (2, 256)),
+CPU_PROBES = Probes(((128, 4), (256, 8), (512, 8), (768, 12)), ((1, 64), (4, 64), (2, 256)),
                 tuple(4 ** k * 1024 for k in range(0, 7)), (10**5, 10**6, 10**7), 4096, 5)
-GPU_PLAN = Plan(((768, 12), (1600, 25), (2048, 16)), ((1, 1024), (4, 1024), (8, 1024)),
+GPU_PROBES = Probes(((768, 12), (1600, 25), (2048, 16)), ((1, 1024), (4, 1024), (8, 1024)),
                 tuple(4 ** k * 65536 for k in range(0, 7)), (10**6, 10**7, 10**8), 50304, 10)
 TENSORS = 48  # tensors the optimizer's parameters come in: a few blocks' worth (GPT-2 has 12 a block)
-QUICK_PLAN = Plan(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 1048576), (10**5, 10**6), 4096, 3)
+QUICK_PROBES = Probes(((128, 4), (256, 8)), ((1, 64), (4, 64)), (4096, 65536, 1048576), (10**5, 10**6), 4096, 3)
 
 
 def _timer(device: torch.device, repeats: int, synced: bool = False,
@@ -275,7 +275,7 @@ def _progress(rank: int) -> Callable[[str], None]:
     return say
 
 
-def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int, out: Path) -> None:
+def measure_rank(info: RankInfo | None, probes: Probes, precision: str, threads: int, out: Path) -> None:
     """One rank's measurements; rank 0 writes them to `out` as JSON."""
     if threads:
         torch.set_num_threads(threads)
@@ -296,33 +296,33 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     def all_compute(ranks: str) -> dict[str, list[list[float]]]:
         compute: dict[str, list[list[float]]] = {}
         saved.clear()
-        for width, heads in plan.widths:
+        for width, heads in probes.widths:
             shape = ModelShape("gpt2", 1, width, heads, 1024)
-            for batch in plan.batches:
+            for batch in probes.batches:
                 say(f"a block of width {width}, micro-batch {batch[0]}x{batch[1]}, {ranks}")
-                points = _block_points(shape, width, heads, batch, plan.vocab, device, amp, plan.repeats)
+                points = _block_points(shape, width, heads, batch, probes.vocab, device, amp, probes.repeats)
                 per_token_width, saved_bytes = points.pop("saved")
                 saved.append(saved_bytes / per_token_width)
                 for kind, (flops, seconds) in points.items():
                     compute.setdefault(kind, []).append([flops, seconds])
         say(f"the optimizer step, {ranks}")
-        compute["optimizer"] = [list(_optimizer_point(n, device, plan.repeats)) for n in plan.optimizer_params]
+        compute["optimizer"] = [list(_optimizer_point(n, device, probes.repeats)) for n in probes.optimizer_params]
         if solo is not None:
-            compute["optimizer_grouped"] = [list(_optimizer_point(n, device, plan.repeats, [solo]))
-                                            for n in plan.optimizer_params]
+            compute["optimizer_grouped"] = [list(_optimizer_point(n, device, probes.repeats, [solo]))
+                                            for n in probes.optimizer_params]
         return compute
 
     def tp_compute(compute: dict[str, list[list[float]]]) -> None:
         dims = ParallelDims.build(info, {"tp": world})
-        for width, heads in plan.widths:
+        for width, heads in probes.widths:
             if heads % world:
                 continue
-            for batch in plan.batches:
+            for batch in probes.batches:
                 if batch[1] % world:
                     continue
                 say(f"a tensor-parallel block of width {width}, micro-batch {batch[0]}x{batch[1]}, {world} ranks")
                 points = _tp_block_points(dims, ModelShape("gpt2", 1, width, heads, 1024), width, heads, batch,
-                                          plan.vocab, amp, plan.repeats)
+                                          probes.vocab, amp, probes.repeats)
                 for kind, point in points.items():
                     compute.setdefault(kind, []).append(list(point))
 
@@ -337,8 +337,8 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
     collectives = {}
     if world > 1:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"):
-            say(f"{op} of {len(plan.comm_bytes)} sizes on {world} ranks")
-            collectives[op] = _collective_points(op, plan.comm_bytes, world, device, plan.comm_iters)
+            say(f"{op} of {len(probes.comm_bytes)} sizes on {world} ranks")
+            collectives[op] = _collective_points(op, probes.comm_bytes, world, device, probes.comm_iters)
     if rank == 0:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else local_device_name()
         calib = Calibration(
@@ -352,7 +352,7 @@ def measure_rank(info: RankInfo | None, plan: Plan, precision: str, threads: int
 
 
 def calibrate(out: str | Path, quick: bool = False, world: int = 0, precision: str = "auto", threads: int = 0,
-              plan: Plan | None = None, load: tuple[float, int] | None = None) -> Calibration:
+              probes: Probes | None = None, load: tuple[float, int] | None = None) -> Calibration:
     """Measure this machine (`world` ranks: by default 2 on a CPU, every visible GPU up to 8 on CUDA) and write the
     calibration to `out`, warning first where the machine is loaded (`load`: its 1-minute load average and CPU count,
     by default this machine's)."""
@@ -363,16 +363,16 @@ def calibrate(out: str | Path, quick: bool = False, world: int = 0, precision: s
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     precision = resolve_precision(precision, torch.device("cuda" if gpus else "cpu"))  # as the trainer resolves it
-    plan = plan or (QUICK_PLAN if quick else GPU_PLAN if gpus else CPU_PLAN)
+    probes = probes or (QUICK_PROBES if quick else GPU_PROBES if gpus else CPU_PROBES)
     world = world or (min(gpus, 8) if gpus else 2)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if world == 1:
-        measure_rank(None, plan, precision, threads, out)
+        measure_rank(None, probes, precision, threads, out)
     else:
         os.environ.setdefault("OMP_NUM_THREADS", str(threads or 1))
         with tempfile.TemporaryDirectory():
-            spawn_local(measure_rank, world, plan, precision, threads, out,
+            spawn_local(measure_rank, world, probes, precision, threads, out,
                         pcfg=ParallelConfig(dp=world, backend="auto", timeout_s=1800))
     return load_calibration(out)
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gptpar.errors import GptparError
-from gptpar.flops import Shape, flops_per_token, peak_flops
+from gptpar.flops import FlopsShape, flops_per_token, peak_flops
 from gptpar.plan.calibration import RECOMPUTED, Calibration, tp_kind
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
@@ -30,7 +30,7 @@ from gptpar.strategies.data_parallel import (
     hpz_bytes,
     wire_value_bytes,
 )
-from gptpar.strategies.schedules import Action, make_plan, peak_activations, schedule, simulate
+from gptpar.strategies.pipeline import Action, peak_activations, schedule, schedule_shape, simulate
 
 ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # Of the activations a transformer block saves, the share tensor parallelism splits (Korthikanti et al. 2022: 34sbh
@@ -203,7 +203,7 @@ class Model:
         last = lay.last_stage
         costs = [self.stage_costs(s) for s in range(last + 1)]
         hop = self.p2p()
-        plan = make_plan(lay.schedule, lay.pp, lay.chunks, lay.virtual)
+        split = schedule_shape(lay.schedule, lay.pp, lay.chunks, lay.virtual).split_backward
         lists = schedule(lay.schedule, lay.pp, lay.chunks, lay.virtual)
 
         def cost(action: Action) -> float:
@@ -212,7 +212,7 @@ class Model:
             if action.kind == "F":
                 return sc.f + (hop if action.stage < last else 0.0)
             if action.kind == "B":
-                return (sc.b if plan.split_backward else sc.b + sc.w) + (hop if action.stage > 0 else 0.0)
+                return (sc.b if split else sc.b + sc.w) + (hop if action.stage > 0 else 0.0)
             return sc.w
 
         timeline = simulate(lists, cost_of=cost)
@@ -442,7 +442,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     fullest = max(memory, key=lambda m: m["total"])
     tokens_per_s = lay.step_tokens / step
     peak = peak_flops(device, lay.precision)
-    flops = flops_per_token(Shape(lay.shape, lay.seq_len, lay.vocab))
+    flops = flops_per_token(FlopsShape(lay.shape, lay.seq_len, lay.vocab))
     mfu = flops * tokens_per_s / (lay.world * peak) if peak else None
     notes = approximations(lay)
     return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),

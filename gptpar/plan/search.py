@@ -25,7 +25,7 @@ from gptpar.plan.predict import Prediction, predict
 from gptpar.plan.record import SHIPPED
 from gptpar.plan.target import Target, target_of
 from gptpar.strategies.data_parallel import DP_STRATEGIES
-from gptpar.strategies.schedules import SCHEDULES
+from gptpar.strategies.pipeline import SCHEDULES
 
 DEFAULTS = {"parallel.pp_schedule": "1f1b", "parallel.chunks": 4, "parallel.pp_virtual": 1, "train.grad_accum": 1,
             "parallel.sequence_parallel": False, "train.activation_checkpointing": "none", "parallel.tp_impl": "gptpar"}

@@ -37,7 +37,7 @@ from torch.optim import Optimizer
 from gptpar.atomic import atomic_write, os_error, probe_space, write_error
 from gptpar.config import load_config
 from gptpar.errors import GptparError, first_sentence
-from gptpar.models import ARCHITECTURES
+from gptpar.models import architecture
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
 from gptpar.parallel.pipeline.names import plain_state
@@ -215,7 +215,7 @@ def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
                           f"run; write the export outside it, or as {Path(run_dir) / EXPORT_FILE} (the default)")
     _check_metadata(path)
     config = Path(run_dir) / CONFIG_FILE
-    arch = ARCHITECTURES[load_config(config).model.shape().arch if config.is_file() else "gpt2"]
+    arch = architecture(load_config(config).model.shape().arch if config.is_file() else "gpt2")
     try:
         state = _read_whole(path)
         if isinstance(state.get("trainer"), dict) and "model" in state["trainer"]:  # a training run's checkpoint

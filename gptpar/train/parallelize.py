@@ -7,7 +7,8 @@ another's files.
 3. recompute and compile, block by block, before any wrapper or stage split sees the blocks;
 4. the loss for this layout (on vocabulary shards under loss parallelism);
 5. the multi-process pipeline keeps this rank's stages, tensor parallelism or the one-process modes of
-   parallel.pp_mode (gptpar.pipeline) place their pieces, and otherwise the model goes whole on the rank's device;
+   parallel.pp_mode (gptpar.parallel.pipeline.one_process) place their pieces, and otherwise the model goes whole
+   on the rank's device;
 6. data parallelism wraps the result with the strategy parallel.dp_sync names.
 """
 
@@ -23,8 +24,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from gptpar.config import Config
-from gptpar.model import initial_value, materialize
 from gptpar.models import architecture
+from gptpar.models.build import initial_value, materialize
 from gptpar.parallel import make_grad_sync
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.dims import ParallelDims

@@ -32,8 +32,8 @@ from transformers import PreTrainedModel
 
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, whole_compile_obstacle
 from gptpar.errors import GptparError
-from gptpar.model import chunked_lm_loss, lm_loss
 from gptpar.models import architecture
+from gptpar.models.loss import chunked_lm_loss, lm_loss
 from gptpar.parallel.placement import resolve_devices
 
 

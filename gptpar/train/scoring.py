@@ -19,8 +19,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from gptpar.config import Config
 from gptpar.data.pairs import PairData, PairDataset
-from gptpar.model import empty_model
 from gptpar.models import architecture
+from gptpar.models.build import empty_model
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.pipeline.names import plain_state

@@ -30,8 +30,8 @@ from gptpar.data import partition_dataset
 from gptpar.data.pairs import target_tokens
 from gptpar.data.training import load_training_data
 from gptpar.errors import GptparError
-from gptpar.model import build_model, count_params
 from gptpar.models import architecture
+from gptpar.models.build import build_model, count_params
 from gptpar.parallel.comm import comm_span, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import GRID_DIMS

@@ -20,8 +20,9 @@ from gptpar.config import ConfigError, load_config
 from gptpar.data.packing import PackedPairs, pack_rows, stack_packed
 from gptpar.data.pairs import IGNORE, load_pairs
 from gptpar.data.training import load_training_data
-from gptpar.model import build_model, lm_loss
 from gptpar.models import packed_attention
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 
 SFT = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=40",

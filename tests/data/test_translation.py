@@ -31,7 +31,7 @@ from gptpar.data.pair_files import PairSplits, read_pairs
 from gptpar.data.pairs import IGNORE, load_pairs, target_tokens
 from gptpar.errors import GptparError
 from gptpar.launch.status import completion
-from gptpar.model import build_model
+from gptpar.models.build import build_model
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import format_record, read_rank_log

@@ -15,7 +15,7 @@ from conftest import REPO
 from gptpar.cli import build_parser
 
 LIBRARY = sorted([*(REPO / "gptpar").rglob("*.py"), *(REPO / "analysis").glob("*.py")])
-HEAVY = ("torch", "transformers", "gptpar.train", "gptpar.model", "gptpar.parallel.process_group",
+HEAVY = ("torch", "transformers", "gptpar.train", "gptpar.models", "gptpar.parallel.process_group",
          "gptpar.parallel.dims", "gptpar.parallel.data_parallel", "gptpar.parallel.pipeline", "gptpar.pipeline",
          "gptpar.parallel.tensor_parallel", "gptpar.tensor_bytes")
 

@@ -20,7 +20,8 @@ from torch import nn
 from transformers import GPT2Config
 
 from gptpar.config import ConfigError, ModelConfig, load_config
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.pipeline.one_process.gpt2 import gpt2_stages
 from gptpar.parallel.process_group import RankInfo
 from gptpar.pipeline import GPT2LMHeadModelParallel, GPT2ModelParallel, Pipe, WithDevice, _clock_cycles, _split_module

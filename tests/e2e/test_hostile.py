@@ -24,7 +24,7 @@ from gptpar.data import corpus as corpus_module
 from gptpar.data import load_tokens
 from gptpar.data.sources import cache_dir, text_paths
 from gptpar.errors import GptparError
-from gptpar.model import build_model, model_config
+from gptpar.models.build import build_model, model_config
 
 
 def one_line(exc: pytest.ExceptionInfo) -> str:

@@ -634,7 +634,7 @@ def test_a_device_that_is_not_there_is_an_error_not_a_cpu_run() -> None:
     import torch
 
     from gptpar.config import ParallelConfig
-    from gptpar.model import build_model
+    from gptpar.models.build import build_model
     from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0

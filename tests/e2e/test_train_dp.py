@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from gptpar.config import ModelConfig
-from gptpar.model import build_model, count_params
+from gptpar.models.build import build_model, count_params
 from gptpar.parallel.env import free_port
 from gptpar.run.logfile import read_rank_log
 from gptpar.train.checkpoint import export_checkpoint

@@ -12,6 +12,7 @@ fsdp2, tensor parallelism and the pipeline.
 
 from __future__ import annotations
 
+from importlib import import_module
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,10 @@ import torch
 from gloo_pool import GlooPools
 from rank_training import assert_trains_like_one_process, make_config, reference_run, save_cases, saved_ranks
 
+from gptpar.architectures import ARCHITECTURES, ROWS, ArchitectureRow
 from gptpar.config import ConfigError, load_config
-from gptpar.model import build_model, materialize
-from gptpar.models import ARCHITECTURES, architecture
+from gptpar.models import architecture
+from gptpar.models.build import build_model, materialize
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.presets import PRESETS
 
@@ -69,8 +71,22 @@ def _built(preset: str, init_device: str = "cpu", **fields: object) -> torch.nn.
 @pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
 def test_a_built_model_has_its_shapes_closed_form_parameter_count(preset: str) -> None:
     model = _built(preset, pad_vocab=1)
-    assert type(model) is ARCHITECTURES[PRESETS[preset].arch].model_class
+    assert type(model) is architecture(PRESETS[preset].arch).model_class
     assert sum(p.numel() for p in model.parameters()) == PRESETS[preset].parameters(VOCAB)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
+def test_each_registry_row_loads_its_own_description_and_sharding(row: ArchitectureRow) -> None:
+    """The registry's "module:Object" strings name this architecture's code: a row pointing at another's description
+    would build the wrong model under the right name."""
+    described = architecture(row.name)
+    assert described.name == row.name
+    assert described.model_class.config_class.model_type == row.name
+    assert bool(described.router) == row.mixture
+    assert row.tp_shard == ARCHITECTURES[row.family].tp_shard  # a family is sharded by its first member's plan
+    for ref in filter(None, (row.tp_shard, row.torch_tp_shard)):
+        module, _, function = ref.partition(":")
+        assert callable(getattr(import_module(module), function)), ref
 
 
 def test_the_real_shapes_have_their_published_sizes() -> None:

@@ -3,7 +3,8 @@ import torch
 
 from gptpar.config import ModelConfig
 from gptpar.errors import GptparError
-from gptpar.model import build_model, count_params, lm_loss, model_config
+from gptpar.models.build import build_model, count_params, model_config
+from gptpar.models.loss import lm_loss
 from gptpar.presets import PRESETS
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from gptpar.config import load_config
 from gptpar.errors import GptparError
-from gptpar.model import build_model, initial_value, materialize, model_config, parameter_seed
+from gptpar.models.build import build_model, initial_value, materialize, model_config, parameter_seed
 
 TINY = ["model.n_layer=2", "model.n_embd=32", "model.n_head=2", "model.n_positions=64", "data.seq_len=64"]
 VOCAB = 300

@@ -32,12 +32,12 @@ from rank_training import (
 )
 from transformers.models.qwen2_moe.modeling_qwen2_moe import load_balancing_loss_func
 
-from analysis.mfu import Shape, flops_per_token
+from analysis.mfu import FlopsShape, flops_per_token
 from gptpar.config import ConfigError, load_config
 from gptpar.data.pairs import IGNORE
 from gptpar.launch.prepare import prepare_run
-from gptpar.model import build_model
 from gptpar.models import architecture
+from gptpar.models.build import build_model
 from gptpar.parallel.grid import launched_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.presets import PRESETS
@@ -88,7 +88,7 @@ def test_mfu_counts_the_active_parameters_by_hand() -> None:
     attention 12·24·16·128·4096 = 2,415,919,104."""
     shape = PRESETS["qwen1.5-moe-a2.7b"]
     assert (shape.active_block_parameters(), shape.block_parameters()) == (86_118_400, 570_560_512)
-    assert flops_per_token(Shape(shape, 4096, 151_936)) == 12_401_061_888 + 1_866_989_568 + 2_415_919_104
+    assert flops_per_token(FlopsShape(shape, 4096, 151_936)) == 12_401_061_888 + 1_866_989_568 + 2_415_919_104
 
 
 def test_real_positions_stop_at_each_rows_last_counted_label() -> None:

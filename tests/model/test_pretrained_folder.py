@@ -36,7 +36,7 @@ from gptpar.data.pairs import IGNORE, load_pairs
 from gptpar.data.tokenizer import pretrained_tokenizer
 from gptpar.errors import GptparError
 from gptpar.launch.prepare import prepare_run
-from gptpar.model import build_model
+from gptpar.models.build import build_model
 from gptpar.presets import ModelShape
 
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -12,9 +12,9 @@ from gloo_pool import GlooPools
 from manual_clock import ManualClock
 
 from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, RECOMPUTED, load, local_device_name, tp_kind
-from gptpar.plan.measure import Plan, _timer, calibrate, load_warning, measure_rank
+from gptpar.plan.measure import Probes, _timer, calibrate, load_warning, measure_rank
 
-TINY = Plan(((64, 2),), ((2, 32),), (4096, 262144), (10**4, 10**5), 512, 2, comm_iters=3)
+TINY = Probes(((64, 2),), ((2, 32),), (4096, 262144), (10**4, 10**5), 512, 2, comm_iters=3)
 
 
 @pytest.mark.slow
@@ -63,7 +63,7 @@ def test_a_calibration_says_each_piece_and_warns_once_on_a_loaded_machine(tmp_pa
                                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """A login node's calibration takes minutes: a line per piece; and a machine busy with other work (a load average
     above half its CPUs) makes the timings meaningless: one line says so first."""
-    calibrate(tmp_path / "c.json", world=1, precision="fp32", threads=1, plan=TINY, load=(6.0, 4))
+    calibrate(tmp_path / "c.json", world=1, precision="fp32", threads=1, probes=TINY, load=(6.0, 4))
     lines = capsys.readouterr().err.splitlines()
     assert lines[0] == ("warning: this machine's load average is 6.0 on 4 CPU(s): other work shares it, so these "
                         "timings measure that work too; calibrate on an idle node (inside an allocation, e.g. srun)")

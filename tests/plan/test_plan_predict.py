@@ -12,7 +12,7 @@ from gptpar.plan.calibration import RECOMPUTED, tp_kind
 from gptpar.plan.layout import block_flops, head_flops
 from gptpar.plan.predict import predict
 from gptpar.strategies.data_parallel import DP_STRATEGIES
-from gptpar.strategies.schedules import closed_form_bubble, schedule, simulate
+from gptpar.strategies.pipeline import closed_form_bubble, schedule, simulate
 
 EIGHT_BLOCKS = ("model.preset=gpt2-mini", "model.n_layer=8", "data.seq_len=64", "train.batch_size=16")
 

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 from logsets import Rank, config
 
-from analysis.mfu import Shape, flops_per_token, hardware_flops_per_token, peak_flops, utilisation
+from analysis.mfu import FlopsShape, flops_per_token, hardware_flops_per_token, peak_flops, utilisation
 from analysis.report import analyse_runs
 from gptpar.cli import main as gptpar_main
 from gptpar.hardware import PEAK_FLOPS
 from gptpar.presets import PRESETS
 
 LATER = 2e9
-GPT2 = Shape(PRESETS["gpt2"], seq_len=1024, vocab_size=50257)
+GPT2 = FlopsShape(PRESETS["gpt2"], seq_len=1024, vocab_size=50257)
 # By hand for gpt2 (124M) at T=1024: one block has 12·768² + 13·768 = 7,087,872 parameters;
 # N = 12·7,087,872 + 2·768 = 85,056,000; 6N = 510,336,000; LM head 6·50257·768 = 231,584,256;
 # attention 12·12·12·64·1024 = 113,246,208.
@@ -26,7 +26,7 @@ RECOMPUTE_FORWARD = 17_321_472
 def test_gpt2_flops_per_token_is_the_hand_computation() -> None:
     assert flops_per_token(GPT2) == GPT2_FLOPS == 855_166_464
     assert hardware_flops_per_token(GPT2) == GPT2_FLOPS  # nothing recomputed
-    every_block = Shape(PRESETS["gpt2"], 1024, 50257, recomputed_blocks=12)
+    every_block = FlopsShape(PRESETS["gpt2"], 1024, 50257, recomputed_blocks=12)
     assert flops_per_token(every_block) == GPT2_FLOPS  # model FLOPs do not count recomputation
     assert hardware_flops_per_token(every_block) == GPT2_FLOPS + 12 * RECOMPUTE_FORWARD
 
@@ -83,7 +83,7 @@ def test_stages_sharing_one_gpu_count_it_once(tmp_path: Path) -> None:
         rank.step(step, 1, tokens_per_s=1e6)
     rank.final(step=7)
     (m,) = analyse_runs(tmp_path, now=LATER)
-    shape = Shape(PRESETS["gpt2-tiny"], 128, 4096)
+    shape = FlopsShape(PRESETS["gpt2-tiny"], 128, 4096)
     assert m.mfu == pytest.approx(1e6 * flops_per_token(shape) / 66.9e12)
 
 
@@ -96,7 +96,7 @@ def test_a_cpu_has_no_peak_unless_the_user_gives_one(tmp_path: Path, capsys: pyt
     (m,) = analyse_runs(tmp_path, now=LATER)
     assert m.mfu is None and m.mfu_note == "n/a (unknown peak for cpu)"
     (m,) = analyse_runs(tmp_path, now=LATER, peak_flops=1e11)
-    assert m.mfu == pytest.approx(1e4 * flops_per_token(Shape(PRESETS["gpt2-tiny"], 128, 4096)) / 1e11)
+    assert m.mfu == pytest.approx(1e4 * flops_per_token(FlopsShape(PRESETS["gpt2-tiny"], 128, 4096)) / 1e11)
     assert "user-given peak 0.1 TFLOP/s" in m.mfu_note
     with pytest.raises(SystemExit) as exit_:
         gptpar_main(["report", str(tmp_path), "--out", str(tmp_path / "fig"), "--peak-flops", "0"])
@@ -116,7 +116,7 @@ def test_llama_family_flops_per_token_is_the_hand_computation() -> None:
     block has q and o 2·896² = 1,605,632, k and v 2·896·128 = 229,376, q/k/v biases 896 + 2·128 = 1,152, the gated
     MLP 3·896·4864 = 13,074,432 and two norms 2·896: 14,912,384 parameters. N = 24·14,912,384 + 896 = 357,898,112;
     6N = 2,147,388,672; the head 6·151,936·896 = 816,807,936; attention 12·24·14·64·1024 = 264,241,152."""
-    qwen = Shape(PRESETS["qwen2.5-0.5b"], 1024, 151_936)
+    qwen = FlopsShape(PRESETS["qwen2.5-0.5b"], 1024, 151_936)
     assert PRESETS["qwen2.5-0.5b"].block_parameters() == 14_912_384
     assert flops_per_token(qwen) == 2_147_388_672 + 816_807_936 + 264_241_152
     # The same shape's parameter count is Qwen2.5-0.5B's published 494,032,768 (tied head).

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from gptpar.errors import GptparError
-from gptpar.strategies.schedules import (
+from gptpar.strategies.pipeline import (
     Action,
     closed_form_bubble,
     peak_activations,

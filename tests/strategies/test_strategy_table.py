@@ -17,7 +17,7 @@ from gptpar.config import ConfigError, load_config, reference_markdown
 from gptpar.parallel.data_parallel.base import GradSync, SyncSetup, broadcast_state
 from gptpar.parallel.process_group import RankInfo
 from gptpar.strategies.data_parallel import DP_STRATEGIES, DataParallelStrategy, closed_form_state_bytes
-from gptpar.strategies.schedules import SCHEDULES, make_plan
+from gptpar.strategies.pipeline import SCHEDULES, schedule_shape
 
 
 class SumThenDivide(GradSync):
@@ -71,7 +71,7 @@ def test_the_config_the_reference_and_the_closed_form_read_the_rows(monkeypatch:
 def test_each_schedule_row_is_what_the_engine_and_the_simulator_read() -> None:
     for name, row in SCHEDULES.items():
         virtual = 2 if row.interleaved else 1
-        plan = make_plan(name, 2, 4, virtual)
+        plan = schedule_shape(name, 2, 4, virtual)
         assert plan.split_backward == row.split_backward and plan.stages == 2 * virtual
         assert 0 < row.bubble(2, 4, virtual) < 1
 

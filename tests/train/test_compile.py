@@ -16,7 +16,7 @@ from rank_training import make_config, make_trainer, named_params, reference_run
 
 from gptpar.config import ConfigError, load_config, read_yaml
 from gptpar.errors import GptparError
-from gptpar.model import lm_loss
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.process_group import RankInfo
 from gptpar.train.recompute import check_compiler, compile_mode, whole_logits_loss
 

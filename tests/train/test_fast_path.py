@@ -17,7 +17,8 @@ import gptpar
 from gptpar.clock import DeviceClock
 from gptpar.config import ModelConfig
 from gptpar.errors import GptparError
-from gptpar.model import build_model, chunked_lm_loss, lm_loss, pad_vocabulary
+from gptpar.models.build import build_model, pad_vocabulary
+from gptpar.models.loss import chunked_lm_loss, lm_loss
 from gptpar.parallel.comm import new_step, read_spent, timed
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.layers import check_vocab_split

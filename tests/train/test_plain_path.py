@@ -1,6 +1,6 @@
 """The plain path (ISSUE 47.3): a run without pp or tp builds its architecture's model and runs it whole on the
-rank's device, with no one-process pipeline wrapper (`ParallelGPT2`, gptpar.pipeline's corner) around it; only
-parallel.pp_mode=model_parallel or pipeline_parallel builds that wrapper. One process, tiny models."""
+rank's device, with no one-process pipeline wrapper (`ParallelGPT2`, gptpar.parallel.pipeline.one_process) around
+it; only parallel.pp_mode=model_parallel or pipeline_parallel builds that wrapper. One process, tiny models."""
 
 from __future__ import annotations
 

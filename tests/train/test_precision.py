@@ -30,12 +30,12 @@ from torch import nn
 
 from gptpar.config import Config, updated
 from gptpar.errors import GptparError
-from gptpar.model import lm_loss
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.pipeline.one_process.pipe import Pipe
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.logfile import RankLog, rank_log_path, read_rank_log
 from gptpar.strategies.data_parallel import DP_STRATEGIES
-from gptpar.strategies.schedules import SCHEDULES
+from gptpar.strategies.pipeline import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 from gptpar.train.checkpoint import load_checkpoint
 from gptpar.train.entry import run_rank

@@ -17,7 +17,8 @@ from rank_training import make_config, make_trainer, named_params, reference_run
 
 from gptpar.config import ModelConfig, ParallelConfig, checkpointed_indices, load_config
 from gptpar.errors import GptparError
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.pipeline.one_process.gpt2 import build_parallel_model
 from gptpar.parallel.process_group import RankInfo
 from gptpar.tensor_bytes import saved_activation_bytes

@@ -1,11 +1,11 @@
 """Tensor parallelism (`parallel.tp`): each layer's matrices split over the grid's `tp` group.
 
-Two implementations of one plan per architecture family (gpt2.py's and llama.py's docstrings): ours (`gptpar`,
-layers.py, gpt2.py and llama.py, with our own autograd collectives in comm.py and the vocabulary-parallel loss in
-loss.py) and PyTorch's (`torch`, torch_plan.py, on DTensor). Both convert a whole model in place, keeping the
-architecture's pieces callable as before, so a sharded model runs through the same pieces (`TensorParallelModel`,
-the pipeline engine's stages) and the data-parallel syncs take it as they take a whole one. state.py says how
-pieces are rebuilt, checkpointed and counted in norms.
+Two implementations of one plan per architecture family (gpt2.py's and llama.py's docstrings; the registry,
+gptpar/architectures.py, names each architecture's): ours (`gptpar`, layers.py, gpt2.py and llama.py, with our own
+autograd collectives in comm.py and the vocabulary-parallel loss in loss.py) and PyTorch's (`torch`, torch_plan.py,
+on DTensor). Both convert a whole model in place, keeping the architecture's pieces callable as before, so a sharded
+model runs through the same pieces (`TensorParallelModel`, the pipeline engine's stages) and the data-parallel syncs
+take it as they take a whole one. state.py says how pieces are rebuilt, checkpointed and counted in norms.
 """
 
 from __future__ import annotations
@@ -13,22 +13,22 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from importlib import import_module
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from gptpar.architectures import ARCHITECTURES
 from gptpar.config import ParallelConfig
-from gptpar.model import lm_loss
 from gptpar.models import architecture
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.tensor_parallel.comm import gather_last_dim
-from gptpar.parallel.tensor_parallel.gpt2 import shard_gpt2
-from gptpar.parallel.tensor_parallel.llama import shard_llama
 from gptpar.parallel.tensor_parallel.loss import vocab_parallel_loss
 from gptpar.parallel.tensor_parallel.torch_plan import loss_context as torch_loss_context
-from gptpar.parallel.tensor_parallel.torch_plan import parallelize_gpt2, parallelize_llama, torch_lm_loss
+from gptpar.parallel.tensor_parallel.torch_plan import torch_lm_loss
 
 __all__ = ["TensorParallelModel", "loss_context", "loss_function", "shard_model", "tensor_parallel_forward",
            "whole_logits"]
@@ -36,22 +36,22 @@ __all__ = ["TensorParallelModel", "loss_context", "loss_function", "shard_model"
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-# Each family's plan, ours and torch's: (model, the tp group or mesh, sequence_parallel, loss_parallel) -> model.
-# The mixtures (qwen2_moe, mixtral): ours only, each mixture's MLP kept whole (llama.py).
-OURS = {"gpt2": shard_gpt2, "llama": shard_llama, "qwen2": shard_llama, "qwen2_moe": shard_llama,
-        "mixtral": shard_llama}
-TORCH = {"gpt2": parallelize_gpt2, "llama": parallelize_llama, "qwen2": parallelize_llama}
-
-
 def shard_model(model: PreTrainedModel, pcfg: ParallelConfig, dims: ParallelDims, device: torch.device
                 ) -> PreTrainedModel:
     """`model` (whole, the same on every rank) moved to `device` and cut into this rank's tensor-parallel pieces
-    by parallel.tp_impl and its family's plan, in place."""
+    by parallel.tp_impl and its family's plan, in place: the registry's (gptpar/architectures.py) `tp_shard` or
+    `torch_tp_shard`, a function (model, the tp group or mesh, sequence_parallel, loss_parallel) -> model."""
     model.to(device)
-    family = architecture(model).name
+    row = ARCHITECTURES[architecture(model).name]
     if pcfg.tp_impl == "torch":
-        return TORCH[family](model, dims.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
-    return OURS[family](model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
+        return _sharding(row.torch_tp_shard)(model, dims.mesh["tp"], pcfg.sequence_parallel, pcfg.loss_parallel)
+    return _sharding(row.tp_shard)(model, dims.group("tp"), pcfg.sequence_parallel, pcfg.loss_parallel)
+
+
+def _sharding(ref: str) -> Callable[..., PreTrainedModel]:
+    """A sharding function named by its "module:function" string."""
+    module, _, function = ref.partition(":")
+    return getattr(import_module(module), function)
 
 
 def _pieces(model: PreTrainedModel) -> nn.Sequential:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2LMHeadModel
 
-from gptpar.model import tokenizer_vocab
+from gptpar.models.build import tokenizer_vocab
 from gptpar.parallel.tensor_parallel.layers import (
     ColumnParallelConv1D,
     Dropout,

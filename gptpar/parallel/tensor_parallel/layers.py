@@ -6,7 +6,7 @@ Each layer is cut from the whole layer of an unsharded model, so T ranks togethe
 - `RowParallelConv1D`: input rows split; the partial outputs summed (`reduce_from_tp`) or reduce-scattered into
   sequence shards (`reduce_scatter_sequence`); the bias, replicated, added once after the sum;
 - `VocabParallelEmbedding` and `VocabParallelHead`: the tied vocabulary matrix split by rows (the token table
-  built padded to a multiple of T by gptpar.model.build_model, padding rows zero and masked out of the loss);
+  built padded to a multiple of T by gptpar.models.build.build_model, padding rows zero and masked out of the loss);
 - `SequenceParallelLayerNorm`: replicated parameters that see only this rank's sequence shard, so their
   gradients are summed over the group (`copy_to_tp` on the parameter itself, which leaves .grad whole before any
   data-parallel hook sees it); `SequenceShardedPositions`: the position rows of this rank's shard, whose
@@ -61,10 +61,10 @@ def shard(tensor: torch.Tensor, dim: int, parts: int, rank: int, size: int) -> n
 
 
 def check_vocab_split(rows: int, size: int) -> None:
-    """The token table must split into equal vocabulary pieces: gptpar.model.build_model pads it for that."""
+    """The token table must split into equal vocabulary pieces: gptpar.models.build.build_model pads it for that."""
     if rows % size:
         raise GptparError(f"the token table's {rows} rows do not split into parallel.tp={size} equal pieces; build "
-                          f"the model with gptpar.model.build_model(..., shards={size}), which pads it")
+                          f"the model with gptpar.models.build.build_model(..., shards={size}), which pads it")
 
 
 def group_place(group: dist.ProcessGroup) -> tuple[int, int]:

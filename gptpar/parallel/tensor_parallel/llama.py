@@ -26,7 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from gptpar.model import tokenizer_vocab
+from gptpar.models.build import tokenizer_vocab
 from gptpar.parallel.tensor_parallel.comm import copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence
 from gptpar.parallel.tensor_parallel.layers import (
     VocabParallelEmbedding,

@@ -19,7 +19,7 @@ three. Every parameter ends up a DTensor (sharded, or replicated via `distribute
 got mixed torch.Tensor and DTensor"), and with one kind it returns the global norm. Every gradient ends up with
 its parameter's placements (`_grad_like_param`).
 
-Vocabulary: the token table, built padded to a multiple of T (gptpar.model.build_model), is split by rows
+Vocabulary: the token table, built padded to a multiple of T (gptpar.models.build.build_model), is split by rows
 (`RowwiseParallel` on the Embedding: out-of-range tokens masked, partial sums all-reduced, or reduce-scattered
 into sequence shards with SP). The LM head is the same DTensor Parameter (the tie is restored after
 `parallelize_module`, which wraps every parameter anew), column-parallel on the vocabulary; its output is the whole
@@ -58,7 +58,8 @@ from torch.distributed.tensor.parallel import (
 from transformers import GPT2LMHeadModel, PreTrainedModel
 
 from gptpar.errors import GptparError
-from gptpar.model import lm_loss, tokenizer_vocab
+from gptpar.models.build import tokenizer_vocab
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.tensor_parallel.layers import check_vocab_split
 
 
@@ -268,7 +269,7 @@ def loss_context(enabled: bool) -> contextlib.AbstractContextManager:
 
 def torch_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, a plain scalar: of vocabulary-sharded DTensor logits (inside
-    `loss_context(True)`; padded columns are -inf) or of whole local logits (gptpar.model.lm_loss)."""
+    `loss_context(True)`; padded columns are -inf) or of whole local logits (gptpar.models.loss.lm_loss)."""
     if isinstance(logits, DTensor):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).to_local()
     return lm_loss(logits, targets)

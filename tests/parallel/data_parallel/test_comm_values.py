@@ -34,7 +34,8 @@ from thread_ranks import run_threads
 from torch import nn
 
 from gptpar.config import ModelConfig, ParallelConfig
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.data_parallel import GradSync, make_grad_sync
 from gptpar.parallel.data_parallel.ddp import POWERSGD_START
 from gptpar.parallel.data_parallel.quantized import LEVELS

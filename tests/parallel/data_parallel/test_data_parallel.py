@@ -19,7 +19,8 @@ from torch.utils.data import TensorDataset
 
 from gptpar.config import ModelConfig, ParallelConfig
 from gptpar.data.partition import partition_dataset
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.data_parallel import GradSync, make_grad_sync
 from gptpar.parallel.data_parallel.bucketed import plan_buckets
 from gptpar.parallel.process_group import RankInfo

@@ -32,7 +32,7 @@ from torch import nn
 
 from gptpar.config import ParallelConfig, load_config
 from gptpar.errors import GptparError
-from gptpar.model import build_model
+from gptpar.models.build import build_model
 from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local

@@ -8,8 +8,9 @@ from torch import nn
 
 from gptpar.config import ModelConfig, ParallelConfig
 from gptpar.errors import GptparError
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
 from gptpar.models.gpt2 import Block
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.pipeline.cuts import stage_sizes, untie_lm_head
 from gptpar.parallel.pipeline.one_process.gpt2 import gpt2_stages
 from gptpar.pipeline import build_parallel_model, input_device, output_device, resolve_devices

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from gptpar.config import ModelConfig
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.pipeline.engine.split_backward import (
     DeferrableLinear,
     WeightGradStore,

@@ -27,7 +27,7 @@ from rank_training import (
 from transformers import GPT2LMHeadModel
 
 from gptpar.config import ConfigError, ModelConfig, load_config
-from gptpar.model import model_config
+from gptpar.models.build import model_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel.layers import dropout
 from gptpar.train.checkpoint import export_checkpoint

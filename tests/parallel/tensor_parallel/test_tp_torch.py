@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from gptpar.config import ModelConfig
-from gptpar.model import build_model, lm_loss
+from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.tensor_parallel import tensor_parallel_forward
 from gptpar.parallel.tensor_parallel.torch_plan import (

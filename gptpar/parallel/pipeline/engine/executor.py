@@ -46,8 +46,7 @@ from gptpar.parallel.pipeline.cuts import balanced_sizes
 from gptpar.parallel.pipeline.engine.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
 from gptpar.parallel.pipeline.engine.stages import PipelineStage, pipeline_stages
 from gptpar.parallel.pipeline.names import original_name
-from gptpar.strategies.pipeline import pp_split_counts
-from gptpar.strategies.schedules import COMPUTE, Action, schedule
+from gptpar.strategies.pipeline import COMPUTE, Action, pp_split_counts, schedule
 from gptpar.tensor_bytes import SavedBytes
 
 Batch = tuple[torch.Tensor, torch.Tensor]

@@ -19,7 +19,6 @@ import math
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +31,8 @@ from transformers.utils import logging as transformers_logging
 from gptpar.config import PRETRAINED_ON_META, ModelConfig, check_context
 from gptpar.errors import GptparError, first_sentence
 from gptpar.hub import hub_reachable
-from gptpar.models import architecture, find_model
+from gptpar.models import architecture
+from gptpar.models.base import find_model
 from gptpar.pretrained import check_weights, folder_of, folder_shape
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -283,58 +283,6 @@ def _check_tied(model: PreTrainedModel) -> None:
     table = architecture(model).token_embedding(model).weight
     if model.config.tie_word_embeddings and model.lm_head.weight is not table:
         raise RuntimeError("lm_head.weight is no longer tied to the token table")
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy; targets are already shifted by one (see gptpar.data)."""
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
-
-
-CHUNK_ELEMENTS = 2**26  # logits per chunk of chunked_lm_loss: 256 MB in fp32
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over the rows whose target is not -100, computed chunk by chunk of `rows` rows in fp32.
-    Forward keeps only each row's log-sum-exp beside the logits themselves (which the head produced anyway);
-    backward recomputes each chunk's softmax and writes its gradient, (softmax - one-hot) x grad / count, straight
-    into a gradient of the logits' own dtype. So neither pass holds more than one chunk in fp32, where the plain
-    loss keeps fp32 log-probabilities of every logit from forward to backward."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
-        flat, target = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
-        keep = target != -100
-        index = target.clamp(min=0)[:, None]
-        lse = torch.empty(flat.size(0), dtype=torch.float32, device=flat.device)
-        total = torch.zeros((), dtype=torch.float32, device=flat.device)
-        for start in range(0, flat.size(0), rows):
-            chunk, part = flat[start:start + rows].float(), slice(start, start + rows)
-            lse[part] = chunk.logsumexp(-1)
-            total += ((lse[part] - chunk.gather(1, index[part]).squeeze(1)) * keep[part]).sum()
-        count = keep.sum()
-        ctx.save_for_backward(logits, index, keep, lse, count)
-        ctx.rows = rows
-        return total / count
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, index, keep, lse, count = ctx.saved_tensors
-        flat = logits.reshape(-1, logits.size(-1))
-        out = torch.empty_like(flat)
-        weight = keep * (grad / count)  # per row: 0 for an ignored target
-        for start in range(0, flat.size(0), ctx.rows):
-            part = slice(start, start + ctx.rows)
-            probs = (flat[part].float() - lse[part, None]).exp_()
-            probs.scatter_add_(1, index[part], -torch.ones_like(lse[part, None]))
-            out[part] = probs.mul_(weight[part, None])
-        return out.view_as(logits), None, None
-
-
-def chunked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS
-                    ) -> torch.Tensor:
-    """`lm_loss` without an fp32 copy of the whole logits (train.loss_kernel=chunked): the same value and gradients up
-    to fp32 rounding, -100 targets left out of the mean as F.cross_entropy leaves them."""
-    return _ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.size(-1)))
 
 
 def count_params(model: torch.nn.Module) -> int:
