@@ -10,7 +10,8 @@ group names once per process, so each rank names its groups from its own offset 
 threads: torch's default random generator (a hook that seeds and draws from it races with its peers), and DDP's
 class-wide "active module" that dynamo reads: its save-and-restore around each forward, interleaved by the threads,
 can leave one rank's module set after all have returned (every later torch.compile in the process then took the DDP
-optimizer's path and failed), so run_threads puts it back.
+optimizer's path and failed), and torch.__future__'s swap-on-conversion flag, which materialising a model sets and
+restores around itself (interleaved, one thread restores the other's True): run_threads puts both back.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.nn.parallel import DistributedDataParallel
@@ -91,6 +93,7 @@ def run_threads(world: int, fn: Callable[[int], T]) -> list[T]:
             dist.destroy_process_group()
 
     saved, active_ddp = c10d._world, DistributedDataParallel._active_ddp_module
+    swap = torch.__future__.get_swap_module_params_on_conversion()
     c10d._world = ThreadLocalWorld()
     try:
         threads = [threading.Thread(target=rank_main, args=(rank,), name=f"rank{rank}", daemon=True)
@@ -102,6 +105,7 @@ def run_threads(world: int, fn: Callable[[int], T]) -> list[T]:
     finally:
         c10d._world = saved
         DistributedDataParallel._active_ddp_module = active_ddp
+        torch.__future__.set_swap_module_params_on_conversion(swap)
     if error := next((e for e in errors if e is not None), None):
         raise error
     if any(thread.is_alive() for thread in threads):
