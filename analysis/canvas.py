@@ -35,6 +35,7 @@ STYLE = {
 NAME_MAX = 60  # characters a sweep, run or key takes in a file name; a longer one is cut and ends in a hash
 LEGEND_ROWS = 24  # entries per legend column
 FOOTNOTE_WIDTH = 110  # characters per line of a figure's footnote
+LEGEND_WIDTH = 40  # characters per line of a legend entry: a longer one wraps, not pushes the legend out
 OFF_MARK, OFF_COLOUR = "⚠", "tab:red"  # how figures mark a flagged result
 # Ideals and closed forms: one style of their own, above the data (zorder), so a measured line on them hides nothing.
 REFERENCE = {"color": "grey", "linestyle": "--", "linewidth": 1.2, "zorder": 3}
@@ -98,15 +99,16 @@ def stem(prefix: str, text: str) -> str:
 
 def legend(fig: plt.Figure, handles: Sequence[Artist] = (), labels: Sequence[str] = ()) -> None:
     """One legend for the whole figure, outside its axes on the right: the given entries, else every axes' labelled
-    artists, each label once."""
+    artists, each label once, wrapped at LEGEND_WIDTH (constrained layout cannot make room for an entry wider than
+    the figure: it spilled over the title and off the left edge)."""
     entries = dict(zip(labels, handles, strict=True))
     if not entries:
         for ax in fig.axes:
             for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
                 entries.setdefault(label, handle)
     if entries:
-        fig.legend(list(entries.values()), list(entries), loc="outside right upper", frameon=False,
-                   ncols=1 + (len(entries) - 1) // LEGEND_ROWS)
+        fig.legend(list(entries.values()), [fill(label, LEGEND_WIDTH) for label in entries], loc="outside right upper",
+                   frameon=False, ncols=1 + (len(entries) - 1) // LEGEND_ROWS)
 
 
 def footnote(fig: plt.Figure, *notes: str) -> None:

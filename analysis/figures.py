@@ -261,7 +261,7 @@ def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
     _bubble_forms(speed_ax, bubble_ax, forms)
     flagged = sorted({r.run_id for r in pipes if r.flag})
     speed_ax.axhline(1.0, linestyle=":", color="black", label="model parallel: the speedup baseline, 1.00x")
-    for ax, ylabel in ((time_ax, "training time per epoch (s)"), (rate_ax, JOB_RATE),
+    for ax, ylabel in ((time_ax, "training time per epoch (s)"), (rate_ax, JOB_RATE.replace(" (", "\n(")),
                        (speed_ax, "speedup over model parallel (job tokens/s)"),
                        (bubble_ax, "bubble (idle share of step time)")):
         ax.set_ylabel(ylabel)
@@ -269,7 +269,7 @@ def _pipeline(runs: list[RunMetrics], figs: FigureSet) -> bool:
         ax.set_xticks(sorted({r.chunks for r in pipes}) or [1])
         ax.set_ylim(bottom=0)
     bubble_ax.set_ylim(0, 1)
-    speed_ax.set_title("Speedup over model parallel (grey dashed: the bubble's bound)", fontsize=9)
+    speed_ax.set_title("Speedup over model parallel (dashed: bound)", fontsize=9)
     bubble_ax.set_title("Bubble: measured (markers), closed form (grey dashed)", fontsize=9)
     fig.suptitle("Model parallel (dashed horizontal lines) vs pipeline parallel", fontsize=10)
     footnote(fig, error_note(shown, ONE_RUN_STD), _left_out(flagged), _shortfall(pipes))
@@ -541,8 +541,8 @@ def _timelines(runs: list[RunMetrics], figs: FigureSet) -> bool:
         axes[1].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x * 1e3:g}"))
         axes[1].set_xlabel("time from the step's start (ms)")
         _gantt_legend(axes[0])
-        fig.suptitle(f"{r.run}: {r.pp_mode}, m={r.chunks}", fontsize=10)
-        footnote(fig, f"closed-form bubble {r.bubble_theory:.3f} (unit costs)")
+        fig.suptitle(f"Pipeline timeline: {r.pp_mode}, m={r.chunks}", fontsize=10)  # the run, however long, below
+        footnote(fig, f"run {r.run}; closed-form bubble {r.bubble_theory:.3f} (unit costs)")
         name = point_name(r, keys, file=True) if keys else ""
         figs.save(fig, stem("pipeline_timeline", name) if name else "pipeline_timeline", r.run)
     return bool(traced)
@@ -574,7 +574,7 @@ def _bubbles(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ax.set_xticks(sorted({r.chunks for r in data}))
     ax.set_ylabel("bubble (idle share of the window)")
     ax.set_ylim(bottom=0)
-    ax.set_title("Pipeline bubble vs micro-batches (grey: closed forms, once where they coincide)", fontsize=9)
+    ax.set_title("Pipeline bubble vs micro-batches (grey: closed forms)", fontsize=9)
     footnote(fig, error_note(shown, "± sample std over its kept steps"), _shortfall(data))
     legend(fig)
     figs.save(fig, "pipeline_bubble")
@@ -646,12 +646,12 @@ def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
             if mem.mismatched:
                 ax.text(x, bottom, OFF_MARK, ha="center", va="bottom", color=OFF_COLOUR)
             ticks.append(x)
-            names.append(r.run_id)
+            names.append(r.run_id.replace(",", ",\n"))  # a sweep point's keys one a line: long ids side by side
             x += 1.0
         ax.text((start + x - 1.0) / 2, 1.01, f"{strategy}\nW={w}" + (f"\n{mode}" if mode else ""), transform=above,
                 ha="center", va="bottom", fontsize=8)
         x += 0.6
-    ax.set_xticks(ticks, names, rotation=30, ha="right", fontsize=7)
+    ax.set_xticks(ticks, names, rotation=90, fontsize=7)
     ax.set_xlim(-0.6, x - 0.6)
     ax.set_ylabel("training state per rank (MB, mean over ranks)")
     ax.set_title("Memory per rank: parameters, gradients, optimizer state (black: closed form)", fontsize=10,

@@ -59,18 +59,22 @@ def crowded_set(runs: Path) -> None:
     for i in range(2):
         for dp, rate in ((1, 100.0), (2, 90.0), (4, 80.0)):
             dp_run(runs / "dp" / f"dp{dp}-r{i}", [rate + i] * dp, **{"launch.repeat": i})
-    memory_run(runs / "mem" / "dp1", "naive", 1)
+    # Sweep points are named by their keys (as make demo's are): long ids under bars and in titles.
+    memory_run(runs / "mem" / "parallel.dp_sync=naive,launch.gpus=1,launch.repeat=0", "naive", 1)
     for strategy in STRATEGIES:
         for w in (2, 4):
-            memory_run(runs / "mem" / f"{strategy}-w{w}", strategy, w)
+            memory_run(runs / "mem" / f"parallel.dp_sync={strategy},launch.gpus={w},launch.repeat=0", strategy, w)
     # Ad-hoc runs that differ in much: named by those keys, their legend took most of the figure's width.
     for i, (lr, batch, sync, decay) in enumerate(((6e-4, 16, "naive", 0.0), (1e-3, 32, "bucketed", 0.1),
                                                   (2e-3, 8, "ddp", 0.2), (3e-4, 64, "zero1", 0.3))):
         long_run(runs / f"tr{i + 1}", 2, tokens=2048 * (i + 1), **{
             "train.lr": lr, "train.batch_size": batch, "model.n_layer": 2 * (i + 1), "data.seq_len": 64 * (i + 1),
             "parallel.dp_sync": sync, "train.warmup_steps": i, "train.weight_decay": decay})
-    for chunks in (2, 8):
-        engine_run(runs / "eng" / f"m{chunks}", [0.4, 0.3], chunks=chunks)
+    for chunks in (2, 8):  # make demo's engine sweep: four schedules, their closed forms in the legend beside
+        for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb1p", 1)):
+            engine_run(runs / "eng" / f"parallel.pp_schedule={schedule},parallel.pp_virtual={virtual},"
+                                      f"parallel.chunks={chunks}", [0.4, 0.3], chunks=chunks, pp_schedule=schedule,
+                       virtual=virtual)
 
 
 def clash(a: Bbox, b: Bbox) -> bool:
@@ -156,3 +160,21 @@ def test_a_pipeline_short_of_its_closed_form_says_why(tmp_path: Path, drawn: dic
     for name, runs_named in (("pipeline_vs_model_parallel.png", "(m4)"), ("pipeline_bubble.png", "(e8)")):
         note = " ".join(drawn[name]._supxlabel.get_text().split())
         assert f"Short of the closed form {runs_named}: the closed form counts compute alone" in note, name
+
+
+def test_a_legend_of_long_names_stays_inside_its_figure() -> None:
+    """`make demo`'s memory figure named three pipeline lines in one entry 200 characters long: the legend ran over
+    the title and off the figure's left edge. Entries wrap instead."""
+    import matplotlib.pyplot as plt
+
+    with plt.rc_context(canvas.STYLE):  # the report's style: constrained layout, its size and fonts
+        fig, ax = plt.subplots()
+    name = "none (one replica) pp=2 gpipe, N=6,698,496"
+    ax.plot([1, 2], [1, 2], label=" = ".join([name] * 4) + " (identical)")
+    ax.plot([1, 2], [2, 1], label="zero1")
+    ax.set_title("Memory per rank vs W (dashed, ×: closed form)")
+    canvas.legend(fig)
+    try:
+        assert layout_faults(fig) == []
+    finally:
+        plt.close(fig)
