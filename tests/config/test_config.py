@@ -52,6 +52,13 @@ def test_cross_key_checks():
         load_config(None, ["train.batch_size=10", "parallel.dp=4"])
     with pytest.raises(ConfigError, match="parallel.chunks=8 exceeds the per-rank micro-batch of 4"):
         load_config(None, ["train.batch_size=4", "parallel.pp_mode=pipeline_parallel", "parallel.chunks=8"])
+    pipeline = ["parallel.pp=2", "parallel.chunks=4"]
+    with pytest.raises(ConfigError) as error:  # 5 sequences leave one over from 4 micro-batches
+        load_config(None, ["train.batch_size=5", *pipeline])
+    assert str(error.value) == ("train.batch_size=5 gives 5 sequences per replica and micro-step (batch_size / (dp * "
+                                "grad_accum)), which do not divide into parallel.chunks=4 micro-batches; use a "
+                                "train.batch_size that is a multiple of 4")
+    assert load_config(None, ["train.batch_size=8", *pipeline]).parallel.chunks == 4
 
 
 def test_pipeline_modes_refuse_data_parallel_ranks():

@@ -83,6 +83,8 @@ def test_data_partitioner_fractions() -> None:
     assert sorted(x for i in range(3) for x in parts.use(i)) == data
     uneven = DataPartitioner(list(range(100)), (0.7, 0.2, 0.1))
     assert [len(uneven.use(i)) for i in range(3)] == [70, 20, 10]
+    # 0.29 * 100 is 28.999999999999996 and 0.57 * 100 is 56.99999999999999 in floating point: still 29 and 57
+    assert [len(DataPartitioner(list(range(100)), (0.29, 0.57)).use(i)) for i in range(2)] == [29, 57]
     with pytest.raises(GptparError, match="summing to <= 1"):
         DataPartitioner(data, [0.6, 0.6])
 

@@ -213,6 +213,17 @@ def test_a_pipeline_adds_the_tied_embedding_all_reduce_and_the_grouped_clip() ->
     assert predict(single, one, network(), "test cpu").compute_s == pytest.approx(8 * 3)
 
 
+def test_a_sharded_optimizer_is_priced_for_its_shard_only() -> None:
+    """zero1 steps 1/dp of the parameters on each rank, bucketed all of them: at the calibration's 5 s per 1,000
+    parameters (both the plain and the grouped clip's step), dp=2 saves half the whole step's optimizer time."""
+    whole, sharded = (layout(*EIGHT_BLOCKS, "parallel.dp=2", f"parallel.dp_sync={sync}")
+                      for sync in ("bucketed", "zero1"))
+    calib = calibration(whole)
+    calib.compute["optimizer"] = calib.compute["optimizer_grouped"] = [[1e3, 5.0], [1e9, 5.0 * 1e6]]
+    plain, shard = (predict(lay, calib, network(), "test cpu").compute_s for lay in (whole, sharded))
+    assert plain - shard == pytest.approx(whole.rank_parameters(0) * 5e-3 / 2)
+
+
 def test_our_tensor_parallel_pieces_take_the_grouped_clip_and_torchs_take_torchs() -> None:
     """Our tp pieces sum the norm's squares per tensor over the tp group (the grouped clip, here 5 s per 1,000
     parameters); torch's DTensor pieces take torch's own norm (free here), as Trainer._norm_plan picks them, and the

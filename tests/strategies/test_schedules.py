@@ -94,6 +94,11 @@ def test_weighted_peaks_and_priced_actions() -> None:
     assert peak == 41.0
     twice = simulate(schedule("1f1b", 2, 4), cost_of=lambda a: 2.0 if a.kind == "F" else 4.0)
     assert twice.makespan == 2 * simulate(schedule("1f1b", 2, 4)).makespan
+    # one micro-batch, stage 1 twice as slow: F0 [0, 1], F1 [1, 3], B1 [3, 5], B0 [5, 6]; rank 0 idles 4 of 6,
+    # rank 1 2 of 6, and the bubble is their mean
+    uneven = simulate(schedule("gpipe", 2, 1), cost_of=lambda a: 2.0 if a.stage == 1 else 1.0)
+    assert uneven.makespan == 6.0 and uneven.idle == pytest.approx([4 / 6, 2 / 6])  # exact but for 1 - b / 6's rounding
+    assert uneven.bubble == pytest.approx(0.5)
 
 
 def test_zero_bubble_beats_1f1b_which_beats_gpipe_on_memory_only() -> None:

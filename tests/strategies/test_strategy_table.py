@@ -68,6 +68,7 @@ def test_the_config_the_reference_and_the_closed_form_read_the_rows(monkeypatch:
     assert closed_form_state_bytes("zero2", 1000, 4) == 4000 + 12_000 / 4
 
 
+
 def test_each_schedule_row_is_what_the_engine_and_the_simulator_read() -> None:
     for name, row in SCHEDULES.items():
         virtual = 2 if row.interleaved else 1

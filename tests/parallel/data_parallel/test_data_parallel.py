@@ -209,3 +209,13 @@ def test_bucket_plan_reverse_order_skips_frozen_and_respects_size() -> None:
         sizes = [p.numel() * p.element_size() for p in bucket]
         assert sum(sizes[:-1]) < cap
     assert len(buckets) > 5
+
+
+def test_a_bucket_that_reaches_the_cap_exactly_is_closed() -> None:
+    """Three 16-byte fp32 parameters with a 32-byte cap, taken last to first: the first two fill the cap exactly and
+    close the bucket (size >= cap), so the third starts a new one; a change of dtype starts one too."""
+    a, b, c = (nn.Parameter(torch.zeros(4)) for _ in range(3))
+    assert plan_buckets([a, b, c], 32) == [[c, b], [a]]
+    assert plan_buckets([a, b, c], 33) == [[c, b, a]]  # 32 < 33: still open when a arrives
+    half = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    assert plan_buckets([half, a, b], 1000) == [[b, a], [half]]

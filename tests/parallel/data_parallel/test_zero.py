@@ -21,6 +21,7 @@ from torch import nn
 
 from gptpar.errors import GptparError
 from gptpar.parallel.data_parallel.fsdp import FSDPSync
+from gptpar.parallel.data_parallel.sharded import Unit
 from gptpar.parallel.process_group import RankInfo
 from gptpar.train.checkpoint import export_checkpoint
 
@@ -163,6 +164,24 @@ def test_a_resumed_run_continues_bitwise_where_it_stopped(results: Path, name: s
         assert b["losses"] == [a["losses"][1]]
         for param in a["params"]:
             assert torch.equal(a["params"][param], b["params"][param]), param
+
+
+def _shard_layout(sizes: tuple[int, ...], world: int, rank: int) -> tuple[int, int, list[tuple[str, int, int, int]]]:
+    """(shard size, flat buffer length, each piece's (name, start, end, at)) of rank `rank`'s Unit (zero1's layout) over
+    fresh parameters of `sizes` (it re-points them at its buffer)."""
+    named = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate(sizes)]
+    shards = Unit(named, world, rank, torch.device("cpu"), separate_shard=False)
+    return shards.shard_size, shards.full.numel(), [(p.name, p.start, p.end, p.at) for p in shards.pieces]
+
+
+def test_shards_are_ceil_n_over_w_and_hold_each_element_once() -> None:
+    """7 + 5 = 12 values over 3 ranks: shards of 4 and no padding, rank 1's shard p0[4:7] then p1[0:1]; 13 values:
+    shards of ceil(13 / 3) = 5, the last padded with 2."""
+    assert [_shard_layout((7, 5), 3, r) for r in range(3)] == [
+        (4, 12, [("p0", 0, 4, 0)]), (4, 12, [("p0", 4, 7, 0), ("p1", 0, 1, 3)]), (4, 12, [("p1", 1, 5, 0)])]
+    assert [_shard_layout((7, 6), 3, r)[2] for r in range(3)] == [
+        [("p0", 0, 5, 0)], [("p0", 5, 7, 0), ("p1", 0, 3, 2)], [("p1", 3, 6, 0)]]
+    assert _shard_layout((7, 6), 3, 2)[:2] == (5, 15)
 
 
 def test_zero1_with_a_pipeline_is_a_one_line_error() -> None:
