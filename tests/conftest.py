@@ -8,7 +8,7 @@ import contextlib
 import multiprocessing.process
 import os
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -126,3 +126,15 @@ def shakespeare_dir() -> Path:
         pytest.skip("../shared/data/tinyshakespeare.txt is not present")
     return SHARED_DATA
 
+
+
+def command_words(*groups: Iterable[str]) -> list[str]:
+    """The words of `groups` in order, a later `section.key=value` replacing an earlier one of the same key (in the
+    earlier's place): gptpar refuses a key given twice on one command line."""
+    words: list[str] = []
+    for word in (w for group in groups for w in group):
+        key, eq, _ = word.partition("=")
+        if eq and "." in key and not key.startswith("-"):
+            words = [w for w in words if w.partition("=")[0] != key]
+        words.append(word)
+    return words

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from conftest import REPO
+from conftest import REPO, command_words
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -55,8 +55,9 @@ def test_training_and_the_report_run_without_the_extras_and_an_hf_source_names_i
         out = subprocess.run([sys.executable, "-c", f"{hide}; sys.exit(main({argv!r}))"], capture_output=True,
                              text=True, cwd=REPO, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
-    out = subprocess.run([sys.executable, "-c", f"{hide}; sys.exit(main({[*tiny, 'data.source=hf:x/y']!r}))"],
-                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    hf = command_words(tiny, ["data.source=hf:x/y"])
+    out = subprocess.run([sys.executable, "-c", f"{hide}; sys.exit(main({hf!r}))"], capture_output=True, text=True,
+                         cwd=REPO, timeout=300)
     assert out.returncode == 2
     assert out.stderr.strip() == ("gptpar: error: data.source=hf:x/y needs the hf extra: pip install 'gptpar[hf]' "
                                   "(or make install)")

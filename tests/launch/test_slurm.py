@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import command_words
 
 from gptpar import api
 from gptpar.launch.backend import scheduler_state
@@ -67,6 +68,7 @@ def read_job_record(run: Path) -> dict[str, str]:
 
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None) -> str:
+    cmd = command_words(cmd)  # LIMIT's keys replace TINY's: a command line takes each key once
     result = subprocess.run(cmd, cwd=cwd, env=env or clean_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, f"{cmd} failed:\n{result.stdout}\n{result.stderr}"
     return result.stdout

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, command_words
 from rank_training import BASE, make_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from wandb.proto import wandb_internal_pb2
@@ -145,7 +145,7 @@ def test_a_missing_package_is_one_line_naming_the_setting_and_the_extra(tmp_path
     """The packages' imports fail for real in a fresh process, as on a machine without them."""
     code = ("import sys\nfrom gptpar.cli import main\nsys.modules['tensorboard'] = sys.modules['wandb'] = None\n"
             "for extra in sys.argv[1:]:\n    assert main(['train', *extra.split()]) == 2\n")
-    common = " ".join([*BASE, *RUN, f"log.runs_dir={tmp_path}"])
+    common = " ".join(command_words(BASE, RUN, [f"log.runs_dir={tmp_path}"]))
     done = subprocess.run([sys.executable, "-c", code, f"{common} log.run_id=a log.tensorboard=true",
                            f"{common} log.run_id=b log.wandb=offline"], capture_output=True, text=True, cwd=REPO,
                           timeout=120)
