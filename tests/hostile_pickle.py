@@ -6,6 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# The global the pickle names, as this Python spells it (io.open on 3.11; another version may name its module
+# otherwise): a refusal names it so.
+CALLED = f"{open.__module__}.{open.__qualname__}"
+
 
 class RunsCode:
     """Pickled as a call of io.open on the marker: unpickling it without restriction creates the marker file."""

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from gloo_pool import GlooPools
-from hostile_pickle import RunsCode
+from hostile_pickle import CALLED, RunsCode
 from rank_training import BASE, assert_trains_like_one_process, make_config, reference_run, save_cases, saved_ranks
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
@@ -261,7 +261,7 @@ def test_weights_that_would_run_code_are_refused_in_one_line_and_run_none(folder
     with pytest.raises(GptparError) as error:
         build_model(cfg.model, 400, seed=1, seq_len=64)
     assert not marker.exists()
-    assert str(error.value) == (f"model.init=pretrained:{folder}: refused to load its weights: they name io.open, "
+    assert str(error.value) == (f"model.init=pretrained:{folder}: refused to load its weights: they name {CALLED}, "
                                 "which weights never hold (loading them could run code); save the model there again "
                                 "with save_pretrained, from a source you trust")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from gloo_pool import GlooPools
-from hostile_pickle import RunsCode
+from hostile_pickle import CALLED, RunsCode
 from logsets import Rank, config
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -144,8 +144,8 @@ def test_export_is_one_plain_file(tmp_path: Path) -> None:
     assert all(torch.equal(exported["train"]["model"][k], v) for k, v in model.items())
 
 
-REFUSAL = ("refused to load{value}: it names io.open, which a checkpoint never holds; gptpar did not write this file "
-           "as it is (loading it could run code): do not use this folder")
+REFUSAL = ("refused to load{value}: it names " + CALLED + ", which a checkpoint never holds; gptpar did not write this "
+           "file as it is (loading it could run code): do not use this folder")
 
 
 def _hostile_checkpoint(run_dir: Path, where: str, marker: Path) -> tuple[Path, str]:
