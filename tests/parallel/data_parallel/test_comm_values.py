@@ -24,6 +24,7 @@ come from the node's copy of the parameters: on a GPT-2 of two blocks (units gat
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,9 @@ POWERSGD_TOLERANCE = 3e-6
 MODES = {sync: [c for c in row.grad_comm if c != "powersgd"] for sync, row in DP_STRATEGIES.items() if sync != "fsdp2"}
 
 Named = dict[str, torch.Tensor]
+
+
+BUILDING = threading.Lock()  # thread ranks share torch's default generator: a model is built by one at a time
 
 
 def tiny_model() -> nn.Module:
@@ -146,7 +150,8 @@ def run_sync(world: int, dp_sync: str, grad_comm: str, steps: int = 1, task: Tas
     """`steps` steps of the sync named on `world` thread ranks training `task`, each on its own batch, after
     `prepare(sync)`."""
     def rank_main(rank: int) -> RankRun:
-        model = task.model()
+        with BUILDING:  # seeding and drawing from the process-wide generator, one rank at a time
+            model = task.model()
         pcfg = ParallelConfig(dp=world, dp_sync=dp_sync, grad_comm=grad_comm, quant_block=BLOCK,
                               bucket_mb=BUCKET_MB, powersgd_rank=RANK, **settings)
         node = dist.group.WORLD if pcfg.hpz else None  # hpZ's node group: all of dp (one node)
@@ -172,6 +177,10 @@ def run_sync(world: int, dp_sync: str, grad_comm: str, steps: int = 1, task: Tas
             run.powersgd_error = sync.powersgd.error_dict.get(0)  # its one bucket's (ddp.py)
         return run
 
+    # The task's forward and backward once in this thread first: a kernel's first call (its library choosing or
+    # generating code for a shape) made by three rank threads at once sometimes summed in another order than this
+    # thread's reference does later (the first thread-rank test of a process failed 1 time in 15, by ~2,000 bounds).
+    task.loss(task.model(), task.batch(0, 0)).backward()
     return run_threads(world, rank_main)
 
 
