@@ -138,3 +138,27 @@ def command_words(*groups: Iterable[str]) -> list[str]:
             words = [w for w in words if w.partition("=")[0] != key]
         words.append(word)
     return words
+
+
+@contextlib.contextmanager
+def figures_kept() -> Iterator[dict]:
+    """Within, every figure the report writes is kept by file name (after it is written), for a test to inspect."""
+    import analysis.canvas as canvas
+
+    kept: dict = {}
+    write = canvas.write
+
+    def keep(fig, path: Path, dpi: int | None = None) -> None:  # noqa: ANN001 - a matplotlib Figure
+        write(fig, path, dpi)
+        kept[path.name] = fig
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(canvas, "write", keep)
+        yield kept
+
+
+@pytest.fixture
+def drawn() -> Iterator[dict]:
+    """Every figure the report writes in the test, by file name (figures_kept)."""
+    with figures_kept() as kept:
+        yield kept

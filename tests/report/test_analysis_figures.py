@@ -26,20 +26,6 @@ from gptpar.errors import GptparError
 LATER = T0 + 3600.0
 
 
-@pytest.fixture
-def drawn(monkeypatch: pytest.MonkeyPatch) -> dict[str, Figure]:
-    """Every figure the report writes, by file name, kept for inspection after it is written."""
-    kept: dict[str, Figure] = {}
-    write = canvas.write
-
-    def keep(fig: Figure, path: Path, dpi: int | None = None) -> None:
-        write(fig, path, dpi)
-        kept[path.name] = fig
-
-    monkeypatch.setattr(canvas, "write", keep)
-    return kept
-
-
 def legend_labels(fig: Figure) -> list[str]:
     return [text.get_text() for legend in fig.legends for text in legend.get_texts()]
 

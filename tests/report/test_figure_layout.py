@@ -8,6 +8,7 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
+from conftest import figures_kept
 from logsets import T0, Rank, config, dp_run, engine_run
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -20,20 +21,6 @@ from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
 LATER = T0 + 3600.0
 N = 1000  # parameters of the memory runs
 STRATEGIES = ("naive", "bucketed", "ddp", "zero1", "zero2", "fsdp")  # six lines that all start at W=1
-
-
-@pytest.fixture
-def drawn(monkeypatch: pytest.MonkeyPatch) -> dict[str, Figure]:
-    """Every figure the report writes, by file name, kept for inspection after it is written."""
-    kept: dict[str, Figure] = {}
-    write = canvas.write
-
-    def keep(fig: Figure, path: Path, dpi: int | None = None) -> None:
-        write(fig, path, dpi)
-        kept[path.name] = fig
-
-    monkeypatch.setattr(canvas, "write", keep)
-    return kept
 
 
 def memory_run(path: Path, strategy: str, w: int) -> None:
@@ -111,17 +98,9 @@ def layout_faults(fig: Figure) -> list[str]:
 @pytest.fixture(scope="module")
 def crowded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Figure]:
     """The figures of crowded_set's report, drawn once for the tests that read them."""
-    kept: dict[str, Figure] = {}
-    write = canvas.write
-
-    def keep(fig: Figure, path: Path, dpi: int | None = None) -> None:
-        write(fig, path, dpi)
-        kept[path.name] = fig
-
     root = tmp_path_factory.mktemp("crowded")
     crowded_set(root / "runs")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(canvas, "write", keep)
+    with figures_kept() as kept:
         report(root / "runs", root / "out", now=LATER, workers=1)  # 25 runs: in this process, not a pool
     return kept
 

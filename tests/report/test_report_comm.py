@@ -11,25 +11,10 @@ import pytest
 from logsets import T0, comm_run
 from matplotlib.figure import Figure
 
-import analysis.canvas as canvas
 from analysis.report import report
 
 LATER = T0 + 3600.0
 STEP_S = {"fp32": 1.0, "bf16": 0.9, "int8": 1.2}  # int8's quantisation costs more than its bytes save on a CPU
-
-
-@pytest.fixture
-def drawn(monkeypatch: pytest.MonkeyPatch) -> dict[str, Figure]:
-    """Every figure the report writes, by file name, kept for inspection after it is written."""
-    kept: dict[str, Figure] = {}
-    write = canvas.write
-
-    def keep(fig: Figure, path: Path, dpi: int | None = None) -> None:
-        write(fig, path, dpi)
-        kept[path.name] = fig
-
-    monkeypatch.setattr(canvas, "write", keep)
-    return kept
 
 
 def heights(ax) -> list[float]:
