@@ -30,10 +30,12 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --disable-pip-version-check $(TORCH_SPEC) $(QUIET_PIP)
 	@echo "installing the tested lock (requirements.lock: every extra and the dev tools; minutes)"
 	$(PY) -m pip install --disable-pip-version-check -r requirements.lock $(QUIET_PIP)
+	@echo "installing Holistic Trace Analysis without its declared dependencies (it pins jupyterlab, unused; the trace extra holds what it imports)"
+	$(PY) -m pip install --disable-pip-version-check --no-deps holistictraceanalysis==0.5.0 $(QUIET_PIP)
 	@echo "installing gptpar itself (editable: the checkout is the package)"
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e . $(QUIET_PIP)
 	@echo "checking that every package imports (up to a minute on a busy login node)"
-	$(PY) -c "import torch, transformers, datasets, sacrebleu, tensorboard, wandb, submitit, pytest, gptpar, analysis"
+	$(PY) -c "import torch, transformers, datasets, sacrebleu, tensorboard, wandb, submitit, peft, deepspeed, hta, pytest, gptpar, analysis"
 	rm -f $(VENV)/.installed*
 	touch $(STAMP)
 	@echo "installed; check this node with: $(GPTPAR) doctor"
