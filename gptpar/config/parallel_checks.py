@@ -92,6 +92,11 @@ def check_data_parallel(cfg: Config) -> None:
         keeping = [name for name, r in DP_STRATEGIES.items() if r.hpz]
         raise ConfigError(f"parallel.hpz=true is not built for parallel.dp_sync={p.dp_sync}; use "
                           f"parallel.dp_sync={either(keeping)}, or parallel.hpz=false")
+    if p.offload != "none" and p.offload not in row.offloads:
+        moving = [name for name, r in DP_STRATEGIES.items() if p.offload in r.offloads]
+        use = f"use parallel.dp_sync={either(moving)}, or " if moving else ""
+        raise ConfigError(f"parallel.offload={p.offload} is not built for parallel.dp_sync={p.dp_sync}; "
+                          f"{use}parallel.offload=none")
     if p.hpz and p.hpz_node_size:
         hpz_node_size(p.hpz_node_size, p.dp, p.tp, 0)
     if p.pp > 1 and row.without_pipeline:

@@ -12,7 +12,7 @@ from typing import Any
 from gptpar.architectures import ARCHS
 from gptpar.presets import PRESETS, ModelShape
 from gptpar.pretrained import folder_of, folder_shape
-from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, PARAM_COMMS, either, strategies_where
+from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, OFFLOADS, PARAM_COMMS, either, strategies_where
 from gptpar.strategies.pipeline import SCHEDULES
 from gptpar.strategies.tensor_parallel import TP_IMPLS
 
@@ -269,6 +269,10 @@ class ParallelConfig:
     hpz_node_size: int = opt(0, "parallel.hpz: data-parallel ranks per hpZ group (a divisor of parallel.dp); 0: those "
                              "on one node, the launcher's ranks per node (LOCAL_WORLD_SIZE, SLURM's tasks per node) "
                              "over parallel.tp, at most parallel.dp.", min=0, max=65_536)
+    offload: str = opt("none", "What lives on the host instead of the device (each strategy row's `offloads` says "
+                       "which it moves): none; optimizer: the optimizer state and its step run on the host; params: "
+                       "the parameters, gradients and optimizer state. On a CPU-only machine host and device are one "
+                       "memory, and the memory record's host_bytes still counts what moved.", choices=OFFLOADS)
     quant_block: int = opt(256, "parallel.grad_comm=int8 and parallel.param_comm=int8: values per quantisation block "
                            "(one fp32 scale each); each gradient or bucket is padded to a multiple of dp * "
                            "quant_block, each parameter shard to a multiple of quant_block.", min=1, max=2**24)

@@ -23,6 +23,8 @@ GRAD_COMMS = (*HALF, "int8", "powersgd")
 # parallel.param_comm: how a sync that shards the parameters gathers them. bf16 casts each shard for the wire; int8 is
 # ZeRO++'s qwZ, each shard in blocks of parallel.quant_block values with one fp32 scale each (param_comm.py).
 PARAM_COMMS = ("fp32", "bf16", "int8")
+# parallel.offload: what a strategy keeps on the host instead of the device.
+OFFLOADS = ("none", "optimizer", "params")
 # Bytes per value on the wire, by parallel.grad_comm or parallel.param_comm type (the syncs count them, the planner
 # prices them); int8 adds a 4-byte scale per parallel.quant_block values.
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -76,6 +78,7 @@ class DataParallelStrategy:
     expert_parallel: bool = False  # syncs the dense parameters only, beside parallel.ep's expert shards
     param_comm: tuple[str, ...] = ("fp32",)  # the parallel.param_comm types it gathers parameters in
     hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
+    offloads: tuple[str, ...] = ()  # the parallel.offload values (besides none) it can run with
     pricing: Pricing | None = None
 
     @property
