@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("gptpar", "analysis", "bench")
 LAYERS = [
     # the floor: no parallelism, no config; what every layer may use, itself in three steps
-    {"gptpar", "errors", "clock", "markdown", "tensor_bytes", "hardware", "hub", "architectures"},
+    {"gptpar", "errors", "clock", "markdown", "tensor_bytes", "hardware", "hub", "architectures", "launchers"},
     {"atomic", "paths", "presets"},
     {"pretrained", "snapshot", "flops"},
     {"strategies"},  # torch-free tables of each parallelism: what the config and the planner read
@@ -40,9 +40,11 @@ LAYERS = [
 ]
 LAYER = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 # A table that names code by "module:Class" string is not the one that imports it: the loader is, the one of its
-# loaders whose package holds the named module (a name under none of them counts as the table's own import).
+# loaders whose package (a loader that is a module: the package it sits in) holds the named module (a name under none
+# of them counts as the table's own import).
 LOADERS = {"gptpar.strategies.data_parallel": ("gptpar.parallel.data_parallel",),
-           "gptpar.architectures": ("gptpar.models", "gptpar.parallel.tensor_parallel")}
+           "gptpar.architectures": ("gptpar.models", "gptpar.parallel.tensor_parallel"),
+           "gptpar.launchers": ("gptpar.launch.backend",)}
 
 # Nothing is left to excuse: every import points down its layers and none closes a circle.
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -104,7 +106,13 @@ def named_classes(path: Path) -> Iterator[str]:
 
 def loader_of(table: str, named: str) -> str:
     """The module that loads `named`, a module a "module:Class" string of `table` names."""
-    return next((loader for loader in LOADERS.get(table, ()) if f"{named}.".startswith(f"{loader}.")), table)
+    return next((loader for loader in LOADERS.get(table, ()) if f"{named}.".startswith(f"{package_of(loader)}.")),
+                table)
+
+
+def package_of(module: str) -> str:
+    """The package a module's loads must sit in: the module itself where it is a package, else its parent."""
+    return module if Path(REPO, *module.split(".")).is_dir() else module.rpartition(".")[0]
 
 
 def import_graph(extra: dict[str, set[str]] | None = None) -> dict[str, set[str]]:

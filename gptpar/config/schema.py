@@ -1,6 +1,7 @@
 """The config's schema: one frozen dataclass per section, every field with its help text, allowed values and
 range in its metadata, so validation, error messages and docs/config_reference.md all come from here.
-Choices that name strategies are the strategy tables themselves (gptpar/strategies), read live."""
+Choices that name strategies or launchers are their tables themselves (gptpar/strategies, gptpar/launchers.py),
+read live."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gptpar.architectures import ARCHS
+from gptpar.launchers import CLUSTERS, DEFAULT_LAUNCHER, LAUNCHERS
 from gptpar.presets import PRESETS, ModelShape
 from gptpar.pretrained import folder_of, folder_shape
 from gptpar.strategies.data_parallel import DP_STRATEGIES, GRAD_COMMS, OFFLOADS, PARAM_COMMS, either, strategies_where
@@ -298,10 +300,10 @@ class ParallelConfig:
 class LaunchConfig:
     profile: str = opt("local", "Cluster profile: a name in gptpar/cluster/profiles/ or a path to a .yaml file.")
     cluster: str = opt("auto", "auto: SLURM when reachable, else local processes.",
-                       choices=("auto", "slurm", "local"))
-    launcher: str = opt("sbatch", "How a job is handed over: sbatch (gptpar's templated script) or submitit (a Python "
-                        "callable through submitit, run from a snapshot of the code; SLURM or submitit's local "
-                        "executor, as launch.cluster decides).", choices=("sbatch", "submitit"))
+                       choices=("auto", *CLUSTERS))
+    launcher: str = opt(DEFAULT_LAUNCHER, "How a job is handed over (the table in gptpar/launchers.py): " +
+                        " or ".join(f"{name} ({row.help})" for name, row in LAUNCHERS.items()) + ".",
+                        choices=LAUNCHERS)
     partition: str = opt("", "SLURM partition; empty uses the profile's default.")
     account: str = opt("", "SLURM account (-A).")
     qos: str = opt("", "SLURM QOS (-q).")

@@ -4,7 +4,8 @@ A backend submits the points of one job spec, reports a job's state, and cancels
 submitit makes between its core, slurm and local executors). `submit`, `sweep`, `status` and a
 `gptpar train` that starts its own ranks never branch on the backend themselves. Where a job runs
 (launch.cluster: SLURM or this machine) is decided first, by one rule; how it is handed over
-(launch.launcher: gptpar's sbatch script, or submitit) second.
+(launch.launcher: gptpar's sbatch script, or submitit) second, by the launcher's row in gptpar/launchers.py,
+whose backends and --dry-run text are loaded here by name: this module names no launcher.
 """
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ import shutil
 import signal
 import socket
 from collections.abc import Sequence
+from importlib import import_module
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from gptpar.config import LaunchConfig
 from gptpar.errors import GptparError
 from gptpar.launch import slurm
-from gptpar.launch.local import LocalBackend
 from gptpar.launch.prepare import Point
 from gptpar.launch.profiles import JobSpec
-from gptpar.launch.render import render_script
-from gptpar.launch.submitit_backend import SubmititBackend, executor_text
+from gptpar.launchers import DEFAULT_LAUNCHER, LAUNCHERS
 from gptpar.run.folder import RunFolder
 from gptpar.run.state import LIVE_JOB_STATES, job_of, last_header, resume_hint
 
 
 class Backend(Protocol):
+    """What a launcher's row (gptpar/launchers.py) names for each cluster, as a class made with no argument."""
+
     name: str  # recorded in job.json; backend_named makes the backend again from it
     where: str  # said to the user before anything runs
     scheduler: str  # who holds its jobs, as messages name it ("SLURM"); "" where the run's own processes are the job
@@ -64,27 +66,30 @@ def _cluster(requested: str, profile: str) -> str:
     return "local"
 
 
+def _loaded(ref: str) -> Any:
+    """The object a launcher's row names by its "module:Object" string."""
+    module, _, name = ref.partition(":")
+    return getattr(import_module(module), name)
+
+
 def choose_backend(launch: LaunchConfig) -> Backend:
-    """Where (launch.cluster, by the rule of _cluster), then how (launch.launcher): SLURM through gptpar's sbatch
-    script or through submitit, or this machine as gptpar's local processes or submitit's local executor."""
-    cluster = _cluster(launch.cluster, launch.profile)
-    if launch.launcher == "submitit":
-        return SubmititBackend(cluster)
-    return slurm.SlurmBackend() if cluster == "slurm" else LocalBackend()
+    """Where (launch.cluster, by the rule of _cluster), then how: the launch.launcher row's backend for that cluster
+    (SLURM through gptpar's sbatch script or through submitit, or this machine as gptpar's local processes or
+    submitit's local executor)."""
+    return _loaded(LAUNCHERS[launch.launcher].backends[_cluster(launch.cluster, launch.profile)])()
 
 
 def backend_named(name: str) -> Backend:
-    """The backend a job record names (Backend.name)."""
-    if name in SubmititBackend.NAMES.values():
-        return SubmititBackend(next(c for c, n in SubmititBackend.NAMES.items() if n == name))
-    return slurm.SlurmBackend() if name == "slurm" else LocalBackend()
+    """The backend a job record names (Backend.name); a record naming none known (schema-1 folders' empty name) ran
+    as the default launcher's local processes."""
+    classes = [_loaded(ref) for row in LAUNCHERS.values() for ref in row.backends.values()]
+    fallback = _loaded(LAUNCHERS[DEFAULT_LAUNCHER].backends["local"])
+    return next((cls for cls in classes if cls.name == name), fallback)()
 
 
 def job_text(points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> str:
-    """What --dry-run prints for one job: the sbatch script, or (launch.launcher=submitit) submitit's parameters."""
-    if points[0].cfg.launch.launcher == "submitit":
-        return executor_text(points, spec, name, output_dir)
-    return render_script(points, spec, name, output_dir)
+    """What --dry-run prints for one job: the launcher's text (the sbatch script, or submitit's parameters)."""
+    return _loaded(LAUNCHERS[points[0].cfg.launch.launcher].dry_run)(points, spec, name, output_dir)
 
 
 def job_state(job: tuple[str, str] | None) -> str | None:

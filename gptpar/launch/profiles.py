@@ -17,6 +17,7 @@ from gptpar.cluster.shape import job_shape
 from gptpar.config import PRECISIONS, Config
 from gptpar.errors import GptparError
 from gptpar.hardware import peaks_of
+from gptpar.launchers import LAUNCHERS
 
 # Values written into #SBATCH lines: a comment line cannot be shell-quoted, so only plain tokens pass.
 SAFE_TOKEN = re.compile(r"[A-Za-z0-9_.:,+@-]*")
@@ -141,9 +142,9 @@ def resolve(cfg: Config, kind: str) -> JobSpec:
     shape = job_shape(cfg)
     gpus = max(shape.gpus_per_node, 1)
     cpus = launch.cpus_per_task or max(1, int(prof.get("cpus_per_gpu", 1)) * gpus // shape.tasks_per_node)
-    if time_seconds(launch.time) % 60 and launch.launcher == "submitit":
-        raise GptparError(f"launch.time={launch.time}: launch.launcher=submitit takes whole minutes; use a time "
-                          "ending in :00")
+    if time_seconds(launch.time) % 60 and LAUNCHERS[launch.launcher].whole_minutes:
+        raise GptparError(f"launch.time={launch.time}: launch.launcher={launch.launcher} takes whole minutes; use a "
+                          "time ending in :00")
     spec = JobSpec(
         kind=kind,
         profile=Path(launch.profile).stem,

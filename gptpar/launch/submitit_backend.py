@@ -85,16 +85,15 @@ def executor_text(points: Sequence[Point], spec: JobSpec, name: str, output_dir:
 
 
 class SubmititBackend:
-    """Jobs through submitit on SLURM or on its local executor; their states from scontrol (or the local
-    controller's process) and the run folder."""
+    """Jobs through submitit on SLURM (SubmititLocalBackend: on its local executor); their states from scontrol (or
+    the local controller's process) and the run folder."""
 
-    NAMES = {"slurm": "submitit", "local": "submitit-local"}  # cluster -> Backend.name (job.json)
+    cluster = "slurm"  # submitit's executor
+    name = "submitit"  # Backend.name (job.json)
+    where = "SLURM through submitit"
+    scheduler = "SLURM"
 
-    def __init__(self, cluster: str) -> None:
-        self.cluster = cluster
-        self.name = self.NAMES[cluster]
-        self.where = "SLURM through submitit" if cluster == "slurm" else "submitit's local executor on this machine"
-        self.scheduler = "SLURM" if cluster == "slurm" else "submitit's local executor"
+    def __init__(self) -> None:
         self.jobs: dict[str, Any] = {}  # submitit's Job of each job id submitted here (the Python API's handles)
 
     def submit(self, points: Sequence[Point], spec: JobSpec, name: str, output_dir: Path) -> list[str]:
@@ -165,6 +164,15 @@ class SubmititBackend:
             SlurmBackend().cancel(job_id)
         elif (pid := _local_controller(job_id)) is not None:
             os.kill(pid, signal.SIGTERM)
+
+
+class SubmititLocalBackend(SubmititBackend):
+    """Jobs through submitit's local executor on this machine."""
+
+    cluster = "local"
+    name = "submitit-local"
+    where = "submitit's local executor on this machine"
+    scheduler = "submitit's local executor"
 
 
 def _one_line(exc: Exception, where: str) -> str:

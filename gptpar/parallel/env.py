@@ -3,9 +3,10 @@
 Pure functions of an env mapping, importable without torch, so every launcher's quirks are
 unit-tested without a cluster. submitit's TorchDistributedEnvironment is not used: it would treat an
 sbatch batch script as rank 0 of N (see the launcher rule below) and by default rewrites
-CUDA_VISIBLE_DEVICES, which gptpar never does. A submitit job (launch.launcher=submitit) is read here
-from the variables submitit's JobEnvironment reads: SLURM_* under srun, and SUBMITIT_LOCAL_* on its local
-executor, whose tasks get no SLURM_* at all.
+CUDA_VISIBLE_DEVICES, which gptpar never does. A task of a launcher that marks its tasks (its row in
+gptpar/launchers.py) is read from SLURM_* under srun, and from the launcher's own variables where it starts its
+tasks itself: a submitit job (launch.launcher=submitit) from those submitit's JobEnvironment reads, SLURM_* under
+srun and SUBMITIT_LOCAL_* on its local executor, whose tasks get no SLURM_* at all.
 
 Launcher rule: torchrun's RANK/WORLD_SIZE win. SLURM counts only inside a job *step*
 (SLURM_STEP_ID set, i.e. under srun) or when the job has a single task: an sbatch batch script
@@ -21,14 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from gptpar.errors import GptparError
+from gptpar.launchers import TaskVars, started_by
 
 LAUNCHER_MARKER = "GPTPAR_LAUNCHER"  # set by gptpar's local launchers, so a rank reports which one started it
 LAUNCHER_PID = "GPTPAR_LAUNCHER_PID"  # the local launcher's pid, so its ranks can tell when it is gone
-SUBMITIT_EXECUTOR = "SUBMITIT_EXECUTOR"  # submitit sets it in its jobs: "slurm", or "local" for its local executor
-# What submitit's local executor gives each task (submitit.local.local.LocalJobEnvironment's variables).
-SUBMITIT_LOCAL = {"job_id": "SUBMITIT_LOCAL_JOB_ID", "num_tasks": "SUBMITIT_LOCAL_NTASKS",
-                  "num_nodes": "SUBMITIT_LOCAL_JOB_NUM_NODES", "global_rank": "SUBMITIT_LOCAL_GLOBALID",
-                  "local_rank": "SUBMITIT_LOCAL_LOCALID"}
 PORT_BASE, PORT_SPAN = 20000, 20000  # SLURM-derived ports stay in 20000..39999 (unprivileged)
 
 
@@ -36,7 +33,8 @@ PORT_BASE, PORT_SPAN = 20000, 20000  # SLURM-derived ports stay in 20000..39999 
 class Layout:
     """Where this process sits, as read from the environment (before backend/device are chosen)."""
 
-    launcher: str  # torchrun | slurm | submitit | local (gptpar's launcher) | spawn (spawn_local, tests) | single
+    launcher: str  # torchrun | slurm | local (gptpar's launcher) | spawn (spawn_local, tests) | single | the name of
+    # a launcher row that marks its tasks (submitit)
     rank: int
     world_size: int
     local_rank: int
@@ -125,15 +123,14 @@ def is_slurm_step(env: Mapping[str, str]) -> bool:
     return "SLURM_STEP_ID" in env or int(env.get("SLURM_NTASKS", "1")) == 1
 
 
-def _submitit_local(env: Mapping[str, str]) -> Layout:
-    """A task of submitit's local executor: one node, the rendezvous port derived from its job id (the pid of
-    the executor's controller), as a SLURM job's is."""
-    names = SUBMITIT_LOCAL
-    world = int(env[names["num_tasks"]])
-    nodes = max(1, int(env.get(names["num_nodes"], "1")))
+def _local_task(launcher: str, names: TaskVars, env: Mapping[str, str]) -> Layout:
+    """A task a launcher started itself on this machine (submitit's local executor): one node, the rendezvous port
+    derived from its job id (for submitit, the pid of the executor's controller), as a SLURM job's is."""
+    world = int(env[names.num_tasks])
+    nodes = max(1, int(env.get(names.num_nodes, "1")))
     addr = env.get("MASTER_ADDR") or "127.0.0.1"
-    port = int(env.get("MASTER_PORT") or slurm_port(env[names["job_id"]]))
-    return Layout("submitit", int(env[names["global_rank"]]), world, int(env.get(names["local_rank"], "0")),
+    port = int(env.get("MASTER_PORT") or slurm_port(env[names.job_id]))
+    return Layout(launcher, int(env[names.global_rank]), world, int(env.get(names.local_rank, "0")),
                   world // nodes, addr, port)
 
 
@@ -146,9 +143,9 @@ def layout_from_env(env: Mapping[str, str]) -> Layout:
         rank, local_rank = int(env["RANK"]), int(env.get("LOCAL_RANK", 0))
         addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500))
         return Layout(launcher, rank, world, local_rank, local_world, addr, port)
-    submitit = env.get(SUBMITIT_EXECUTOR)
-    if submitit == "local" and SUBMITIT_LOCAL["global_rank"] in env:
-        return _submitit_local(env)
+    marked = started_by(env)  # a task of a launcher that marks its tasks (submitit)
+    if marked is not None and marked.local_tasks is not None and marked.local_tasks.global_rank in env:
+        return _local_task(marked.name, marked.local_tasks, env)
     if is_slurm_step(env):
         world = int(env.get("SLURM_NTASKS", "1"))
         rank, local_rank = int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0))
@@ -156,7 +153,7 @@ def layout_from_env(env: Mapping[str, str]) -> Layout:
         nodes = expand_nodelist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
         addr = env.get("MASTER_ADDR") or (nodes[0] if nodes else "127.0.0.1")
         port = int(env.get("MASTER_PORT") or slurm_port(env.get("SLURM_JOB_ID", "0")))
-        return Layout("submitit" if submitit == "slurm" else "slurm", rank, world, local_rank, local_world, addr, port)
+        return Layout(marked.name if marked else "slurm", rank, world, local_rank, local_world, addr, port)
     addr, port = env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500))
     return Layout("single", 0, 1, 0, 1, addr, port)
 

@@ -15,8 +15,8 @@ SIGKILL, it could not pass a signal on, and its ranks would otherwise train to t
 
 `scontrol requeue` reruns the job's script, i.e. `gptpar train config.yaml` in the same run folder,
 which resumes from the checkpoint; a stopped run resumes the same way when it is started again. A rank of a
-submitit job (launch.launcher=submitit) only stops: submitit requeues the job once the rank has exited
-(gptpar.launch.submitit_task).
+launcher that marks its tasks (gptpar/launchers.py: submitit, launch.launcher=submitit) only stops: the launcher's
+own task requeues the job once the rank has exited (gptpar.launch.submitit_task).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from types import FrameType
 
-from gptpar.parallel.env import LAUNCHER_PID, SUBMITIT_EXECUTOR, layout_from_env
+from gptpar.launchers import started_by
+from gptpar.parallel.env import LAUNCHER_PID, layout_from_env
 
 REQUEUE_SIGNAL = signal.SIGUSR2
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -150,10 +151,10 @@ def stop_request() -> tuple[str, str] | None:
 
 
 def can_requeue(env: Mapping[str, str] | None = None) -> bool:
-    """Only a SLURM job or a submitit job (on SLURM or its local executor) can be requeued; elsewhere a requeue
-    request is a stop."""
+    """Only a SLURM job or the job of a launcher that marks its tasks (submitit, on SLURM or its local executor) can
+    be requeued; elsewhere a requeue request is a stop."""
     env = os.environ if env is None else env
-    return bool(env.get("SLURM_JOB_ID") or env.get(SUBMITIT_EXECUTOR))
+    return bool(env.get("SLURM_JOB_ID") or started_by(env))
 
 
 def _is_rank_zero(env: Mapping[str, str]) -> bool:
@@ -161,15 +162,15 @@ def _is_rank_zero(env: Mapping[str, str]) -> bool:
 
 
 def requeue_current_job() -> bool:
-    """Requeue this SLURM job (rank 0 only); False outside SLURM, on other ranks, and in a submitit job (its
-    checkpoint() requeues the job once this rank has exited).
+    """Requeue this SLURM job (rank 0 only); False outside SLURM, on other ranks, and in the job of a launcher that
+    marks its tasks (submitit's checkpoint() requeues the job once this rank has exited).
 
     The job must have been submitted with `--requeue`. SLURM kills the running job and starts it
     again (SLURM_RESTART_COUNT + 1) in the same run folder, where the trainer resumes.
     """
     env = os.environ
     job_id = env.get("SLURM_JOB_ID")
-    if not job_id or not _is_rank_zero(env) or env.get(SUBMITIT_EXECUTOR):
+    if not job_id or not _is_rank_zero(env) or started_by(env):
         return False
     result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
     if result.returncode != 0:

@@ -1,0 +1,64 @@
+"""The one registry of launchers, importable without torch: each row names a way a job is handed over
+(launch.launcher), the code that does it as "module:Object" strings that gptpar.launch.backend loads by name (its
+Backend on each cluster launch.cluster may choose, and what --dry-run prints), and what the rest of gptpar needs of
+it without importing it: the config's choices and help, whether its time limit takes whole minutes (the job spec,
+gptpar.launch.profiles), and the variables it sets in the tasks it starts (the rank side: gptpar.parallel.env reads
+a rank's place from them, gptpar.train.preemption leaves the requeue to the launcher's own task).
+
+A new launcher: its row here and its backend module under gptpar/launch/ (docs/architecture.md's worked example).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+CLUSTERS = ("slurm", "local")  # where a job runs (launch.cluster, resolved): every launcher has a backend for each
+
+
+@dataclass(frozen=True)
+class TaskVars:
+    """Where a task that a launcher starts itself on this machine (no srun, no torchrun) finds its place: the names
+    of the variables holding its job's id (the rendezvous port derives from it), the task and node counts, and the
+    task's global and local rank."""
+
+    job_id: str
+    num_tasks: str
+    num_nodes: str
+    global_rank: str
+    local_rank: str
+
+
+@dataclass(frozen=True)
+class LauncherRow:
+    """One launcher: `name` is launch.launcher's value and the `launcher` its ranks report where it marks them."""
+
+    name: str
+    help: str  # launch.launcher's help text for it
+    backends: Mapping[str, str]  # each of CLUSTERS -> "module:Class" of its Backend (gptpar.launch.backend), made bare
+    dry_run: str  # "module:function" (points, spec, name, output_dir) -> the text --dry-run prints for one job
+    whole_minutes: bool = False  # its time limit takes whole minutes: a launch.time with seconds is refused
+    marker: str = ""  # a variable it sets in every task it starts: its ranks report it, and its own task requeues
+    local_tasks: TaskVars | None = None  # its tasks' places on this machine, where no srun gives SLURM's
+
+
+ROWS = (
+    LauncherRow("sbatch", "gptpar's templated script",
+                {"slurm": "gptpar.launch.slurm:SlurmBackend", "local": "gptpar.launch.local:LocalBackend"},
+                "gptpar.launch.render:render_script"),
+    LauncherRow("submitit", "a Python callable through submitit, run from a snapshot of the code; SLURM or "
+                "submitit's local executor, as launch.cluster decides",
+                {"slurm": "gptpar.launch.submitit_backend:SubmititBackend",
+                 "local": "gptpar.launch.submitit_backend:SubmititLocalBackend"},
+                "gptpar.launch.submitit_backend:executor_text", whole_minutes=True,
+                marker="SUBMITIT_EXECUTOR",  # "slurm", or "local" on its local executor
+                local_tasks=TaskVars("SUBMITIT_LOCAL_JOB_ID", "SUBMITIT_LOCAL_NTASKS", "SUBMITIT_LOCAL_JOB_NUM_NODES",
+                                     "SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID")),
+)
+LAUNCHERS: dict[str, LauncherRow] = {row.name: row for row in ROWS}
+DEFAULT_LAUNCHER = ROWS[0].name  # launch.launcher's default, and the backend of a job record naming none
+
+
+def started_by(env: Mapping[str, str]) -> LauncherRow | None:
+    """The launcher whose marker a task's environment carries; None for one no marking launcher started."""
+    return next((row for row in LAUNCHERS.values() if row.marker and env.get(row.marker)), None)
