@@ -300,7 +300,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     import json
 
-    from analysis.trace import analyse_run, table
+    from analysis.holistic import hta_table, with_hta
+    from analysis.trace import analyse_run, table, trace_files
     from gptpar.run.folder import RunFolder
 
     run = _run_path(args)
@@ -309,7 +310,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr)
     if not ranks:
         raise GptparError(f"no readable trace in {RunFolder(run).trace_dir}")
-    print("\n".join(json.dumps(r.to_dict()) for r in ranks) if args.json else table(ranks))
+    ranks, note = with_hta(ranks, dict(trace_files(run)))
+    if note:
+        print(note, file=sys.stderr)
+    if args.json:
+        print("\n".join(json.dumps(r.to_dict()) for r in ranks))
+    else:
+        print(table(ranks, hta_table(ranks) if any(r.hta for r in ranks) else ""))
     return 0
 
 
