@@ -542,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_checkpoint)
 
     p = _add(sub, "trace", "break a run's profiled steps (train.profile_steps) down per rank: compute, "
-             "communication, communication overlapped with compute, idle, and the top ops by self time",
+             "communication, communication overlapped with compute, idle, and the top ops by self time; on GPU "
+             "traces beside Holistic Trace Analysis's breakdown and overlap, and where the two disagree",
              "  gptpar trace dp2\n  gptpar trace runs/dp2 --top 20\n  gptpar trace dp2 --json")
     p.add_argument("run", help="run folder, or its name under --runs-dir")
     p.add_argument("--runs-dir", default="runs")
