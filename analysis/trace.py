@@ -42,6 +42,7 @@ from typing import Any
 
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
+from gptpar.run.logfile import rank_of
 
 Interval = tuple[float, float]  # [start, end) in microseconds, as the trace writes them
 
@@ -119,13 +120,21 @@ class Event:
         return self.start, self.end
 
 
-def read_events(path: Path) -> list[Event]:
-    """The complete events of a Chrome trace; a file that is not one is a one-line GptparError naming it."""
+@dataclass(frozen=True)
+class TraceFile:
+    events: list[Event]
+    world_size: int | None  # torch's distributedInfo, written where torch.distributed ran (absent in one process)
+
+
+def read_trace(path: Path) -> TraceFile:
+    """A Chrome trace's complete events and world size; a file that is not one is a one-line GptparError naming it."""
     try:
         data = json.loads(path.read_bytes())
         raw = data["traceEvents"]
-        return [Event(str(e["name"]), str(e.get("cat", "")), float(e["ts"]), float(e["ts"]) + float(e["dur"]),
-                      (e.get("pid"), e.get("tid"))) for e in raw if e.get("ph") == "X"]
+        events = [Event(str(e["name"]), str(e.get("cat", "")), float(e["ts"]), float(e["ts"]) + float(e["dur"]),
+                        (e.get("pid"), e.get("tid"))) for e in raw if e.get("ph") == "X"]
+        world = (data.get("distributedInfo") or {}).get("world_size")
+        return TraceFile(events, int(world) if world is not None else None)
     except OSError as exc:
         raise GptparError(f"cannot read {path} ({exc.strerror or exc})") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -145,6 +154,30 @@ def trace_files(run_dir: Path) -> list[tuple[int, Path]]:
 # --- the breakdown ----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class HtaRank:
+    """Holistic Trace Analysis's figures for one rank (analysis/holistic.py): times in seconds over its window, shares
+    in percent as HTA rounds them."""
+
+    window_s: float
+    idle_s: float
+    compute_s: float
+    non_compute_s: float
+    idle_pct: float
+    compute_pct: float
+    non_compute_pct: float
+    overlap_pct: float | None  # None where the rank ran no NCCL kernel
+
+    @property
+    def overlap_share(self) -> float | None:
+        return self.overlap_pct / 100 if self.overlap_pct is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"window_s": self.window_s, "idle_s": self.idle_s, "compute_s": self.compute_s,
+                "non_compute_s": self.non_compute_s, "idle_pct": self.idle_pct, "compute_pct": self.compute_pct,
+                "non_compute_pct": self.non_compute_pct, "overlap_pct": self.overlap_pct}
+
+
+@dataclass(frozen=True)
 class RankTrace:
     """One rank's profiled steps: times in seconds (see the module doc for their definitions)."""
 
@@ -157,15 +190,24 @@ class RankTrace:
     overlap_s: float
     idle_s: float
     top_ops: list[dict[str, Any]] = field(default_factory=list)  # name, where (cpu/gpu), self_s, calls
+    hta: HtaRank | None = None  # Holistic Trace Analysis's figures, where it read this rank (analysis/holistic.py)
+
+    @property
+    def own_overlap_share(self) -> float | None:
+        """gptpar's: overlapped / communication (None when the rank did not communicate)."""
+        return self.overlap_s / self.comm_s if self.comm_s > 0 else None
 
     @property
     def overlap_share(self) -> float | None:
-        return self.overlap_s / self.comm_s if self.comm_s > 0 else None
+        """HTA's where it computed one (GPU traces), else gptpar's."""
+        return self.hta.overlap_share if self.hta is not None else self.own_overlap_share
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "mode": self.mode, "steps": self.steps, "wall_s": self.wall_s,
                 "compute_s": self.compute_s, "comm_s": self.comm_s, "overlap_s": self.overlap_s,
-                "idle_s": self.idle_s, "overlap_share": self.overlap_share, "top_ops": self.top_ops}
+                "idle_s": self.idle_s, "overlap_share": self.overlap_share,
+                "gptpar_overlap_share": self.own_overlap_share, "top_ops": self.top_ops,
+                "hta": self.hta.to_dict() if self.hta is not None else None}
 
 
 def window(events: list[Event]) -> tuple[list[Interval], list[int]]:
@@ -258,14 +300,32 @@ def analyse(rank: int, events: list[Event], top: int = 10) -> RankTrace:
 
 
 def analyse_run(run_dir: Path, top: int = 10) -> tuple[list[RankTrace], list[str]]:
-    """Every rank's breakdown, and one line for each trace file that could not be read."""
-    ranks, skipped = [], []
-    for rank, path in trace_files(run_dir):
+    """Every rank's breakdown, and one line for each trace file that could not be read and for ranks without one."""
+    ranks, skipped, worlds, files = [], [], set(), trace_files(run_dir)
+    for rank, path in files:
         try:
-            ranks.append(analyse(rank, read_events(path), top))
+            trace = read_trace(path)
         except GptparError as exc:
             skipped.append(f"skipped: {exc}")
-    return ranks, skipped
+            continue
+        ranks.append(analyse(rank, trace.events, top))
+        worlds.add(trace.world_size or 0)
+    missing = missing_ranks(run_dir, {rank for rank, _ in files}, max(worlds, default=0))
+    return ranks, skipped + ([missing] if missing else [])
+
+
+def missing_ranks(run_dir: Path, traced: set[int], world_size: int) -> str | None:
+    """One line naming the ranks that ran (the traces' world size, the run's rank logs) but left no trace file."""
+    folder = RunFolder(run_dir)
+    ran = set(range(world_size)) | {rank for p in folder.rank_logs() if (rank := rank_of(p)) is not None}
+    if not ran - traced:
+        return None
+    return (f"missing: the run had {max(ran) + 1} ranks and {folder.trace_dir} holds traces for rank "
+            f"{_ranks(traced)} only (none for {_ranks(ran - traced)})")
+
+
+def _ranks(ranks: set[int]) -> str:
+    return ", ".join(map(str, sorted(ranks)))
 
 
 # --- output -----------------------------------------------------------------------------------------------
@@ -276,15 +336,20 @@ def _steps(steps: list[int]) -> str:
     return str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}"
 
 
-def table(ranks: list[RankTrace]) -> str:
-    """Per rank: the breakdown in milliseconds and the overlap share, then its top ops."""
+def table(ranks: list[RankTrace], section: str = "") -> str:
+    """Per rank: the breakdown in milliseconds and the overlap share (HTA's where it read the rank), a section
+    (HTA's own table), then each rank's top ops."""
     lines = [f"{'rank':>4}  {'mode':4}  {'steps':>6}  {'wall ms':>9}  {'compute':>9}  {'comm':>9}  "
              f"{'overlap':>9}  {'idle':>9}  {'overlap share':>13}"]
     for r in ranks:
         share = f"{r.overlap_share:.1%}" if r.overlap_share is not None else "n/a"
         lines.append(f"{r.rank:>4}  {r.mode:4}  {_steps(r.steps):>6}  "
                      + "  ".join(f"{t * 1e3:>9.2f}" for t in (r.wall_s, r.compute_s, r.comm_s, r.overlap_s,
-                                                               r.idle_s)) + f"  {share:>13}")
+                                                               r.idle_s)) + f"  {share:>13}" + ("*" if r.hta else ""))
+    if any(r.hta for r in ranks):
+        lines.append("* Holistic Trace Analysis's overlap share (gptpar's own beside it below)")
+    if section:
+        lines += ["", section]
     for r in ranks:
         if r.top_ops:
             lines += ["", f"rank {r.rank}: top {len(r.top_ops)} ops by self time",

@@ -300,7 +300,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_trace(args: argparse.Namespace) -> int:
     import json
 
-    from analysis.trace import analyse_run, table
+    from analysis.holistic import hta_table, with_hta
+    from analysis.trace import analyse_run, table, trace_files
     from gptpar.run.folder import RunFolder
 
     run = _run_path(args)
@@ -309,7 +310,13 @@ def cmd_trace(args: argparse.Namespace) -> int:
         print(message, file=sys.stderr)
     if not ranks:
         raise GptparError(f"no readable trace in {RunFolder(run).trace_dir}")
-    print("\n".join(json.dumps(r.to_dict()) for r in ranks) if args.json else table(ranks))
+    ranks, note = with_hta(ranks, dict(trace_files(run)))
+    if note:
+        print(note, file=sys.stderr)
+    if args.json:
+        print("\n".join(json.dumps(r.to_dict()) for r in ranks))
+    else:
+        print(table(ranks, hta_table(ranks) if any(r.hta for r in ranks) else ""))
     return 0
 
 
@@ -535,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_checkpoint)
 
     p = _add(sub, "trace", "break a run's profiled steps (train.profile_steps) down per rank: compute, "
-             "communication, communication overlapped with compute, idle, and the top ops by self time",
+             "communication, communication overlapped with compute, idle, and the top ops by self time; on GPU "
+             "traces beside Holistic Trace Analysis's breakdown and overlap, and where the two disagree",
              "  gptpar trace dp2\n  gptpar trace runs/dp2 --top 20\n  gptpar trace dp2 --json")
     p.add_argument("run", help="run folder, or its name under --runs-dir")
     p.add_argument("--runs-dir", default="runs")

@@ -13,7 +13,7 @@ from gloo_pool import GlooPools
 from rank_training import make_config, make_trainer
 
 from analysis.report import report
-from analysis.trace import analyse, analyse_run, difference, intersection, length, read_events, union
+from analysis.trace import analyse, analyse_run, difference, intersection, length, read_trace, union
 from gptpar.cli import main
 from gptpar.config import TrainConfig
 from gptpar.parallel.process_group import RankInfo
@@ -59,7 +59,7 @@ CPU_TRACE = [
 
 
 def test_cpu_breakdown_from_the_comm_spans(tmp_path: Path) -> None:
-    r = analyse(0, read_events(write_trace(tmp_path / "rank0.json", CPU_TRACE)), top=3)
+    r = analyse(0, read_trace(write_trace(tmp_path / "rank0.json", CPU_TRACE)).events, top=3)
     # window 110; compute [0,70) [85,95) [200,205) = 85; blocked [70,85) [95,99) = 19; idle [99,100) [205,210) = 6;
     # outstanding [40,85) [95,98) [98,99) = 49, of which [40,70) overlaps compute
     assert (r.mode, r.steps, microseconds(r)) == ("cpu", [2, 3], [110, 85, 49, 30, 6])
@@ -74,7 +74,7 @@ def test_gpu_breakdown_from_the_kernels(tmp_path: Path) -> None:
               x("sgemm_128x64", 0, 40, "kernel", tid=7), x("elementwise", 50, 70, "kernel", tid=7),
               x(nccl, 30, 60, "kernel", tid=13), x(nccl, 90, 95, "kernel", tid=13),
               x("Memcpy HtoD", 70, 90, "gpu_memcpy", tid=7), x("sgemm_128x64", 150, 160, "kernel", tid=7)]
-    r = analyse(0, read_events(write_trace(tmp_path / "rank0.json", events)), top=2)
+    r = analyse(0, read_trace(write_trace(tmp_path / "rank0.json", events)).events, top=2)
     # compute [0,40) [50,70) = 60; nccl [30,60) [90,95) = 35; both [30,40) [50,60) = 20; no kernel [70,90) [95,100)
     assert (r.mode, r.steps, microseconds(r)) == ("gpu", [1], [100, 60, 35, 20, 25])
     assert r.overlap_share == pytest.approx(20 / 35)
@@ -94,7 +94,7 @@ def _profiled_steps(path: Path, first: int, stop_after: int, steps: str = "2-3")
 
 
 def _step_spans(path: Path) -> list[str]:
-    return sorted(e.name for e in read_events(path) if e.name.startswith("ProfilerStep#"))
+    return sorted(e.name for e in read_trace(path).events if e.name.startswith("ProfilerStep#"))
 
 
 def test_a_restart_profiles_the_steps_left_in_the_range_and_nothing_past_it(tmp_path: Path) -> None:
@@ -163,7 +163,9 @@ def test_gptpar_trace_errors_are_one_line(tmp_path: Path, capsys: pytest.Capture
     assert main(["trace", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [f"skipped: {tmp_path / 'trace' / 'rank1.json'} is not a readable Chrome "
-                                         "trace (truncated or corrupt: JSONDecodeError)"]
+                                         "trace (truncated or corrupt: JSONDecodeError)",
+                                         "Holistic Trace Analysis: not run: it reads GPU kernels only, and these are "
+                                         "CPU traces"]
     assert captured.out.splitlines()[1].split()[:2] == ["0", "cpu"]
 
 
@@ -185,5 +187,5 @@ def test_gloo_worker_spans_count_as_communication_for_torchs_own_collectives(tmp
     # DDP's all-reduce carries no gptpar span: gloo's worker thread records it, here [20,50) during backward [10,60).
     events = [x("ProfilerStep#1", 0, 100), x("forward", 0, 10), x("backward", 10, 60),
               x("gloo:all_reduce", 20, 50, tid=9), x("optimizer", 60, 80)]
-    r = analyse(0, read_events(write_trace(tmp_path / "rank0.json", events)), top=0)
+    r = analyse(0, read_trace(write_trace(tmp_path / "rank0.json", events)).events, top=0)
     assert microseconds(r) == [100, 80, 30, 30, 20]

@@ -47,8 +47,12 @@ OTHER_DICTS = {
     "analysis/report.py": {"fork"},  # a multiprocessing start method
     # a trace's per-rank totals; a plan.json's prediction (gptpar.plan.record): its memory's state and hpZ copy, layout
     "analysis/summary.py": MEMORY_PARTS | {"comm_s", "overlap_s", "memory", "state", "hpz", "layout"},
+    # a Chrome trace's events and torch's distributedInfo in it (its world_size is a header field's name too)
     "analysis/trace.py": {"traceEvents", "name", "cat", "ts", "dur", "ph", "pid", "tid", "calls", "where", "self_s",
-                          "nccl"},
+                          "nccl", "distributedInfo"},
+    # the columns of Holistic Trace Analysis's temporal breakdown and overlap tables
+    "analysis/holistic.py": {"kernel_time(us)", "idle_time(us)", "compute_time(us)", "non_compute_time(us)",
+                             "idle_time_pctg", "compute_time_pctg", "non_compute_time_pctg", "comp_comm_overlap_pctg"},
     "gptpar/launch/status.py": {"pending"},  # a run state
     "gptpar/run/folder.py": {"job_id", "pid", "flock", "heartbeat"},  # the run lock's JSON
     "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
