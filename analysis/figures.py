@@ -1,6 +1,6 @@
 """The report's figures: scaling (time, throughput, speedup and efficiency against the GPU count or --x), pipeline
 against model parallelism, loss against steps, tokens and time, BLEU, each swept key, pipeline timelines and
-bubbles, and memory.
+bubbles, memory, and a classifier sweep's methods side by side (peak memory, throughput, epoch time, accuracy).
 
 A figure without data is skipped with a message: an empty plot in a report reads as a result. A result flagged for
 breaking a physical bound (analysis.scaling) is left out of the speedup plots and ringed where its throughput is
