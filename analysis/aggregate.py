@@ -32,6 +32,9 @@ Definitions (they are repeated in the summary's footnotes):
   BLEU curves against tokens and time;
 - validation points: the `eval` records, and each epoch record's `val_loss` at the epoch's last step;
 - BLEU: an epoch record's optional `bleu` (corpus BLEU, 0-100, logged by one rank of the run);
+- accuracy: the `eval` records' optional `accuracy` (top-1) and `accuracy_top5` (0-1, data.task=classify), per
+  evaluated step the mean over replicas; a run's final accuracy is its last evaluated step's (none for a run that
+  logs no accuracy, such as a language model's, never 0);
 - communication: the bytes a rank sent per kept step (`comm_bytes`), by collective and in all, per rank the mean
   over its steps, then the mean over ranks.
 """
@@ -48,12 +51,13 @@ from analysis.mfu import device_label, model_shape, utilisation
 from analysis.trace import RankTrace
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
-from gptpar.run.records import EPOCH_SCORES
+from gptpar.run.records import EPOCH_SCORES, EvalRecord, names
 from gptpar.run.state import RunLog, job_of, replica_indices
 from gptpar.run.sweeps import stale_runs
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES, closed_form_state_bytes, hpz_bytes
 from gptpar.strategies.pipeline import Action, Timeline, closed_form_bubble
 
+ACCURACY_KEYS = names(EvalRecord, "accuracy", "accuracy_top5")  # the eval record's scores (data.task=classify)
 TOP_LEVEL = "top-level"  # the sweep of the runs that are not in a sweep folder
 GPU_KEYS = ("parallel.dp", "parallel.pp", "parallel.devices", "launch.gpus", "launch.nodes")
 PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks", "parallel.pp_schedule", "parallel.pp_virtual")
@@ -148,6 +152,8 @@ class RunMetrics:
     # Bytes one rank sent per kept step (`comm_bytes`), by collective and in all, mean over the ranks that logged any
     comm_bytes: dict[str, float] = field(default_factory=dict)
     val_curve: list[tuple[int, float]] = field(default_factory=list)
+    accuracy_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, top-1 accuracy) per evaluation
+    top5_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, top-5 accuracy), where logged
     progress: dict[int, tuple[float, float]] = field(default_factory=dict)  # step -> (tokens seen, training s)
     epoch_points: list[EpochPoint] = field(default_factory=list)
     bubble_theory: float | None = None
@@ -179,6 +185,10 @@ class RunMetrics:
     time_to_target_s: float | None = None  # training time at the first step that reached it; None: not reached
     tokens_to_target: float | None = None  # tokens seen (all replicas) by then
     target_speedup: float | None = None  # the baseline point's mean time to target over this run's
+    target_accuracy: float | None = None  # the top-1 accuracy its sweep is timed to; None: it logs no accuracy
+    target_accuracy_origin: str = ""  # report.target_accuracy or the sweep's accuracies
+    time_to_accuracy_s: float | None = None  # training time at the first evaluation at or above it; None: not reached
+    tokens_to_accuracy: float | None = None  # tokens seen (all replicas) by then
     diverged_at: int | None = None  # the first step with a non-finite loss
     plan: dict[str, Any] | None = None  # its plan.json (gptpar.plan.record): the prediction made before it ran
     stitched: list[int] = field(default_factory=list)  # kept epochs timed from step records (restarts)
@@ -203,6 +213,15 @@ class RunMetrics:
     @property
     def final_test_bleu(self) -> float | None:
         return next((p.test_bleu for p in reversed(self.epoch_points) if p.test_bleu is not None), None)
+
+    @property
+    def final_accuracy(self) -> float | None:
+        """The top-1 accuracy of the last evaluation that logged one; None for a run that logs none."""
+        return self.accuracy_curve[-1][1] if self.accuracy_curve else None
+
+    @property
+    def final_accuracy_top5(self) -> float | None:
+        return self.top5_curve[-1][1] if self.top5_curve else None
 
     @property
     def final_answer_accuracy(self) -> float | None:
@@ -375,6 +394,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         if point.step is not None and point.val_loss is not None:
             val_points.setdefault(point.step, point.val_loss)
     m.val_curve = sorted(val_points.items())
+    m.accuracy_curve, m.top5_curve = (eval_series(replica_logs, key) for key in ACCURACY_KEYS)
     if vals:
         m.val_loss = vals[-1][1]
     else:
@@ -624,6 +644,13 @@ def _mean_series(series: list[dict[int, Any]]) -> list[tuple[int, float]]:
                 values.setdefault(step, []).append(_number(value))
     return [(step, math.fsum(v) / len(v) if all(map(math.isfinite, v)) else math.nan)
             for step, v in sorted(values.items())]
+
+
+def eval_series(replica_logs: list[RankLog], key: str) -> list[tuple[int, float]]:
+    """An optional score of the eval records (ACCURACY_KEYS) per evaluated step, the mean over the replicas that
+    logged a value (a non-number is not finite and left out): [] where none did."""
+    series = _mean_series([{s: r.get(key) for s, r in log.evals.items()} for log in replica_logs])
+    return [(s, v) for s, v in series if math.isfinite(v)]
 
 
 def expert_load(log: RankLog) -> list[tuple[int, float, float, float]]:

@@ -1,6 +1,6 @@
 """The report's figures: scaling (time, throughput, speedup and efficiency against the GPU count or --x), pipeline
 against model parallelism, loss against steps, tokens and time, BLEU, each swept key, pipeline timelines and
-bubbles, and memory.
+bubbles, memory, and a classifier sweep's methods side by side (peak memory, throughput, epoch time, accuracy).
 
 A figure without data is skipped with a message: an empty plot in a report reads as a result. A result flagged for
 breaking a physical bound (analysis.scaling) is left out of the speedup plots and ringed where its throughput is
@@ -18,6 +18,8 @@ from dataclasses import replace
 from functools import partial
 from itertools import cycle
 from pathlib import Path
+from textwrap import fill
+from typing import Any
 
 from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, FuncFormatter, MaxNLocator, PercentFormatter
@@ -69,7 +71,8 @@ from analysis.grouping import (
     run_names,
     series,
 )
-from analysis.scaling import repeat_points
+from analysis.scaling import Point, repeat_points
+from analysis.summary import named_points
 from gptpar.run.names import slug
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
 from gptpar.strategies.pipeline import COMPUTE, Timeline, closed_form_bubble, schedule, simulate
@@ -483,6 +486,84 @@ def _communication(runs: list[RunMetrics], figs: FigureSet) -> bool:
     return drawn
 
 
+def _point_bar(p: Point, value: Callable[[RunMetrics], float | None], at: int) -> Mark | None:
+    """A point's bar at row `at`: the mean of its runs' values, its error bar min-max over them (its repeats); None
+    where no run has a value."""
+    values = [v for r in p.runs if (v := value(r)) is not None]
+    if not values:
+        return None
+    return Mark(at, statistics.fmean(values), min(values), max(values), p.runs)
+
+
+def _peak_gb(r: RunMetrics) -> float | None:
+    return None if r.peak_mem is None else r.peak_mem[1] / 1e9
+
+
+MISSING = "–"  # where a point has no value: no bar, which would read as 0
+
+
+def _bars(ax: plt.Axes, points: list[Point], value: Callable[[RunMetrics], float | None], slot: tuple[int, int],
+          **style: Any) -> list[Mark]:
+    """The points' values as horizontal bars, one row per point (slot: this series' place among those sharing a
+    row), error bars where a point has repeats, MISSING at the place of a point without a value; the bars drawn."""
+    bars = [bar for i, p in enumerate(points) if (bar := _point_bar(p, value, i)) is not None]
+    if bars:
+        errors = [[m.y - m.low for m in bars], [m.high - m.y for m in bars]] if any(m.repeated for m in bars) else None
+        ax.barh([bar_x(m.x, slot) for m in bars], [m.y for m in bars], 0.8 / slot[1], xerr=errors, capsize=3, **style)
+    for i in sorted(set(range(len(points))) - {bar.x for bar in bars}):
+        ax.text(0, bar_x(i, slot), f" {MISSING}", ha="left", va="center")
+    return bars
+
+
+def _comparison(runs: list[RunMetrics], figs: FigureSet) -> bool:
+    """One figure per compared sweep whose runs log accuracy (the course's comparison of methods): its points side by
+    side, one row each (named by the keys the sweep varies, as summary.md names them), in four panels: the fullest
+    rank's peak memory, job tokens/s, epoch time and final accuracy (top-1, and top-5 hatched beside it where
+    logged). A point without a value (a language run's accuracy, a peak no rank measured) shows – at its place,
+    never a bar of 0."""
+    by_sweep: dict[str, list[tuple[Point, str]]] = {}
+    for p, name in named_points([r for r in runs if compared(r, figs.group_by)]):
+        by_sweep.setdefault(p.first.sweep, []).append((p, name))
+    drawn = False
+    for sweep, named in sorted(by_sweep.items()):
+        points = [p for p, _ in named]
+        if len(points) < 2 or not any(r.accuracy_curve for p in points for r in p.runs):
+            continue
+        fig, axes = plt.subplots(1, 4, sharey=True, figsize=figure_size(16.0, 1.5 + 0.6 * len(points)))
+        memory_ax, rate_ax, time_ax, accuracy_ax = axes
+        gpu = all(r.on_gpu for p in points for r in p.runs)
+        shown = [*_bars(memory_ax, points, _peak_gb, (0, 1)),
+                 *_bars(rate_ax, points, lambda r: r.job_tokens_per_s, (0, 1)),
+                 *_bars(time_ax, points, lambda r: r.epoch_time[0], (0, 1))]
+        top5 = any(r.top5_curve for p in points for r in p.runs)
+        slots = 2 if top5 else 1
+        _bars(accuracy_ax, points, lambda r: r.final_accuracy, (0, slots), color="tab:blue", label="top-1")
+        if top5:
+            _bars(accuracy_ax, points, lambda r: r.final_accuracy_top5, (1, slots), color="tab:blue", alpha=0.5,
+                  hatch="//", label="top-5 (hatched)")
+        for ax, title, xlabel in ((memory_ax, "Peak memory, fullest rank",
+                                   "GB (CUDA's allocator)" if gpu else "GB (CPU: the process's peak RSS)"),
+                                  (rate_ax, "Throughput", JOB_RATE.replace(" (", "\n(")),
+                                  (time_ax, "Epoch time", "training time per epoch (s)"),
+                                  (accuracy_ax, "Accuracy, final", "validation accuracy")):
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel(xlabel)
+            ax.set_xlim(left=0)
+            ax.grid(axis="y", visible=False)
+        memory_ax.set_yticks(range(len(points)), [fill(name, 36) for _, name in named], fontsize=7)
+        memory_ax.invert_yaxis()  # the sweep's first point on top, as in summary.md
+        accuracy_ax.set_xlim(0, 1)
+        accuracy_ax.xaxis.set_major_formatter(PercentFormatter(1.0))
+        fig.suptitle(f"Methods side by side: {sweep}", fontsize=10)
+        footnote(fig, error_note(shown, "none (one run)"), f"{MISSING}: no value (a run that logs no accuracy, a peak "
+                 "no rank measured). Epoch time: the epoch records' (summary.md's column); an epoch that "
+                 "train.max_steps cut short is timed as it ran.")
+        legend(fig)
+        figs.save(fig, stem("comparison", sweep), sweep)
+        drawn = True
+    return drawn
+
+
 GANTT_COLOURS = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
 
 
@@ -743,7 +824,7 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
 
 OWN_FIGURES = ("time_vs_*", "throughput_vs_*", "speedup_vs_*", "pipeline_vs_model_parallel", "loss_*", "bleu_*",
                "answer_accuracy_*", "expert_load_*", "pipeline_timeline*", "pipeline_bubble", "memory_per_rank",
-               "memory_vs_world_size", "communication_*")
+               "memory_vs_world_size", "communication_*", "comparison_*")
 
 
 def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], None] = print) -> list[Path]:
@@ -772,6 +853,7 @@ def make_figures(runs: list[RunMetrics], figs: FigureSet, say: Callable[[str], N
          "no run logged an answer_accuracy in its epoch records"),
         ("expert_load_*", _expert_load, "no mixture-of-experts run logged its expert load"),
         ("communication_*", _communication, f"no sweep varies {GRAD_COMM} with its bytes logged (comm_bytes)"),
+        ("comparison_*", _comparison, "no sweep of two or more points logs accuracy (data.task=classify)"),
         ("throughput_vs_<axis>", _axes, "no sweep varies a key other than the GPU count" + (f" and {x}" if x else "")),
         ("pipeline_timeline", _timelines, "no multi-process pipeline run (parallel.pp > 1) logged a step's "
                                           "pp_timeline on every stage"),

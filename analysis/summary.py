@@ -36,6 +36,7 @@ CSV_COLUMNS = (
     "noise", "noise_basis", "flag", "final_bleu", "final_test_bleu", "final_answer_accuracy", "mixed_configs",
     "target_loss", "target_basis", "time_to_target_s", "tokens_to_target", "time_to_target_speedup", "job_id",
     "all_to_all_share", "target_final_loss", "grad_comm", "comm_bytes_per_step", "comm_bytes_vs_fp32",
+    "final_accuracy", "final_accuracy_top5", "target_accuracy", "time_to_accuracy_s", "tokens_to_accuracy",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -74,6 +75,13 @@ FOOTNOTES = (
     "**pp_mode**: single, model_parallel or pipeline_parallel (one process per replica), or `pp=P schedule` "
     "(`v=V` model chunks per rank) for the multi-process pipeline, one stage per rank.",
 )
+ACCURACY_COLUMNS = ("accuracy (top-1)", "accuracy (top-5)", "time to target accuracy (s)")
+ACCURACY_NOTE = (
+    "**accuracy (top-1, top-5)**: the last evaluation's validation accuracy (`eval` records, data.task=classify; "
+    "top-5 where the set has 100 or more classes), the mean over data-parallel replicas; – for a run that logs none "
+    "(a language model). **time to target accuracy**: the training time to the first evaluation at or above the "
+    "sweep's `report.target_accuracy`, else the lowest final accuracy of its runs (where runs ask for different "
+    "targets, the lowest); \"not reached\" where no evaluation reached it.")
 BUBBLE_NOTE = (
     "Theory (closed form, unit costs, a whole backward costing two forwards): (p-1)/(m+p-1) for the "
     "one-process pipeline, GPipe and 1F1B; (p-1)/(V·m+p-1) for interleaved 1F1B; (p-1)/(3m+p-1) for ZB-H1 "
@@ -134,7 +142,8 @@ def row(r: RunMetrics, wire_ratios: dict[str, float] | None = None) -> dict[str,
         r.noise, r.noise_basis, r.flag, r.final_bleu, r.final_test_bleu, r.final_answer_accuracy, r.mixed,
         r.target_loss, r.target_basis, r.time_to_target_s, r.tokens_to_target, r.target_speedup, r.job_id or None,
         r.all_to_all_share, r.target_final_loss, r.params.get(GRAD_COMM), r.comm_bytes.get("total"),
-        wire_ratios.get(r.run),
+        wire_ratios.get(r.run), r.final_accuracy, r.final_accuracy_top5, r.target_accuracy, r.time_to_accuracy_s,
+        r.tokens_to_accuracy,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 
@@ -213,10 +222,13 @@ def _spread(values: list[float | None], fmt: str, one: tuple[float | None, float
     return f"{mean:{fmt}}" + ("" if min(known) == max(known) else f" ({min(known):{fmt}} – {max(known):{fmt}})")
 
 
-def _target_cell(p: Point, value: Callable[[RunMetrics], float | None], fmt: str) -> str:
-    """A time-to-target cell: the runs' value, or "not reached" (by how many, where some repeats did reach it)."""
-    missed = sum(r.time_to_target_s is None for r in p.runs)
-    if p.first.target_loss is None:
+def _target_cell(p: Point, value: Callable[[RunMetrics], float | None], fmt: str, target: Callable[[RunMetrics],
+                 float | None] = lambda r: r.target_loss, time: Callable[[RunMetrics], float | None] =
+                 lambda r: r.time_to_target_s) -> str:
+    """A time-to-target cell (the target loss's, or with `target` and `time` another's): the runs' value, or "not
+    reached" (by how many, where some repeats did reach it); – where the point has no target."""
+    missed = sum(time(r) is None for r in p.runs)
+    if target(p.first) is None:
         return "–"
     if missed:
         return "not reached" + (f" by {missed} of {len(p.runs)}" if missed < len(p.runs) else "")
@@ -231,15 +243,17 @@ def _checked_loss(p: Point) -> str:
     return f"{_spread([r.target_final_loss for r in p.runs], '.3f')} ({p.first.target_basis})"
 
 
-def _fastest(named: list[tuple[Point, str]], sweep: str) -> str:
-    """The sentence naming a sweep's fastest point to its target (the least mean training time), or saying none
-    reached it."""
-    reached = [(p.time_to_target, p, name) for p, name in named if p.first.sweep == sweep
-               and p.time_to_target is not None]
+def _fastest(named: list[tuple[Point, str]], sweep: str, time_of: Callable[[RunMetrics], float | None] =
+             lambda r: r.time_to_target_s, tokens_of: Callable[[RunMetrics], float | None] =
+             lambda r: r.tokens_to_target) -> str:
+    """The sentence naming a sweep's fastest point to its target (the least mean training time of a point whose runs
+    all reached it; `time_of` and `tokens_of`: the target loss's, or another's), or saying none reached it."""
+    reached = [(statistics.fmean(times), p, name) for p, name in named if p.first.sweep == sweep
+               and None not in (times := [time_of(r) for r in p.runs])]
     if not reached:
         return f"No point of {sweep} reaches its target."
     seconds, p, name = min(reached, key=lambda t: t[0])
-    tokens = statistics.fmean(r.tokens_to_target for r in p.runs)
+    tokens = statistics.fmean(tokens_of(r) for r in p.runs)
     r = p.first
     devices = ("GPU" if r.on_gpu else "rank") + ("s" if r.gpus > 1 else "")
     layout = f"{r.gpus} {devices}, dp={r.dp}" + ("" if r.pp_mode == "single" else f", {r.pp_mode}")
@@ -299,6 +313,17 @@ def _target_section(named: list[tuple[Point, str]], names: dict[str, str]) -> li
     return lines
 
 
+def _accuracy_section(named: list[tuple[Point, str]]) -> list[str]:
+    """Each sweep's target accuracy and the point that reached it soonest; none where no run logs accuracy."""
+    targets = {p.first.sweep: p.first for p, _ in named if p.first.target_accuracy is not None}
+    if not targets:
+        return []
+    return ["", "## Time to target accuracy", "", *(
+        f"- {sweep}: {r.target_accuracy:.1%} top-1 ({r.target_accuracy_origin}). "
+        + _fastest(named, sweep, lambda x: x.time_to_accuracy_s, lambda x: x.tokens_to_accuracy)
+        for sweep, r in targets.items())]
+
+
 def _baseline_name(p: Point, names: dict[str, str]) -> str:
     """The baseline as what it is: `dp=1`, or `mean of 2 repeats of dp=1`."""
     r = p.first
@@ -306,7 +331,16 @@ def _baseline_name(p: Point, names: dict[str, str]) -> str:
     return name if r.baseline_runs <= 1 else f"mean of {r.baseline_runs} repeats of {name}"
 
 
-def _row(p: Point, name: str, names: dict[str, str]) -> str:
+def _accuracy_cells(p: Point) -> list[str]:
+    """A point's final top-1 and top-5 accuracy and its time to the target accuracy: – where its runs log none (a
+    language model), never 0."""
+    return [_spread([x.final_accuracy for x in p.runs], ".1%"), _spread([x.final_accuracy_top5 for x in p.runs], ".1%"),
+            _target_cell(p, lambda x: x.time_to_accuracy_s, ".1f", lambda x: x.target_accuracy,
+                         lambda x: x.time_to_accuracy_s)]
+
+
+def _row(p: Point, name: str, names: dict[str, str], accuracy: bool) -> str:
+    """The point's cells of the main table, with its accuracy cells where the table shows accuracy."""
     r = p.first
     statuses = sorted({x.status for x in p.runs} - {"completed"})
     if statuses:
@@ -330,7 +364,8 @@ def _row(p: Point, name: str, names: dict[str, str]) -> str:
         str(r.chunks) if r.pp_mode == "pipeline_parallel" or r.engine else "–", str(r.gpus),
         _spread([x.epoch_time[0] for x in p.runs], ".2f", r.epoch_time if one else None),
         _spread([x.tokens_per_s[0] for x in p.runs], ",.0f", r.tokens_per_s if one else None),
-        _spread([x.job_tokens_per_s for x in p.runs], ",.0f"), speedup, efficiency,
+        _spread([x.job_tokens_per_s for x in p.runs], ",.0f"), *(_accuracy_cells(p) if accuracy else []), speedup,
+        efficiency,
         _target_cell(p, lambda x: x.time_to_target_s, ".1f"), _checked_loss(p), _target_speedup_cell(p), mfu,
         _loss(r) if one else _spread([x.final_loss for x in p.runs], ".3f"),
     ]
@@ -344,19 +379,22 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
     counts: dict[str, int] = {}
     for r in runs:
         counts[r.status] = counts.get(r.status, 0) + 1
+    accuracy = any(r.accuracy_curve for r in shown)  # columns only a classification run fills
+    columns = ["sweep", "point", "runs", "dp", "pp_mode", "chunks", "GPUs", "epoch time (s)", "tokens/s (sum over DP)",
+               "job tokens/s", *(ACCURACY_COLUMNS if accuracy else ()), "speedup (job tokens/s)", "efficiency",
+               "time to target (s)", "final loss checked against the target", "speedup (time to target)", "MFU",
+               "final loss (train)"]
     lines = [
         "# Training runs", "",
         f"Runs under `{runs_dir}`: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
         *(f"Left out: {note}." for note in left_out),
         f"Warm-up dropped: {warmup}.", "",
-        "| sweep | point | runs | dp | pp_mode | chunks | GPUs | epoch time (s) | tokens/s (sum over DP) "
-        "| job tokens/s | speedup (job tokens/s) | efficiency | time to target (s) | final loss checked against "
-        "the target | speedup (time to target) | MFU | final loss (train) |",
-        "|" + "---|" * 17,
-        *(_row(p, name, names) for p, name in named), "",
-        *(f"{i}. {note}" for i, note in enumerate(FOOTNOTES, 1)),
+        "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
+        *(_row(p, name, names, accuracy) for p, name in named), "",
+        *(f"{i}. {note}" for i, note in enumerate([*FOOTNOTES, *([ACCURACY_NOTE] if accuracy else [])], 1)),
     ]
     lines += _target_section(named, names)
+    lines += _accuracy_section(named)
     lines += _comm_section(named, fp32_ratios(shown))
     pipelines = [r for r in shown if r.bubble_theory is not None]
     if pipelines:

@@ -48,10 +48,11 @@ class Rank:
         return self
 
     def step(self, step: int, epoch: int = 1, step_time_s: float = 1.0, tokens: int = 100,
-             tokens_per_s: float | None = None, loss: float | None = 3.0, **extra: Any) -> Rank:
+             tokens_per_s: float | None = None, loss: float | None = 3.0, peak_mem_bytes: int = 0,
+             **extra: Any) -> Rank:
         rate = tokens / step_time_s if tokens_per_s is None else tokens_per_s
         self._log("step", step=step, epoch=epoch, loss=loss, lr=1e-3, grad_norm=1.0, tokens=tokens,
-                  step_time_s=step_time_s, tokens_per_s=rate, data_time_s=0.0, peak_mem_bytes=0, **extra)
+                  step_time_s=step_time_s, tokens_per_s=rate, data_time_s=0.0, peak_mem_bytes=peak_mem_bytes, **extra)
         return self
 
     def memory(self, params: int, params_bytes: int, grads_bytes: int, optimizer_bytes: int, step: int = 1,
@@ -62,8 +63,9 @@ class Rank:
                   optimizer_bytes=optimizer_bytes, **optional)
         return self
 
-    def eval(self, step: int, val_loss: float, epoch: int = 1) -> Rank:
-        self._log("eval", step=step, epoch=epoch, val_loss=val_loss)
+    def eval(self, step: int, val_loss: float, epoch: int = 1, **scores: Any) -> Rank:
+        """An eval record; scores holds its optional fields, such as a classifier's `accuracy`."""
+        self._log("eval", step=step, epoch=epoch, val_loss=val_loss, **scores)
         return self
 
     def epoch(self, epoch: int, training_time_s: float, tokens_per_s: float, steps: int = 1,
@@ -114,6 +116,26 @@ def dp_run(run_dir: Path, tokens_per_s: list[float], epoch_times: list[float] | 
     for rank in ranks:
         rank.final(status, step)
     return ranks
+
+
+def classify_run(path: Path, dp: int, step_s: float, scores: dict[int, tuple[float, float | None]], steps: int = 4,
+                 peaks: tuple[int, ...] = (), **cfg: Any) -> None:
+    """A completed run of an image classifier (data.task=classify's eval records): dp ranks of `steps` steps of step_s s
+    and 100 tokens each (rank r's peak memory peaks[r]), one epoch timed step_s * steps, and an eval record at each
+    step of `scores` (step -> (top-1, top-5 or None)) carrying its accuracies; with no scores, a language run: one
+    eval record at the end, without accuracy."""
+    ranks = [Rank(path, r, config(name=path.name, dp=dp, **cfg)).header() for r in range(dp)]
+    for step in range(1, steps + 1):
+        for rank in ranks:
+            rank.step(step, 1, step_time_s=step_s, loss=3.0, global_loss=3.0,
+                      peak_mem_bytes=peaks[rank.rank] if peaks else 0)
+            if step in scores:
+                top1, top5 = scores[step]
+                rank.eval(step, 2.0, accuracy=top1, **({} if top5 is None else {"accuracy_top5": top5}))
+            elif not scores and step == steps:
+                rank.eval(step, 2.0)
+    for rank in ranks:
+        rank.epoch(1, step_s * steps, 100 / step_s, steps=steps, val_loss=None).final(step=steps)
 
 
 def engine_run(run_dir: Path, bubbles: list[float], dp: int = 1, chunks: int = 4, pp_schedule: str = "1f1b",

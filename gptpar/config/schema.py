@@ -346,6 +346,10 @@ class ReportConfig:
                              "`gptpar report` times for every run of the sweep (time and tokens to target); 0: the "
                              "highest final loss any point of the sweep reached, so every point gets a value. "
                              "`gptpar report --target-loss` overrides it.", min=0.0)
+    target_accuracy: float = opt(0.0, "data.task=classify: validation top-1 accuracy (0-1) whose first reaching (at or "
+                                 "above) `gptpar report` times for every run of the sweep that logs accuracy; 0: the "
+                                 "lowest final accuracy any of them reached, so every one gets a value.", min=0.0,
+                                 max=1.0)
     plan_calibration: str = opt("", "Plan the run: a calibration file (`gptpar plan calibrate`), or shipped (the "
                                 "shipped calibration of the job's device). Its folder gets plan.json, the prediction "
                                 "of `gptpar plan predict` made before any rank starts, and `gptpar report` sets it "

@@ -151,6 +151,11 @@ class EvalRecord(Record):
     epoch: int = required("Its epoch.")
     val_loss: float | None = required("The validation loss (null where this rank does not compute it).",
                                       may_diverge=True)
+    accuracy: float | None | Absent = optional(
+        "data.task=classify: top-1 accuracy (0-1) on the validation split (null where this rank does not compute "
+        "it); the report takes the mean over replicas.")
+    accuracy_top5: float | None | Absent = optional(
+        "data.task=classify with 100 or more classes: top-5 accuracy (0-1), as `accuracy`.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,7 +41,11 @@ BY_HAND = ["make demo", "make figures",
            # docs/qwen2_sft: the sweep resolves in tests/launch/test_launch.py, its layouts train like one process
            # in tests/model/test_architectures.py
            ".venv/bin/gptpar sweep sweeps/qwen2_sft.yaml launch.cluster=local --runs-dir runs/sft --wait",
-           ".venv/bin/gptpar report runs/sft --out docs/qwen2_sft"]
+           ".venv/bin/gptpar report runs/sft --out docs/qwen2_sft",
+           # docs/report.md: sweeps/vit.yaml resolves in tests/launch/test_launch.py once model.arch=vit is merged
+           # (issue 49); its report, on logs of its shape, is tests/report/test_report_accuracy.py's
+           ".venv/bin/gptpar sweep sweeps/vit.yaml launch.cluster=local --runs-dir runs/vit --wait",
+           ".venv/bin/gptpar report runs/vit --out figures/vit"]
 # Commands tests/launch/test_slurm.py runs against the local cluster (the string it must contain).
 BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"',
                   "sbatch --cpus-per-task=1 jobs/pp.sbatch": '"--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")',
@@ -93,6 +97,10 @@ CLUSTER_ONLY = [
     # the README's first run: Bridges-2's $PROJECT and a real account (the dry run of its submit is checked below)
     "export PIP_CACHE_DIR=$PROJECT/.cache/pip HF_HOME=$PROJECT/.cache/huggingface GPTPAR_DATA_DIR=$PROJECT/gptpar-data",
     ".venv/bin/gptpar submit dp --gpus 2 launch.account=abc123",
+    # docs/report.md: ViT-Huge on CIFAR-100 (issue 49)
+    ".venv/bin/gptpar sweep sweeps/vit.yaml model.preset=vit-huge data.source=cifar100 launch.profile=bridges2 "
+    "launch.account=abc123 launch.time=08:00:00 train.max_steps=0 train.epochs=3 train.eval_every=500 "
+    "train.eval_batches=40 --runs-dir runs/vit-huge",
 ]
 # `gptpar plan` commands that read calib.json: run here, in this process, on a synthetic calibration of this machine
 # (tests/plan/ holds the predictions' arithmetic).

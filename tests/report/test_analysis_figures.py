@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from logsets import T0, Rank, config, dp_run, engine_run
+from logsets import T0, Rank, classify_run, config, dp_run, engine_run
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
@@ -108,8 +108,8 @@ def test_expert_parallelism_adds_the_all_to_all_share_of_each_step_and_the_run(t
 
 def rich_set(runs: Path) -> None:
     """Runs that draw every figure but one (a swept key besides the GPU count): a DP sweep with
-    repeats, BLEU and memory records, an sft run with answer accuracy, a mixture of experts' run, the pipeline sweep
-    and an engine sweep."""
+    repeats, BLEU and memory records, an sft run with answer accuracy, a mixture of experts' run, the pipeline sweep,
+    an engine sweep and a classifier's sweep (accuracy: the methods side by side)."""
     for i, rate in enumerate((90.0, 95.0)):
         dp_run(runs / "dp" / f"dp1-r{i}", [100.0], bleu=[10.0, 15.0], memory=[(1000, 4000, 4000, 8000)],
                **{"launch.repeat": i})
@@ -120,6 +120,8 @@ def rich_set(runs: Path) -> None:
     pipeline_sweep(runs)
     for chunks in (2, 4):
         engine_run(runs / "eng" / f"m{chunks}", [0.3, 0.2], chunks=chunks)
+    for dp in (1, 2):
+        classify_run(runs / "vit" / f"dp{dp}", dp, 1.0, {4: (0.5, 0.9)}, peaks=(10**9,) * dp)
 
 
 def test_figure_names_are_unique_and_their_count_is_the_files(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -309,8 +311,9 @@ def test_every_figure_draws_without_a_warning_and_with_its_legend_outside_the_ax
         warnings.simplefilter("error")
         result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
     assert not recwarn.list and not any("matplotlib warned" in message for message in result.skipped)
-    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 17
-    assert {"answer_accuracy_sft.png", "loss_sft.png", "expert_load_moe.png", "loss_moe.png"} <= set(drawn)
+    assert {p.name for p in result.figures} == set(drawn) and len(drawn) == 19
+    assert {"answer_accuracy_sft.png", "loss_sft.png", "expert_load_moe.png", "loss_moe.png", "comparison_vit.png",
+            "loss_vit.png"} <= set(drawn)
     assert [message.split(":")[0] for message in result.skipped] == ["figure communication_*.png skipped",
                                                                       "figure throughput_vs_<axis>.png skipped"]
     for name, fig in drawn.items():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import figures_kept
-from logsets import T0, Rank, config, dp_run, engine_run
+from logsets import T0, Rank, classify_run, config, dp_run, engine_run
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import Bbox
@@ -42,7 +42,7 @@ def long_run(path: Path, dp: int, steps: int = 200, tokens: int = 4096, **cfg: o
 
 def crowded_set(runs: Path) -> None:
     """A CPU session's runs: a data-parallel sweep with repeats (speedup), six strategies at W = 1, 2, 4 (memory), four
-    long standalone runs (loss) and an engine sweep (bubble)."""
+    long standalone runs (loss), an engine sweep (bubble) and sweeps/vit.yaml's six methods (their comparison)."""
     for i in range(2):
         for dp, rate in ((1, 100.0), (2, 90.0), (4, 80.0)):
             dp_run(runs / "dp" / f"dp{dp}-r{i}", [rate + i] * dp, **{"launch.repeat": i})
@@ -64,6 +64,16 @@ def crowded_set(runs: Path) -> None:
                        virtual=virtual)
 
 
+    methods = (("bucketed", "fp32", False, "block"), ("ddp", "fp32", False, "none"), ("zero2", "fp32", False, "none"),
+               ("fsdp", "fp32", False, "none"), ("fsdp2", "fp32", False, "none"), ("fsdp", "int8", True, "none"))
+    for i, (dp_sync, wire, hpz, ckpt) in enumerate(methods):
+        dp = 1 if i == 0 else 2  # sweep points named by the six keys they vary, as the sweep's are
+        classify_run(runs / "vit" / f"m{i}", dp, 1.0 + i / 10, {12: (0.3, 0.6), 24: (0.4 + i / 20, 0.8)}, steps=24,
+                     peaks=(10**9,) * dp, **{"parallel.dp_sync": dp_sync, "parallel.grad_comm": wire,
+                                              "parallel.param_comm": wire, "parallel.hpz": hpz,
+                                              "train.activation_checkpointing": ckpt})
+
+
 def clash(a: Bbox, b: Bbox) -> bool:
     """Whether two boxes share more than a pixel each way (touching is not overlapping)."""
     return a.x0 < b.x1 - 1 and b.x0 < a.x1 - 1 and a.y0 < b.y1 - 1 and b.y0 < a.y1 - 1
@@ -71,7 +81,7 @@ def clash(a: Bbox, b: Bbox) -> bool:
 
 def layout_faults(fig: Figure) -> list[str]:
     """Every title, axis label and legend outside the figure or on another of them, a panel's title wider than its
-    panel, every two x tick labels of one axes on each other."""
+    panel, every two tick labels of one axis on each other."""
     renderer = FigureCanvasAgg(fig).get_renderer()  # a closed figure has lost its canvas
     fig.draw(renderer)
     whole = fig.bbox
@@ -89,9 +99,10 @@ def layout_faults(fig: Figure) -> list[str]:
         title, panel = boxes.get(f"axes {i} title"), ax.get_window_extent(renderer)
         if len(fig.axes) > 1 and title is not None and (title.x0 < panel.x0 - 1 or title.x1 > panel.x1 + 1):
             faults.append(f"axes {i} title wider than its panel")  # it runs into its neighbours and the figure title
-        ticks = [label.get_window_extent(renderer) for label in ax.get_xticklabels()
-                 if label.get_visible() and label.get_text()]
-        faults += [f"axes {i}: x tick labels on each other" for a, b in combinations(ticks, 2) if clash(a, b)][:1]
+        for axis, labels in (("x", ax.get_xticklabels()), ("y", ax.get_yticklabels())):
+            ticks = [label.get_window_extent(renderer) for label in labels if label.get_visible() and label.get_text()]
+            faults += [f"axes {i}: {axis} tick labels on each other" for a, b in combinations(ticks, 2)
+                       if clash(a, b)][:1]
     return faults
 
 
@@ -108,7 +119,8 @@ def crowded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Figure]:
 def test_no_title_label_legend_or_tick_label_is_clipped_or_covered(crowded: dict[str, Figure]) -> None:
     drawn = crowded
     assert {"speedup_vs_gpus.png", "memory_vs_world_size.png", "loss_top-level.png", "pipeline_bubble.png",
-            "memory_per_rank.png"} <= set(drawn) and any(name.startswith("pipeline_timeline") for name in drawn)
+            "memory_per_rank.png", "comparison_vit.png"} <= set(drawn)
+    assert any(name.startswith("pipeline_timeline") for name in drawn)
     assert {name: faults for name, fig in drawn.items() if (faults := layout_faults(fig))} == {}
 
 
