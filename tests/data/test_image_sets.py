@@ -76,18 +76,22 @@ def test_items_are_vits_processed_pixels_and_the_fine_labels(tmp_path: Path, siz
         assert target.dtype == torch.int64 and target.shape == () and target.item() == label
 
 
-def test_food101s_layout_its_validation_split_and_a_grey_photo_in_colour(tmp_path: Path) -> None:
+def test_food101s_layout_its_validation_split_before_a_test_one_and_a_grey_photo_in_colour(tmp_path: Path) -> None:
     cfg = DataConfig(source="food101", dir=str(tmp_path / "data"))
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=["pho", "ramen"])})
     datasets.DatasetDict(
         train=datasets.Dataset.from_dict({"image": [pixels(0)], "label": [1]}, features=features),
-        validation=datasets.Dataset.from_dict({"image": [pixels(1, 12, "L")], "label": [0]}, features=features),
+        validation=datasets.Dataset.from_dict({"image": [pixels(1, 12, "L"), {"bytes": b"junk", "path": None}],
+                                               "label": [0, 1]}, features=features),
+        test=datasets.Dataset.from_dict({"image": [pixels(2)], "label": [1]}, features=features),
     ).save_to_disk(str(saved_folder(cfg)))
     assert saved_folder(cfg) == tmp_path / "data" / "images" / "ethz--food101"
     sets = load_named_images(cfg, 6)
     image, label = sets.val[0]
-    assert sets.classes == ("pho", "ramen") and label.item() == 0
+    assert sets.classes == ("pho", "ramen") and label.item() == 0 and len(sets.val) == 2
     assert torch.equal(image, expected(pixels(1, 12, "L"), 6)) and torch.equal(image[0], image[2])
+    with pytest.raises(GptparError, match=r"^data.source=food101: image 1 of the validation split is not a readable"):
+        sets.val[1]
 
 
 def test_the_download_path_saves_every_split_and_keeps_no_second_copy(tmp_path: Path,
