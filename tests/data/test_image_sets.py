@@ -5,6 +5,7 @@ leaves them; the download path itself runs from a local image folder, which load
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 
 import datasets
@@ -15,7 +16,7 @@ from PIL import Image
 
 from gptpar import cli
 from gptpar.config import DataConfig, load_config
-from gptpar.data.image_sets import load_named_images
+from gptpar.data.image_sets import augmented, crop_box, load_named_images
 from gptpar.data.image_store import download, saved_folder
 from gptpar.errors import GptparError
 from gptpar.hub import hub_reachable
@@ -178,3 +179,45 @@ def test_an_unreadable_image_is_one_line_naming_its_split_and_index(tmp_path: Pa
             sets.val[index]
         assert str(error.value) == (f"data.source=cifar100: image {index} of the test split is not a readable image "
                                     f"({why})")
+
+
+def test_augmentation_is_off_by_default_and_never_touches_the_validation_split(tmp_path: Path) -> None:
+    cfg = cifar_like(tmp_path)
+    assert not cfg.augment
+    sets = load_named_images(replace(cfg, augment=True), 8, seed=5)
+    assert torch.equal(sets.val[0][0], expected(pixels(3), 8))
+    assert not torch.equal(sets.train[0][0], expected(pixels(0), 8)) and sets.train[0][1].item() == 2
+
+
+def test_an_augmented_item_depends_on_seed_epoch_and_index_only(tmp_path: Path) -> None:
+    """Whichever rank reads an item and in whatever order, it is the same: dp ranks equal one process."""
+    cfg = replace(cifar_like(tmp_path), augment=True)
+    first = load_named_images(cfg, 8, seed=5).train
+    forward = [first[i][0] for i in range(3)]
+    again = load_named_images(cfg, 8, seed=5).train
+    assert all(torch.equal(again[i][0], forward[i]) for i in (2, 0, 1))  # another order, another dataset
+    other_seed = load_named_images(cfg, 8, seed=6).train
+    again.set_epoch(1)
+    for items in (other_seed, again):
+        assert not any(torch.equal(items[i][0], forward[i]) for i in range(3))
+
+
+def test_the_crop_is_torchvisions_random_resized_crop_and_half_the_images_flip() -> None:
+    """2,000 boxes each of a square ViT image and a tall one: inside the image, 8-100 % of its area and a width /
+    height of 3/4 to 4/3 up to rounding sides to whole pixels, that ratio uniform in its log; a flip half the time."""
+    rng = np.random.default_rng(0)
+    for (width, height), rounding, largest in (((224, 224), 0.019, 1.0), ((30, 90), 0.08, 30 * 40 / (30 * 90))):
+        # rounding: half a pixel of the shortest side a draw can have (55 px; 12.7 px in the tall image), twice
+        boxes = np.array([crop_box(width, height, rng) for _ in range(2000)])
+        w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+        assert (boxes[:, :2] >= 0).all() and (boxes[:, 2] <= width).all() and (boxes[:, 3] <= height).all()
+        area, ratio = w * h / (width * height), w / h  # measured: area 0.0800-0.987, ratio 0.747-1.335 (224 x 224)
+        assert area.min() >= 0.08 * (1 - rounding) and area.max() <= largest
+        assert ratio.min() >= 3 / 4 * (1 - rounding) and ratio.max() <= 4 / 3 * (1 + rounding)
+        if width == height:  # log(ratio) uniform on +-log(4/3): sd 0.166, a mean of 2,000 within 4 standard errors
+            assert abs(np.log(ratio).mean()) < 4 * 0.166 / 2000 ** 0.5  # measured 0.0006
+    image = pixels(0, 16)
+    flipped = [np.array_equal(np.asarray(augmented(image, np.random.default_rng([0, 0, i]))),
+                              np.asarray(image.crop(crop_box(16, 16, np.random.default_rng([0, 0, i]))))[:, ::-1])
+               for i in range(400)]
+    assert 160 <= sum(flipped) <= 240  # binomial(400, 0.5): mean 200, sd 10; 4 sd each side
