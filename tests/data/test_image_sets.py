@@ -112,6 +112,20 @@ def test_the_download_path_saves_every_split_and_keeps_no_second_copy(tmp_path: 
     assert torch.equal(sets.val[0][0], expected(pixels(2), 8)) and sets.val[0][1].item() == 1
 
 
+def test_a_download_without_images_is_refused_before_anything_is_saved(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    (tmp_path / "table").mkdir()
+    for split in ("train", "test"):
+        (tmp_path / "table" / f"{split}.csv").write_text("caption,stars\na cat,5\n")
+    cfg = DataConfig(task="classify", source=f"hf:{tmp_path / 'table'}", dir=str(tmp_path / "data"))
+    with pytest.raises(GptparError) as error:
+        download(cfg, saved_folder(cfg))
+    assert str(error.value) == (f"data.source={cfg.source}: the dataset has no image column (an Image feature; img or "
+                                "image first where there are several); its columns: caption (Value), stars (Value)")
+    assert list((tmp_path / "data" / "images").iterdir()) == []
+
+
 def test_a_set_missing_offline_is_one_line_naming_the_fetch_without_trying(tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture) -> None:
     data = tmp_path / "data"
