@@ -41,7 +41,7 @@ def load_named_images(cfg: DataConfig, image_size: int, seed: int = 0) -> NamedI
     train, val = split_names(cfg, splits)
     image, label = columns(cfg, splits[train].features)
     # transformers 5's PIL backend (4's only one): the same pixels whether or not torchvision is installed
-    processor = getattr(transformers, "ViTImageProcessorPil", transformers.ViTImageProcessor)(
+    processor = (getattr(transformers, "ViTImageProcessorPil", None) or transformers.ViTImageProcessor)(
         size={"height": image_size, "width": image_size})
 
     def items(split: str) -> ProcessedImages:

@@ -67,6 +67,7 @@ def saved_splits(cfg: DataConfig) -> Any:
     require_saved(cfg)
     folder = saved_folder(cfg)
     if not folder.is_dir():
+        folder.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(folder.with_name(folder.name + ".lock"))):
             if not folder.is_dir():
                 download(cfg, folder)
