@@ -26,6 +26,7 @@ from gptpar.errors import GptparError, require_extra
 CROP_SCALE = (0.08, 1.0)  # of the image's area: torchvision's RandomResizedCrop defaults, the ImageNet recipe's
 CROP_RATIO = (3 / 4, 4 / 3)  # width / height
 
+
 @dataclass(frozen=True)
 class NamedImages:
     train: Dataset

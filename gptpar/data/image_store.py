@@ -111,11 +111,15 @@ def read_saved(cfg: DataConfig, folder: Path) -> Any:
 
 
 def split_names(cfg: DataConfig, splits: Any) -> tuple[str, str]:
-    """The train split's name and the validation split's: the set's own, never a share of train."""
+    """The train split's name and the validation split's (the set's own, never a share of train), which must hold
+    the same columns and classes."""
     val = next((name for name in VAL_SPLITS if name in splits), None)
     if "train" not in splits or val is None:
         raise GptparError(f"data.source={cfg.source}: the dataset needs a train split and a validation one "
                           f"({', '.join(VAL_SPLITS)}); it has {', '.join(splits) or 'none'}")
+    if splits[val].features != splits["train"].features:
+        raise GptparError(f"data.source={cfg.source}: the {val} split's columns or classes differ from the train "
+                          f"split's ({', '.join(splits[val].features)} against {', '.join(splits['train'].features)})")
     return "train", val
 
 

@@ -163,7 +163,7 @@ def test_a_set_without_an_image_or_a_label_column_names_the_columns_it_has(tmp_p
         assert str(error.value) == f"data.source=hf:someone/odd: the dataset has no {message}"
 
 
-def test_a_set_without_a_validation_split_or_not_saved_whole_is_one_line(tmp_path: Path) -> None:
+def test_a_set_without_a_matching_validation_split_or_not_saved_whole_is_one_line(tmp_path: Path) -> None:
     cfg = DataConfig(source="cifar100", dir=str(tmp_path))
     split = datasets.Dataset.from_dict({"img": [pixels(0)], "fine_label": [0]},
                                        features=datasets.Features({"img": datasets.Image(),
@@ -173,6 +173,12 @@ def test_a_set_without_a_validation_split_or_not_saved_whole_is_one_line(tmp_pat
         load_named_images(cfg, 8)
     assert str(error.value) == ("data.source=cifar100: the dataset needs a train split and a validation one "
                                 "(validation, valid, val, test); it has train, extra")
+    other = split.cast_column("fine_label", datasets.ClassLabel(names=["b"]))
+    datasets.DatasetDict(train=split, test=other).save_to_disk(str(saved_folder(cfg)))
+    with pytest.raises(GptparError) as error:
+        load_named_images(cfg, 8)
+    assert str(error.value) == ("data.source=cifar100: the test split's columns or classes differ from the train "
+                                "split's (img, fine_label against img, fine_label)")
     split.save_to_disk(str(saved_folder(cfg)))  # one split, not a DatasetDict
     with pytest.raises(GptparError) as error:
         load_named_images(cfg, 8)
