@@ -22,6 +22,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from gptpar.atomic import write_error
 from gptpar.config import DataConfig
 from gptpar.data.sources import data_dir
 from gptpar.errors import GptparError, first_sentence, require_extra
@@ -89,8 +90,11 @@ def download(cfg: DataConfig, folder: Path) -> None:
                               f"{str(exc).splitlines()[0][:200]}") from None
         split_names(cfg, splits)
         columns(cfg, splits["train"].features)
-        splits.save_to_disk(str(staging / "set"))
-        os.replace(staging / "set", folder)
+        try:
+            splits.save_to_disk(str(staging / "set"))
+            os.replace(staging / "set", folder)
+        except OSError as exc:  # a full disk above all: Food-101 is 5 GB
+            raise write_error(folder, exc) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -112,6 +112,21 @@ def test_the_download_path_saves_every_split_and_keeps_no_second_copy(tmp_path: 
     assert torch.equal(sets.val[0][0], expected(pixels(2), 8)) and sets.val[0][1].item() == 1
 
 
+def test_a_download_that_cannot_be_saved_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    for split in ("train", "test"):
+        for label in ("cat", "dog"):  # two classes: image folders of one have no label column
+            (tmp_path / "pets" / split / label).mkdir(parents=True)
+            pixels(0).save(tmp_path / "pets" / split / label / "0.png")
+    cfg = DataConfig(task="classify", source=f"hf:{tmp_path / 'pets'}", dir=str(tmp_path / "data"))
+    saved_folder(cfg).parent.mkdir(parents=True)
+    saved_folder(cfg).write_text("a file where the set's folder goes")
+    with pytest.raises(GptparError) as error:
+        download(cfg, saved_folder(cfg))
+    assert str(error.value) == f"cannot write {saved_folder(cfg)} (Not a directory)"
+    assert [p.name for p in saved_folder(cfg).parent.iterdir()] == [saved_folder(cfg).name]  # no staging left
+
+
 def test_a_download_without_images_is_refused_before_anything_is_saved(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
