@@ -87,7 +87,7 @@ def download(cfg: DataConfig, folder: Path) -> None:
             splits = datasets.load_dataset(name, config or None, cache_dir=str(staging / "cache"))
         except Exception as exc:
             raise GptparError(f"data.source={cfg.source}: cannot load {name} from the hub: "
-                              f"{str(exc).splitlines()[0][:200]}") from None
+                              f"{first_sentence(exc)[:200]}") from None
         split_names(cfg, splits)
         columns(cfg, splits["train"].features)
         try:

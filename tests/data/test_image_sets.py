@@ -112,7 +112,7 @@ def test_the_download_path_saves_every_split_and_keeps_no_second_copy(tmp_path: 
     assert torch.equal(sets.val[0][0], expected(pixels(2), 8)) and sets.val[0][1].item() == 1
 
 
-def test_a_download_that_cannot_be_saved_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_download_that_cannot_be_made_or_saved_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
     for split in ("train", "test"):
         for label in ("cat", "dog"):  # two classes: image folders of one have no label column
@@ -125,6 +125,11 @@ def test_a_download_that_cannot_be_saved_is_one_line(tmp_path: Path, monkeypatch
         download(cfg, saved_folder(cfg))
     assert str(error.value) == f"cannot write {saved_folder(cfg)} (Not a directory)"
     assert [p.name for p in saved_folder(cfg).parent.iterdir()] == [saved_folder(cfg).name]  # no staging left
+    cfg = DataConfig(task="classify", source="hf:nobody-gptpar/not-there", dir=str(tmp_path / "data"))
+    with pytest.raises(GptparError) as error:
+        download(cfg, saved_folder(cfg))  # offline: datasets' own refusal, in one line
+    assert str(error.value).startswith("data.source=hf:nobody-gptpar/not-there: cannot load nobody-gptpar/not-there "
+                                       "from the hub: ") and "\n" not in str(error.value)
 
 
 def test_a_download_without_images_is_refused_before_anything_is_saved(tmp_path: Path,
