@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import numpy as np
 import pytest
 import torch
@@ -28,6 +29,8 @@ FINE, COARSE = ["apple", "bee", "cloud"], ["fruit", "animal"]
 @pytest.fixture(autouse=True)
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as a compute node sees it, at once (no probe to wait for)
+    for module in (datasets.config, huggingface_hub.constants):  # they read it when imported, before this test
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
     hub_reachable.cache_clear()  # not an answer cached by an earlier test on a machine that reaches the hub
     yield
     hub_reachable.cache_clear()
