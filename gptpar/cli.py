@@ -384,12 +384,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.set_defaults(handler=cmd_config)
 
-    p = _add(sub, "data", "fetch a hub dataset (data.source=hf:...) and GPT-2's tokenizer into the local cache, "
-             "on a machine that reaches the hub (a login node), for compute nodes without internet",
+    p = _add(sub, "data", "fetch a hub dataset (data.source=hf:...) and GPT-2's tokenizer into the local cache, or "
+             "an image set (cifar100, food101, hf:... data.task=classify) into the data folder, on a machine that "
+             "reaches the hub (a login node), for compute nodes without internet",
              "  gptpar data fetch hf:bbaaaa/iwslt14-de-en-preprocess\n"
-             "  gptpar data fetch hf:wikitext:wikitext-2-raw-v1")
+             "  gptpar data fetch hf:wikitext:wikitext-2-raw-v1\n"
+             "  gptpar data fetch cifar100")
     p.add_argument("action", choices=("fetch",))
-    p.add_argument("source", help="a data.source, e.g. hf:NAME[:CONFIG]")
+    p.add_argument("source", help="a data.source, e.g. hf:NAME[:CONFIG] or cifar100")
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.set_defaults(handler=cmd_data)
 

@@ -102,7 +102,9 @@ class DataConfig:
                       "hf:NAME[:CONFIG]; with data.task=translation jsonl:TRAIN[,VALID[,TEST]] (objects with de and "
                       "en, or {\"translation\": {...}}) | tsv:TRAIN[,VALID[,TEST]] (de, a tab, en) | "
                       "hf:NAME[:CONFIG] (e.g. hf:bbaaaa/iwslt14-de-en-preprocess; its test split when it has one); "
-                      "a TEST split is only decoded and scored (test_bleu).")
+                      "a TEST split is only decoded and scored (test_bleu). Image classification: cifar100 | food101 "
+                      "| hf:NAME[:CONFIG] (with data.task=classify), kept in the data folder's images/ by `gptpar data "
+                      "fetch` and read from there with no network (docs/vision.md).")
     tokenizer: str = opt("auto", "auto: the model folder's under model.init=pretrained:PATH, else GPT-2 BPE from the "
                          "hub, else a BPE trained on the corpus; gpt2; bpe; bytes (256 symbols); pretrained:PATH: the "
                          "tokenizer of a save_pretrained folder (its chat template frames data.task=sft's pairs).")
@@ -133,6 +135,10 @@ class DataConfig:
                                 max=4_294_967_296)
     dir: str = opt("", "Data and cache directory; empty uses $GPTPAR_DATA_DIR or ~/.cache/gptpar.")
     streaming: bool = opt(False, "Stream hf: datasets instead of downloading them whole.")
+    augment: bool = opt(False, "Image sets (cifar100, food101, hf: with data.task=classify): crop each training image "
+                        "at random (8-100 % of its area, width / height 3/4 to 4/3) and flip half of them, drawn from "
+                        "train.seed, the epoch and the image's index (the same on any number of ranks); the validation "
+                        "split never.")
     hub_timeout_s: float = opt(3.0, "Seconds to wait when probing the Hugging Face hub.", min=0.1,
                                max=600.0)
 

@@ -120,6 +120,11 @@ NEEDS_HUB = [
     "data.source=metamath_sample",
     ".venv/bin/gptpar train data.task=translation data.source=hf:bbaaaa/iwslt14-de-en-preprocess data.max_chars=0 "
     "model.preset=gpt2-mini train.epochs=10 train.batch_size=64",
+    # docs/vision.md's image sets: tests/data/test_image_sets.py reads sets saved in the same layout and runs the
+    # download path from a local image folder
+    ".venv/bin/gptpar data fetch cifar100",
+    ".venv/bin/gptpar data fetch food101",
+    ".venv/bin/gptpar data fetch hf:AI-Lab-Makerere/beans data.task=classify",
 ]
 # Commands that write the reader's own files (tests/launch/test_user_defaults.py covers what they set up).
 USERS_OWN = [
