@@ -14,6 +14,7 @@ Overlap, as each sync does it (gptpar/parallel/data_parallel):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gptpar.errors import GptparError
@@ -23,6 +24,7 @@ from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
 from gptpar.strategies.data_parallel import (
     DP_STRATEGIES,
+    MOVED,
     WIRE_BYTES,
     DataParallelStrategy,
     Pricing,
@@ -508,7 +510,9 @@ def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | No
         if lay.dp > 1 and any(row.pricing.in_flight):
             roots, blocks = row.pricing.in_flight
             gathered = 4 * (roots * lay.end_parameters(r) + blocks * lay.block_parameters)
-        shard = {part: lay.dp if part in row.sharded else 1 for part in ("params", "grads", "optimizer")}
+        # by role, the device's: what parallel.offload moved is 0 here and in "host"
+        shard = {part: math.inf if part in MOVED[lay.offload] else lay.dp if part in row.sharded else 1
+                 for part in ("params", "grads", "optimizer")}
         device, host = row.placed_bytes(n, lay.dp, lay.offload)
         parts = {"params": int(n * 4 / shard["params"]), "grads": int(n * 4 / shard["grads"]),
                  "optimizer": int(n * 8 / shard["optimizer"]), "state": int(device), "host": int(host),

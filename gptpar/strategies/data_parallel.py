@@ -23,8 +23,9 @@ GRAD_COMMS = (*HALF, "int8", "powersgd")
 # parallel.param_comm: how a sync that shards the parameters gathers them. bf16 casts each shard for the wire; int8 is
 # ZeRO++'s qwZ, each shard in blocks of parallel.quant_block values with one fp32 scale each (param_comm.py).
 PARAM_COMMS = ("fp32", "bf16", "int8")
-# parallel.offload: what a strategy keeps on the host instead of the device.
+# parallel.offload: what a strategy keeps on the host instead of the device, and the parts of STATE_BYTES each moves.
 OFFLOADS = ("none", "optimizer", "params")
+MOVED = {"none": (), "optimizer": ("optimizer",), "params": tuple(STATE_BYTES)}
 # Bytes per value on the wire, by parallel.grad_comm or parallel.param_comm type (the syncs count them, the planner
 # prices them); int8 adds a 4-byte scale per parallel.quant_block values.
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -100,13 +101,12 @@ class DataParallelStrategy:
         of the shard it steps) and puts fp32 copies of that shard's parameters and gradients beside it on the host
         (the step's inputs), leaving the device its parameters and gradients; params moves every part."""
         parts = {part: n * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items()}
-        if offload == "params":
-            return 0.0, math.fsum(parts.values())
-        if offload == "optimizer":
-            shard = n / (w if "optimizer" in self.sharded else 1)
-            copies = (STATE_BYTES["params"] + STATE_BYTES["grads"]) * shard
-            return parts["params"] + parts["grads"], parts["optimizer"] + copies
-        return math.fsum(parts.values()), 0.0
+        moved = MOVED[offload]
+        device = math.fsum(v for part, v in parts.items() if part not in moved)
+        host = math.fsum(v for part, v in parts.items() if part in moved)
+        if offload == "optimizer":  # the step's inputs beside its state: fp32 copies of the shard and its gradient
+            host += (STATE_BYTES["params"] + STATE_BYTES["grads"]) * n / (w if "optimizer" in self.sharded else 1)
+        return device, host
 
     def host_copy_bytes(self, n: float, w: int, offload: str, micro_steps: int) -> float:
         """Bytes copied between host and device in one step of `micro_steps` under parallel.offload, by its pricing's

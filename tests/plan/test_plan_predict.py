@@ -277,6 +277,8 @@ def test_offload_prices_its_host_device_copies_and_moves_the_state_to_the_host(s
     assert b.memory["host"] == int(host) and a.memory["host"] == 0
     assert b.memory["state"] == a.memory["state"] - (int(host) if offload == "params" else 8 * n // 2)
     assert b.memory_bytes == a.memory_bytes - (a.memory["state"] - b.memory["state"])  # the device's total
+    moved = ("optimizer",) if offload == "optimizer" else ("params", "grads", "optimizer")
+    assert all(b.memory[part] == (0 if part in moved else a.memory[part]) for part in ("params", "grads", "optimizer"))
 
 
 def test_the_host_device_link_is_the_profiles_else_pcie() -> None:
