@@ -22,7 +22,8 @@ Definitions (they are repeated in the summary's footnotes):
   and gradients held at once during a step, transient) is carried beside it, outside the closed form; its optional
   `hpz_bytes` (parallel.hpz's secondary copy, held all step) is inside the total, and its closed form N·b/L
   (strategies.data_parallel.hpz_bytes: b by parallel.param_comm, L the logged `hpz_node_size`, else a nonzero
-  parallel.hpz_node_size) inside the run's; a run whose L is unknown has no closed form;
+  parallel.hpz_node_size) inside the run's; a run whose L is unknown has no closed form; under parallel.offload its
+  `host_bytes` (the state on the host) is inside the total, and the closed form is the row's for that offload;
 - peak memory: each rank's highest `peak_mem_bytes` over its step records (null where the device does not
   measure it), mean and max over the ranks that logged a number;
 - job tokens/s spread: the sample std over the kept epochs (else kept steps) of each one's job tokens/s, the
@@ -82,7 +83,8 @@ class MemoryUse:
     strategy: str  # parallel.dp_sync, or NO_STRATEGY with one replica
     ranks: int  # ranks that logged a memory record
     params: float  # parameters per rank, mean over ranks (a sharded parameter counted at its global size)
-    mean: dict[str, float]  # "params", "grads", "optimizer", "total" -> bytes, mean over ranks
+    mean: dict[str, float]  # "params", "grads", "optimizer", "total" (and under parallel.offload "host") -> bytes,
+    # mean over ranks; total holds the host's bytes too
     max: dict[str, float]  # the same, max over ranks
     closed_form: float | None  # the closed form's total for each rank's own parameters, mean over ranks
     mismatched: list[int] = field(default_factory=list)  # ranks off their closed form beyond the tolerance
@@ -498,6 +500,8 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
         if log.memory is None:
             continue
         parts = {part: _number(log.memory[f"{part}_bytes"]) for part in STATE_BYTES}
+        if "host_bytes" in log.memory:  # parallel.offload: what the device's parts above do not hold
+            parts["host"] = _number(log.memory["host_bytes"])
         n = _number(log.memory["params"])
         extra, copy = log.memory.get("gathered_peak_bytes"), log.memory.get("hpz_bytes")
         optional = [] if extra is None else [_number(extra)]
@@ -515,7 +519,9 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     # Under parallel.ep a sharding strategy shards only the dense part; the closed form knows one kind of parameter.
     row = DP_STRATEGIES.get(strategy)
     split_experts = _number(m.params.get("parallel.ep", 1)) > 1 and row is not None and bool(row.sharded)
-    closed = [None if split_experts or form is None else _plus(closed_form_state_bytes(strategy, n, m.dp), form)
+    offload = str(m.params.get("parallel.offload", "none"))
+    closed = [None if split_experts or form is None else _plus(closed_form_state_bytes(strategy, n, m.dp, offload),
+                                                               form)
               for _, n, _, form in rows]
     if any(form is None for *_, form in rows):
         m.warnings.append(f"{m.run}: its memory records hold hpZ's copy but not its node size (hpz_node_size), so "

@@ -664,6 +664,7 @@ def _bubbles(runs: list[RunMetrics], figs: FigureSet) -> bool:
 
 STATE_COLOURS = dict(zip(STATE_BYTES, ("tab:blue", "tab:orange", "tab:green"), strict=True))
 HPZ_COLOUR, HPZ_LABEL = "tab:purple", "hpZ copy"  # parallel.hpz's secondary parameters, stacked on the state
+HOST_COLOUR, HOST_LABEL = "tab:gray", "on the host"  # parallel.offload's state, stacked on the device's
 # Line colours that leave red to the ⚠ mark, so that a flagged point stands out on every line.
 LINE_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
                 "tab:cyan", "tab:gray")
@@ -682,7 +683,7 @@ def _mode(r: RunMetrics) -> str:
 
 def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Training-state MB per rank (mean over ranks) as stacked parameter, gradient and optimizer bars (and hpZ's
-    secondary copy where a run keeps one), one per run,
+    secondary copy where a run keeps one, and the state parallel.offload put on the host), one per run,
     grouped by data-parallel size W, strategy and pipeline mode, each with its closed form as a black bar; a run
     off its closed form is hatched and marked ⚠, so that it does not read as a match. Drawn only where runs hold
     their state in more than one way (strategy and W), or one is off its closed form: bars of one layout that match
@@ -717,10 +718,13 @@ def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
                 ax.bar(x, mem.mean[part] / 1e6, 0.7, bottom=bottom, color=colour, edgecolor="white",
                        hatch="//" if mem.mismatched else None, label=label(part))
                 bottom += mem.mean[part] / 1e6
-            if mem.hpz is not None:
-                ax.bar(x, mem.hpz[0] / 1e6, 0.7, bottom=bottom, color=HPZ_COLOUR, edgecolor="white",
-                       hatch="//" if mem.mismatched else None, label=label(HPZ_LABEL))
-                bottom += mem.hpz[0] / 1e6
+            extras = ((mem.hpz[0] if mem.hpz else None, HPZ_COLOUR, HPZ_LABEL),
+                      (mem.mean.get("host"), HOST_COLOUR, HOST_LABEL))
+            for held, colour, name in extras:
+                if held is not None:
+                    ax.bar(x, held / 1e6, 0.7, bottom=bottom, color=colour, edgecolor="white",
+                           hatch="//" if mem.mismatched else None, label=label(name))
+                    bottom += held / 1e6
             if mem.closed_form is not None:
                 ax.plot([x - 0.42, x + 0.42], [mem.closed_form / 1e6] * 2, color="black", linewidth=2.5,
                         label=label("closed form"))

@@ -116,7 +116,9 @@ MEMORY_NOTE = (
     f"{MEMORY_ABS_TOL // 1024} KiB of its closed form matches; a rank off by more is flagged (⚠). "
     "Under parallel.hpz the total includes hpZ's secondary copy of the parameters (`hpz_bytes`, shown as \"incl. "
     "hpZ\"), and its closed form adds N·b/L (b: 4, 2 or 1 + 4/quant_block bytes a value by parallel.param_comm, L the "
-    "node group's ranks, `hpz_node_size`). "
+    "node group's ranks, `hpz_node_size`). Under parallel.offload the total includes the state on the host "
+    "(`host_bytes`, shown as \"incl. host\"; the parts before it are the device's), and its closed form is the "
+    "strategy's for that offload. "
     "**in flight**: the most bytes of gathered (unsharded) unit parameters and unsharded gradients a rank held at "
     "once during a step (`gathered_peak_bytes`, logged by fsdp); transient, so not in the total or the closed form. "
     "**peak**: each rank's highest `peak_mem_bytes` over its step records (measured on CUDA), everything it allocated "
@@ -543,6 +545,8 @@ def _memory_section(shown: list[RunMetrics]) -> list[str]:
         mb = {part: _mb(mem.mean[part], mem.max[part]) for part in MEMORY_COLUMNS}
         if mem.hpz is not None:
             mb["total"] += f" incl. hpZ {_mb(*mem.hpz)}"
+        if "host" in mem.mean:  # parallel.offload: the state on the host, beside the device's parts
+            mb["total"] += f" incl. host {_mb(mem.mean['host'], mem.max['host'])}"
         closed = "–" if mem.closed_form is None else f"{mem.closed_form / 1e6:.4g}"
         ratio = "–" if mem.ratio is None else f"{mem.ratio:.3f}"
         if mem.mismatched:
@@ -567,8 +571,8 @@ def _plan_section(shown: list[RunMetrics]) -> list[str]:
         step, rate = plan["step_time_s"], plan["tokens_per_s"]
         measured = r.step_time[0]
         state = plan["memory"].get("state")
-        if state is not None:  # the accounted total holds parallel.hpz's copy too, so the plan's side does as well
-            state += plan["memory"].get("hpz") or 0
+        if state is not None:  # the accounted total holds parallel.hpz's copy and the host's state too, so the
+            state += (plan["memory"].get("hpz") or 0) + (plan["memory"].get("host") or 0)  # plan's side does as well
         accounted = r.memory.max["total"] if r.memory is not None else None
         lines.append(f"| {r.run_id} | {plan.get('layout', '–')} | {step * 1e3:.1f} | {_fmt(_ms(measured), '.1f')} | "
                      f"{_error(step, measured)} | {rate:,.0f} | {_fmt(r.job_tokens_per_s, ',.0f')} | "

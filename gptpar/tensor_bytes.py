@@ -19,6 +19,11 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()  # a shard: this rank's part
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """What tells `t`'s storage apart from others (two views of one buffer share it)."""
+    return _storage(t).data_ptr()
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     seen: dict[int, int] = {}

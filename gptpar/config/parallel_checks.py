@@ -97,12 +97,26 @@ def check_data_parallel(cfg: Config) -> None:
         use = f"use parallel.dp_sync={either(moving)}, or " if moving else ""
         raise ConfigError(f"parallel.offload={p.offload} is not built for parallel.dp_sync={p.dp_sync}; "
                           f"{use}parallel.offload=none")
+    if p.offload != "none":
+        check_offload(p.offload, p.dp, p.tp, p.ep)
     if p.hpz and p.hpz_node_size:
         hpz_node_size(p.hpz_node_size, p.dp, p.tp, 0)
     if p.pp > 1 and row.without_pipeline:
         syncing = [name for name, r in DP_STRATEGIES.items() if not r.without_pipeline]
         raise ConfigError(f"parallel.dp_sync={p.dp_sync} {row.without_pipeline}; use parallel.dp_sync="
                           f"{either(syncing)} with parallel.pp > 1")
+
+
+def check_offload(offload: str, dp: int, tp: int, ep: int) -> None:
+    """parallel.offload moves what the data-parallel sync holds of a whole model's shard: it needs a sync (dp > 1),
+    and is built without tensor-parallel pieces or expert slices, which the syncs step on the device."""
+    if dp == 1:
+        raise ConfigError(f"parallel.offload={offload} moves the data-parallel sync's shards, and parallel.dp=1 has no "
+                          "sync; use parallel.dp > 1, or parallel.offload=none")
+    for key, size in (("tp", tp), ("ep", ep)):
+        if size > 1:
+            raise ConfigError(f"parallel.offload={offload} is not built with parallel.{key}={size}; use "
+                              f"parallel.{key}=1, or parallel.offload=none")
 
 
 def check_tensor_parallel(cfg: Config) -> None:

@@ -38,6 +38,13 @@ def choose_backend(requested: str, gpu_count: int) -> str:
     return requested
 
 
+def group_backend(backend: str, offload: str) -> str:
+    """What the process group is made with: `backend`, and beside NCCL a gloo backend for CPU tensors where
+    parallel.offload=params keeps fsdp2's shards on the host (torch's clip reduces their DTensor norm there; torchtitan
+    joins the same way for its CPU offload)."""
+    return f"cuda:{backend},cpu:gloo" if backend == "nccl" and offload == "params" else backend
+
+
 def choose_device(backend: str, layout: Layout, gpu_count: int) -> torch.device:
     """cuda:LOCAL_RANK when the node's GPUs are all visible; cuda:0 when SLURM bound one GPU per task.
 
@@ -75,7 +82,8 @@ def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None)
         _nccl_env()
     try:
         dist.init_process_group(
-            backend=backend, init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
+            backend=group_backend(backend, pcfg.offload),
+            init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
             rank=layout.rank, world_size=layout.world_size,
             timeout=timedelta(seconds=pcfg.timeout_s),
             device_id=device if device.type == "cuda" else None)

@@ -78,7 +78,8 @@ def as_text(layout: Layout, target: Target, pred: Prediction, steps: int) -> str
         f"memory/rank  {pred.memory_bytes / MB:,.1f} MB{limit}: parameters {m['params'] / MB:,.1f}, gradients "
         f"{m['grads'] / MB:,.1f}, optimizer {m['optimizer'] / MB:,.1f}, activations {m['activations'] / MB:,.1f}"
         + (f", gathered {m['gathered'] / MB:,.1f}" if m["gathered"] else "")
-        + (f", hpZ copy {m['hpz'] / MB:,.1f}" if m.get("hpz") else ""),
+        + (f", hpZ copy {m['hpz'] / MB:,.1f}" if m.get("hpz") else "")
+        + (f"; on the host {m['host'] / MB:,.1f} (parallel.offload)" if m.get("host") else ""),
         "MFU          " + (f"{pred.mfu:.1%}" if pred.mfu is not None else "n/a (no datasheet peak for this device)"),
         f"cost         {c['steps']:,} steps: {c['seconds'] / 3600:,.2f} h wall, {c['gpu_hours']:,.2f} {c['unit']}",
     ]

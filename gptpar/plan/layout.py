@@ -66,6 +66,7 @@ class Layout:
     precision: str
     checkpoint_every: int  # recompute every k-th block (0: none)
     stage_blocks: tuple[int, ...]  # blocks of each of the pp * virtual stages
+    offload: str = "none"  # parallel.offload
 
     @property
     def world(self) -> int:
@@ -157,4 +158,4 @@ def layout_of(cfg: Config) -> Layout:
         hpz_node=hpz_node_size(p.hpz_node_size, p.dp, p.tp, cfg.launch.gpus or p.dp * p.tp) if p.hpz else 0,
         ep=p.ep, precision=t.precision,
         checkpoint_every=checkpoint_interval(t.activation_checkpointing),
-        stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)))
+        stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)), offload=p.offload)

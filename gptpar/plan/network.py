@@ -1,7 +1,8 @@
 """What a collective costs over one group of ranks: the calibration's measured links where the layout runs on the
 machine that was calibrated, else the cluster profile's figures (`links:` in gptpar/cluster/profiles/*.yaml, each with
 its source), intra-node for a group inside one node and inter-node for one that spans nodes. The grid's rank order
-(gptpar.parallel.grid: pp, dp, tp, tp fastest) says which groups span nodes."""
+(gptpar.parallel.grid: pp, dp, tp, tp fastest) says which groups span nodes. parallel.offload's copies between a GPU
+and its host go over `links.host_device`, else PCIe 4.0 x16 (HOST_DEVICE)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,15 @@ from typing import Any
 from gptpar.errors import GptparError
 from gptpar.plan.calibration import Calibration, LinkFit
 
+# The host-device link where the profile names none: PCIe 4.0 x16 moves 32 GB/s each way on paper (PCI-SIG's PCIe 4.0
+# base specification: 16 GT/s a lane, 128b/130b encoding); copies from pinned memory reach about 25 GB/s of it.
+HOST_DEVICE = LinkFit(0.0, 25e9, "PCIe 4.0 x16: 32 GB/s each way on paper (PCI-SIG), ~25 GB/s for pinned copies; "
+                      "the planner's default, latency unknown: 0")
+
 
 def profile_link(links: dict[str, Any], where: str, profile: str) -> LinkFit | None:
-    """A profile's `intra_node` or `inter_node` figures as a LinkFit (latency counted 0 where the profile has none)."""
+    """A profile's `intra_node`, `inter_node` or `host_device` figures as a LinkFit (latency counted 0 where the
+    profile has none)."""
     figures = links.get(where)
     if not figures:
         return None
@@ -33,6 +40,7 @@ class Network:
     inter: LinkFit | None = None
     gpus_per_node: int = 0  # 0: every rank on one machine
     profile: str = "local"
+    host_device: LinkFit = HOST_DEVICE  # one device's link to its host (parallel.offload's copies)
 
     def seconds(self, op: str, nbytes: float, size: int, stride: int = 1) -> float:
         """One `op` of `nbytes` over a group of `size` ranks whose members are `stride` ranks apart."""
@@ -59,4 +67,5 @@ def network_of(calib: Calibration, profile: dict[str, Any], name: str, on_calibr
     measured = {op: fit for op in calib.collectives if (fit := calib.link(op)) is not None}
     return Network(measured=measured, intra=profile_link(links, "intra_node", name),
                    inter=profile_link(links, "inter_node", name),
+                   host_device=profile_link(links, "host_device", name) or HOST_DEVICE,
                    gpus_per_node=0 if on_calibrated_machine else int(links.get("gpus_per_node") or 0), profile=name)

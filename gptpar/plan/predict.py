@@ -14,6 +14,7 @@ Overlap, as each sync does it (gptpar/parallel/data_parallel):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from gptpar.errors import GptparError
@@ -23,6 +24,7 @@ from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
 from gptpar.strategies.data_parallel import (
     DP_STRATEGIES,
+    MOVED,
     WIRE_BYTES,
     DataParallelStrategy,
     Pricing,
@@ -437,7 +439,9 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
         stride = lay.dp * lay.tp * (lay.pp - 1)
         tied = net.seconds("all_reduce", lay.vocab // lay.tp * lay.shape.n_embd * 4, 2, stride)
         model._add("tied embedding all_reduce", tied)
-    step = core + sync + optimizer + small + tied
+    copies = max(host_copy_s(lay, net, lay.rank_parameters(r)) for r in range(lay.pp))
+    model._add("host-device copies", copies)
+    step = core + sync + optimizer + small + tied + copies
     memory = memory_parts(lay, calib, lists)
     fullest = max(memory, key=lambda m: m["total"])
     tokens_per_s = lay.step_tokens / step
@@ -447,6 +451,13 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     notes = approximations(lay)
     return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),
                       fullest, mfu, lay.world, notes, memory)
+
+
+def host_copy_s(lay: Layout, net: Network, n: int) -> float:
+    """Seconds of one step's copies between a rank's device and its host under parallel.offload (its row's
+    `host_copy_bytes` of the rank's `n` parameters, over the network's host-device link), all exposed."""
+    nbytes = DP_STRATEGIES[lay.dp_sync].host_copy_bytes(n, lay.dp, lay.offload, lay.grad_accum)
+    return net.host_device.seconds("send_recv", nbytes, 1) if nbytes else 0.0
 
 
 def approximations(lay: Layout) -> list[str]:
@@ -460,6 +471,9 @@ def approximations(lay: Layout) -> list[str]:
     if lay.tp > 1 and lay.tp_impl == "torch":
         notes.append("parallel.tp_impl=torch is priced as our tensor-parallel block and head (the same collectives "
                      "between the same matmuls; DTensor's dispatch is not timed)")
+    if lay.offload != "none":
+        notes.append(f"parallel.offload={lay.offload}: the host-device copies are priced as exposed and the host's "
+                     "optimizer step at the device's calibrated rate")
     if lay.ep > 1 and lay.shape.moe:
         notes.append("parallel.ep: the experts' gradients are priced as reduced over all of dp (they are reduced "
                      "over their dp/ep replicas), and routing as balanced")
@@ -480,7 +494,8 @@ def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float
 
 
 def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | None) -> list[dict[str, int]]:
-    """Each pipeline rank's bytes: training state by the strategy table's closed form, activations of the
+    """Each pipeline rank's bytes: training state on the device by the strategy table's closed form (under
+    parallel.offload what moved is "host", outside the device's total), activations of the
     micro-batches it holds at once (weighted `peak_activations` of its schedule, one micro-step without a pipeline),
     the units a sharding sync holds gathered (its pricing's `in_flight`), hpZ's secondary copy (`hpz_bytes`)."""
     row = DP_STRATEGIES[lay.dp_sync]
@@ -495,9 +510,12 @@ def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | No
         if lay.dp > 1 and any(row.pricing.in_flight):
             roots, blocks = row.pricing.in_flight
             gathered = 4 * (roots * lay.end_parameters(r) + blocks * lay.block_parameters)
-        shard = {part: lay.dp if part in row.sharded else 1 for part in ("params", "grads", "optimizer")}
+        # by role, the device's: what parallel.offload moved is 0 here and in "host"
+        shard = {part: math.inf if part in MOVED[lay.offload] else lay.dp if part in row.sharded else 1
+                 for part in ("params", "grads", "optimizer")}
+        device, host = row.placed_bytes(n, lay.dp, lay.offload)
         parts = {"params": int(n * 4 / shard["params"]), "grads": int(n * 4 / shard["grads"]),
-                 "optimizer": int(n * 8 / shard["optimizer"]), "state": int(row.state_bytes(n, lay.dp)),
+                 "optimizer": int(n * 8 / shard["optimizer"]), "state": int(device), "host": int(host),
                  "activations": int(held), "gathered": gathered,
                  "hpz": int(hpz_bytes(n, lay.hpz_node, lay.param_comm, lay.quant_block)) if lay.hpz_node else 0}
         parts["total"] = parts["state"] + parts["activations"] + parts["gathered"] + parts["hpz"]

@@ -166,6 +166,9 @@ class MemoryRecord(Record):
     params_bytes: int = required("Bytes of the distinct storages of its parameters (a tied matrix counted once).")
     grads_bytes: int = required("Bytes of its gradients (a gradient bucket counted once).")
     optimizer_bytes: int = required("Bytes of its optimizer state (AdamW's scalar `step` counters left out).")
+    host_bytes: int | Absent = optional(
+        "parallel.offload: bytes of training state on the host (its parameters, gradients and optimizer state there); "
+        "the three fields above count the device's. On a CPU-only machine the same memory, counted by what moved.")
     gathered_peak_bytes: int | Absent = optional(
         "parallel.dp_sync=fsdp: peak bytes of unsharded parameters and gradients held at once.")
     hpz_bytes: int | Absent = optional(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gptpar.errors import ConfigError, GptparError
 
@@ -23,8 +23,9 @@ GRAD_COMMS = (*HALF, "int8", "powersgd")
 # parallel.param_comm: how a sync that shards the parameters gathers them. bf16 casts each shard for the wire; int8 is
 # ZeRO++'s qwZ, each shard in blocks of parallel.quant_block values with one fp32 scale each (param_comm.py).
 PARAM_COMMS = ("fp32", "bf16", "int8")
-# parallel.offload: what a strategy keeps on the host instead of the device.
+# parallel.offload: what a strategy keeps on the host instead of the device, and the parts of STATE_BYTES each moves.
 OFFLOADS = ("none", "optimizer", "params")
+MOVED = {"none": (), "optimizer": ("optimizer",), "params": tuple(STATE_BYTES)}
 # Bytes per value on the wire, by parallel.grad_comm or parallel.param_comm type (the syncs count them, the planner
 # prices them); int8 adds a 4-byte scale per parallel.quant_block values.
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -55,6 +56,10 @@ class Pricing:
     grouped_norm: bool = True  # its gradient shards' norm is summed per tensor over dp (clip_gradients' groups);
     # False: torch's own norm over DTensor shards
     note: str = ""  # what its price approximates, said beside the prediction
+    # parallel.offload -> (per step, per micro-step): copies between host and device of the rank's optimizer shard (4
+    # bytes a value) that offload makes (zero1/zero2 optimizer: the gradient shard down and the updated shard up once
+    # a step; fsdp2 params: the gradient shard down once, the parameter shard up for forward's and backward's gathers)
+    host_copies: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.shape not in SYNC_SHAPES:
@@ -86,10 +91,29 @@ class DataParallelStrategy:
         """Every rank holds the whole averaged gradient after the sync (what train.dump_grads saves)."""
         return "grads" not in self.sharded
 
-    def state_bytes(self, n: float, w: int) -> float:
-        """Bytes of training state one rank holds for n parameters over w replicas, unpadded: the closed form a
-        measured count is checked against."""
-        return math.fsum(n * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items())
+    def state_bytes(self, n: float, w: int, offload: str = "none") -> float:
+        """Bytes of training state one rank holds for n parameters over w replicas, unpadded, device and host
+        together: the closed form a measured count is checked against."""
+        return math.fsum(self.placed_bytes(n, w, offload))
+
+    def placed_bytes(self, n: float, w: int, offload: str = "none") -> tuple[float, float]:
+        """`state_bytes` as (device, host) under parallel.offload: optimizer moves the optimizer state (8 bytes a value
+        of the shard it steps) and puts fp32 copies of that shard's parameters and gradients beside it on the host
+        (the step's inputs), leaving the device its parameters and gradients; params moves every part."""
+        parts = {part: n * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items()}
+        moved = MOVED[offload]
+        device = math.fsum(v for part, v in parts.items() if part not in moved)
+        host = math.fsum(v for part, v in parts.items() if part in moved)
+        if offload == "optimizer":  # the step's inputs beside its state: fp32 copies of the shard and its gradient
+            host += (STATE_BYTES["params"] + STATE_BYTES["grads"]) * n / (w if "optimizer" in self.sharded else 1)
+        return device, host
+
+    def host_copy_bytes(self, n: float, w: int, offload: str, micro_steps: int) -> float:
+        """Bytes copied between host and device in one step of `micro_steps` under parallel.offload, by its pricing's
+        `host_copies` of the rank's optimizer shard (fp32); 0 without offload."""
+        per_step, per_micro = self.pricing.host_copies.get(offload, (0.0, 0.0)) if self.pricing else (0.0, 0.0)
+        shard = n / (w if "optimizer" in self.sharded else 1)
+        return 4 * shard * (per_step + per_micro * micro_steps)
 
 
 def hpz_bytes(n: float, node_size: int, param_comm: str = "fp32", quant_block: int = 256) -> float:
@@ -111,6 +135,7 @@ _PIPELINE_DDP = "cannot sync a pipeline stage (DDP reduces inside every backward
 _WHOLE_COMPILE_FSDP = ("gathers and frees each block's parameters in hooks around the block, which one whole-model "
                        "graph cannot hold")
 _BUCKETS = Pricing("buckets")
+_BUCKETS_OFFLOADED = Pricing("buckets", host_copies={"optimizer": (2.0, 0.0)})
 _UNITS = "fsdp gathers and reduce-scatters"
 
 DP_STRATEGIES: dict[str, DataParallelStrategy] = {
@@ -125,10 +150,11 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         grad_comm=(*HALF, "powersgd"), expert_parallel=True, pricing=_BUCKETS),
     "zero1": DataParallelStrategy(
         "gptpar.parallel.data_parallel.zero:ZeroOneSync", "bucketed, optimizer state sharded", ("optimizer",),
-        _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True, pricing=_BUCKETS),
+        _NOT_SHARDED_YET, grad_comm=HALF, expert_parallel=True, offloads=("optimizer",), pricing=_BUCKETS_OFFLOADED),
     "zero2": DataParallelStrategy(
         "gptpar.parallel.data_parallel.zero:ZeroTwoSync", "gradients sharded too", ("grads", "optimizer"),
-        _NOT_SHARDED_YET, grad_comm=(*HALF, "int8"), expert_parallel=True, pricing=_BUCKETS),
+        _NOT_SHARDED_YET, grad_comm=(*HALF, "int8"), expert_parallel=True, offloads=("optimizer",),
+        pricing=_BUCKETS_OFFLOADED),
     "fsdp": DataParallelStrategy(
         "gptpar.parallel.data_parallel.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered per block",
         ("params", "grads", "optimizer"), _NOT_SHARDED_YET, materialises_shards=True, grad_comm=(*HALF, "int8"),
@@ -137,16 +163,16 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
     "fsdp2": DataParallelStrategy(
         "gptpar.parallel.data_parallel.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
         ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",), grad_comm=HALF,
-        expert_parallel=True,
-        pricing=Pricing("units", _UNITS, grouped_norm=False,
+        expert_parallel=True, offloads=("params",),
+        pricing=Pricing("units", _UNITS, grouped_norm=False, host_copies={"params": (1.0, 2.0)},
                         note="fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")),
 }
 
 
-def closed_form_state_bytes(strategy: str, n: float, w: int) -> float | None:
+def closed_form_state_bytes(strategy: str, n: float, w: int, offload: str = "none") -> float | None:
     """`DataParallelStrategy.state_bytes` of a named strategy; None for a name the table lacks (an old log)."""
     row = DP_STRATEGIES.get(strategy)
-    return row.state_bytes(n, w) if row is not None else None
+    return row.state_bytes(n, w, offload) if row is not None else None
 
 
 def either(names: list[str], conjunction: str = "or") -> str:

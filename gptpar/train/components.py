@@ -141,7 +141,8 @@ class MixtureGradients(Participant):
 
 class MemoryCount(Participant):
     """The training state's bytes (the memory record), counted once, at this start's first step: AdamW's state
-    exists only after its first update, and the gradients are still there."""
+    exists only after its first update, and the gradients are still there. The sync's clip targets are the tensors it
+    holds gradients in (under parallel.offload the device's shards beside the host's copies)."""
 
     def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer, sync: GradSync):
         self.net, self.optimizer, self.sync = net, optimizer, sync
@@ -149,7 +150,9 @@ class MemoryCount(Participant):
 
     def after_optimizer(self, step: int) -> None:
         if self.counted is None:
-            self.counted = state_bytes(self.net, self.optimizer) | self.sync.memory_fields()
+            held, _ = self.sync.clip_targets()
+            self.counted = (state_bytes(self.net, self.optimizer, held, self.sync.host_tensors()) |
+                            self.sync.memory_fields())
 
 
 class GradientDump(Participant):

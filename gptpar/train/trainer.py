@@ -261,6 +261,7 @@ class Trainer:
         if self.precision.unscale(targets):
             grad_norm = clip_gradients(targets, max_norm, groups, counted)
             with record_function("optimizer"):
+                self.sync.before_step()
                 self.optimizer.step()
                 self.sync.after_step()
         for part in self.participants:

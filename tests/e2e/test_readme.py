@@ -71,6 +71,7 @@ RUN_HERE = [
     ".venv/bin/gptpar train parallel.tp=2 parallel.sequence_parallel=true parallel.loss_parallel=true "
     "train.max_steps=5",
     ".venv/bin/gptpar train parallel.tp=2 parallel.dp=2 parallel.dp_sync=fsdp train.max_steps=5",
+    ".venv/bin/gptpar train parallel.dp=2 parallel.dp_sync=zero2 parallel.offload=optimizer train.max_steps=5",
     ".venv/bin/gptpar train model.preset=qwen2-tiny data.task=sft data.source=metamath_sample data.tokenizer=bytes "
     "data.max_source_len=116 data.max_target_len=120 train.max_steps=5 train.answer_samples=8",
     ".venv/bin/gptpar submit dp --gpus 2 model.preset=qwen2-moe-tiny parallel.ep=2 --dry-run",

@@ -1,15 +1,19 @@
 """The cost model's arithmetic against hand-computed values on synthetic calibrations: the pipeline's bubble is the
 closed form under unit costs, naive exposes every all-reduce, bucketed hides what backward covers on a GPU (nothing
 on a CPU, whose cores do both), memory is the
-strategy table's closed form plus the activations each schedule holds."""
+strategy table's closed form plus the activations each schedule holds; parallel.offload's copies are its row's bytes
+over the host-device link."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from planfix import calibration, layout, network
 
-from gptpar.plan.calibration import RECOMPUTED, tp_kind
+from gptpar.plan.calibration import RECOMPUTED, LinkFit, tp_kind
 from gptpar.plan.layout import block_flops, head_flops
+from gptpar.plan.network import network_of
 from gptpar.plan.predict import predict
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.strategies.pipeline import closed_form_bubble, schedule, simulate
@@ -252,3 +256,35 @@ def test_each_pipeline_stage_is_priced_by_its_own_blocks() -> None:
         steps.append(predict(lay, calibration(lay), network(), "test cpu").step_time_s)
         assert steps[-1] == pytest.approx(expected.makespan)
     assert steps[0] != pytest.approx(steps[1])
+
+
+@pytest.mark.parametrize(("sync", "offload", "copies"), [
+    ("zero2", "optimizer", 2),  # the gradient shard down and the updated shard up, once a step
+    ("fsdp2", "params", 1 + 2 * 2),  # the gradient shard down once; the shard up for each of 2 micro-steps' 2 gathers
+])
+def test_offload_prices_its_host_device_copies_and_moves_the_state_to_the_host(sync: str, offload: str,
+                                                                                copies: int) -> None:
+    words = (*EIGHT_BLOCKS, "parallel.dp=2", f"parallel.dp_sync={sync}", "train.grad_accum=2")
+    plain, moved = layout(*words), layout(*words, f"parallel.offload={offload}")
+    link = LinkFit(1e-5, 2e9, "test link")
+    net = dataclasses.replace(network(), host_device=link)
+    a, b = (predict(lay, calibration(lay), net, "test cpu") for lay in (plain, moved))
+    n = plain.rank_parameters(0)
+    assert b.exposed_comm_s["host-device copies"] == pytest.approx(1e-5 + copies * 4 * n / 2 / 2e9)
+    assert b.step_time_s - a.step_time_s == pytest.approx(b.exposed_comm_s["host-device copies"])
+    assert "host-device copies" not in a.exposed_comm_s
+    host = 16 * n / 2  # 16N/W on the host: AdamW's state with (zero2) the fp32 shard and its gradient, or (fsdp2) all
+    assert b.memory["host"] == int(host) and a.memory["host"] == 0
+    assert b.memory["state"] == a.memory["state"] - (int(host) if offload == "params" else 8 * n // 2)
+    assert b.memory_bytes == a.memory_bytes - (a.memory["state"] - b.memory["state"])  # the device's total
+    moved = ("optimizer",) if offload == "optimizer" else ("params", "grads", "optimizer")
+    assert all(b.memory[part] == (0 if part in moved else a.memory[part]) for part in ("params", "grads", "optimizer"))
+
+
+def test_the_host_device_link_is_the_profiles_else_pcie() -> None:
+    lay = layout("model.preset=gpt2-tiny")
+    calib = calibration(lay)
+    pcie = network_of(calib, {}, "local", True).host_device
+    assert pcie.bandwidth == 25e9 and "PCIe 4.0 x16" in pcie.source
+    profile = {"links": {"host_device": {"bandwidth_GBps": 50, "source": "NVLink-C2C"}}}
+    assert network_of(calib, profile, "gh", True).host_device.bandwidth == 50e9

@@ -622,6 +622,25 @@ def test_hpz_copy_is_accounted_and_held_to_its_closed_form(tmp_path: Path, copy:
     assert ("memory_per_rank.png" in {p.name for p in result.figures}) is flagged  # drawn where one is off
 
 
+# zero2 with parallel.offload=optimizer, N = 1e6, W = 2: the device keeps 4N + 4N/2, the host 16N/2 (AdamW's state, the
+# fp32 shard and its gradient).
+OFFLOADED_STATE = {"params": 1_000_000, "params_bytes": 4_000_000, "grads_bytes": 2_000_000, "optimizer_bytes": 0}
+
+
+@pytest.mark.parametrize("host, flagged", [(8_000_000, False),  # the closed form 16N/W
+                                           (4_000_000, True)])  # the moments alone, without the step's copies
+def test_offloaded_state_is_in_the_total_and_held_to_the_offloads_closed_form(tmp_path: Path, host: int,
+                                                                               flagged: bool) -> None:
+    sharded_run(tmp_path / "runs" / "o", "zero2", [{**OFFLOADED_STATE, "host_bytes": host}] * 2, [[None] * 2] * 2,
+                **{"parallel.offload": "optimizer"})
+    result = report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    mem = result.runs[0].memory
+    assert mem is not None and mem.mean["host"] == host and mem.mean["total"] == 6_000_000 + host
+    assert mem.closed_form == 14_000_000 and (mem.mismatched == [0, 1]) is flagged
+    total = f"{(6_000_000 + host) / 1e6:.4g} incl. host {host / 1e6:.4g}"
+    assert f"| o | zero2 | 2 | 1,000,000 | 4 | 2 | 0 | {total} | 14 |" in result.summary_md.read_text()
+
+
 def test_hpz_node_size_comes_from_the_config_where_the_record_lacks_it_and_is_never_guessed(tmp_path: Path) -> None:
     record = {**HPZ_STATE, "hpz_bytes": 2_000_000}  # fp32: 4N/2
     sharded_run(tmp_path / "set" / "fp32", "fsdp", [record] * 4, [[None] * 2] * 4, **{"parallel.hpz": True,

@@ -387,6 +387,21 @@ def test_memory_figures_name_no_strategy_for_one_replica_and_are_drawn_only_wher
     assert "bucketed" not in legend_labels(drawn["memory_vs_world_size.png"])
 
 
+def test_an_offloaded_runs_bar_stacks_its_host_state_up_to_its_closed_form(tmp_path: Path,
+                                                                           drawn: dict[str, Figure]) -> None:
+    """zero2, N = 1000, W = 2, parallel.offload=optimizer: the device's 4N + 4N/2 and the host's 16N/2 together reach
+    the closed form 14N (a bar without the host part would stop at 6 kB, under its black line)."""
+    dp_run(tmp_path / "runs" / "plain", [100.0] * 2, memory=[(1000, 4000, 4000, 4000)] * 2,
+           **{"parallel.dp_sync": "zero1"})  # another strategy: the figure compares ways of holding the state
+    dp_run(tmp_path / "runs" / "moved", [100.0] * 2, memory=[(1000, 4000, 2000, 0)] * 2,
+           memory_fields={"host_bytes": 8000}, **{"parallel.dp_sync": "zero2", "parallel.offload": "optimizer"})
+    report(tmp_path / "runs", tmp_path / "out", now=LATER)
+    ax = drawn["memory_per_rank.png"].axes[0]
+    tops = {round(bar.get_x() + bar.get_width() / 2): bar.get_y() + bar.get_height() for bar in ax.patches}
+    assert sorted(tops.values()) == pytest.approx([0.012, 0.014])  # MB: zero1's 12N; 6N + 8N of the offloaded run
+    assert "on the host" in legend_labels(drawn["memory_per_rank.png"])
+
+
 def test_the_report_of_one_run_folder_is_that_runs(tmp_path: Path) -> None:
     dp_run(tmp_path / "runs" / "tr1", [100.0])
     dp_run(tmp_path / "runs" / "other", [50.0])

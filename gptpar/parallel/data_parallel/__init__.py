@@ -12,7 +12,8 @@ Which class runs `parallel.dp_sync` is the strategy's row of gptpar/strategies/d
 assignment's per-parameter all-reduce, naive.py), bucketed (our overlapped reducer, bucketed.py), ddp (torch's
 DistributedDataParallel as the reference, ddp.py), zero1/zero2 (optimizer state, then gradients too, sharded;
 zero.py on sharded.py), fsdp (ours, parameters sharded too and gathered per block, fsdp.py), fsdp2 (torch's
-fully_shard on the same units, fsdp2.py). The trainer also calls sync.after_step() after optimizer.step(),
+fully_shard on the same units, fsdp2.py). The trainer also calls sync.before_step() and sync.after_step() around
+optimizer.step() (parallel.offload=optimizer copies gradients to the host before it, the shards back after it),
 builds the optimizer on sync.optimizer_params() (a sharded optimizer steps shards of the parameters) and clips
 over sync.clip_targets().
 """

@@ -114,6 +114,10 @@ class GradSync:
         """The parameter each clip target (by id) is a piece of, where it is not the parameter itself."""
         return {}
 
+    def before_step(self) -> None:
+        """Just before optimizer.step(), after the clip (parallel.offload=optimizer copies the gradients to the
+        host)."""
+
     def after_step(self) -> None:
         """Just after optimizer.step() (a sharded optimizer gathers the updated parameters)."""
 
@@ -124,6 +128,11 @@ class GradSync:
 
     def load_comm_state(self, state: dict[str, Any]) -> None:
         """Restore what comm_state() saved."""
+
+    def host_tensors(self) -> list[torch.Tensor] | None:
+        """parallel.offload: the tensors the optimizer steps that live on the host (their gradients and optimizer
+        state live with them; the memory record counts them as host_bytes); None without offload."""
+        return None
 
     def memory_fields(self) -> dict[str, int]:
         """Extra fields of the `memory` record: what only this strategy can count (fsdp: its in-flight peak)."""

@@ -11,6 +11,11 @@ fp16 is torch's own `MixedPrecisionPolicy(reduce_dtype=...)`: the gradients redu
 Under parallel.ep each rank's expert slices are `ignored_params`: plain tensors, left whole on their ranks and to
 gptpar.parallel.expert_parallel; the global norm then sums every rank's local gradients over the group (the expert
 slices counted once, by the trainer).
+
+parallel.offload=params is torch's `CPUOffloadPolicy`: the sharded parameters, their gradients and AdamW's state live
+on the host (16N/W bytes there, none on the device between steps), each unit's shard copied to the device for its
+all-gather and each reduced gradient shard back, and the optimizer steps on the host. Its host memory is pinned beside
+a CUDA device (asynchronous copies) and not on a CPU-only torch, which has no pinned memory.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from transformers import PreTrainedModel
 
 from gptpar.models import architecture
@@ -40,21 +45,30 @@ class FSDP2Sync(GradSync):
 
     @classmethod
     def from_setup(cls, setup: SyncSetup) -> GradSync:
-        return cls(setup.model, setup.group, setup.mesh, setup.local, WIRE_DTYPES[setup.pcfg.grad_comm])
+        return cls(setup.model, setup.group, setup.mesh, setup.local, WIRE_DTYPES[setup.pcfg.grad_comm],
+                   setup.pcfg.offload == "params")
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup, mesh: DeviceMesh | None = None,
-                 local: frozenset[str] = frozenset(), wire: torch.dtype | None = None):
+                 local: frozenset[str] = frozenset(), wire: torch.dtype | None = None, offload: bool = False):
         super().__init__(model)
         broadcast_state(model, group, local)  # replicas start equal; the shards are then cut from the same model
         if mesh is None:
             mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         ignored = {p for name, p in model.named_parameters() if name in local}
         policy = MixedPrecisionPolicy(reduce_dtype=wire)  # parallel.grad_comm: the reduce-scatter's type
+        self.offload = offload
+        # parallel.offload=params; pinned host memory exists only beside a CUDA device (a CPU-only torch refuses it)
+        moved = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if offload else OffloadPolicy()
         for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh, ignored_params=ignored & set(block.parameters()) or None, mp_policy=policy)
-        fully_shard(model, mesh=mesh, ignored_params=ignored or None, mp_policy=policy)
+            fully_shard(block, mesh=mesh, ignored_params=ignored & set(block.parameters()) or None, mp_policy=policy,
+                        offload_policy=moved)
+        fully_shard(model, mesh=mesh, ignored_params=ignored or None, mp_policy=policy, offload_policy=moved)
         self.norm_group = group if local else None  # see clip_targets
         self.comm_wait_s = None  # the collectives run inside forward and backward
+
+    def host_tensors(self) -> list[torch.Tensor] | None:
+        """Under offload every sharded parameter (its gradient and AdamW's state with it)."""
+        return list(self.model.parameters()) if self.offload else None
 
     def clip_targets(self) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
         """Torch's DTensor norm, or with expert slices beside the shards every local gradient over the group."""

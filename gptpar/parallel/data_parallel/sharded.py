@@ -33,6 +33,7 @@ from gptpar.parallel.data_parallel.base import GradSync, InitialValue
 from gptpar.parallel.data_parallel.quantized import QuantisedReduceScatter
 
 if TYPE_CHECKING:
+    from gptpar.parallel.data_parallel.offload import HostShards
     from gptpar.parallel.data_parallel.param_comm import Gather
 
 
@@ -70,15 +71,23 @@ class ShardedOptimizer:
     """The optimizer over this rank's pieces and their checkpointed state. `pieces` is set by the sync; `local`, by
     name, the parameters it leaves whole (parallel.ep's expert slices, which no replica of this group shares): they
     are stepped as they are and their state is keyed as torch's flat optimizer state dict keys it,
-    `state.<name>.<field>`, where gptpar.parallel.expert_parallel finds it."""
+    `state.<name>.<field>`, where gptpar.parallel.expert_parallel finds it. Under parallel.offload=optimizer (`host`,
+    offload.py) the optimizer steps the host copies of the pieces instead, keyed the same; gradients and the clip stay
+    with the device pieces."""
 
     pieces: list[Piece]
     local: list[tuple[str, nn.Parameter]] = []
+    host: HostShards | None = None
     shards_optimizer = True
 
+    @property
+    def stepped(self) -> list[Piece]:
+        """The pieces the optimizer steps: the device's, or their host copies under offload."""
+        return self.host.pieces if self.host is not None else self.pieces
+
     def optimizer_params(self) -> list[tuple[torch.Tensor, bool]]:
-        return [(piece.tensor, piece.param.dim() >= 2) for piece in self.pieces] + [(p, p.dim() >= 2)
-                                                                                   for _, p in self.local]
+        return [(piece.tensor, piece.param.dim() >= 2) for piece in self.stepped] + [(p, p.dim() >= 2)
+                                                                                    for _, p in self.local]
 
     def owners(self) -> dict[int, nn.Parameter]:
         return {id(piece.tensor): piece.param for piece in self.pieces}
@@ -86,18 +95,37 @@ class ShardedOptimizer:
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state of this rank's pieces, keyed by parameter name and range (see the module doc), and of
         its local parameters."""
-        state = {piece.key: optimizer.state[piece.tensor] for piece in self.pieces if piece.tensor in optimizer.state}
+        state = {piece.key: optimizer.state[piece.tensor] for piece in self.stepped
+                 if piece.tensor in optimizer.state}
         return state | {f"state.{name}.{field}": value for name, p in self.local
                         for field, value in optimizer.state.get(p, {}).items()}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        for piece in self.pieces:
+        """After the parameters are loaded (checkpoint.load_model_state): the host masters are copied from them."""
+        for piece in self.stepped:
             if piece.key in state:
                 optimizer.state[piece.tensor] = state[piece.key]
         for name, p in self.local:
             prefix = f"state.{name}."
             if fields := {key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}:
                 optimizer.state[p] = fields
+        if self.host is not None:
+            self.host.pull()
+
+    def before_step(self) -> None:
+        """Under offload: the clipped gradients to the host, where the step runs."""
+        if self.host is not None:
+            self.host.to_host()
+
+    def to_device(self) -> None:
+        """Under offload: the updated host shards back to the device, before the all-gather reads them."""
+        if self.host is not None:
+            self.host.to_device()
+
+    def host_tensors(self) -> list[torch.Tensor] | None:
+        if self.host is None:
+            return None
+        return self.host.tensors()
 
 
 class Unit:

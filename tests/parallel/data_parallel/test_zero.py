@@ -37,11 +37,16 @@ CASES = [
     ("fsdp-meta", ["parallel.dp=2", "parallel.dp_sync=fsdp", "model.init_device=meta"]),
     ("fsdp2", ["parallel.dp=2", "parallel.dp_sync=fsdp2"]),
     ("fsdp2-accum", ["parallel.dp=2", "parallel.dp_sync=fsdp2", "train.grad_accum=2"]),
+    # parallel.offload through the trainer (before_step, the memory count) and its resume (the host masters reloaded)
+    ("zero1-offload", ["parallel.dp=2", "parallel.dp_sync=zero1", "parallel.offload=optimizer"]),
+    ("zero2-offload", ["parallel.dp=2", "parallel.dp_sync=zero2", "parallel.bucket_mb=0.01",
+                       "parallel.offload=optimizer"]),
+    ("fsdp2-offload", ["parallel.dp=2", "parallel.dp_sync=fsdp2", "parallel.offload=params"]),
 ]
 CASES_4 = [(f"{sync}-w4", ["parallel.dp=4", f"parallel.dp_sync={sync}"])
            for sync in ("zero1", "zero2", "fsdp", "fsdp2")]
 ALL = dict(CASES + CASES_4)
-RESUMED = ["naive", "ddp", "zero1", "zero2", "fsdp", "fsdp2"]
+RESUMED = ["naive", "ddp", "zero1", "zero2", "fsdp", "fsdp2", "zero2-offload", "fsdp2-offload"]
 
 
 class LiveStorage:
@@ -152,6 +157,24 @@ def test_memory_is_the_closed_form(results: Path, name: str) -> None:
         assert memory["optimizer_bytes"] == 8 * own and own <= shard  # 8N/W: this rank's shard only
     owned = [sum(e - s for _, s, e in r["pieces"]) for r in ranks]
     assert max(owned) - min(owned) < world * ranks[0]["units"] and sum(owned) == ranks[0]["memory"]["params"]
+
+
+@pytest.mark.parametrize("name", ["zero1-offload", "zero2-offload", "fsdp2-offload"])
+@pytest.mark.slow
+def test_an_offloaded_runs_memory_is_the_same_state_split_between_device_and_host(results: Path, name: str) -> None:
+    """Through the trainer: the device keeps what the row's placed_bytes leaves it, the host 16 bytes a value of the
+    shard (zero: the moments, the fp32 master and its gradient, the shard padded to W; fsdp2: everything)."""
+    sync = name.removesuffix("-offload")
+    for plain, moved in zip(saved_ranks(results, sync), saved_ranks(results, name), strict=True):
+        before, after = plain["memory"], moved["memory"]
+        assert after["params"] == before["params"]
+        if sync == "fsdp2":
+            assert (after["params_bytes"], after["grads_bytes"], after["optimizer_bytes"]) == (0, 0, 0)
+            assert after["host_bytes"] == before["params_bytes"] + before["grads_bytes"] + before["optimizer_bytes"]
+        else:
+            assert (after["params_bytes"], after["grads_bytes"]) == (before["params_bytes"], before["grads_bytes"])
+            assert after["optimizer_bytes"] == 0 and "host_bytes" not in before
+            assert after["host_bytes"] == before["optimizer_bytes"] + 8 * moved["shard"]
 
 
 @pytest.mark.parametrize("name", RESUMED)
