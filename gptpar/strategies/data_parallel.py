@@ -79,6 +79,7 @@ class DataParallelStrategy:
     param_comm: tuple[str, ...] = ("fp32",)  # the parallel.param_comm types it gathers parameters in
     hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
     offloads: tuple[str, ...] = ()  # the parallel.offload values (besides none) it can run with
+    without_lora: str = ""  # why it cannot train a model with frozen weights (train.lora_rank > 0); "" if it can
     pricing: Pricing | None = None
 
     @property
@@ -86,10 +87,13 @@ class DataParallelStrategy:
         """Every rank holds the whole averaged gradient after the sync (what train.dump_grads saves)."""
         return "grads" not in self.sharded
 
-    def state_bytes(self, n: float, w: int) -> float:
+    def state_bytes(self, n: float, w: int, trainable: float | None = None) -> float:
         """Bytes of training state one rank holds for n parameters over w replicas, unpadded: the closed form a
-        measured count is checked against."""
-        return math.fsum(n * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items())
+        measured count is checked against. Of `trainable` of them (train.lora_rank > 0: the adapters; None: all)
+        only: gradients and optimizer state; frozen weights are weights only."""
+        counts = {"params": n, "grads": n if trainable is None else trainable}
+        counts["optimizer"] = counts["grads"]
+        return math.fsum(counts[part] * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items())
 
 
 def hpz_bytes(n: float, node_size: int, param_comm: str = "fp32", quant_block: int = 256) -> float:
@@ -133,6 +137,7 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         "gptpar.parallel.data_parallel.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered per block",
         ("params", "grads", "optimizer"), _NOT_SHARDED_YET, materialises_shards=True, grad_comm=(*HALF, "int8"),
         param_comm=PARAM_COMMS, hpz=True, without_whole_compile=_WHOLE_COMPILE_FSDP,
+        without_lora="its units shard trainable parameters only, and a unit of frozen weights alone has none",
         pricing=Pricing("units", _UNITS, in_flight=(2, 4))),  # 2 root and 4 block units in flight (fsdp.py)
     "fsdp2": DataParallelStrategy(
         "gptpar.parallel.data_parallel.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
@@ -143,10 +148,10 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
 }
 
 
-def closed_form_state_bytes(strategy: str, n: float, w: int) -> float | None:
+def closed_form_state_bytes(strategy: str, n: float, w: int, trainable: float | None = None) -> float | None:
     """`DataParallelStrategy.state_bytes` of a named strategy; None for a name the table lacks (an old log)."""
     row = DP_STRATEGIES.get(strategy)
-    return row.state_bytes(n, w) if row is not None else None
+    return row.state_bytes(n, w, trainable) if row is not None else None
 
 
 def either(names: list[str], conjunction: str = "or") -> str:
