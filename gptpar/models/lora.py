@@ -17,10 +17,9 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
@@ -29,6 +28,9 @@ from gptpar.architectures import ARCHITECTURES
 from gptpar.config import TrainConfig
 from gptpar.errors import GptparError, first_sentence
 from gptpar.models import architecture
+
+if TYPE_CHECKING:  # peft itself is imported where a run has LoRA: its import costs seconds that other runs never pay
+    from peft import LoraConfig
 
 ADAPTER = "default"  # peft's adapter name, part of every adapter parameter's name
 _ADAPTER_WEIGHT = re.compile(rf"\.lora_([AB])\.{ADAPTER}\.weight$")
@@ -80,11 +82,12 @@ def inject_lora(model: PreTrainedModel, t: TrainConfig) -> None:
     """Adapters on train.lora_targets in place, every other parameter frozen. On a meta-device model they are made on
     the meta device too; elsewhere their values are peft's until gptpar.models.build.add_lora sets them. The process's
     random generator is left as it was (peft draws A from it)."""
+    from peft import inject_adapter_in_model
+
     targets = lora_targets(model.config.model_type, t)
     check_targets(model, targets)
     meta = any(p.is_meta for p in model.parameters())
-    config = LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
-                        fan_in_fan_out=_conv1d_targets(model, targets))
+    config = lora_config(model, t)
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft warns of what it adjusts (fan_in_fan_out); gptpar sets it
         try:
@@ -92,6 +95,15 @@ def inject_lora(model: PreTrainedModel, t: TrainConfig) -> None:
         except (ValueError, TypeError) as exc:  # a target peft cannot adapt (a block, a norm)
             raise GptparError(f"train.lora_targets={','.join(targets)}: peft cannot adapt them "
                               f"({first_sentence(exc)}); name linear layers") from None
+
+
+def lora_config(model: PreTrainedModel, t: TrainConfig) -> LoraConfig:
+    """peft's config of train.lora_* for `model` (the adapters' file records it beside them)."""
+    from peft import LoraConfig
+
+    targets = lora_targets(model.config.model_type, t)
+    return LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
+                      fan_in_fan_out=_conv1d_targets(model, targets))
 
 
 def _conv1d_targets(model: nn.Module, targets: list[str]) -> bool:
@@ -103,8 +115,3 @@ def _conv1d_targets(model: nn.Module, targets: list[str]) -> bool:
 def trainable_count(model: nn.Module) -> int:
     """Parameters that train (whole, where a sync shards them)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def adapted(model: nn.Module) -> bool:
-    """Whether the model holds LoRA adapters."""
-    return any(isinstance(m, LoraLayer) for m in model.modules())
