@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.optim import Optimizer
+from transformers.utils import logging as transformers_logging
 
 from gptpar.atomic import atomic_write, os_error, probe_space, write_error
 from gptpar.config import load_config
@@ -243,6 +244,7 @@ def export_lora(run_dir: str | Path, out: str | Path, merge: bool = False) -> Pa
                           f"({(unexpected or missing)[0]}); it is damaged or its config was edited")
     tmp = out.with_name(out.name + TMP_SUFFIX)
     shutil.rmtree(tmp, ignore_errors=True)
+    transformers_logging.disable_progress_bar()  # a bar for one shard says nothing
     try:
         (adapted.merge_and_unload() if merge else adapted).save_pretrained(tmp)
     except OSError as exc:
