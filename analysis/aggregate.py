@@ -496,6 +496,7 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     rows: list[tuple[int, float, dict[str, float], float | None]] = []  # rank, N, bytes, hpZ's closed form
     gathered: list[float] = []
     held: list[float] = []
+    trainable: dict[int, float | None] = {}  # train.lora_rank: the adapters, the only state beyond weights
     for log in ranks:
         if log.memory is None:
             continue
@@ -503,6 +504,7 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
         if "host_bytes" in log.memory:  # parallel.offload: what the device's parts above do not hold
             parts["host"] = _number(log.memory["host_bytes"])
         n = _number(log.memory["params"])
+        trainable[log.rank] = _number(log.memory["trainable"]) if "trainable" in log.memory else None
         extra, copy = log.memory.get("gathered_peak_bytes"), log.memory.get("hpz_bytes")
         optional = [] if extra is None else [_number(extra)]
         hpz = [] if copy is None else [_number(copy)]
@@ -520,9 +522,9 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     row = DP_STRATEGIES.get(strategy)
     split_experts = _number(m.params.get("parallel.ep", 1)) > 1 and row is not None and bool(row.sharded)
     offload = str(m.params.get("parallel.offload", "none"))
-    closed = [None if split_experts or form is None else _plus(closed_form_state_bytes(strategy, n, m.dp, offload),
-                                                               form)
-              for _, n, _, form in rows]
+    closed = [None if split_experts or form is None else
+              _plus(closed_form_state_bytes(strategy, n, m.dp, offload, trainable[rank]), form)
+              for rank, n, _, form in rows]
     if any(form is None for *_, form in rows):
         m.warnings.append(f"{m.run}: its memory records hold hpZ's copy but not its node size (hpz_node_size), so "
                           "its memory has no closed form to check")

@@ -37,6 +37,9 @@ class ArchitectureRow:
     description: str  # "module:Object" of its `gptpar.models.Architecture`
     tp_shard: str  # "module:function" that shards it by our tensor-parallel plan (parallel.tp_impl=gptpar)
     torch_tp_shard: str = ""  # PyTorch's (parallel.tp_impl=torch); "" where none is built
+    # The modules train.lora_rank adapts when train.lora_targets is empty, as peft matches them (a module's name or
+    # its dotted tail): the attention's projections (peft's own defaults name none for some architectures).
+    lora_targets: tuple[str, ...] = ()
 
 
 GPT2_TRAITS = ArchTraits(learned_positions=True, norm_biases=True, gated_mlp=False, qkv_bias=True, out_bias=True,
@@ -47,16 +50,20 @@ QWEN2_TRAITS = ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=
                           mlp_bias=False)
 GPT2_TP = "gptpar.parallel.tensor_parallel.gpt2:shard_gpt2"
 LLAMA_TP = "gptpar.parallel.tensor_parallel.llama:shard_llama"
+GPT2_LORA = ("attn.c_attn", "attn.c_proj")  # q, k and v fused in one Conv1D, then the output projection
+LLAMA_LORA = ("q_proj", "k_proj", "v_proj", "o_proj")  # a mixture's too: its experts are fused tensors, not layers
 ROWS = (
     ArchitectureRow("gpt2", "gpt2", GPT2_TRAITS, False, "gptpar.models.gpt2:GPT2", GPT2_TP,
-                    "gptpar.parallel.tensor_parallel.torch_plan:parallelize_gpt2"),
+                    "gptpar.parallel.tensor_parallel.torch_plan:parallelize_gpt2", GPT2_LORA),
     ArchitectureRow("llama", "llama", LLAMA_TRAITS, False, "gptpar.models.llama:LLAMA", LLAMA_TP,
-                    "gptpar.parallel.tensor_parallel.torch_plan:parallelize_llama"),
+                    "gptpar.parallel.tensor_parallel.torch_plan:parallelize_llama", LLAMA_LORA),
     ArchitectureRow("qwen2", "llama", QWEN2_TRAITS, False, "gptpar.models.llama:QWEN2", LLAMA_TP,
-                    "gptpar.parallel.tensor_parallel.torch_plan:parallelize_llama"),
+                    "gptpar.parallel.tensor_parallel.torch_plan:parallelize_llama", LLAMA_LORA),
     # the mixtures: our plan only, each mixture's MLP kept whole (tensor_parallel/llama.py)
-    ArchitectureRow("mixtral", "llama", LLAMA_TRAITS, True, "gptpar.models.moe:MIXTRAL", LLAMA_TP),
-    ArchitectureRow("qwen2_moe", "llama", QWEN2_TRAITS, True, "gptpar.models.moe:QWEN2_MOE", LLAMA_TP),
+    ArchitectureRow("mixtral", "llama", LLAMA_TRAITS, True, "gptpar.models.moe:MIXTRAL", LLAMA_TP,
+                    lora_targets=LLAMA_LORA),
+    ArchitectureRow("qwen2_moe", "llama", QWEN2_TRAITS, True, "gptpar.models.moe:QWEN2_MOE", LLAMA_TP,
+                    lora_targets=LLAMA_LORA),
 )
 ARCHITECTURES: dict[str, ArchitectureRow] = {row.name: row for row in ROWS}
 ARCHS = tuple(ARCHITECTURES)

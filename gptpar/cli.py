@@ -321,10 +321,14 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from gptpar.run.folder import EXPORT_FILE
-    from gptpar.train.checkpoint import export_checkpoint
+    from gptpar.run.folder import ADAPTER_FOLDER, EXPORT_FILE, MERGED_FOLDER
+    from gptpar.train.checkpoint import export_checkpoint, export_lora, trained_lora
 
     run = _run_path(args)
+    if args.merge or trained_lora(run):
+        out = Path(args.out or run / (MERGED_FOLDER if args.merge else ADAPTER_FOLDER))
+        print(f"wrote {export_lora(run, out, args.merge)}")
+        return 0
     out = Path(args.out or run / EXPORT_FILE)
     print(f"wrote {export_checkpoint(run, out)}")
     return 0
@@ -535,12 +539,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_plan)
 
     p = _add(sub, "checkpoint", "export a run's checkpoint (torch.distributed.checkpoint, sharded-ready) as "
-             "one plain torch.save file", "  gptpar checkpoint export dp2\n"
-             "  gptpar checkpoint export runs/dp2 --out dp2.pt")
+             "one plain torch.save file; a LoRA run's (train.lora_rank > 0) as peft's adapter folder, or with "
+             "--merge the merged model's save_pretrained folder", "  gptpar checkpoint export dp2\n"
+             "  gptpar checkpoint export runs/dp2 --out dp2.pt\n  gptpar checkpoint export lora --merge")
     p.add_argument("action", choices=("export",))
     p.add_argument("run", help="run folder, or its name under --runs-dir")
     p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--out", help="file to write (default: RUN/checkpoint.pt)")
+    p.add_argument("--out", help="file (a LoRA run's: folder) to write (default: RUN/checkpoint.pt; a LoRA run's "
+                   "RUN/adapter, with --merge RUN/merged)")
+    p.add_argument("--merge", action="store_true", help="a LoRA run: its adapters merged into the model's weights, "
+                   "a folder transformers' from_pretrained loads")
     p.set_defaults(handler=cmd_checkpoint)
 
     p = _add(sub, "trace", "break a run's profiled steps (train.profile_steps) down per rank: compute, "

@@ -154,5 +154,24 @@ def check_tensor_parallel(cfg: Config) -> None:
                           f"parallel.dp_sync={p.dp_sync}: {offer}{alternative}")
 
 
+def check_lora(cfg: Config) -> None:
+    """train.lora_rank > 0 runs on layouts that keep the model whole on each rank (one process or data parallelism
+    with a strategy whose row trains frozen weights): our pipeline and tensor-parallel plans and the expert slices
+    cut layers by their names, which the adapters change."""
+    t, p = cfg.train, cfg.parallel
+    if not t.lora_rank:
+        return
+    lora = f"train.lora_rank={t.lora_rank}"
+    layout = [f"parallel.{key}={value}" for key, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)) if value > 1]
+    if p.pp_mode != "single":
+        layout.append(f"parallel.pp_mode={p.pp_mode}")
+    if layout:
+        raise ConfigError(f"{lora} runs on one process or data parallelism only, not with {either(layout, 'and')}; "
+                          "set parallel.pp, tp and ep to 1 and parallel.pp_mode=single, or train.lora_rank=0")
+    if p.dp > 1 and (why := DP_STRATEGIES[p.dp_sync].without_lora):
+        allowed = [name for name, row in DP_STRATEGIES.items() if not row.without_lora]
+        raise ConfigError(f"{lora} does not run under parallel.dp_sync={p.dp_sync} ({why}); use {either(allowed)}")
+
+
 # In the order `validate` calls them.
-PARALLEL_CHECKS = (check_pipeline, check_data_parallel, check_tensor_parallel)
+PARALLEL_CHECKS = (check_pipeline, check_data_parallel, check_tensor_parallel, check_lora)

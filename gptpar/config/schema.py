@@ -213,6 +213,19 @@ class TrainConfig:
                           "optimizer applied them, as model<RANK>_gradients.pth ({GPT-2 parameter name: tensor}, the "
                           "assignment's check); empty: none. Not with sharded gradients "
                           f"({', '.join(strategies_where(lambda r: not r.whole_gradients))}) or tp.")
+    # Flat keys (train.lora_rank, not train.lora.rank): a config is sections of scalar keys, which every reader of
+    # it (overrides, sweeps, the reference, the report's parameter columns) walks as `section.key`.
+    lora_rank: int = opt(0, "LoRA (through peft): the rank r of the low-rank adapters added beside the adapted layers "
+                         "(train.lora_targets), which alone train: every other weight is frozen (no gradient, no "
+                         "optimizer state). 0: off, the whole model trains. With parallel.dp_sync "
+                         f"{either(strategies_where(lambda r: not r.without_lora), 'and')}; not with parallel.pp, tp "
+                         "or ep > 1, or the one-process pipeline modes.", min=0, max=65_536)
+    lora_alpha: float = opt(16.0, "LoRA: the adapters' scale is lora_alpha / lora_rank.", min=0.0)
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input.", min=0.0, max=1.0)
+    lora_targets: str = opt("", "LoRA: the layers adapted, comma-separated module names or their dotted tails "
+                            "(q_proj, attn.c_attn), as peft matches them; empty: the architecture's attention "
+                            "projections (gptpar/architectures.py: GPT-2's attn.c_attn and attn.c_proj, the Llama "
+                            "family's q_proj, k_proj, v_proj and o_proj).")
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,12 @@ from torch.serialization import get_unsafe_globals_in_checkpoint
 from transformers import GPT2LMHeadModel, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from gptpar.config import PRETRAINED_ON_META, ModelConfig, check_context
+from gptpar.config import PRETRAINED_ON_META, ModelConfig, TrainConfig, check_context
 from gptpar.errors import GptparError, first_sentence
 from gptpar.hub import hub_reachable
 from gptpar.models import architecture
 from gptpar.models.base import find_model
+from gptpar.models.lora import adapter_part, adapter_value, base_name, inject_lora
 from gptpar.pretrained import check_weights, folder_of, folder_shape
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -218,6 +219,9 @@ def initial_value(name: str, shape: torch.Size, config: PretrainedConfig, seed: 
     rank, and a shard of a parameter is the same slice of this tensor. A padded token table's rows
     past the tokenizer's vocabulary are zeros, the others what an unpadded table gets.
     """
+    if (part := adapter_part(name)) is not None:  # train.lora_rank: an adapter (gptpar.models.lora)
+        return adapter_value(part, shape, torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name)))
+    name = base_name(name)  # an adapted layer's own weight, under the name it had before
     arch = architecture(config)
     if name == "lm_head.weight" and config.tie_word_embeddings:
         name = arch.token_table  # one matrix under two names
@@ -232,6 +236,17 @@ def initial_value(name: str, shape: torch.Size, config: PretrainedConfig, seed: 
         return F.pad(real, (0, 0, 0, shape[0] - real.size(0)))  # a padded table's extra rows are zeros
     std = arch.init_std(kind, config)
     return torch.empty(shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
+
+
+@torch.no_grad()
+def add_lora(model: PreTrainedModel, t: TrainConfig, seed: int) -> PreTrainedModel:
+    """`model` with train.lora_rank's adapters (gptpar.models.lora), in place; unless on the meta device (where
+    `materialize` draws them with the rest) they start at their `initial_value`."""
+    inject_lora(model, t)
+    for name, param in model.named_parameters():
+        if adapter_part(name) is not None and not param.is_meta:
+            param.copy_(initial_value(name, param.shape, model.config, seed))
+    return model
 
 
 @torch.no_grad()

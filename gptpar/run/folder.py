@@ -31,6 +31,8 @@ CONFIG_FILE = "config.yaml"
 CHECKPOINT_DIR = "checkpoint"  # gptpar.train.checkpoint writes it (and checkpoint.tmp, checkpoint.old on the way)
 TMP_SUFFIX, OLD_SUFFIX = ".tmp", ".old"
 EXPORT_FILE = "checkpoint.pt"  # `gptpar checkpoint export`'s default output, beside the checkpoint (no run reads it)
+# A LoRA run's exports (`gptpar checkpoint export`, with --merge): peft's adapter folder, the merged model's folder
+ADAPTER_FOLDER, MERGED_FOLDER = "adapter", "merged"
 LOCK_FILE = ".lock"
 PLAN_FILE = "plan.json"  # gptpar.plan.record: the run's prediction
 TB_FOLDER, WANDB_FOLDER = "tb", "wandb"  # gptpar.run.sinks' mirrors

@@ -91,6 +91,11 @@ class HeaderRecord(Record):
         "(the token table's rows, padded by model.pad_vocab and parallel.tp), `sync_every` (log.sync_every for the "
         "device), `compile` (false, blocks or model), `loss` (compiled, chunked, plain or vocabulary-parallel) (absent "
         "when set-up failed).")
+    lora: dict[str, Any] | Absent = optional(
+        "train.lora_rank > 0: the adapters' `rank`, `alpha` and `targets`, the `trainable` parameters (the adapters) "
+        "of all `params`, and `state_bytes`, the closed form of this rank's training state (4 bytes per frozen "
+        "weight, 16 per trainable one, split as parallel.dp_sync shards them) that the memory record is held to "
+        "(absent without LoRA).")
     code_snapshot: dict[str, Any] | Absent = optional(
         "The code snapshot the rank ran from (launch.launcher=submitit): its `path`, the `commit` it was taken at "
         "and whether the tree was `dirty` (absent when the rank ran a checkout or an installed package).")
@@ -163,6 +168,8 @@ class MemoryRecord(Record):
     KIND = "memory"
     step: int = required("Once per start, after its first optimizer step: that step.")
     params: int = required("This rank's parameter count.")
+    trainable: int | Absent = optional("train.lora_rank > 0: of them, those that train (the adapters), the only ones "
+                                       "with gradients and optimizer state (absent: all train).")
     params_bytes: int = required("Bytes of the distinct storages of its parameters (a tied matrix counted once).")
     grads_bytes: int = required("Bytes of its gradients (a gradient bucket counted once).")
     optimizer_bytes: int = required("Bytes of its optimizer state (AdamW's scalar `step` counters left out).")

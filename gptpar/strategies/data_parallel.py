@@ -84,6 +84,7 @@ class DataParallelStrategy:
     param_comm: tuple[str, ...] = ("fp32",)  # the parallel.param_comm types it gathers parameters in
     hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
     offloads: tuple[str, ...] = ()  # the parallel.offload values (besides none) it can run with
+    without_lora: str = ""  # why it cannot train a model with frozen weights (train.lora_rank > 0); "" if it can
     pricing: Pricing | None = None
 
     @property
@@ -91,21 +92,25 @@ class DataParallelStrategy:
         """Every rank holds the whole averaged gradient after the sync (what train.dump_grads saves)."""
         return "grads" not in self.sharded
 
-    def state_bytes(self, n: float, w: int, offload: str = "none") -> float:
+    def state_bytes(self, n: float, w: int, offload: str = "none", trainable: float | None = None) -> float:
         """Bytes of training state one rank holds for n parameters over w replicas, unpadded, device and host
-        together: the closed form a measured count is checked against."""
-        return math.fsum(self.placed_bytes(n, w, offload))
+        together: the closed form a measured count is checked against. Of `trainable` of them (train.lora_rank > 0:
+        the adapters; None: all) only: gradients and optimizer state; frozen weights are weights only."""
+        return math.fsum(self.placed_bytes(n, w, offload, trainable))
 
-    def placed_bytes(self, n: float, w: int, offload: str = "none") -> tuple[float, float]:
+    def placed_bytes(self, n: float, w: int, offload: str = "none", trainable: float | None = None
+                     ) -> tuple[float, float]:
         """`state_bytes` as (device, host) under parallel.offload: optimizer moves the optimizer state (8 bytes a value
         of the shard it steps) and puts fp32 copies of that shard's parameters and gradients beside it on the host
         (the step's inputs), leaving the device its parameters and gradients; params moves every part."""
-        parts = {part: n * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items()}
+        stepped = n if trainable is None else trainable
+        counts = {"params": n, "grads": stepped, "optimizer": stepped}
+        parts = {part: counts[part] * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items()}
         moved = MOVED[offload]
         device = math.fsum(v for part, v in parts.items() if part not in moved)
         host = math.fsum(v for part, v in parts.items() if part in moved)
         if offload == "optimizer":  # the step's inputs beside its state: fp32 copies of the shard and its gradient
-            host += (STATE_BYTES["params"] + STATE_BYTES["grads"]) * n / (w if "optimizer" in self.sharded else 1)
+            host += (STATE_BYTES["params"] + STATE_BYTES["grads"]) * stepped / (w if "optimizer" in self.sharded else 1)
         return device, host
 
     def host_copy_bytes(self, n: float, w: int, offload: str, micro_steps: int) -> float:
@@ -159,6 +164,7 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         "gptpar.parallel.data_parallel.fsdp:FSDPSync", "ours, ZeRO-3: parameters sharded too, gathered per block",
         ("params", "grads", "optimizer"), _NOT_SHARDED_YET, materialises_shards=True, grad_comm=(*HALF, "int8"),
         param_comm=PARAM_COMMS, hpz=True, without_whole_compile=_WHOLE_COMPILE_FSDP,
+        without_lora="its units shard trainable parameters only, and a unit of frozen weights alone has none",
         pricing=Pricing("units", _UNITS, in_flight=(2, 4))),  # 2 root and 4 block units in flight (fsdp.py)
     "fsdp2": DataParallelStrategy(
         "gptpar.parallel.data_parallel.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
@@ -169,10 +175,11 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
 }
 
 
-def closed_form_state_bytes(strategy: str, n: float, w: int, offload: str = "none") -> float | None:
+def closed_form_state_bytes(strategy: str, n: float, w: int, offload: str = "none",
+                            trainable: float | None = None) -> float | None:
     """`DataParallelStrategy.state_bytes` of a named strategy; None for a name the table lacks (an old log)."""
     row = DP_STRATEGIES.get(strategy)
-    return row.state_bytes(n, w, offload) if row is not None else None
+    return row.state_bytes(n, w, offload, trainable) if row is not None else None
 
 
 def either(names: list[str], conjunction: str = "or") -> str:

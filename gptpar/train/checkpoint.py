@@ -11,6 +11,7 @@ a file that names anything but DCP's own types and tensors is refused in one lin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import warnings
@@ -33,11 +34,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.optim import Optimizer
+from transformers.utils import logging as transformers_logging
 
 from gptpar.atomic import atomic_write, os_error, probe_space, write_error
 from gptpar.config import load_config
 from gptpar.errors import GptparError, first_sentence
 from gptpar.models import architecture
+from gptpar.models.build import build_model
+from gptpar.models.lora import adapter_part, base_name, lora_config
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
 from gptpar.parallel.pipeline.names import plain_state
@@ -201,19 +205,75 @@ def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
     return True
 
 
+def trained_lora(run_dir: str | Path) -> bool:
+    """Whether the run trained LoRA adapters (train.lora_rank > 0 in its config)."""
+    config = Path(run_dir) / CONFIG_FILE
+    return config.is_file() and load_config(config).train.lora_rank > 0
+
+
+def export_lora(run_dir: str | Path, out: str | Path, merge: bool = False) -> Path:
+    """A LoRA run's (train.lora_rank > 0) trained adapters as peft writes them, a folder that
+    `peft.PeftModel.from_pretrained(base, out)` loads onto the base model (adapter_config.json,
+    adapter_model.safetensors); with `merge` the model with the adapters merged into its weights, a folder that
+    transformers' `from_pretrained` loads (config.json, model.safetensors). The vocabulary's padding is cut off.
+    Single process; an existing `out` is replaced once the new one is complete."""
+    from peft import get_peft_model  # only here (gptpar.models.lora says why)
+
+    run_dir = Path(run_dir)
+    path, out = _export_paths(run_dir, out)
+    cfg = load_config(run_dir / CONFIG_FILE)
+    if not cfg.train.lora_rank:
+        raise GptparError(f"--merge: run {run_dir} trained no LoRA adapters (train.lora_rank=0), so there is nothing "
+                          "to merge; export it without --merge")
+    try:
+        trainer = _read_whole(path)["trainer"]
+    except (Exception, CheckpointException) as exc:
+        _raise_refusal(exc)
+        raise GptparError(f"cannot export checkpoint {path} ({_reason(exc)}); it is damaged") from exc
+    arch = architecture(cfg.model.shape().arch)
+    weights = plain_state(trainer["model"], arch, trainer["vocab_size"])
+    model = build_model(dataclasses.replace(cfg.model, pad_vocab=1), trainer["vocab_size"], cfg.train.seed)
+    model.load_state_dict({base_name(k): v for k, v in weights.items() if adapter_part(k) is None})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft's note that it sets fan_in_fan_out for GPT-2's Conv1D
+        adapted = get_peft_model(model, lora_config(model, cfg.train))
+    missing, unexpected = adapted.load_state_dict({f"base_model.model.{k}": v for k, v in weights.items()
+                                                   if adapter_part(k) is not None}, strict=False)
+    if unexpected or any(adapter_part(k) for k in missing):
+        raise GptparError(f"cannot export checkpoint {path}: its adapters do not fit train.lora_* of {run_dir} "
+                          f"({(unexpected or missing)[0]}); it is damaged or its config was edited")
+    tmp = out.with_name(out.name + TMP_SUFFIX)
+    shutil.rmtree(tmp, ignore_errors=True)
+    transformers_logging.disable_progress_bar()  # a bar for one shard says nothing
+    try:
+        (adapted.merge_and_unload() if merge else adapted).save_pretrained(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(tmp, exc, f"the checkpoint {path} is unchanged") from None
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _export_paths(run_dir: str | Path, out: str | Path) -> tuple[Path, Path]:
+    """The run's checkpoint to export and where to, checked: one line where the run has none, or `out` would write
+    over a run folder's files."""
+    path = _existing(run_dir)
+    if path is None:
+        raise GptparError(f"{run_dir} has no checkpoint to export ({checkpoint_dir(run_dir)} does not exist)")
+    if (entry := run_entry(out)) is not None:
+        raise GptparError(f"--out {str(out)!r} would write over {entry}, which run folder {entry.parent} keeps for its "
+                          f"run; write the export outside it, or as {Path(run_dir) / EXPORT_FILE} (the default)")
+    _check_metadata(path)
+    return path, Path(out)
+
+
 def export_checkpoint(run_dir: str | Path, out: str | Path) -> Path:
     """Write the whole checkpoint as one plain torch.save file (for users who want one file), shards made whole
     (fsdp's pieces joined into parameters), with the model also under its architecture's name (`gpt2`, `llama`,
     `qwen2`: the run's model.arch) in its transformers class's own names, whatever parallelism wrote it
     (`GPT2LMHeadModel(config).load_state_dict(torch.load(out)["gpt2"])`). Single process."""
-    path = _existing(run_dir)
-    if path is None:
-        raise GptparError(f"{run_dir} has no checkpoint to export ({checkpoint_dir(run_dir)} does not exist)")
-    out = check_path(out, "file", "--out", "name a file to write", must_exist=False)
-    if (entry := run_entry(out)) is not None:
-        raise GptparError(f"--out {str(out)!r} would write over {entry}, which run folder {entry.parent} keeps for its "
-                          f"run; write the export outside it, or as {Path(run_dir) / EXPORT_FILE} (the default)")
-    _check_metadata(path)
+    path, out = _export_paths(run_dir, check_path(out, "file", "--out", "name a file to write", must_exist=False))
     config = Path(run_dir) / CONFIG_FILE
     arch = architecture(load_config(config).model.shape().arch if config.is_file() else "gpt2")
     try:

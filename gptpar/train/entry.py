@@ -76,7 +76,8 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
         load_checkpoint(folder.path, {"trainer": trainer})
         log.write(HeaderRecord(**header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
                                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
-                               total_steps=trainer.total_steps, fast_path=trainer.fast_path()))
+                               total_steps=trainer.total_steps, fast_path=trainer.fast_path(),
+                               **({"lora": lora} if (lora := trainer.lora()) is not None else {})))
         started = True
         with polled():
             status, loss = trainer.run()

@@ -25,7 +25,7 @@ from gptpar.tensor_bytes import storage_bytes, storage_key
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, held: Sequence[torch.Tensor] = (),
                 host: Sequence[torch.Tensor] | None = None) -> dict[str, int]:
-    """The `memory` record's fields: parameter count, and bytes of parameters, gradients and optimizer state; with
+    """The `memory` record's fields: parameter count (and the trainable count where some are frozen), and bytes of parameters, gradients and optimizer state; with
     `host` (the sync offloads) also host_bytes, those of them on the host. `held`: tensors the sync holds gradients in
     beside the model's and the optimizer's (its clip targets: under offload the device's shards). Call it after an
     optimizer step (AdamW creates its state lazily) and before gradients are reset."""
@@ -38,7 +38,9 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, held: Sequen
 
     tensors = [*params, *stepped, *held]
     state = [(p, v) for p, s in optimizer.state.items() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    counts = {"params": sum(p.numel() for p in params),
+    count = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)  # fewer under train.lora_rank: the adapters
+    counts = {"params": count, **({"trainable": trainable} if trainable < count else {}),
               "params_bytes": storage_bytes(p for p in tensors if not placed(p)),  # fsdp: the shards, not the whole
               "grads_bytes": storage_bytes(p.grad for p in tensors if p.grad is not None and not placed(p)),
               "optimizer_bytes": storage_bytes(v for p, v in state if not placed(p))}

@@ -39,10 +39,11 @@ def optimizer_kind(tensors: list[torch.Tensor], fused: bool) -> str:
 
 def make_optimizer(params: list[tuple[torch.Tensor, bool]], t: TrainConfig) -> torch.optim.AdamW:
     """AdamW over (tensor, decays) pairs: matrices are decayed, biases and norm gains not, as GPT-2
-    training does (the pairs come from the gradient sync, whose tensors may be shards of parameters).
+    training does (the pairs come from the gradient sync, whose tensors may be shards of parameters); a kind with no
+    tensors (LoRA's adapters are all matrices) gets no group, which torch's checkpoint reader cannot take.
     `optimizer_kind` picks the implementation; all give the same update up to fp32 rounding."""
     groups = [{"params": part, "weight_decay": decay} for decays, decay in ((True, t.weight_decay), (False, 0.0))
-              for part in _one_kind_each([p for p, d in params if d == decays])]
+              for part in _one_kind_each([p for p, d in params if d == decays]) if part]  # LoRA's: matrices only
     kind = optimizer_kind([p for p, _ in params], t.fused_optimizer)
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}[kind]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), **flags)

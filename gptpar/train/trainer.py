@@ -31,7 +31,8 @@ from gptpar.data.pairs import target_tokens
 from gptpar.data.training import load_training_data
 from gptpar.errors import GptparError
 from gptpar.models import architecture
-from gptpar.models.build import build_model, count_params
+from gptpar.models.build import add_lora, build_model, count_params
+from gptpar.models.lora import lora_targets, trainable_count
 from gptpar.parallel.comm import comm_span, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import GRID_DIMS
@@ -40,6 +41,7 @@ from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
 from gptpar.parallel.tensor_parallel.state import counts_in_norm
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
+from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.train.bleu import require_sacrebleu
 from gptpar.train.checkpoint import load_model_state, model_state
 from gptpar.train.components import (
@@ -89,7 +91,10 @@ class Trainer:
                               f"examples{why}")
         model = build_model(cfg.model, self.vocab_size, t.seed, cfg.data.hub_timeout_s, seq_len=example_width(cfg),
                             init_device=cfg.model.init_device, shards=dims.size("tp"))
+        if t.lora_rank:  # before any wrapper: every parallelism sees the adapted model, its frozen weights frozen
+            model = add_lora(model, t, t.seed)
         self.n_params, self.model_config = count_params(model), model.config  # whole, before any sharding
+        self.n_trainable = trainable_count(model)
         shape, routers = cfg.model.shape(), architecture(model).routers(model)
         sequence_shards = dims.group("tp") if cfg.parallel.sequence_parallel else None
         self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp"),
@@ -330,10 +335,28 @@ class Trainer:
         table = f", token table of {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
                 f"{architecture(g).title} of {self.n_params:,} parameters ({g.num_hidden_layers} layers, width "
-                f"{g.hidden_size}, {g.num_attention_heads} heads); "
+                f"{g.hidden_size}, {g.num_attention_heads} heads); {self._lora_banner()}"
                 f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); "
                 f"{self.capped + '; ' if self.capped else ''}{self.precision.name}; "
                 f"steps {self.step + 1}-{self.total_steps}")
+
+    def _lora_banner(self) -> str:
+        lora = self.lora()
+        return "" if lora is None else (f"LoRA rank {lora['rank']} on {', '.join(lora['targets'])}: "
+                                        f"{lora['trainable']:,} parameters train; ")
+
+    def lora(self) -> dict[str, Any] | None:
+        """What the log header records of train.lora_rank: the adapters' rank and targets, the parameters that
+        train, and the training state's closed form on this rank (bytes: frozen weights 4 each; trainable ones 16:
+        weight, gradient and AdamW's two moments, sharded as parallel.dp_sync shards them); None without LoRA."""
+        t = self.cfg.train
+        if not t.lora_rank:
+            return None
+        row = DP_STRATEGIES[self.cfg.parallel.dp_sync] if self.dims.size("dp") > 1 else DP_STRATEGIES["naive"]
+        return {"rank": t.lora_rank, "alpha": t.lora_alpha, "targets": lora_targets(self.model_config.model_type, t),
+                "trainable": self.n_trainable, "params": self.n_params,
+                "state_bytes": int(row.state_bytes(self.n_params, self.dims.size("dp"), self.cfg.parallel.offload,
+                                                   trainable=self.n_trainable))}
 
     def fast_path(self) -> dict[str, Any]:
         """What the log header records of the fast path as it resolved on this rank."""

@@ -82,6 +82,10 @@ RUN_HERE_IN_ORDER = [
     ".venv/bin/gptpar train parallel.dp=2 train.profile_steps=3-4 train.max_steps=5 log.run_id=traced",
     ".venv/bin/gptpar trace traced --top 5",
     ".venv/bin/gptpar train log.tensorboard=true log.wandb=offline train.max_steps=5",
+    ".venv/bin/gptpar train model.preset=qwen2-tiny train.lora_rank=8 train.activation_checkpointing=block "
+    "train.max_steps=5 log.run_id=lora",
+    ".venv/bin/gptpar checkpoint export lora",
+    ".venv/bin/gptpar checkpoint export lora --merge",
 ]
 # Commands that need a real GPU cluster (an account, CUDA wheels, environment modules).
 CLUSTER_ONLY = [
@@ -119,6 +123,8 @@ NEEDS_HUB = [
     "'Qwen/Qwen2.5-0.5B-Instruct', local_dir='models/qwen2.5-0.5b-instruct')\"",
     ".venv/bin/gptpar submit dp --gpus 4 model.init=pretrained:models/qwen2.5-0.5b-instruct data.task=sft "
     "data.source=metamath_sample",
+    ".venv/bin/gptpar submit dp --gpus 1 model.init=pretrained:models/qwen2.5-0.5b-instruct data.task=sft "
+    "data.source=metamath_sample train.lora_rank=16 train.activation_checkpointing=block",
     ".venv/bin/gptpar train data.task=translation data.source=hf:bbaaaa/iwslt14-de-en-preprocess data.max_chars=0 "
     "model.preset=gpt2-mini train.epochs=10 train.batch_size=64",
     # docs/vision.md's image sets: tests/data/test_image_sets.py reads sets saved in the same layout and runs the
@@ -290,6 +296,8 @@ def test_readme_commands_in_order_run(started):
     runs = folder / "runs"
     assert "overlap share" in outputs[2].stdout and "rank 1: top 5 ops" in outputs[2].stdout
     assert list(runs.glob("*/tb/events.out.tfevents.*")) and list(runs.glob("*/wandb/offline-run-*"))
+    assert (runs / "lora" / "adapter" / "adapter_model.safetensors").is_file()
+    assert (runs / "lora" / "merged" / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("command", RUN_HERE)

@@ -469,6 +469,16 @@ def test_padded_sharded_state_matches_its_closed_form(tmp_path: Path, strategy: 
     assert not m.memory.mismatched and not m.warnings
 
 
+def test_a_lora_runs_state_is_held_to_the_closed_form_of_its_trainable_parameters(tmp_path: Path) -> None:
+    """train.lora_rank: 1000 parameters of which 100 train, under fsdp2 over 2 ranks: 4 * 1000 / 2 bytes of weights,
+    (4 + 8) * 100 / 2 of gradients and moments; the closed form of all 1000 training would flag it."""
+    dp_run(tmp_path / "r", [100.0, 100.0], memory=[(1000, 2000, 200, 400)] * 2, memory_fields={"trainable": 100},
+           **{"parallel.dp_sync": "fsdp2"})
+    m = metrics(tmp_path)["r"]
+    assert m.memory is not None and m.memory.closed_form == 2600 and m.memory.ratio == 1.0
+    assert not m.memory.mismatched and not m.warnings
+
+
 @pytest.mark.parametrize("optimizer_bytes, flagged", [
     (4_000_000 + 124_000, False), (4_000_000 + 124_200, True), (4_000_000 - 124_000, False),
     (4_000_000 - 124_200, True),

@@ -1,0 +1,177 @@
+"""LoRA (train.lora_rank) in one process: the adapters start from the run seed by name (B zeros, A drawn per name,
+the same on the meta device), only they train, the training state is its closed form counted by hand, a resumed run
+goes on exactly, the export loads through peft and transformers with the trained model's logits, and bad input is one
+line. Data parallelism: test_lora_ranks.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from rank_training import make_config, make_trainer, named_params, resumed_run, train_steps
+from transformers import AutoModelForCausalLM
+
+from gptpar.cli import main
+from gptpar.config import ModelConfig, TrainConfig, load_config
+from gptpar.errors import ConfigError, GptparError
+from gptpar.models import find_model
+from gptpar.models.build import add_lora, build_model, materialize, parameter_seed
+from gptpar.models.lora import adapter_part
+from gptpar.parallel.process_group import RankInfo
+from gptpar.train.checkpoint import export_lora
+
+ONE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
+               launcher="single", backend="gloo", device=torch.device("cpu"))
+RANK = 4
+LORA = [f"train.lora_rank={RANK}", "train.lora_alpha=8", "train.activation_checkpointing=block"]
+VOCAB = 64
+
+
+def _adapted(preset: str, seed: int = 0, init_device: str = "cpu") -> torch.nn.Module:
+    shape = ModelConfig(preset=preset, n_layer=2, n_embd=16, n_head=2, n_kv_head=1)
+    model = build_model(shape, VOCAB, seed, init_device=init_device)
+    return add_lora(model, TrainConfig(lora_rank=RANK), seed)
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+def test_adapters_start_from_the_run_seed_by_name_on_any_device(preset: str) -> None:
+    """B is zeros, A uniform in +-1/sqrt(in) from the generator of (seed, its name): the same in two builds, on the
+    meta device materialised, and another seed draws another A; everything else is frozen."""
+    model = _adapted(preset)
+    again, meta = _adapted(preset), _adapted(preset, init_device="meta")
+    materialize(meta, 0, torch.device("cpu"))
+    other = dict(_adapted(preset, seed=1).named_parameters())
+    params = dict(model.named_parameters())
+    adapters = {name: p for name, p in params.items() if adapter_part(name)}
+    assert adapters and all(p.requires_grad == (name in adapters) for name, p in params.items())
+    for name, p in adapters.items():
+        if adapter_part(name) == "B":
+            assert not p.any(), name
+            continue
+        bound = 1 / math.sqrt(p.shape[1])
+        generator = torch.Generator().manual_seed(parameter_seed(0, name))
+        assert torch.equal(p, torch.empty(p.shape).uniform_(-bound, bound, generator=generator)), name
+        assert not torch.equal(p, other[name]), name
+    for name, p in [*again.named_parameters(), *meta.named_parameters()]:
+        assert torch.equal(p, params[name]), name
+
+
+def _trainer(tmp_path: Path, name: str, extra: list[str] = ()) -> object:
+    return make_trainer(make_config([*LORA, *extra], tmp_path, name), ONE)
+
+
+@pytest.mark.parametrize("preset, targets", [("gpt2-tiny", {"attn.c_attn": (32, 96), "attn.c_proj": (32, 32)}),
+                                             ("llama-tiny", {"q_proj": (32, 32), "k_proj": (32, 16),
+                                                             "v_proj": (32, 16), "o_proj": (32, 32)})])
+def test_only_the_adapters_train_and_the_state_is_the_closed_form(tmp_path: Path, preset: str,
+                                                                  targets: dict[str, tuple[int, int]]) -> None:
+    """rank_training's BASE: 4 blocks of width 32, 2 heads (llama-tiny: 1 KV head of 16). Each adapted layer of
+    (in, out) adds r * (in + out) trainable parameters; the state is 4 bytes per parameter plus 12 per trainable
+    one (its gradient and AdamW's two moments)."""
+    gqa = ["model.n_kv_head=1"] if preset == "llama-tiny" else []
+    trainer = _trainer(tmp_path, preset, [f"model.preset={preset}", *gqa])
+    trainable = 4 * sum(RANK * (i + o) for i, o in targets.values())
+    before = named_params(trainer)
+    train_steps(trainer, 2)
+    after = named_params(trainer)
+    moved = {name for name in after if not torch.equal(after[name], before[name])}
+    assert moved == {name for name in after if adapter_part(name)}  # every adapter moved, nothing else
+    memory, n = trainer.memory, trainer.n_params
+    assert (memory["params"], memory["trainable"]) == (n, trainable)
+    assert (memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]) == (4 * n, 4 * trainable,
+                                                                                           8 * trainable)
+    assert trainer.lora()["state_bytes"] == 4 * n + 12 * trainable
+    assert f"LoRA rank {RANK} on {', '.join(targets)}: {trainable:,} parameters train" in trainer.banner()
+
+
+def test_checkpointed_blocks_train_the_adapters_as_kept_activations_do(tmp_path: Path) -> None:
+    kept = _trainer(tmp_path, "kept", ["train.activation_checkpointing=none"])
+    recomputed = _trainer(tmp_path, "recomputed")
+    assert train_steps(kept, 2) == train_steps(recomputed, 2)  # the recompute runs the same kernels: bitwise
+    assert all(torch.equal(named_params(recomputed)[name], value) for name, value in named_params(kept).items())
+
+
+def test_a_resumed_lora_run_continues_bitwise_where_it_stopped(tmp_path: Path) -> None:
+    straight = _trainer(tmp_path, "straight")
+    losses = train_steps(straight, 2)
+    resumed = resumed_run(make_config(LORA, tmp_path, "resumed"), ONE)
+    assert resumed["losses"] == [losses[1]]
+    for name, value in named_params(straight).items():
+        assert torch.equal(resumed["params"][name], value), name
+
+
+def _logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "qwen2-tiny"])
+def test_the_export_loads_through_peft_and_transformers_with_the_trained_logits(tmp_path: Path, preset: str) -> None:
+    """The adapter folder onto the run's base model (peft), and the merged folder alone (transformers), give the
+    trained model's logits over the tokenizer's vocabulary (the token table is padded past it in training)."""
+    cfg = make_config([*LORA, f"model.preset={preset}", "train.lr=0.05"], tmp_path, "run")
+    trainer = make_trainer(cfg, ONE)
+    trainer.folder.write_config(cfg)
+    train_steps(trainer, 3)
+    trainer.checkpoints.save()
+    trainer.net.eval()
+    tokens = torch.randint(0, trainer.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    trained = _logits(find_model(trainer.net), tokens)[..., :trainer.vocab_size]
+    base = build_model(dataclasses.replace(cfg.model, pad_vocab=1), trainer.vocab_size, cfg.train.seed)
+    adapter = PeftModel.from_pretrained(base, export_lora(trainer.folder.path, tmp_path / "adapter")).eval()
+    merged = AutoModelForCausalLM.from_pretrained(export_lora(trainer.folder.path, tmp_path / "merged", merge=True))
+    untrained = _logits(build_model(dataclasses.replace(cfg.model, pad_vocab=1), trainer.vocab_size, 1337), tokens)
+    assert (trained - untrained).abs().max() > 1e-3  # the adapters moved the logits: the check below means something
+    for loaded in (adapter, merged.eval()):
+        # measured: 0 through peft, 2.8e-7 merged (of logits up to 0.44: a merged weight rounds once more)
+        torch.testing.assert_close(_logits(loaded, tokens), trained, rtol=0, atol=1e-6)
+
+
+def test_merge_of_a_run_without_lora_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    cfg = make_config([], tmp_path, "plain")
+    trainer = make_trainer(cfg, ONE)
+    trainer.folder.write_config(cfg)
+    trainer.checkpoints.save()
+    assert main(["checkpoint", "export", str(trainer.folder.path), "--merge"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "train.lora_rank=0" in err and "without --merge" in err and len(err.splitlines()) == 1
+
+
+def test_a_target_that_matches_no_module_names_those_there_are() -> None:
+    model = build_model(ModelConfig(preset="gpt2-tiny", n_layer=1, n_embd=16, n_head=2), VOCAB, 0)
+    with pytest.raises(GptparError) as caught:
+        add_lora(model, TrainConfig(lora_rank=2, lora_targets="attn.c_attn, q_proj"), 0)
+    assert str(caught.value) == ("train.lora_targets: 'q_proj' matches no module of this GPT-2; its layers are named "
+                                 "c_attn, c_fc, c_proj, lm_head, wpe, wte (a dotted tail such as attn.c_proj picks one "
+                                 "of a name's kinds)")
+
+
+def test_a_target_peft_cannot_adapt_is_one_line() -> None:
+    model = build_model(ModelConfig(preset="gpt2-tiny", n_layer=1, n_embd=16, n_head=2), VOCAB, 0)
+    with pytest.raises(GptparError, match=r"^train.lora_targets=ln_1: peft cannot adapt them \(.*\); name linear "
+                                          r"layers$"):
+        add_lora(model, TrainConfig(lora_rank=2, lora_targets="ln_1"), 0)
+
+
+@pytest.mark.parametrize("layout, named", [
+    (["parallel.pp=2"], "parallel.pp=2"), (["parallel.tp=2"], "parallel.tp=2"),
+    (["model.preset=mixtral-tiny", "parallel.dp=2", "parallel.ep=2"], "parallel.ep=2"),
+    (["parallel.pp_mode=model_parallel", "parallel.devices=cpu,cpu"], "parallel.pp_mode=model_parallel"),
+])
+def test_lora_with_a_layout_that_cuts_the_model_is_one_line(layout: list[str], named: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["train.lora_rank=8", *layout])
+    assert str(caught.value) == (f"train.lora_rank=8 runs on one process or data parallelism only, not with {named}; "
+                                 "set parallel.pp, tp and ep to 1 and parallel.pp_mode=single, or train.lora_rank=0")
+
+
+def test_lora_under_our_fsdp_is_one_line_naming_the_strategies_that_run_it() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["train.lora_rank=8", "parallel.dp=2", "parallel.dp_sync=fsdp"])
+    assert str(caught.value) == ("train.lora_rank=8 does not run under parallel.dp_sync=fsdp (its units shard "
+                                 "trainable parameters only, and a unit of frozen weights alone has none); use naive, "
+                                 "bucketed, ddp, zero1, zero2 or fsdp2")
