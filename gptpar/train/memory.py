@@ -28,7 +28,8 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, held: Sequen
     """The `memory` record's fields: parameter count (and the trainable count where some are frozen), and bytes of
     parameters, gradients and optimizer state; with `host` (the sync offloads) also host_bytes, those of them on the
     host. `held`: tensors the sync holds gradients in beside the model's and the optimizer's (its clip targets: under
-    offload the device's shards). Call it after an optimizer step (AdamW creates its state lazily) and before gradients are reset."""
+    offload the device's shards). Call it after an optimizer step (AdamW creates its state lazily) and before
+    gradients are reset."""
     params = list(model.parameters())
     stepped = [p for group in optimizer.param_groups for p in group["params"]]  # may be shards of `params`
     on_host = {storage_key(t) for t in host or ()}
