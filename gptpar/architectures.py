@@ -5,6 +5,7 @@ the code that serves it, as "module:Object" strings that the torch side loads by
 (gptpar/parallel/tensor_parallel, read by `shard_model`). The config's choices (presets.py, config/), the planner and
 the FLOPs read the rest of the row.
 
+An image classifier (ViT) is a row of kind "classifier": no token table, LM head or tensor-parallel plan.
 A decoder of an existing family: a row here, its description beside its family's (models/llama.py) and a preset. A new
 family: a row, its description file (models/) and its plan file (parallel/tensor_parallel/).
 """
@@ -37,6 +38,12 @@ class ArchitectureRow:
     description: str  # "module:Object" of its `gptpar.models.Architecture`
     tp_shard: str  # "module:function" that shards it by our tensor-parallel plan (parallel.tp_impl=gptpar)
     torch_tp_shard: str = ""  # PyTorch's (parallel.tp_impl=torch); "" where none is built
+    kind: str = "decoder"  # decoder: a language model (token ids to next-token logits); classifier: images to classes
+
+    @property
+    def classifier(self) -> bool:
+        """An image classifier (ViT): data.task=classify, data parallelism only, no token table or LM head."""
+        return self.kind == "classifier"
 
 
 GPT2_TRAITS = ArchTraits(learned_positions=True, norm_biases=True, gated_mlp=False, qkv_bias=True, out_bias=True,
@@ -45,6 +52,8 @@ LLAMA_TRAITS = ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=
                           mlp_bias=False)
 QWEN2_TRAITS = ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=True, qkv_bias=True, out_bias=False,
                           mlp_bias=False)
+VIT_TRAITS = ArchTraits(learned_positions=True, norm_biases=True, gated_mlp=False, qkv_bias=True, out_bias=True,
+                        mlp_bias=True)
 GPT2_TP = "gptpar.parallel.tensor_parallel.gpt2:shard_gpt2"
 LLAMA_TP = "gptpar.parallel.tensor_parallel.llama:shard_llama"
 ROWS = (
@@ -57,7 +66,11 @@ ROWS = (
     # the mixtures: our plan only, each mixture's MLP kept whole (tensor_parallel/llama.py)
     ArchitectureRow("mixtral", "llama", LLAMA_TRAITS, True, "gptpar.models.moe:MIXTRAL", LLAMA_TP),
     ArchitectureRow("qwen2_moe", "llama", QWEN2_TRAITS, True, "gptpar.models.moe:QWEN2_MOE", LLAMA_TP),
+    # an image classifier: GPT-2's block (LayerNorm with biases, biased q/k/v/o, a 4x GELU MLP), no tensor parallelism
+    ArchitectureRow("vit", "vit", VIT_TRAITS, False, "gptpar.models.vit:VIT", "", kind="classifier"),
 )
 ARCHITECTURES: dict[str, ArchitectureRow] = {row.name: row for row in ROWS}
 ARCHS = tuple(ARCHITECTURES)
 MOE_ARCHS = tuple(name for name, row in ARCHITECTURES.items() if row.mixture)
+CLASSIFIER_ARCHS = tuple(name for name, row in ARCHITECTURES.items() if row.classifier)
+LANGUAGE_ARCHS = tuple(name for name in ARCHS if name not in CLASSIFIER_ARCHS)
