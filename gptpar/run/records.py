@@ -183,6 +183,8 @@ MOE_LOAD_KEYS = ("tokens_per_expert", "min", "max", "mean", "dropped")
 
 # The task's scores an epoch record may carry, in the order lines show them.
 EPOCH_SCORES = ("bleu", "test_bleu", "answer_accuracy")
+# The validation pass's own scores (data.task=classify) that eval and epoch records may carry.
+EVAL_SCORES = ("accuracy", "accuracy_top5")
 
 
 @dataclass(frozen=True, kw_only=True)
