@@ -78,6 +78,8 @@ def _check_weights_and_tokenizer(cfg: Config) -> None:
         raise ConfigError(f"model.{changed[0]}={getattr(model, changed[0])}: the weights of model.init={model.init} "
                           f"fix the model's shape; leave model.{changed[0]} unset")
     check_weights(folder)
+    if ARCHITECTURES[model.shape().arch].classifier:  # an image classifier's folder has no tokenizer to check
+        return
     rows = folder_config(folder).get("vocab_size")
     if data.source == "synthetic" and isinstance(rows, int) and data.vocab_size > rows:
         raise ConfigError(f"data.vocab_size={data.vocab_size}: data.source=synthetic draws token ids below it, but the "
