@@ -28,7 +28,7 @@ from gptpar.errors import GptparError
 from gptpar.models.build import build_model, count_params, empty_model, materialize, model_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.presets import PRESETS
-from gptpar.run.logfile import rank_log_path
+from gptpar.run.logfile import format_record, rank_log_path
 from gptpar.train.classify import Accuracy
 
 BASE = ["model.preset=vit-tiny", "data.task=classify", "data.source=synthetic", "data.synthetic_images=80",
@@ -141,6 +141,8 @@ def test_vit_tiny_learns_the_embedded_set_and_logs_its_accuracy(tmp_path: Path) 
     cfg = make_config(["data.synthetic_images=1000", "train.batch_size=32", "train.lr=0.002", "train.max_steps=24",
                        "train.eval_every=12", "train.eval_batches=4"], tmp_path, "learns", BASE)
     trainer = make_trainer(cfg, SINGLE)
+    assert "ViT of 114,250 parameters (2 layers, width 64, 4 heads); 10 classes of 32-pixel images;" in trainer.banner()
+    assert (trainer.fast_path()["loss"], trainer.fast_path()["vocab_rows"]) == ("plain", 10)
     status, _ = trainer.run()
     records = [json.loads(line) for line in rank_log_path(trainer.folder.path, 0).read_text().splitlines()]
     evals = {r["step"]: r for r in records if r["kind"] == "eval"}
@@ -148,6 +150,9 @@ def test_vit_tiny_learns_the_embedded_set_and_logs_its_accuracy(tmp_path: Path) 
     assert status == "completed" and sorted(evals) == [12, 24]
     assert evals[24]["accuracy"] > 0.4 and "accuracy_top5" not in evals[24]  # 10 classes: top-1 only
     assert epoch["accuracy"] == evals[24]["accuracy"]
+    # a step's tokens are its images' patches and class tokens: 32 x (16 + 1)
+    assert {r["tokens"] for r in records if r["kind"] == "step"} == {32 * 17}
+    assert format_record(evals[24]).endswith(f"accuracy {evals[24]['accuracy']:.2f}")  # as `gptpar logs` shows it
 
 
 # --- every data-parallel strategy on two ranks: one process's training (slow: spawns ranks) -------------------------
