@@ -201,3 +201,18 @@ def test_vit_under_each_strategy_trains_like_one_process(results: Path, name: st
         return
     assert_trains_like_one_process(ref, ranks, "", name)
     assert all(rank["scores"] == ref["scores"] for rank in ranks)
+
+
+@pytest.mark.slow  # dynamo traces the model: ~20 s on a loaded CPU
+def test_compiled_vit_trains_as_the_eager_model(tmp_path: Path) -> None:
+    """train.compile=model and blocks (aot_eager: no C++ compiler needed) find ViT's blocks through its description
+    and train as the eager model at test_compile.py's GPT-2 tolerances."""
+    eager = make_trainer(make_config(["train.compile=false"], tmp_path, "eager", BASE), SINGLE)
+    losses, params = train_steps(eager, 2), named_params(eager)
+    for mode in ("model", "blocks"):
+        compiled = make_trainer(make_config([f"train.compile={mode}", "train.compile_backend=aot_eager"], tmp_path,
+                                            mode, BASE), SINGLE)
+        assert compiled.fast_path()["compile"] == mode
+        assert train_steps(compiled, 2) == pytest.approx(losses, rel=1e-5), mode
+        for name, value in named_params(compiled).items():
+            torch.testing.assert_close(value, params[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
