@@ -17,18 +17,21 @@ from rank_training import (
     make_trainer,
     named_params,
     reference_run,
+    resumed_run,
     saved_ranks,
     train_steps,
 )
 from thread_ranks import run_threads
 
-from gptpar.config import ConfigError, DataConfig, ModelConfig, load_config
+from gptpar.config import ConfigError, DataConfig, ModelConfig, load_config, to_yaml
 from gptpar.data.images import load_images
 from gptpar.errors import GptparError
 from gptpar.models.build import build_model, count_params, empty_model, materialize, model_config
 from gptpar.parallel.process_group import RankInfo
 from gptpar.presets import PRESETS
+from gptpar.run.folder import CONFIG_FILE
 from gptpar.run.logfile import format_record, rank_log_path
+from gptpar.train.checkpoint import export_checkpoint
 from gptpar.train.classify import Accuracy
 
 BASE = ["model.preset=vit-tiny", "data.task=classify", "data.source=synthetic", "data.synthetic_images=80",
@@ -168,6 +171,7 @@ CASES += [("fsdp-meta", ["parallel.dp=2", "parallel.dp_sync=fsdp", "model.init_d
 # bf16 against one bf16 process: tests/train/test_precision.py's GPT-2 tolerances (losses within 1e-3, parameters
 # within a mean |difference| of 3e-4 after two AdamW steps at lr 0.01).
 BF16_LOSS_TOL, BF16_PARAM_TOL = 1e-3, 3e-4
+RESUMED = ["zero2", "fsdp2"]
 
 
 def _vit_worker(info: RankInfo, runs: Path) -> None:
@@ -176,6 +180,9 @@ def _vit_worker(info: RankInfo, runs: Path) -> None:
         record = {"losses": train_steps(trainer, 2), "params": named_params(trainer),
                   "coords": dict(trainer.dims.coords), "val": trainer.evaluate(), "scores": trainer.val_scores.scores()}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
+    for name in RESUMED:  # a step, a checkpoint, a new trainer, a step
+        resumed = resumed_run(make_config(dict(CASES)[name], runs, f"resumed-{name}", BASE), info)
+        torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -201,6 +208,25 @@ def test_vit_under_each_strategy_trains_like_one_process(results: Path, name: st
         return
     assert_trains_like_one_process(ref, ranks, "", name)
     assert all(rank["scores"] == ref["scores"] for rank in ranks)
+
+
+@pytest.mark.parametrize("name", RESUMED)
+@pytest.mark.slow
+def test_a_resumed_vit_continues_bitwise_and_exports_under_its_own_names(results: Path, name: str,
+                                                                         tmp_path: Path) -> None:
+    """Each rank's shards saved and loaded back continue as the run that never stopped; `gptpar checkpoint export`
+    writes the whole model under ViTForImageClassification's names, which it loads."""
+    straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["losses"] == [a["losses"][1]]
+        assert all(torch.equal(a["params"][param], b["params"][param]) for param in a["params"])
+    run = results / f"resumed-{name}"  # its config, as `gptpar train` writes it: export reads the architecture there
+    (run / CONFIG_FILE).write_text(to_yaml(make_config(dict(CASES)[name], results, f"resumed-{name}", BASE)))
+    exported = torch.load(export_checkpoint(run, tmp_path / "plain.pt"), weights_only=False)
+    model = empty_model(model_config(ModelConfig(preset="vit-tiny"), 10))
+    model.load_state_dict(exported["vit"], assign=True)
+    for param, value in resumed[0]["saved"].items():
+        assert torch.equal(model.get_parameter(param), value), param
 
 
 @pytest.mark.slow  # dynamo traces the model: ~20 s on a loaded CPU
