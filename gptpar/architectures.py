@@ -5,6 +5,7 @@ the code that serves it, as "module:Object" strings that the torch side loads by
 (gptpar/parallel/tensor_parallel, read by `shard_model`). The config's choices (presets.py, config/), the planner and
 the FLOPs read the rest of the row.
 
+An image classifier (ViT) is a row of kind "classifier": no token table, LM head or tensor-parallel plan.
 A decoder of an existing family: a row here, its description beside its family's (models/llama.py) and a preset. A new
 family: a row, its description file (models/) and its plan file (parallel/tensor_parallel/).
 """
@@ -40,6 +41,14 @@ class ArchitectureRow:
     # The modules train.lora_rank adapts when train.lora_targets is empty, as peft matches them (a module's name or
     # its dotted tail): the attention's projections (peft's own defaults name none for some architectures).
     lora_targets: tuple[str, ...] = ()
+    # Modules that train whole beside the adapters under train.lora_rank (a classifier's new head)
+    lora_trained: tuple[str, ...] = ()
+    kind: str = "decoder"  # decoder: a language model (token ids to next-token logits); classifier: images to classes
+
+    @property
+    def classifier(self) -> bool:
+        """An image classifier (ViT): data.task=classify, data parallelism only, no token table or LM head."""
+        return self.kind == "classifier"
 
 
 GPT2_TRAITS = ArchTraits(learned_positions=True, norm_biases=True, gated_mlp=False, qkv_bias=True, out_bias=True,
@@ -48,6 +57,8 @@ LLAMA_TRAITS = ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=
                           mlp_bias=False)
 QWEN2_TRAITS = ArchTraits(learned_positions=False, norm_biases=False, gated_mlp=True, qkv_bias=True, out_bias=False,
                           mlp_bias=False)
+VIT_TRAITS = ArchTraits(learned_positions=True, norm_biases=True, gated_mlp=False, qkv_bias=True, out_bias=True,
+                        mlp_bias=True)
 GPT2_TP = "gptpar.parallel.tensor_parallel.gpt2:shard_gpt2"
 LLAMA_TP = "gptpar.parallel.tensor_parallel.llama:shard_llama"
 GPT2_LORA = ("attn.c_attn", "attn.c_proj")  # q, k and v fused in one Conv1D, then the output projection
@@ -64,7 +75,13 @@ ROWS = (
                     lora_targets=LLAMA_LORA),
     ArchitectureRow("qwen2_moe", "llama", QWEN2_TRAITS, True, "gptpar.models.moe:QWEN2_MOE", LLAMA_TP,
                     lora_targets=LLAMA_LORA),
+    # an image classifier: GPT-2's block (LayerNorm with biases, biased q/k/v/o, a 4x GELU MLP), no tensor parallelism;
+    # transformers names its attention's projections as Llama's, and its head (classifier) trains whole under LoRA
+    ArchitectureRow("vit", "vit", VIT_TRAITS, False, "gptpar.models.vit:VIT", "", lora_targets=LLAMA_LORA,
+                    lora_trained=("classifier",), kind="classifier"),
 )
 ARCHITECTURES: dict[str, ArchitectureRow] = {row.name: row for row in ROWS}
 ARCHS = tuple(ARCHITECTURES)
 MOE_ARCHS = tuple(name for name, row in ARCHITECTURES.items() if row.mixture)
+CLASSIFIER_ARCHS = tuple(name for name, row in ARCHITECTURES.items() if row.classifier)
+LANGUAGE_ARCHS = tuple(name for name in ARCHS if name not in CLASSIFIER_ARCHS)

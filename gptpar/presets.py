@@ -6,7 +6,8 @@ biases, a tied head) and the Llama family (rotary positions, RMSNorm, grouped-qu
 `llama` (no biases) and `qwen2` (biases on q, k and v), and its mixtures of experts, whose MLP is E experts of which
 a router picks the top k per token: `mixtral` (Llama's attention) and `qwen2_moe` (Qwen2's, and a shared expert every
 token goes through, gated). What differs between them that the FLOPs, the parameter counts and the tensor-parallel
-checks need is in the registry's traits (gptpar/architectures.py); the rest is in gptpar/models.
+checks need is in the registry's traits (gptpar/architectures.py); the rest is in gptpar/models. `vit` is an image
+classifier (transformers' ViTForImageClassification) with GPT-2's block shape: its presets add an image and patch size.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ class ModelShape:
     n_experts: int = 0
     top_k: int = 0
     shared_inner: int = 0
+    image_size: int = 0  # an image classifier (vit): square images of this many pixels a side ...
+    patch_size: int = 0  # ... cut into patches of this many; n_positions is the patches and the class token
+
+    @property
+    def patches(self) -> int:
+        """An image's patches (its tokens, the class token aside); 0 for a language model."""
+        return (self.image_size // self.patch_size) ** 2 if self.patch_size else 0
 
     @property
     def kv_heads(self) -> int:
@@ -83,7 +91,14 @@ class ModelShape:
         return (2 if self.traits.norm_biases else 1) * self.n_embd
 
     def parameters(self, vocab: int) -> int:
-        """Every parameter: token table, positions, blocks, final norm, and the head where it is not the table."""
+        """Every parameter: token table, positions, blocks, final norm, and the head where it is not the table. An
+        image classifier's `vocab` is its classes: patch projection, class token, positions, blocks, final norm and
+        the classifier (with biases)."""
+        if self.patch_size:
+            patch = 3 * self.patch_size ** 2 * self.n_embd + self.n_embd
+            embeddings = patch + self.n_embd + (self.patches + 1) * self.n_embd
+            head = vocab * (self.n_embd + 1)
+            return embeddings + self.n_layer * self.block_parameters() + self.norm_parameters() + head
         positions = self.n_positions * self.n_embd if self.traits.learned_positions else 0
         tables = (1 if self.tied else 2) * vocab * self.n_embd
         return tables + positions + self.n_layer * self.block_parameters() + self.norm_parameters()
@@ -93,13 +108,18 @@ class ModelShape:
         return self.parameters(vocab) - self.n_layer * (self.block_parameters() - self.active_block_parameters())
 
     def overridden(self, arch: str = "auto", n_layer: int = 0, n_embd: int = 0, n_head: int = 0,
-                   n_positions: int = 0, n_kv_head: int = 0, n_experts: int = 0, top_k: int = 0) -> ModelShape:
+                   n_positions: int = 0, n_kv_head: int = 0, n_experts: int = 0, top_k: int = 0,
+                   image_size: int = 0) -> ModelShape:
         """The shape with the config's overrides (0 and auto keep this shape's). Another architecture keeps the
-        sizes; GPT-2 has no grouped-query attention and its MLP is 4x wide; a dense one has no experts."""
+        sizes; GPT-2 has no grouped-query attention and its MLP is 4x wide; a dense one has no experts; an image
+        classifier's positions follow its image size."""
         arch = self.arch if arch == "auto" else arch
         shape = replace(self, arch=arch, n_layer=n_layer or self.n_layer, n_embd=n_embd or self.n_embd,
                         n_head=n_head or self.n_head, n_positions=n_positions or self.n_positions,
-                        n_experts=n_experts or self.n_experts, top_k=top_k or self.top_k)
+                        n_experts=n_experts or self.n_experts, top_k=top_k or self.top_k,
+                        image_size=image_size or self.image_size)
+        if shape.patch_size:
+            shape = replace(shape, n_positions=shape.patches + 1)
         if arch not in MOE_ARCHS:
             shape = replace(shape, n_experts=0, top_k=0, shared_inner=0)
         elif arch != "qwen2_moe":
@@ -115,6 +135,12 @@ class ModelShape:
 
 def _gpt2(n_layer: int, n_embd: int, n_head: int, n_positions: int) -> ModelShape:
     return ModelShape("gpt2", n_layer, n_embd, n_head, n_positions)
+
+
+def _vit(n_layer: int, n_embd: int, n_head: int, image_size: int, patch_size: int) -> ModelShape:
+    """transformers' ViT: GPT-2's block shape (a 4x MLP, biases everywhere), an untied classifier head."""
+    return ModelShape("vit", n_layer, n_embd, n_head, (image_size // patch_size) ** 2 + 1, tied=False,
+                      image_size=image_size, patch_size=patch_size)
 
 
 # The small ones exist so CPUs can train and test: the tiny Llama-family shapes have 4 query heads over 2 KV heads,
@@ -141,4 +167,9 @@ PRESETS: dict[str, ModelShape] = {
                                     rope_theta=1_000_000.0, n_experts=60, top_k=4, shared_inner=5632),
     "mixtral-8x7b": ModelShape("mixtral", 32, 4096, 32, 32_768, n_kv_head=8, n_inner=14_336, tied=False,
                                rope_theta=1_000_000.0, n_experts=8, top_k=2),
+    # Image classifiers (data.task=classify): vit-tiny trains on a CPU (32 px images, 16 patches of 8 px); vit-base is
+    # ViT-B/16 (~86M parameters with 1000 classes), vit-huge ViT-H/14 (~632M).
+    "vit-tiny": _vit(2, 64, 4, 32, 8),
+    "vit-base": _vit(12, 768, 12, 224, 16),
+    "vit-huge": _vit(32, 1280, 16, 224, 14),
 }

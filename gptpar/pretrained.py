@@ -69,6 +69,11 @@ def folder_shape(folder: Path) -> ModelShape:
         raise ConfigError(f"model.init={PREFIX}{folder}: config.json describes a {arch!r} model; gptpar trains "
                           f"{', '.join(ARCHS)}")
     try:
+        if arch == "vit":
+            return ModelShape("vit", config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
+                              (config["image_size"] // config["patch_size"]) ** 2 + 1,
+                              n_inner=config["intermediate_size"], tied=False, image_size=config["image_size"],
+                              patch_size=config["patch_size"])
         if arch == "gpt2":
             return ModelShape("gpt2", config["n_layer"], config["n_embd"], config["n_head"], config["n_positions"],
                               n_inner=config.get("n_inner") or 0)

@@ -162,7 +162,7 @@ def saved_ranks(runs: Path, name: str) -> list[dict]:
 
 def reference_run(cfg: Config, regroup: Regroup | None = None) -> dict:
     """One process, the same config with one stage and one replica, the same global batch (recut by `regroup`); a
-    mixture's step fields too."""
+    mixture's step fields and the validation pass's scores (classify's accuracy) too."""
     single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.ep": 1,
                            "parallel.pp_virtual": 1,
                            "parallel.pp_split": "", "parallel.dp_sync": "bucketed", "parallel.param_comm": "fp32",
@@ -173,4 +173,6 @@ def reference_run(cfg: Config, regroup: Regroup | None = None) -> dict:
     trainer = make_trainer(single, info)
     records = [] if trainer.router_load is not None else None
     losses = train_steps(trainer, STEPS, regroup, records)
-    return {"losses": losses, "val": trainer.evaluate(), "params": named_params(trainer), "records": records}
+    val = trainer.evaluate()
+    return {"losses": losses, "val": val, "params": named_params(trainer), "records": records,
+            "scores": trainer.val_scores.scores()}

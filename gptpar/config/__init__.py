@@ -7,6 +7,7 @@ The package imports nothing of gptpar above it: errors, paths, presets and the t
 """
 
 from gptpar.config.checks import (
+    IMAGE_SOURCES,
     PRETRAINED_ON_META,
     SFT_SAMPLE,
     TRANSLATION_SOURCES,
@@ -57,7 +58,8 @@ from gptpar.config.text import (
 from gptpar.errors import ConfigError
 
 __all__ = [
-    "PAIR_TASKS", "PRECISIONS", "PRETRAINED_ON_META", "SFT_SAMPLE", "SECTIONS", "TASKS", "TRANSLATION_SOURCES",
+    "IMAGE_SOURCES", "PAIR_TASKS", "PRECISIONS", "PRETRAINED_ON_META", "SFT_SAMPLE", "SECTIONS", "TASKS",
+    "TRANSLATION_SOURCES",
     "Config", "ConfigError",
     "DataConfig", "LaunchConfig", "Layer", "LogConfig", "ModelConfig", "ParallelConfig", "ReportConfig", "TrainConfig",
     "apply_dict", "check_context", "check_expert_grid", "checkpoint_interval", "checkpointed_indices", "config_digest",

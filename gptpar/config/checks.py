@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gptpar.architectures import MOE_ARCHS
+from gptpar.architectures import ARCHITECTURES, CLASSIFIER_ARCHS, MOE_ARCHS
 from gptpar.config.parallel_checks import PARALLEL_CHECKS
 from gptpar.config.schema import PAIR_TASKS, RUN_ID_MAX, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from gptpar.errors import ConfigError
@@ -15,13 +15,16 @@ from gptpar.pretrained import PREFIX, check_named, check_tokenizer, check_weight
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either
 
 TRANSLATION_SOURCES = ("jsonl:", "tsv:", "hf:")
+# data.task=classify's sources: the embedded set (gptpar.data.images), and the named sets and any hub image set
+# (gptpar.data.image_store's names, read by gptpar.data.image_sets)
+IMAGE_SOURCES = ("synthetic", "cifar100", "food101", "hf:NAME[:CONFIG]")
 SFT_SAMPLE = "metamath_sample"  # the bundled MetaMathQA-style pairs (gptpar/data/samples)
 PRETRAINED_ON_META = ("model.init=pretrained loads real weights and cannot use model.init_device=meta; "
                       "use model.init_device=cpu or model.init=random")
 INITS = ("random", "pretrained", f"{PREFIX}PATH")
 TOKENIZERS = ("auto", "gpt2", "bpe", "bytes", f"{PREFIX}PATH")
 SHAPE_KEYS = ("arch", "n_layer", "n_embd", "n_head", "n_kv_head", "n_positions", "n_experts",
-              "moe_top_k")  # what a folder's weights fix
+              "moe_top_k", "image_size")  # what a folder's weights fix
 
 
 def validate(cfg: Config) -> None:
@@ -47,6 +50,7 @@ def validate(cfg: Config) -> None:
     for check in PARALLEL_CHECKS:
         check(cfg)
     _validate_task(cfg)
+    _check_classifier(cfg)
     _check_moe_layout(cfg)
     _check_packing(cfg)
     _check_example_fits(cfg)
@@ -76,6 +80,8 @@ def _check_weights_and_tokenizer(cfg: Config) -> None:
         raise ConfigError(f"model.{changed[0]}={getattr(model, changed[0])}: the weights of model.init={model.init} "
                           f"fix the model's shape; leave model.{changed[0]} unset")
     check_weights(folder)
+    if ARCHITECTURES[model.shape().arch].classifier:  # an image classifier's folder has no tokenizer to check
+        return
     rows = folder_config(folder).get("vocab_size")
     if data.source == "synthetic" and isinstance(rows, int) and data.vocab_size > rows:
         raise ConfigError(f"data.vocab_size={data.vocab_size}: data.source=synthetic draws token ids below it, but the "
@@ -169,6 +175,8 @@ def profiled_steps(t: TrainConfig) -> tuple[int, int] | None:
 def _validate_task(cfg: Config) -> None:
     """data.task against the source and the weights it can train."""
     d = cfg.data
+    if d.task == "classify":  # _check_classifier's
+        return
     if d.task == "lm":
         if d.source.startswith(TRANSLATION_SOURCES[:2]):
             raise ConfigError(f"data.source={d.source!r} holds translation pairs; set data.task=translation")
@@ -188,6 +196,47 @@ def _validate_task(cfg: Config) -> None:
         folder = " or, for sft, a save_pretrained folder (model.init=pretrained:PATH) whose tokenizer frames the pairs"
         raise ConfigError(f"data.task={d.task} adds two tokens (<sep>, <eos>) to the vocabulary, which pretrained "
                           f"weights lack; use model.init=random{folder if d.task == 'sft' else ''}")
+
+
+def _check_classifier(cfg: Config) -> None:
+    """data.task=classify trains an image classifier (vit) and an image classifier nothing else, on whole patches of
+    an image source's images; it runs whole on each rank, under data parallelism only."""
+    d, model, shape = cfg.data, cfg.model, cfg.model.shape()
+    classifier, presets = ARCHITECTURES[shape.arch].classifier, image_presets()
+    if d.task == "classify" and not classifier:
+        raise ConfigError(f"data.task=classify trains an image classifier; model.arch={shape.arch} (model.preset="
+                          f"{model.preset}) is a language model; use model.preset={' or '.join(presets)}")
+    if classifier and d.task != "classify":
+        raise ConfigError(f"model.arch={shape.arch} classifies images; data.task={d.task} is a language task; use "
+                          "data.task=classify")
+    if not classifier:
+        if shape.patch_size or model.image_size:
+            raise ConfigError(f"model.preset={model.preset} with model.image_size={shape.image_size}: an image size "
+                              f"is an image classifier's; model.arch={shape.arch} is a language model; use "
+                              f"model.arch={' or '.join(CLASSIFIER_ARCHS)} with data.task=classify")
+        return
+    if not shape.patch_size:
+        raise ConfigError(f"model.arch={shape.arch} needs an image preset: model.preset={model.preset} has no image or "
+                          f"patch size; use model.preset={' or '.join(presets)}")
+    if shape.image_size % shape.patch_size:
+        raise ConfigError(f"model.image_size={shape.image_size} is not a multiple of the {shape.patch_size}-pixel "
+                          f"patches of model.preset={model.preset}; use a multiple of {shape.patch_size}")
+    if d.source not in IMAGE_SOURCES[:-1] and not d.source.startswith("hf:"):
+        raise ConfigError(f"data.source={d.source!r} is not an image source; data.task=classify reads "
+                          f"{', '.join(IMAGE_SOURCES)}")
+    if cfg.train.loss_kernel not in ("auto", "plain"):
+        raise ConfigError(f"train.loss_kernel={cfg.train.loss_kernel} chooses a language model's cross-entropy; an "
+                          "image classifier's (one row per image) is plain: use train.loss_kernel=auto or plain")
+    if (split := model_splitter(cfg.parallel)) is not None:
+        key = split.partition("=")[0]
+        raise ConfigError(f"{split} with model.arch={shape.arch} is not built: an image classifier runs whole on each "
+                          f"rank, under data parallelism (parallel.dp, any parallel.dp_sync); use "
+                          f"{key}={'single' if key == 'parallel.pp_mode' else 1}")
+
+
+def image_presets() -> list[str]:
+    """The presets of an image classifier."""
+    return [name for name, shape in PRESETS.items() if shape.patch_size]
 
 
 def _check_moe_layout(cfg: Config) -> None:
@@ -285,6 +334,8 @@ def _check_example_fits(cfg: Config) -> None:
     """The longest example fits the position table: checked with the config, so every layout (one process, local
     ranks, a SLURM job) refuses it before a run folder or a rank exists."""
     d, p = cfg.data, cfg.parallel
+    if d.task == "classify":  # an image's patches are its positions: the preset's by construction
+        return
     if d.task == "lm":
         check_context(d.seq_len, cfg.model)
         return
@@ -296,11 +347,14 @@ def _check_example_fits(cfg: Config) -> None:
 
 
 def example_width(cfg: Config) -> int:
-    """The positions of the longest example: data.seq_len, or for translation source, <sep> and target (rounded up
-    to a multiple of parallel.tp under sequence parallelism, whose sequence shards must be equal)."""
+    """The positions of the longest example: data.seq_len, an image's patches and class token, or for translation
+    source, <sep> and target (rounded up to a multiple of parallel.tp under sequence parallelism, whose sequence
+    shards must be equal)."""
     d, p = cfg.data, cfg.parallel
     if d.task == "lm":
         return d.seq_len
+    if d.task == "classify":  # an image's patches and its class token
+        return cfg.model.shape().n_positions
     shards = p.tp if p.tp > 1 and p.sequence_parallel else 1
     return -(-(d.max_source_len + d.max_target_len + 1) // shards) * shards
 

@@ -24,7 +24,7 @@ LOSS_KERNELS = ("auto", "compiled", "chunked", "plain")
 # A run folder's name: file names have at most 255 bytes, and a folder set aside by --start-over or --rerun gets
 # `.replaced-<YYYYmmdd-HHMMSS>[.N]` appended (run ids are ASCII, gptpar.run.names: a character is a byte).
 RUN_ID_MAX = 200
-TASKS = ("lm", "translation", "sft")
+TASKS = ("lm", "translation", "sft", "classify")
 PAIR_TASKS = ("translation", "sft")  # prompt and response pairs, the loss on the response only
 
 
@@ -38,10 +38,12 @@ def opt(default: Any, help: str, choices: typing.Collection[str] | None = None, 
 @dataclass(frozen=True)
 class ModelConfig:
     preset: str = opt("gpt2-tiny", "Named model shape (gptpar/presets.py): GPT-2's, and the Llama family's "
-                      "(llama-tiny, qwen2-tiny for CPUs; llama-3.2-1b, qwen2.5-0.5b, qwen2.5-3b).",
+                      "(llama-tiny, qwen2-tiny for CPUs; llama-3.2-1b, qwen2.5-0.5b, qwen2.5-3b), and ViT's for "
+                      "data.task=classify (vit-tiny for CPUs; vit-base, vit-huge).",
                       choices=tuple(PRESETS))
     arch: str = opt("auto", "Architecture (gptpar/models): auto is the preset's; gpt2 (transformers' "
-                    "GPT2LMHeadModel), llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q/k/v biases). Another "
+                    "GPT2LMHeadModel), llama (LlamaForCausalLM), qwen2 (Qwen2ForCausalLM: q/k/v biases), vit "
+                    "(ViTForImageClassification, data.task=classify). Another "
                     "architecture than the preset's keeps its sizes.", choices=("auto", *ARCHS))
     n_layer: int = opt(0, "Transformer blocks; 0 keeps the preset's.", min=0, max=4096)
     n_embd: int = opt(0, "Hidden width; 0 keeps the preset's.", min=0, max=65_536)
@@ -50,6 +52,8 @@ class ModelConfig:
                          "0 keeps the preset's.", min=0, max=4096)
     n_positions: int = opt(0, "Context length of the position table; 0 keeps the preset's.", min=0,
                            max=1_048_576)
+    image_size: int = opt(0, "An image classifier (vit): pixels of an image's side, a multiple of the preset's patch "
+                          "size (the data is resized to it); 0 keeps the preset's.", min=0, max=65_536)
     n_experts: int = opt(0, "A mixture of experts (mixtral, qwen2_moe): experts per block; 0 keeps the preset's.",
                          min=0, max=65_536)
     moe_top_k: int = opt(0, "A mixture of experts: experts each token goes to (at most model.n_experts); 0 keeps the "
@@ -87,7 +91,7 @@ class ModelConfig:
         if folder is not None:
             return folder_shape(folder)
         return PRESETS[self.preset].overridden(self.arch, self.n_layer, self.n_embd, self.n_head, self.n_positions,
-                                               self.n_kv_head, self.n_experts, self.moe_top_k)
+                                               self.n_kv_head, self.n_experts, self.moe_top_k, self.image_size)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,9 @@ class DataConfig:
                     "(data.source jsonl:, tsv: or hf:); sft: instruction tuning on question/response pairs in the "
                     "same plain template (`prompt <sep> response <eos>`), the loss on response tokens only, the final "
                     "answer's accuracy at each epoch end (data.source metamath_sample, jsonl: or hf:, e.g. "
-                    "hf:meta-math/MetaMathQA).", choices=TASKS)
+                    "hf:meta-math/MetaMathQA); classify: image classification (model.arch=vit) by cross-entropy over "
+                    "the classes, top-1 accuracy (and top-5 with 100 classes or more) at each evaluation "
+                    "(data.source synthetic: the embedded image set).", choices=TASKS)
     source: str = opt("stdlib", "stdlib | tinyshakespeare | synthetic | text:PATH[,PATH...] | "
                       "hf:NAME[:CONFIG]; with data.task=translation jsonl:TRAIN[,VALID[,TEST]] (objects with de and "
                       "en, or {\"translation\": {...}}) | tsv:TRAIN[,VALID[,TEST]] (de, a tab, en) | "
@@ -133,6 +139,10 @@ class DataConfig:
     max_chars: int = opt(2_000_000, "Characters of text read from the corpus; 0 reads all.", min=0)
     synthetic_tokens: int = opt(1_000_000, "Corpus length of the synthetic source.", min=1000,
                                 max=4_294_967_296)
+    synthetic_images: int = opt(2048, "data.task=classify with data.source=synthetic: images generated (offline), "
+                                "data.val_fraction of them held out for validation.", min=2, max=16_777_216)
+    synthetic_classes: int = opt(10, "data.task=classify with data.source=synthetic: its classes, each a fixed "
+                                 "smooth colour pattern under per-image noise.", min=2, max=100_000)
     dir: str = opt("", "Data and cache directory; empty uses $GPTPAR_DATA_DIR or ~/.cache/gptpar.")
     streaming: bool = opt(False, "Stream hf: datasets instead of downloading them whole.")
     augment: bool = opt(False, "Image sets (cifar100, food101, hf: with data.task=classify): crop each training image "

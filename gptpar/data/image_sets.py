@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,20 +20,14 @@ from torch.utils.data import Dataset
 
 from gptpar.config import DataConfig
 from gptpar.data.image_store import columns, saved_splits, split_names
+from gptpar.data.images import ImageData
 from gptpar.errors import GptparError, require_extra
 
 CROP_SCALE = (0.08, 1.0)  # of the image's area: torchvision's RandomResizedCrop defaults, the ImageNet recipe's
 CROP_RATIO = (3 / 4, 4 / 3)  # width / height
 
 
-@dataclass(frozen=True)
-class NamedImages:
-    train: Dataset
-    val: Dataset
-    classes: tuple[str, ...]
-
-
-def load_named_images(cfg: DataConfig, image_size: int, seed: int = 0) -> NamedImages:
+def load_named_images(cfg: DataConfig, image_size: int, seed: int = 0) -> ImageData:
     """The set's train and validation splits as (pixel_values float32 [3, S, S], label int64) items, processed by
     ViT's image processor at image_size x image_size; fetched first where it is not saved and the hub is reachable.
     `seed` (train.seed) draws data.augment's crops and flips."""
@@ -49,7 +42,7 @@ def load_named_images(cfg: DataConfig, image_size: int, seed: int = 0) -> NamedI
         augment = seed if cfg.augment and split == train else None
         return ProcessedImages(cfg.source, split, splits[split], image, label, processor, augment)
 
-    return NamedImages(items(train), items(val), tuple(splits[train].features[label].names))
+    return ImageData(items(train), items(val), tuple(splits[train].features[label].names))
 
 
 class ProcessedImages(Dataset):

@@ -1,6 +1,7 @@
-"""What gptpar needs to know of a decoder-only architecture, as one class whose instances describe GPT-2 and the
-Llama family (gpt2.py, llama.py). Module paths are data (`body`, `embedding`, `layers`, `final_norm`); how a
-parameter starts and the pipeline's pieces are methods (the tensor-parallel plans are parallel/tensor_parallel's)."""
+"""What gptpar needs to know of an architecture, as one class whose instances describe GPT-2 and the Llama family
+(gpt2.py, llama.py), and ViT (vit.py: an image classifier; its `body` is the encoder, its `embedding` the patches').
+Module paths are data (`body`, `embedding`, `layers`, `final_norm`); how a parameter starts and the pipeline's pieces
+are methods (the tensor-parallel plans are parallel/tensor_parallel's)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from gptpar.architectures import ARCHITECTURES
 from gptpar.errors import GptparError
 from gptpar.presets import ModelShape
 
@@ -53,6 +55,11 @@ class Architecture(ABC):
     restored_buffers: str = ""  # the module whose buffers `restore_buffers` re-creates (the rotary tables)
     dropout_keys: tuple[str, ...] = ()  # the config's dropout rates, which model.dropout sets on loaded weights too
     router: str = ""  # a mixture of experts: its router's path inside a block ("": a dense model)
+
+    @property
+    def classifier(self) -> bool:
+        """An image classifier (the registry's kind): no token table to pad or tie, no LM head."""
+        return ARCHITECTURES[self.name].classifier
 
     # --- where things are ---------------------------------------------------------------------------------------
     def decoder(self, model: nn.Module) -> nn.Module:

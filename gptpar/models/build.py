@@ -90,7 +90,7 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     arch = architecture(config)
     with torch.device("meta"):
         model = arch.model_class(config)
-        if tokenizer_vocab(config) < config.vocab_size:
+        if not arch.classifier and tokenizer_vocab(config) < config.vocab_size:
             model.lm_head = PaddedHead(config.hidden_size, config.vocab_size, tokenizer_vocab(config))
             if config.tie_word_embeddings:
                 model.lm_head.weight = arch.token_embedding(model).weight
@@ -117,8 +117,10 @@ def build_model(cfg: ModelConfig, vocab_size: int, seed: int, hub_timeout_s: flo
         folder = folder_of(cfg.init)
         loaded = _hub_gpt2(cfg, vocab_size, hub_timeout_s, seq_len) if folder is None else \
             _from_folder(cfg, folder, vocab_size, seq_len)
-        return pad_vocabulary(loaded, multiple)
-    config = pad_config(model_config(cfg, vocab_size, seq_len), multiple)
+        return loaded if architecture(loaded).classifier else pad_vocabulary(loaded, multiple)
+    config = model_config(cfg, vocab_size, seq_len)
+    if not architecture(config).classifier:  # an image classifier has no token table
+        pad_config(config, multiple)
     torch.manual_seed(seed)  # dropout draws from the global generator; the weights no longer do
     model = empty_model(config)
     if init_device == "cpu":
@@ -155,7 +157,11 @@ def _from_folder(cfg: ModelConfig, folder: Path, vocab_size: int, seq_len: int |
     for key in arch.dropout_keys:
         setattr(config, key, cfg.dropout)
     config.use_cache = False
-    if config.vocab_size < vocab_size:
+    if arch.classifier and config.num_labels != vocab_size:
+        raise GptparError(f"model.init=pretrained:{folder}: its classifier has {config.num_labels} classes and the "
+                          f"data {vocab_size}; train on a data set of {config.num_labels} classes, or from "
+                          "model.init=random")
+    if not arch.classifier and config.vocab_size < vocab_size:
         raise GptparError(f"model.init=pretrained:{folder}: its token table has {config.vocab_size} rows (vocab_size "
                           f"in its config.json), fewer than the {vocab_size} ids of its own tokenizer: config.json "
                           "does not describe these weights (was it edited?); save the model and its tokenizer again "
@@ -294,9 +300,11 @@ def _params_swapped_in_place() -> Iterator[None]:
 
 
 def _check_tied(model: PreTrainedModel) -> None:
-    """A tied LM head must be the token table itself, or training updates two copies."""
-    table = architecture(model).token_embedding(model).weight
-    if model.config.tie_word_embeddings and model.lm_head.weight is not table:
+    """A tied LM head must be the token table itself, or training updates two copies (an image classifier's config
+    has no tie_word_embeddings: nothing is tied)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    if model.lm_head.weight is not architecture(model).token_embedding(model).weight:
         raise RuntimeError("lm_head.weight is no longer tied to the token table")
 
 

@@ -79,7 +79,8 @@ def check_targets(model: PreTrainedModel, targets: list[str]) -> None:
 
 
 def inject_lora(model: PreTrainedModel, t: TrainConfig) -> None:
-    """Adapters on train.lora_targets in place, every other parameter frozen. On a meta-device model they are made on
+    """Adapters on train.lora_targets in place, every other parameter frozen but the architecture's `lora_trained`
+    modules (ViT's classifier, new for its classes). On a meta-device model they are made on
     the meta device too; elsewhere their values are peft's until gptpar.models.build.add_lora sets them. The process's
     random generator is left as it was (peft draws A from it)."""
     from peft import inject_adapter_in_model
@@ -95,6 +96,8 @@ def inject_lora(model: PreTrainedModel, t: TrainConfig) -> None:
         except (ValueError, TypeError) as exc:  # a target peft cannot adapt (a block, a norm)
             raise GptparError(f"train.lora_targets={','.join(targets)}: peft cannot adapt them "
                               f"({first_sentence(exc)}); name linear layers") from None
+    for name in ARCHITECTURES[model.config.model_type].lora_trained:  # a classifier's new head trains whole
+        model.get_submodule(name).requires_grad_(True)
 
 
 def lora_config(model: PreTrainedModel, t: TrainConfig) -> LoraConfig:

@@ -59,3 +59,9 @@ def chunked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, chunk_elements:
     """`lm_loss` without an fp32 copy of the whole logits (train.loss_kernel=chunked): the same value and gradients up
     to fp32 rounding, -100 targets left out of the mean as F.cross_entropy leaves them."""
     return _ChunkedCrossEntropy.apply(logits, targets, max(1, chunk_elements // logits.size(-1)))
+
+
+def class_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """An image classifier's loss (data.task=classify): the mean cross-entropy of each image's class logits [B, C]
+    against its label [B], in fp32. One row per image, so none of the language kernels' memory concerns apply."""
+    return F.cross_entropy(logits.float(), labels)

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import orjson
 
 from gptpar.atomic import atomic_write, write_error
-from gptpar.run.records import EPOCH_SCORES, RECORDS, Record, StepRecord, names, validate_record
+from gptpar.run.records import EPOCH_SCORES, EVAL_SCORES, RECORDS, Record, StepRecord, names, validate_record
 
 SCHEMA_VERSION = 2
 
@@ -326,11 +326,13 @@ def format_record(record: dict[str, Any]) -> str:
                 f"grad_norm {_number(get('grad_norm'), '.3f')}  {_number(get('tokens_per_s'), ',.0f')} tok/s  "
                 f"{_number(get('step_time_s'), '.3f')} s/step")
     if kind == "eval":
-        return f"eval at step {get('step')}: val_loss {_number(get('val_loss'), '.4f')}"
+        return (f"eval at step {get('step')}: val_loss {_number(get('val_loss'), '.4f')}"
+                + "".join(f", {key} {_number(get(key), '.2f')}" for key in EVAL_SCORES if key in record))
     if kind == "epoch":
         return (f"epoch {get('epoch')}: {get('steps')} steps in {_number(get('training_time_s'), '.1f')} s, "
                 f"{_number(get('tokens_per_s'), ',.0f')} tok/s, val_loss {_number(get('val_loss'), '.4f')}"
-                + "".join(f", {key} {_number(get(key), '.2f')}" for key in EPOCH_SCORES if key in record))
+                + "".join(f", {key} {_number(get(key), '.2f')}" for key in (*EVAL_SCORES, *EPOCH_SCORES)
+                          if key in record))
     if kind == "header":
         return (f"start (restart {get('restart')}): rank {get('rank')} of {get('world_size')} on {get('host')}, "
                 f"{get('device')}, {get('total_steps', '?')} steps in all")

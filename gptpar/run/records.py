@@ -157,10 +157,12 @@ class EvalRecord(Record):
     val_loss: float | None = required("The validation loss (null where this rank does not compute it).",
                                       may_diverge=True)
     accuracy: float | None | Absent = optional(
-        "data.task=classify: top-1 accuracy (0-1) on the validation split (null where this rank does not compute "
-        "it); the report takes the mean over replicas.")
+        "data.task=classify: the share (0-1) of the evaluated validation images (train.eval_batches batches of every "
+        "replica's shard) whose top logit is their label, summed over the replicas (the same on every rank); null "
+        "where no batch was evaluated.", may_diverge=True)
     accuracy_top5: float | None | Absent = optional(
-        "data.task=classify with 100 or more classes: top-5 accuracy (0-1), as `accuracy`.")
+        "data.task=classify with 100 classes or more: the same share for the label among the five top logits.",
+        may_diverge=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,6 +193,8 @@ MOE_LOAD_KEYS = ("tokens_per_expert", "min", "max", "mean", "dropped")
 
 # The task's scores an epoch record may carry, in the order lines show them.
 EPOCH_SCORES = ("bleu", "test_bleu", "answer_accuracy")
+# The validation pass's own scores (data.task=classify) that eval and epoch records may carry.
+EVAL_SCORES = ("accuracy", "accuracy_top5")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +210,11 @@ class EpochRecord(Record):
         "replica; null with train.bleu_samples=0.")
     test_bleu: float | None | Absent = optional(
         "Where the source has a test split and train.bleu_samples > 0: the same of the first test pairs.")
+    accuracy: float | None | Absent = optional(
+        "data.task=classify: top-1 validation accuracy (0-1) at the epoch's end, as the eval record's.",
+        may_diverge=True)
+    accuracy_top5: float | None | Absent = optional(
+        "data.task=classify with 100 classes or more: top-5 validation accuracy at the epoch's end.", may_diverge=True)
     answer_accuracy: float | None | Absent = optional(
         "data.task=sft: the share (0-1) of train.answer_samples validation prompts whose greedy response states the "
         "reference's final answer (`The answer is: X`), the same on every replica; null with train.answer_samples=0.")

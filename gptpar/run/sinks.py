@@ -5,7 +5,8 @@ is on disk, and a sink that fails (a W&B error, a full disk) prints one warning 
 so neither the log nor the training ever depends on a mirror. The x axis is the step number.
 
 TensorBoard (`log.tensorboard=true`, the `tensorboard` extra): rank 0 writes the run's scalars
-(`train/*` from step records; `eval/*`, every evaluation: the validation loss, and an epoch's scores such as
+(`train/*` from step records; `eval/*`, every evaluation: the validation loss (and classify's `eval/accuracy`,
+`eval/accuracy_top5`), and an epoch's scores such as
 `eval/bleu`, `eval/test_bleu` and `eval/answer_accuracy`, at the step the epoch ended on; `epoch/*` an epoch's
 timing; `memory/*` once per start) to `runs/<id>/tb/`, and
 every rank its own `throughput/tokens_per_s` to `runs/<id>/tb/rank<R>/`, one TensorBoard run per

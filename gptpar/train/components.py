@@ -43,13 +43,21 @@ class Checkpointing:
         save_checkpoint(self.path, {"trainer": self.owner})
 
 
+def scored(fields: dict[str, Any]) -> str:
+    """An evaluation's fields after the validation loss, as the progress line shows them: `, accuracy 0.83`."""
+    return "".join(f", {key} {score:.2f}" for key, score in fields.items() if key != "val_loss" and score is not None)
+
+
 class Evaluation:
     """Validation every train.eval_every steps (an eval record; 0: only at epoch ends), and at each epoch end the
-    validation loss and the task's scores (BLEU) that the epoch record carries."""
+    validation loss and the task's scores (BLEU) that the epoch record carries. `val_scores` are the scores of the
+    validation pass itself (classify's accuracy), read after each `evaluate`, in both records."""
 
     def __init__(self, every: int, evaluate: Callable[[], float | None],
+                 val_scores: Callable[[], dict[str, float | None]],
                  scores: Callable[[int], dict[str, float | None]], log: RankLogger, progress: Progress):
-        self.every, self.evaluate, self.scores, self.log, self.progress = every, evaluate, scores, log, progress
+        self.every, self.evaluate, self.val_scores, self.scores = every, evaluate, val_scores, scores
+        self.log, self.progress = log, progress
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -58,12 +66,14 @@ class Evaluation:
         if not self.due(step):
             return
         val = self.evaluate()
-        self.log.write(EvalRecord(step=step, epoch=epoch, val_loss=val))
+        extra = self.val_scores()
+        self.log.write(EvalRecord(step=step, epoch=epoch, val_loss=val, **extra))
         if val is not None:
-            self.progress.message(f"step {step}: val_loss {val:.4f}")
+            self.progress.message(f"step {step}: val_loss {val:.4f}{scored(extra)}")
 
     def at_epoch_end(self, epoch: int) -> dict[str, Any]:
-        return {"val_loss": self.evaluate(), **self.scores(epoch)}
+        val = self.evaluate()
+        return {"val_loss": val, **self.val_scores(), **self.scores(epoch)}
 
 
 class Metrics:
@@ -97,9 +107,7 @@ class Metrics:
                                    steps=self.epoch_steps(step), **fields))
         val = fields["val_loss"]
         self.progress.message(f"epoch {epoch}: {self.epoch_time:.2f} s" +
-                              (f", val_loss {val:.4f}" if val is not None else "") +
-                              "".join(f", {key} {score:.2f}" for key, score in fields.items()
-                                      if key != "val_loss" and score is not None))
+                              (f", val_loss {val:.4f}" if val is not None else "") + scored(fields))
 
 
 class Participant:

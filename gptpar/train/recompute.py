@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, whole_compile_obstacle
 from gptpar.errors import GptparError
 from gptpar.models import architecture
-from gptpar.models.loss import chunked_lm_loss, lm_loss
+from gptpar.models.loss import chunked_lm_loss, class_loss, lm_loss
 from gptpar.parallel.placement import resolve_devices
 
 
@@ -97,13 +97,17 @@ def compile_mode(cfg: Config, device: torch.device) -> str:
 
 def loss_kernel(cfg: Config, device: torch.device) -> str:
     """train.loss_kernel as this rank runs it: compiled, chunked or plain (auto: compiled where the rank compiles)."""
+    if cfg.data.task == "classify":  # one row of class logits per image: F.cross_entropy in fp32 (class_loss)
+        return "plain"
     if cfg.train.loss_kernel != "auto":
         return cfg.train.loss_kernel
     return "compiled" if compile_mode(cfg, device) != "false" else "chunked"
 
 
 def whole_logits_loss(cfg: Config, device: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The cross-entropy of whole logits that train.loss_kernel asks for on this rank."""
+    """The cross-entropy of whole logits that train.loss_kernel asks for on this rank (an image classifier's own)."""
+    if cfg.data.task == "classify":
+        return class_loss
     kernel = loss_kernel(cfg, device)
     if kernel == "compiled":
         if compile_mode(cfg, device) == "false":  # else prepare_blocks has checked the compiler already

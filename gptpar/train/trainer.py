@@ -44,6 +44,7 @@ from gptpar.run.logfile import RankLogger
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.train.bleu import require_sacrebleu
 from gptpar.train.checkpoint import load_model_state, model_state
+from gptpar.train.classify import Accuracy, ValidationScores
 from gptpar.train.components import (
     Checkpointing,
     Evaluation,
@@ -82,6 +83,7 @@ class Trainer:
         data = load_training_data(cfg)
         self.train_set, self.val_set, self.collate = data.train, data.val, data.collate
         self.vocab_size, self.tokenizer, self.pairs = data.vocab_size, data.tokenizer, data.pairs
+        self.classes = data.classes
         self.micro_batch = t.batch_size // t.grad_accum  # global, over all replicas
         self.capped = data.pairs.capped if data.pairs else ""  # what data.max_chars dropped
         if len(self.train_set) < self.micro_batch:
@@ -117,6 +119,8 @@ class Trainer:
         self.checkpoints = Checkpointing(folder, t.checkpoint_every, self)
         self.memory_count = MemoryCount(self.net, self.optimizer, self.sync)
         self.participants = self._participants(wrapped.mixture_grads)
+        self.val_scores = (Accuracy(len(self.classes), self._dp_reduce, dims.device) if self.classes
+                           else ValidationScores())
         self.scoring = Scoring(cfg, dims, folder, self.net, self.precision, self.pairs, self.whole_logits,
                                self.model_config, self.pipeline, self.micro_batch)
 
@@ -156,6 +160,8 @@ class Trainer:
         each step's batches are pinned and their copies to the device queued (non-blocking) one step ahead: the
         host never waits for a copy, and the next step's inputs are on their way while this step computes."""
         accum, device = self.cfg.train.grad_accum, self.dims.device
+        if hasattr(self.train_set, "set_epoch"):  # a named image set's data.augment draws new crops each epoch
+            self.train_set.set_epoch(epoch)
         micro = iter(islice(self._loader(epoch), skip_steps * accum, self.steps_per_epoch * accum))
         steps = iter(lambda: list(islice(micro, accum)), [])
         if device.type != "cuda":
@@ -235,6 +241,11 @@ class Trainer:
             losses.append(loss.detach())
         return torch.stack(losses).double().sum()
 
+    def _positions(self, inputs: torch.Tensor) -> int:
+        """The positions a micro-batch runs (its step record's tokens): every token id, translation's padding too,
+        or an image's patches and class token."""
+        return inputs.size(0) * example_width(self.cfg) if self.classes else inputs.numel()
+
     def _routing(self) -> AbstractContextManager[None]:
         """Where a mixture's routers are watched: the training forward (not evaluation or decoding)."""
         return self.router_load.recording() if self.router_load is not None else contextlib.nullcontext()
@@ -308,6 +319,7 @@ class Trainer:
         (for translation weighted by target tokens, which differ from batch to batch)."""
         replicas = self.dims.size("dp")
         batch = min(self.micro_batch, len(self.val_set) // replicas * replicas)
+        self.val_scores.reset()
         if batch < replicas:
             return None
         self.net.eval()
@@ -319,26 +331,39 @@ class Trainer:
                 weight = target_tokens if self.pairs is not None else by_rows
                 losses = [self.net.eval_loss(x, y, weight) for x, y in batches]
             else:
-                losses = [self.loss_fn(logits := self._logits(self.net, batch), batch[1].to(logits.device)).item()
-                          for batch in batches]
+                losses = [self._val_loss(batch) for batch in batches]
         if self.pairs is not None:
             counts = [target_tokens(batch[1]) for batch in batches]
             loss_sum, count = self._dp_sum(sum(loss * n for loss, n in zip(losses, counts, strict=True)), sum(counts))
             return loss_sum / count
         return self._dp_mean(sum(losses) / len(losses))
 
+    def _val_loss(self, batch: Batch) -> float:
+        """A validation batch's loss; its logits are scored too (`val_scores`: classify's accuracy)."""
+        logits = self._logits(self.net, batch)
+        labels = batch[1].to(logits.device)
+        self.val_scores.observe(logits, labels)
+        return self.loss_fn(logits, labels).item()
+
     def banner(self) -> str:
         """What is about to train, where, from which step (rank 0 prints it before the first step)."""
         layout = " x ".join(f"{dim}={self.dims.size(dim)}" for dim in GRID_DIMS) + (
             f", ep={self.dims.size('ep')}" if self.dims.size("ep") > 1 else "")
         g = self.model_config
-        table = f", token table of {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
         return (f"gptpar: {self.dims.world_size} rank(s) ({layout}) on {self.dims.device} ({self.dims.backend}); "
                 f"{architecture(g).title} of {self.n_params:,} parameters ({g.num_hidden_layers} layers, width "
                 f"{g.hidden_size}, {g.num_attention_heads} heads); {self._lora_banner()}"
-                f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table}); "
+                f"{self._data_words()}; "
                 f"{self.capped + '; ' if self.capped else ''}{self.precision.name}; "
                 f"steps {self.step + 1}-{self.total_steps}")
+
+    def _data_words(self) -> str:
+        """What the model reads, as the banner says it: an image classifier's classes, or the tokenizer."""
+        g = self.model_config
+        if self.classes:
+            return f"{len(self.classes)} classes of {g.image_size}-pixel images"
+        table = f", token table of {g.vocab_size:,} rows" if g.vocab_size > self.vocab_size else ""
+        return f"tokenizer {self.tokenizer} (vocab {self.vocab_size}{table})"
 
     def _lora_banner(self) -> str:
         lora = self.lora()
@@ -360,7 +385,9 @@ class Trainer:
 
     def fast_path(self) -> dict[str, Any]:
         """What the log header records of the fast path as it resolved on this rank."""
-        return {"optimizer": kind_of(self.optimizer), "vocab_rows": self.model_config.vocab_size,
+        # an image classifier's head has a row per class (its config has no vocab_size)
+        rows = getattr(self.model_config, "vocab_size", self.vocab_size)
+        return {"optimizer": kind_of(self.optimizer), "vocab_rows": rows,
                 "sync_every": sync_every(self.cfg.log.sync_every, self.dims.device),
                 "compile": compile_mode(self.cfg, self.dims.device),
                 "loss": "vocabulary-parallel" if self.cfg.parallel.loss_parallel and self.dims.size("tp") > 1
@@ -397,7 +424,7 @@ class Trainer:
         global_loss = self._dp_reduce(loss.to(device, torch.float64, copy=True)) / self.dims.size("dp")
         clock.stop()
         self.step += 1
-        tokens = sum(batch[0].numel() for batch in micro_batches)  # positions run, translation's padding too
+        tokens = sum(self._positions(batch[0]) for batch in micro_batches)
         pipeline = self.net.step_fields() if self.pipeline else {}
         moe = self.router_load.step_fields() if self.router_load is not None else {}
         sent, spent = read_sent(), read_spent()
@@ -419,7 +446,8 @@ class Trainer:
         progress.message(self.banner())
         metrics = Metrics(self.log, progress, dims.size("dp"))
         self.scoring.progress = progress
-        evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.scoring.scores, self.log, progress)
+        evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.val_scores.scores, self.scoring.scores,
+                                self.log, progress)
         profiler = StepProfiler(cfg.train, dims.device, self.folder.trace_path(dims.rank))
         pending, every = PendingSteps(), sync_every(cfg.log.sync_every, dims.device)
         status, loss = "completed", math.nan

@@ -75,6 +75,8 @@ RUN_HERE = [
     ".venv/bin/gptpar train model.preset=qwen2-tiny data.task=sft data.source=metamath_sample data.tokenizer=bytes "
     "data.max_source_len=116 data.max_target_len=120 train.max_steps=5 train.answer_samples=8",
     ".venv/bin/gptpar submit dp --gpus 2 model.preset=qwen2-moe-tiny parallel.ep=2 --dry-run",
+    ".venv/bin/gptpar train model.preset=vit-tiny data.task=classify data.source=synthetic train.batch_size=32 "
+    "train.lr=1e-3 train.max_steps=40 train.eval_every=20",
 ]
 # Commands this test runs as written, one after the other in one scratch folder (a later one reads an earlier run).
 RUN_HERE_IN_ORDER = [

@@ -18,7 +18,9 @@ def test_gpt2_preset_is_124m_with_gpt2_vocab():
 def test_every_preset_builds_a_consistent_config():
     for name, shape in PRESETS.items():
         cfg = model_config(ModelConfig(preset=name), 1000)
-        assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.max_position_embeddings) == (
+        # an image classifier's positions are its patches and the class token
+        positions = (cfg.image_size // cfg.patch_size) ** 2 + 1 if shape.patch_size else cfg.max_position_embeddings
+        assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, positions) == (
             shape.n_layer, shape.n_embd, shape.n_head, shape.n_positions)
         assert shape.n_embd % shape.n_head == 0 and cfg.model_type == shape.arch
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,6 @@ from gptpar.parallel.data_parallel.base import GradSync, InitialValue
 from gptpar.parallel.data_parallel.quantized import QuantisedReduceScatter
 
 if TYPE_CHECKING:
-    from gptpar.parallel.data_parallel.offload import HostShards
     from gptpar.parallel.data_parallel.param_comm import Gather
 
 
@@ -67,6 +66,21 @@ def shard_pieces(named: list[tuple[str, nn.Parameter]], lo: int, shard: torch.Te
     return pieces
 
 
+class HostCopies(Protocol):
+    """What a sharded optimizer asks of parallel.offload=optimizer's host copies of its shards (offload.py's
+    HostShards, which builds on the pieces here)."""
+
+    pieces: list[Piece]
+
+    def pull(self) -> None: ...
+
+    def to_host(self) -> None: ...
+
+    def to_device(self) -> None: ...
+
+    def tensors(self) -> list[torch.Tensor]: ...
+
+
 class ShardedOptimizer:
     """The optimizer over this rank's pieces and their checkpointed state. `pieces` is set by the sync; `local`, by
     name, the parameters it leaves whole (parallel.ep's expert slices, which no replica of this group shares): they
@@ -77,7 +91,7 @@ class ShardedOptimizer:
 
     pieces: list[Piece]
     local: list[tuple[str, nn.Parameter]] = []
-    host: HostShards | None = None
+    host: HostCopies | None = None
     shards_optimizer = True
 
     @property
