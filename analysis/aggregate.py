@@ -495,7 +495,8 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     # Under parallel.ep a sharding strategy shards only the dense part; the closed form knows one kind of parameter.
     row = DP_STRATEGIES.get(strategy)
     split_experts = _number(m.params.get("parallel.ep", 1)) > 1 and row is not None and bool(row.sharded)
-    closed = [None if split_experts or form is None else _plus(closed_form_state_bytes(strategy, n, m.dp), form)
+    closed = [None if split_experts or form is None else _plus(closed_form_state_bytes(
+        strategy, n, m.dp, int(_number(m.params.get("parallel.zero_stage", 3)))), form)
               for _, n, _, form in rows]
     if any(form is None for *_, form in rows):
         m.warnings.append(f"{m.run}: its memory records hold hpZ's copy but not its node size (hpz_node_size), so "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gptpar.errors import ConfigError, GptparError
 
@@ -25,6 +25,8 @@ GRAD_COMMS = (*HALF, "int8", "powersgd")
 PARAM_COMMS = ("fp32", "bf16", "int8")
 # parallel.offload: what a strategy keeps on the host instead of the device.
 OFFLOADS = ("none", "optimizer", "params")
+# parallel.zero_stage: the parts of STATE_BYTES each ZeRO stage shards (a row with `stages` reads its `sharded` here).
+ZERO_STAGES = {1: ("optimizer",), 2: ("grads", "optimizer"), 3: ("params", "grads", "optimizer")}
 # Bytes per value on the wire, by parallel.grad_comm or parallel.param_comm type (the syncs count them, the planner
 # prices them); int8 adds a 4-byte scale per parallel.quant_block values.
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -79,7 +81,15 @@ class DataParallelStrategy:
     param_comm: tuple[str, ...] = ("fp32",)  # the parallel.param_comm types it gathers parameters in
     hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
     offloads: tuple[str, ...] = ()  # the parallel.offload values (besides none) it can run with
+    stages: bool = False  # shards by parallel.zero_stage (ZERO_STAGES; `sharded` is then stage 3's, see at_stage)
+    master: bool = False  # its optimizer steps an fp32 master copy of its parameter partition, 4N/W more (DeepSpeed
+    # keeps one even in fp32)
     pricing: Pricing | None = None
+
+    def at_stage(self, zero_stage: int) -> DataParallelStrategy:
+        """The row as it runs at parallel.zero_stage: a row with `stages` shards that stage's parts; others are one
+        stage each and ignore it."""
+        return replace(self, sharded=ZERO_STAGES[zero_stage]) if self.stages else self
 
     @property
     def whole_gradients(self) -> bool:
@@ -89,7 +99,8 @@ class DataParallelStrategy:
     def state_bytes(self, n: float, w: int) -> float:
         """Bytes of training state one rank holds for n parameters over w replicas, unpadded: the closed form a
         measured count is checked against."""
-        return math.fsum(n * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items())
+        return math.fsum([*(n * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items()),
+                          STATE_BYTES["params"] * n / w if self.master else 0.0])
 
 
 def hpz_bytes(n: float, node_size: int, param_comm: str = "fp32", quant_block: int = 256) -> float:
@@ -140,13 +151,22 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         expert_parallel=True,
         pricing=Pricing("units", _UNITS, grouped_norm=False,
                         note="fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")),
+    # DeepSpeed's engine as a third reference (the `deepspeed` extra); ZeRO++'s qwZ/qgZ/hpZ through its own config,
+    # on GPUs only (its CPU backend lacks them). Not priced: its bucketing and prefetch are its own.
+    "deepspeed": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.deepspeed:DeepSpeedSync", "DeepSpeed's engine at parallel.zero_stage",
+        ZERO_STAGES[3], "drives its own engine, which syncs whole models only", tensor_parallel=(),
+        without_whole_compile="runs its own engine around the model", grad_comm=("fp32", "int8"),
+        param_comm=("fp32", "int8"), hpz=True, offloads=("optimizer", "params"), stages=True,
+        master=True),
 }
 
 
-def closed_form_state_bytes(strategy: str, n: float, w: int) -> float | None:
-    """`DataParallelStrategy.state_bytes` of a named strategy; None for a name the table lacks (an old log)."""
+def closed_form_state_bytes(strategy: str, n: float, w: int, zero_stage: int = 3) -> float | None:
+    """`DataParallelStrategy.state_bytes` of a named strategy (at parallel.zero_stage); None for a name the table
+    lacks (an old log)."""
     row = DP_STRATEGIES.get(strategy)
-    return row.state_bytes(n, w) if row is not None else None
+    return row.at_stage(zero_stage).state_bytes(n, w) if row is not None else None
 
 
 def either(names: list[str], conjunction: str = "or") -> str:
