@@ -82,6 +82,7 @@ class DataParallelStrategy:
     hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
     offloads: tuple[str, ...] = ()  # the parallel.offload values (besides none) it can run with
     stages: bool = False  # shards by parallel.zero_stage (ZERO_STAGES; `sharded` is then stage 3's, see at_stage)
+    alone: bool = False  # runs at parallel.dp=1 too, over a group of one (DeepSpeed: its offload on one device)
     master: bool = False  # its optimizer steps an fp32 master copy of its parameter partition, 4N/W more (DeepSpeed
     # keeps one even in fp32)
     pricing: Pricing | None = None
@@ -158,7 +159,7 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         ZERO_STAGES[3], "drives its own engine, which syncs whole models only", tensor_parallel=(),
         without_whole_compile="runs its own engine around the model", grad_comm=("fp32", "int8"),
         param_comm=("fp32", "int8"), hpz=True, offloads=("optimizer", "params"), stages=True,
-        master=True),
+        alone=True, master=True),
 }
 
 

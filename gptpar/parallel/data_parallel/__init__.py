@@ -45,7 +45,8 @@ def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGr
                    device: torch.device | None = None, initial: InitialValue | None = None,
                    mesh: DeviceMesh | None = None, local: frozenset[str] = frozenset(),
                    node_group: dist.ProcessGroup | None = None, train: TrainConfig | None = None) -> GradSync:
-    """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one.
+    """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one, but for a row
+    that runs `alone` (deepspeed), which then makes a group of one itself.
     The model must already be on its device and identical on all replicas up to a broadcast from the
     group's first rank (done here), except for a strategy that materialises its shards (fsdp) given
     `initial`: then it is on the meta device and the strategy materialises this rank's shards on `device`.
@@ -54,9 +55,10 @@ def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGr
     alone (parallel.ep's expert slices); `node_group` is this rank's data-parallel ranks on its node (parallel.hpz);
     `train` the optimizer's settings, for a strategy whose engine builds its optimizer (deepspeed).
     """
-    if group is None:
+    row = DP_STRATEGIES[pcfg.dp_sync]
+    if group is None and not row.alone:
         return GradSync(model)
-    module, _, name = DP_STRATEGIES[pcfg.dp_sync].sync.partition(":")
+    module, _, name = row.sync.partition(":")
     strategy = getattr(importlib.import_module(module), name)
     return strategy.from_setup(SyncSetup(model, group, pcfg, device or next(model.parameters()).device, initial,
                                          mesh, local, node_group, train))

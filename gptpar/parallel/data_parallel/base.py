@@ -32,7 +32,7 @@ class SyncSetup:
     """Everything a strategy may be built from; each strategy's `from_setup` takes what it needs."""
 
     model: nn.Module
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None  # None: one process (a row that runs `alone`)
     pcfg: ParallelConfig
     device: torch.device
     initial: InitialValue | None = None  # set when the model is on the meta device (a strategy that materialises)

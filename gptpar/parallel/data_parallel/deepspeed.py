@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -107,13 +108,19 @@ class DeepSpeedSync(GradSync):
         hpz_size = dist.get_world_size(setup.node_group) if setup.node_group is not None else 1
         return cls(setup.model, setup.group, setup.pcfg, setup.train, setup.device, hpz_size)
 
-    def __init__(self, model: nn.Module, group: dist.ProcessGroup, pcfg: ParallelConfig, t: TrainConfig,
+    def __init__(self, model: nn.Module, group: dist.ProcessGroup | None, pcfg: ParallelConfig, t: TrainConfig,
                  device: torch.device, hpz_size: int = 1):
+        """`group` None: one process (parallel.dp=1), which the engine runs in over a group of one made here."""
         super().__init__(model)
         deepspeed = require_extra("deepspeed", "parallel.dp_sync=deepspeed", "deepspeed")
         precision = check_engine_setup(pcfg, t, device)
+        if group is None:  # this process is the whole job: its own launcher, as far as DeepSpeed asks
+            os.environ.setdefault("LOCAL_RANK", "0")
+        if group is None and not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1, device_id=device if device.type == "cuda" else None)
         self.stage, self.offload = pcfg.zero_stage, pcfg.offload
-        self.config = deepspeed_config(pcfg, t, dist.get_world_size(group), precision, hpz_size)
+        self.config = deepspeed_config(pcfg, t, dist.get_world_size(group), precision, hpz_size)  # None: the world
         groups = [{"params": [p for p in model.parameters() if p.requires_grad and (p.dim() >= 2) == decays],
                    "weight_decay": t.weight_decay if decays else 0.0} for decays in (True, False)]
         with contextlib.redirect_stdout(io.StringIO()):  # its banner and config dump on every rank

@@ -10,6 +10,7 @@ on the same global batch at the tolerances of our ZeRO rows (test_zero.py).
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -17,13 +18,23 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_pool import GlooPools
-from rank_training import make_config, make_trainer, named_params, reference_run, resumed_run, saved_ranks, train_steps
+from rank_training import (
+    BASE,
+    make_config,
+    make_trainer,
+    named_params,
+    reference_run,
+    resumed_run,
+    saved_ranks,
+    train_steps,
+)
 from torch import nn
 
 from gptpar.config import load_config
 from gptpar.errors import ConfigError, GptparError
 from gptpar.parallel.data_parallel.deepspeed import DeepSpeedSync, check_engine_setup, deepspeed_config
 from gptpar.parallel.process_group import RankInfo
+from gptpar.run.logfile import rank_log_path, read_rank_log
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 
 DS = ["parallel.dp=2", "parallel.dp_sync=deepspeed", "parallel.bucket_mb=0.01"]
@@ -31,19 +42,22 @@ CASES = {
     "stage1": [*DS, "parallel.zero_stage=1"],
     "stage2-accum": [*DS, "parallel.zero_stage=2", "train.grad_accum=2"],
     "stage3": [*DS, "parallel.zero_stage=3"],
+}
+OFFLOADED = {  # a spawn of their own, so that each fixture stays under a minute
     "stage2-offload": [*DS, "parallel.zero_stage=2", "parallel.offload=optimizer"],
     "stage3-offload": [*DS, "parallel.zero_stage=3", "parallel.offload=params"],
 }
+ALL = CASES | OFFLOADED
 RESUMED = ["stage2-accum", "stage3"]
 
 
-def _worker(info: RankInfo, runs: Path) -> None:
-    for name, overrides in CASES.items():
+def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]], resumed: list[str]) -> None:
+    for name, overrides in cases.items():
         trainer = make_trainer(make_config(overrides, runs, name), info)
         losses = train_steps(trainer, 2)
         torch.save({"losses": losses, "params": named_params(trainer), "memory": trainer.memory},
                    runs / f"{name}.rank{info.rank}.pt")
-    for name in RESUMED:  # a step, DeepSpeed's checkpoint and ours, a new trainer, a step
+    for name in resumed:  # a step, DeepSpeed's checkpoint and ours, a new trainer, a step
         resumed = resumed_run(make_config(CASES[name], runs, f"resumed-{name}"), info)
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
@@ -52,15 +66,25 @@ def _worker(info: RankInfo, runs: Path) -> None:
 def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     pytest.importorskip("deepspeed")  # the deepspeed extra (make install has it)
     runs = tmp_path_factory.mktemp("deepspeed")
-    gloo_pool.run(2, _worker, runs)
+    gloo_pool.run(2, _worker, runs, CASES, RESUMED)
     return runs
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.fixture(scope="module")
+def offloaded(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
+    pytest.importorskip("deepspeed")
+    runs = tmp_path_factory.mktemp("deepspeed-offload")
+    gloo_pool.run(2, _worker, runs, OFFLOADED, [])
+    return runs
+
+
+@pytest.mark.parametrize("name", list(ALL))
 @pytest.mark.slow
-def test_deepspeed_trains_like_one_process(results: Path, name: str) -> None:
-    ranks = saved_ranks(results, name)
-    ref = reference_run(make_config(CASES[name], results, name))
+def test_deepspeed_trains_like_one_process(request: pytest.FixtureRequest, name: str) -> None:
+    """Losses and parameters of one process at the tolerances of our ZeRO rows (test_zero.py); every rank the same."""
+    runs = request.getfixturevalue("results" if name in CASES else "offloaded")
+    ranks = saved_ranks(runs, name)
+    ref = reference_run(make_config(ALL[name], runs, name))
     mean = [sum(losses) / len(ranks) for losses in zip(*(r["losses"] for r in ranks), strict=True)]
     assert mean == pytest.approx(ref["losses"], rel=1e-5)
     for param, value in ranks[0]["params"].items():
@@ -97,10 +121,10 @@ def test_deepspeed_memory_is_the_zero_closed_form_plus_its_master_partition(resu
 
 @pytest.mark.parametrize(("name", "per_parameter"), [("stage2-offload", 16), ("stage3-offload", 20)])
 @pytest.mark.slow
-def test_offload_keeps_its_share_of_the_state_on_the_host(results: Path, name: str, per_parameter: int) -> None:
+def test_offload_keeps_its_share_of_the_state_on_the_host(offloaded: Path, name: str, per_parameter: int) -> None:
     """parallel.offload=optimizer: the fp32 master partition, its gradients and AdamW's moments, (4 + 4 + 8)N/W;
     params (stage 3): this rank's parameter partition too, 20N/W, everything it holds."""
-    ranks = saved_ranks(results, name)
+    ranks = saved_ranks(offloaded, name)
     world = len(ranks)
     for rank in ranks:
         memory = rank["memory"]
@@ -179,3 +203,19 @@ def test_deepspeed_not_installed_is_one_line(monkeypatch: pytest.MonkeyPatch) ->
         DeepSpeedSync(nn.Linear(2, 2), dist.group.WORLD, cfg.parallel, cfg.train, torch.device("cpu"))
     assert str(error.value) == ("parallel.dp_sync=deepspeed needs the deepspeed extra: pip install "
                                 "'gptpar[deepspeed]' (or make install)")
+
+
+@pytest.mark.slow
+def test_one_process_runs_the_engine_over_a_group_of_one_and_offloads(tmp_path: Path) -> None:
+    """parallel.dp=1 (a student's one GPU, DeepSpeed offloading to the host): `gptpar train` runs the engine over a
+    group of one it makes itself; the losses are one gptpar process's, and everything it holds is on the host."""
+    pytest.importorskip("deepspeed")
+    overrides = ["parallel.dp_sync=deepspeed", "parallel.zero_stage=3", "parallel.offload=params"]
+    out = subprocess.run([sys.executable, "-m", "gptpar", "train", *BASE, *overrides, "train.max_steps=2",
+                          "train.eval_every=0", "log.progress=none", f"log.runs_dir={tmp_path}", "log.run_id=alone"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    log = read_rank_log(rank_log_path(tmp_path / "alone", 0))
+    ref = reference_run(make_config(overrides, tmp_path, "alone"))
+    assert [log.steps[step]["loss"] for step in (1, 2)] == pytest.approx(ref["losses"], rel=1e-5)
+    assert log.memory["host_bytes"] == 20 * log.memory["params"]  # 20N/W at W = 1: no padding
