@@ -20,6 +20,7 @@ import io
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,8 @@ class DeepSpeedSync(GradSync):
         self.config = deepspeed_config(pcfg, t, dist.get_world_size(group), precision, hpz_size)  # None: the world
         groups = [{"params": [p for p in model.parameters() if p.requires_grad and (p.dim() >= 2) == decays],
                    "weight_decay": t.weight_decay if decays else 0.0} for decays in (True, False)]
+        # DeepSpeed calls torch's all_gather_into_tensor, which torch warns of at every call: once is enough.
+        warnings.filterwarnings("once", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
         with contextlib.redirect_stdout(io.StringIO()):  # its banner and config dump on every rank
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
                 model=model, model_parameters=groups, config=self.config, dist_init_required=False)
