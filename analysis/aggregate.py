@@ -522,8 +522,9 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     row = DP_STRATEGIES.get(strategy)
     split_experts = _number(m.params.get("parallel.ep", 1)) > 1 and row is not None and bool(row.sharded)
     offload = str(m.params.get("parallel.offload", "none"))
+    stage = int(_number(m.params.get("parallel.zero_stage", 3)))
     closed = [None if split_experts or form is None else
-              _plus(closed_form_state_bytes(strategy, n, m.dp, offload, trainable[rank]), form)
+              _plus(closed_form_state_bytes(strategy, n, m.dp, offload, trainable[rank], stage), form)
               for rank, n, _, form in rows]
     if any(form is None for *_, form in rows):
         m.warnings.append(f"{m.run}: its memory records hold hpZ's copy but not its node size (hpz_node_size), so "

@@ -20,7 +20,7 @@ from analysis.aggregate import (
 from analysis.answers import answers_section
 from analysis.grouping import GRAD_COMM, category_order, fp32_ratios, point_keys, point_name, reference_key
 from analysis.scaling import Point, repeat_points
-from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES
+from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES, ZERO_STAGES
 
 MEMORY_COLUMNS = (*STATE_BYTES, "total")  # the keys of MemoryUse.mean and .max
 CSV_COLUMNS = (
@@ -95,8 +95,11 @@ def _closed_forms() -> str:
     """The closed forms of the memory footnote, written from the table that computes them so the two agree."""
     forms: dict[str, list[str]] = {}
     for strategy, row in DP_STRATEGIES.items():
-        form = " + ".join(f"{size}N" + ("/W" if part in row.sharded else "") for part, size in STATE_BYTES.items())
-        forms.setdefault(form, []).append(strategy)
+        for stage, at in ([(s, row.at_stage(s)) for s in ZERO_STAGES] if row.stages else [(0, row)]):
+            form = " + ".join([*(f"{size}N" + ("/W" if part in at.sharded else "") for part, size in
+                                 STATE_BYTES.items()), *([f"{STATE_BYTES['params']}N/W (its fp32 master copy)"]
+                                                         if at.master else [])])
+            forms.setdefault(form, []).append(f"{strategy} at parallel.zero_stage={stage}" if stage else strategy)
     return "; ".join(f"{', '.join(names)}: {form}" for form, names in forms.items())
 
 

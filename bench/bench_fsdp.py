@@ -1,4 +1,5 @@
-"""Sharded data parallelism: ddp, zero1, zero2, fsdp and fsdp2 side by side, speed and per-rank memory, in one run.
+"""Sharded data parallelism: ddp, zero1, zero2, fsdp, fsdp2 and DeepSpeed's ZeRO-2/3 side by side, speed and per-rank
+memory, in one run.
 
 Setup (and why):
 - `--world` (2) gloo ranks, each its own process (spawn_local) with `torch.set_num_threads(1)`: on this
@@ -17,7 +18,10 @@ Setup (and why):
   optimizer state this rank holds. It is compared with the closed forms for N parameters, world size W,
   AdamW in fp32: ddp 16N; zero1 4N + 4N + 8N/W; zero2 4N + (4N + 8N)/W; fsdp 16N/W with each unit (each
   GPT-2 block, and the root unit of embeddings + final norm + tied LM head) padded to a multiple of W;
-  fsdp2 about 16N/W (each parameter padded to a multiple of W rows). fsdp's in-flight buffers (gathered
+  fsdp2 about 16N/W (each parameter padded to a multiple of W rows); DeepSpeed (parallel.dp_sync=deepspeed, the
+  `deepspeed` extra; a failed row if it is missing) at stage 2 and 3 the same plus the fp32 master copy of its
+  partition (4N/W) it keeps even in fp32. DeepSpeed's collectives are its own, so gptpar's communication bytes do not
+  count them; its rows are in the speed and memory tables, not in the budget table. fsdp's in-flight buffers (gathered
   unit parameters and flat unit gradients, at most 2 root + 4 block units at once) are not in that total:
   its record reports them apart, as `gathered_peak_bytes`. The other transients (ddp's reducer buckets,
   zero2's full gradients before the reduce-scatter, fsdp2's gathered units) and activations are not
@@ -69,10 +73,17 @@ from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
 from gptpar.train.trainer import Trainer
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "deepspeed-2", "fsdp2", "fsdp", "deepspeed-3")
+BUDGET_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2", "fsdp")  # the budget table's (DeepSpeed's rows: speed only)
+# A row's settings where its name is not a parallel.dp_sync: DeepSpeed's engine at a ZeRO stage (the deepspeed extra).
+SETTINGS = {f"deepspeed-{stage}": ["parallel.dp_sync=deepspeed", f"parallel.zero_stage={stage}"] for stage in (2, 3)}
 LABELS = {"ddp": "ddp (torch DDP)", "zero1": "zero1 (ours)", "zero2": "zero2 (ours)",
-          "fsdp2": "fsdp2 (torch fully_shard)", "fsdp": "fsdp (ours, ZeRO-3)"}
-CLOSED_FORMS = {"ddp": "16N", "zero1": "4N+4N+8N/W", "zero2": "4N+(4N+8N)/W", "fsdp2": "~16N/W", "fsdp": "16N/W"}
+          "deepspeed-2": "DeepSpeed ZeRO-2", "fsdp2": "fsdp2 (torch fully_shard)", "fsdp": "fsdp (ours, ZeRO-3)",
+          "deepspeed-3": "DeepSpeed ZeRO-3"}
+CLOSED_FORMS = {"ddp": "16N", "zero1": "4N+4N+8N/W", "zero2": "4N+(4N+8N)/W", "fsdp2": "~16N/W", "fsdp": "16N/W",
+                "deepspeed-2": "4N+(4N+4N+8N)/W", "deepspeed-3": "(8N+4N+8N)/W"}
+# Ours, torch's and DeepSpeed's of one ZeRO stage, compared side by side: (stage, [ours, the references]).
+SAME_STAGE = ((2, ["zero2", "deepspeed-2"]), (3, ["fsdp", "fsdp2", "deepspeed-3"]))
 # Shapes of the budget table, smallest first: (label, preset, n_layer override); width-768 ones step by a block
 # (~7M parameters).
 BUDGET_MODELS = (("gpt2-mini", "gpt2-mini", 0), ("gpt2 1 block", "gpt2", 1), ("gpt2 2 blocks", "gpt2", 2),
@@ -106,7 +117,7 @@ def make_config(args: argparse.Namespace, strategy: str, runs: Path, run_id: str
     return load_config(None, [
         *model, "data.source=synthetic", f"data.vocab_size={args.vocab}", f"data.seq_len={seq}",
         f"train.batch_size={batch * args.world}", "train.warmup_steps=0", "train.threads=1",
-        f"parallel.dp={args.world}", f"parallel.dp_sync={strategy}", "parallel.backend=gloo",
+        f"parallel.dp={args.world}", *SETTINGS.get(strategy, [f"parallel.dp_sync={strategy}"]), "parallel.backend=gloo",
         f"parallel.bucket_mb={args.bucket_mb}", f"log.runs_dir={runs}", f"log.run_id={run_id}",
         "log.progress=none"])
 
@@ -221,7 +232,7 @@ def budget(info: RankInfo, args: argparse.Namespace, runs: Path) -> list[dict[st
     for label, preset, n_layer in BUDGET_MODELS:
         model = [f"model.preset={preset}", f"model.n_layer={n_layer}"]
         cells: dict[str, Any] = {}
-        for s in STRATEGIES:
+        for s in BUDGET_STRATEGIES:
             init = ["model.init_device=meta"] if s == "fsdp" else []
             reset = release_memory()
             rss_before = status_mb("VmRSS")
@@ -266,6 +277,10 @@ def closed_form(strategy: str, n: int, w: int) -> tuple[float, float, float]:
         return 4 * n, 4 * n, 8 * n / w
     if strategy == "zero2":
         return 4 * n, 4 * n / w, 8 * n / w
+    if strategy == "deepspeed-2":  # its fp32 master partition (4N/W) beside the whole parameters
+        return 4 * n + 4 * n / w, 4 * n / w, 8 * n / w
+    if strategy == "deepspeed-3":
+        return 8 * n / w, 4 * n / w, 8 * n / w
     return 4 * n / w, 4 * n / w, 8 * n / w  # fsdp and fsdp2, padding aside
 
 
@@ -343,6 +358,20 @@ def report_fsdp_vs_fsdp2(rows: dict[str, Any], ranks: list[dict[str, Any]]) -> N
           f"{'met' if mem_ratio <= 1.0 else 'NOT met'}")
 
 
+def report_same_stage(rows: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    """Ours against torch's and DeepSpeed's at one ZeRO stage: throughput ratio and accounted bytes per rank (the
+    larger rank's). DeepSpeed's collectives are its own: their bytes are not in gptpar's comm_bytes."""
+    print("\nsame ZeRO stage, ours against the references (throughput ours/theirs; accounted MB per rank):")
+    for stage, (ours, *refs) in SAME_STAGE:
+        for ref in refs:
+            if not (measured(rows[ours]) and measured(rows[ref])):
+                print(f"  stage {stage}: {ours} vs {ref}: not compared ({rows[ref]['error'] or rows[ours]['error']})")
+                continue
+            mb = {s: max(total_bytes(r["speed"][s]["memory"]) for r in ranks) / MB for s in (ours, ref)}
+            print(f"  stage {stage}: {ours} vs {ref}: {shown(ratio_vs(rows, ours, ref))}; "
+                  f"{mb[ours]:.1f} vs {mb[ref]:.1f} MB")
+
+
 def report_memory(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
     w = args.world
     print(f"\naccounted training state per rank, MB (after the first optimizer step; W={w}, AdamW fp32):")
@@ -386,12 +415,12 @@ def report_budget(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None
     print(f"\nbudget {args.budget_mb:g} MB per rank, W={w}, vocab {args.vocab}: ACCOUNTED training state per rank "
           f"(the `memory` record after one step of 1x{BUDGET_SEQ} tokens per rank; the larger rank), MB, "
           "* = within the budget")
-    print(f"{'model':<24}{'N':>12}" + "".join(f"{s:>10}" for s in STRATEGIES) + f"{'fsdp in flight':>16}")
-    fits: dict[str, list[str]] = {s: [] for s in STRATEGIES}
-    ratios: dict[str, list[float]] = {s: [] for s in STRATEGIES}
+    print(f"{'model':<24}{'N':>12}" + "".join(f"{s:>10}" for s in BUDGET_STRATEGIES) + f"{'fsdp in flight':>16}")
+    fits: dict[str, list[str]] = {s: [] for s in BUDGET_STRATEGIES}
+    ratios: dict[str, list[float]] = {s: [] for s in BUDGET_STRATEGIES}
     for i, row in enumerate(ranks[0]["budget"]):
         label, cells, n = row["label"], [], None
-        for s in STRATEGIES:
+        for s in BUDGET_STRATEGIES:
             mems = [r["budget"][i]["cells"][s]["memory"] for r in ranks]
             if not all(mems):
                 cells.append("FAILED")
@@ -408,11 +437,11 @@ def report_budget(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None
     print("measured: peak RSS growth per rank over building the trainer and its one step (construction included), "
           "MB, the larger rank:")
     for i, row in enumerate(ranks[0]["budget"]):
-        growth = [[r["budget"][i]["cells"][s]["rss_growth_mb"] for r in ranks] for s in STRATEGIES]
+        growth = [[r["budget"][i]["cells"][s]["rss_growth_mb"] for r in ranks] for s in BUDGET_STRATEGIES]
         print(f"{row['label']:<24}{'':>12}" + "".join(f"{max(g):>10.0f}" if None not in g else f"{'-':>10}"
                                                         for g in growth))
     print("largest model trained under the budget (accounted), and the closed form's limit on N:")
-    for s in STRATEGIES:
+    for s in BUDGET_STRATEGIES:
         span = f"{min(ratios[s]):.4f}-{max(ratios[s]):.4f}" if ratios[s] else "-"
         print(f"  {s:<6} {fits[s][-1] if fits[s] else 'none':<22} {CLOSED_FORMS[s]:<14} "
               f"{bytes_per_param(s, w):>5.1f} B/param -> N <= {limit / bytes_per_param(s, w) / 1e6:6.1f}M; "
@@ -447,6 +476,7 @@ def main(argv: list[str] | None = None) -> None:
           f"median of {args.reps} reps after {args.warmup} warm-up, strategies round-robin")
     report_speed(args, rows)
     report_fsdp_vs_fsdp2(rows, ranks)
+    report_same_stage(rows, ranks)
     report_memory(args, ranks)
     report_budget(args, ranks)
     if args.out:

@@ -166,7 +166,7 @@ def reference_run(cfg: Config, regroup: Regroup | None = None) -> dict:
     single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.ep": 1,
                            "parallel.pp_virtual": 1,
                            "parallel.pp_split": "", "parallel.dp_sync": "bucketed", "parallel.param_comm": "fp32",
-                           "parallel.hpz": False, "parallel.offload": "none",
+                           "parallel.hpz": False, "parallel.zero_stage": 2, "parallel.offload": "none",
                            "log.run_id": cfg.log.run_id + "-single"})
     info = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                     launcher="single", backend="gloo", device=torch.device("cpu"))

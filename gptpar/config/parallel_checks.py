@@ -5,7 +5,7 @@ above the torch-free tables they read, so that the tables never import the confi
 
 from __future__ import annotations
 
-from gptpar.config.schema import Config
+from gptpar.config.schema import Config, ParallelConfig
 from gptpar.errors import ConfigError, GptparError
 from gptpar.strategies.data_parallel import DP_STRATEGIES, either, hpz_node_size
 from gptpar.strategies.pipeline import pp_split_counts, schedule_shape
@@ -98,25 +98,43 @@ def check_data_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.offload={p.offload} is not built for parallel.dp_sync={p.dp_sync}; "
                           f"{use}parallel.offload=none")
     if p.offload != "none":
-        check_offload(p.offload, p.dp, p.tp, p.ep)
+        check_offload(p.offload, p.dp, p.tp, p.ep, row.alone)
     if p.hpz and p.hpz_node_size:
         hpz_node_size(p.hpz_node_size, p.dp, p.tp, 0)
+    _check_stage(cfg)
     if p.pp > 1 and row.without_pipeline:
         syncing = [name for name, r in DP_STRATEGIES.items() if not r.without_pipeline]
         raise ConfigError(f"parallel.dp_sync={p.dp_sync} {row.without_pipeline}; use parallel.dp_sync="
                           f"{either(syncing)} with parallel.pp > 1")
 
 
-def check_offload(offload: str, dp: int, tp: int, ep: int) -> None:
-    """parallel.offload moves what the data-parallel sync holds of a whole model's shard: it needs a sync (dp > 1),
-    and is built without tensor-parallel pieces or expert slices, which the syncs step on the device."""
-    if dp == 1:
+def check_offload(offload: str, dp: int, tp: int, ep: int, alone: bool = False) -> None:
+    """parallel.offload moves what the data-parallel sync holds of a whole model's shard: it needs a sync (dp > 1, or
+    a strategy that runs `alone`), and is built without tensor-parallel pieces or expert slices, which the syncs step
+    on the device."""
+    if dp == 1 and not alone:
         raise ConfigError(f"parallel.offload={offload} moves the data-parallel sync's shards, and parallel.dp=1 has no "
                           "sync; use parallel.dp > 1, or parallel.offload=none")
     for key, size in (("tp", tp), ("ep", ep)):
         if size > 1:
             raise ConfigError(f"parallel.offload={offload} is not built with parallel.{key}={size}; use "
                               f"parallel.{key}=1, or parallel.offload=none")
+
+
+def _check_stage(cfg: Config) -> None:
+    """parallel.zero_stage against the strategy that reads it, and the offload its stage can take (DeepSpeed offloads
+    parameters at stage 3 only)."""
+    p = cfg.parallel
+    row = DP_STRATEGIES[p.dp_sync]
+    staged = [name for name, r in DP_STRATEGIES.items() if r.stages]
+    if not row.stages and p.zero_stage != ParallelConfig.zero_stage:
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} is read by parallel.dp_sync={either(staged)} only "
+                          f"(parallel.dp_sync={p.dp_sync} is one stage); use parallel.dp_sync={either(staged)}, or "
+                          "leave parallel.zero_stage out")
+    if row.stages and p.offload == "params" and p.zero_stage != 3:
+        raise ConfigError(f"parallel.offload=params needs parallel.zero_stage=3 with parallel.dp_sync={p.dp_sync} "
+                          f"(DeepSpeed offloads parameters only where it shards them; this is stage {p.zero_stage}); "
+                          "use parallel.zero_stage=3, or parallel.offload=optimizer or none")
 
 
 def check_tensor_parallel(cfg: Config) -> None:

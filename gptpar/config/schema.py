@@ -304,6 +304,10 @@ class ParallelConfig:
                        "which it moves): none; optimizer: the optimizer state and its step run on the host; params: "
                        "the parameters, gradients and optimizer state. On a CPU-only machine host and device are one "
                        "memory, and the memory record's host_bytes still counts what moved.", choices=OFFLOADS)
+    zero_stage: int = opt(2, "parallel.dp_sync=deepspeed: DeepSpeed's ZeRO stage, what it shards over the replicas: 1 "
+                          "the optimizer state; 2 the gradients too; 3 the parameters too. Read by no other "
+                          "dp_sync (each of ours is one stage: zero1, zero2, fsdp), which refuses a value other than "
+                          "2.", min=1, max=3)
     quant_block: int = opt(256, "parallel.grad_comm=int8 and parallel.param_comm=int8: values per quantisation block "
                            "(one fp32 scale each); each gradient or bucket is padded to a multiple of dp * "
                            "quant_block, each parameter shard to a multiple of quant_block.", min=1, max=2**24)

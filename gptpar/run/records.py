@@ -186,6 +186,9 @@ class MemoryRecord(Record):
     hpz_node_size: int | Absent = optional(
         "parallel.hpz: the ranks of this rank's node group, L (parallel.hpz_node_size as resolved), which the report's "
         "closed form of `hpz_bytes` divides by.")
+    host_bytes: int | Absent = optional(
+        "parallel.offload: bytes of the training state counted above that the strategy keeps on the host (on a "
+        "CPU-only machine host and device are one memory, and this says what moved).")
 
 
 # The keys inside a step record's `moe` (a mixture of experts' load), which the report reads.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gptpar.errors import ConfigError, GptparError
 
@@ -26,6 +26,8 @@ PARAM_COMMS = ("fp32", "bf16", "int8")
 # parallel.offload: what a strategy keeps on the host instead of the device, and the parts of STATE_BYTES each moves.
 OFFLOADS = ("none", "optimizer", "params")
 MOVED = {"none": (), "optimizer": ("optimizer",), "params": tuple(STATE_BYTES)}
+# parallel.zero_stage: the parts of STATE_BYTES each ZeRO stage shards (a row with `stages` reads its `sharded` here).
+ZERO_STAGES = {1: ("optimizer",), 2: ("grads", "optimizer"), 3: ("params", "grads", "optimizer")}
 # Bytes per value on the wire, by parallel.grad_comm or parallel.param_comm type (the syncs count them, the planner
 # prices them); int8 adds a 4-byte scale per parallel.quant_block values.
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}
@@ -85,7 +87,16 @@ class DataParallelStrategy:
     hpz: bool = False  # keeps parallel.hpz's secondary copy of the parameter shards within each node
     offloads: tuple[str, ...] = ()  # the parallel.offload values (besides none) it can run with
     without_lora: str = ""  # why it cannot train a model with frozen weights (train.lora_rank > 0); "" if it can
+    stages: bool = False  # shards by parallel.zero_stage (ZERO_STAGES; `sharded` is then stage 3's, see at_stage)
+    alone: bool = False  # runs at parallel.dp=1 too, over a group of one (DeepSpeed: its offload on one device)
+    master: bool = False  # its optimizer steps an fp32 master copy of its parameter partition, 4N/W more (DeepSpeed
+    # keeps one even in fp32)
     pricing: Pricing | None = None
+
+    def at_stage(self, zero_stage: int) -> DataParallelStrategy:
+        """The row as it runs at parallel.zero_stage: a row with `stages` shards that stage's parts; others are one
+        stage each and ignore it."""
+        return replace(self, sharded=ZERO_STAGES[zero_stage]) if self.stages else self
 
     @property
     def whole_gradients(self) -> bool:
@@ -102,7 +113,9 @@ class DataParallelStrategy:
                      ) -> tuple[float, float]:
         """`state_bytes` as (device, host) under parallel.offload: optimizer moves the optimizer state (8 bytes a value
         of the shard it steps) and puts fp32 copies of that shard's parameters and gradients beside it on the host
-        (the step's inputs), leaving the device its parameters and gradients; params moves every part."""
+        (the step's inputs), leaving the device its parameters and gradients; params moves every part. A `master` row's
+        fp32 copy of its partition is on the device, or on the host with every part under params (under optimizer it
+        is the host's shard copy already counted)."""
         stepped = n if trainable is None else trainable
         counts = {"params": n, "grads": stepped, "optimizer": stepped}
         parts = {part: counts[part] * size / (w if part in self.sharded else 1) for part, size in STATE_BYTES.items()}
@@ -111,6 +124,9 @@ class DataParallelStrategy:
         host = math.fsum(v for part, v in parts.items() if part in moved)
         if offload == "optimizer":  # the step's inputs beside its state: fp32 copies of the shard and its gradient
             host += (STATE_BYTES["params"] + STATE_BYTES["grads"]) * stepped / (w if "optimizer" in self.sharded else 1)
+        elif self.master:
+            master = STATE_BYTES["params"] * stepped / w
+            device, host = (device, host + master) if offload == "params" else (device + master, host)
         return device, host
 
     def host_copy_bytes(self, n: float, w: int, offload: str, micro_steps: int) -> float:
@@ -172,14 +188,23 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         expert_parallel=True, offloads=("params",),
         pricing=Pricing("units", _UNITS, grouped_norm=False, host_copies={"params": (1.0, 2.0)},
                         note="fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")),
+    # DeepSpeed's engine as a third reference (the `deepspeed` extra); ZeRO++'s qwZ/qgZ/hpZ through its own config,
+    # on GPUs only (its CPU backend lacks them). Not priced: its bucketing and prefetch are its own.
+    "deepspeed": DataParallelStrategy(
+        "gptpar.parallel.data_parallel.deepspeed:DeepSpeedSync", "DeepSpeed's engine at parallel.zero_stage",
+        ZERO_STAGES[3], "drives its own engine, which syncs whole models only", tensor_parallel=(),
+        without_whole_compile="runs its own engine around the model", grad_comm=("fp32", "int8"),
+        param_comm=("fp32", "int8"), hpz=True, offloads=("optimizer", "params"), stages=True,
+        alone=True, master=True),
 }
 
 
-def closed_form_state_bytes(strategy: str, n: float, w: int, offload: str = "none",
-                            trainable: float | None = None) -> float | None:
-    """`DataParallelStrategy.state_bytes` of a named strategy; None for a name the table lacks (an old log)."""
+def closed_form_state_bytes(strategy: str, n: float, w: int, offload: str = "none", trainable: float | None = None,
+                            zero_stage: int = 3) -> float | None:
+    """`DataParallelStrategy.state_bytes` of a named strategy (at parallel.zero_stage); None for a name the table
+    lacks (an old log)."""
     row = DP_STRATEGIES.get(strategy)
-    return row.state_bytes(n, w, offload, trainable) if row is not None else None
+    return row.at_stage(zero_stage).state_bytes(n, w, offload, trainable) if row is not None else None
 
 
 def either(names: list[str], conjunction: str = "or") -> str:

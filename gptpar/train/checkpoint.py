@@ -308,6 +308,8 @@ def model_state(model: nn.Module, optimizer: Optimizer, sync: GradSync | None = 
     shards the optimizer (ZeRO) names its shards' state itself (`GradSync.optimizer_state`), and one that shards
     the parameters too (fsdp) its pieces of them (`GradSync.parameter_state`): each rank writes its own.
     """
+    if sync is not None and sync.engine_state:  # the engine's own checkpoint holds both (GradSync.save_engine)
+        return {}, {}
     _create_state(optimizer)
     if sync is not None and sync.shards_optimizer:
         params = sync.parameter_state() if sync.shards_parameters else get_model_state_dict(model)
@@ -338,6 +340,8 @@ def _create_state(optimizer: Optimizer) -> None:
 def load_model_state(model: nn.Module, optimizer: Optimizer, model_sd: dict[str, Any],
                      optim_sd: dict[str, Any], sync: GradSync | None = None) -> None:
     """Inverse of model_state."""
+    if sync is not None and sync.engine_state:
+        return
     if sync is not None and sync.shards_optimizer:
         if sync.shards_parameters:
             sync.load_parameter_state(model_sd)

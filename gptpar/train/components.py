@@ -40,6 +40,7 @@ class Checkpointing:
             self.save()
 
     def save(self) -> None:
+        self.owner.sync.save_engine(self.path, self.owner.step)  # an engine's own checkpoint first (deepspeed's)
         save_checkpoint(self.path, {"trainer": self.owner})
 
 

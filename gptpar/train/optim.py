@@ -58,10 +58,12 @@ def _one_kind_each(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def kind_of(optimizer: torch.optim.Optimizer) -> str:
-    """The OPTIMIZER_KINDS name of what `make_optimizer` built, for the log header."""
-    if optimizer.defaults.get("fused"):
+    """The OPTIMIZER_KINDS name of what `make_optimizer` built, for the log header; of an engine's wrapper
+    (DeepSpeed's ZeRO optimizer), of the torch optimizer it steps, its `.optimizer`."""
+    defaults = optimizer.defaults if hasattr(optimizer, "defaults") else optimizer.optimizer.defaults
+    if defaults.get("fused"):
         return "fused"
-    return "foreach" if optimizer.defaults.get("foreach") else "for-loop"
+    return "foreach" if defaults.get("foreach") else "for-loop"
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, groups: Sequence[dist.ProcessGroup] = (),

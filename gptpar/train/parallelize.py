@@ -94,7 +94,7 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     local = experts.name_in(net) if experts is not None and dims.size("ep") > 1 else frozenset()
     node_group = (dims.block_group("dp", hpz_node_size(p.hpz_node_size, p.dp, p.tp, dims.local_world_size))
                   if p.hpz and dp_group is not None else None)
-    sync = make_grad_sync(net, p, dp_group, device, initial, mesh, local, node_group)  # 6
+    sync = make_grad_sync(net, p, dp_group, device, initial, mesh, local, node_group, cfg.train)  # 6
     pieces = tp_group is not None and p.tp_impl == "gptpar"
     sharded_mixture = (ShardedMixtureGradients(model, net, tp_group)
                        if pieces and p.sequence_parallel and cfg.model.shape().moe else None)

@@ -110,7 +110,11 @@ class Trainer:
             self.router_load.dropped_source = self.experts.dropped
         # What holds its parameters as pieces of the checkpoint's whole tensors, each saving and loading its own.
         self.state_layouts = [layout for layout in (self.checkpoint_layout, self.experts) if layout is not None]
-        self.optimizer = make_optimizer(self.sync.optimizer_params(), t)
+        own = self.sync.own_optimizer()
+        self.optimizer = own if own is not None else make_optimizer(self.sync.optimizer_params(), t)
+        if dims.rank == 0:
+            for name, text in self.sync.run_files().items():
+                (folder.path / name).write_text(text)
         self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps:
@@ -148,6 +152,7 @@ class Trainer:
         load_model_state(self.net, self.optimizer, model, optimizer, self.sync)
         self.step = int(state["step"])
         self.precision.load_state_dict(state)
+        self.sync.load_engine(self.folder.path, self.step)
         if "comm" in state:
             self.sync.load_comm_state(state["comm"])
 
@@ -237,7 +242,7 @@ class Trainer:
                         aux = self.router_load.aux_loss(labels)
                         loss = loss + self.cfg.model.moe_aux_loss_coef * aux / len(micro_batches)
                 with record_function("backward"):
-                    precision.scale(loss).backward()
+                    self.sync.backward(precision.scale(loss))
             losses.append(loss.detach())
         return torch.stack(losses).double().sum()
 
@@ -275,11 +280,7 @@ class Trainer:
         # An fp16 overflow skips the step on every rank: the data is consumed and the lr moves on, the weights not.
         grad_norm = torch.tensor(math.inf)
         if self.precision.unscale(targets):
-            grad_norm = clip_gradients(targets, max_norm, groups, counted)
-            with record_function("optimizer"):
-                self.sync.before_step()
-                self.optimizer.step()
-                self.sync.after_step()
+            grad_norm = self.sync.step(self.optimizer, lambda: clip_gradients(targets, max_norm, groups, counted))
         for part in self.participants:
             part.after_optimizer(self.step + 1)
         self.sync.zero_grad()

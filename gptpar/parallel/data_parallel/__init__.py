@@ -12,8 +12,9 @@ Which class runs `parallel.dp_sync` is the strategy's row of gptpar/strategies/d
 assignment's per-parameter all-reduce, naive.py), bucketed (our overlapped reducer, bucketed.py), ddp (torch's
 DistributedDataParallel as the reference, ddp.py), zero1/zero2 (optimizer state, then gradients too, sharded;
 zero.py on sharded.py), fsdp (ours, parameters sharded too and gathered per block, fsdp.py), fsdp2 (torch's
-fully_shard on the same units, fsdp2.py). The trainer also calls sync.before_step() and sync.after_step() around
-optimizer.step() (parallel.offload=optimizer copies gradients to the host before it, the shards back after it),
+fully_shard on the same units, fsdp2.py), deepspeed (DeepSpeed's engine at parallel.zero_stage, deepspeed.py, imported
+only when chosen). The trainer steps through sync.step(), which clips, calls before_step() (parallel.offload=optimizer
+copies gradients to the host), optimizer.step() and after_step() (the shards back, then the all-gather),
 builds the optimizer on sync.optimizer_params() (a sharded optimizer steps shards of the parameters) and clips
 over sync.clip_targets().
 """
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gptpar.config import ParallelConfig
+from gptpar.config import ParallelConfig, TrainConfig
 from gptpar.parallel.data_parallel.base import GradSync, InitialValue, SyncSetup, broadcast_state
 from gptpar.parallel.data_parallel.bucketed import BucketedSync
 from gptpar.parallel.data_parallel.ddp import DDPSync
@@ -44,18 +45,21 @@ __all__ = ["BucketedSync", "DDPSync", "FSDP2Sync", "FSDPSync", "GradSync", "Init
 def make_grad_sync(model: nn.Module, pcfg: ParallelConfig, group: dist.ProcessGroup | None,
                    device: torch.device | None = None, initial: InitialValue | None = None,
                    mesh: DeviceMesh | None = None, local: frozenset[str] = frozenset(),
-                   node_group: dist.ProcessGroup | None = None) -> GradSync:
-    """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one.
+                   node_group: dist.ProcessGroup | None = None, train: TrainConfig | None = None) -> GradSync:
+    """The strategy named by parallel.dp_sync over `group` (the grid's dp group); a no-op without one, but for a row
+    that runs `alone` (deepspeed), which then makes a group of one itself.
     The model must already be on its device and identical on all replicas up to a broadcast from the
     group's first rank (done here), except for a strategy that materialises its shards (fsdp) given
     `initial`: then it is on the meta device and the strategy materialises this rank's shards on `device`.
     `mesh` is the group's DeviceMesh within the job's grid, which fsdp2 needs to shard parameters that
     torch's tensor parallelism already made DTensors on the grid. `local` names the parameters the strategy leaves
-    alone (parallel.ep's expert slices); `node_group` is this rank's data-parallel ranks on its node (parallel.hpz).
+    alone (parallel.ep's expert slices); `node_group` is this rank's data-parallel ranks on its node (parallel.hpz);
+    `train` the optimizer's settings, for a strategy whose engine builds its optimizer (deepspeed).
     """
-    if group is None:
+    row = DP_STRATEGIES[pcfg.dp_sync]
+    if group is None and not row.alone:
         return GradSync(model)
-    module, _, name = DP_STRATEGIES[pcfg.dp_sync].sync.partition(":")
+    module, _, name = row.sync.partition(":")
     strategy = getattr(importlib.import_module(module), name)
     return strategy.from_setup(SyncSetup(model, group, pcfg, device or next(model.parameters()).device, initial,
-                                         mesh, local, node_group))
+                                         mesh, local, node_group, train))

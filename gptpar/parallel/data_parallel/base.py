@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,8 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
-from gptpar.config import ParallelConfig
+from gptpar.config import ParallelConfig, TrainConfig
 
 # parallel.grad_comm: the type our reducers send gradients in (None: fp32, as they are; int8: blockwise quantised,
 # quantized.py)
@@ -30,7 +32,7 @@ class SyncSetup:
     """Everything a strategy may be built from; each strategy's `from_setup` takes what it needs."""
 
     model: nn.Module
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None  # None: one process (a row that runs `alone`)
     pcfg: ParallelConfig
     device: torch.device
     initial: InitialValue | None = None  # set when the model is on the meta device (a strategy that materialises)
@@ -40,6 +42,7 @@ class SyncSetup:
     local: frozenset[str] = frozenset()
     # parallel.hpz: this rank's data-parallel ranks on its node, where fsdp keeps its secondary copy of the parameters.
     node_group: dist.ProcessGroup | None = None
+    train: TrainConfig | None = None  # the optimizer's settings, for a strategy whose engine builds it (deepspeed)
 
 
 def synced_parameters(model: nn.Module, local: frozenset[str] = frozenset()) -> list[nn.Parameter]:
@@ -77,6 +80,9 @@ class GradSync:
     # True for a sync that shards the parameters too (fsdp.FSDPSync): checkpoints then store parameter_state(), this
     # rank's pieces, and load them with load_parameter_state().
     shards_parameters = False
+    # True for a sync whose engine checkpoints the model and optimizer itself (deepspeed): the trainer's checkpoint
+    # then holds neither, and the trainer calls save_engine / load_engine beside it.
+    engine_state = False
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -93,6 +99,10 @@ class GradSync:
     def accumulating(self, is_last_micro_step: bool) -> Iterator[None]:
         """Wrap forward+backward of one micro-step; only the last one may communicate."""
         yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """One micro-step's backward (an engine that owns it, deepspeed's, runs its own)."""
+        loss.backward()
 
     def finish(self) -> None:
         """After the last micro-step's backward: make .grad the average over ranks."""
@@ -118,6 +128,21 @@ class GradSync:
         """Just before optimizer.step(), after the clip (parallel.offload=optimizer copies the gradients to the
         host)."""
 
+    def own_optimizer(self) -> torch.optim.Optimizer | None:
+        """The optimizer the strategy's engine built (deepspeed's); None: the trainer builds AdamW over
+        optimizer_params()."""
+        return None
+
+    def step(self, optimizer: torch.optim.Optimizer, clip: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Clip (`clip` returns the global norm), before_step, step the optimizer, then after_step; returns the norm.
+        An engine that clips and steps itself (deepspeed's) overrides it."""
+        norm = clip()
+        with record_function("optimizer"):
+            self.before_step()
+            optimizer.step()
+            self.after_step()
+        return norm
+
     def after_step(self) -> None:
         """Just after optimizer.step() (a sharded optimizer gathers the updated parameters)."""
 
@@ -133,6 +158,16 @@ class GradSync:
         """parallel.offload: the tensors the optimizer steps that live on the host (their gradients and optimizer
         state live with them; the memory record counts them as host_bytes); None without offload."""
         return None
+
+    def run_files(self) -> dict[str, str]:
+        """Files the strategy keeps in the run folder, by name (deepspeed's config), written by the trainer's rank 0."""
+        return {}
+
+    def save_engine(self, run_dir: Path, step: int) -> None:
+        """With engine_state: the engine's own checkpoint of `step`, before the trainer's (a collective)."""
+
+    def load_engine(self, run_dir: Path, step: int) -> None:
+        """With engine_state: load the engine's checkpoint of `step`, which the trainer's checkpoint names."""
 
     def memory_fields(self) -> dict[str, int]:
         """Extra fields of the `memory` record: what only this strategy can count (fsdp: its in-flight peak)."""

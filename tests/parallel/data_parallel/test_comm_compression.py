@@ -188,7 +188,7 @@ def test_a_powersgd_run_resumed_from_a_checkpoint_continues_exactly(results: Pat
      "use parallel.dp_sync=ddp, or parallel.grad_comm=fp32"),
     (["parallel.dp_sync=ddp", "parallel.grad_comm=int8"],
      "parallel.grad_comm=int8 is not built for parallel.dp_sync=ddp (it sends fp32, bf16, fp16 or powersgd); "
-     "use parallel.dp_sync=naive, bucketed, zero2 or fsdp, or parallel.grad_comm=fp32"),
+     "use parallel.dp_sync=naive, bucketed, zero2, fsdp or deepspeed, or parallel.grad_comm=fp32"),
 ])
 def test_bad_compression_settings_are_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as error:

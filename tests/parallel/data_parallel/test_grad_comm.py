@@ -72,5 +72,5 @@ def test_a_sync_that_cannot_send_int8_is_one_line(sync: str) -> None:
     with pytest.raises(ConfigError) as error:
         load_config(None, ["parallel.dp=2", f"parallel.dp_sync={sync}", "parallel.grad_comm=int8"])
     assert str(error.value) == (f"parallel.grad_comm=int8 is not built for parallel.dp_sync={sync} (it sends fp32, "
-                                "bf16 or fp16); use parallel.dp_sync=naive, bucketed, zero2 or fsdp, or "
-                                "parallel.grad_comm=fp32")
+                                "bf16 or fp16); use parallel.dp_sync=naive, bucketed, zero2, fsdp or "
+                                "deepspeed, or parallel.grad_comm=fp32")

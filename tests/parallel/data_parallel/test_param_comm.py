@@ -188,21 +188,23 @@ def test_hpz_secondary_copy_costs_its_closed_form(results: Path, name: str) -> N
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["parallel.dp_sync=bucketed", "parallel.hpz=true"],
-     "parallel.hpz=true is not built for parallel.dp_sync=bucketed; use parallel.dp_sync=fsdp, or parallel.hpz=false"),
+     "parallel.hpz=true is not built for parallel.dp_sync=bucketed; use parallel.dp_sync=fsdp or deepspeed, or "
+     "parallel.hpz=false"),
     (["parallel.dp_sync=zero2", "parallel.param_comm=int8"],
-     "parallel.param_comm=int8 is not built for parallel.dp_sync=zero2 (it gathers fp32); use parallel.dp_sync=fsdp, "
-     "or parallel.param_comm=fp32"),
+     "parallel.param_comm=int8 is not built for parallel.dp_sync=zero2 (it gathers fp32); use parallel.dp_sync=fsdp "
+     "or deepspeed, or parallel.param_comm=fp32"),
     (["parallel.dp_sync=fsdp2", "parallel.param_comm=bf16"],
      "parallel.param_comm=bf16 is not built for parallel.dp_sync=fsdp2 (it gathers fp32); use parallel.dp_sync=fsdp, "
      "or parallel.param_comm=fp32"),
     (["parallel.dp_sync=naive", "parallel.offload=params"],
-     "parallel.offload=params is not built for parallel.dp_sync=naive; use parallel.dp_sync=fsdp2, or "
+     "parallel.offload=params is not built for parallel.dp_sync=naive; use parallel.dp_sync=fsdp2 or deepspeed, or "
      "parallel.offload=none"),
     (["parallel.dp_sync=zero2", "parallel.offload=params"],
-     "parallel.offload=params is not built for parallel.dp_sync=zero2; use parallel.dp_sync=fsdp2, or "
+     "parallel.offload=params is not built for parallel.dp_sync=zero2; use parallel.dp_sync=fsdp2 or deepspeed, or "
      "parallel.offload=none"),
     (["parallel.dp_sync=fsdp2", "parallel.offload=optimizer"],
-     "parallel.offload=optimizer is not built for parallel.dp_sync=fsdp2; use parallel.dp_sync=zero1 or zero2, or "
+     "parallel.offload=optimizer is not built for parallel.dp_sync=fsdp2; use parallel.dp_sync=zero1, zero2 or "
+     "deepspeed, or "
      "parallel.offload=none"),
     (["parallel.dp_sync=fsdp", "parallel.hpz=true", "parallel.hpz_node_size=3"],
      "parallel.hpz_node_size=3 does not divide parallel.dp=4; set parallel.hpz_node_size to a divisor of it (the "
