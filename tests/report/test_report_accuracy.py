@@ -123,7 +123,7 @@ def test_the_vit_sweep_is_the_course_table_cpu_sized() -> None:
     fsdp2) and ZeRO++ (fsdp with int8 gradients and parameters and hpZ) on two ranks, vit-tiny on the embedded set."""
     path = REPO / "sweeps" / "vit.yaml"
     name, kind, points = expand(path)
-    keys = ("launch.gpus", "parallel.dp_sync", "train.lora.rank", "train.activation_checkpointing",
+    keys = ("launch.gpus", "parallel.dp_sync", "train.lora_rank", "train.activation_checkpointing",
             "parallel.grad_comm", "parallel.param_comm", "parallel.hpz")
     table = [tuple(dict(pair.split("=", 1) for pair in pairs)[key] for key in keys) for _, pairs in points]
     assert (name, kind) == ("vit", "dp") and table == [
