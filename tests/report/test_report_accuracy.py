@@ -1,6 +1,6 @@
 """A classifier's accuracy in the report (issue 49): its columns in summary.md and summary.csv, time to a target
-accuracy, the methods-side-by-side figure, and sweeps/vit.yaml's course table, on logs whose answers are worked by
-hand."""
+accuracy, the methods-side-by-side figure, the line a run ends with, and sweeps/vit.yaml's course table, on logs
+whose answers are worked by hand."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from logsets import T0, classify_run
 from matplotlib.figure import Figure
 
 from analysis.report import report
+from gptpar.launch.status import completion
 from gptpar.launch.sweep import expand
+from gptpar.run.folder import RunFolder
 
 LATER = T0 + 3600.0
 
@@ -88,6 +90,13 @@ def test_a_target_accuracy_no_run_reaches_says_so(tmp_path: Path) -> None:
 def bars(ax) -> list[tuple[float, float]]:  # noqa: ANN001 - a matplotlib Axes
     """(row, length) of an axes' horizontal bars, from the first row (the sweep's first point) down."""
     return sorted((round(p.get_y() + p.get_height() / 2, 6), round(p.get_width(), 6)) for p in ax.patches)
+
+
+def test_the_line_a_run_ends_with_shows_its_last_accuracy(tmp_path: Path) -> None:
+    """What `gptpar train` prints last: the latest evaluation's top-1 and top-5 beside the validation loss."""
+    classify_run(tmp_path / "a", 1, 0.5, {2: (0.30, 0.70), 4: (0.60, 0.90)}, **{"data.task": "classify"})
+    state, line = completion(RunFolder(tmp_path / "a"))
+    assert state == "completed" and ", val_loss 2.0000, accuracy 0.60, accuracy_top5 0.90, " in line, line
 
 
 def test_the_comparison_draws_memory_throughput_epoch_time_and_accuracy_side_by_side(
