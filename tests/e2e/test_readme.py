@@ -45,7 +45,8 @@ BY_HAND = ["make demo", "make figures",
            # docs/report.md, docs/vision.md: sweeps/vit.yaml resolves in tests/launch/test_launch.py; its report, on
            # logs of its shape, is tests/report/test_report_accuracy.py's
            ".venv/bin/gptpar sweep sweeps/vit.yaml launch.cluster=local --runs-dir runs/vit --wait",
-           ".venv/bin/gptpar report runs/vit --out figures/vit"]
+           ".venv/bin/gptpar report runs/vit --out figures/vit",
+           ".venv/bin/gptpar report runs/vit --out docs/vision"]
 # Commands tests/launch/test_slurm.py runs against the local cluster (the string it must contain).
 BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"',
                   "sbatch --cpus-per-task=1 jobs/pp.sbatch": '"--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")',
