@@ -462,7 +462,7 @@ def _epoch_points(m: RunMetrics, ranks: list[RankLog], replica_logs: list[RankLo
     for epoch in sorted(set().union(*(log.epochs for log in replica_logs))):
         vals = [v for log in replica_logs if _finite(v := log.epochs.get(epoch, {}).get("val_loss"))]
         points.append(EpochPoint(epoch, ends.get(epoch), statistics.fmean(vals) if vals else None,
-                                 *(_logged_score(m, ranks, epoch, key) for key in EPOCH_SCORES)))
+                                 **{key: _logged_score(m, ranks, epoch, key) for key in EPOCH_SCORES}))
     return points
 
 

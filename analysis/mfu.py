@@ -11,33 +11,45 @@ above 100% is flagged as impossible instead of being reported.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from gptpar.config import ConfigError, checkpoint_interval, checkpointed_indices
+from gptpar.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    apply_dict,
+    checkpoint_interval,
+    checkpointed_indices,
+    example_width,
+    nested,
+)
 from gptpar.flops import FlopsShape, flops_per_token, hardware_flops_per_token, peak_flops
-from gptpar.presets import PRESETS
-from gptpar.pretrained import folder_of, folder_shape
 
 PRECISIONS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
 
 def model_shape(params: dict[str, Any], vocab_size: int) -> FlopsShape | None:
-    """The shape of a flattened resolved config (a pretrained folder's, else the preset with its overrides) and its
-    vocabulary; None when the run's pretrained folder can no longer be read (no FLOPs rather than a guess)."""
-    folder = folder_of(str(params.get("model.init", "random")))
-    if folder is None:
-        preset = PRESETS[params.get("model.preset", "gpt2-tiny")]
-        model = preset.overridden(str(params.get("model.arch", "auto")), *(int(params.get(f"model.{key}") or 0)
-                                  for key in ("n_layer", "n_embd", "n_head", "n_positions", "n_kv_head")))
-    else:
-        try:
-            model = folder_shape(folder)
-        except ConfigError:
-            return None
-    every = checkpoint_interval(str(params.get("train.activation_checkpointing", "none")))
-    return FlopsShape(model, params.get("data.seq_len", 128), vocab_size,
-                 len(checkpointed_indices(model.n_layer, every)))
+    """The shape of a flattened resolved config (a pretrained folder's, else the preset with its overrides), the
+    positions of one of its examples (as its step records count tokens: data.seq_len, an image's patches and class
+    token) and its vocabulary (an image classifier's classes); None when the run's pretrained folder can no longer
+    be read or a logged value is no longer allowed (no FLOPs rather than a guess)."""
+    try:
+        cfg = _logged_config(params)
+        model, width = cfg.model.shape(), example_width(cfg)
+    except ConfigError:
+        return None
+    every = checkpoint_interval(cfg.train.activation_checkpointing)
+    return FlopsShape(model, width, vocab_size, len(checkpointed_indices(model.n_layer, every)))
+
+
+def _logged_config(params: dict[str, Any]) -> Config:
+    """The config a run logged, from its flattened keys; a key this version no longer has is left out (an old log),
+    one it lacks keeps its default."""
+    cfg = Config()
+    known = {f"{name}.{f.name}" for name in SECTIONS for f in dataclasses.fields(getattr(cfg, name))}
+    return apply_dict(cfg, nested({key: value for key, value in params.items() if key in known}))
 
 
 def device_label(header: dict[str, Any], params: dict[str, Any]) -> tuple[str, str]:

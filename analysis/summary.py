@@ -61,7 +61,9 @@ FOOTNOTES = (
     "else its run's step-time spread (sample std / mean), the run's and the baseline's added. Flagged results are "
     "left out of the speedup figures.",
     "**MFU**: (6N + 6·V·d + 12·L·H·Q·T) model FLOPs per token × summed tokens/s / (devices × dense peak of the "
-    "run's train.precision), N the block and final-norm parameters, 6·V·d the LM head; **HFU** (shown when "
+    "run's train.precision), N the block and final-norm parameters, 6·V·d the LM head, T an example's positions "
+    "(a ViT: (6N·T + 12·L·H·Q·T² + the patch projection's + the classifier's over its class token) per image, over "
+    "T, its patches and class token); **HFU** (shown when "
     "activation checkpointing recomputes blocks) adds their second forward. Peaks: NVIDIA datasheets; a device "
     "the table lacks is n/a unless `gptpar report --peak-flops` gives it; above 100% is flagged, not shown.",
     "**time to target**: the training time (the slowest rank's step times summed) to the first step whose "

@@ -11,6 +11,13 @@ projection (2·V·d forward, tied or not), 12·L·H·Q·T attention's score and 
 query head (L layers, H heads, Q head width, T sequence length). Hardware FLOPs add the forward of
 every block that activation checkpointing recomputes: 2·N_blocks/L + 4·H·Q·T per recomputed block.
 MFU divides model FLOPs, HFU hardware FLOPs, by the devices' dense peak.
+
+An image classifier (ViT) has no LM head. Its T is an image's patches and class token (the model's n_positions,
+what a step record counts as its tokens), and per image it runs
+    6·N·T + 12·L·H·Q·T² + 6·(3·P²·d + d)·patches + 6·(d + 1)·C
+the blocks and final norm over every position, attention, the patch projection (a P x P convolution of 3
+channels, as a linear layer over each patch) and the classifier over the class token alone (C classes, with its
+bias); per token, that over T.
 """
 
 from __future__ import annotations
@@ -26,16 +33,21 @@ class FlopsShape:
     """What the FLOPs of one trained token depend on."""
 
     model: ModelShape
-    seq_len: int
-    vocab_size: int
+    seq_len: int  # positions of one example: data.seq_len, or an image's patches and class token
+    vocab_size: int  # the LM head's rows, or an image classifier's classes
     recomputed_blocks: int = 0  # blocks whose forward activation checkpointing runs twice
 
 
 def flops_per_token(shape: FlopsShape) -> float:
-    """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T (module docstring)."""
+    """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T, or an image classifier's per image over its
+    T positions (module docstring)."""
     m = shape.model
     n_params = m.n_layer * m.active_block_parameters() + m.norm_parameters()
     attention = 12.0 * m.n_layer * m.n_head * m.head_dim * shape.seq_len
+    if m.patch_size:
+        patch_projection = 6.0 * (3 * m.patch_size ** 2 * m.n_embd + m.n_embd) * m.patches
+        classifier = 6.0 * (m.n_embd + 1) * shape.vocab_size
+        return ((6.0 * n_params + attention) * shape.seq_len + patch_projection + classifier) / shape.seq_len
     return 6.0 * n_params + 6.0 * shape.vocab_size * m.n_embd + attention
 
 

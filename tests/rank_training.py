@@ -32,6 +32,10 @@ Regroup = Callable[[list], list]  # a step's micro-batches, recut
 BASE = ["model.n_layer=4", "model.n_embd=32", "model.n_head=2", "data.seq_len=16", "data.source=synthetic",
         "data.vocab_size=300", "data.synthetic_tokens=20000", "train.batch_size=8", "train.warmup_steps=0",
         "train.lr=0.01", "train.grad_clip=0.5", "train.threads=1", "parallel.timeout_s=60"]
+# vit-tiny (2 layers of width 64, 4 heads) on 80 images of the embedded set's 10 classes, with BASE's training.
+VIT_BASE = ["model.preset=vit-tiny", "data.task=classify", "data.source=synthetic", "data.synthetic_images=80",
+            "train.batch_size=8", "train.warmup_steps=0", "train.lr=0.01", "train.grad_clip=0.5", "train.threads=1",
+            "parallel.timeout_s=60"]
 
 
 def corpus_base(corpus: Path) -> list[str]:

@@ -12,7 +12,7 @@ from gptpar.launch.backend import job_of, job_state
 from gptpar.launch.slurm import PlainJob, plain_jobs
 from gptpar.run.folder import RunFolder, find_runs
 from gptpar.run.names import replaced
-from gptpar.run.records import EPOCH_SCORES
+from gptpar.run.records import LINE_SCORES
 from gptpar.run.rows import COLUMNS, Job, StatusRow, replica_logs, row_of
 from gptpar.run.state import LIVE_JOB_STATES, STATES, RunLog, read_run
 
@@ -95,8 +95,8 @@ def any_live(rows: list[StatusRow]) -> bool:
 
 def completion(folder: RunFolder) -> tuple[str, str]:
     """A finished run's state and what it achieved, in one line (printed when `gptpar train` returns). The
-    validation loss (and a translation run's BLEU, and test BLEU) is the latest logged: every replica logs the one
-    over replicas."""
+    validation loss and scores (a classifier's accuracy, a translation run's BLEU and test BLEU, sft's answer
+    accuracy) are the latest logged: every replica logs the one over replicas."""
     run, job = _read(folder)
     if run.state != "completed":
         return run.state, f"gptpar: run {run.state}" + (f": {run.detail}" if run.detail else "")
@@ -105,7 +105,7 @@ def completion(folder: RunFolder) -> tuple[str, str]:
     records = sorted((*replicas[0].evals.values(), *replicas[0].epochs.values()), key=lambda r: r["time"])
     val = next((r["val_loss"] for r in reversed(records) if isinstance(r.get("val_loss"), float)), None)
     scores = {key: next((r[key] for r in reversed(records) if isinstance(r.get(key), float)), None)
-              for key in EPOCH_SCORES}  # the pair tasks'
+              for key in LINE_SCORES}  # a classifier's accuracy, the pair tasks' scores
     return run.state, (f"gptpar: run completed: {cells['STEP']} steps, loss {cells['LOSS']}"
                        + (f", val_loss {val:.4f}" if val is not None else "")
                        + "".join(f", {key} {value:.2f}" for key, value in scores.items() if value is not None)

@@ -109,6 +109,16 @@ def lora_config(model: PreTrainedModel, t: TrainConfig) -> LoraConfig:
                       fan_in_fan_out=_conv1d_targets(model, targets))
 
 
+def adapter_config(model: PreTrainedModel, t: TrainConfig) -> LoraConfig:
+    """lora_config for the adapter folder that export writes: the architecture's `lora_trained` modules (ViT's
+    classifier) as peft's modules_to_save, so the folder carries their trained weights and peft puts them back
+    where it loads them. Training injects without them: peft would train a copy of each under new names
+    (`modules_to_save.default`), where gptpar keeps every parameter under its model's own name."""
+    config = lora_config(model, t)
+    config.modules_to_save = list(ARCHITECTURES[model.config.model_type].lora_trained) or None
+    return config
+
+
 def _conv1d_targets(model: nn.Module, targets: list[str]) -> bool:
     """Whether the targets are GPT-2's Conv1D layers, whose weights peft must read transposed (fan_in_fan_out)."""
     return any(isinstance(m, Conv1D) for name, m in model.named_modules()

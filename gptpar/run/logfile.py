@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import orjson
 
 from gptpar.atomic import atomic_write, write_error
-from gptpar.run.records import EPOCH_SCORES, EVAL_SCORES, RECORDS, Record, StepRecord, names, validate_record
+from gptpar.run.records import EVAL_SCORES, LINE_SCORES, RECORDS, Record, StepRecord, names, validate_record
 
 SCHEMA_VERSION = 2
 
@@ -331,7 +331,7 @@ def format_record(record: dict[str, Any]) -> str:
     if kind == "epoch":
         return (f"epoch {get('epoch')}: {get('steps')} steps in {_number(get('training_time_s'), '.1f')} s, "
                 f"{_number(get('tokens_per_s'), ',.0f')} tok/s, val_loss {_number(get('val_loss'), '.4f')}"
-                + "".join(f", {key} {_number(get(key), '.2f')}" for key in (*EVAL_SCORES, *EPOCH_SCORES)
+                + "".join(f", {key} {_number(get(key), '.2f')}" for key in LINE_SCORES
                           if key in record))
     if kind == "header":
         return (f"start (restart {get('restart')}): rank {get('rank')} of {get('world_size')} on {get('host')}, "

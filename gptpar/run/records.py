@@ -198,6 +198,8 @@ MOE_LOAD_KEYS = ("tokens_per_expert", "min", "max", "mean", "dropped")
 EPOCH_SCORES = ("bleu", "test_bleu", "answer_accuracy")
 # The validation pass's own scores (data.task=classify) that eval and epoch records may carry.
 EVAL_SCORES = ("accuracy", "accuracy_top5")
+# Every score a line about a run shows (its epoch's, `gptpar logs`', the one `gptpar train` ends with), in that order.
+LINE_SCORES = (*EVAL_SCORES, *EPOCH_SCORES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,7 +41,7 @@ from gptpar.config import load_config
 from gptpar.errors import GptparError, first_sentence
 from gptpar.models import architecture
 from gptpar.models.build import build_model
-from gptpar.models.lora import adapter_part, base_name, lora_config
+from gptpar.models.lora import adapter_config, adapter_part, base_name
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.data_parallel.fsdp import join_pieces
 from gptpar.parallel.pipeline.names import plain_state
@@ -214,9 +214,10 @@ def trained_lora(run_dir: str | Path) -> bool:
 def export_lora(run_dir: str | Path, out: str | Path, merge: bool = False) -> Path:
     """A LoRA run's (train.lora_rank > 0) trained adapters as peft writes them, a folder that
     `peft.PeftModel.from_pretrained(base, out)` loads onto the base model (adapter_config.json,
-    adapter_model.safetensors); with `merge` the model with the adapters merged into its weights, a folder that
-    transformers' `from_pretrained` loads (config.json, model.safetensors). The vocabulary's padding is cut off.
-    Single process; an existing `out` is replaced once the new one is complete."""
+    adapter_model.safetensors; a classifier's trained head in it as peft's modules_to_save); with `merge` the model
+    with the adapters merged into its weights, a folder that transformers' `from_pretrained` loads (config.json,
+    model.safetensors). The vocabulary's padding is cut off. Single process; an existing `out` is replaced once the
+    new one is complete."""
     from peft import get_peft_model  # only here (gptpar.models.lora says why)
 
     run_dir = Path(run_dir)
@@ -236,7 +237,7 @@ def export_lora(run_dir: str | Path, out: str | Path, merge: bool = False) -> Pa
     model.load_state_dict({base_name(k): v for k, v in weights.items() if adapter_part(k) is None})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's note that it sets fan_in_fan_out for GPT-2's Conv1D
-        adapted = get_peft_model(model, lora_config(model, cfg.train))
+        adapted = get_peft_model(model, adapter_config(model, cfg.train))
     missing, unexpected = adapted.load_state_dict({f"base_model.model.{k}": v for k, v in weights.items()
                                                    if adapter_part(k) is not None}, strict=False)
     if unexpected or any(adapter_part(k) for k in missing):

@@ -42,10 +42,11 @@ BY_HAND = ["make demo", "make figures",
            # in tests/model/test_architectures.py
            ".venv/bin/gptpar sweep sweeps/qwen2_sft.yaml launch.cluster=local --runs-dir runs/sft --wait",
            ".venv/bin/gptpar report runs/sft --out docs/qwen2_sft",
-           # docs/report.md: sweeps/vit.yaml resolves in tests/launch/test_launch.py once model.arch=vit is merged
-           # (issue 49); its report, on logs of its shape, is tests/report/test_report_accuracy.py's
+           # docs/report.md, docs/vision.md: sweeps/vit.yaml resolves in tests/launch/test_launch.py; its report, on
+           # logs of its shape, is tests/report/test_report_accuracy.py's
            ".venv/bin/gptpar sweep sweeps/vit.yaml launch.cluster=local --runs-dir runs/vit --wait",
-           ".venv/bin/gptpar report runs/vit --out figures/vit"]
+           ".venv/bin/gptpar report runs/vit --out figures/vit",
+           ".venv/bin/gptpar report runs/vit --out docs/vision"]
 # Commands tests/launch/test_slurm.py runs against the local cluster (the string it must contain).
 BY_SLURM_TESTS = {"make submit-dp GPUS=2": '"submit-dp", "GPUS=2"',
                   "sbatch --cpus-per-task=1 jobs/pp.sbatch": '"--cpus-per-task=1", str(REPO / "jobs" / "pp.sbatch")',

@@ -23,7 +23,6 @@ from gptpar.launch.prepare import prepare_run
 from gptpar.launch.profiles import MODULE_GUARD, guarded_setup, resolve
 from gptpar.launch.render import render_script
 from gptpar.launch.sweep import build_points, expand
-from gptpar.presets import PRESETS
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLogger
 from gptpar.run.names import point_label
@@ -204,8 +203,6 @@ def test_sweep_errors_name_the_point(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("path", sorted((REPO / "sweeps").glob("*.yaml")))
 def test_shipped_sweeps_resolve(path: Path) -> None:
-    if path.stem == "vit" and "vit-tiny" not in PRESETS:  # issue 49: drop this line once model.arch=vit is merged
-        pytest.skip("sweeps/vit.yaml needs model.preset=vit-tiny and train.lora, built on issue 49's other branches")
     _, kind, points = build_points(path)
     for point in points:
         resolve(point.cfg, kind)

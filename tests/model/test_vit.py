@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from gloo_pool import GlooPools
 from rank_training import (
+    VIT_BASE,
     assert_trains_like_one_process,
     make_config,
     make_trainer,
@@ -34,9 +35,6 @@ from gptpar.run.logfile import format_record, rank_log_path
 from gptpar.train.checkpoint import export_checkpoint
 from gptpar.train.classify import Accuracy
 
-BASE = ["model.preset=vit-tiny", "data.task=classify", "data.source=synthetic", "data.synthetic_images=80",
-        "train.batch_size=8", "train.warmup_steps=0", "train.lr=0.01", "train.grad_clip=0.5", "train.threads=1",
-        "parallel.timeout_s=60"]
 SINGLE = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
                   launcher="single", backend="gloo", device=torch.device("cpu"))
 
@@ -142,7 +140,7 @@ def test_vit_tiny_learns_the_embedded_set_and_logs_its_accuracy(tmp_path: Path) 
     """24 steps of 32 images: top-1 validation accuracy well above chance (0.1); measured 0.67 at step 24. The eval
     and epoch records carry it."""
     cfg = make_config(["data.synthetic_images=1000", "train.batch_size=32", "train.lr=0.002", "train.max_steps=24",
-                       "train.eval_every=12", "train.eval_batches=4"], tmp_path, "learns", BASE)
+                       "train.eval_every=12", "train.eval_batches=4"], tmp_path, "learns", VIT_BASE)
     trainer = make_trainer(cfg, SINGLE)
     assert "ViT of 114,250 parameters (2 layers, width 64, 4 heads); 10 classes of 32-pixel images;" in trainer.banner()
     assert (trainer.fast_path()["loss"], trainer.fast_path()["vocab_rows"]) == ("plain", 10)
@@ -176,12 +174,12 @@ RESUMED = ["zero2", "fsdp2"]
 
 def _vit_worker(info: RankInfo, runs: Path) -> None:
     for name, overrides in CASES:
-        trainer = make_trainer(make_config(overrides, runs, name, BASE), info)
+        trainer = make_trainer(make_config(overrides, runs, name, VIT_BASE), info)
         record = {"losses": train_steps(trainer, 2), "params": named_params(trainer),
                   "coords": dict(trainer.dims.coords), "val": trainer.evaluate(), "scores": trainer.val_scores.scores()}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
     for name in RESUMED:  # a step, a checkpoint, a new trainer, a step
-        resumed = resumed_run(make_config(dict(CASES)[name], runs, f"resumed-{name}", BASE), info)
+        resumed = resumed_run(make_config(dict(CASES)[name], runs, f"resumed-{name}", VIT_BASE), info)
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
 
@@ -197,7 +195,7 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
 def test_vit_under_each_strategy_trains_like_one_process(results: Path, name: str) -> None:
     """GPT-2's tolerances (rank_training: losses rel 1e-5, parameters 1e-4); the accuracy is the same count."""
     ranks = saved_ranks(results, name)
-    cfg = make_config(dict(CASES)[name], results, name, BASE)
+    cfg = make_config(dict(CASES)[name], results, name, VIT_BASE)
     ref = reference_run(cfg)
     assert ref["scores"]["accuracy"] is not None
     if name.endswith("-bf16"):
@@ -221,7 +219,7 @@ def test_a_resumed_vit_continues_bitwise_and_exports_under_its_own_names(results
         assert b["losses"] == [a["losses"][1]]
         assert all(torch.equal(a["params"][param], b["params"][param]) for param in a["params"])
     run = results / f"resumed-{name}"  # its config, as `gptpar train` writes it: export reads the architecture there
-    (run / CONFIG_FILE).write_text(to_yaml(make_config(dict(CASES)[name], results, f"resumed-{name}", BASE)))
+    (run / CONFIG_FILE).write_text(to_yaml(make_config(dict(CASES)[name], results, f"resumed-{name}", VIT_BASE)))
     exported = torch.load(export_checkpoint(run, tmp_path / "plain.pt"), weights_only=False)
     model = empty_model(model_config(ModelConfig(preset="vit-tiny"), 10))
     model.load_state_dict(exported["vit"], assign=True)
@@ -233,11 +231,11 @@ def test_a_resumed_vit_continues_bitwise_and_exports_under_its_own_names(results
 def test_compiled_vit_trains_as_the_eager_model(tmp_path: Path) -> None:
     """train.compile=model and blocks (aot_eager: no C++ compiler needed) find ViT's blocks through its description
     and train as the eager model at test_compile.py's GPT-2 tolerances."""
-    eager = make_trainer(make_config(["train.compile=false"], tmp_path, "eager", BASE), SINGLE)
+    eager = make_trainer(make_config(["train.compile=false"], tmp_path, "eager", VIT_BASE), SINGLE)
     losses, params = train_steps(eager, 2), named_params(eager)
     for mode in ("model", "blocks"):
         compiled = make_trainer(make_config([f"train.compile={mode}", "train.compile_backend=aot_eager"], tmp_path,
-                                            mode, BASE), SINGLE)
+                                            mode, VIT_BASE), SINGLE)
         assert compiled.fast_path()["compile"] == mode
         assert train_steps(compiled, 2) == pytest.approx(losses, rel=1e-5), mode
         for name, value in named_params(compiled).items():

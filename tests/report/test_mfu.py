@@ -121,3 +121,34 @@ def test_llama_family_flops_per_token_is_the_hand_computation() -> None:
     assert flops_per_token(qwen) == 2_147_388_672 + 816_807_936 + 264_241_152
     # The same shape's parameter count is Qwen2.5-0.5B's published 494,032,768 (tied head).
     assert PRESETS["qwen2.5-0.5b"].parameters(151_936) == 494_032_768
+
+
+# By hand for vit-tiny with 10 classes (32 px, patch 8): T = 16 patches + the class token = 17. One block: q, k, v, o
+# with biases 4·(64² + 64) = 16,640, the MLP 2·64·256 + 256 + 64 = 33,088, two norms 2·128: 49,984 parameters;
+# N = 2·49,984 + 128 = 100,096. Per image: 6·N·T = 10,209,792; attention 12·2·4·16·17² = 443,904; the patch
+# projection 6·(3·8²·64 + 64)·16 = 1,185,792; the classifier, over the class token only, 6·(64 + 1)·10 = 3,900.
+VIT_IMAGE_FLOPS = 10_209_792 + 443_904 + 1_185_792 + 3_900
+# A recomputed block's forward per token: 2·49,984 + 4·64·17 = 104,320.
+VIT_RECOMPUTE_FORWARD = 104_320
+
+
+def test_vit_flops_per_token_are_an_images_over_its_positions() -> None:
+    vit = FlopsShape(PRESETS["vit-tiny"], 17, 10)
+    assert PRESETS["vit-tiny"].block_parameters() == 49_984
+    assert flops_per_token(vit) == VIT_IMAGE_FLOPS / 17  # exact: the sum is an integer a float holds
+
+
+def test_report_counts_a_vits_positions_not_data_seq_len(tmp_path: Path) -> None:
+    """A classify run's tokens are its images' positions (17 for vit-tiny), whatever data.seq_len says (128); both
+    blocks recompute under activation checkpointing."""
+    vit = config(**{"model.preset": "vit-tiny", "data.task": "classify", "data.seq_len": 128,
+                    "train.activation_checkpointing": "block"})
+    rank = Rank(tmp_path / "vit", 0, vit, vocab_size=10, stage_devices=["cpu"])
+    rank.header()
+    for step in range(1, 8):
+        rank.step(step, 1, tokens_per_s=1.7e4)
+    rank.final(step=7)
+    (m,) = analyse_runs(tmp_path, now=LATER, peak_flops=1e11)
+    # measured: equal; rel 1e-12 allows another order of the float sums
+    assert m.mfu == pytest.approx(1e3 * VIT_IMAGE_FLOPS / 1e11, rel=1e-12)  # 1,000 images/s
+    assert m.hfu == pytest.approx((1e3 * VIT_IMAGE_FLOPS + 1.7e4 * 2 * VIT_RECOMPUTE_FORWARD) / 1e11, rel=1e-12)

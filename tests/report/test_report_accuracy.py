@@ -1,6 +1,6 @@
 """A classifier's accuracy in the report (issue 49): its columns in summary.md and summary.csv, time to a target
-accuracy, the methods-side-by-side figure, and sweeps/vit.yaml's course table, on logs whose answers are worked by
-hand."""
+accuracy, the methods-side-by-side figure, the line a run ends with, and sweeps/vit.yaml's course table, on logs
+whose answers are worked by hand."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from logsets import T0, classify_run
 from matplotlib.figure import Figure
 
 from analysis.report import report
+from gptpar.launch.status import completion
 from gptpar.launch.sweep import expand
+from gptpar.run.folder import RunFolder
 
 LATER = T0 + 3600.0
 
@@ -90,6 +92,13 @@ def bars(ax) -> list[tuple[float, float]]:  # noqa: ANN001 - a matplotlib Axes
     return sorted((round(p.get_y() + p.get_height() / 2, 6), round(p.get_width(), 6)) for p in ax.patches)
 
 
+def test_the_line_a_run_ends_with_shows_its_last_accuracy(tmp_path: Path) -> None:
+    """What `gptpar train` prints last: the latest evaluation's top-1 and top-5 beside the validation loss."""
+    classify_run(tmp_path / "a", 1, 0.5, {2: (0.30, 0.70), 4: (0.60, 0.90)}, **{"data.task": "classify"})
+    state, line = completion(RunFolder(tmp_path / "a"))
+    assert state == "completed" and ", val_loss 2.0000, accuracy 0.60, accuracy_top5 0.90, " in line, line
+
+
 def test_the_comparison_draws_memory_throughput_epoch_time_and_accuracy_side_by_side(
         tmp_path: Path, drawn: dict[str, Figure]) -> None:
     """Peak memory is the fullest rank's (a 2 GB, b 1.5 GB, c 0.5 GB), throughput the job's tokens/s (200 each),
@@ -123,7 +132,7 @@ def test_the_vit_sweep_is_the_course_table_cpu_sized() -> None:
     fsdp2) and ZeRO++ (fsdp with int8 gradients and parameters and hpZ) on two ranks, vit-tiny on the embedded set."""
     path = REPO / "sweeps" / "vit.yaml"
     name, kind, points = expand(path)
-    keys = ("launch.gpus", "parallel.dp_sync", "train.lora.rank", "train.activation_checkpointing",
+    keys = ("launch.gpus", "parallel.dp_sync", "train.lora_rank", "train.activation_checkpointing",
             "parallel.grad_comm", "parallel.param_comm", "parallel.hpz")
     table = [tuple(dict(pair.split("=", 1) for pair in pairs)[key] for key in keys) for _, pairs in points]
     assert (name, kind) == ("vit", "dp") and table == [

@@ -1,19 +1,20 @@
 """LoRA (train.lora_rank) in one process: the adapters start from the run seed by name (B zeros, A drawn per name,
-the same on the meta device), only they train, the training state is its closed form counted by hand, a resumed run
-goes on exactly, the export loads through peft and transformers with the trained model's logits, and bad input is one
-line. Data parallelism: test_lora_ranks.py."""
+the same on the meta device), only they (and ViT's classifier) train, the training state is its closed form counted by
+hand, a resumed run goes on exactly, the export loads through peft and transformers with the trained model's logits,
+and bad input is one line. Data parallelism: test_lora_ranks.py."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
-from rank_training import make_config, make_trainer, named_params, resumed_run, train_steps
-from transformers import AutoModelForCausalLM
+from rank_training import BASE, VIT_BASE, make_config, make_trainer, named_params, resumed_run, train_steps
+from transformers import AutoModelForCausalLM, ViTForImageClassification
 
 from gptpar.cli import main
 from gptpar.config import ModelConfig, TrainConfig, load_config
@@ -64,22 +65,28 @@ def _trainer(tmp_path: Path, name: str, extra: list[str] = ()) -> object:
     return make_trainer(make_config([*LORA, *extra], tmp_path, name), ONE)
 
 
-@pytest.mark.parametrize("preset, targets", [("gpt2-tiny", {"attn.c_attn": (32, 96), "attn.c_proj": (32, 32)}),
-                                             ("llama-tiny", {"q_proj": (32, 32), "k_proj": (32, 16),
-                                                             "v_proj": (32, 16), "o_proj": (32, 32)})])
-def test_only_the_adapters_train_and_the_state_is_the_closed_form(tmp_path: Path, preset: str,
-                                                                  targets: dict[str, tuple[int, int]]) -> None:
-    """rank_training's BASE: 4 blocks of width 32, 2 heads (llama-tiny: 1 KV head of 16). Each adapted layer of
-    (in, out) adds r * (in + out) trainable parameters; the state is 4 bytes per parameter plus 12 per trainable
-    one (its gradient and AdamW's two moments)."""
-    gqa = ["model.n_kv_head=1"] if preset == "llama-tiny" else []
-    trainer = _trainer(tmp_path, preset, [f"model.preset={preset}", *gqa])
-    trainable = 4 * sum(RANK * (i + o) for i, o in targets.values())
+GQA = {"q_proj": (32, 32), "k_proj": (32, 16), "v_proj": (32, 16), "o_proj": (32, 32)}  # llama-tiny, 1 KV head
+VIT = {name: (64, 64) for name in ("q_proj", "k_proj", "v_proj", "o_proj")}  # vit-tiny: width 64, 2 layers
+
+
+@pytest.mark.parametrize("base, layers, targets, whole", [
+    ([*BASE, "model.preset=gpt2-tiny"], 4, {"attn.c_attn": (32, 96), "attn.c_proj": (32, 32)}, {}),
+    ([*BASE, "model.preset=llama-tiny", "model.n_kv_head=1"], 4, GQA, {}),
+    (VIT_BASE, 2, VIT, {"classifier.weight": 10 * 64, "classifier.bias": 10}),  # a head of the set's 10 classes
+], ids=["gpt2-tiny", "llama-tiny", "vit-tiny"])
+def test_only_the_adapters_train_and_the_state_is_the_closed_form(tmp_path: Path, base: list[str], layers: int,
+                                                                  targets: dict[str, tuple[int, int]],
+                                                                  whole: dict[str, int]) -> None:
+    """Each adapted layer of (in, out) adds r * (in + out) trainable parameters in each of the model's `layers`
+    blocks, and the `whole` parameters (ViT's new classifier) train beside them; the state is 4 bytes per parameter
+    plus 12 per trainable one (its gradient and AdamW's two moments)."""
+    trainer = make_trainer(make_config(LORA, tmp_path, "run", base), ONE)
+    trainable = layers * sum(RANK * (i + o) for i, o in targets.values()) + sum(whole.values())
     before = named_params(trainer)
     train_steps(trainer, 2)
     after = named_params(trainer)
     moved = {name for name in after if not torch.equal(after[name], before[name])}
-    assert moved == {name for name in after if adapter_part(name)}  # every adapter moved, nothing else
+    assert moved == {name for name in after if adapter_part(name) or name in whole}  # they all moved, nothing else
     memory, n = trainer.memory, trainer.n_params
     assert (memory["params"], memory["trainable"]) == (n, trainable)
     assert (memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]) == (4 * n, 4 * trainable,
@@ -129,6 +136,28 @@ def test_the_export_loads_through_peft_and_transformers_with_the_trained_logits(
     for loaded in (adapter, merged.eval()):
         # measured: 0 through peft, 2.8e-7 merged (of logits up to 0.44: a merged weight rounds once more)
         torch.testing.assert_close(_logits(loaded, tokens), trained, rtol=0, atol=1e-6)
+
+
+def test_a_vit_export_carries_its_trained_classifier_through_peft_and_transformers(tmp_path: Path) -> None:
+    """peft's adapter folder names the classifier in modules_to_save and holds its trained weights, so loaded onto a
+    freshly built ViT of the run's seed (whose classifier is the untrained one) it gives the trained model's logits;
+    the merged folder loads alone into ViTForImageClassification with them too."""
+    cfg = make_config([*LORA, "train.lr=0.05"], tmp_path, "run", VIT_BASE)
+    trainer = make_trainer(cfg, ONE)
+    trainer.folder.write_config(cfg)
+    train_steps(trainer, 3)
+    trainer.checkpoints.save()
+    trainer.net.eval()
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    trained = _logits(find_model(trainer.net), images)
+    adapter = export_lora(trainer.folder.path, tmp_path / "adapter")
+    assert json.loads((adapter / "adapter_config.json").read_text())["modules_to_save"] == ["classifier"]
+    fresh = build_model(cfg.model, trainer.vocab_size, cfg.train.seed)
+    assert (trained - _logits(fresh, images)).abs().max() > 1e-3  # training moved the logits: the checks mean something
+    merged = export_lora(trainer.folder.path, tmp_path / "merged", merge=True)
+    for loaded in (PeftModel.from_pretrained(fresh, adapter), ViTForImageClassification.from_pretrained(merged)):
+        # measured: 0 through peft, 2.4e-7 merged (of logits up to 2.7: a merged weight rounds once more)
+        torch.testing.assert_close(_logits(loaded.eval(), images), trained, rtol=0, atol=1e-6)
 
 
 def test_merge_of_a_run_without_lora_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
