@@ -2,7 +2,8 @@
 in-memory store, and the trainer builds zero1's, zero2's or fsdp2's sync over that group of one, so the host holds
 what the offload moves. Each trains through the trainer's own step (AdamW, clipping on) in this process and equals
 the plain one-device run, which builds no sync, to the bit where the arithmetic is the same; its memory record is
-the strategy row's placed_bytes at W = 1."""
+the strategy row's placed_bytes at W = 1, and a resume from its checkpoint (its host masters reloaded) continues
+to the bit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from rank_training import make_config, make_trainer, named_params, train_steps
+from rank_training import make_config, make_trainer, named_params, resumed_run, train_steps
 
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
 from gptpar.strategies.data_parallel import DP_STRATEGIES
@@ -86,3 +87,20 @@ def test_an_offloaded_one_device_runs_memory_is_the_closed_form_at_one_replica(r
     assert memory["params_bytes"] + memory["grads_bytes"] + memory["optimizer_bytes"] == device
     assert memory["host_bytes"] == host
     assert "host_bytes" not in runs["plain"]["memory"]
+
+
+@pytest.mark.parametrize("dp_sync", list(OFFLOADED))
+def test_an_offloaded_one_device_run_resumes_to_the_bit(tmp_path: Path, dp_sync: str) -> None:
+    """One step, a checkpoint, a new trainer loaded from it and one more step: the straight run's second step."""
+    overrides = ["parallel.dp=1", f"parallel.dp_sync={dp_sync}", f"parallel.offload={OFFLOADED[dp_sync]}"]
+    cfg = make_config(overrides, tmp_path, "resumed")
+    info = init_distributed(cfg.parallel, env={})
+    try:
+        straight = make_trainer(make_config(overrides, tmp_path, "straight"), info)
+        losses, params = train_steps(straight, 2), named_params(straight)
+        resumed = resumed_run(cfg, info)
+    finally:
+        destroy_distributed()
+    assert resumed["losses"] == losses[1:]
+    for name, value in params.items():
+        assert torch.equal(resumed["params"][name], value), name
