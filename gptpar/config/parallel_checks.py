@@ -98,7 +98,7 @@ def check_data_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.offload={p.offload} is not built for parallel.dp_sync={p.dp_sync}; "
                           f"{use}parallel.offload=none")
     if p.offload != "none":
-        check_offload(p.offload, p.dp, p.tp, p.ep, row.alone)
+        check_offload(p.offload, p.tp, p.ep)
     if p.hpz and p.hpz_node_size:
         hpz_node_size(p.hpz_node_size, p.dp, p.tp, 0)
     _check_stage(cfg)
@@ -108,13 +108,10 @@ def check_data_parallel(cfg: Config) -> None:
                           f"{either(syncing)} with parallel.pp > 1")
 
 
-def check_offload(offload: str, dp: int, tp: int, ep: int, alone: bool = False) -> None:
-    """parallel.offload moves what the data-parallel sync holds of a whole model's shard: it needs a sync (dp > 1, or
-    a strategy that runs `alone`), and is built without tensor-parallel pieces or expert slices, which the syncs step
-    on the device."""
-    if dp == 1 and not alone:
-        raise ConfigError(f"parallel.offload={offload} moves the data-parallel sync's shards, and parallel.dp=1 has no "
-                          "sync; use parallel.dp > 1, or parallel.offload=none")
+def check_offload(offload: str, tp: int, ep: int) -> None:
+    """parallel.offload moves what the data-parallel sync holds of a whole model's shard (at parallel.dp=1 the sync
+    runs over a group of one: DataParallelStrategy.group_of_one, or its own); it is built without tensor-parallel
+    pieces or expert slices, which the syncs step on the device."""
     for key, size in (("tp", tp), ("ep", ep)):
         if size > 1:
             raise ConfigError(f"parallel.offload={offload} is not built with parallel.{key}={size}; use "

@@ -31,7 +31,8 @@ from gptpar.parallel.process_group import RankInfo
 
 @dataclass(frozen=True)
 class ParallelDims(RankInfo):
-    """A joined rank (RankInfo) placed on the grid, with a DeviceMesh (and its sub-groups) when it has peers."""
+    """A joined rank (RankInfo) placed on the grid, with a DeviceMesh (and its sub-groups) when it joined a process
+    group: it has peers, or joined a world of one for a sync that needs a group alone (process_group.needs_group)."""
 
     sizes: dict[str, int] = field(default_factory=dict)
     coords: dict[str, int] = field(default_factory=dict)
@@ -55,7 +56,7 @@ class ParallelDims(RankInfo):
             if full[outer] % full[inner]:
                 raise GptparError(f"rank grid: {inner}={full[inner]} does not divide {outer}={full[outer]}")
         mesh = (init_device_mesh(info.device.type, tuple(full[dim] for dim in GRID_DIMS), mesh_dim_names=GRID_DIMS)
-                if info.world_size > 1 else None)
+                if info.world_size > 1 or dist.is_initialized() else None)
         return cls(**{f.name: getattr(info, f.name) for f in dataclasses.fields(RankInfo)}, sizes=full,
                    coords=coordinates(info.rank, full), mesh=mesh, composites=_composites(full))
 
@@ -65,17 +66,22 @@ class ParallelDims(RankInfo):
     def coord(self, dim: str) -> int:
         return self.coords[dim]
 
-    def group(self, dim: str) -> dist.ProcessGroup | None:
-        """The process group of the ranks that differ from this one only along `dim` (None alone); for a named
-        composite (grid.COMPOSITES: ep, the ranks that share the experts; EXPERT_REPLICAS, those that hold the same
-        ones) its group, None where the grid does not make it."""
+    def group(self, dim: str, alone: bool = False) -> dist.ProcessGroup | None:
+        """The process group of the ranks that differ from this one only along `dim` (None alone, unless `alone` asks
+        for the group of one of a joined world: a sync that works without peers, process_group.needs_group); for a
+        named composite (grid.COMPOSITES: ep, the ranks that share the experts; EXPERT_REPLICAS, those that hold the
+        same ones) its group, None where the grid does not make it."""
         if dim in COMPOSITES:
             return self.composites.get(dim)
-        return self.mesh.get_group(dim) if self.mesh is not None and self.sizes[dim] > 1 else None
+        return self.mesh.get_group(dim) if self._has(dim, alone) else None
 
-    def submesh(self, dim: str) -> DeviceMesh | None:
-        """The DeviceMesh along the grid dimension `dim` (torch's sharding strategies take one); None alone."""
-        return self.mesh[dim] if self.mesh is not None and self.sizes[dim] > 1 else None
+    def submesh(self, dim: str, alone: bool = False) -> DeviceMesh | None:
+        """The DeviceMesh along the grid dimension `dim` (torch's sharding strategies take one); None alone, unless
+        `alone` (as for `group`)."""
+        return self.mesh[dim] if self._has(dim, alone) else None
+
+    def _has(self, dim: str, alone: bool) -> bool:
+        return self.mesh is not None and (self.sizes[dim] > 1 or alone)
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in coordinate order."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.env import Layout, layout_from_env
+from gptpar.strategies.data_parallel import DP_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ def group_backend(backend: str, offload: str) -> str:
     return f"cuda:{backend},cpu:gloo" if backend == "nccl" and offload == "params" else backend
 
 
+def needs_group(world_size: int, pcfg: ParallelConfig) -> bool:
+    """A rank joins a process group when it has peers, or alone where its data-parallel sync needs a group of one
+    (DataParallelStrategy.group_of_one)."""
+    return world_size > 1 or DP_STRATEGIES[pcfg.dp_sync].group_of_one(pcfg.offload)
+
+
 def choose_device(backend: str, layout: Layout, gpu_count: int) -> torch.device:
     """cuda:LOCAL_RANK when the node's GPUs are all visible; cuda:0 when SLURM bound one GPU per task.
 
@@ -68,7 +75,8 @@ def _nccl_env() -> None:
 
 
 def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None) -> RankInfo:
-    """Join the process group described by the environment (a no-op group of one without a launcher)."""
+    """Join the process group described by the environment (without a launcher: a world of one over an in-memory
+    store where `needs_group` asks for one, else none)."""
     layout = layout_from_env(os.environ if env is None else env)
     gpu_count = torch.cuda.device_count()
     backend = choose_backend(pcfg.backend, gpu_count)
@@ -76,14 +84,15 @@ def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None)
     info = RankInfo(**dataclasses.asdict(layout), backend=backend, device=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if layout.world_size == 1 or dist.is_initialized():
+    if not needs_group(layout.world_size, pcfg) or dist.is_initialized():
         return info
     if backend == "nccl":
         _nccl_env()
+    meet = ({"init_method": f"tcp://{layout.master_addr}:{layout.master_port}"} if layout.world_size > 1
+            else {"store": dist.HashStore()})  # alone: nobody to meet
     try:
         dist.init_process_group(
-            backend=group_backend(backend, pcfg.offload),
-            init_method=f"tcp://{layout.master_addr}:{layout.master_port}",
+            backend=group_backend(backend, pcfg.offload), **meet,
             rank=layout.rank, world_size=layout.world_size,
             timeout=timedelta(seconds=pcfg.timeout_s),
             device_id=device if device.type == "cuda" else None)

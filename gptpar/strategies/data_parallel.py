@@ -129,6 +129,12 @@ class DataParallelStrategy:
             device, host = (device, host + master) if offload == "params" else (device + master, host)
         return device, host
 
+    def group_of_one(self, offload: str) -> bool:
+        """At parallel.dp=1 its sync is built over the world of one that process_group.init_distributed joins for it
+        (needs_group): parallel.offload lives in the sync (a student's one device, whose optimizer or parameters the
+        host holds). A row that runs `alone` (DeepSpeed) is built there anyway and makes its own group."""
+        return offload != "none" and not self.alone
+
     def host_copy_bytes(self, n: float, w: int, offload: str, micro_steps: int) -> float:
         """Bytes copied between host and device in one step of `micro_steps` under parallel.offload, by its pricing's
         `host_copies` of the rank's optimizer shard (fp32); 0 without offload."""

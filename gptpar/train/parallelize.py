@@ -9,7 +9,8 @@ another's files.
 5. the multi-process pipeline keeps this rank's stages, tensor parallelism or the one-process modes of
    parallel.pp_mode (gptpar.parallel.pipeline.one_process) place their pieces, and otherwise the model goes whole
    on the rank's device;
-6. data parallelism wraps the result with the strategy parallel.dp_sync names.
+6. data parallelism wraps the result with the strategy parallel.dp_sync names (at dp=1 only where the row
+   builds it over a group of one: DataParallelStrategy.group_of_one, or runs alone).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     """`model` whole (or on the meta device) as every rank built it, wrapped for this rank in the module's order;
     `routing` (a mixture's router statistics) travels through the multi-process pipeline with each micro-batch."""
     p, seed, device = cfg.parallel, cfg.train.seed, dims.device
-    dp_group, tp_group = dims.group("dp"), dims.group("tp")
+    alone = DP_STRATEGIES[p.dp_sync].group_of_one(p.offload)
+    dp_group, tp_group = dims.group("dp", alone), dims.group("tp")
     shards_only = (cfg.model.init_device == "meta" and DP_STRATEGIES[p.dp_sync].materialises_shards
                    and dp_group is not None and tp_group is None)
     if cfg.model.init_device == "meta" and not shards_only:  # 1
@@ -90,7 +92,7 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     config = model.config
     initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, config, seed))
                if shards_only else None)
-    mesh = dims.submesh("dp")
+    mesh = dims.submesh("dp", alone)
     local = experts.name_in(net) if experts is not None and dims.size("ep") > 1 else frozenset()
     node_group = (dims.block_group("dp", hpz_node_size(p.hpz_node_size, p.dp, p.tp, dims.local_world_size))
                   if p.hpz and dp_group is not None else None)

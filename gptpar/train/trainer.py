@@ -378,7 +378,9 @@ class Trainer:
         t = self.cfg.train
         if not t.lora_rank:
             return None
-        row = DP_STRATEGIES[self.cfg.parallel.dp_sync] if self.dims.size("dp") > 1 else DP_STRATEGIES["naive"]
+        chosen = DP_STRATEGIES[self.cfg.parallel.dp_sync]
+        synced = self.dims.size("dp") > 1 or chosen.group_of_one(self.cfg.parallel.offload)
+        row = chosen if synced else DP_STRATEGIES["naive"]
         return {"rank": t.lora_rank, "alpha": t.lora_alpha, "targets": lora_targets(self.model_config.model_type, t),
                 "trainable": self.n_trainable, "params": self.n_params,
                 "state_bytes": int(row.state_bytes(self.n_params, self.dims.size("dp"), self.cfg.parallel.offload,

@@ -73,6 +73,7 @@ RUN_HERE = [
     "train.max_steps=5",
     ".venv/bin/gptpar train parallel.tp=2 parallel.dp=2 parallel.dp_sync=fsdp train.max_steps=5",
     ".venv/bin/gptpar train parallel.dp=2 parallel.dp_sync=zero2 parallel.offload=optimizer train.max_steps=5",
+    ".venv/bin/gptpar train parallel.dp_sync=zero2 parallel.offload=optimizer train.max_steps=5",
     ".venv/bin/gptpar train model.preset=qwen2-tiny data.task=sft data.source=metamath_sample data.tokenizer=bytes "
     "data.max_source_len=116 data.max_target_len=120 train.max_steps=5 train.answer_samples=8",
     ".venv/bin/gptpar submit dp --gpus 2 model.preset=qwen2-moe-tiny parallel.ep=2 --dry-run",
@@ -114,6 +115,7 @@ CLUSTER_ONLY = [
 # (tests/plan/ holds the predictions' arithmetic).
 WITH_CALIBRATION = [
     ".venv/bin/gptpar plan predict parallel.dp=2 parallel.dp_sync=zero2 --calibration calib.json",
+    ".venv/bin/gptpar plan predict parallel.dp_sync=fsdp2 parallel.offload=params --calibration calib.json",
     ".venv/bin/gptpar plan predict parallel.pp=2 parallel.pp_schedule=zb1p parallel.chunks=4 --calibration calib.json "
     "--json",
     ".venv/bin/gptpar plan search --model gpt2-mini --gpus 2 --profile local --calibration calib.json --top 5 "

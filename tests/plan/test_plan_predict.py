@@ -258,24 +258,25 @@ def test_each_pipeline_stage_is_priced_by_its_own_blocks() -> None:
     assert steps[0] != pytest.approx(steps[1])
 
 
+@pytest.mark.parametrize("dp", [1, 2])  # dp=1: one device, the sync over a group of one (group_of_one)
 @pytest.mark.parametrize(("sync", "offload", "copies"), [
     ("zero2", "optimizer", 2),  # the gradient shard down and the updated shard up, once a step
     ("fsdp2", "params", 1 + 2 * 2),  # the gradient shard down once; the shard up for each of 2 micro-steps' 2 gathers
 ])
 def test_offload_prices_its_host_device_copies_and_moves_the_state_to_the_host(sync: str, offload: str,
-                                                                                copies: int) -> None:
-    words = (*EIGHT_BLOCKS, "parallel.dp=2", f"parallel.dp_sync={sync}", "train.grad_accum=2")
+                                                                                copies: int, dp: int) -> None:
+    words = (*EIGHT_BLOCKS, f"parallel.dp={dp}", f"parallel.dp_sync={sync}", "train.grad_accum=2")
     plain, moved = layout(*words), layout(*words, f"parallel.offload={offload}")
     link = LinkFit(1e-5, 2e9, "test link")
     net = dataclasses.replace(network(), host_device=link)
     a, b = (predict(lay, calibration(lay), net, "test cpu") for lay in (plain, moved))
     n = plain.rank_parameters(0)
-    assert b.exposed_comm_s["host-device copies"] == pytest.approx(1e-5 + copies * 4 * n / 2 / 2e9)
+    assert b.exposed_comm_s["host-device copies"] == pytest.approx(1e-5 + copies * 4 * n / dp / 2e9)
     assert b.step_time_s - a.step_time_s == pytest.approx(b.exposed_comm_s["host-device copies"])
     assert "host-device copies" not in a.exposed_comm_s
-    host = 16 * n / 2  # 16N/W on the host: AdamW's state with (zero2) the fp32 shard and its gradient, or (fsdp2) all
+    host = 16 * n / dp  # 16N/W on the host: AdamW's state with (zero2) the fp32 shard and its gradient, or (fsdp2) all
     assert b.memory["host"] == int(host) and a.memory["host"] == 0
-    assert b.memory["state"] == a.memory["state"] - (int(host) if offload == "params" else 8 * n // 2)
+    assert b.memory["state"] == a.memory["state"] - (int(host) if offload == "params" else 8 * n // dp)
     assert b.memory_bytes == a.memory_bytes - (a.memory["state"] - b.memory["state"])  # the device's total
     moved = ("optimizer",) if offload == "optimizer" else ("params", "grads", "optimizer")
     assert all(b.memory[part] == (0 if part in moved else a.memory[part]) for part in ("params", "grads", "optimizer"))

@@ -116,9 +116,6 @@ def test_the_memory_count_is_the_closed_form_on_device_and_host(runs, dp_sync: s
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["parallel.dp=1", "parallel.dp_sync=zero1", "parallel.offload=optimizer"],
-     "parallel.offload=optimizer moves the data-parallel sync's shards, and parallel.dp=1 has no sync; use "
-     "parallel.dp > 1, or parallel.offload=none"),
     (["parallel.dp=2", "parallel.tp=2", "parallel.dp_sync=zero2", "parallel.offload=optimizer"],
      "parallel.offload=optimizer is not built with parallel.tp=2; use parallel.tp=1, or parallel.offload=none"),
     (["parallel.dp=2", "parallel.ep=2", "model.preset=mixtral-tiny", "parallel.dp_sync=fsdp2",
