@@ -183,7 +183,7 @@ def check_lora(cfg: Config) -> None:
     if layout:
         raise ConfigError(f"{lora} runs on one process or data parallelism only, not with {either(layout, 'and')}; "
                           "set parallel.pp, tp and ep to 1 and parallel.pp_mode=single, or train.lora_rank=0")
-    if p.dp > 1 and (why := DP_STRATEGIES[p.dp_sync].without_lora):
+    if (p.dp > 1 or DP_STRATEGIES[p.dp_sync].alone) and (why := DP_STRATEGIES[p.dp_sync].without_lora):
         allowed = [name for name, row in DP_STRATEGIES.items() if not row.without_lora]
         raise ConfigError(f"{lora} does not run under parallel.dp_sync={p.dp_sync} ({why}); use {either(allowed)}")
 

@@ -201,7 +201,9 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         ZERO_STAGES[3], "drives its own engine, which syncs whole models only", tensor_parallel=(),
         without_whole_compile="runs its own engine around the model", grad_comm=("fp32", "int8"),
         param_comm=("fp32", "int8"), hpz=True, offloads=("optimizer", "params"), stages=True,
-        alone=True, master=True),
+        alone=True, master=True,
+        without_lora="builds its engine's optimizer over every parameter it is handed; frozen weights under it are not "
+                     "tested yet"),
 }
 
 

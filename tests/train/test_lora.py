@@ -204,3 +204,10 @@ def test_lora_under_our_fsdp_is_one_line_naming_the_strategies_that_run_it() -> 
     assert str(caught.value) == ("train.lora_rank=8 does not run under parallel.dp_sync=fsdp (its units shard "
                                  "trainable parameters only, and a unit of frozen weights alone has none); use naive, "
                                  "bucketed, ddp, zero1, zero2 or fsdp2")
+
+
+def test_lora_under_deepspeed_is_refused_even_on_one_device() -> None:
+    """DeepSpeed runs alone at parallel.dp=1 (a group of one), so its refusal must not wait for dp > 1."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["train.lora_rank=8", "parallel.dp_sync=deepspeed"])
+    assert str(caught.value).startswith("train.lora_rank=8 does not run under parallel.dp_sync=deepspeed (")
