@@ -266,3 +266,27 @@ def test_the_crop_is_torchvisions_random_resized_crop_and_half_the_images_flip()
                               np.asarray(image.crop(crop_box(16, 16, np.random.default_rng([0, 0, i]))))[:, ::-1])
                for i in range(400)]
     assert 160 <= sum(flipped) <= 240  # binomial(400, 0.5): mean 200, sd 10; 4 sd each side
+
+
+def test_a_run_on_a_named_set_reads_it_through_the_trainer_with_new_crops_each_epoch(tmp_path: Path,
+                                                                                      offline: None) -> None:
+    """The trainer's data for data.source=cifar100: the saved set's items (augmented from train.seed) and its classes
+    as the model's outputs; each epoch's batches draw that epoch's crops (set_epoch), not epoch 0's again."""
+    from rank_training import VIT_BASE, make_config, make_trainer
+
+    from gptpar.parallel.process_group import RankInfo
+
+    data = cifar_like(tmp_path)
+    single = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
+                      launcher="single", backend="gloo", device=torch.device("cpu"))
+    cfg = make_config(["data.source=cifar100", f"data.dir={data.dir}", "data.augment=true", "train.batch_size=1",
+                       "train.seed=7"], tmp_path / "runs", "named", VIT_BASE)
+    trainer = make_trainer(cfg, single)
+    assert trainer.classes == tuple(FINE) and trainer.model_config.num_labels == len(FINE)
+    expected_set = load_named_images(replace(data, augment=True), 32, seed=7).train
+    expected_set.set_epoch(1)
+    first = next(trainer.batches(1, 0))[0]
+    assert trainer.train_set.epoch == 1
+    order = [int(i) for i in first[1]]  # the epoch's first image, by its label (the labels are distinct)
+    index = [2, 0, 1].index(order[0])
+    assert torch.equal(first[0][0], expected_set[index][0])
