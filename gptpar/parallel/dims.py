@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gptpar.errors import GptparError
+from gptpar.parallel.flight import name_group
 from gptpar.parallel.grid import (
     COMPOSITES,
     GRID_DIMS,
@@ -56,8 +57,11 @@ class ParallelDims(RankInfo):
                 raise GptparError(f"rank grid: {inner}={full[inner]} does not divide {outer}={full[outer]}")
         mesh = (init_device_mesh(info.device.type, tuple(full[dim] for dim in GRID_DIMS), mesh_dim_names=GRID_DIMS)
                 if info.world_size > 1 else None)
-        return cls(**{f.name: getattr(info, f.name) for f in dataclasses.fields(RankInfo)}, sizes=full,
-                   coords=coordinates(info.rank, full), mesh=mesh, composites=_composites(full))
+        placed = cls(**{f.name: getattr(info, f.name) for f in dataclasses.fields(RankInfo)}, sizes=full,
+                     coords=coordinates(info.rank, full), mesh=mesh, composites=_composites(full))
+        for dim in (*GRID_DIMS, *COMPOSITES):
+            name_group(placed.group(dim), dim)  # the flight recorder's names
+        return placed
 
     def size(self, dim: str) -> int:
         return self.sizes[dim]
