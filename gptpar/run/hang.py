@@ -62,13 +62,14 @@ def _held_up_by(rank: int, dump: dict[str, Any] | None, group: str, seq: int) ->
     entered the collective, or had been stopped (SIGSTOP) until the dump signal; None otherwise."""
     if dump is None:
         return {"rank": rank, "host": None, "pid": None, "where": None, "function": None, "entered": False,
-                "stopped": None}
+                "state": None, "stopped": None}
     entered, stopped = int(dump.get("seqs", {}).get(group, 0)) >= seq, bool(dump.get("stopped"))
     if entered and not stopped:
         return None
     where, function = _where(dump.get("frames", []))
+    state = next((e["state"] for e in dump.get("entries", []) if (e["group"], e["seq"]) == (group, seq)), None)
     return {"rank": rank, "host": dump["host"], "pid": dump["pid"], "where": where, "function": function,
-            "entered": entered, "stopped": stopped}
+            "entered": entered, "state": state, "stopped": stopped}
 
 
 def _sentence(stuck: dict[str, Any], collective: str) -> str:
@@ -76,7 +77,9 @@ def _sentence(stuck: dict[str, Any], collective: str) -> str:
     if stuck["where"] is None:
         return f"{rank} left no dump (it did not answer) and held up {collective}"
     who = f"{rank} ({stuck['host']}, pid {stuck['pid']})"
-    did = f"was stopped (SIGSTOP) inside {collective}" if stuck["entered"] else f"never entered {collective}"
+    did = f"never entered {collective}" if not stuck["entered"] else \
+        f"issued {collective} and was stopped (SIGSTOP) before waiting for it" if stuck["state"] == "issued" else \
+        f"was stopped (SIGSTOP) inside {collective}"
     was = "it was stopped in" if stuck["stopped"] and not stuck["entered"] else "it is in"
     return f"{who} {did}: {was} {stuck['where']} ({stuck['function']})"
 

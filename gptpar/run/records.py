@@ -232,8 +232,9 @@ class FinalRecord(Record):
         "A rank that failed inside a collective (a peer's timeout, parallel.timeout_s), once every rank dumped its "
         "flight recorder and stack (job/rank<R>.flight.json, job/rank<R>.stack): `collective`, its `group` "
         "(dp, tp, pp, ep, world), `bytes`, `step`, `micro_step` and `seq` (its number in the group), the `waiting` "
-        "ranks and `waited_s`, the `stuck` ranks of the group that never entered it (`rank`, `host`, `pid`, `where`: "
-        "file:line of gptpar's innermost frame, `function`; null ones: no dump came), and `summary`, the sentence "
+        "ranks and `waited_s`, the `stuck` ranks of the group that never entered it or were stopped (SIGSTOP) in it "
+        "(`rank`, `host`, `pid`, `where`: file:line of gptpar's innermost frame, `function`, whether it `entered` it, "
+        "its `state` there, whether it was `stopped`; null ones: no dump came), and `summary`, the sentence "
         "`gptpar status` shows (gptpar.run.hang).")
 
 

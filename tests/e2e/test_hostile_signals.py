@@ -343,9 +343,11 @@ def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank
     assert state.state == "failed"
     pid = result["pids"][1]
     # Named with the collective it held up and the line it was stopped at, from every rank's dump (gptpar.run.hang).
-    assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never entered|was stopped \(SIGSTOP\) "
-                        r"inside) \w+\((dp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step 0\): it (was stopped in|"
-                        r"is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 waited \d+ s in it", state.detail), state.detail
+    collective = r"\w+\((dp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step 0\)"
+    assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never entered {collective}|was stopped "
+                        rf"\(SIGSTOP\) inside {collective}|issued {collective} and was stopped \(SIGSTOP\) before "
+                        r"waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 waited "
+                        r"\d+ s in it", state.detail), state.detail
     hang = _log(result["run"], 0).final["hang"]
     assert hang["waiting"] == [0] and [(s["rank"], s["pid"], s["stopped"]) for s in hang["stuck"]] == [(1, pid, True)]
     assert hang["summary"] in state.detail and hang["stuck"][0]["where"] in state.detail

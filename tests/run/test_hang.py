@@ -52,7 +52,7 @@ def test_the_rank_that_never_entered_the_collective_is_named_with_its_line(tmp_p
         "collective": "all_reduce", "group": "dp", "bytes": 48 * MIB, "step": 12, "seq": 5, "waiting": [0],
         "waited_s": 30.0}
     assert hang["stuck"] == [{"rank": 1, "host": "node2", "pid": 4701, "where": "gptpar/data/blocks.py:88",
-                              "function": "read", "entered": False, "stopped": True}]
+                              "function": "read", "entered": False, "state": None, "stopped": True}]
 
 
 def test_a_rank_stopped_inside_the_collective_is_named_though_it_entered_it(tmp_path):
@@ -61,6 +61,14 @@ def test_a_rank_stopped_inside_the_collective_is_named_though_it_entered_it(tmp_
     assert diagnose(read_dumps(folder, 2, START), 2)["summary"] == (
         "rank 1 (node2, pid 4701) was stopped (SIGSTOP) inside all_reduce(dp, 48 MiB) of step 12 (micro-step 0): it "
         "is in gptpar/data/blocks.py:88 (read); rank 0 waited 30 s in it")
+
+
+def test_a_rank_stopped_between_issuing_the_collective_and_waiting_for_it_is_named_so(tmp_path):
+    folder = _written(tmp_path, _dump(0, {"dp": 5}, [WAITED], []),
+                      _dump(1, {"dp": 5}, [_entry(5, "issued", START + 9)], READING[:2], stopped=True))
+    assert diagnose(read_dumps(folder, 2, START), 2)["summary"] == (
+        "rank 1 (node2, pid 4701) issued all_reduce(dp, 48 MiB) of step 12 (micro-step 0) and was stopped (SIGSTOP) "
+        "before waiting for it: it is in gptpar/data/blocks.py:88 (read); rank 0 waited 30 s in it")
 
 
 def test_a_rank_without_a_dump_of_this_start_is_named_without_a_place(tmp_path):
