@@ -81,10 +81,11 @@ def timed(op: str, device: torch.device, now: Callable[[], float] = time.perf_co
 
 
 @contextlib.contextmanager
-def comm_span(*ops: str, phase: str = "call", group: dist.ProcessGroup | None = None,
+def comm_span(*ops: str, phase: str = "call", group: dist.ProcessGroup | str | None = None,
               nbytes: int = 0) -> Iterator[None]:
     """Label the enclosed communication as `ops` (e.g. "all_reduce", "send") in the given phase, over `group` (None:
-    the default group), `nbytes` the tensor's size, and record it in the flight recorder."""
+    the default group; gptpar.parallel.flight.P2P: point-to-point), `nbytes` the tensor's size, and record it in the
+    flight recorder."""
     name = group_name(group)
     entries = [RECORDER.enter(op, phase, name, nbytes) for op in ops]
     try:

@@ -89,7 +89,9 @@ class ParallelDims(RankInfo):
         """This rank's group of `size` consecutive coordinates along `dim` (grid.block_ranks): parallel.hpz's node
         group inside dp. Every rank must ask, in the same order (torch's rule for new groups)."""
         groups = every_group(self.world_size, lambda r: block_ranks(r, self.sizes, dim, size))
-        return dist.new_subgroups_by_enumeration(groups)[0]
+        block = dist.new_subgroups_by_enumeration(groups)[0]
+        name_group(block, f"{dim}_block")
+        return block
 
 
 def _composites(sizes: dict[str, int]) -> dict[str, dist.ProcessGroup]:

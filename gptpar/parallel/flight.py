@@ -44,6 +44,7 @@ DUMP_SIGNAL = signal.SIGQUIT
 CONT_WAIT_S = 0.05  # after the dump signal's byte, how long a SIGCONT's may take to follow (both come at once)
 CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture itself (never, when blocked in C)
 UNFINISHED = ("started", "waiting", "failed")  # states of a collective a rank has not come out of
+P2P = "p2p"  # the group name of point-to-point calls: a rank's count of them matches no peer's (not diagnosed)
 CAPACITY = 64  # collectives kept per rank: a step of bucketed dp issues a few per bucket; the hung one is the last
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # frames under it are shown relative to it: gptpar/train/...
 _NAMES: dict[Any, tuple[str, list[int]]] = {}  # process group -> (its dimension's name, its global ranks)
@@ -55,9 +56,11 @@ def name_group(group: dist.ProcessGroup | None, name: str) -> None:
         _NAMES[group] = (name, dist.get_process_group_ranks(group))
 
 
-def group_name(group: dist.ProcessGroup | None) -> str:
+def group_name(group: dist.ProcessGroup | str | None) -> str:
     """The recorder's name of `group`: its dimension's (dp when dp spans the job: torch's mesh then hands out the
-    default group), else `world` for the default group (None)."""
+    default group), else `world` for the default group (None); P2P for point-to-point calls."""
+    if isinstance(group, str):
+        return group
     if group in _NAMES:
         return _NAMES[group][0]
     return "world" if group is None or group is dist.GroupMember.WORLD else "group"
@@ -96,18 +99,20 @@ class Recorder:
             entry["state"] = "failed"
         elif phase == "issue":
             entry["state"] = "issued"
-            self.issued.setdefault(entry["op"], deque()).append(entry)
+            self.issued.setdefault(entry["op"], deque(maxlen=self.entries.maxlen)).append(entry)
             return
         else:
             entry["state"] = "completed"
         entry["end"] = time.time()
 
     def blocked(self) -> dict[str, Any] | None:
-        """The collective this rank is inside (or failed inside) and has not come out of: the oldest such."""
-        return next((entry for entry in self.entries if entry["state"] in UNFINISHED), None)
+        """The collective this rank is inside (or failed inside) and has not come out of: the oldest such. Not a
+        point-to-point call: its count matches no peer's, so gptpar.run.hang could not compare it (not yet)."""
+        return next((e for e in self.entries if e["state"] in UNFINISHED and e["group"] != P2P), None)
 
     def in_collective(self) -> bool:
-        return self.blocked() is not None
+        """Whether this rank is inside (or failed inside) any communication, point-to-point included."""
+        return any(entry["state"] in UNFINISHED for entry in self.entries)
 
     def snapshot(self) -> dict[str, Any]:
         """The recorder as a dump holds it, with `blocked` for its reader (gptpar.run.hang)."""

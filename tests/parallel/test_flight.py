@@ -13,7 +13,7 @@ import pytest
 import gptpar.parallel.comm as comm
 import gptpar.parallel.flight as flight
 from gptpar.parallel.comm import comm_span, new_step
-from gptpar.parallel.flight import DUMP_SIGNAL, Recorder, dumps_on_signal
+from gptpar.parallel.flight import DUMP_SIGNAL, P2P, Recorder, dumps_on_signal
 
 DEADLINE_S = 30.0  # a hang guard while waiting for the dump thread: never a timing claim
 
@@ -76,3 +76,12 @@ def test_the_dump_signal_writes_the_recorder_and_every_threads_stack_while_insid
     text = stack.read_text()
     assert "Thread 0x" in text and text.count("in test_the_dump_signal_writes_the_recorder") >= 1
     assert signal.getsignal(DUMP_SIGNAL) is signal.SIG_DFL  # given back
+
+
+def test_a_point_to_point_wait_dumps_but_is_no_collective_to_compare(recorder):
+    """A rank's count of sends and receives matches no peer's: inside one it dumps on failure, but its `blocked` (what
+    gptpar.run.hang compares between ranks) is the collective it is in, if any."""
+    with comm_span("recv", group=P2P, nbytes=8):
+        assert recorder.in_collective() and recorder.blocked() is None
+        with comm_span("all_reduce", nbytes=4):
+            assert recorder.blocked()["op"] == "all_reduce"
