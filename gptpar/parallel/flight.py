@@ -5,7 +5,8 @@ tells RECORDER: each rank keeps the last CAPACITY of them (operation, its group'
 micro-step, start and end time, state) and, per group, how many it has entered (`seqs`). The ranks of a group issue
 its collectives in one order, so the k-th collective of `dp` on one rank is the k-th on every other: a rank that
 waits in `dp` #k while a peer's `dp` count is below k is waiting for a peer that never entered it. Recording costs a
-few list operations and two clock reads per call and never waits for the device.
+few list operations and two clock reads per call and never waits for the device: 0.8 us per collective on a 2-core
+CPU VM (timeit, median of 7), against 6.2 ms for the smallest dp=2 step the tests run (3 collectives): 0.04%.
 
 A rank dumps (`dump`) its recorder to job/rank<R>.flight.json and the Python stack of every thread to
 job/rank<R>.stack (gptpar.run.folder names them) when it fails inside a collective (a peer's timeout, say), and when

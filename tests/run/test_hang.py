@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from logsets import T0, Rank, config
+
 from gptpar.run.folder import RunFolder
 from gptpar.run.hang import diagnose, read_dumps
+from gptpar.run.state import read_run
 
 START = 1_000.0  # the segment's start, in the dumps' clock
 MIB = 1 << 20
@@ -93,3 +96,22 @@ def test_only_the_ranks_of_the_group_waited_in_are_suspects(tmp_path):
 def test_no_rank_inside_a_collective_is_no_hang(tmp_path):
     folder = _written(tmp_path, _dump(0, {"dp": 4}, [_entry(4, "completed", START, START + 1)], READING))
     assert diagnose(read_dumps(folder, 2, START), 2) is None
+
+
+def _hung_run(tmp_path, where: str | None) -> str:
+    """The detail gptpar status shows for a dp=2 run whose rank 0 timed out with `where` its diagnosis's place of rank
+    1 (None: rank 1 left no dump), and rank 1 has no final record."""
+    cfg = config(dp=2)
+    stuck = {"rank": 1, "host": "node2", "pid": 4701, "where": where, "function": "read", "entered": False,
+             "state": None, "stopped": True}
+    hang = {"summary": "rank 1 ... never entered all_reduce(dp, 48 MiB)", "stuck": [stuck]}
+    Rank(tmp_path, 0, cfg).header().step(1).final("failed", 1, error="RuntimeError: [gloo] Timed out", hang=hang)
+    Rank(tmp_path, 1, cfg).header().step(1)
+    return read_run(RunFolder(tmp_path), now=T0 + 60).detail
+
+
+def test_status_says_the_hang_where_the_stuck_rank_dumped_and_why_it_ended_where_it_did_not(tmp_path):
+    assert _hung_run(tmp_path / "dumped", "gptpar/data/blocks.py:88") == \
+        "hung: rank 1 ... never entered all_reduce(dp, 48 MiB)"
+    assert _hung_run(tmp_path / "killed", None).startswith("rank 1 stopped responding after step 1: no final record, "
+                                                           "and rank 0 lost contact with it")
