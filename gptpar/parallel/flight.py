@@ -12,8 +12,8 @@ A rank dumps (`dump`) its recorder to job/rank<R>.flight.json and the Python sta
 job/rank<R>.stack (gptpar.run.folder names them) when it fails inside a collective (a peer's timeout, say), and when
 it receives DUMP_SIGNAL (SIGQUIT, the usual "dump your threads" signal: USR2 asks for a requeue, TERM and INT for a
 stop, USR1 belongs to NCCL). A rank blocked inside a collective never runs a Python signal handler, so the signal
-wakes a thread instead (`signal.set_wakeup_fd`), and faulthandler writes the stack at once from C even if that
-thread cannot run. gptpar.run.hang reads the dumps of every rank and names the rank that held the others up.
+wakes a thread instead (`signal.set_wakeup_fd`), and faulthandler writes the stack at once from C to the rank's stderr
+even if that thread cannot run. gptpar.run.hang reads every rank's dump and names the rank that held the others up.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any
 
 import torch.distributed as dist
 
@@ -46,6 +46,7 @@ CONT_WAIT_S = 0.05  # after the dump signal's byte, how long a SIGCONT's may tak
 CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture itself (never, when blocked in C)
 UNFINISHED = ("started", "waiting", "failed")  # states of a collective a rank has not come out of
 P2P = "p2p"  # the group name of point-to-point calls: a rank's count of them matches no peer's (not diagnosed)
+STDERR_FD = 2
 CAPACITY = 64  # collectives kept per rank: a step of bucketed dp issues a few per bucket; the hung one is the last
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # frames under it are shown relative to it: gptpar/train/...
 _NAMES: dict[Any, tuple[str, list[int]]] = {}  # process group -> (its dimension's name, its global ranks)
@@ -222,8 +223,8 @@ def dumps_on_signal(rank: int, flight_path: Path, stack_path: Path) -> Iterator[
     previous = {DUMP_SIGNAL: signal.signal(DUMP_SIGNAL, lambda signum, frame: dumper.capture(frame)),
                 signal.SIGCONT: signal.signal(signal.SIGCONT, _no_op)}  # for its byte on the wake-up fd
     previous_fd = signal.set_wakeup_fd(write)
-    stack_file: TextIO = open(stack_path, "a")
-    faulthandler.register(DUMP_SIGNAL, file=stack_file, all_threads=True, chain=True)  # then Python's handler
+    # At once from C, to the rank's stderr (job/rank<R>.err), even where no Python thread can run; then Python's handler
+    faulthandler.register(DUMP_SIGNAL, file=STDERR_FD, all_threads=True, chain=True)
     thread = threading.Thread(target=_wait_for_signal, args=(read, dumper), name="gptpar-dump", daemon=True)
     thread.start()
     try:
@@ -236,7 +237,6 @@ def dumps_on_signal(rank: int, flight_path: Path, stack_path: Path) -> Iterator[
         os.close(write)  # ends the thread's read
         thread.join()
         os.close(read)
-        stack_file.close()
         _dumper = None
 
 
