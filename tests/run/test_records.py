@@ -64,7 +64,7 @@ OTHER_DICTS = {
     # the job record's keys, the lock's pid (and a launcher's queue lock's since), error texts, the config's
     # train.checkpoint_every
     "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "since", "MemoryError", "out of memory", "oom-kill",
-                                   "train", "checkpoint_every", "summary"},  # and the hang field's summary
+                                   "train", "checkpoint_every", "summary", "stuck", "where"},  # and the hang field
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
 }
 
