@@ -28,10 +28,11 @@ from gptpar.launch.prepare import Point, rank_command
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.slurm import clean_env
 from gptpar.parallel.env import LAUNCHER_MARKER, LAUNCHER_PID, free_port
+from gptpar.parallel.flight import DUMP_SIGNAL
 from gptpar.run.folder import handed_fds
 from gptpar.run.queue import starting
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, DUMP_SIGNAL)
 PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors get this long to be logged
 KILL_AFTER = 3  # the third INT/TERM kills the ranks (the first stops them at a step boundary)
 
@@ -78,19 +79,23 @@ def run_ranks(point: Point, world: int) -> int:
 
 
 class _Forwarder:
-    """The launcher's handler of INT/TERM/USR2: passes each on to every live rank; the KILL_AFTER-th
-    INT/TERM kills them instead. `killed` collects why the launcher killed a rank."""
+    """The launcher's handler of INT/TERM/USR2 and DUMP_SIGNAL: passes each on to every live rank; the KILL_AFTER-th
+    INT/TERM kills them instead; a rank stopped (SIGSTOP) is continued after DUMP_SIGNAL, so that its own stack is
+    dumped before anything kills it. `killed` collects why the launcher killed a rank."""
 
     def __init__(self, procs: Sequence[subprocess.Popen]):
         self.procs, self.stops, self.killed = procs, 0, {}
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.stops += signum != signal.SIGUSR2
+        self.stops += signum in (signal.SIGINT, signal.SIGTERM)
         for rank, proc in enumerate(self.procs):
             if proc.poll() is None:
                 if self.stops >= KILL_AFTER:
                     self.killed[rank] = f"was killed by the launcher after {self.stops} INT/TERM signals"
                     proc.kill()
+                elif signum == DUMP_SIGNAL and _stopped_by(proc.pid):
+                    proc.send_signal(signum)  # pending until it runs again: the first thing it does
+                    proc.send_signal(signal.SIGCONT)
                 else:
                     proc.send_signal(signum)
 

@@ -9,7 +9,8 @@ was issued and when a rank blocked on it, and `gptpar trace` (analysis/trace.py)
   (a pipeline's loss all-reduce before the buckets' all-reduces).
 
 Several ops issued by one call (a batch of sends and receives) get one span per op, nested. Without a
-running profiler a span costs one check.
+running profiler a span costs one check, and its entry in the flight recorder (gptpar.parallel.flight: the group
+and bytes a caller passes, for naming a hang).
 
 `SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`: the
 expert all-to-alls (gptpar.parallel.expert_parallel), counted from the actual split sizes, and our data-parallel
@@ -33,6 +34,7 @@ from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from gptpar.clock import DeviceClock
+from gptpar.parallel.flight import RECORDER, group_name
 from gptpar.strategies.collectives import ring_share
 
 PREFIXES = {"issue": ("comm",), "wait": ("comm_wait",), "call": ("comm", "comm_wait")}
@@ -40,8 +42,10 @@ SENT: Counter[str] = Counter()  # bytes sent to other ranks since the last read_
 SPENT: dict[str, list[DeviceClock]] = {}  # spans inside timed collectives since the last read_spent(), by collective
 
 
-def new_step() -> None:
-    """Forget what was sent and spent since the last step's record (an evaluation's traffic)."""
+def new_step(step: int = 0) -> None:
+    """Forget what was sent and spent since the last step's record (an evaluation's traffic); `step` is the one
+    starting, for the flight recorder."""
+    RECORDER.new_step(step)
     SENT.clear()
     SPENT.clear()
 
@@ -77,24 +81,36 @@ def timed(op: str, device: torch.device, now: Callable[[], float] = time.perf_co
 
 
 @contextlib.contextmanager
-def comm_span(*ops: str, phase: str = "call") -> Iterator[None]:
-    """Label the enclosed communication as `ops` (e.g. "all_reduce", "send") in the given phase."""
-    if not _profiler_enabled():
-        yield
-        return
-    with contextlib.ExitStack() as stack:
-        for op in ops:
-            for prefix in PREFIXES[phase]:
-                stack.enter_context(record_function(f"{prefix}:{op}"))
-        yield
+def comm_span(*ops: str, phase: str = "call", group: dist.ProcessGroup | str | None = None,
+              nbytes: int = 0) -> Iterator[None]:
+    """Label the enclosed communication as `ops` (e.g. "all_reduce", "send") in the given phase, over `group` (None:
+    the default group; gptpar.parallel.flight.P2P: point-to-point), `nbytes` the tensor's size, and record it in the
+    flight recorder."""
+    name = group_name(group)
+    entries = [RECORDER.enter(op, phase, name, nbytes) for op in ops]
+    try:
+        if not _profiler_enabled():
+            yield
+        else:
+            with contextlib.ExitStack() as stack:
+                for op in ops:
+                    for prefix in PREFIXES[phase]:
+                        stack.enter_context(record_function(f"{prefix}:{op}"))
+                yield
+    except BaseException:
+        for entry in entries:
+            RECORDER.leave(entry, phase, failed=True)
+        raise
+    for entry in entries:
+        RECORDER.leave(entry, phase)
 
 
 def labelled(op: str, collective: Callable[..., Any]) -> Callable[..., Any]:
     """`collective` (a torch.distributed call taking async_op) always inside its span: an issue when called
     with async_op=True, else a blocking call."""
-    def call(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-        with comm_span(op, phase="issue" if async_op else "call"):
-            return collective(*args, async_op=async_op, **kwargs)
+    def call(*args: Any, async_op: bool = False, group: dist.ProcessGroup | None = None, **kwargs: Any) -> Any:
+        with comm_span(op, phase="issue" if async_op else "call", group=group, nbytes=args[0].nbytes):
+            return collective(*args, async_op=async_op, group=group, **kwargs)
     return call
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from gptpar.errors import GptparError
+from gptpar.parallel.flight import name_group
 from gptpar.parallel.grid import (
     COMPOSITES,
     GRID_DIMS,
@@ -57,8 +58,11 @@ class ParallelDims(RankInfo):
                 raise GptparError(f"rank grid: {inner}={full[inner]} does not divide {outer}={full[outer]}")
         mesh = (init_device_mesh(info.device.type, tuple(full[dim] for dim in GRID_DIMS), mesh_dim_names=GRID_DIMS)
                 if info.world_size > 1 or dist.is_initialized() else None)
-        return cls(**{f.name: getattr(info, f.name) for f in dataclasses.fields(RankInfo)}, sizes=full,
-                   coords=coordinates(info.rank, full), mesh=mesh, composites=_composites(full))
+        placed = cls(**{f.name: getattr(info, f.name) for f in dataclasses.fields(RankInfo)}, sizes=full,
+                     coords=coordinates(info.rank, full), mesh=mesh, composites=_composites(full))
+        for dim in (*GRID_DIMS, *COMPOSITES):
+            name_group(placed.group(dim), dim)  # the flight recorder's names
+        return placed
 
     def size(self, dim: str) -> int:
         return self.sizes[dim]
@@ -91,7 +95,9 @@ class ParallelDims(RankInfo):
         """This rank's group of `size` consecutive coordinates along `dim` (grid.block_ranks): parallel.hpz's node
         group inside dp. Every rank must ask, in the same order (torch's rule for new groups)."""
         groups = every_group(self.world_size, lambda r: block_ranks(r, self.sizes, dim, size))
-        return dist.new_subgroups_by_enumeration(groups)[0]
+        block = dist.new_subgroups_by_enumeration(groups)[0]
+        name_group(block, f"{dim}_block")
+        return block
 
 
 def _composites(sizes: dict[str, int]) -> dict[str, dist.ProcessGroup]:

@@ -51,7 +51,7 @@ def _exchange(rows: torch.Tensor, send: list[int], recv: list[int], group: dist.
     """`rows` split by `send` to the group's ranks in order; what each sent back in `recv` rows, concatenated. The
     rows for other ranks count in SENT, the time in SPENT."""
     out = rows.new_empty((sum(recv), *rows.shape[1:]))
-    with comm_span("all_to_all"), timed("all_to_all", rows.device):
+    with comm_span("all_to_all", group=group, nbytes=rows.nbytes), timed("all_to_all", rows.device):
         dist.all_to_all_single(out, rows.contiguous(), recv, send, group=group)
     SENT["all_to_all"] += (sum(send) - send[dist.get_rank(group)]) * math.prod(rows.shape[1:]) * rows.element_size()
     return out
@@ -108,7 +108,7 @@ class DispatchedExperts(nn.Module):
             out = self._run(rows, expert)
         else:
             received = torch.empty_like(counts)
-            with comm_span("all_to_all"), timed("all_to_all", counts.device):
+            with comm_span("all_to_all", group=self.group, nbytes=counts.nbytes), timed("all_to_all", counts.device):
                 dist.all_to_all_single(received, counts, group=self.group)  # per peer, the rows for my experts
             SENT["all_to_all"] += (self.ranks - 1) * self.local * counts.element_size()
             split = torch.stack([counts.view(self.ranks, -1).sum(1), received.view(self.ranks, -1).sum(1)]).tolist()
@@ -188,7 +188,7 @@ class ExpertParallel:
             if param.grad is None:  # no token reached it: zeros, so every replica issues the same collectives
                 param.grad = torch.zeros_like(param)
             if self.replicas is not None:
-                with comm_span("all_reduce"):
+                with comm_span("all_reduce", group=self.replicas, nbytes=param.grad.nbytes):
                     dist.all_reduce(param.grad, group=self.replicas)
                 count_sent("all_reduce", param.grad.numel() * param.grad.element_size(), self.replicas)
             param.grad /= self.replica_count

@@ -75,6 +75,14 @@ class RunFolder:
     def trace_path(self, rank: int) -> Path:
         return self.trace_dir / f"rank{rank}.json"
 
+    def flight_path(self, rank: int) -> Path:
+        """A rank's flight recorder and frames, dumped when a job hangs (gptpar.parallel.flight)."""
+        return self.job_dir / f"rank{rank}.flight.json"
+
+    def stack_path(self, rank: int) -> Path:
+        """Every thread's Python stack of a rank, appended at each dump (gptpar.parallel.flight)."""
+        return self.job_dir / f"rank{rank}.stack"
+
     def rank_logs(self) -> list[Path]:
         """Every rank<R>.jsonl, by rank."""
         return sorted((p for p in self.path.glob(RANK_GLOB) if RANK_FILE.fullmatch(p.name)),

@@ -233,6 +233,14 @@ class FinalRecord(Record):
     loss: float | None | Absent = optional("The last step's loss (absent when the run failed).", may_diverge=True)
     error: str | Absent = optional("A failed run's error, one line.")
     signal: str | None | Absent = optional("The signal that stopped the run, else null (absent when it failed).")
+    hang: dict[str, Any] | Absent = optional(
+        "A rank that failed inside a collective (a peer's timeout, parallel.timeout_s), once every rank dumped its "
+        "flight recorder and stack (job/rank<R>.flight.json, job/rank<R>.stack): `collective`, its `group` "
+        "(dp, tp, pp, ep, world), `bytes`, `step`, `micro_step` and `seq` (its number in the group), the `waiting` "
+        "ranks and `waited_s`, the `stuck` ranks of the group that never entered it or were stopped (SIGSTOP) in it "
+        "(`rank`, `host`, `pid`, `where`: file:line of gptpar's innermost frame, `function`, whether it `entered` it, "
+        "its `state` there, whether it was `stopped`; null ones: no dump came), and `summary`, the sentence "
+        "`gptpar status` shows (gptpar.run.hang).")
 
 
 RECORDS: dict[str, type[Record]] = {c.KIND: c for c in (HeaderRecord, StepRecord, EvalRecord, MemoryRecord,

@@ -14,8 +14,10 @@ The scheduler's answer is passed in (this module never asks SLURM itself), so `g
   Ctrl-C, or on a requeue request where no scheduler restarts the run; running it again resumes),
   cancelled (`gptpar cancel` ended its job since its last start, and no rank stopped cleanly or failed on its own),
   corrupt (an unreadable log: damaged, or written by a newer gptpar).
-- whom a failure is blamed on: a rank's own error first; then a rank that died or hung without a
-  final record, when its peers only report losing contact (a collective timed out, a connection
+- whom a failure is blamed on: a hang's diagnosis first (a rank that failed inside a collective names the rank
+  that held it up and its line, from every rank's dump: gptpar.run.hang), where each rank it names dumped; then a
+  rank's own error; then a rank that died or
+  hung without a final record, when its peers only report losing contact (a collective timed out, a connection
   closed); only then the first of those lost-contact errors.
 """
 
@@ -165,6 +167,11 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
     own = [(r, f) for _, r, f in failed if not PEER_LOST.search(str(f.get("error", "")))]
     silent = sorted((log for log in started if log.final is None), key=lambda log: (log.last_time, log.rank))
     missing = sorted(set(range(expected)) - {log.rank for log in started})
+    # A rank failed inside a collective and named who held it up and where (gptpar.run.hang); a rank that left no
+    # dump (killed, say) is better told by the lines below, which read why it ended.
+    hung = [f["hang"] for _, _, f in failed if f.get("hang") and all(s["where"] for s in f["hang"]["stuck"])]
+    if hung:
+        return "failed", f"hung: {hung[0]['summary']}"
     if own:
         rank, final = own[0]
         return "failed", f"rank {rank} failed at step {final['step']}: {final.get('error', 'no error recorded')}"

@@ -110,7 +110,7 @@ def greedy_decode(forward: Forward, prompts: list[list[int]], eos: int, max_new:
 def _any_rank(group: dist.ProcessGroup, device: torch.device) -> AnyRank:
     def any_rank(flag: bool) -> bool:
         tensor = torch.tensor([float(flag)], device=device)
-        with comm_span("all_reduce"):
+        with comm_span("all_reduce", group=group, nbytes=tensor.nbytes):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
         return bool(tensor.item())
     return any_rank
@@ -139,7 +139,7 @@ def decode_split(forward: Forward | None, data: PairData, split: PairDataset, sa
     texts = {i: data.text(ids) for i, ids in zip(mine, tokens, strict=True)}
     if group is not None:
         shares: list[dict[int, str] | None] = [None] * replicas
-        with comm_span("all_gather"):
+        with comm_span("all_gather", group=group):
             dist.all_gather_object(shares, texts, group=group)
         texts = {i: text for share in shares for i, text in share.items()}
     return [texts[i] for i in range(samples)]

@@ -8,17 +8,21 @@ which names the run only for ranks started on a config file with no run id).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
+import time
 from typing import Any
 
 import torch.distributed as dist
 
 from gptpar.config import Config
 from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.flight import dump_on_failure, dumps_on_signal, request_dumps
 from gptpar.parallel.grid import grid_sizes, launched_config
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
 from gptpar.run.claim import claim_run_folder
 from gptpar.run.folder import RunFolder
+from gptpar.run.hang import collect_dumps, diagnose
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.records import FinalRecord, HeaderRecord
 from gptpar.run.sinks import open_sinks
@@ -36,6 +40,9 @@ from gptpar.train.preemption import (
 )
 from gptpar.train.provenance import header_fields, job_id
 from gptpar.train.trainer import Trainer
+
+DUMP_WAIT_S = 5.0  # how long a rank that failed inside a collective waits for its peers' dumps (a moment: each is
+# written by a thread the dump signal wakes, within milliseconds; a rank that cannot answer is named without a place)
 
 
 def run_rank(cfg: Config) -> dict[str, Any]:
@@ -55,6 +62,10 @@ def _run_rank(cfg: Config) -> dict[str, Any]:
                 if info.rank == 0:
                     print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)
                 return {"status": state, "run_dir": str(folder.path)}
+            if dims.world_size > 1:
+                folder.job_dir.mkdir(parents=True, exist_ok=True)
+                stack.enter_context(dumps_on_signal(dims.rank, folder.flight_path(dims.rank),
+                                                    folder.stack_path(dims.rank)))
             return _train_in_folder(named_run(launched, folder.name)[0], dims, folder)
     finally:
         destroy_distributed()
@@ -69,7 +80,7 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
     if log.torn:
         print(log.torn, file=sys.stderr, flush=True)
     restart = segments(log.path)
-    trainer, started = None, False
+    trainer, started, since = None, False, time.time()
     try:
         log.mirror = open_sinks(cfg.log, dims.rank, folder.path)  # closed by log.close()
         trainer = Trainer(cfg, dims, folder, log)
@@ -90,7 +101,7 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
         step = trainer.step if trainer else 0
         if not isinstance(exc, StopBeforeTraining):
             error = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
-            log.write(FinalRecord(status="failed", step=step, error=error))
+            log.write(FinalRecord(status="failed", step=step, error=error, **_hang(folder, dims, since, exc)))
             raise
         status, loss = "stopped", None  # while the data or the model was prepared: nothing to save yet
         log.write(FinalRecord(status=status, step=step, signal=exc.signal))
@@ -109,6 +120,16 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
             print(f"gptpar: run {folder.path} stopped at step {step}{_by(stop_request())}; "
                   f"{resume_hint(folder, launcher)}", flush=True)
     return {"status": status, "step": step, "loss": loss, "run_dir": str(folder.path)}
+
+
+def _hang(folder: RunFolder, dims: ParallelDims, since: float, exc: BaseException) -> dict[str, Any]:
+    """{"hang": the diagnosis} when this rank failed inside a collective, once it dumped and asked every rank to
+    (waiting DUMP_WAIT_S for their dumps); {} otherwise."""
+    if dims.world_size == 1 or not dump_on_failure(exc):
+        return {}
+    asked = request_dumps(os.environ)
+    hang = diagnose(collect_dumps(folder, dims.world_size, since, DUMP_WAIT_S if asked else 0.0), dims.world_size)
+    return {"hang": hang} if hang else {}
 
 
 def _by(request: tuple[str, str] | None) -> str:

@@ -127,7 +127,7 @@ class Scoring:
             return None
         first = self.dims.coord("pp") == 0
         gathered: list[Any] | None = [None] * self.dims.size("pp") if first else None
-        with comm_span("gather"):
+        with comm_span("gather", group=self.dims.group("pp")):
             dist.gather_object(pieces, gathered, dst=self.dims.group_ranks("pp")[0], group=self.dims.group("pp"))
         if not first:
             return None

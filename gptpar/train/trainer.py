@@ -35,6 +35,7 @@ from gptpar.models.build import add_lora, build_model, count_params
 from gptpar.models.lora import lora_targets, trainable_count
 from gptpar.parallel.comm import comm_span, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.flight import RECORDER
 from gptpar.parallel.grid import GRID_DIMS
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
 from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
@@ -184,7 +185,7 @@ class Trainer:
     def _dp_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the data-parallel replicas, in place (one small all-reduce; no host wait)."""
         if self.dp_group is not None:
-            with comm_span("all_reduce"):
+            with comm_span("all_reduce", group=self.dp_group, nbytes=tensor.nbytes):
                 dist.all_reduce(tensor, group=self.dp_group)
         return tensor
 
@@ -232,6 +233,7 @@ class Trainer:
                                                         self._chunk_weight(micro_batches)), dtype=torch.float64)
         losses, divisors = [], self._loss_divisors(micro_batches)
         for i, batch in enumerate(micro_batches):
+            RECORDER.micro_step = i
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context():
                 with record_function("forward"), precision.autocast():
                     with self._routing():
@@ -412,13 +414,14 @@ class Trainer:
         outcomes = (None, "stopped", "requeued")
         flag = torch.tensor([float(outcomes.index(request[0] if request else None))], device=self.dims.device)
         if self.dims.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            with comm_span("all_reduce", nbytes=flag.nbytes):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return outcomes[int(flag.item())]
 
     def _timed_step(self, batches: Iterator[list[Batch]], epoch: int) -> PendingStep:
         """The next step, from fetching its micro-batches to its global loss (every rank's clock stops after the
         same collectives), its numbers (loss, global loss, grad norm) and time still on the device."""
-        new_step()
+        new_step(self.step + 1)
         clock, device = DeviceClock(self.dims.device), self.dims.device
         start = time.perf_counter()
         micro_batches = next(batches)

@@ -296,7 +296,8 @@ def test_usr2_to_the_launcher_reaches_every_rank_and_reads_as_stopped_outside_sl
     assert code != 0 and err == "" and out[1:] == [f"gptpar: run stopped: {detail}"]
 
 
-# 4. A hung rank fails the whole job, and is the rank named (a killed one: see the submit test, 7).
+# 4. A hung rank fails the whole job, and is the rank named with the collective it held up and its line (a killed
+# one: see the submit test, 7).
 
 HANG_TIMEOUT_S = 10
 
@@ -340,9 +341,20 @@ def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank
     assert result["waited_s"] < HANG_TIMEOUT_S + 30  # a hang guard: in practice the timeout plus a second
     state = read_run(RunFolder(result["run"]))
     assert state.state == "failed"
-    assert re.fullmatch(r"rank 1 stopped responding after step \d+: no final record, and rank 0 lost contact "
-                        rf"with it; rank1\.err: gptpar: rank 1 \(pid {result['pids'][1]}\) was stopped by "
-                        "SIGSTOP; killed by the launcher after rank 0 failed", state.detail), state.detail
+    pid = result["pids"][1]
+    # Named with the collective it held up and the line it was stopped at, from every rank's dump (gptpar.run.hang).
+    collective = r"\w+\((dp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step 0\)"
+    assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never entered {collective}|was stopped "
+                        rf"\(SIGSTOP\) inside {collective}|issued {collective} and was stopped \(SIGSTOP\) before "
+                        r"waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 waited "
+                        r"\d+ s in it", state.detail), state.detail
+    hang = _log(result["run"], 0).final["hang"]
+    assert hang["waiting"] == [0] and [(s["rank"], s["pid"], s["stopped"]) for s in hang["stuck"]] == [(1, pid, True)]
+    assert hang["summary"] in state.detail and hang["stuck"][0]["where"] in state.detail
+    job = RunFolder(result["run"])
+    for rank in (0, 1):  # every rank's stack (all threads) and recorder
+        assert "Thread 0x" in job.stack_path(rank).read_text()
+        assert json.loads(job.flight_path(rank).read_text())["rank"] == rank
     assert "gloo" not in state.detail and "Timed out" not in state.detail  # not rank 0's raw timeout text
     assert result["code"] != 0 and result["out"][1:] == [f"gptpar: run failed: {state.detail}"]
 

@@ -151,7 +151,7 @@ class BucketedSync(GradSync):
                 bucket.sent = bucket.buffer.to(self.wire).div_(self.world_size)
             sent = bucket.buffer if bucket.sent is None else bucket.sent
             count_sent("all_reduce", sent.numel() * sent.element_size(), self.group)
-            with comm_span("all_reduce", phase="issue"):
+            with comm_span("all_reduce", phase="issue", group=self.group, nbytes=sent.nbytes):
                 bucket.work = dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
     @contextlib.contextmanager
@@ -173,7 +173,7 @@ class BucketedSync(GradSync):
             if isinstance(bucket.work, QuantisedAverage):
                 bucket.work.finish()
                 continue
-            with comm_span("all_reduce", phase="wait"):
+            with comm_span("all_reduce", phase="wait", group=self.group):
                 bucket.work.wait()
             if bucket.sent is not None:
                 bucket.buffer.copy_(bucket.sent)

@@ -35,12 +35,12 @@ def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None,
             continue
         count_sent("all_reduce", param.grad.numel() * (wire if wire is not None else param.grad.dtype).itemsize, group)
         if wire is None:
-            with comm_span("all_reduce"):
+            with comm_span("all_reduce", group=group, nbytes=param.grad.nbytes):
                 dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=group)
             param.grad /= size
             continue
         sent = param.grad.to(wire).div_(size)
-        with comm_span("all_reduce"):
+        with comm_span("all_reduce", group=group, nbytes=sent.nbytes):
             dist.all_reduce(sent, op=dist.ReduceOp.SUM, group=group)
         param.grad.copy_(sent)
 

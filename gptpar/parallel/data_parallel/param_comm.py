@@ -103,15 +103,15 @@ class Gather:
 
     def __init__(self, wire: ParamWire, parts: list[torch.Tensor], full: torch.Tensor, group: dist.ProcessGroup,
                  op: str = "all_gather", keep: Secondary | None = None):
-        self.wire, self.full, self.keep = wire, full, keep
+        self.wire, self.full, self.keep, self.group = wire, full, keep, group
         self.received = wire.landing(parts, dist.get_world_size(group), full)
         self.works = [all_gather(whole, part, group=group, async_op=True)
                       for whole, part in zip(self.received, parts, strict=True)]
         count_sent(op, sum(whole.numel() * whole.element_size() for whole in self.received), group)
 
     def wait(self) -> None:
-        with comm_span("all_gather", phase="wait"):
-            for work in self.works:
+        for work in self.works:  # one wait per issue, as the flight recorder pairs them
+            with comm_span("all_gather", phase="wait", group=self.group):
                 work.wait()
         self.wire.decode(self.received, self.full)
         if self.keep is not None:

@@ -46,7 +46,7 @@ def exchange_quantised(padded: torch.Tensor, block: int, group: dist.ProcessGrou
     and the works to wait for. The bytes for other ranks count in SENT as all-to-all."""
     blocks, scales = quantise(padded, block)
     received_blocks, received_scales = torch.empty_like(blocks), torch.empty_like(scales)
-    with comm_span(span, phase="issue"):
+    with comm_span(span, phase="issue", group=group, nbytes=blocks.nbytes + scales.nbytes):
         works = [dist.all_to_all_single(received, sent, group=group, async_op=True)
                  for received, sent in ((received_blocks, blocks), (received_scales, scales))]
     count_sent("all_to_all", blocks.numel() + scales.numel() * scales.element_size(), group)
@@ -65,7 +65,7 @@ class QuantisedAverage:
         self.blocks, self.scales, self.works = exchange_quantised(padded, block, group)
 
     def finish(self) -> None:
-        with comm_span("all_to_all", phase="wait"):
+        with comm_span("all_to_all", phase="wait", group=self.group):
             for work in self.works:
                 work.wait()
         shard_blocks = self.blocks.numel() // self.block // self.size

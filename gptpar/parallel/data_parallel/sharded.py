@@ -279,7 +279,7 @@ class UnitSync(ShardedOptimizer, GradSync):
             return
         u, _, out, work = self._pending
         start = time.perf_counter()
-        with comm_span("reduce_scatter", phase="wait"):
+        with comm_span("reduce_scatter", phase="wait", group=self.group):
             work.wait()
         self.comm_wait_s += time.perf_counter() - start
         u.grad_shard.add_(out)

@@ -91,5 +91,5 @@ class ZeroTwoSync(UnitSync):
         works = [all_gather(u.full, u.shard.clone(), group=self.group, async_op=True) for u in self.units]
         count_sent("all_gather", sum(u.nbytes for u in self.units), self.group)
         for work in works:
-            with comm_span("all_gather", phase="wait"):
+            with comm_span("all_gather", phase="wait", group=self.group):
                 work.wait()

@@ -39,7 +39,7 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedO
     """A summed (or `op`-reduced) copy of x over the group; not differentiable."""
     out = x.contiguous().clone()
     _count("all_reduce", out.numel(), group)
-    with comm_span("all_reduce"):
+    with comm_span("all_reduce", group=group, nbytes=out.nbytes):
         dist.all_reduce(out, op=op, group=group)
     return out
 

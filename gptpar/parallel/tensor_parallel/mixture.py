@@ -31,6 +31,6 @@ class ShardedMixtureGradients:
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            with comm_span("all_reduce"):
+            with comm_span("all_reduce", group=self.group, nbytes=param.grad.nbytes):
                 dist.all_reduce(param.grad, group=self.group)
             count_sent("all_reduce", param.grad.numel() * param.grad.element_size(), self.group)

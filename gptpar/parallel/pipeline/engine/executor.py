@@ -42,6 +42,7 @@ from gptpar.config import Config, example_width
 from gptpar.models import architecture
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.flight import P2P, name_group
 from gptpar.parallel.pipeline.cuts import balanced_sizes
 from gptpar.parallel.pipeline.engine.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
 from gptpar.parallel.pipeline.engine.stages import PipelineStage, pipeline_stages
@@ -146,6 +147,7 @@ class PipelineEngine(nn.Module):
         self.dtype = next(self.stages.parameters()).dtype
         self.computes_loss = str(self.n_stages - 1) in self.stages
         self.tied = tied_group(grid) if tied else None
+        name_group(self.tied, "tied")  # the flight recorder's name
         # This rank's copy of the tied matrix, if it has one (a name: an attribute would register it twice).
         self.tied_name = None if not tied else (
             f"stages.0.embed.{self.arch.embedding}.weight" if "0" in self.stages else
@@ -180,7 +182,7 @@ class PipelineEngine(nn.Module):
     def sum_tied_gradients(self) -> None:
         """Give both copies of the tied embedding the sum of their gradients (after the data-parallel sync)."""
         if self.tied_weight is not None and self.tied_weight.grad is not None:
-            with comm_span("all_reduce"):
+            with comm_span("all_reduce", group=self.tied, nbytes=self.tied_weight.grad.nbytes):
                 dist.all_reduce(self.tied_weight.grad, group=self.tied)
 
     @property
@@ -280,7 +282,7 @@ class PipelineEngine(nn.Module):
                                      time.perf_counter() - start))
             i += 1
         for work in sends:
-            with comm_span("send", phase="wait"):
+            with comm_span("send", phase="wait", group=P2P):
                 work.wait()
         return total
 
@@ -313,12 +315,12 @@ class PipelineEngine(nn.Module):
                 ops.append(dist.P2POp(dist.isend if a.kind.startswith("SEND") else dist.irecv, tensor,
                                       self.peers[a.peer]))
                 kinds.append(a.kind[:4].lower())
-        with comm_span(*kinds, phase="issue"):  # "send" or "recv", one per op
+        with comm_span(*kinds, phase="issue", group=P2P):  # "send" or "recv", one per op
             works = dist.batch_isend_irecv(ops)
         sends = [w for w, kind in zip(works, kinds, strict=True) if kind == "send"]
         for w, kind in zip(works, kinds, strict=True):
             if kind == "recv":
-                with comm_span("recv", phase="wait"):
+                with comm_span("recv", phase="wait", group=P2P):
                     w.wait()
         for a, tensors in received:
             if a.kind == "RECV_F":
@@ -331,7 +333,7 @@ class PipelineEngine(nn.Module):
         """The loss, computed on the last stage, on every rank of the pipeline (this exchange also ends the
         step's window: no rank leaves it before the last stage is done)."""
         if self.pp_group is not None:
-            with comm_span("all_reduce"):
+            with comm_span("all_reduce", group=self.pp_group, nbytes=total.nbytes):
                 dist.all_reduce(total, group=self.pp_group)
         return float(total.item())
 
@@ -354,16 +356,16 @@ class PipelineEngine(nn.Module):
                 else:
                     hidden = torch.empty(xm.size(0), xm.size(1) // self.seq_shards, self.width, dtype=self.dtype,
                                          device=self.device)
-                    with comm_span("recv"):
+                    with comm_span("recv", group=P2P):
                         dist.recv(hidden, self.peers[(s - 1) % self.ranks])
                 out = stage(hidden)
                 if stage.is_last:
                     total += self.loss_fn(out, ym).double() * weight(ym)
                 else:
-                    with comm_span("send", phase="issue"):
+                    with comm_span("send", phase="issue", group=P2P):
                         sends.append(dist.isend(out.to(self.dtype).contiguous(), self.peers[(s + 1) % self.ranks]))
         for work in sends:
-            with comm_span("send", phase="wait"):
+            with comm_span("send", phase="wait", group=P2P):
                 work.wait()
         return self._share(total) / weight(y)
 

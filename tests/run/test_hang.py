@@ -1,0 +1,117 @@
+"""Naming the rank that hung a job from the ranks' dumps (gptpar.run.hang): dumps written here as a rank writes them
+(gptpar.parallel.flight), with known answers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from logsets import T0, Rank, config
+
+from gptpar.run.folder import RunFolder
+from gptpar.run.hang import diagnose, read_dumps
+from gptpar.run.state import read_run
+
+START = 1_000.0  # the segment's start, in the dumps' clock
+MIB = 1 << 20
+
+
+def _entry(seq: int, state: str, start: float, end: float | None = None, group: str = "dp", step: int = 12,
+           nbytes: int = 48 * MIB) -> dict[str, Any]:
+    return {"seq": seq, "op": "all_reduce", "group": group, "bytes": nbytes, "step": step, "micro_step": 0,
+            "start": start, "end": end, "state": state}
+
+
+def _dump(rank: int, seqs: dict[str, int], entries: list[dict[str, Any]], frames: list[list[Any]],
+          groups: dict[str, list[int]] | None = None, stopped: bool = False, at: float = START + 40) -> dict[str, Any]:
+    """A rank's dump; `blocked` is its last entry when that is not completed (the recorder's oldest unfinished)."""
+    blocked = entries[-1] if entries and entries[-1]["state"] != "completed" else None
+    return {"rank": rank, "host": f"node{rank + 1}", "pid": 4700 + rank, "time": at, "reason": "test",
+            "stopped": stopped, "world_size": 2, "groups": groups or {"dp": [0, 1]}, "step": 12, "micro_step": 0,
+            "seqs": seqs, "entries": entries, "blocked": blocked, "frames": frames}
+
+
+WAITED = _entry(5, "failed", START + 10, START + 40)  # rank 0 timed out in dp #5 after 30 s
+READING = [["gptpar/train/trainer.py", 212, "_timed_step"], ["gptpar/data/blocks.py", 88, "read"],
+           ["/usr/lib/python3.11/threading.py", 320, "wait"]]
+
+
+def _written(tmp_path, *dumps: dict[str, Any]) -> RunFolder:
+    folder = RunFolder(tmp_path)
+    folder.job_dir.mkdir()
+    for dump in dumps:
+        folder.flight_path(dump["rank"]).write_text(json.dumps(dump))
+    return folder
+
+
+def test_the_rank_that_never_entered_the_collective_is_named_with_its_line(tmp_path):
+    folder = _written(tmp_path, _dump(0, {"dp": 5}, [_entry(4, "completed", START, START + 1), WAITED], []),
+                      _dump(1, {"dp": 4}, [_entry(4, "completed", START, START + 1)], READING, stopped=True))
+    hang = diagnose(read_dumps(folder, 2, START), 2)
+    assert hang["summary"] == ("rank 1 (node2, pid 4701) never entered all_reduce(dp, 48 MiB) of step 12 "
+                               "(micro-step 0): it was stopped in gptpar/data/blocks.py:88 (read); rank 0 waited 30 s "
+                               "in it")
+    assert {k: hang[k] for k in ("collective", "group", "bytes", "step", "seq", "waiting", "waited_s")} == {
+        "collective": "all_reduce", "group": "dp", "bytes": 48 * MIB, "step": 12, "seq": 5, "waiting": [0],
+        "waited_s": 30.0}
+    assert hang["stuck"] == [{"rank": 1, "host": "node2", "pid": 4701, "where": "gptpar/data/blocks.py:88",
+                              "function": "read", "entered": False, "state": None, "stopped": True}]
+
+
+def test_a_rank_stopped_inside_the_collective_is_named_though_it_entered_it(tmp_path):
+    folder = _written(tmp_path, _dump(0, {"dp": 5}, [WAITED], []),
+                      _dump(1, {"dp": 5}, [_entry(5, "waiting", START + 9)], READING[:2], stopped=True))
+    assert diagnose(read_dumps(folder, 2, START), 2)["summary"] == (
+        "rank 1 (node2, pid 4701) was stopped (SIGSTOP) inside all_reduce(dp, 48 MiB) of step 12 (micro-step 0): it "
+        "is in gptpar/data/blocks.py:88 (read); rank 0 waited 30 s in it")
+
+
+def test_a_rank_stopped_between_issuing_the_collective_and_waiting_for_it_is_named_so(tmp_path):
+    folder = _written(tmp_path, _dump(0, {"dp": 5}, [WAITED], []),
+                      _dump(1, {"dp": 5}, [_entry(5, "issued", START + 9)], READING[:2], stopped=True))
+    assert diagnose(read_dumps(folder, 2, START), 2)["summary"] == (
+        "rank 1 (node2, pid 4701) issued all_reduce(dp, 48 MiB) of step 12 (micro-step 0) and was stopped (SIGSTOP) "
+        "before waiting for it: it is in gptpar/data/blocks.py:88 (read); rank 0 waited 30 s in it")
+
+
+def test_a_rank_without_a_dump_of_this_start_is_named_without_a_place(tmp_path):
+    stale = _dump(1, {"dp": 9}, [], READING, at=START - 1)  # from an earlier start of the run: not read
+    folder = _written(tmp_path, _dump(0, {"dp": 5}, [WAITED], []), stale)
+    hang = diagnose(read_dumps(folder, 2, START), 2)
+    assert hang["summary"] == ("rank 1 left no dump (it did not answer) and held up all_reduce(dp, 48 MiB) of step 12 "
+                               "(micro-step 0); rank 0 waited 30 s in it")
+    assert hang["stuck"][0]["where"] is None
+
+
+def test_only_the_ranks_of_the_group_waited_in_are_suspects(tmp_path):
+    """dp groups {0, 1} and {2, 3}: rank 2 waits in its group's #5 for rank 3; ranks 0 and 1, behind in their own
+    group's count, are not in it."""
+    pairs = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
+    dumps = [_dump(r, {"dp": 3}, [], READING, groups={"dp": pairs[r]}) for r in (0, 1, 3)]
+    dumps.append(_dump(2, {"dp": 5}, [WAITED], [], groups={"dp": [2, 3]}))
+    hang = diagnose(read_dumps(_written(tmp_path, *dumps), 4, START), 4)
+    assert [s["rank"] for s in hang["stuck"]] == [3] and hang["waiting"] == [2]
+
+
+def test_no_rank_inside_a_collective_is_no_hang(tmp_path):
+    folder = _written(tmp_path, _dump(0, {"dp": 4}, [_entry(4, "completed", START, START + 1)], READING))
+    assert diagnose(read_dumps(folder, 2, START), 2) is None
+
+
+def _hung_run(tmp_path, where: str | None) -> str:
+    """The detail gptpar status shows for a dp=2 run whose rank 0 timed out with `where` its diagnosis's place of rank
+    1 (None: rank 1 left no dump), and rank 1 has no final record."""
+    cfg = config(dp=2)
+    stuck = {"rank": 1, "host": "node2", "pid": 4701, "where": where, "function": "read", "entered": False,
+             "state": None, "stopped": True}
+    hang = {"summary": "rank 1 ... never entered all_reduce(dp, 48 MiB)", "stuck": [stuck]}
+    Rank(tmp_path, 0, cfg).header().step(1).final("failed", 1, error="RuntimeError: [gloo] Timed out", hang=hang)
+    Rank(tmp_path, 1, cfg).header().step(1)
+    return read_run(RunFolder(tmp_path), now=T0 + 60).detail
+
+
+def test_status_says_the_hang_where_the_stuck_rank_dumped_and_why_it_ended_where_it_did_not(tmp_path):
+    assert _hung_run(tmp_path / "dumped", "gptpar/data/blocks.py:88") == \
+        "hung: rank 1 ... never entered all_reduce(dp, 48 MiB)"
+    assert _hung_run(tmp_path / "killed", None).startswith("rank 1 stopped responding after step 1: no final record, "
+                                                           "and rank 0 lost contact with it")
