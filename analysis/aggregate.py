@@ -352,6 +352,8 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     m.job_id = job[1] if job else ""
     if m.mixed:
         m.warnings.append(f"run {rel}: {m.mixed}; left out of the table and figures")
+    if run.reshaped:
+        m.warnings.append(f"run {rel}: {run.reshaped}")
     ranks = run.ranks
     if not ranks:
         return m
