@@ -69,6 +69,14 @@ from gptpar.train.step_records import PendingStep, PendingSteps, Spans, sync_eve
 Batch = tuple[torch.Tensor, ...]  # inputs, labels, and the position ids of packed rows (data.packing)
 
 
+def epoch_steps(loader: Iterable[Batch], accum: int, skip_steps: int, steps_per_epoch: int) -> Iterator[list[Batch]]:
+    """An epoch's optimizer steps from this rank's loader, each `accum` micro-batches, the first `skip_steps` skipped:
+    step k of any dp size and any accum is rows [k * batch, (k + 1) * batch) of the epoch's global order
+    (gptpar.data.partition), so a run resumed on another layout (--reshape) continues at the next sample."""
+    micro = iter(islice(loader, skip_steps * accum, steps_per_epoch * accum))
+    return iter(lambda: list(islice(micro, accum)), [])
+
+
 class Trainer:
     """Set-up (data, model, sync, optimizer), the step loop, evaluation, checkpoints and step logs."""
 
@@ -162,8 +170,7 @@ class Trainer:
         accum, device = self.cfg.train.grad_accum, self.dims.device
         if hasattr(self.train_set, "set_epoch"):  # a named image set's data.augment draws new crops each epoch
             self.train_set.set_epoch(epoch)
-        micro = iter(islice(self._loader(epoch), skip_steps * accum, self.steps_per_epoch * accum))
-        steps = iter(lambda: list(islice(micro, accum)), [])
+        steps = epoch_steps(self._loader(epoch), accum, skip_steps, self.steps_per_epoch)
         if device.type != "cuda":
             yield from steps
             return
