@@ -37,6 +37,9 @@ RESUMABLE = frozenset({
 RESHAPEABLE = frozenset({*(f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)),
                          "train.grad_accum", "launch.gpus", "launch.nodes"})
 RESHAPE = "pass --reshape to continue it on the new layout"  # offered where only the layout changed
+# The grid's model-parallel sizes: their checkpoints' keys (fused q, k, v columns, stage names) do not reshard yet
+# (gptpar.train.reshard), so --reshape keeps them.
+KEPT = ("parallel.tp", "parallel.pp", "parallel.ep")
 
 
 def resumable_keys() -> str:
@@ -83,7 +86,7 @@ def _layout(config: dict[str, Any]) -> list[str]:
 def _refuse_changes(folder: RunFolder, old: dict[str, Any], cfg: Config, what: str, again: str, reshape: bool
                     ) -> None:
     new = cfg.to_dict()
-    ignored = RESUMABLE | RESHAPEABLE if reshape else RESUMABLE
+    ignored = RESUMABLE | RESHAPEABLE - set(KEPT) if reshape else RESUMABLE
     if not config_changes(old, new, ignored):
         return
     if reshape and old["train"]["batch_size"] != new["train"]["batch_size"]:
@@ -92,6 +95,9 @@ def _refuse_changes(folder: RunFolder, old: dict[str, Any], cfg: Config, what: s
                           f"start a new run from its weights: `gptpar checkpoint export {folder.path}`, save that "
                           "model with transformers' save_pretrained, then model.init=pretrained:PATH")
     layout_only = not config_changes(old, new, RESUMABLE | RESHAPEABLE)
+    if reshape and layout_only:  # what is left is in KEPT
+        raise GptparError(f"run folder {folder.path}: --reshape keeps {', '.join(KEPT)}, whose checkpoints do not "
+                          f"reshard yet ({config_diff(old, new, ignore=ignored)}); undo that change")
     offer = f"{RESHAPE}, " if layout_only else ""
     raise GptparError(f"run folder {folder.path} {what} ({config_diff(old, new, ignore=ignored)}); "
                       f"a run resumes with the config it was trained with, changing only {resumable_keys()}: "
