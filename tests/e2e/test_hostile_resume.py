@@ -279,6 +279,23 @@ def test_a_moved_run_resumes_where_it_now_is(stopped, tmp_path, data_dir):
 
 
 @pytest.mark.slow
+def test_gptpar_train_reshape_continues_a_stopped_run_on_two_ranks(stopped, tmp_path, data_dir):
+    """The whole path of issue 51: refused without --reshape (offering it), then continued on dp=2 local ranks
+    from the step after the stop, every step once, and `gptpar status` notes the new layout."""
+    run = own_copy(stopped, tmp_path / "runs")
+    step = stop_step(run)
+    refused = _gptpar(data_dir, "train", str(run / "config.yaml"), "parallel.dp=2")
+    assert refused.returncode == 2 and "pass --reshape to continue it on the new layout" in one_line(refused.stderr)
+    done = _gptpar(data_dir, "train", str(run / "config.yaml"), "parallel.dp=2", "--reshape")
+    assert done.returncode == 0, done.stderr
+    resumed(run, step)
+    second = read_rank_log(run / "rank1.jsonl")
+    assert [h["restart"] for h in second.headers] == [0] and min(second.steps) == step + 1
+    status = _gptpar(data_dir, "status", str(run.parent))
+    assert "note: it continued on another layout (restart 1: parallel.dp: 1 -> 2)" in status.stdout, status.stdout
+
+
+@pytest.mark.slow
 def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_alone(stopped, tmp_path, data_dir):
     original = own_copy(stopped, tmp_path / "runs")
     step, before = stop_step(original), (original / "rank0.jsonl").read_bytes()
