@@ -116,7 +116,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         overrides.append(f"launch.nodes={args.nodes}")
     if args.runs_dir is not None:
         overrides.append(f"log.runs_dir={args.runs_dir}")
-    return submit(_resolved(overrides)[0], args.kind, dry_run=args.dry_run)
+    return submit(_resolved(overrides)[0], args.kind, dry_run=args.dry_run, reshape=args.reshape)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -414,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_non_negative, help="nodes (launch.nodes)")
     p.add_argument("--runs-dir", help="where the run folder goes (log.runs_dir)")
     p.add_argument("--dry-run", action="store_true", help="print the job script and submit nothing")
+    p.add_argument("--reshape", action="store_true",
+                   help="continue a stopped run (RUN/config.yaml) on another layout, as gptpar train --reshape")
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.set_defaults(handler=cmd_submit)
 
