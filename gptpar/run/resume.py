@@ -89,11 +89,10 @@ def _refuse_changes(folder: RunFolder, old: dict[str, Any], cfg: Config, what: s
     ignored = RESUMABLE | RESHAPEABLE - set(KEPT) if reshape else RESUMABLE
     if not config_changes(old, new, ignored):
         return
-    if reshape and old["train"]["batch_size"] != new["train"]["batch_size"]:
-        raise GptparError(f"run folder {folder.path}: --reshape keeps the global batch (train.batch_size: "
-                          f"{old['train']['batch_size']!r} -> {new['train']['batch_size']!r}); to train with another, "
-                          f"start a new run from its weights: `gptpar checkpoint export {folder.path}`, save that "
-                          "model with transformers' save_pretrained, then model.init=pretrained:PATH")
+    if reshape and (batch := [c for c in config_changes(old, new) if c.startswith("train.batch_size:")]):
+        raise GptparError(f"run folder {folder.path}: --reshape keeps the global batch ({batch[0]}); to train with "
+                          f"another, start a new run from its weights: `gptpar checkpoint export {folder.path}`, save "
+                          "that model with transformers' save_pretrained, then model.init=pretrained:PATH")
     layout_only = not config_changes(old, new, RESUMABLE | RESHAPEABLE)
     if reshape and layout_only:  # what is left is in KEPT
         raise GptparError(f"run folder {folder.path}: --reshape keeps {', '.join(KEPT)}, whose checkpoints do not "
