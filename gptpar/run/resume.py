@@ -37,9 +37,10 @@ RESUMABLE = frozenset({
 RESHAPEABLE = frozenset({*(f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)),
                          "train.grad_accum", "launch.gpus", "launch.nodes"})
 RESHAPE = "pass --reshape to continue it on the new layout"  # offered where only the layout changed
-# The grid's model-parallel sizes: their checkpoints' keys (fused q, k, v columns, stage names) do not reshard yet
-# (gptpar.train.reshard), so --reshape keeps them.
-KEPT = ("parallel.tp", "parallel.pp", "parallel.ep")
+# Tensor and pipeline parallelism's sizes: their checkpoints' keys (fused q, k, v columns as (in, 3, out/3), stage
+# names) do not reshard yet (gptpar.train.reshard), so --reshape keeps them. parallel.ep's experts are DTensors of the
+# whole tensors: they do.
+KEPT = ("parallel.tp", "parallel.pp")
 
 
 def resumable_keys() -> str:

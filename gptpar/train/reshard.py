@@ -5,12 +5,14 @@ sharding syncs (zero1, zero2, our fsdp) key their flat shards' pieces by paramet
 `<name>[<start>:<end>]` (gptpar.parallel.data_parallel.sharded), which names other tensors under another world size
 or another sync. Here every tensor of either kind is read as what it is: a range [lo, hi) of a parameter's flattened
 value (or of one of its optimizer fields'); a rank asks DCP for the stored tensors that overlap its own ranges and
-copies the overlaps. A stored piece is read whole, a stored whole tensor too (only where the loading rank holds a
-piece of it: one parameter's value, never the model's): ranges of rows are DCP's own business only for equal keys.
+copies the overlaps. A stored piece is read whole, and so is a stored whole tensor: a rank holding a piece of a
+parameter reads all of that parameter's stored value, all such at once (a zero rank of W reads about 1/W of the
+model's state, its boundary parameters whole); reading ranges of rows is DCP's own business only under equal keys.
 
 What maps: the model's parameters and AdamW's fields (exp_avg, exp_avg_sq, step) between plain tensors, DTensors
-sharded by rows (Shard(0)) and pieces. Not: our tensor-parallel checkpoints (the fused q, k, v columns are stored as
-(in, 3, out/3), and a sharding sync's pieces per tp rank under `tp<r>/`), nor pipeline-parallel stage names.
+sharded by rows (Shard(0): FSDP2's, parallel.ep's experts) and pieces. Not: our tensor-parallel checkpoints (the fused
+q, k, v columns are stored as (in, 3, out/3), and a sharding sync's pieces per tp rank under `tp<r>/`), nor
+pipeline-parallel stage names.
 """
 
 from __future__ import annotations

@@ -224,8 +224,8 @@ def test_reshape_keeps_the_model_parallel_sizes_whose_checkpoints_do_not_reshard
     with pytest.raises(GptparError) as exc:
         prepare_run(resolve_config(str(folder.config_path), ["parallel.dp=1", "parallel.tp=2"])[0], reshape=True)
     assert one_line(str(exc.value)) == (
-        f"run folder {folder.path}: --reshape keeps parallel.tp, parallel.pp, parallel.ep, whose checkpoints do not "
-        "reshard yet (parallel.tp: 1 -> 2); undo that change")
+        f"run folder {folder.path}: --reshape keeps parallel.tp, parallel.pp, whose checkpoints do not reshard yet "
+        "(parallel.tp: 1 -> 2); undo that change")
 
 
 def test_status_and_report_note_a_run_continued_on_another_layout(tmp_path, capsys):
