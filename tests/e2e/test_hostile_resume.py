@@ -229,19 +229,19 @@ def test_reshape_keeps_the_model_parallel_sizes_whose_checkpoints_do_not_reshard
 
 
 def test_status_and_report_note_a_run_continued_on_another_layout(tmp_path, capsys):
-    """A reshaped run is no mixed run: status notes its layouts (to the current one), and the report says its
-    throughput mixes them."""
+    """A reshaped run is no mixed run: status notes its layouts (to the current one), and the report times it on its
+    current layout's steps alone."""
     cfg = load_config(None, ["data.tokenizer=bytes"]).to_dict()
     rank = Rank(tmp_path / "reshaped", 0, cfg).header().step(1).step(2)
     rank.cfg = {**cfg, "parallel": {**cfg["parallel"], "dp_sync": "ddp"}}
     rank.header(restart=1).step(3).step(4).final(step=4)
     note = ("it continued on another layout (restart 1: parallel.dp_sync: 'bucketed' -> 'ddp'); its "
-            "throughput mixes layouts")
+            "throughput is the current layout's")
     assert gptpar_main(["status", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"    note: {note}\n" in out and "warning:" not in out
     result = report(tmp_path, tmp_path / "figures", warmup_steps=0)
-    assert [r.run for r in result.shown] == ["reshaped"]
+    assert [r.run for r in result.shown] == ["reshaped"] and result.shown[0].basis == "steps 3-4 of 2"
     assert f"warning: run reshaped: {note}\n" in capsys.readouterr().err
 
 
