@@ -152,7 +152,8 @@ def current_layout(ranks: list[RankLog]) -> list[RankLog]:
         return ranks
     since = float(starts[-1][0].get("time", 0.0))
     return [dataclasses.replace(log, steps={s: r for s, r in log.steps.items() if float(r["time"]) >= since},
-                                epochs={}) for log in ranks if log.headers and float(log.header.get("time", 0)) >= since]
+                                epochs={})
+            for log in ranks if log.headers and float(log.header.get("time", 0)) >= since]
 
 
 def _layout_starts(ranks: list[RankLog]) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
