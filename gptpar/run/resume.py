@@ -72,7 +72,7 @@ def check_start(folder: RunFolder, cfg: Config, runs: Config | None = None,
         _refuse_changes(folder, saved, cfg, "holds a different config", again, reshape)
     ran = last_config(folder, again)
     if ran is not None:
-        accepted = reshape or (saved is not None and _layout(saved) == _layout(runs.to_dict()))
+        accepted = reshape or (saved is not None and _layout(saved) == _layout(runs.to_dict()) != _layout(ran))
         _refuse_changes(folder, ran, runs, "was trained with a different config", again, accepted)
     if saved != cfg.to_dict():
         folder.write_config(cfg)
