@@ -15,7 +15,7 @@ import dataclasses
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,11 +187,12 @@ def _check_metadata(path: Path) -> Metadata:
     return metadata
 
 
-def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
+def load_checkpoint(run_dir: str | Path, state: dict[str, Any], names: Callable[[str], str] = str) -> bool:
     """Load the run's checkpoint into `state` in place; False when the run has none yet.
 
     Stateful values get load_state_dict, tensors are filled in place and other plain values are replaced in the
-    dict. Collective, like save_checkpoint.
+    dict. A checkpoint of another layout is resharded (gptpar.train.reshard), its parameters matched by `names`.
+    Collective, like save_checkpoint.
     """
     path = _existing(run_dir)
     if path is None:
@@ -200,7 +201,7 @@ def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
     try:
         with _quiet():
             if needs_reshard(state, metadata):  # written by another layout (--reshape)
-                load_resharded(path, state, metadata, _distributed())
+                load_resharded(path, state, metadata, _distributed(), names)
             else:
                 dcp.load(state, storage_reader=CheckedReader(path), planner=CheckedLoadPlanner(path),
                          no_dist=not _distributed())

@@ -10,15 +10,17 @@ parameter reads all of that parameter's stored value, all such at once (a zero r
 model's state, its boundary parameters whole); reading ranges of rows is DCP's own business only under equal keys.
 
 What maps: the model's parameters and AdamW's fields (exp_avg, exp_avg_sq, step) between plain tensors, DTensors
-sharded by rows (Shard(0): FSDP2's, parallel.ep's experts) and pieces. Not: our tensor-parallel checkpoints (the fused
-q, k, v columns are stored as (in, 3, out/3), and a sharding sync's pieces per tp rank under `tp<r>/`), nor
-pipeline-parallel stage names.
+sharded by rows (Shard(0): FSDP2's, parallel.ep's experts) and pieces, under the names the trainer gives them in the
+one-process model (`names`: a pipeline's `stages.<s>.` names, a tied head's copy on the last stage as the token
+table). Not: our tensor-parallel checkpoints (the fused q, k, v columns are stored as (in, 3, out/3), and a sharding
+sync's pieces per tp rank under `tp<r>/`).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ _PIECE = re.compile(r"^trainer\.(?:optimizer|model\.pieces)\.(?P<name>.+)\[(?P<s
 _STATE = "trainer.optimizer.state."
 _MODEL = "trainer.model."
 STEP = "step"  # AdamW's step count: one value per parameter, whatever range a piece holds
+Names = Callable[[str], str]  # a parameter's name in a checkpoint of any layout -> the model's own
 
 
 @dataclass(frozen=True)
@@ -49,20 +52,21 @@ class Span:
     hi: int
 
 
-def _flat(key: str, shape: torch.Size, lo: int = 0) -> Span | None:
-    """The span a key names, the tensor of `shape` starting at element `lo` of its whole value; None where the key is
-    none of the model's or the optimizer's (a step count, a tensor-parallel piece)."""
+def _flat(key: str, shape: torch.Size, names: Names, lo: int = 0) -> Span | None:
+    """The span a key names, the tensor of `shape` starting at element `lo` of its whole value, its parameter under
+    the model's own name (`names`); None where the key is none of the model's or the optimizer's (a step count, a
+    tensor-parallel piece)."""
     if match := _PIECE.match(key):
-        return Span(match["name"], match["field"] or "param", int(match["start"]), int(match["end"]))
+        return Span(names(match["name"]), match["field"] or "param", int(match["start"]), int(match["end"]))
     if key.startswith(_STATE):
         name, _, field = key.removeprefix(_STATE).rpartition(".")
-        return Span(name, field, lo, lo + math.prod(shape))
+        return Span(names(name), field, lo, lo + math.prod(shape))
     if key.startswith(_MODEL) and not key.startswith((_MODEL + "pieces.", _MODEL + "shapes.")) and "/" not in key:
-        return Span(key.removeprefix(_MODEL), "param", lo, lo + math.prod(shape))
+        return Span(names(key.removeprefix(_MODEL)), "param", lo, lo + math.prod(shape))
     return None
 
 
-def _wanted(key: str, value: torch.Tensor) -> tuple[Span, torch.Tensor] | None:
+def _wanted(key: str, value: torch.Tensor, names: Names) -> tuple[Span, torch.Tensor] | None:
     """What a tensor of this rank's state asks for, and the flat view it is filled through: a DTensor's local rows
     are a range of its whole value (Shard(0)); any other sharding maps to nothing."""
     if isinstance(value, DTensor):
@@ -71,18 +75,21 @@ def _wanted(key: str, value: torch.Tensor) -> tuple[Span, torch.Tensor] | None:
         if len(chunks) != 1 or any(o for o in chunks[0].offsets[1:]) or not local.is_contiguous():
             return None
         row = math.prod(value.shape[1:])
-        span = _flat(key, local.shape, chunks[0].offsets[0] * row if value.dim() else 0)
+        span = _flat(key, local.shape, names, chunks[0].offsets[0] * row if value.dim() else 0)
         return (span, local.view(-1)) if span is not None else None
-    span = _flat(key, value.shape)
+    span = _flat(key, value.shape, names)
     return (span, value.view(-1)) if span is not None and value.is_contiguous() else None
 
 
-def _stored(metadata: Metadata) -> dict[tuple[str, str], list[tuple[str, Span, TensorStorageMetadata]]]:
-    """The checkpoint's tensors by (parameter, field), each as the span it holds."""
+def _stored(metadata: Metadata, names: Names) -> dict[tuple[str, str], list[tuple[str, Span, TensorStorageMetadata]]]:
+    """The checkpoint's tensors by (parameter, field), each as the span it holds (once: a tied parameter's copies, as
+    a pipeline's first and last stages hold the token table, hold the same span)."""
     found: dict[tuple[str, str], list[tuple[str, Span, TensorStorageMetadata]]] = {}
     for key, meta in metadata.state_dict_metadata.items():
-        if isinstance(meta, TensorStorageMetadata) and (span := _flat(key, meta.size)) is not None:
-            found.setdefault((span.name, span.field), []).append((key, span, meta))
+        if isinstance(meta, TensorStorageMetadata) and (span := _flat(key, meta.size, names)) is not None:
+            held = found.setdefault((span.name, span.field), [])
+            if all(have != span for _, have, _ in held):
+                held.append((key, span, meta))
     return found
 
 
@@ -98,11 +105,13 @@ def _plain(state: dict[str, Any]) -> dict[str, Any]:
     return {key: value.state_dict() if hasattr(value, "state_dict") else value for key, value in state.items()}
 
 
-def load_resharded(path: Path, state: dict[str, Any], metadata: Metadata, distributed: bool) -> None:
-    """Load the checkpoint at `path` into `state` whatever layout wrote it (see the module doc). Collective."""
+def load_resharded(path: Path, state: dict[str, Any], metadata: Metadata, distributed: bool,
+                   names: Names = str) -> None:
+    """Load the checkpoint at `path` into `state` whatever layout wrote it (see the module doc); `names` gives a
+    parameter's name in any layout as the model's own (the trainer's checkpoint_name). Collective."""
     nested = _plain(state)
     flat, mapping = flatten_state_dict(nested)
-    stored_meta, stored = metadata.state_dict_metadata, _stored(metadata)
+    stored_meta, stored = metadata.state_dict_metadata, _stored(metadata, names)
     direct: dict[str, Any] = {}
     fills: list[tuple[str, Span, torch.Tensor]] = []
     for key, value in flat.items():
@@ -112,9 +121,9 @@ def load_resharded(path: Path, state: dict[str, Any], metadata: Metadata, distri
                 direct[key] = value  # a step count, a learning rate: kept as this layout has it when not stored
         elif meta is not None and getattr(meta, "size", None) == value.shape:
             direct[key] = value
-        elif (wanted := _wanted(key, value)) is None:
+        elif (wanted := _wanted(key, value, names)) is None:
             raise GptparError(f"cannot load checkpoint {path} into this layout: {key} has no counterpart in it "
-                              "(tensor-parallel and pipeline-parallel checkpoints do not reshard yet)")
+                              "(tensor-parallel checkpoints do not reshard yet)")
         else:
             fills.append((key, *wanted))
     fills = _untied(fills, stored, [v for v in direct.values() if isinstance(v, torch.Tensor)])

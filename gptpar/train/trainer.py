@@ -37,6 +37,7 @@ from gptpar.parallel.comm import comm_span, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.grid import GRID_DIMS
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
+from gptpar.parallel.pipeline.names import model_name
 from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
 from gptpar.parallel.tensor_parallel.state import counts_in_norm
 from gptpar.run.folder import RunFolder
@@ -105,7 +106,9 @@ class Trainer:
             model = add_lora(model, t, t.seed)
         self.n_params, self.model_config = count_params(model), model.config  # whole, before any sharding
         self.n_trainable = trainable_count(model)
-        shape, routers = cfg.model.shape(), architecture(model).routers(model)
+        self.arch = architecture(model)
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))  # the LM head is the token table
+        shape, routers = cfg.model.shape(), self.arch.routers(model)
         sequence_shards = dims.group("tp") if cfg.parallel.sequence_parallel else None
         self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp"),
                                       dims.group("pp"), dims.device, sequence_shards) if routers else None
@@ -148,6 +151,12 @@ class Trainer:
         comm = self.sync.comm_state()
         return {"model": model, "optimizer": optimizer, "step": self.step, "vocab_size": self.vocab_size,
                 **self.precision.state_dict(), **({"comm": comm} if comm else {})}
+
+    def checkpoint_name(self, name: str) -> str:
+        """A parameter's name in a checkpoint of any layout as the one-process model's (`reshard` matches by it); a
+        tied LM head's as the token table's, which a pipeline's last stage holds a copy of."""
+        name = model_name(name, self.arch)
+        return f"model.{self.arch.token_table}" if self.tied and name == "model.lm_head.weight" else name
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model, optimizer = state["model"], state["optimizer"]
