@@ -37,9 +37,6 @@ RESUMABLE = frozenset({
 RESHAPEABLE = frozenset({*(f"parallel.{f.name}" for f in dataclasses.fields(ParallelConfig)),
                          "train.grad_accum", "launch.gpus", "launch.nodes"})
 RESHAPE = "pass --reshape to continue it on the new layout"  # offered where only the layout changed
-# Tensor parallelism's size: its checkpoints' keys (the fused q, k, v columns as (in, 3, out/3)) do not reshard yet
-# (gptpar.train.reshard), so --reshape keeps it. A pipeline's stage names and parallel.ep's experts do.
-KEPT = ("parallel.tp",)
 
 
 def resumable_keys() -> str:
@@ -86,7 +83,7 @@ def _layout(config: dict[str, Any]) -> list[str]:
 def _refuse_changes(folder: RunFolder, old: dict[str, Any], cfg: Config, what: str, again: str, reshape: bool
                     ) -> None:
     new = cfg.to_dict()
-    ignored = RESUMABLE | RESHAPEABLE - set(KEPT) if reshape else RESUMABLE
+    ignored = RESUMABLE | RESHAPEABLE if reshape else RESUMABLE
     if not config_changes(old, new, ignored):
         return
     if reshape and (batch := [c for c in config_changes(old, new) if c.startswith("train.batch_size:")]):
@@ -94,10 +91,6 @@ def _refuse_changes(folder: RunFolder, old: dict[str, Any], cfg: Config, what: s
                           f"another, start a new run from its weights: `gptpar checkpoint export {folder.path}`, save "
                           "that model with transformers' save_pretrained, then model.init=pretrained:PATH")
     layout_only = not config_changes(old, new, RESUMABLE | RESHAPEABLE)
-    if reshape and layout_only:  # what is left is in KEPT
-        raise GptparError(f"run folder {folder.path}: --reshape keeps {', '.join(KEPT)}, whose checkpoints do not "
-                          f"reshard yet ({config_diff(old, new, ignore=ignored)}); undo that change, or start a new "
-                          f"run from its weights: `gptpar checkpoint export {folder.path}`")
     offer = f"{RESHAPE}, " if layout_only else ""
     raise GptparError(f"run folder {folder.path} {what} ({config_diff(old, new, ignore=ignored)}); "
                       f"a run resumes with the config it was trained with, changing only {resumable_keys()}: "

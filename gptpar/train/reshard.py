@@ -12,8 +12,9 @@ model's state, its boundary parameters whole); reading ranges of rows is DCP's o
 What maps: the model's parameters and AdamW's fields (exp_avg, exp_avg_sq, step) between plain tensors, DTensors
 sharded by rows (Shard(0): FSDP2's, parallel.ep's experts) and pieces, under the names the trainer gives them in the
 one-process model (`names`: a pipeline's `stages.<s>.` names, a tied head's copy on the last stage as the token
-table). Not: our tensor-parallel checkpoints (the fused q, k, v columns are stored as (in, 3, out/3), and a sharding
-sync's pieces per tp rank under `tp<r>/`).
+table); our tensor-parallel pieces (DTensors along other dimensions) are cut from their parameter's whole value,
+read into a buffer. Not: a sharding sync's pieces under parallel.tp > 1, which cut across a tp rank's own pieces and
+are stored per tp rank under `tp<r>/`: they match only a sharding sync's pieces under the same tp.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _STATE = "trainer.optimizer.state."
 _MODEL = "trainer.model."
 STEP = "step"  # AdamW's step count: one value per parameter, whatever range a piece holds
 Names = Callable[[str], str]  # a parameter's name in a checkpoint of any layout -> the model's own
+Finish = Callable[[], Any]  # what is left to do once a wanted tensor's values are in
 
 
 @dataclass(frozen=True)
@@ -66,19 +68,35 @@ def _flat(key: str, shape: torch.Size, names: Names, lo: int = 0) -> Span | None
     return None
 
 
-def _wanted(key: str, value: torch.Tensor, names: Names) -> tuple[Span, torch.Tensor] | None:
-    """What a tensor of this rank's state asks for, and the flat view it is filled through: a DTensor's local rows
-    are a range of its whole value (Shard(0)); any other sharding maps to nothing."""
+def _wanted(key: str, value: torch.Tensor, names: Names) -> tuple[Span, torch.Tensor, Finish | None] | None:
+    """What a tensor of this rank's state asks for, the flat view it is filled through, and what then remains to do:
+    a DTensor's local rows are a range of its whole value (Shard(0)); a DTensor sharded along another dimension (our
+    tensor-parallel pieces) is cut from its whole value, read into a buffer of its own."""
     if isinstance(value, DTensor):
         chunks = value.__create_chunk_list__()
         local = value.to_local()
-        if len(chunks) != 1 or any(o for o in chunks[0].offsets[1:]) or not local.is_contiguous():
+        if len(chunks) != 1 or not local.is_contiguous():
             return None
+        offsets = chunks[0].offsets
+        if any(offsets[1:]) or local.shape[1:] != value.shape[1:]:
+            return _region(key, value.shape, offsets, local, names)
         row = math.prod(value.shape[1:])
-        span = _flat(key, local.shape, names, chunks[0].offsets[0] * row if value.dim() else 0)
-        return (span, local.view(-1)) if span is not None else None
+        span = _flat(key, local.shape, names, offsets[0] * row if value.dim() else 0)
+        return (span, local.view(-1), None) if span is not None else None
     span = _flat(key, value.shape, names)
-    return (span, value.view(-1)) if span is not None and value.is_contiguous() else None
+    return (span, value.view(-1), None) if span is not None and value.is_contiguous() else None
+
+
+def _region(key: str, shape: torch.Size, offsets: torch.Size, local: torch.Tensor, names: Names
+            ) -> tuple[Span, torch.Tensor, Finish] | None:
+    """A piece of a tensor that is no range of its flattened value: the whole value is read into a buffer, and the
+    piece cut from it (viewed in the piece's layout: GPT-2's fused q, k, v columns as (in, 3, out/3))."""
+    span = _flat(key, shape, names)
+    if span is None:
+        return None
+    whole = torch.empty(span.hi - span.lo, dtype=local.dtype)
+    cut = tuple(slice(o, o + n) for o, n in zip(offsets, local.shape, strict=True))
+    return span, whole, lambda: local.copy_(whole.view(shape)[cut])
 
 
 def _stored(metadata: Metadata, names: Names) -> dict[tuple[str, str], list[tuple[str, Span, TensorStorageMetadata]]]:
@@ -114,6 +132,7 @@ def load_resharded(path: Path, state: dict[str, Any], metadata: Metadata, distri
     stored_meta, stored = metadata.state_dict_metadata, _stored(metadata, names)
     direct: dict[str, Any] = {}
     fills: list[tuple[str, Span, torch.Tensor]] = []
+    finishes: list[Finish] = []
     for key, value in flat.items():
         meta = stored_meta.get(key)
         if not isinstance(value, torch.Tensor):
@@ -122,16 +141,19 @@ def load_resharded(path: Path, state: dict[str, Any], metadata: Metadata, distri
         elif meta is not None and getattr(meta, "size", None) == value.shape:
             direct[key] = value
         elif (wanted := _wanted(key, value, names)) is None:
-            raise GptparError(f"cannot load checkpoint {path} into this layout: {key} has no counterpart in it "
-                              "(tensor-parallel checkpoints do not reshard yet)")
+            raise GptparError(f"cannot load checkpoint {path} into this layout: {key} has no counterpart in it")
         else:
-            fills.append((key, *wanted))
+            fills.append((key, *wanted[:2]))
+            finishes += wanted[2:] if wanted[2] is not None else []
     fills = _untied(fills, stored, [v for v in direct.values() if isinstance(v, torch.Tensor)])
     requests = _requests(path, fills, stored)
     loaded = {**direct, **requests}  # DCP fills tensors in place and puts other values into this dict
     dcp.load(loaded, storage_reader=CheckedReader(path), planner=CheckedLoadPlanner(path), no_dist=not distributed)
     for key, span, view in fills:
         _fill(path, key, span, view, [(s, loaded[k]) for k, s, _ in stored[span.name, span.field] if k in requests])
+    with torch.no_grad():
+        for finish in finishes:
+            finish()
     for key, value in unflatten_state_dict({**flat, **{k: loaded[k] for k in direct}}, mapping).items():
         if hasattr(state[key], "load_state_dict"):
             state[key].load_state_dict(value)

@@ -219,15 +219,6 @@ def test_reshape_refuses_another_global_batch_and_says_how_to_start_from_the_wei
         "transformers' save_pretrained, then model.init=pretrained:PATH")
 
 
-def test_reshape_keeps_tensor_parallelism_whose_checkpoints_do_not_reshard_yet(tmp_path):
-    folder = trained(tmp_path, "parallel.dp=2", "parallel.dp_sync=zero2")
-    with pytest.raises(GptparError) as exc:
-        prepare_run(resolve_config(str(folder.config_path), ["parallel.dp=1", "parallel.tp=2"])[0], reshape=True)
-    assert one_line(str(exc.value)) == (
-        f"run folder {folder.path}: --reshape keeps parallel.tp, whose checkpoints do not reshard yet (parallel.tp: "
-        f"1 -> 2); undo that change, or start a new run from its weights: `gptpar checkpoint export {folder.path}`")
-
-
 def test_status_and_report_note_a_run_continued_on_another_layout(tmp_path, capsys):
     """A reshaped run is no mixed run: status notes its layouts (to the current one), and the report times it on its
     current layout's steps alone."""

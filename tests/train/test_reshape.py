@@ -60,6 +60,9 @@ CASES = {
     "dp1-to-zero1-dp2": ([], [["parallel.dp=1"], ["parallel.dp=2", "parallel.dp_sync=zero1"]]),
     "pp2-1f1b-to-dp2": ([], [["parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=1f1b"], ["parallel.dp=2"]]),
     "dp4-to-pp2-dp2": ([], [["parallel.dp=4"], ["parallel.pp=2", "parallel.dp=2", "parallel.chunks=2"]]),
+    "zero2-dp2-to-tp2": ([], [["parallel.dp=2", "parallel.dp_sync=zero2", "parallel.bucket_mb=0.01"],
+                              ["parallel.tp=2"]]),
+    "tp2-to-dp1": ([], [["parallel.tp=2"], ["parallel.dp=1"]]),
     "mixture-ep2-to-ep1": (QWEN_MOE, [["parallel.dp=2", "parallel.ep=2", "parallel.dp_sync=naive"], ["parallel.dp=1"]]),
 }
 
