@@ -59,8 +59,9 @@ def check_start(folder: RunFolder, cfg: Config, runs: Config | None = None,
                 ) -> None:
     """Refuse a start whose config changes a key that is not RESUMABLE (nor, with `reshape`, RESHAPEABLE): `cfg`
     against config.yaml, `runs` (the config the ranks run, by default `cfg`) against the last log header; `again` says
-    how to start over. A rank (no `reshape` of its own) runs a layout that config.yaml records: a submit side with
-    --reshape wrote it there. Then write config.yaml: the first time, or with the keys that changed."""
+    how to start over. A start with `reshape` records the layout it accepted (RESHAPE_FILE), which its ranks, started
+    on config.yaml with no `reshape` of their own, then take. Then write config.yaml: the first time, or with the keys
+    that changed."""
     runs = cfg if runs is None else runs
     saved = folder.read_config()
     saved = None if saved is None else completed(saved)
@@ -68,8 +69,11 @@ def check_start(folder: RunFolder, cfg: Config, runs: Config | None = None,
         _refuse_changes(folder, saved, cfg, "holds a different config", again, reshape)
     ran = last_config(folder, again)
     if ran is not None:
-        accepted = reshape or (saved is not None and _layout(saved) == _layout(runs.to_dict()) != _layout(ran))
+        layout = _layout(runs.to_dict())
+        accepted = reshape or folder.read_reshape() == layout
         _refuse_changes(folder, ran, runs, "was trained with a different config", again, accepted)
+        if reshape and layout != _layout(ran):
+            folder.write_reshape(layout)
     if saved != cfg.to_dict():
         folder.write_config(cfg)
 

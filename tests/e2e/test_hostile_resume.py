@@ -204,9 +204,25 @@ def test_reshape_continues_a_stopped_run_on_another_layout_and_nothing_else(tmp_
     assert str(exc.value) == refusal(folder.path, "holds a different config", "train.lr: 0.0006 -> 0.1")
     prepare_run(resolve_config(path, layout)[0], reshape=True)
     assert folder.read_config()["parallel"]["dp"] == 1 and folder.read_config()["train"]["grad_accum"] == 2
-    with ExitStack() as stack:  # the rank, started on config.yaml, runs the layout config.yaml records
+    with ExitStack() as stack:  # the rank, started on config.yaml, runs the layout the --reshape accepted
         cfg = load_config(folder.config_path)
         assert claim_run_folder(cfg, cfg, RANK0, share, stack)[0] == folder
+
+
+def test_a_layout_edited_into_config_yaml_is_no_reshape(tmp_path):
+    """Without --reshape, a layout hand-edited into config.yaml is refused by the header, on the submit side and by a
+    rank started on that file."""
+    folder = trained(tmp_path, "parallel.dp=2")
+    edit_config(folder.path, parallel={"dp": 1})
+    with pytest.raises(GptparError) as exc:
+        prepare_run(resolve_config(str(folder.config_path), [])[0])
+    assert str(exc.value) == refusal(folder.path, "was trained with a different config", "parallel.dp: 2 -> 1",
+                                     offer=RESHAPE)
+    with ExitStack() as stack, pytest.raises(GptparError) as exc:
+        cfg = load_config(folder.config_path)
+        claim_run_folder(cfg, cfg, RANK0, share, stack)
+    assert str(exc.value) == refusal(folder.path, "was trained with a different config", "parallel.dp: 2 -> 1",
+                                     "move the old folder away to start over", offer=RESHAPE)
 
 
 def test_reshape_refuses_another_global_batch_and_says_how_to_start_from_the_weights(tmp_path):
