@@ -303,6 +303,18 @@ def test_gptpar_train_reshape_continues_a_stopped_run_on_two_ranks(stopped, tmp_
 
 
 @pytest.mark.slow
+def test_gptpar_submit_reshape_continues_a_stopped_run_as_a_job_of_two_ranks(stopped, tmp_path, data_dir):
+    """The submit side's path: the job's ranks, started on config.yaml, take the layout the --reshape recorded."""
+    run = own_copy(stopped, tmp_path / "runs")
+    step = stop_step(run)
+    done = _gptpar(data_dir, "submit", "dp", str(run / "config.yaml"), "--gpus", "2", "--reshape",
+                   "launch.cluster=local", "parallel.dp=2")
+    assert done.returncode == 0, done.stderr
+    resumed(run, step)
+    assert min(read_rank_log(run / "rank1.jsonl").steps) == step + 1
+
+
+@pytest.mark.slow
 def test_a_copied_run_resumes_in_the_copy_and_leaves_the_original_alone(stopped, tmp_path, data_dir):
     original = own_copy(stopped, tmp_path / "runs")
     step, before = stop_step(original), (original / "rank0.jsonl").read_bytes()
