@@ -53,6 +53,7 @@ from analysis.trace import RankTrace
 from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
 from gptpar.run.records import EPOCH_SCORES, EvalRecord, names
+from gptpar.run.resume import current_layout
 from gptpar.run.state import RunLog, job_of, replica_indices
 from gptpar.run.sweeps import stale_runs
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES, closed_form_state_bytes, hpz_bytes
@@ -352,12 +353,15 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     m.job_id = job[1] if job else ""
     if m.mixed:
         m.warnings.append(f"run {rel}: {m.mixed}; left out of the table and figures")
+    if run.reshaped:
+        m.warnings.append(f"run {rel}: {run.reshaped}")
     ranks = run.ranks
     if not ranks:
         return m
     header = ranks[0].header
     _shape(m, header)
     m.on_gpu = str(header["device"]).startswith("cuda")
+    whole_run, ranks = ranks, current_layout(ranks)  # a reshaped run is timed on its current layout alone
     replicas = replica_indices(ranks)
     figures, stitched = zip(*(epoch_figures(log) for log in ranks), strict=True)
     kept_epochs, kept_steps = _warmup(m, ranks, list(figures), warmup_epochs, warmup_steps)
@@ -380,7 +384,8 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     if m.engine:
         _trace(m, ranks, common)
 
-    replica_logs = [ranks[i] for i in replicas]
+    whole_replicas = replica_indices(whole_run)  # losses, progress and epochs: the whole run's
+    replica_logs = [whole_run[i] for i in whole_replicas]
     losses = loss_series(replica_logs)
     m.loss_curve = [(s, v) for s, v in losses if math.isfinite(v)]
     m.final_loss = losses[-1][1] if losses else None
@@ -388,8 +393,8 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
     m.all_to_all_share = comm_share(kept, "all_to_all")
     m.comm_bytes = comm_bytes(kept)
     m.diverged_at = next((s for s, v in losses if not math.isfinite(v)), None)
-    m.progress, ends = _progress(ranks, set(replicas))
-    m.epoch_points = _epoch_points(m, ranks, replica_logs, ends)
+    m.progress, ends = _progress(whole_run, set(whole_replicas))
+    m.epoch_points = _epoch_points(m, whole_run, replica_logs, ends)
     vals = _mean_series([{s: r["val_loss"] for s, r in log.evals.items()} for log in replica_logs])
     val_points = {s: v for s, v in vals if math.isfinite(v)}
     for point in m.epoch_points:  # an epoch's validation counts at its last step, unless an eval record is there

@@ -76,7 +76,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dump_grads is not None:
         args.words = [*args.words, f"train.dump_grads={args.dump_grads}"]
     cfg = _config(args, user=users_own_command(layout))
-    return train_here_or_start_ranks(cfg, layout, args.start_over, _train_here)
+    return train_here_or_start_ranks(cfg, layout, args.start_over, _train_here, args.reshape)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -116,7 +116,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         overrides.append(f"launch.nodes={args.nodes}")
     if args.runs_dir is not None:
         overrides.append(f"log.runs_dir={args.runs_dir}")
-    return submit(_resolved(overrides)[0], args.kind, dry_run=args.dry_run)
+    return submit(_resolved(overrides)[0], args.kind, dry_run=args.dry_run, reshape=args.reshape)
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
@@ -372,11 +372,15 @@ def build_parser() -> argparse.ArgumentParser:
              "  gptpar train my.yaml parallel.dp=2 parallel.dp_sync=ddp\n"
              "  torchrun --nproc-per-node=2 -m gptpar train parallel.dp=2\n"
              "  gptpar train log.run_id=lr-test train.lr=1e-3 --start-over\n"
+             "  gptpar train runs/dp2/config.yaml parallel.dp=1 --reshape   # continue a stopped run on one rank\n"
              "  gptpar train parallel.dp=2 train.max_steps=1 --dump-grads tests   # the assignment's gradient check")
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.add_argument("--start-over", action="store_true",
                    help="if the run folder (log.run_id) exists, move it aside to <folder>.replaced-<time> and "
                         "train from scratch (a live run's folder is never touched)")
+    p.add_argument("--reshape", action="store_true",
+                   help="continue a stopped run on another layout (parallel.*, train.grad_accum): its checkpoint "
+                        "reshards and its data order carries over; the model and train.batch_size stay")
     p.add_argument("--dump-grads", metavar="DIR",
                    help="after the last step, each rank saves its synced gradients to DIR/model<RANK>_gradients.pth "
                         "(train.dump_grads; the assignment's gradient check)")
@@ -410,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_non_negative, help="nodes (launch.nodes)")
     p.add_argument("--runs-dir", help="where the run folder goes (log.runs_dir)")
     p.add_argument("--dry-run", action="store_true", help="print the job script and submit nothing")
+    p.add_argument("--reshape", action="store_true",
+                   help="continue a stopped run (RUN/config.yaml) on another layout, as gptpar train --reshape")
     p.add_argument("words", nargs="*", metavar=CONFIG_ARGS)
     p.set_defaults(handler=cmd_submit)
 

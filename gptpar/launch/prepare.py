@@ -56,12 +56,12 @@ def absolute_paths(cfg: Config) -> dict[str, str]:
 
 def prepare_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None = None, run_id: str = "",
              write: bool = True, start_over: bool = False, job_state: JobState | None = None,
-             stack: contextlib.ExitStack | None = None) -> Point:
+             stack: contextlib.ExitStack | None = None, reshape: bool = False) -> Point:
     """Resolve the submit side: job kind, absolute runs folder, run id (explicit, or derived once
     by gptpar.run.start.named_run), concrete tokenizer; then write config.yaml (unless `write` is False,
     as for --dry-run). A folder that is live or holds a different config is refused; `start_over` sets a
-    folder that is not live aside first; with `stack`, the run's lock stays held until it closes (see
-    gptpar.run.start.write_folder)."""
+    folder that is not live aside first; `reshape` lets a stopped run continue on another layout; with `stack`, the
+    run's lock stays held until it closes (see gptpar.run.start.write_folder)."""
     if kind is not None:
         cfg = shaped(cfg, kind)
     check_expert_grid(cfg)
@@ -75,15 +75,16 @@ def prepare_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | Non
     cfg, folder = named_run(cfg, run_id, root, "log.run_id" if not run_id else "sweep point", prefix, reserve=write)
     cfg = updated(cfg, {"data.tokenizer": resolve_tokenizer_choice(data_config(cfg))})
     if write:
-        write_run_folder(folder, cfg, start_over, job_state, stack=stack)
+        write_run_folder(folder, cfg, start_over, job_state, stack=stack, reshape=reshape)
     return Point(cfg, folder)
 
 
 def write_run_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
-                     again: str = START_OVER, stack: contextlib.ExitStack | None = None) -> None:
+                     again: str = START_OVER, stack: contextlib.ExitStack | None = None, reshape: bool = False
+                     ) -> None:
     """The submit side's run folder: gptpar.run.start.write_folder, then the run's plan.json (its prediction,
     before any rank starts) where report.plan_calibration asks for one."""
-    write_folder(folder, cfg, start_over, job_state, again, stack)
+    write_folder(folder, cfg, start_over, job_state, again, stack, reshape)
     if cfg.report.plan_calibration:
         write_plan(folder.path, cfg)
 

@@ -12,7 +12,7 @@ from gptpar.launch.profiles import account_warning, resolve
 from gptpar.run.state import LIVE_JOB_STATES, read_run
 
 
-def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
+def submit(cfg: Config, kind: str, dry_run: bool = False, reshape: bool = False) -> int:
     """Print the job script (--dry-run), or submit it: queued on SLURM, or run now as local processes."""
     if dry_run:
         point = prepare_run(cfg, kind, write=False)
@@ -21,19 +21,19 @@ def submit(cfg: Config, kind: str, dry_run: bool = False) -> int:
             print(warning, file=sys.stderr)
         print(job_text([point], spec, point.folder.name, point.folder.job_dir), end="")
         return 0
-    point, backend, job_id = submit_run(cfg, kind)
+    point, backend, job_id = submit_run(cfg, kind, reshape)
     return 0 if report_started(point, backend, job_id) else 1
 
 
-def submit_run(cfg: Config, kind: str) -> tuple[Point, Backend, str]:
+def submit_run(cfg: Config, kind: str, reshape: bool = False) -> tuple[Point, Backend, str]:
     """Plan one run and hand it to the backend chosen for it; the point, the backend and its job id. Where it runs
     is decided, and a shape it could never start refused, before anything is written (no folder is left behind),
-    and said before it starts."""
+    and said before it starts. With `reshape` a stopped run continues on another layout (gptpar.run.resume)."""
     point = prepare_run(cfg, kind, write=False)
     spec = resolve(point.cfg, kind)
     backend = choose_backend(point.cfg.launch)
     backend.check(spec)
-    write_run_folder(point.folder, point.cfg, again="move the old folder away to start over")
+    write_run_folder(point.folder, point.cfg, again="move the old folder away to start over", reshape=reshape)
     print(f"{kind} run {point.folder.path}: {spec.nodes * spec.tasks_per_node} rank(s) on {backend.where}",
           flush=True)
     (job_id,) = backend.submit([point], spec, point.folder.name, point.folder.job_dir)

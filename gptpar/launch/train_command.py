@@ -24,16 +24,18 @@ def users_own_command(layout: Layout) -> bool:
     return layout.launcher == "single" or (layout.launcher == "slurm" and layout.world_size == 1)
 
 
-def train_here_or_start_ranks(cfg: Config, layout: Layout, start_over: bool, train_here: TrainHere) -> int:
+def train_here_or_start_ranks(cfg: Config, layout: Layout, start_over: bool, train_here: TrainHere,
+                              reshape: bool = False) -> int:
     """One rank of a launched job trains here. The user's own command is the submitter: it plans the run
-    (--start-over sets an existing folder aside first), then trains in this process (one rank) or, asked for
-    several ranks, starts them on this node and waits for them. It holds the run's lock from planning to the ranks'
-    end (they take it over), so a start-over meanwhile is refused before the ranks exist."""
+    (--start-over sets an existing folder aside first; --reshape continues it on another layout), then trains in this
+    process (one rank) or, asked for several ranks, starts them on this node and waits for them. It holds the run's
+    lock from planning to the ranks' end (they take it over), so a start-over meanwhile is refused before the ranks
+    exist."""
     one_task_step = users_own_command(layout) and layout.launcher == "slurm" and world_size(cfg) > 1
     if layout.launcher != "single" and not one_task_step:
         return train_here(cfg)
     with contextlib.ExitStack() as stack:  # held until the ranks have ended, then the run's state is read
-        point = prepare_run(cfg, start_over=start_over, job_state=scheduler_state, stack=stack)
+        point = prepare_run(cfg, start_over=start_over, job_state=scheduler_state, stack=stack, reshape=reshape)
         ranks = world_size(point.cfg)
         if ranks == 1:
             if cfg.log.progress != "none":

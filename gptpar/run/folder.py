@@ -35,10 +35,11 @@ EXPORT_FILE = "checkpoint.pt"  # `gptpar checkpoint export`'s default output, be
 ADAPTER_FOLDER, MERGED_FOLDER = "adapter", "merged"
 LOCK_FILE = ".lock"
 PLAN_FILE = "plan.json"  # gptpar.plan.record: the run's prediction
+RESHAPE_FILE = "reshape.json"  # the layout a `--reshape` accepted, which the ranks then take (gptpar.run.resume)
 TB_FOLDER, WANDB_FOLDER = "tb", "wandb"  # gptpar.run.sinks' mirrors
 # The names a run folder gives meaning to, besides its rank logs: a file written over one of them (or into one) loses
 # the run's config, checkpoint or records.
-RUN_ENTRIES = frozenset({CONFIG_FILE, LOCK_FILE, PLAN_FILE, CHECKPOINT_DIR, CHECKPOINT_DIR + TMP_SUFFIX,
+RUN_ENTRIES = frozenset({CONFIG_FILE, LOCK_FILE, PLAN_FILE, RESHAPE_FILE, CHECKPOINT_DIR, CHECKPOINT_DIR + TMP_SUFFIX,
                          CHECKPOINT_DIR + OLD_SUFFIX, "job", "trace", TB_FOLDER, WANDB_FOLDER})
 CANCEL_FILE = "cancelled.json"  # in job/: written by `gptpar cancel`
 LOCK_FD_ENV = "GPTPAR_RUN_LOCK_FD"  # the descriptor of the run lock a launcher holds for the ranks it starts
@@ -96,6 +97,14 @@ class RunFolder:
     def write_config(self, cfg: Config) -> None:
         """Write config.yaml atomically; whether a start may change it is gptpar.run.resume's to decide."""
         atomic_write_text(self.config_path, to_yaml(cfg))
+
+    def read_reshape(self) -> list[str] | None:
+        """The layout the last `--reshape` accepted (gptpar.run.resume's lines); None if none did."""
+        path = self.path / RESHAPE_FILE
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+    def write_reshape(self, layout: list[str]) -> None:
+        atomic_write_text(self.path / RESHAPE_FILE, json.dumps(layout, indent=1) + "\n")
 
     @property
     def checkpoint_path(self) -> Path:

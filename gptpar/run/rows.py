@@ -34,6 +34,7 @@ class StatusRow:
     restarts: int
     detail: str
     mixed: str = ""  # why its starts ran different configs (flagged under the row whatever its state)
+    reshaped: str = ""  # how it continued on other layouts, to the current one (noted under the row)
     eta_s: float | None = None  # a running run's time to its last step at its recent step rate
 
     def cells(self) -> tuple[str, ...]:
@@ -95,7 +96,7 @@ def row_of(run: RunLog, job: Job, root: Path, now: float) -> StatusRow:
         tokens_per_s=sum(r["tokens_per_s"] for r in last) if last else None,
         nodes=",".join(sorted({str(h.get("host", "?")) for h in headers})),
         restarts=max((int(h.get("restart", 0)) for h in headers), default=0), detail=run.detail, mixed=run.mixed,
-        eta_s=eta)
+        reshaped=run.reshaped, eta_s=eta)
 
 
 def run_result(folder: RunFolder, scheduler: str | None = None) -> dict[str, Any]:

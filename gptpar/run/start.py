@@ -66,10 +66,11 @@ def location_layer(config_file: str | Path) -> list[Layer]:
 
 
 def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_state: JobState | None = None,
-                 again: str = START_OVER, stack: contextlib.ExitStack | None = None) -> None:
+                 again: str = START_OVER, stack: contextlib.ExitStack | None = None, reshape: bool = False) -> None:
     """Make a run's folder and write its config.yaml. A live folder is refused naming its holder; a folder whose
     run has another config is refused with what changed (gptpar.run.resume; `again` says how to start over),
-    unless `start_over`, which first moves any existing folder aside (set_aside). The check, the move and the write
+    unless `start_over`, which first moves any existing folder aside (set_aside); `reshape` lets it continue on another
+    layout. The check, the move and the write
     are one step under the run's lock; with `stack` (a launcher that starts the ranks) the lock stays held, and is
     handed down to the ranks, until the stack closes: the run is live from here, before its ranks exist."""
     holder = folder.holder()
@@ -85,7 +86,7 @@ def write_folder(folder: RunFolder, cfg: Config, start_over: bool = False, job_s
             lock.release()
         if folder.rank_logs():
             check_checkpoint(read_run(folder, held=True), again)
-        check_start(folder, cfg, again=again)
+        check_start(folder, cfg, again=again, reshape=reshape)
         if stack is not None:
             stack.enter_context(held.pop_all())
 

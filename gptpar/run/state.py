@@ -34,7 +34,7 @@ from typing import Any
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
-from gptpar.run.resume import mixed_configs
+from gptpar.run.resume import layout_changes, mixed_configs
 
 STATES = ("queued", "pending", "starting", "running", "completed", "diverged", "requeued", "stopped", "cancelled",
           "failed", "timeout", "oom", "corrupt")
@@ -79,6 +79,11 @@ class RunLog:
     @property
     def run_id(self) -> str:
         return self.folder.name
+
+    @property
+    def reshaped(self) -> str:
+        """How its starts continued on other layouts (gptpar.run.resume.layout_changes); "" when it kept one."""
+        return layout_changes(self.ranks)
 
 
 def _last_line(paths: list[Path]) -> str:

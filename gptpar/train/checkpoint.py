@@ -15,7 +15,7 @@ import dataclasses
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ from gptpar.parallel.pipeline.names import plain_state
 from gptpar.paths import check_path
 from gptpar.run.folder import CHECKPOINT_DIR, CONFIG_FILE, EXPORT_FILE, OLD_SUFFIX, TMP_SUFFIX, run_entry
 from gptpar.train.checkpoint_reader import CheckedLoadPlanner, CheckedReader, CheckedWholeLoadPlanner
+from gptpar.train.reshard import load_resharded, needs_reshard
 
 # Optimizer state keyed by parameter name throughout (param_groups too, not by group index): pipeline stages
 # hold different parameters, and a group's index would name different parameters on each stage's rank.
@@ -166,8 +167,9 @@ def _raise_refusal(exc: BaseException) -> None:
         raise cause from None
 
 
-def _check_metadata(path: Path) -> None:
-    """Fail in one line on an unreadable index before DCP does, since DCP logs a traceback on the way."""
+def _check_metadata(path: Path) -> Metadata:
+    """The checkpoint's index; one line on an unreadable one before DCP reads it, since DCP logs a traceback on the
+    way."""
     meta = path / METADATA_FILE
     if not meta.is_file():
         raise GptparError(f"checkpoint {path} is incomplete (it has no {METADATA_FILE}); "
@@ -182,22 +184,27 @@ def _check_metadata(path: Path) -> None:
     if not isinstance(metadata, Metadata):
         raise GptparError(f"checkpoint file {meta} is corrupt (it holds a {type(metadata).__name__}); "
                           f"delete {path} to start the run over")
+    return metadata
 
 
-def load_checkpoint(run_dir: str | Path, state: dict[str, Any]) -> bool:
+def load_checkpoint(run_dir: str | Path, state: dict[str, Any], names: Callable[[str], str] = str) -> bool:
     """Load the run's checkpoint into `state` in place; False when the run has none yet.
 
     Stateful values get load_state_dict, tensors are filled in place and other plain values are replaced in the
-    dict. Collective, like save_checkpoint.
+    dict. A checkpoint of another layout is resharded (gptpar.train.reshard), its parameters matched by `names`.
+    Collective, like save_checkpoint.
     """
     path = _existing(run_dir)
     if path is None:
         return False
-    _check_metadata(path)
+    metadata = _check_metadata(path)
     try:
         with _quiet():
-            dcp.load(state, storage_reader=CheckedReader(path), planner=CheckedLoadPlanner(path),
-                     no_dist=not _distributed())
+            if needs_reshard(state, metadata):  # written by another layout (--reshape)
+                load_resharded(path, state, metadata, _distributed(), names)
+            else:
+                dcp.load(state, storage_reader=CheckedReader(path), planner=CheckedLoadPlanner(path),
+                         no_dist=not _distributed())
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
         _raise_refusal(exc)
         raise GptparError(f"cannot load checkpoint {path} ({_reason(exc)}); it is damaged or from a different "

@@ -84,7 +84,7 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
     try:
         log.mirror = open_sinks(cfg.log, dims.rank, folder.path)  # closed by log.close()
         trainer = Trainer(cfg, dims, folder, log)
-        load_checkpoint(folder.path, {"trainer": trainer})
+        load_checkpoint(folder.path, {"trainer": trainer}, trainer.checkpoint_name)
         log.write(HeaderRecord(**header_fields(cfg, dims, restart), tokenizer=trainer.tokenizer,
                                vocab_size=trainer.vocab_size, stage_devices=[str(d) for d in trainer.net.stage_devices],
                                total_steps=trainer.total_steps, fast_path=trainer.fast_path(),

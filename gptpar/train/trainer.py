@@ -38,6 +38,7 @@ from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.flight import RECORDER
 from gptpar.parallel.grid import GRID_DIMS
 from gptpar.parallel.pipeline.engine.executor import Weight, by_rows
+from gptpar.parallel.pipeline.names import model_name
 from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
 from gptpar.parallel.tensor_parallel.state import counts_in_norm
 from gptpar.run.folder import RunFolder
@@ -70,6 +71,14 @@ from gptpar.train.step_records import PendingStep, PendingSteps, Spans, sync_eve
 Batch = tuple[torch.Tensor, ...]  # inputs, labels, and the position ids of packed rows (data.packing)
 
 
+def epoch_steps(loader: Iterable[Batch], accum: int, skip_steps: int, steps_per_epoch: int) -> Iterator[list[Batch]]:
+    """An epoch's optimizer steps from this rank's loader, each `accum` micro-batches, the first `skip_steps` skipped:
+    step k of any dp size and any accum is rows [k * batch, (k + 1) * batch) of the epoch's global order
+    (gptpar.data.partition), so a run resumed on another layout (--reshape) continues at the next sample."""
+    micro = iter(islice(loader, skip_steps * accum, steps_per_epoch * accum))
+    return iter(lambda: list(islice(micro, accum)), [])
+
+
 class Trainer:
     """Set-up (data, model, sync, optimizer), the step loop, evaluation, checkpoints and step logs."""
 
@@ -98,7 +107,9 @@ class Trainer:
             model = add_lora(model, t, t.seed)
         self.n_params, self.model_config = count_params(model), model.config  # whole, before any sharding
         self.n_trainable = trainable_count(model)
-        shape, routers = cfg.model.shape(), architecture(model).routers(model)
+        self.arch = architecture(model)
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))  # the LM head is the token table
+        shape, routers = cfg.model.shape(), self.arch.routers(model)
         sequence_shards = dims.group("tp") if cfg.parallel.sequence_parallel else None
         self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp"),
                                       dims.group("pp"), dims.device, sequence_shards) if routers else None
@@ -146,6 +157,12 @@ class Trainer:
         return {"model": model, "optimizer": optimizer, "step": self.step, "vocab_size": self.vocab_size,
                 **self.precision.state_dict(), **({"comm": comm} if comm else {})}
 
+    def checkpoint_name(self, name: str) -> str:
+        """A parameter's name in a checkpoint of any layout as the one-process model's (`reshard` matches by it); a
+        tied LM head's as the token table's, which a pipeline's last stage holds a copy of."""
+        name = model_name(name, self.arch)
+        return f"model.{self.arch.token_table}" if self.tied and name == "model.lm_head.weight" else name
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model, optimizer = state["model"], state["optimizer"]
         for layout in self.state_layouts:
@@ -168,8 +185,7 @@ class Trainer:
         accum, device = self.cfg.train.grad_accum, self.dims.device
         if hasattr(self.train_set, "set_epoch"):  # a named image set's data.augment draws new crops each epoch
             self.train_set.set_epoch(epoch)
-        micro = iter(islice(self._loader(epoch), skip_steps * accum, self.steps_per_epoch * accum))
-        steps = iter(lambda: list(islice(micro, accum)), [])
+        steps = epoch_steps(self._loader(epoch), accum, skip_steps, self.steps_per_epoch)
         if device.type != "cuda":
             yield from steps
             return

@@ -7,6 +7,7 @@ import torch
 
 from gptpar.data.partition import DataPartitioner, Partition, partition_dataset
 from gptpar.errors import GptparError
+from gptpar.train.trainer import epoch_steps
 
 
 def shard_ids(rank: int, world: int, n: int, batch: int, seed: int = 1234, epoch: int = 0) -> list[int]:
@@ -92,3 +93,25 @@ def test_data_partitioner_fractions() -> None:
 def test_partition_views_data_through_index() -> None:
     part = Partition(["a", "b", "c", "d"], [3, 1])
     assert len(part) == 2 and [part[0], part[1]] == ["d", "b"]
+
+
+def _step_samples(dp: int, accum: int, skip: int, n: int = 37, batch: int = 8, epoch: int = 1) -> list[list[int]]:
+    """The sample indices of each step of an epoch, over every rank of `dp`, from step `skip` on, as the trainer cuts
+    them (epoch_steps over each rank's partition_dataset of batch // accum)."""
+    steps_per_epoch = n // batch
+    per_rank = [epoch_steps(partition_dataset(r, dp, list(range(n)), batch // accum, seed=5, epoch=epoch), accum, skip,
+                            steps_per_epoch) for r in range(dp)]
+    return [sorted(int(i) for step in steps for micro in step for i in micro) for steps in zip(*per_rank, strict=True)]
+
+
+@pytest.mark.parametrize(("before", "after"), [((2, 1), (1, 1)), ((1, 1), (4, 1)), ((2, 1), (1, 2)), ((4, 2), (2, 1))])
+def test_a_run_continued_on_another_layout_sees_the_uninterrupted_runs_samples(before: tuple[int, int],
+                                                                               after: tuple[int, int]) -> None:
+    """--reshape (issue 51): stopped after step 2 under (dp, grad_accum) `before`, continued under `after`, each step
+    of the epoch is the same set of samples as the uninterrupted run's, and the epoch sees every sample once but the
+    dropped tail."""
+    uninterrupted = _step_samples(*before, skip=0)
+    resumed = _step_samples(*before, skip=0)[:2] + _step_samples(*after, skip=2)
+    assert resumed == uninterrupted and len(resumed) == 4
+    seen = [i for step in resumed for i in step]
+    assert len(seen) == len(set(seen)) == 32  # 37 // 8 steps of 8: none twice, five dropped

@@ -119,9 +119,12 @@ def one_line(text: str) -> str:
     return text.strip()
 
 
-def refusal(folder: Path, what: str, diff: str, again: str = START_OVER) -> str:
+RESHAPE = "pass --reshape to continue it on the new layout, "  # offered where only the layout changed
+
+
+def refusal(folder: Path, what: str, diff: str, again: str = START_OVER, offer: str = "") -> str:
     return (f"run folder {folder} {what} ({diff}); a run resumes with the config it was trained with, changing only "
-            f"{RESUMABLE}: undo the change, use another log.run_id, or {again}")
+            f"{RESUMABLE}: undo the change, {offer}use another log.run_id, or {again}")
 
 
 # --- Item 1: a resumed run runs the config its checkpoint was made with ---------------------------------------------
@@ -170,7 +173,8 @@ def test_only_keys_that_leave_the_run_as_it_was_may_change_on_resume(tmp_path):
     for key, old, new in [("train.max_steps", 0, 800), ("parallel.dp", 1, 2), ("model.n_layer", 0, 3)]:
         with pytest.raises(GptparError) as exc:
             prepare_run(resolve_config(path, [f"{key}={new}"])[0])
-        assert str(exc.value) == refusal(folder.path, "holds a different config", f"{key}: {old} -> {new}")
+        offer = RESHAPE if key.startswith("parallel.") else ""
+        assert str(exc.value) == refusal(folder.path, "holds a different config", f"{key}: {old} -> {new}", offer=offer)
     assert folder.read_config()["train"]["max_steps"] == 0  # a refused start leaves config.yaml as it was
 
 
@@ -183,6 +187,69 @@ def test_a_config_yaml_edited_to_agree_with_the_start_is_refused_by_the_log_head
         prepare_run(resolve_config(str(folder.config_path), [])[0])
     assert str(exc.value) == refusal(folder.path, "was trained with a different config", "train.lr: 0.0006 -> 0.001")
     assert folder.read_config()["train"]["lr"] == 0.001  # the refused start wrote nothing
+
+
+def test_reshape_continues_a_stopped_run_on_another_layout_and_nothing_else(tmp_path):
+    """--reshape (issue 51): the submit side accepts a layout change and records it in config.yaml, where the rank's
+    own check finds it against the last header (dp=2); a change of anything else stays refused."""
+    folder = trained(tmp_path, "parallel.dp=2", "parallel.dp_sync=zero2")
+    path = str(folder.config_path)
+    layout = ["parallel.dp=1", "parallel.dp_sync=bucketed", "train.grad_accum=2"]
+    with pytest.raises(GptparError) as exc:
+        prepare_run(resolve_config(path, layout)[0])
+    assert str(exc.value) == refusal(folder.path, "holds a different config", "parallel.dp: 2 -> 1; parallel.dp_sync: "
+                                     "'zero2' -> 'bucketed'; train.grad_accum: 1 -> 2", offer=RESHAPE)
+    with pytest.raises(GptparError) as exc:
+        prepare_run(resolve_config(path, [*layout, "train.lr=0.1"])[0], reshape=True)
+    assert str(exc.value) == refusal(folder.path, "holds a different config", "train.lr: 0.0006 -> 0.1")
+    prepare_run(resolve_config(path, layout)[0], reshape=True)
+    assert folder.read_config()["parallel"]["dp"] == 1 and folder.read_config()["train"]["grad_accum"] == 2
+    with ExitStack() as stack:  # the rank, started on config.yaml, runs the layout the --reshape accepted
+        cfg = load_config(folder.config_path)
+        assert claim_run_folder(cfg, cfg, RANK0, share, stack)[0] == folder
+
+
+def test_a_layout_edited_into_config_yaml_is_no_reshape(tmp_path):
+    """Without --reshape, a layout hand-edited into config.yaml is refused by the header, on the submit side and by a
+    rank started on that file."""
+    folder = trained(tmp_path, "parallel.dp=2")
+    edit_config(folder.path, parallel={"dp": 1})
+    with pytest.raises(GptparError) as exc:
+        prepare_run(resolve_config(str(folder.config_path), [])[0])
+    assert str(exc.value) == refusal(folder.path, "was trained with a different config", "parallel.dp: 2 -> 1",
+                                     offer=RESHAPE)
+    with ExitStack() as stack, pytest.raises(GptparError) as exc:
+        cfg = load_config(folder.config_path)
+        claim_run_folder(cfg, cfg, RANK0, share, stack)
+    assert str(exc.value) == refusal(folder.path, "was trained with a different config", "parallel.dp: 2 -> 1",
+                                     "move the old folder away to start over", offer=RESHAPE)
+
+
+def test_reshape_refuses_another_global_batch_and_says_how_to_start_from_the_weights(tmp_path):
+    folder = trained(tmp_path, "parallel.dp=2")
+    with pytest.raises(GptparError) as exc:
+        prepare_run(resolve_config(str(folder.config_path), ["parallel.dp=1", "train.batch_size=32"])[0], reshape=True)
+    assert one_line(str(exc.value)) == (
+        f"run folder {folder.path}: --reshape keeps the global batch (train.batch_size: 16 -> 32); to train with "
+        f"another, start a new run from its weights: `gptpar checkpoint export {folder.path}`, save that model with "
+        "transformers' save_pretrained, then model.init=pretrained:PATH")
+
+
+def test_status_and_report_note_a_run_continued_on_another_layout(tmp_path, capsys):
+    """A reshaped run is no mixed run: status notes its layouts (to the current one), and the report times it on its
+    current layout's steps alone."""
+    cfg = load_config(None, ["data.tokenizer=bytes"]).to_dict()
+    rank = Rank(tmp_path / "reshaped", 0, cfg).header().step(1).step(2)
+    rank.cfg = {**cfg, "parallel": {**cfg["parallel"], "dp_sync": "ddp"}}
+    rank.header(restart=1).step(3).step(4).final(step=4)
+    note = ("it continued on another layout (restart 1: parallel.dp_sync: 'bucketed' -> 'ddp'); its "
+            "throughput is the current layout's")
+    assert gptpar_main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"    note: {note}\n" in out and "warning:" not in out
+    result = report(tmp_path, tmp_path / "figures", warmup_steps=0)
+    assert [r.run for r in result.shown] == ["reshaped"] and result.shown[0].basis == "steps 3-4 of 2"
+    assert f"warning: run reshaped: {note}\n" in capsys.readouterr().err
 
 
 def test_status_and_report_flag_a_run_whose_starts_ran_different_configs(tmp_path, capsys):
@@ -216,6 +283,35 @@ def test_a_moved_run_resumes_where_it_now_is(stopped, tmp_path, data_dir):
     assert RunFolder(moved).read_config()["log"]["runs_dir"] == str(tmp_path / "other")
     shutil.copy(moved / "config.yaml", tmp_path / "myexp.yaml")  # a config file elsewhere names the run it records
     assert resolve_config(tmp_path / "myexp.yaml", [])[0].log.runs_dir == str(tmp_path / "other")
+
+
+@pytest.mark.slow
+def test_gptpar_train_reshape_continues_a_stopped_run_on_two_ranks(stopped, tmp_path, data_dir):
+    """The whole path of issue 51: refused without --reshape (offering it), then continued on dp=2 local ranks
+    from the step after the stop, every step once, and `gptpar status` notes the new layout."""
+    run = own_copy(stopped, tmp_path / "runs")
+    step = stop_step(run)
+    refused = _gptpar(data_dir, "train", str(run / "config.yaml"), "parallel.dp=2")
+    assert refused.returncode == 2 and "pass --reshape to continue it on the new layout" in one_line(refused.stderr)
+    done = _gptpar(data_dir, "train", str(run / "config.yaml"), "parallel.dp=2", "--reshape")
+    assert done.returncode == 0, done.stderr
+    resumed(run, step)
+    second = read_rank_log(run / "rank1.jsonl")
+    assert [h["restart"] for h in second.headers] == [0] and min(second.steps) == step + 1
+    status = _gptpar(data_dir, "status", str(run.parent))
+    assert "note: it continued on another layout (restart 1: parallel.dp: 1 -> 2)" in status.stdout, status.stdout
+
+
+@pytest.mark.slow
+def test_gptpar_submit_reshape_continues_a_stopped_run_as_a_job_of_two_ranks(stopped, tmp_path, data_dir):
+    """The submit side's path: the job's ranks, started on config.yaml, take the layout the --reshape recorded."""
+    run = own_copy(stopped, tmp_path / "runs")
+    step = stop_step(run)
+    done = _gptpar(data_dir, "submit", "dp", str(run / "config.yaml"), "--gpus", "2", "--reshape",
+                   "launch.cluster=local", "parallel.dp=2")
+    assert done.returncode == 0, done.stderr
+    resumed(run, step)
+    assert min(read_rank_log(run / "rank1.jsonl").steps) == step + 1
 
 
 @pytest.mark.slow

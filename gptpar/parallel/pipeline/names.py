@@ -20,6 +20,15 @@ def original_name(name: str, arch: Architecture) -> str:
     return rest if rest.startswith("lm_head.") else f"{arch.body}.{rest}"
 
 
+def model_name(name: str, arch: Architecture) -> str:
+    """A parameter's checkpoint name (after the trainer's `model.`) as the one-process model names it, whichever
+    layout wrote it: the pipeline engine's `stages.<s>.<stage name>` as `model.<the model's name>`, others as they are
+    (gptpar.train.reshard reads a checkpoint of one layout into another by these names)."""
+    if not name.startswith("stages."):
+        return name
+    return "model." + original_name(name.split(".", 2)[2], arch)
+
+
 def plain_state(model_state: dict[str, torch.Tensor], arch: Architecture, vocab_size: int | None = None
                 ) -> dict[str, torch.Tensor]:
     """A checkpoint's model state under the model's own names and shapes, whichever wrapper wrote it: the
