@@ -1,0 +1,212 @@
+"""Context parallelism (parallel.cp): each sequence of a micro-batch split over the cp ranks of a model replica, so
+attention's activations fall as 1/cp. Everything outside attention is per token and runs on the shard as it is;
+attention is the one place the shards meet, through an attention function transformers calls by name
+(`ATTENTION`, registered with its AttentionInterface) that finds this rank's `ContextParallel` on the attention
+module itself (thread ranks of one process share the registry, not the modules).
+
+The shard of rank r is `shard_positions`: the sequence in 2 * cp chunks, chunks r and 2 * cp - 1 - r, so that under
+the causal mask every rank has an equal share of the work (an early chunk sees few keys, its mirror many). Each
+token keeps its global position id (GPT-2's learned positions, Llama's rotary), and causality is decided between
+global positions, so both implementations are exact:
+
+- ring: K/V go around the cp group (one send and one receive per step, `_RingShift`); each arriving block gives
+  a partial softmax over its keys, merged into the running result by log-sum-exp (online softmax). The backward is
+  autograd through the ring: `_RingShift`'s backward sends the gradients of K/V the other way round, so they reach
+  the rank that owns those keys (exact, but autograd keeps every visited K/V block; a backward ring that recomputes
+  them is the memory-efficient form).
+- all_to_all (Ulysses): an all-to-all trades heads for sequence (each rank gets n_head / cp heads of the whole
+  sequence), plain causal attention runs on them in global order, and a second all-to-all gives the heads back.
+
+The loss needs nothing of its own: every rank holds an equal number of each row's targets, so the mean over the
+dp x cp ranks (the data-parallel sync over ParallelDims.replica_group) of each rank's mean is the global mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+from gptpar.parallel.comm import SENT, comm_span
+
+ATTENTION = "gptpar_context_parallel"  # the name transformers' models call the attention function by
+IMPLS = ("ring", "all_to_all")
+
+
+def shard_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions rank `rank` of `cp` holds: chunks rank and 2 cp - 1 - rank of 2 cp equal chunks."""
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+class ContextParallel:
+    """This rank's place in its cp group and the implementation, held by every attention module of its model
+    (`attach`); sequences are split only inside `sharded` (the training forward): evaluation and decoding run whole
+    sequences on every rank through plain sdpa."""
+
+    def __init__(self, group: dist.ProcessGroup, impl: str):
+        self.group, self.impl = group, impl
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.active = False
+
+    def attach(self, model: nn.Module) -> None:
+        """Route `model`'s attention through `ATTENTION`, each attention module knowing this rank's cp group."""
+        AttentionInterface.register(ATTENTION, attention)
+        model.config._attn_implementation = ATTENTION
+        for module in model.modules():
+            if hasattr(module, "is_causal") and hasattr(module, "config"):  # transformers' attention modules
+                module.context_parallel = self
+
+    @contextlib.contextmanager
+    def sharded(self) -> Iterator[None]:
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def shard(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of whole rows as this rank's (inputs, labels, position ids)."""
+        inputs, labels = batch[0], batch[1]
+        positions = shard_positions(inputs.size(1), self.size, self.rank).to(inputs.device)
+        return inputs[:, positions], labels[:, positions], positions.expand(inputs.size(0), -1)
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int,
+               scale: float) -> torch.Tensor:
+        """Causal attention of this rank's queries (batch, heads, T / cp, dim) over the whole sequence; K/V with
+        n_head / `groups` heads. Returns (batch, T / cp, heads, dim), as transformers' attention functions do."""
+        if self.impl == "ring":
+            out = self._ring(query, key, value, groups, scale)
+        else:
+            out = self._all_to_all(query, repeat_kv(key, groups), repeat_kv(value, groups), scale)
+        return out.transpose(1, 2).contiguous()
+
+    def _positions(self, rank: int, local: int) -> torch.Tensor:
+        return shard_positions(local * self.size, self.size, rank)
+
+    def _ring(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int,
+              scale: float) -> torch.Tensor:
+        """cp steps: attend to the K/V block held (that of rank r - step), merge, pass it on (not after the last)."""
+        local, device = query.size(2), query.device
+        mine = self._positions(self.rank, local).to(device)
+        kv = torch.stack([key, value])
+        out = lse = None
+        for step in range(self.size):
+            theirs = self._positions((self.rank - step) % self.size, local).to(device)
+            visible = mine[:, None] >= theirs[None, :]
+            block, block_lse = _partial(query, repeat_kv(kv[0], groups), repeat_kv(kv[1], groups), visible, scale)
+            out, lse = (block, block_lse) if out is None else _merged(out, lse, block, block_lse)
+            if step < self.size - 1:
+                kv = _RingShift.apply(kv, self)
+        return out
+
+    def shift(self, tensor: torch.Tensor, offset: int) -> torch.Tensor:
+        """`tensor` sent to the rank `offset` ahead in the cp group; the one `offset` behind's received."""
+        tensor = tensor.contiguous()
+        received = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, self._peer(offset), self.group),
+               dist.P2POp(dist.irecv, received, self._peer(-offset), self.group)]
+        with comm_span("send", "recv"):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        SENT["send_recv"] += tensor.numel() * tensor.element_size()
+        return received
+
+    def _peer(self, offset: int) -> int:
+        """The global rank `offset` places round the cp group from this one."""
+        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
+
+    def _all_to_all(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+        """Heads for sequence, causal sdpa over the whole sequence in global order, sequence for heads."""
+        local = query.size(2)
+        order = torch.cat([self._positions(r, local) for r in range(self.size)]).argsort().to(query.device)
+        q, k, v = (self._heads_for_sequence(t)[:, :, order] for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return self._sequence_for_heads(out[:, :, order.argsort()])
+
+    def _heads_for_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(B, H, T/cp, D) -> (B, H/cp, T, D): head group j to rank j, rank j's sequence shard back (in rank order)."""
+        b, h, t, d = tensor.shape
+        send = tensor.reshape(b, self.size, h // self.size, t, d).movedim(1, 0).contiguous()
+        received = _Exchange.apply(send, self)
+        return received.movedim(0, 2).reshape(b, h // self.size, self.size * t, d)
+
+    def _sequence_for_heads(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(B, H/cp, T, D) -> (B, H, T/cp, D): the inverse of `_heads_for_sequence`."""
+        b, h, t, d = tensor.shape
+        send = tensor.reshape(b, h, self.size, t // self.size, d).movedim(2, 0).contiguous()
+        received = _Exchange.apply(send, self)
+        return received.movedim(0, 1).reshape(b, self.size * h, t // self.size, d)
+
+    def exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """All-to-all along dim 0 (slice j to rank j, rank j's slice back as slice j)."""
+        send = send.contiguous()  # a gradient may come strided; the exchange reads and writes flat slices
+        received = torch.empty_like(send)
+        with comm_span("all_to_all"):
+            dist.all_to_all_single(received, send, group=self.group)
+        SENT["all_to_all"] += (self.size - 1) * send[0].numel() * send.element_size()
+        return received
+
+
+def _partial(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention over one K/V block and its log-sum-exp per query. A query that sees none of the block gets
+    a finite lse (the dtype's lowest score plus a log), so its weight in the merge is exactly zero, never NaN."""
+    scores = (query @ key.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, torch.finfo(scores.dtype).min)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.softmax(scores, dim=-1) @ value, lse
+
+
+def _merged(out: torch.Tensor, lse: torch.Tensor, block: torch.Tensor,
+            block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two partial softmaxes over disjoint keys as one: each weighted by its share of the total exp-sum."""
+    total = torch.logaddexp(lse, block_lse)
+    return (out * (lse - total).exp()[..., None] + block * (block_lse - total).exp()[..., None]), total
+
+
+class _RingShift(torch.autograd.Function):
+    """One step round the ring: forward to the next rank; the gradient back to the previous one."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor,
+                cp: ContextParallel) -> torch.Tensor:
+        ctx.cp = cp
+        return cp.shift(tensor, 1)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.cp.shift(grad, -1), None
+
+
+class _Exchange(torch.autograd.Function):
+    """The all-to-all of equal slices, whose gradient goes back by the same exchange (slice j came from rank j)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, send: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        ctx.cp = cp
+        return cp.exchange(send)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.cp.exchange(grad), None
+
+
+def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              **kwargs: object) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: this rank's shard through its module's ContextParallel inside
+    `sharded`, else plain sdpa (whole sequences: evaluation, decoding)."""
+    cp: ContextParallel | None = getattr(module, "context_parallel", None)
+    if cp is None or not cp.active:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    scale = scaling if scaling is not None else query.size(-1) ** -0.5
+    return cp.attend(query, key, value, getattr(module, "num_key_value_groups", 1), scale), None

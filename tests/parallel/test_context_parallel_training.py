@@ -1,0 +1,72 @@
+"""Context parallelism through the trainer's own step on the shared gloo pool: cp=2 with each implementation (GPT-2
+and Llama) and dp=2 x cp=2 train like one process on the same global batch (losses, validation loss, every
+parameter), and the step's point-to-point and all-to-all bytes are their closed forms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gloo_pool import GlooPools
+from rank_training import (
+    STEPS,
+    assert_trains_like_one_process,
+    make_config,
+    make_trainer,
+    named_params,
+    reference_run,
+    saved_ranks,
+    train_steps,
+)
+
+from gptpar.parallel.comm import new_step, read_sent
+from gptpar.parallel.process_group import RankInfo
+
+LLAMA = ["model.preset=llama-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=2"]
+CASES = [("ring", ["parallel.cp=2"]), ("ulysses-llama", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *LLAMA]),
+         ("ring-llama", ["parallel.cp=2", *LLAMA]), ("dp2-cp2", ["parallel.dp=2", "parallel.cp=2"])]
+LAYERS, ROWS, SEQ, HEADS, HEAD_DIM, FP32 = 4, 8, 16, 2, 16, 4  # BASE's model and batch
+
+
+def _train(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]]) -> None:
+    """Each case of this world size: STEPS steps, the first step's bytes sent, and what assert_trains_like_one_process
+    reads."""
+    for name, overrides in cases:
+        trainer = make_trainer(make_config(overrides, runs, name), info)
+        new_step()
+        losses = train_steps(trainer, 1)
+        sent = read_sent()
+        losses += train_steps(trainer, STEPS - 1)
+        record = {"losses": losses, "params": named_params(trainer), "coords": dict(trainer.dims.coords),
+                  "val": trainer.evaluate(), "sent": sent}
+        torch.save(record, runs / f"{name}.rank{info.rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
+    runs = tmp_path_factory.mktemp("context_parallel")
+    gloo_pool.run(2, _train, runs, CASES[:3])
+    gloo_pool.run(4, _train, runs, CASES[3:])
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "overrides"), CASES, ids=[name for name, _ in CASES])
+def test_context_parallel_trains_like_one_process(results: Path, name: str, overrides: list[str]) -> None:
+    ref = reference_run(make_config(overrides, results, name))
+    assert_trains_like_one_process(ref, saved_ranks(results, name), "transformer.wte.weight"
+                                   if "llama" not in name else "model.embed_tokens.weight", name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "cp", "dp"), [("ring", 2, 1), ("dp2-cp2", 2, 2), ("ulysses-llama", 2, 1)])
+def test_the_step_sends_the_closed_form_of_its_exchanges(results: Path, name: str, cp: int, dp: int) -> None:
+    """Per rank and layer, forward and backward: the ring passes K and V (rows/dp x heads x seq/cp x head_dim) on
+    cp - 1 times; all-to-all sends (cp - 1)/cp of q, k, v and the output (each that size) each way."""
+    shard = ROWS // dp * HEADS * SEQ // cp * HEAD_DIM * FP32
+    expected = ({"send_recv": LAYERS * 2 * (cp - 1) * 2 * shard} if name.startswith(("ring", "dp2")) else
+                {"all_to_all": LAYERS * 2 * 4 * (cp - 1) * shard // cp})
+    for rank in saved_ranks(results, name):
+        sent = {op: n for op, n in rank["sent"].items() if op in expected}
+        assert sent == expected
