@@ -9,11 +9,11 @@ the causal mask every rank has an equal share of the work (an early chunk sees f
 token keeps its global position id (GPT-2's learned positions, Llama's rotary), and causality is decided between
 global positions, so both implementations are exact:
 
-- ring: K/V go around the cp group (one send and one receive per step, `_RingShift`); each arriving block gives
-  a partial softmax over its keys, merged into the running result by log-sum-exp (online softmax). The backward is
-  autograd through the ring: `_RingShift`'s backward sends the gradients of K/V the other way round, so they reach
-  the rank that owns those keys (exact, but autograd keeps every visited K/V block; a backward ring that recomputes
-  them is the memory-efficient form).
+- ring (`_Ring`): K/V go around the cp group (one send and one receive per step, the next block on its way while
+  this one is attended to); each block gives a partial softmax over its keys, merged into the running result by
+  log-sum-exp (online softmax). Its backward is a second ring that recomputes each block's softmax from the saved
+  log-sum-exp, the gradients of K/V travelling with their block back to the rank that owns it: a rank keeps only its
+  own q, k, v, output and log-sum-exp, whatever cp.
 - all_to_all (Ulysses): an all-to-all trades heads for sequence (each rank gets n_head / cp heads of the whole
   sequence), plain causal attention runs on them in global order, and a second all-to-all gives the heads back.
 
@@ -83,7 +83,7 @@ class ContextParallel:
         """Causal attention of this rank's queries (batch, heads, T / cp, dim) over the whole sequence; K/V with
         n_head / `groups` heads. Returns (batch, T / cp, heads, dim), as transformers' attention functions do."""
         if self.impl == "ring":
-            out = self._ring(query, key, value, groups, scale)
+            out = _Ring.apply(query, key, value, groups, scale, self)
         else:
             out = self._all_to_all(query, repeat_kv(key, groups), repeat_kv(value, groups), scale)
         return out.transpose(1, 2).contiguous()
@@ -91,33 +91,23 @@ class ContextParallel:
     def _positions(self, rank: int, local: int) -> torch.Tensor:
         return shard_positions(local * self.size, self.size, rank)
 
-    def _ring(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int,
-              scale: float) -> torch.Tensor:
-        """cp steps: attend to the K/V block held (that of rank r - step), merge, pass it on (not after the last)."""
-        local, device = query.size(2), query.device
+    def visible(self, local: int, step: int, device: torch.device) -> torch.Tensor:
+        """Which keys of the block held at ring step `step` (rank r - step's) this rank's queries see."""
         mine = self._positions(self.rank, local).to(device)
-        kv = torch.stack([key, value])
-        out = lse = None
-        for step in range(self.size):
-            theirs = self._positions((self.rank - step) % self.size, local).to(device)
-            visible = mine[:, None] >= theirs[None, :]
-            block, block_lse = _partial(query, repeat_kv(kv[0], groups), repeat_kv(kv[1], groups), visible, scale)
-            out, lse = (block, block_lse) if out is None else _merged(out, lse, block, block_lse)
-            if step < self.size - 1:
-                kv = _RingShift.apply(kv, self)
-        return out
+        theirs = self._positions((self.rank - step) % self.size, local).to(device)
+        return mine[:, None] >= theirs[None, :]
 
-    def shift(self, tensor: torch.Tensor, offset: int) -> torch.Tensor:
-        """`tensor` sent to the rank `offset` ahead in the cp group; the one `offset` behind's received."""
+    def start_shift(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
+        """`tensor` on its way to the next rank of the cp group, and the buffer the previous one's is arriving in:
+        the caller computes meanwhile and waits on the works before reading the buffer."""
         tensor = tensor.contiguous()
         received = torch.empty_like(tensor)
-        ops = [dist.P2POp(dist.isend, tensor, self._peer(offset), self.group),
-               dist.P2POp(dist.irecv, received, self._peer(-offset), self.group)]
-        with comm_span("send", "recv"):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        ops = [dist.P2POp(dist.isend, tensor, self._peer(1), self.group),
+               dist.P2POp(dist.irecv, received, self._peer(-1), self.group)]
+        with comm_span("send", "recv", phase="issue"):
+            works = dist.batch_isend_irecv(ops)
         SENT["send_recv"] += tensor.numel() * tensor.element_size()
-        return received
+        return received, works
 
     def _peer(self, offset: int) -> int:
         """The global rank `offset` places round the cp group from this one."""
@@ -172,18 +162,57 @@ def _merged(out: torch.Tensor, lse: torch.Tensor, block: torch.Tensor,
     return (out * (lse - total).exp()[..., None] + block * (block_lse - total).exp()[..., None]), total
 
 
-class _RingShift(torch.autograd.Function):
-    """One step round the ring: forward to the next rank; the gradient back to the previous one."""
+def arrived(received: torch.Tensor, works: list[dist.Work]) -> torch.Tensor:
+    """`start_shift`'s buffer once its transfers are done."""
+    with comm_span("send", "recv", phase="wait"):
+        for work in works:
+            work.wait()
+    return received
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention with its own backward ring, keeping only this rank's q, k, v, output and log-sum-exp (not the
+    blocks it visited). Forward: at each of cp steps the next K/V block is on its way while this one is attended to.
+    Backward: the K/V blocks go round again, each block's softmax recomputed from the saved log-sum-exp; dq stays
+    here, dK/dV travel with their block and, after the last step, one more step takes them home."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, tensor: torch.Tensor,
-                cp: ContextParallel) -> torch.Tensor:
-        ctx.cp = cp
-        return cp.shift(tensor, 1)
+    def forward(ctx: torch.autograd.function.FunctionCtx, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, groups: int, scale: float, cp: ContextParallel) -> torch.Tensor:
+        kv, out, lse = torch.stack([key, value]), None, None
+        for step in range(cp.size):
+            ahead = cp.start_shift(kv) if step < cp.size - 1 else None
+            block, block_lse = _partial(query, repeat_kv(kv[0], groups), repeat_kv(kv[1], groups),
+                                        cp.visible(query.size(2), step, query.device), scale)
+            out, lse = (block, block_lse) if out is None else _merged(out, lse, block, block_lse)
+            if ahead is not None:
+                kv = arrived(*ahead)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.groups, ctx.scale, ctx.cp = groups, scale, cp
+        return out
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.cp.shift(grad, -1), None
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value, out, lse = ctx.saved_tensors
+        groups, scale, cp = ctx.groups, ctx.scale, ctx.cp
+        delta = (grad_out * out).sum(-1, keepdim=True)  # softmax's backward: sum_j p_ij dP_ij per query
+        grad_query, kv = torch.zeros_like(query), torch.stack([key, value])
+        grad_kv = torch.zeros_like(kv)
+        for step in range(cp.size):
+            ahead = cp.start_shift(kv) if step < cp.size - 1 else None
+            k, v = repeat_kv(kv[0], groups), repeat_kv(kv[1], groups)
+            scores = ((query @ k.transpose(-1, -2)) * scale).masked_fill(
+                ~cp.visible(query.size(2), step, query.device), torch.finfo(query.dtype).min)
+            probs = (scores - lse[..., None]).exp()
+            grad_scores = probs * (grad_out @ v.transpose(-1, -2) - delta) * scale
+            grad_query += grad_scores @ k
+            b, h, t, d = key.shape
+            grad_kv += torch.stack([(grad_scores.transpose(-1, -2) @ query).view(b, h, groups, t, d).sum(2),
+                                    (probs.transpose(-1, -2) @ grad_out).view(b, h, groups, t, d).sum(2)])
+            grad_kv = arrived(*cp.start_shift(grad_kv))  # with its block: after the last step, home
+            if ahead is not None:
+                kv = arrived(*ahead)
+        return grad_query, grad_kv[0], grad_kv[1], None, None, None
 
 
 class _Exchange(torch.autograd.Function):

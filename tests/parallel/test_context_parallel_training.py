@@ -62,10 +62,11 @@ def test_context_parallel_trains_like_one_process(results: Path, name: str, over
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "cp", "dp"), [("ring", 2, 1), ("dp2-cp2", 2, 2), ("ulysses-llama", 2, 1)])
 def test_the_step_sends_the_closed_form_of_its_exchanges(results: Path, name: str, cp: int, dp: int) -> None:
-    """Per rank and layer, forward and backward: the ring passes K and V (rows/dp x heads x seq/cp x head_dim) on
-    cp - 1 times; all-to-all sends (cp - 1)/cp of q, k, v and the output (each that size) each way."""
+    """Per rank and layer: the ring passes K and V (each rows/dp x heads x seq/cp x head_dim) on cp - 1 times forward,
+    and backward again cp - 1 times with their gradients cp times (home after the last step); all-to-all sends
+    (cp - 1)/cp of q, k, v and the output (each that size) forward and their gradients backward."""
     shard = ROWS // dp * HEADS * SEQ // cp * HEAD_DIM * FP32
-    expected = ({"send_recv": LAYERS * 2 * (cp - 1) * 2 * shard} if name.startswith(("ring", "dp2")) else
+    expected = ({"send_recv": LAYERS * (3 * (cp - 1) + 1) * 2 * shard} if name.startswith(("ring", "dp2")) else
                 {"all_to_all": LAYERS * 2 * 4 * (cp - 1) * shard // cp})
     for rank in saved_ranks(results, name):
         sent = {op: n for op, n in rank["sent"].items() if op in expected}
