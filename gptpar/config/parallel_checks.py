@@ -188,7 +188,7 @@ def check_lora(cfg: Config) -> None:
         raise ConfigError(f"{lora} does not run under parallel.dp_sync={p.dp_sync} ({why}); use {either(allowed)}")
 
 
-CP_ARCHS = ("gpt2", "llama")  # whose attention takes the context-parallel function and whose positions are ids
+CP_ARCHS = ("gpt2", "llama", "qwen2")  # whose attention takes the context-parallel function and whose positions are ids
 CP_SYNCS = ("bucketed", "ddp", "naive")  # the syncs that average whole gradients over a group they are given
 
 

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from gptpar.errors import GptparError
 from gptpar.parallel.comm import SENT, comm_span
 
 ATTENTION = "gptpar_context_parallel"  # the name transformers' models call the attention function by
@@ -237,5 +238,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     if cp is None or not cp.active:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    if kwargs.get("sliding_window"):
+        raise GptparError(f"parallel.cp={cp.size} runs full causal attention, not a sliding window of "
+                          f"{kwargs['sliding_window']}; set the model's use_sliding_window to false, or parallel.cp=1")
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
     return cp.attend(query, key, value, getattr(module, "num_key_value_groups", 1), scale), None

@@ -1,6 +1,6 @@
 """Context parallelism (parallel.cp): the load-balanced split as a known answer, and on two ranks as threads of the
-test process (real gloo, fast tier) a tiny GPT-2's and Llama's loss and gradients, each rank holding its shard of
-every row, equal to one process's with both implementations; each refused layout's one line."""
+test process (real gloo, fast tier) a tiny GPT-2's, Llama's and Qwen2's loss and gradients, each rank holding its
+shard of every row, equal to one process's with both implementations; each refused layout's one line."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 from thread_ranks import run_threads
 
 from gptpar.config import load_config
-from gptpar.errors import ConfigError
+from gptpar.errors import ConfigError, GptparError
 from gptpar.models.build import build_model
 from gptpar.parallel.context_parallel import ContextParallel, shard_positions
 
@@ -59,7 +59,7 @@ def _sharded(preset: str, impl: str, rank: int) -> tuple[torch.Tensor, dict[str,
     return loss / context.size, grads
 
 
-@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "llama-tiny", "qwen2-tiny"])
 @pytest.mark.parametrize("impl", ["ring", "all_to_all"])
 def test_cp2_loss_and_gradients_equal_one_process(preset: str, impl: str) -> None:
     loss, grads = _loss_and_grads(_model(preset), *_rows())
@@ -84,10 +84,28 @@ BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
     (["parallel.cp_impl=all_to_all", "parallel.cp=3", "data.seq_len=18"],
      "parallel.cp_impl=all_to_all needs model.n_head=4 divisible by parallel.cp=3; use a multiple of 3, or "
      "parallel.cp_impl=ring"),
-    (["model.preset=vit-tiny"], "parallel.cp=2 is built for model.arch=gpt2 or llama without experts, not vit; use "
-                                "one of them, or parallel.cp=1"),
+    (["model.preset=vit-tiny"], "parallel.cp=2 is built for model.arch=gpt2, llama or qwen2 without experts, not "
+                                "vit; use one of them, or parallel.cp=1"),
 ])
 def test_each_layout_cp_cannot_take_is_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(None, [*BASE, *overrides])
     assert str(caught.value) == message
+
+
+def _sliding(rank: int) -> None:
+    model = _model("qwen2-tiny")
+    model.config.use_sliding_window, model.config.sliding_window = True, 4
+    model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+    model = type(model)(model.config)  # the attention modules read the window when built
+    context = ContextParallel(dist.group.WORLD, "ring")
+    context.attach(model)
+    inputs, _, positions = context.shard(_rows())
+    with context.sharded():
+        model(inputs, position_ids=positions)
+
+
+def test_a_sliding_window_is_refused_in_one_line() -> None:
+    with pytest.raises(GptparError, match=r"^parallel.cp=2 runs full causal attention, not a sliding window of 4; set "
+                                          r"the model's use_sliding_window to false, or parallel.cp=1$"):
+        run_threads(2, _sliding)
