@@ -17,6 +17,7 @@ from rank_training import (
     make_trainer,
     named_params,
     reference_run,
+    resumed_run,
     saved_ranks,
     train_steps,
 )
@@ -44,6 +45,9 @@ def _train(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]]) -> No
         record = {"losses": losses, "params": named_params(trainer), "coords": dict(trainer.dims.coords),
                   "val": trainer.evaluate(), "sent": sent}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
+    if info.world_size == 2:  # a step, a checkpoint, a new trainer, a step
+        resumed = resumed_run(make_config(dict(CASES)["ring"], runs, "resumed-ring"), info)
+        torch.save(resumed, runs / f"resumed-ring.rank{info.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +78,11 @@ def test_the_step_sends_the_closed_form_of_its_exchanges(results: Path, name: st
     for rank in saved_ranks(results, name):
         sent = {op: n for op, n in rank["sent"].items() if op in expected}
         assert sent == expected
+
+
+@pytest.mark.slow
+def test_a_resumed_cp_run_continues_bitwise(results: Path) -> None:
+    """Each cp rank's checkpoint loaded back continues as the run that never stopped: its loss and parameters."""
+    for straight, resumed in zip(saved_ranks(results, "ring"), saved_ranks(results, "resumed-ring"), strict=True):
+        assert resumed["losses"] == [straight["losses"][1]]
+        assert all(torch.equal(straight["params"][p], resumed["params"][p]) for p in straight["params"])
