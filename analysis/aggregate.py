@@ -247,7 +247,7 @@ def _finite(value: Any) -> bool:
 
 
 def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
-    """Devices of the run from its header: the grid's sizes (dp x pp x tp ranks) times the devices each
+    """Devices of the run from its header: the grid's sizes (dp x pp x cp x tp ranks) times the devices each
     rank drives (one, or the stages of a one-process pipeline). Schema-1 logs, which lack
     stage_devices, fall back to the config's device list. A grid with pp > 1 is the multi-process
     engine, whose schedule sets the closed-form bubble."""
@@ -258,10 +258,11 @@ def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
     m.chunks = int(p.get("parallel.chunks", 1)) if m.pp_mode == "pipeline_parallel" else 1
     per_rank = len(header["stage_devices"]) if "stage_devices" in header else _schema1_devices(m, header)
     stages = int(sizes.get("pp", 1))
-    m.devices = stages * int(sizes.get("tp", 1)) * per_rank
+    replica = stages * int(sizes.get("cp", 1)) * int(sizes.get("tp", 1))  # ranks of one model replica
+    m.devices = replica * per_rank
     m.gpus = m.dp * m.devices
     shared = len(set(header["stage_devices"])) if header.get("stage_devices") else per_rank
-    m.distinct_devices = m.dp * stages * int(sizes.get("tp", 1)) * shared
+    m.distinct_devices = m.dp * replica * shared
     if stages > 1:
         m.pp_schedule = str(p.get("parallel.pp_schedule", "1f1b"))
         m.pp_virtual = int(p.get("parallel.pp_virtual", 1))

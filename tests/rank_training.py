@@ -167,7 +167,7 @@ def saved_ranks(runs: Path, name: str) -> list[dict]:
 def reference_run(cfg: Config, regroup: Regroup | None = None) -> dict:
     """One process, the same config with one stage and one replica, the same global batch (recut by `regroup`); a
     mixture's step fields and the validation pass's scores (classify's accuracy) too."""
-    single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.ep": 1,
+    single = updated(cfg, {"parallel.pp": 1, "parallel.dp": 1, "parallel.tp": 1, "parallel.ep": 1, "parallel.cp": 1,
                            "parallel.pp_virtual": 1,
                            "parallel.pp_split": "", "parallel.dp_sync": "bucketed", "parallel.param_comm": "fp32",
                            "parallel.hpz": False, "parallel.zero_stage": 2, "parallel.offload": "none",

@@ -1,9 +1,10 @@
 """Who am I: one object per rank, built once from the environment (through the joined process group) and the
 config, that every parallelism asks: the launcher's layout, the backend and device, the grid's sizes, this rank's
 coordinates, and its process group (on torch's DeviceMesh) along each dimension. Data shards follow the `dp`
-coordinate, gradients are averaged in the `dp` group; nothing asks the global rank what it should do. Expert
-parallelism's groups (`ep`, and EXPERT_REPLICAS: the ranks holding the same experts) lie inside the dp dimension,
-outside the DeviceMesh: named composites (grid.COMPOSITES), made once here and asked for by name like an axis.
+coordinate, gradients are averaged in the `dp` group (`replica_group`: dp x cp under context parallelism); nothing
+asks the global rank what it should do. Expert parallelism's groups (`ep`, and EXPERT_REPLICAS: the ranks holding the
+same experts) and dp x cp (grid.DP_CP) lie outside the DeviceMesh's axes: named composites (grid.COMPOSITES), made
+once here and asked for by name like an axis.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from gptpar.errors import GptparError
 from gptpar.parallel.flight import name_group
 from gptpar.parallel.grid import (
     COMPOSITES,
+    DP_CP,
     GRID_DIMS,
     INNER_DIMS,
     block_ranks,
@@ -86,6 +88,15 @@ class ParallelDims(RankInfo):
 
     def _has(self, dim: str, alone: bool) -> bool:
         return self.mesh is not None and (self.sizes[dim] > 1 or alone)
+
+    def replica_group(self, alone: bool = False) -> dist.ProcessGroup | None:
+        """The group over which gradients are averaged and losses summed: the ranks that hold the same model, dp x cp
+        (grid.DP_CP) under context parallelism, else dp (None alone, unless `alone`, as for `group`)."""
+        return self.group(DP_CP) if self.sizes["cp"] > 1 else self.group("dp", alone)
+
+    def replicas(self) -> int:
+        """The size of `replica_group`: each of its ranks computes an equal share of the step's mean loss."""
+        return self.sizes["dp"] * self.sizes["cp"]
 
     def group_ranks(self, dim: str) -> list[int]:
         """Global ranks of this rank's group along `dim`, in coordinate order."""

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, example_width
+from gptpar.errors import GptparError
 from gptpar.presets import ModelShape
 from gptpar.strategies.data_parallel import hpz_node_size
 from gptpar.strategies.pipeline import even_sizes, pp_split_counts, stage_sizes
@@ -137,8 +138,12 @@ class Layout:
 
 
 def layout_of(cfg: Config) -> Layout:
-    """The layout of a validated config (one `gptpar train` would run)."""
+    """The layout of a validated config (one `gptpar train` would run); context parallelism is not priced yet, and
+    a layout with it is refused rather than priced as if its sequences were whole."""
     t, p, shape = cfg.train, cfg.parallel, cfg.model.shape()
+    if p.cp > 1:
+        raise GptparError(f"gptpar plan does not price parallel.cp={p.cp} yet (its ring or all-to-all and its "
+                          "activations); predict the layout with parallel.cp=1, or train it and read its records")
     pipeline = p.pp > 1 or p.pp_mode == "pipeline_parallel"
     chunks = p.chunks if pipeline else 1
     stages = p.pp * p.pp_virtual

@@ -4,12 +4,14 @@ another's files.
 
 1. materialise a model built on the meta device, unless its data-parallel strategy materialises only its shards;
 2. tensor parallelism cuts this rank's pieces of every layer; expert parallelism (or a capacity) its experts;
+   context parallelism routes attention through its cp group (parallel.cp: each rank holds a shard of the sequence);
 3. recompute and compile, block by block, before any wrapper or stage split sees the blocks;
 4. the loss for this layout (on vocabulary shards under loss parallelism);
 5. the multi-process pipeline keeps this rank's stages, tensor parallelism or the one-process modes of
    parallel.pp_mode (gptpar.parallel.pipeline.one_process) place their pieces, and otherwise the model goes whole
    on the rank's device;
-6. data parallelism wraps the result with the strategy parallel.dp_sync names (at dp=1 only where the row
+6. data parallelism wraps the result with the strategy parallel.dp_sync names, over dp (dp x cp under context
+   parallelism: ParallelDims.replica_group) (at dp=1 only where the row
    builds it over a group of one: DataParallelStrategy.group_of_one, or runs alone).
 """
 
@@ -28,6 +30,7 @@ from gptpar.config import Config
 from gptpar.models import architecture
 from gptpar.models.build import initial_value, materialize
 from gptpar.parallel import make_grad_sync
+from gptpar.parallel.context_parallel import ContextParallel
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.expert_parallel import ExpertParallel
@@ -57,6 +60,7 @@ class Parallelized:
     experts: ExpertParallel | None  # parallel.ep > 1 or model.moe_capacity_factor > 0: the experts as dispatched
     # A mixture under sequence parallelism: its parameters' gradients, summed over the tp group after the sync.
     mixture_grads: ShardedMixtureGradients | None = None
+    context: ContextParallel | None = None  # parallel.cp > 1: shards the step's rows, holds attention's cp group
 
 
 def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_size: int,
@@ -65,7 +69,7 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     `routing` (a mixture's router statistics) travels through the multi-process pipeline with each micro-batch."""
     p, seed, device = cfg.parallel, cfg.train.seed, dims.device
     alone = DP_STRATEGIES[p.dp_sync].group_of_one(p.offload)
-    dp_group, tp_group = dims.group("dp", alone), dims.group("tp")
+    dp_group, tp_group = dims.replica_group(alone), dims.group("tp")
     shards_only = (cfg.model.init_device == "meta" and DP_STRATEGIES[p.dp_sync].materialises_shards
                    and dp_group is not None and tp_group is None)
     if cfg.model.init_device == "meta" and not shards_only:  # 1
@@ -74,6 +78,9 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
         architecture(model).restore_buffers(model, device)
     if tp_group is not None:  # 2
         model = shard_model(model, p, dims, device)
+    context = ContextParallel(dims.group("cp"), p.cp_impl) if dims.size("cp") > 1 else None
+    if context is not None:  # 2, the sequence: attention meets the other shards through the cp group
+        context.attach(model)
     experts = (ExpertParallel(model, dims, cfg.model.moe_capacity_factor)
                if dims.size("ep") > 1 or cfg.model.moe_capacity_factor else None)
     prepare_blocks(model, cfg, device)  # 3, in place
@@ -101,4 +108,5 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     sharded_mixture = (ShardedMixtureGradients(model, net, tp_group)
                        if pieces and p.sequence_parallel and cfg.model.shape().moe else None)
     return Parallelized(net, sync, loss_fn, loss_context(p, dims), whole_logits(p, dims, vocab_size),
-                        CheckpointLayout(net, sync, dims) if pieces else None, pipeline, experts, sharded_mixture)
+                        CheckpointLayout(net, sync, dims) if pieces else None, pipeline, experts, sharded_mixture,
+                        context)

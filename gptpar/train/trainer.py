@@ -113,11 +113,13 @@ class Trainer:
         sequence_shards = dims.group("tp") if cfg.parallel.sequence_parallel else None
         self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp"),
                                       dims.group("pp"), dims.device, sequence_shards) if routers else None
-        self.dp_group, self.tp_group = dims.group("dp"), dims.group("tp")
+        # The ranks over which losses and token counts are summed: dp, or dp x cp (each cp rank a share of the rows).
+        self.dp_group, self.tp_group = dims.replica_group(), dims.group("tp")
         wrapped = parallelize(model, cfg, dims, self.vocab_size, self.router_load)
         self.net, self.sync, self.pipeline = wrapped.net, wrapped.sync, wrapped.pipeline
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
         self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
+        self.context = wrapped.context
         if self.router_load is not None and self.experts is not None and cfg.model.moe_capacity_factor:
             self.router_load.dropped_source = self.experts.dropped
         # What holds its parameters as pieces of the checkpoint's whole tensors, each saving and loading its own.
@@ -213,11 +215,11 @@ class Trainer:
 
     def _dp_mean(self, value: float) -> float:
         """The mean of a scalar over the data-parallel replicas."""
-        return self._dp_sum(value)[0] / self.dims.size("dp")
+        return self._dp_sum(value)[0] / self.dims.replicas()
 
     def _target_share(self, micro_batches: list[Batch]) -> float:
         """N / R: the step's target tokens on all R replicas (one small all-reduce), per replica."""
-        return self._dp_sum(sum(target_tokens(batch[1]) for batch in micro_batches))[0] / self.dims.size("dp")
+        return self._dp_sum(sum(target_tokens(batch[1]) for batch in micro_batches))[0] / self.dims.replicas()
 
     def _loss_divisors(self, micro_batches: list[Batch]) -> list[float]:
         """What each micro-batch's mean loss is divided by so that the step's gradient, once the sync has averaged
@@ -250,7 +252,10 @@ class Trainer:
         losses, divisors = [], self._loss_divisors(micro_batches)
         for i, batch in enumerate(micro_batches):
             RECORDER.micro_step = i
-            with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context():
+            if self.context is not None:  # this rank's share of each row, with its global position ids
+                batch = self.context.shard(batch)
+            with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context(), \
+                    self._sharded():
                 with record_function("forward"), precision.autocast():
                     with self._routing():
                         logits = self._logits(self.sync.module, batch)
@@ -268,6 +273,10 @@ class Trainer:
         """The positions a micro-batch runs (its step record's tokens): every token id, translation's padding too,
         or an image's patches and class token."""
         return inputs.size(0) * example_width(self.cfg) if self.classes else inputs.numel()
+
+    def _sharded(self) -> AbstractContextManager[None]:
+        """Where attention meets the other cp ranks' shards: the training forward (and its backward's ring)."""
+        return self.context.sharded() if self.context is not None else contextlib.nullcontext()
 
     def _routing(self) -> AbstractContextManager[None]:
         """Where a mixture's routers are watched: the training forward (not evaluation or decoding)."""
@@ -443,7 +452,7 @@ class Trainer:
         micro_batches = next(batches)
         data_time = time.perf_counter() - start
         loss, grad_norm = self.train_step(micro_batches)
-        global_loss = self._dp_reduce(loss.to(device, torch.float64, copy=True)) / self.dims.size("dp")
+        global_loss = self._dp_reduce(loss.to(device, torch.float64, copy=True)) / self.dims.replicas()
         clock.stop()
         self.step += 1
         tokens = sum(self._positions(batch[0]) for batch in micro_batches)

@@ -15,7 +15,7 @@ from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.env import Layout, expand_nodelist, free_port, is_slurm_step, layout_from_env, slurm_port
-from gptpar.parallel.grid import EXPERT_REPLICAS, composite_groups, coordinates, group_ranks
+from gptpar.parallel.grid import DP_CP, EXPERT_REPLICAS, composite_groups, coordinates, group_ranks
 from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed
 from gptpar.parallel.spawn import spawn_local
 
@@ -198,11 +198,23 @@ def test_hung_rank_fails_job_after_timeout() -> None:
 def test_grid_coordinates_are_row_major_with_tp_fastest() -> None:
     sizes = {"pp": 2, "dp": 3, "tp": 2, "ep": 1}
     coords = [coordinates(r, sizes) for r in range(12)]
-    assert coords[0] == {"pp": 0, "dp": 0, "tp": 0, "ep": 0}
-    assert coords[1] == {"pp": 0, "dp": 0, "tp": 1, "ep": 0}  # tensor-parallel neighbours are consecutive ranks
-    assert coords[2] == {"pp": 0, "dp": 1, "tp": 0, "ep": 0}
-    assert coords[11] == {"pp": 1, "dp": 2, "tp": 1, "ep": 0}
+    assert coords[0] == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}
+    # tensor-parallel neighbours are consecutive ranks
+    assert coords[1] == {"pp": 0, "dp": 0, "cp": 0, "tp": 1, "ep": 0}
+    assert coords[2] == {"pp": 0, "dp": 1, "cp": 0, "tp": 0, "ep": 0}
+    assert coords[11] == {"pp": 1, "dp": 2, "cp": 0, "tp": 1, "ep": 0}
     assert len({tuple(c.values()) for c in coords}) == 12
+
+
+def test_context_parallel_ranks_sit_between_dp_and_tp_and_sync_over_dp_x_cp() -> None:
+    """dp=2 x cp=2 x tp=2 (8 ranks, tp fastest, then cp): the cp group of rank 5 (dp 1, cp 0, tp 1) is its
+    neighbour two ranks on; the gradients' group dp x cp every rank of its tp coordinate."""
+    sizes = {"pp": 1, "dp": 2, "cp": 2, "tp": 2, "ep": 1}
+    assert coordinates(5, sizes) == {"pp": 0, "dp": 1, "cp": 0, "tp": 1, "ep": 0}
+    assert group_ranks(5, sizes, "cp") == [5, 7]
+    assert group_ranks(5, sizes, DP_CP) == [1, 3, 5, 7]
+    assert composite_groups(sizes)[DP_CP] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert DP_CP not in composite_groups(sizes | {"cp": 1})  # the sync's group is then dp's own
 
 
 def test_the_expert_dimension_splits_dp_into_groups_of_neighbouring_replicas() -> None:
@@ -243,12 +255,13 @@ def _cpu_rank(rank: int, world_size: int) -> RankInfo:
 
 
 def test_grid_refuses_a_shape_that_does_not_fill_the_job() -> None:
-    with pytest.raises(GptparError, match=r"rank grid pp=1 x dp=3 x tp=1 needs 3 ranks but the job has 4"):
+    with pytest.raises(GptparError, match=r"rank grid pp=1 x dp=3 x cp=1 x tp=1 needs 3 ranks but the job has 4"):
         ParallelDims.build(_cpu_rank(0, 4), {"dp": 3})
     with pytest.raises(GptparError, match="unknown dimension"):
-        ParallelDims.build(_cpu_rank(0, 2), {"cp": 2})
+        ParallelDims.build(_cpu_rank(0, 2), {"sp": 2})
     alone = ParallelDims.build(_cpu_rank(0, 1), {"dp": 1})
-    assert alone.sizes == {"pp": 1, "dp": 1, "tp": 1, "ep": 1} and alone.group("dp") is None and alone.mesh is None
+    assert alone.sizes == {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1}
+    assert alone.group("dp") is None and alone.mesh is None
     assert alone.group("ep") is None and alone.group(EXPERT_REPLICAS) is None
 
 
@@ -272,9 +285,9 @@ def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("sizes, expected", [
-    ({"dp": 2, "tp": 2}, {0: ({"pp": 0, "dp": 0, "tp": 0, "ep": 0}, [0, 2], [0, 1]),
+    ({"dp": 2, "tp": 2}, {0: ({"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}, [0, 2], [0, 1]),
                           3: ({"pp": 0, "dp": 1, "tp": 1, "ep": 0}, [1, 3], [2, 3])}),
-    ({"pp": 2, "dp": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0, "ep": 0}, [0, 1], [1]),
+    ({"pp": 2, "dp": 2}, {1: ({"pp": 0, "dp": 1, "cp": 0, "tp": 0, "ep": 0}, [0, 1], [1]),
                           2: ({"pp": 1, "dp": 0, "tp": 0, "ep": 0}, [2, 3], [2])}),
     ({"dp": 4, "ep": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0, "ep": 1}, [0, 1, 2, 3], [1]),
                           2: ({"pp": 0, "dp": 2, "tp": 0, "ep": 0}, [0, 1, 2, 3], [2])}),

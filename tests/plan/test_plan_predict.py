@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 from planfix import calibration, layout, network
 
+from gptpar.errors import GptparError
 from gptpar.plan.calibration import RECOMPUTED, LinkFit, tp_kind
 from gptpar.plan.layout import block_flops, head_flops
 from gptpar.plan.network import network_of
@@ -289,3 +290,10 @@ def test_the_host_device_link_is_the_profiles_else_pcie() -> None:
     assert pcie.bandwidth == 25e9 and "PCIe 4.0 x16" in pcie.source
     profile = {"links": {"host_device": {"bandwidth_GBps": 50, "source": "NVLink-C2C"}}}
     assert network_of(calib, profile, "gh", True).host_device.bandwidth == 50e9
+
+
+def test_a_context_parallel_layout_is_refused_not_priced_as_whole_sequences() -> None:
+    with pytest.raises(GptparError, match=r"^gptpar plan does not price parallel.cp=2 yet \(its ring or all-to-all and "
+                                          r"its activations\); predict the layout with parallel.cp=1, or train it and "
+                                          r"read its records$"):
+        layout("parallel.cp=2")

@@ -202,6 +202,19 @@ def test_engine_bubble_std_is_over_steps_of_the_mean_over_ranks(tmp_path: Path) 
     assert m.pp_trace is None  # no step logged a pp_timeline
 
 
+def test_a_context_parallel_run_counts_its_cp_ranks_as_devices(tmp_path: Path) -> None:
+    """dp=2 x cp=2: four ranks, each a device, two replicas of two."""
+    sizes = {"pp": 1, "dp": 2, "cp": 2, "tp": 1}
+    ranks = [Rank(tmp_path / "c", r, config(**{"parallel.dp": 2, "parallel.cp": 2}), sizes=sizes,
+                  coords={"pp": 0, "dp": r // 2, "cp": r % 2, "tp": 0}, stage_devices=["cpu"]).header()
+             for r in range(4)]
+    for rank in ranks:
+        rank.step(1, 1, loss=3.0)
+        rank.final(step=1)
+    m = metrics(tmp_path, warmup_steps=0)["c"]
+    assert (m.dp, m.devices, m.gpus, m.distinct_devices) == (2, 2, 4, 4)
+
+
 def test_a_bubble_outside_0_1_is_flagged_and_left_out_of_the_figures(tmp_path: Path) -> None:
     engine_run(tmp_path / "runs" / "bad", [0.2, 1.3], steps=4)
     result = report(tmp_path / "runs", tmp_path / "out", now=LATER, warmup_steps=0)

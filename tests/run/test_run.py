@@ -331,7 +331,7 @@ def test_a_run_starts_with_a_banner_and_ends_with_a_summary_line(tmp_path: Path)
     parameters = 12 * 32 * 32 + 13 * 32 + 2 * 32 + (rows + 256) * 32
     table = f", token table of {rows} rows" if rows > vocab else ""
     assert lines[0] == f"gptpar: training in this process: {folder}"
-    assert re.fullmatch(rf"gptpar: 1 rank\(s\) \(pp=1 x dp=1 x tp=1\) on cpu \(gloo\); GPT-2 of {parameters:,} "
+    assert re.fullmatch(rf"gptpar: 1 rank\(s\) \(pp=1 x dp=1 x cp=1 x tp=1\) on cpu \(gloo\); GPT-2 of {parameters:,} "
                         rf"parameters \(1 layers, width 32, 2 heads\); tokenizer bytes \(vocab {vocab}{table}\); fp32; "
                         r"steps 1-3", lines[1]), lines[1]
     records = [json.loads(line) for line in (folder / "rank0.jsonl").read_text().splitlines()]
