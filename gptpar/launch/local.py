@@ -27,8 +27,7 @@ from types import FrameType
 from gptpar.launch.prepare import Point, rank_command
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.slurm import clean_env
-from gptpar.parallel.env import LAUNCHER_MARKER, LAUNCHER_PID, free_port
-from gptpar.parallel.flight import DUMP_SIGNAL
+from gptpar.parallel.env import DUMP_SIGNAL, LAUNCHER_MARKER, LAUNCHER_PID, free_port
 from gptpar.run.folder import handed_fds
 from gptpar.run.queue import starting
 

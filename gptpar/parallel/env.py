@@ -17,6 +17,7 @@ forever for N-1 ranks that nobody started.
 from __future__ import annotations
 
 import re
+import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ from gptpar.launchers import TaskVars, started_by
 
 LAUNCHER_MARKER = "GPTPAR_LAUNCHER"  # set by gptpar's local launchers, so a rank reports which one started it
 LAUNCHER_PID = "GPTPAR_LAUNCHER_PID"  # the local launcher's pid, so its ranks can tell when it is gone
+# What asks a rank for its stacks and flight recorder (gptpar.parallel.flight), forwarded by the local launcher: USR2
+# is the requeue, TERM and INT the stop, USR1 NCCL's.
+DUMP_SIGNAL = signal.SIGQUIT
 PORT_BASE, PORT_SPAN = 20000, 20000  # SLURM-derived ports stay in 20000..39999 (unprivileged)
 
 

@@ -39,9 +39,8 @@ from typing import Any
 import torch.distributed as dist
 
 from gptpar.atomic import atomic_write_text
-from gptpar.parallel.env import LAUNCHER_PID
+from gptpar.parallel.env import DUMP_SIGNAL, LAUNCHER_PID
 
-DUMP_SIGNAL = signal.SIGQUIT
 CONT_WAIT_S = 0.05  # after the dump signal's byte, how long a SIGCONT's may take to follow (both come at once)
 CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture itself (never, when blocked in C)
 UNFINISHED = ("started", "waiting", "failed")  # states of a collective a rank has not come out of

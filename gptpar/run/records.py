@@ -66,9 +66,9 @@ class HeaderRecord(Record):
     config_digest: str | Absent = optional("Digest of `config`, to group runs of one config.")
     rank: int = required("This rank's number.")
     world_size: int = required("Ranks in the job.")
-    coords: dict[str, int] = required("This rank's place in the grid: `pp`, `dp`, `tp` (0 when unused), and `ep` "
+    coords: dict[str, int] = required("This rank's place in the grid: `pp`, `dp`, `cp`, `tp` (0 when unused), and `ep` "
                                       "(its dp coordinate mod parallel.ep; absent from older logs).")
-    sizes: dict[str, int] = required("The grid's size per dimension: `pp`, `dp`, `tp` (1 when unused), and `ep` "
+    sizes: dict[str, int] = required("The grid's size per dimension: `pp`, `dp`, `cp`, `tp` (1 when unused), and `ep` "
                                      "(inside dp, not a factor of the world size; absent from older logs).")
     restart: int = required("Segments this rank's log held before this one (0 on the first start).")
     host: str = required("The host name.")

@@ -286,11 +286,11 @@ def _grid_worker(info: RankInfo, sizes: dict[str, int], out_dir: Path) -> None:
 
 @pytest.mark.parametrize("sizes, expected", [
     ({"dp": 2, "tp": 2}, {0: ({"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}, [0, 2], [0, 1]),
-                          3: ({"pp": 0, "dp": 1, "tp": 1, "ep": 0}, [1, 3], [2, 3])}),
+                          3: ({"pp": 0, "dp": 1, "cp": 0, "tp": 1, "ep": 0}, [1, 3], [2, 3])}),
     ({"pp": 2, "dp": 2}, {1: ({"pp": 0, "dp": 1, "cp": 0, "tp": 0, "ep": 0}, [0, 1], [1]),
-                          2: ({"pp": 1, "dp": 0, "tp": 0, "ep": 0}, [2, 3], [2])}),
-    ({"dp": 4, "ep": 2}, {1: ({"pp": 0, "dp": 1, "tp": 0, "ep": 1}, [0, 1, 2, 3], [1]),
-                          2: ({"pp": 0, "dp": 2, "tp": 0, "ep": 0}, [0, 1, 2, 3], [2])}),
+                          2: ({"pp": 1, "dp": 0, "cp": 0, "tp": 0, "ep": 0}, [2, 3], [2])}),
+    ({"dp": 4, "ep": 2}, {1: ({"pp": 0, "dp": 1, "cp": 0, "tp": 0, "ep": 1}, [0, 1, 2, 3], [1]),
+                          2: ({"pp": 0, "dp": 2, "cp": 0, "tp": 0, "ep": 0}, [0, 1, 2, 3], [2])}),
 ])
 @pytest.mark.slow
 def test_four_rank_grid_gives_coordinates_and_groups_on_gloo(tmp_path: Path, sizes, expected,

@@ -36,7 +36,7 @@ TINY = ["model.n_layer=2", "data.seq_len=32", "data.tokenizer=bytes", "data.sour
 
 # String keys these files read from dicts that are not log records (config keys, with a dot, and SLURM's
 # environment variables are told apart by their spelling).
-GRID = {"dp", "pp", "tp"}  # inside a header's coords and sizes
+GRID = {"dp", "pp", "cp", "tp"}  # inside a header's coords and sizes
 MEMORY_PARTS = {"total", "grads", "optimizer"}  # analysis.aggregate.MemoryUse's breakdown
 FIELD_METADATA = {"help", "choices", "may_diverge"}
 OTHER_DICTS = {
