@@ -32,6 +32,7 @@ from gptpar.errors import first_sentence
 DISAGREE_POINTS = 2.0  # a share (idle, compute, overlap) of HTA's and gptpar's further apart than this is flagged
 TIMES = ("kernel_time(us)", "idle_time(us)", "compute_time(us)", "non_compute_time(us)")  # HtaRank's order
 SHARES = ("idle_time_pctg", "compute_time_pctg", "non_compute_time_pctg")
+COPIES = ("gpu_memcpy", "gpu_memset")  # the trace categories of memory copies and sets
 INSTALL = "make install adds it: pip install --no-deps holistictraceanalysis==0.5.0, with the trace extra"
 
 
@@ -49,8 +50,9 @@ def _quiet() -> Iterator[None]:
         hta_logger.disabled = was
 
 
-def hta_figures(files: dict[int, Path]) -> dict[int, HtaRank]:
-    """HTA's temporal breakdown and communication-computation overlap of these GPU traces, by rank."""
+def hta_figures(files: dict[int, Path], copies: bool = True) -> dict[int, HtaRank]:
+    """HTA's temporal breakdown and communication-computation overlap of these GPU traces, by rank; without
+    `copies`, with the memory copies and sets left out of what it reads."""
     with _quiet():
         from hta.common.trace import Trace
         from hta.trace_analysis import TraceAnalysis
@@ -60,6 +62,9 @@ def hta_figures(files: dict[int, Path]) -> dict[int, HtaRank]:
                 self.t = Trace(trace_files={rank: str(path.resolve()) for rank, path in files.items()},
                                trace_dir=str(next(iter(files.values())).parent))
                 self.t.load_traces(include_last_profiler_step=True, use_multiprocessing=False)
+                if not copies:
+                    ids = [self.t.symbol_table.sym_index[c] for c in COPIES if c in self.t.symbol_table.sym_index]
+                    self.t.traces = {rank: df[~df["cat"].isin(ids)] for rank, df in self.t.traces.items()}
 
         analysis = InProcess()
         temporal = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
@@ -79,11 +84,17 @@ def with_hta(ranks: list[RankTrace], files: dict[int, Path]) -> tuple[list[RankT
         import hta  # noqa: F401
     except ImportError:
         return ranks, f"Holistic Trace Analysis: not installed ({INSTALL}); gptpar's figures only"
+    note = None
     try:
-        figures = hta_figures(gpu)
+        try:
+            figures = hta_figures(gpu)
+        except AssertionError:  # HTA 0.5.0's own check of its idle time, failed by real traces' copies (an H200's)
+            figures = hta_figures(gpu, copies=False)
+            note = ("Holistic Trace Analysis: its breakdown fails its own check on these traces' memory copies and "
+                    "sets, so its figures leave them out (idle, as gptpar's are)")
     except Exception as exc:  # noqa: BLE001 - a third party's parser on any torch version's traces: say so, keep ours
         return ranks, f"Holistic Trace Analysis: could not read the traces ({first_sentence(exc)}); gptpar's only"
-    return [replace(r, hta=figures.get(r.rank)) for r in ranks], None
+    return [replace(r, hta=figures.get(r.rank)) for r in ranks], note
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis.holistic import DISAGREE_POINTS, verdict, with_hta
+from analysis.holistic import DISAGREE_POINTS, hta_figures, verdict, with_hta
 from analysis.trace import analyse_run, trace_files
 from gptpar.cli import main
 from gptpar.run.folder import RunFolder
@@ -46,6 +46,13 @@ VERDICTS = {"synthetic_2rank": {0: "disagree: idle by 13.33 points, compute by 6
                                 1: f"agree within {DISAGREE_POINTS:.1f} points"}}
 
 
+# h200_gpt2_tiny: the last profiled step of a real run on an H200 (gpt2-tiny, one rank, torch 2.11; made with the
+# command in docs/precision.md's HTA section, its other steps cut): HTA 0.5.0's breakdown fails its own assertion on
+# its memory copies and sets, so gptpar reads it without them and says so.
+NOTES = {"h200_gpt2_tiny": "Holistic Trace Analysis: its breakdown fails its own check on these traces' memory copies "
+                           "and sets, so its figures leave them out (idle, as gptpar's are)"}
+
+
 def microseconds(values: list[float]) -> list[float]:
     return [round(v * 1e6, 6) for v in values]
 
@@ -54,7 +61,7 @@ def microseconds(values: list[float]) -> list[float]:
 def test_hta_reads_each_gpu_fixture_beside_gptpar(folder: Path) -> None:
     ranks, skipped = analyse_run(folder, top=0)
     ranks, note = with_hta(ranks, dict(trace_files(folder)))
-    assert skipped == [] and note is None and ranks and all(r.mode == "gpu" and r.hta for r in ranks)
+    assert skipped == [] and note == NOTES.get(folder.name) and ranks and all(r.mode == "gpu" and r.hta for r in ranks)
     for r in ranks:
         h = r.hta
         assert h.idle_pct + h.compute_pct + h.non_compute_pct == pytest.approx(100, abs=3 * ROUNDED)
@@ -182,3 +189,12 @@ def test_a_gpu_rank_without_nccl_kernels_has_no_overlap_share(tmp_path: Path) ->
     # HTA's window is still 10..190; without the all-reduces it is idle in [50,55) [80,110) [150,160) = 45
     assert (r.overlap_share, r.own_overlap_share, r.hta.overlap_pct) == (None, None, None)
     assert [r.hta.idle_pct, r.hta.compute_pct] == pytest.approx([100 * 45 / 180, 100 * 125 / 180], abs=ROUNDED)
+
+
+def test_a_real_h200_trace_fails_htas_own_check_unless_its_copies_are_left_out() -> None:
+    """Why gptpar retries: HTA 0.5.0 asserts non_compute_time >= 0 on this trace read whole."""
+    files = dict(trace_files(FIXTURES / "h200_gpt2_tiny"))
+    with pytest.raises(AssertionError):
+        hta_figures(files)
+    (rank,) = hta_figures(files, copies=False).values()
+    assert rank.idle_pct + rank.compute_pct == pytest.approx(100, abs=2 * ROUNDED) and rank.non_compute_pct == 0
