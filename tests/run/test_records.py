@@ -50,9 +50,10 @@ OTHER_DICTS = {
     # a Chrome trace's events and torch's distributedInfo in it (its world_size is a header field's name too)
     "analysis/trace.py": {"traceEvents", "name", "cat", "ts", "dur", "ph", "pid", "tid", "calls", "where", "self_s",
                           "nccl", "distributedInfo"},
-    # the columns of Holistic Trace Analysis's temporal breakdown and overlap tables
+    # the columns of Holistic Trace Analysis's temporal breakdown and overlap tables, and of its parsed trace (cat)
     "analysis/holistic.py": {"kernel_time(us)", "idle_time(us)", "compute_time(us)", "non_compute_time(us)",
-                             "idle_time_pctg", "compute_time_pctg", "non_compute_time_pctg", "comp_comm_overlap_pctg"},
+                             "idle_time_pctg", "compute_time_pctg", "non_compute_time_pctg", "comp_comm_overlap_pctg",
+                             "cat"},
     "gptpar/launch/status.py": {"pending"},  # a run state
     "gptpar/run/folder.py": {"job_id", "pid", "flock", "heartbeat"},  # the run lock's JSON
     "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
