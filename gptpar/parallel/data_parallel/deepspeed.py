@@ -81,7 +81,8 @@ def deepspeed_config(pcfg: ParallelConfig, t: TrainConfig, dp: int, precision: s
 
 
 def check_engine_setup(pcfg: ParallelConfig, t: TrainConfig, device: torch.device) -> str:
-    """Refuse in one line what this rank's DeepSpeed cannot run (ZeRO++ off CUDA, its fp16 recipe); returns the
+    """Refuse in one line what this rank's DeepSpeed cannot run (ZeRO++ off CUDA, its fp16 recipe, qwZ under bf16's
+    autocast); returns the
     precision it runs (train.precision resolved on `device`)."""
     asked = zero_plus_plus(pcfg)
     if asked and device.type != "cuda":
@@ -94,6 +95,10 @@ def check_engine_setup(pcfg: ParallelConfig, t: TrainConfig, device: torch.devic
         raise GptparError("train.precision=fp16 is not built for parallel.dp_sync=deepspeed (DeepSpeed's fp16 "
                           "keeps fp16 weights, another recipe than gptpar's autocast over fp32 weights with its own "
                           "loss scaler); use train.precision=bf16 or fp32")
+    if precision == "bf16" and pcfg.param_comm == "int8":  # seen on an H200: its engine asserts at initialize
+        raise GptparError("parallel.param_comm=int8 (ZeRO++'s quantised weights) with train.precision=bf16 is refused "
+                          "by DeepSpeed (it cannot quantise weights under the torch autocast gptpar's bf16 uses); use "
+                          "train.precision=fp32 with it, or parallel.param_comm=fp32")
     return precision
 
 

@@ -184,6 +184,16 @@ def test_fp16_is_refused_where_it_would_run_and_bf16_is_autocast_over_fp32_weigh
         "enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
 
 
+def test_quantised_weights_under_bf16_are_refused_in_one_line_as_deepspeed_refuses_them() -> None:
+    """On an H200 DeepSpeed 0.19.8 asserts "Cannot enable both torch autocast and zero quantized weights"."""
+    cfg = load_config(None, [*DS, "parallel.param_comm=int8", "train.precision=bf16"])
+    with pytest.raises(GptparError, match=r"^parallel.param_comm=int8 \(ZeRO\+\+'s quantised weights\) with "
+                                          r"train.precision=bf16 is refused by DeepSpeed"):
+        check_engine_setup(cfg.parallel, cfg.train, torch.device("cuda"))
+    fp32 = load_config(None, [*DS, "parallel.param_comm=int8", "train.precision=fp32"])
+    assert check_engine_setup(fp32.parallel, fp32.train, torch.device("cuda")) == "fp32"
+
+
 def test_zero_plus_plus_and_offload_map_onto_deepspeeds_keys() -> None:
     cfg = load_config(None, [*DS, "parallel.zero_stage=3", "parallel.param_comm=int8", "parallel.grad_comm=int8",
                              "parallel.hpz=true", "parallel.offload=params"])
