@@ -35,8 +35,8 @@ def test_dp2_trains_the_same_model_as_one_process(tmp_path):
         records = [json.loads(line) for line in (tmp_path / "dp" / f"rank{rank}.jsonl").read_text().splitlines()]
         header = records[0]
         assert (header["rank"], header["world_size"], header["launcher"]) == (rank, 2, "local")
-        assert header["coords"] == {"pp": 0, "dp": rank, "tp": 0, "ep": 0}
-        assert header["sizes"] == {"pp": 1, "dp": 2, "tp": 1, "ep": 1}
+        assert header["coords"] == {"pp": 0, "dp": rank, "cp": 0, "tp": 0, "ep": 0}
+        assert header["sizes"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 1, "ep": 1}
         steps = [r for r in records if r["kind"] == "step"]
         assert [r["step"] for r in steps] == [1, 2, 3] and all(r["tokens"] == 4 * 32 for r in steps)
         assert records[-1]["status"] == "completed"

@@ -69,8 +69,8 @@ def test_log_follows_the_schema(real_text_run):
     assert kinds[0] == "header" and kinds[-1] == "final" and set(kinds) == set(RECORDS)
     header = records[0]
     assert header["rank"] == 0 and header["world_size"] == 1 and header["restart"] == 0
-    assert header["coords"] == {"pp": 0, "dp": 0, "tp": 0, "ep": 0}
-    assert header["sizes"] == {"pp": 1, "dp": 1, "tp": 1, "ep": 1}
+    assert header["coords"] == {"pp": 0, "dp": 0, "cp": 0, "tp": 0, "ep": 0}
+    assert header["sizes"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 1, "ep": 1}
     assert header["device"] == "cpu" and header["stage_devices"] == ["cpu"]
     assert config_from_dict(header["config"]) == cfg
     steps = [r for r in records if r["kind"] == "step"]
