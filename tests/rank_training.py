@@ -164,6 +164,16 @@ def saved_ranks(runs: Path, name: str) -> list[dict]:
     return [torch.load(path, weights_only=False) for path in sorted(runs.glob(f"{name}.rank*.pt"))]
 
 
+def assert_resumed_bitwise(runs: Path, name: str) -> None:
+    """Run `resumed-<name>` (a step, a checkpoint, a new trainer, a step) logged the straight run's second loss and
+    ends with its parameters, bit for bit, on every rank."""
+    straight, resumed = saved_ranks(runs, name), saved_ranks(runs, f"resumed-{name}")
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["losses"] == [a["losses"][1]]
+        for param in a["params"]:
+            assert torch.equal(a["params"][param], b["params"][param]), param
+
+
 def reference_run(cfg: Config, regroup: Regroup | None = None) -> dict:
     """One process, the same config with one stage and one replica, the same global batch (recut by `regroup`); a
     mixture's step fields and the validation pass's scores (classify's accuracy) too."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 from gloo_pool import GlooPools
 from rank_training import (
+    assert_resumed_bitwise,
     assert_trains_like_one_process,
     make_config,
     make_trainer,
@@ -77,8 +78,4 @@ def test_lora_training_state_is_its_closed_form(results: Path, name: str) -> Non
 @pytest.mark.parametrize("name", RESUMED)
 @pytest.mark.slow
 def test_a_resumed_lora_run_continues_bitwise_where_it_stopped(results: Path, name: str) -> None:
-    straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
-    for a, b in zip(straight, resumed, strict=True):
-        assert b["losses"] == [a["losses"][1]]
-        for param in a["params"]:
-            assert torch.equal(a["params"][param], b["params"][param]), param
+    assert_resumed_bitwise(results, name)

@@ -16,7 +16,16 @@ from typing import Any
 import pytest
 import torch
 from gloo_pool import GlooPools
-from rank_training import make_config, make_trainer, named_params, reference_run, resumed_run, saved_ranks, train_steps
+from rank_training import (
+    assert_resumed_bitwise,
+    make_config,
+    make_trainer,
+    named_params,
+    reference_run,
+    resumed_run,
+    saved_ranks,
+    train_steps,
+)
 from torch import nn
 
 from gptpar.errors import GptparError
@@ -182,11 +191,7 @@ def test_an_offloaded_runs_memory_is_the_same_state_split_between_device_and_hos
 def test_a_resumed_run_continues_bitwise_where_it_stopped(results: Path, name: str) -> None:
     """Each rank saves its own shard's optimizer state (keys name the parameter and range) and loads it back; naive
     and ddp save their replicated state once and every replica loads it."""
-    straight, resumed = saved_ranks(results, name), saved_ranks(results, f"resumed-{name}")
-    for a, b in zip(straight, resumed, strict=True):
-        assert b["losses"] == [a["losses"][1]]
-        for param in a["params"]:
-            assert torch.equal(a["params"][param], b["params"][param]), param
+    assert_resumed_bitwise(results, name)
 
 
 def _shard_layout(sizes: tuple[int, ...], world: int, rank: int) -> tuple[int, int, list[tuple[str, int, int, int]]]:
