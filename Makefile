@@ -50,12 +50,18 @@ demo: install
 	$(GPTPAR) sweep sweeps/demo_pp_engine.yaml launch.cluster=$(CLUSTER) --runs-dir $(DEMO_RUNS) --wait
 	$(GPTPAR) report $(DEMO_RUNS) --out $(DEMO_FIGURES)
 
+# The part that starts no process runs on two workers (pytest-xdist, a file per worker at a time: module
+# fixtures are built once); the tests that start ranks, CLIs and SLURM jobs run one at a time, as their timeouts
+# and rank counts assume.
+FAST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest -q --durations=20
+	$(PY) -m pytest -q -m "not slow" -n $(FAST_WORKERS) --dist loadfile --durations=10
+	$(PY) -m pytest -q -m slow --durations=20
 
 # The part that starts no process (no spawned ranks, CLI runs or SLURM): under 2 minutes.
 test-fast: install
-	$(PY) -m pytest -q -m "not slow" --durations=10
+	$(PY) -m pytest -q -m "not slow" -n $(FAST_WORKERS) --dist loadfile --durations=10
 
 lint: install
 	$(VENV)/bin/ruff check .

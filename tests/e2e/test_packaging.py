@@ -42,7 +42,8 @@ def test_heavy_parts_are_extras_and_the_runtime_needs_none_of_them() -> None:
     assert runtime.isdisjoint(EXTRAS_ONLY)
     extras = project["optional-dependencies"]
     assert {"hf", "translation", "tensorboard", "wandb", "all", "dev"} <= set(extras)
-    assert {canonicalize_name(Requirement(r).name) for r in extras["dev"]} == {"pytest", "pytest-timeout", "ruff"}
+    dev = {canonicalize_name(Requirement(r).name) for r in extras["dev"]}
+    assert dev == {"pytest", "pytest-timeout", "pytest-xdist", "ruff"}
 
 
 @pytest.mark.slow
