@@ -14,6 +14,9 @@ Everything is measured in one run on the same machine, the modes running round-r
   a node (`all_gather_intra`) are left out of it: they stay on the node's fast links. Its rows run one rank per
   "node" (parallel.hpz_node_size=1: each rank keeps a whole copy, and only the forward's gathers cross ranks),
   the layout a 2-rank job can show;
+- DeepSpeed's ZeRO-2 and ZeRO-3 (parallel.dp_sync=deepspeed, the `deepspeed` extra) in fp32, their bytes counted by
+  deepspeed.comm's own logger in the same ring terms: DeepSpeed's ZeRO++ (qwZ, qgZ, hpZ) runs on CUDA GPUs only, so
+  on these gloo ranks its rows are ours alone;
 - hpZ with real nodes: --node-world ranks (4) in "nodes" of --node-size (2), fsdp in fp32, with hpZ and as zero++,
   so that the gathers across nodes (`all_gather`) and within them (`all_gather_intra`) are both there. Bytes only:
   4 ranks on 2 cores time nothing a cluster would see.
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from gptpar.config import ModelConfig, ParallelConfig
+from gptpar.config import ModelConfig, ParallelConfig, TrainConfig
 from gptpar.models.build import build_model, count_params
 from gptpar.models.loss import lm_loss
 from gptpar.parallel.comm import read_sent
@@ -54,7 +57,8 @@ MODES: tuple[tuple[str, str, dict], ...] = (
     *((f"fsdp {w}", "fsdp", {"grad_comm": w}) for w in ("fp32", "int8")),
     *((f"fsdp param {w}", "fsdp", {"param_comm": w}) for w in ("bf16", "int8")),
     ("fsdp hpz", "fsdp", HPZ),
-    ("fsdp zero++", "fsdp", {"grad_comm": "int8", "param_comm": "int8", **HPZ}))  # qgZ, qwZ and hpZ together
+    ("fsdp zero++", "fsdp", {"grad_comm": "int8", "param_comm": "int8", **HPZ}),  # qgZ, qwZ and hpZ together
+    *((f"deepspeed-{stage} fp32", "deepspeed", {"zero_stage": stage}) for stage in (2, 3)))
 SENT_KINDS = ("all_reduce", "reduce_scatter", "all_to_all", "all_gather", INTRA)  # comm_bytes' kinds, table order
 ZERO_PP = {"grad_comm": "int8", "param_comm": "int8", "hpz": True}  # node_size from --node-size
 NODE_MODES: tuple[tuple[str, str, dict], ...] = (("fsdp fp32", "fsdp", {}), ("fsdp hpz", "fsdp", {"hpz": True}),
@@ -87,8 +91,25 @@ def build(args: argparse.Namespace, sync_name: str, settings: dict, world: int, 
     model = build_model(ModelConfig(preset=args.preset), args.vocab, seed=0)
     pcfg = ParallelConfig(dp=world, dp_sync=sync_name, bucket_mb=args.bucket_mb, powersgd_rank=4, **settings)
     node = nodes[pcfg.hpz_node_size] if pcfg.hpz else None
-    sync = make_grad_sync(model, pcfg, dist.group.WORLD, torch.device("cpu"), node_group=node)
-    return sync, torch.optim.AdamW([p for p, _ in sync.optimizer_params()], lr=1e-4)
+    train = TrainConfig(batch_size=args.batch * world, lr=1e-4, weight_decay=0.01, grad_clip=0.0)  # AdamW's defaults
+    sync = make_grad_sync(model, pcfg, dist.group.WORLD, torch.device("cpu"), node_group=node, train=train)
+    if hasattr(sync, "count_sent"):  # an engine whose collectives gptpar does not issue (DeepSpeed's)
+        sync.count_sent()
+    opt = sync.own_optimizer() or torch.optim.AdamW([p for p, _ in sync.optimizer_params()], lr=1e-4)
+    return sync, opt
+
+
+def engine_sent(sync: GradSync) -> dict[str, int]:
+    """The bytes an engine's own collectives sent since the last read (DeepSpeed's); none for gptpar's syncs, whose
+    bytes read_sent has."""
+    return sync.read_sent() if hasattr(sync, "read_sent") else {}
+
+
+def baseline(name: str, sync: str, settings: dict) -> str:
+    """The row a mode's bytes and speed are compared with: the same sync (DeepSpeed: at the same stage) in fp32."""
+    if name == "local":
+        return name
+    return f"deepspeed-{settings['zero_stage']} fp32" if sync == "deepspeed" else f"{sync} fp32"
 
 
 def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Namespace, communicate: bool
@@ -102,15 +123,15 @@ def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Names
     for _ in range(args.steps + 1):
         dist.barrier()
         read_sent()
+        engine_sent(sync)
         start = time.perf_counter()
         with sync.accumulating(is_last_micro_step=communicate):
-            lm_loss(sync.module(x).logits, y).backward()
+            sync.backward(lm_loss(sync.module(x).logits, y))
         if communicate:
             sync.finish()
-        opt.step()
-        sync.after_step()
+        sync.step(opt, lambda: torch.zeros(()))  # no clip: its norm's all-reduce is not the sync's traffic
         sync.zero_grad()
-        samples.append((time.perf_counter() - start, read_sent()))
+        samples.append((time.perf_counter() - start, read_sent() | engine_sent(sync)))
     return samples[1:]
 
 
@@ -179,8 +200,8 @@ def report(args: argparse.Namespace, res: dict, n_params: int) -> dict:
     print(f"{'mode':<16}{'step ms':>9}{'(range)':>16}{'tok/s':>9}{'sent KiB':>11}{'vs fp32 bytes':>15}"
           f"{'vs fp32 speed':>15}{f'at {args.link_gbps:g} Gb/s ms':>18}{'speedup there':>15}")
     rows = {}
-    for name, sync, _settings in MODES:
-        base = "local" if name == "local" else f"{sync} fp32"
+    for name, sync, settings in MODES:
+        base = baseline(name, sync, settings)
         slow = step[name] + sent[name] / link
         slow_base = step[base] + sent[base] / link
         rows[name] = {"step_s": step[name], "tokens_per_s": tokens / step[name], "sent_bytes": sent[name],
@@ -191,7 +212,8 @@ def report(args: argparse.Namespace, res: dict, n_params: int) -> dict:
               f"{tokens / step[name]:>9.0f}{sent[name] / 1024:>11.0f}{ratio:>15.3f}{step[base] / step[name]:>14.2f}x"
               f"{slow * 1e3:>18.1f}{slow_base / slow:>14.2f}x")
     print("(vs fp32: the same sync in fp32; speedup above 1 is faster. The slow-link column adds the counted bytes at "
-          "the link's rate to the measured step, none of it hidden: what a cross-node job would see at most.)")
+          "the link's rate to the measured step, none of it hidden: what a cross-node job would see at most. "
+          "DeepSpeed's rows: its bytes counted by deepspeed.comm's logger; its ZeRO++ runs on CUDA only.)")
     print("\nours against torch's same reduction (bucketed vs ddp, step time ratio; above 1: ours faster):")
     checks = {}
     for wire in ("fp32", "bf16"):

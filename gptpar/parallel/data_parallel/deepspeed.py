@@ -35,11 +35,20 @@ from gptpar.config import ParallelConfig, TrainConfig
 from gptpar.errors import GptparError, require_extra
 from gptpar.hardware import resolved_precision
 from gptpar.parallel.data_parallel.base import GradSync, SyncSetup
+from gptpar.strategies.collectives import ring_share
 from gptpar.tensor_bytes import storage_bytes
 
 CONFIG_FILE = "deepspeed_config.json"
 CHECKPOINTS = "deepspeed_checkpoint"  # the engine's checkpoints, one folder per tag (step<N>), in the run folder
 TAG = "step{}"
+# deepspeed.comm's ops by the kind of collective gptpar counts (comm_bytes' kinds); its logger sizes an all-gather by
+# the input shard, the others by the whole input
+SENT_KINDS = {"all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "inference_all_reduce": "all_reduce",
+              "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+              "reduce_scatter_fn": "reduce_scatter", "all_gather": "all_gather",
+              "all_gather_into_tensor": "all_gather", "allgather_fn": "all_gather",
+              "all_to_all_single": "all_to_all", "all_to_all": "all_to_all", "broadcast": "broadcast",
+              "reduce": "reduce"}
 ADAM_EPS = 1e-8  # torch.optim.AdamW's default, what gptpar's AdamW runs with
 
 
@@ -126,7 +135,8 @@ class DeepSpeedSync(GradSync):
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                     world_size=1, device_id=device if device.type == "cuda" else None)
         self.stage, self.offload = pcfg.zero_stage, pcfg.offload
-        self.config = deepspeed_config(pcfg, t, dist.get_world_size(group), precision, hpz_size)  # None: the world
+        self.group_size = dist.get_world_size(group)  # None: the world
+        self.config = deepspeed_config(pcfg, t, self.group_size, precision, hpz_size)
         groups = [{"params": [p for p in model.parameters() if p.requires_grad and (p.dim() >= 2) == decays],
                    "weight_decay": t.weight_decay if decays else 0.0} for decays in (True, False)]
         # DeepSpeed calls torch's all_gather_into_tensor, which torch warns of at every call: once is enough.
@@ -205,12 +215,43 @@ class DeepSpeedSync(GradSync):
         if path is None:
             raise GptparError(f"cannot load DeepSpeed's checkpoint {folder / TAG.format(step)}")
 
+    def count_sent(self) -> None:
+        """Have deepspeed.comm log every collective's size from now on (what it logged before is dropped), for
+        read_sent. Off in training runs: its logger synchronises the device after each collective, which would cost a
+        GPU run its overlap."""
+        import deepspeed.comm
+
+        deepspeed.comm.configure(enabled=True, prof_all=True, verbose=False)
+        deepspeed.comm.comms_logger.comms_dict.clear()
+
+    def read_sent(self) -> dict[str, int]:
+        """The bytes this rank sent since the last read, by collective, in comm_bytes' ring terms (what
+        gptpar.parallel.comm.read_sent gives for gptpar's own syncs), from deepspeed.comm's logger (see count_sent)."""
+        from deepspeed.comm import comms_logger
+
+        sent = engine_sent(comms_logger.comms_dict, self.group_size)
+        comms_logger.comms_dict.clear()
+        return sent
+
     def memory_fields(self) -> dict[str, int]:
         """The `memory` record from DeepSpeed's own buffers (see engine_state_bytes)."""
         fields = engine_state_bytes(self.model, self.optimizer, self.stage, self.offload)
         if "host_bytes" in fields:  # the gradient partitions go with the optimizer state to the host
             fields["host_bytes"] += self.grads_bytes
         return fields | {"grads_bytes": self.grads_bytes}
+
+
+def engine_sent(logged: dict[str, dict[int, list]], size: int) -> dict[str, int]:
+    """Bytes one rank sent by collective kind, in ring terms over `size` ranks, from deepspeed.comm's logger's
+    {op: {message bytes: [count, ...]}}; an op gptpar cannot count that moved a tensor is refused, not dropped."""
+    sent: dict[str, int] = {}
+    for name, sizes in logged.items():
+        kind, moved = SENT_KINDS.get(name), sum(msg * record[0] for msg, record in sizes.items())
+        if kind is None and moved:  # a barrier or an object's exchange moves no tensor: nothing to count
+            raise GptparError(f"deepspeed.comm ran {name}, which gptpar does not count in comm_bytes")
+        if kind is not None:
+            sent[kind] = sent.get(kind, 0) + ring_share(kind, moved * (size if kind == "all_gather" else 1), size)
+    return sent
 
 
 def master_partitions(optimizer: Any, stage: int) -> list[torch.Tensor]:

@@ -33,9 +33,10 @@ from torch import nn
 
 from gptpar.config import load_config
 from gptpar.errors import ConfigError, GptparError
-from gptpar.parallel.data_parallel.deepspeed import DeepSpeedSync, check_engine_setup, deepspeed_config
+from gptpar.parallel.data_parallel.deepspeed import DeepSpeedSync, check_engine_setup, deepspeed_config, engine_sent
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.logfile import rank_log_path, read_rank_log
+from gptpar.strategies.collectives import ring_share
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 
 DS = ["parallel.dp=2", "parallel.dp_sync=deepspeed", "parallel.bucket_mb=0.01"]
@@ -55,9 +56,10 @@ RESUMED = ["stage2-accum", "stage3"]
 def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]], resumed: list[str]) -> None:
     for name, overrides in cases.items():
         trainer = make_trainer(make_config(overrides, runs, name), info)
+        trainer.sync.count_sent()
         losses = train_steps(trainer, 2)
-        torch.save({"losses": losses, "params": named_params(trainer), "memory": trainer.memory},
-                   runs / f"{name}.rank{info.rank}.pt")
+        torch.save({"losses": losses, "params": named_params(trainer), "memory": trainer.memory,
+                    "sent": trainer.sync.read_sent()}, runs / f"{name}.rank{info.rank}.pt")
     for name in resumed:  # a step, DeepSpeed's checkpoint and ours, a new trainer, a step
         resumed = resumed_run(make_config(CASES[name], runs, f"resumed-{name}"), info)
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
@@ -77,6 +79,35 @@ def offloaded(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) ->
     runs = tmp_path_factory.mktemp("deepspeed-offload")
     gloo_pool.run(2, _worker, runs, OFFLOADED, [])
     return runs
+
+
+@pytest.mark.slow
+def test_deepspeeds_bytes_are_counted_by_its_own_logger_in_ring_terms(results: Path) -> None:
+    """Two steps on 2 ranks: stages 1 and 2 all-reduce the fp32 gradients at every micro-step (stage 2 partitions
+    them as they come) and gather the updated parameters once a step; stage 3 reduce-scatters them once a step and
+    gathers the parameters for the forward and again for the backward. The all-reduces' few extra bytes are the
+    gradient norm's."""
+    steps, world = 2, 2
+    for name, micro_steps in (("stage1", 1), ("stage2-accum", 2), ("stage3", 1)):
+        for rank in saved_ranks(results, name):
+            sent, whole = rank["sent"], 4 * rank["memory"]["params"]  # fp32 bytes of the whole model
+            if name != "stage3":
+                assert sent["all_gather"] == steps * ring_share("all_gather", whole, world), name
+                assert 0 <= sent["all_reduce"] - steps * micro_steps * ring_share("all_reduce", whole, world) < 64
+                continue
+            assert sent["reduce_scatter"] == steps * ring_share("reduce_scatter", whole, world)
+            gathers = sent["all_gather"] / (steps * ring_share("all_gather", whole, world))
+            assert 2 <= gathers < 2.5, gathers  # 2.148 measured: the tied embedding is gathered again for the head
+
+
+def test_deepspeeds_logged_sizes_become_ring_shares_and_an_uncounted_op_is_refused() -> None:
+    """deepspeed.comm's logger sizes an all-gather by its input shard and the others by their whole input."""
+    logged = {"all_reduce": {100: [2, [], [], []], 8: [1, [], [], []]}, "all_gather_into_tensor": {40: [3, [], [], []]},
+              "reduce_scatter_tensor": {160: [1, [], [], []]}, "barrier": {0: [4, [], [], []]}}
+    assert engine_sent(logged, 4) == {"all_reduce": round(208 * 2 * 3 / 4), "all_gather": 3 * 40 * 4 * 3 // 4,
+                                      "reduce_scatter": 160 * 3 // 4}
+    with pytest.raises(GptparError, match="deepspeed.comm ran send, which gptpar does not count in comm_bytes"):
+        engine_sent({"send": {64: [1, [], [], []]}}, 2)
 
 
 @pytest.mark.parametrize("name", list(ALL))
