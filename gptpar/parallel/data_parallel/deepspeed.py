@@ -19,7 +19,9 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -89,6 +91,15 @@ def deepspeed_config(pcfg: ParallelConfig, t: TrainConfig, dp: int, precision: s
     return config
 
 
+def buildable_arch_list(arch_list: str) -> str:
+    """TORCH_CUDA_ARCH_LIST with every entry in the form DeepSpeed's op builder parses (major.minor, +PTX): an
+    architecture-specific entry such as 9.0a (an H200's image sets it) made it fail with "invalid literal for int()"
+    before any op was built; the entry's family (9.0) builds the same ops."""
+    entries = [entry for entry in re.split(r"[;\s]+", arch_list) if entry]
+    fixed = [re.sub(r"^(\d+)\.(\d+)[a-z]+(\+PTX)?$", r"\1.\2\3", entry) for entry in entries]
+    return ";".join(fixed) if fixed != entries else arch_list
+
+
 def check_engine_setup(pcfg: ParallelConfig, t: TrainConfig, device: torch.device) -> str:
     """Refuse in one line what this rank's DeepSpeed cannot run (ZeRO++ off CUDA, its fp16 recipe, qwZ under bf16's
     autocast); returns the
@@ -129,6 +140,11 @@ class DeepSpeedSync(GradSync):
         super().__init__(model)
         deepspeed = require_extra("deepspeed", "parallel.dp_sync=deepspeed", "deepspeed")
         precision = check_engine_setup(pcfg, t, device)
+        asked = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+        if device.type == "cuda" and buildable_arch_list(asked) != asked:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = buildable_arch_list(asked)
+            print(f"gptpar: TORCH_CUDA_ARCH_LIST={asked} read as {os.environ['TORCH_CUDA_ARCH_LIST']}, the form "
+                  "DeepSpeed's op builder parses", file=sys.stderr)
         if group is None:  # this process is the whole job: its own launcher, as far as DeepSpeed asks
             os.environ.setdefault("LOCAL_RANK", "0")
         if group is None and not dist.is_initialized():
