@@ -1,7 +1,7 @@
 """Context parallelism through the trainer's own step on the shared gloo pool: cp=2 with each implementation (GPT-2
 and Llama; the ring under block recompute too) and dp=2 x cp=2 train like one process on the same global batch
 (losses, validation loss, every parameter), and the step's point-to-point and all-to-all bytes and the memory record's
-attention bytes are their closed forms."""
+attention bytes are their closed forms, the bytes and training state the planner prices the same config at."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from rank_training import (
 
 from gptpar.parallel.comm import new_step, read_sent
 from gptpar.parallel.process_group import RankInfo
+from gptpar.plan.layout import layout_of
 from gptpar.strategies.context_parallel import AttentionShape, attention_bytes, sent_bytes
 
 LLAMA = ["model.preset=llama-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=2"]
@@ -78,11 +79,17 @@ def test_the_step_sends_the_closed_form_of_its_exchanges(results: Path, name: st
                 {"all_to_all": LAYERS * 2 * 4 * (cp - 1) * shard // cp})
     impl = "ring" if "send_recv" in expected else "all_to_all"
     attention = AttentionShape(LAYERS, HEADS, HEADS, HEAD_DIM, ROWS // dp, SEQ)
-    assert sent_bytes(impl, cp, attention) == expected  # the planner's closed form is the one held here
+    planned = layout_of(make_config(dict(CASES)[name], results, name))  # the planner's layout of the run's config
+    assert sent_bytes(impl, cp, attention) == expected
+    assert sent_bytes(planned.cp_impl, planned.cp, planned.attention(FP32)) == expected
+    params = planned.rank_parameters(0)  # the planner's training state: whole gradients, nothing sharded over dp x cp
     for rank in saved_ranks(results, name):
         sent = {op: n for op, n in rank["sent"].items() if op in expected}
         assert sent == expected
-        assert rank["memory"]["attention_bytes"] == attention_bytes(impl, cp, attention)  # the memory record's
+        memory = rank["memory"]
+        assert memory["attention_bytes"] == attention_bytes(impl, cp, attention)  # the memory record's
+        assert (memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]) == (4 * params, 4 * params,
+                                                                                               8 * params)
 
 
 @pytest.mark.slow
