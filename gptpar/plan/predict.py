@@ -502,9 +502,10 @@ def approximations(lay: Layout) -> list[str]:
     if lay.offload != "none":
         notes.append(f"parallel.offload={lay.offload}: the host-device copies are priced as exposed and the host's "
                      "optimizer step at the device's calibrated rate")
-    if lay.cp > 1:
-        notes.append(f"parallel.cp={lay.cp}: {lay.cp_impl}'s exchanges are priced as exposed, and its attention at the "
-                     "calibrated block's rate (sdpa's kernel; the ring runs its blocks as plain matmuls)")
+    if lay.cp > 1 and lay.cp_impl == "ring":
+        notes.append("parallel.cp_impl=ring: its steps' transfers are priced as exposed (their overlap with each "
+                     "block's attention is not modelled), its blocks at the calibrated block's rate (sdpa's kernel; "
+                     "the ring runs them as plain matmuls)")
     if lay.ep > 1 and lay.shape.moe:
         notes.append("parallel.ep: the experts' gradients are priced as reduced over all of dp (they are reduced "
                      "over their dp/ep replicas), and routing as balanced")
