@@ -19,7 +19,7 @@ CLUSTER ?= local
 DEMO_RUNS ?= $(RUNS)/demo
 DEMO_FIGURES ?= $(FIGURES)/demo
 
-.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis bench-moe bench-comm bench-comm-accuracy bench-plan figures config-reference log-reference clean
+.PHONY: install lock test test-fast lint demo bench bench-dp bench-pp bench-pp-dist bench-fsdp bench-tp bench-precision bench-step bench-analysis bench-moe bench-comm bench-comm-accuracy bench-plan bench-cp figures config-reference log-reference clean
 
 install: $(STAMP)
 
@@ -105,9 +105,14 @@ bench-comm: install
 bench-comm-accuracy: install
 	$(PY) bench/comm_accuracy.py
 
-# The planner against real runs: calibrate, predict and train 14 layouts, print each error (under 10 minutes idle).
+# The planner against real runs: calibrate, predict and train 16 layouts, print each error (under 10 minutes idle).
 bench-plan: install
 	$(PY) bench/bench_plan.py
+
+# Context parallelism on 2 and 4 gloo ranks against one process, ring beside all_to_all, and the longest sequence a
+# per-rank attention budget holds at cp = 1, 2, 4 (docs/context_parallel.md).
+bench-cp: install
+	$(PY) bench/bench_cp.py
 
 figures: install
 	$(GPTPAR) report $(RUNS) --out $(FIGURES)

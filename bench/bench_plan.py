@@ -52,6 +52,8 @@ LAYOUTS: dict[str, list[str]] = {
     "pp2 interleaved": [*PP, "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"],
     "dp2 zero2 accum2 ckpt": [*DP, "parallel.dp_sync=zero2", "train.grad_accum=2",
                               "train.activation_checkpointing=block"],
+    "cp2 ring": ["parallel.cp=2"],
+    "cp2 all_to_all": ["parallel.cp=2", "parallel.cp_impl=all_to_all"],
 }
 BENCH_PROBES = Probes(((128, 4), (256, 8)), ((1, 64), (2, 64), (4, 64), (8, 64)),
                   tuple(4 ** k * 1024 for k in range(1, 8)), (10**5, 10**6, 10**7), 4096, 21)

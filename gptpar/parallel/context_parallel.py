@@ -35,6 +35,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 
 from gptpar.errors import GptparError
 from gptpar.parallel.comm import SENT, comm_span
+from gptpar.tensor_bytes import SavedBytes
 
 ATTENTION = "gptpar_context_parallel"  # the name transformers' models call the attention function by
 IMPLS = ("ring", "all_to_all")
@@ -52,10 +53,13 @@ class ContextParallel:
     (`attach`); sequences are split only inside `sharded` (the training forward): evaluation and decoding run whole
     sequences on every rank through plain sdpa."""
 
-    def __init__(self, group: dist.ProcessGroup, impl: str):
+    def __init__(self, group: dist.ProcessGroup, impl: str, count_saved: bool = False):
         self.group, self.impl = group, impl
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.active = False
+        # count_saved: the first `sharded` forward counts what attention saves for backward (the memory record's
+        # attention_bytes); only where no other saved-tensor hooks run (recompute's, the pipeline's, a compiled graph)
+        self.count_saved, self.saved, self.saved_bytes = count_saved, None, None
 
     def attach(self, model: nn.Module) -> None:
         """Route `model`'s attention through `ATTENTION`, each attention module knowing this rank's cp group."""
@@ -68,10 +72,13 @@ class ContextParallel:
     @contextlib.contextmanager
     def sharded(self) -> Iterator[None]:
         self.active = True
+        self.saved = SavedBytes(()) if self.count_saved and self.saved_bytes is None else None
         try:
             yield
         finally:
             self.active = False
+            if self.saved is not None:
+                self.saved_bytes, self.saved = self.saved.total, None
 
     def shard(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(inputs, labels) of whole rows as this rank's (inputs, labels, position ids)."""
@@ -242,4 +249,5 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         raise GptparError(f"parallel.cp={cp.size} runs full causal attention, not a sliding window of "
                           f"{kwargs['sliding_window']}; set the model's use_sliding_window to false, or parallel.cp=1")
     scale = scaling if scaling is not None else query.size(-1) ** -0.5
-    return cp.attend(query, key, value, getattr(module, "num_key_value_groups", 1), scale), None
+    with cp.saved or contextlib.nullcontext():  # counting, in the first sharded forward (count_saved)
+        return cp.attend(query, key, value, getattr(module, "num_key_value_groups", 1), scale), None

@@ -38,6 +38,8 @@ def predict_config(cfg: Config, calibration: str | None, key: str = CALIBRATION_
 
 def describe(layout: Layout) -> str:
     parts = [f"dp={layout.dp} ({layout.dp_sync})" if layout.dp > 1 else "dp=1"]
+    if layout.cp > 1:
+        parts.append(f"cp={layout.cp} ({layout.cp_impl})")
     if layout.tp > 1:
         parts.append(f"tp={layout.tp}" + (" +SP" if layout.sequence_parallel else ""))
     if layout.pp > 1:

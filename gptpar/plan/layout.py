@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, example_width
-from gptpar.errors import GptparError
 from gptpar.presets import ModelShape
+from gptpar.strategies.context_parallel import AttentionShape
 from gptpar.strategies.data_parallel import hpz_node_size
 from gptpar.strategies.pipeline import even_sizes, pp_split_counts, stage_sizes
 
@@ -68,20 +68,33 @@ class Layout:
     checkpoint_every: int  # recompute every k-th block (0: none)
     stage_blocks: tuple[int, ...]  # blocks of each of the pp * virtual stages
     offload: str = "none"  # parallel.offload
+    cp: int = 1  # parallel.cp: each sequence split over cp ranks of one replica
+    cp_impl: str = "ring"  # parallel.cp_impl
 
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """The ranks gradients are averaged over: dp x cp (each cp rank holds a share of the rows' tokens)."""
+        return self.dp * self.cp
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank."""
-        return self.seqs * self.seq_len
+        """Tokens of one micro-batch on one rank (its seq_len / cp of each sequence)."""
+        return self.seqs * self.seq_len // self.cp
 
     @property
     def step_tokens(self) -> int:
         """Tokens the whole job trains on per optimizer step."""
-        return self.tokens * self.chunks * self.grad_accum * self.dp
+        return self.tokens * self.chunks * self.grad_accum * self.replicas
+
+    def attention(self, element: int) -> AttentionShape:
+        """One micro-batch's attention on one rank, as cp's closed forms read it (heads on one tp rank)."""
+        s = self.shape
+        return AttentionShape(s.n_layer, s.n_head // self.tp, max(s.kv_heads // self.tp, 1), s.head_dim,
+                              self.seqs, self.seq_len, element)
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages pipeline rank `rank` holds (Megatron's interleaving: rank r holds r, r + P, ...)."""
@@ -138,12 +151,8 @@ class Layout:
 
 
 def layout_of(cfg: Config) -> Layout:
-    """The layout of a validated config (one `gptpar train` would run); context parallelism is not priced yet, and
-    a layout with it is refused rather than priced as if its sequences were whole."""
+    """The layout of a validated config (one `gptpar train` would run)."""
     t, p, shape = cfg.train, cfg.parallel, cfg.model.shape()
-    if p.cp > 1:
-        raise GptparError(f"gptpar plan does not price parallel.cp={p.cp} yet (its ring or all-to-all and its "
-                          "activations); predict the layout with parallel.cp=1, or train it and read its records")
     pipeline = p.pp > 1 or p.pp_mode == "pipeline_parallel"
     chunks = p.chunks if pipeline else 1
     stages = p.pp * p.pp_virtual
@@ -163,4 +172,5 @@ def layout_of(cfg: Config) -> Layout:
         hpz_node=hpz_node_size(p.hpz_node_size, p.dp, p.tp, cfg.launch.gpus or p.dp * p.tp) if p.hpz else 0,
         ep=p.ep, precision=t.precision,
         checkpoint_every=checkpoint_interval(t.activation_checkpointing),
-        stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)), offload=p.offload)
+        stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)), offload=p.offload, cp=p.cp,
+        cp_impl=p.cp_impl)

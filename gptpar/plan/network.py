@@ -1,7 +1,7 @@
 """What a collective costs over one group of ranks: the calibration's measured links where the layout runs on the
 machine that was calibrated, else the cluster profile's figures (`links:` in gptpar/cluster/profiles/*.yaml, each with
 its source), intra-node for a group inside one node and inter-node for one that spans nodes. The grid's rank order
-(gptpar.parallel.grid: pp, dp, tp, tp fastest) says which groups span nodes. parallel.offload's copies between a GPU
+(gptpar.parallel.grid: pp, dp, cp, tp, tp fastest) says which groups span nodes. parallel.offload's copies between a GPU
 and its host go over `links.host_device`, else PCIe 4.0 x16 (HOST_DEVICE)."""
 
 from __future__ import annotations

@@ -9,7 +9,10 @@ Overlap, as each sync does it (gptpar/parallel/data_parallel):
 - under the multi-process pipeline every data-parallel sync reduces in finish(), after the schedule: exposed;
 - tensor parallelism's all-reduces (or all-gathers and reduce-scatters with sequence parallelism) sit between the
   matmuls that need them: exposed, added to the actions they belong to;
-- the pipeline's sends and receives are added to the forward and backward that produce them.
+- the pipeline's sends and receives are added to the forward and backward that produce them;
+- context parallelism's ring steps or all-to-alls (parallel.cp) are added to each block's forward and backward,
+  exposed; a rank computes its seq_len / cp tokens (each rank an equal share of the causal work, the ring's split
+  being load-balanced) and keeps their activations, and the data-parallel sync runs over the dp x cp replicas.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from gptpar.flops import FlopsShape, flops_per_token, peak_flops
 from gptpar.plan.calibration import RECOMPUTED, Calibration, tp_kind
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
+from gptpar.strategies.context_parallel import exchange
 from gptpar.strategies.data_parallel import (
     DP_STRATEGIES,
     MOVED,
@@ -39,6 +43,7 @@ ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # bytes per layer, of which 24sbh are inside the split attention and MLP and 10sbh the replicated norms and
 # residuals, which sequence parallelism splits too).
 TP_SPLIT_SHARE = 24 / 34
+CP_LABEL = {"ring": "cp send_recv", "all_to_all": "cp all_to_all"}  # parallel.cp's exchanges in exposed_comm_s
 
 
 @dataclass
@@ -73,6 +78,7 @@ class Costs:
     w: float
     tp_comm: float  # of which tensor-parallel communication
     ep_comm: float = 0.0  # and parallel.ep's all-to-alls
+    cp_comm: float = 0.0  # and parallel.cp's ring steps or all-to-alls
 
     @property
     def whole(self) -> float:
@@ -123,6 +129,22 @@ class Model:
         both_ways = 2 * self.net.seconds("all_to_all", picks, lay.ep, lay.tp)
         return counts + both_ways, both_ways
 
+    def context_comm(self) -> tuple[float, float]:
+        """A block's exchanges under parallel.cp in forward and in backward (gptpar.strategies.context_parallel's
+        `exchange`, the closed form `comm_bytes` is held to): the ring's steps each a send to the next rank of the cp
+        group (tp ranks apart; the step waits for the hop that wraps round, (cp - 1) tp apart), all_to_all's over the
+        cp group. Priced as exposed: the ring's overlap of a step's transfer with its block's attention is not
+        modelled. (0, 0) without cp."""
+        lay = self.lay
+        if lay.cp == 1:
+            return 0.0, 0.0
+        e = exchange(lay.cp_impl, lay.cp, lay.attention(self.act))
+        if e.op == "send_recv":
+            one = self.net.seconds("send_recv", e.nbytes, 2, lay.tp * (lay.cp - 1))
+        else:
+            one = self.net.seconds("all_to_all", e.nbytes, lay.cp, lay.tp)
+        return e.forward * one, e.backward * one
+
     def head_comm(self) -> tuple[float, float]:
         """The vocabulary-parallel embedding's and head's communication in forward and in backward (gptpar.parallel.
         tensor_parallel.layers): the embedding's partial rows all-reduced, and the head's input all-reduced in
@@ -144,7 +166,8 @@ class Model:
         """One micro-batch's F, B and W on pipeline rank `rank`: the sum of its stages'."""
         self.head_f = self.head_bw = 0.0
         parts = [self.stage_costs(s) for s in self.lay.stages_of(rank)]
-        return Costs(*(sum(getattr(p, name) for p in parts) for name in ("f", "b", "w", "tp_comm", "ep_comm")))
+        return Costs(*(sum(getattr(p, name) for p in parts) for name in ("f", "b", "w", "tp_comm", "ep_comm",
+                                                                         "cp_comm")))
 
     def stage_costs(self, stage: int) -> Costs:
         """One micro-batch's F, B and W on pipeline stage `stage`: its blocks, recomputation in backward, the head and
@@ -170,7 +193,9 @@ class Model:
         tp_comm = n * (comm_f + comm_b) + recomputed * comm_f
         a2a_f, a2a_b = self.expert_comm()
         ep_comm = n * (a2a_f + a2a_b) + recomputed * a2a_f
-        comm_f, comm_b = comm_f + a2a_f, comm_b + a2a_b
+        cp_f, cp_b = self.context_comm()
+        cp_comm = n * (cp_f + cp_b) + recomputed * cp_f
+        comm_f, comm_b = comm_f + a2a_f + cp_f, comm_b + a2a_b + cp_b
         kept = n - recomputed
         cost_f = kept * (bf + comm_f) + recomputed * (rf + comm_f)
         cost_b = kept * (bb + comm_b) + recomputed * (rb + comm_b + comm_f)
@@ -190,14 +215,14 @@ class Model:
             cost_b += hbw / 2
             cost_w += hbw / 2
             tp_comm += head_cf + head_cb
-        return Costs(cost_f, cost_b, cost_w, tp_comm, ep_comm)
+        return Costs(cost_f, cost_b, cost_w, tp_comm, ep_comm, cp_comm)
 
     def p2p(self) -> float:
         """One activation (or its gradient) sent to the next stage."""
         if self.lay.pp == 1:
             return 0.0
         lay = self.lay
-        return self.net.seconds("send_recv", lay.tokens * lay.shape.n_embd * self.act, 2, lay.dp * lay.tp)
+        return self.net.seconds("send_recv", lay.tokens * lay.shape.n_embd * self.act, 2, lay.replicas * lay.tp)
 
     def pipeline(self) -> tuple[float, float, list[list[Action]]]:
         """(window of one micro-step's schedule, mean compute inside it, each rank's actions)."""
@@ -222,14 +247,15 @@ class Model:
         self._add("send_recv", 2 * lay.chunks * lay.virtual * hop if lay.pp > 1 else 0.0)
         self._add("tp", sum(sc.tp_comm for sc in costs) / lay.pp * lay.chunks)
         self._add("all_to_all", sum(sc.ep_comm for sc in costs) / lay.pp * lay.chunks)
+        self._add(CP_LABEL[lay.cp_impl], sum(sc.cp_comm for sc in costs) / lay.pp * lay.chunks)
         return timeline.makespan, busy, lists
 
     def dp_sync(self, backward_s: float, n: int, rank: int) -> float:
         """Exposed seconds of the data-parallel sync of one step on pipeline rank `rank`, whose last micro-step's
         backward took `backward_s` (what buckets overlap with) and whose rank holds `n` parameters: the shape its row's
-        pricing names."""
+        pricing names, over the dp x cp replicas (tp ranks apart)."""
         lay = self.lay
-        if lay.dp == 1:
+        if lay.replicas == 1:
             return 0.0
         row = DP_STRATEGIES[lay.dp_sync]
         wire = WIRE_BYTES.get(lay.grad_comm, 4.0)
@@ -239,11 +265,11 @@ class Model:
 
         def coll(op: str, nbytes: float) -> float:
             if ops and op in ("all_reduce", "reduce_scatter"):  # qgZ: an all-to-all (and an all-gather)
-                t = self.net.seconds("all_to_all", nbytes, lay.dp, stride)
-                return t + (self.net.seconds("all_gather", nbytes, lay.dp, stride) if op == "all_reduce" else 0.0)
-            return self.net.seconds(op, nbytes, lay.dp, stride)
+                t = self.net.seconds("all_to_all", nbytes, lay.replicas, stride)
+                return t + (self.net.seconds("all_gather", nbytes, lay.replicas, stride) if op == "all_reduce" else 0.0)
+            return self.net.seconds(op, nbytes, lay.replicas, stride)
 
-        params_gather = self.net.seconds("all_gather", n * 4.0, lay.dp, stride)
+        params_gather = self.net.seconds("all_gather", n * 4.0, lay.replicas, stride)
         if lay.pp > 1:  # the pipeline syncs in finish(), after its schedule
             op = "reduce_scatter" if "grads" in row.sharded else "all_reduce"
             exposed = coll(op, grads) + (params_gather if row.sharded else 0.0)
@@ -317,18 +343,18 @@ class Model:
         root_bytes = self._ends(0) * 4.0
         wire = WIRE_BYTES.get(lay.grad_comm, 4.0) / 4.0
         gathered = wire_value_bytes(lay.param_comm, lay.quant_block) / 4.0  # parallel.param_comm (qwZ at int8)
-        later = lay.hpz_node or lay.dp  # under hpZ only the step's first gather of each unit crosses nodes
+        later = lay.hpz_node or lay.replicas  # under hpZ only the step's first gather of each unit crosses nodes
 
         def ag(nbytes: float, group: int) -> float:
             return self.net.seconds("all_gather", nbytes * gathered, group, lay.tp)
 
         def rs(nbytes: float) -> float:
-            return self.net.seconds("reduce_scatter", nbytes * wire, lay.dp, lay.tp)
+            return self.net.seconds("reduce_scatter", nbytes * wire, lay.replicas, lay.tp)
 
         if not self.overlaps:  # every gather and reduce-scatter of every micro-step, one after another
             exposed = 0.0
             for micro in range(lay.grad_accum):
-                forward = lay.dp if micro == 0 else later
+                forward = lay.replicas if micro == 0 else later
                 exposed += ag(root_bytes, forward) + blocks * ag(block_bytes, forward)
                 exposed += blocks * (ag(block_bytes, later) + rs(block_bytes)) + rs(root_bytes)
             self._add(label, exposed)
@@ -340,7 +366,7 @@ class Model:
         exposed = 0.0
         for micro in range(lay.grad_accum):
             # forward: root, then blocks with one prefetched
-            forward = lay.dp if micro == 0 else later
+            forward = lay.replicas if micro == 0 else later
             t = free = ag(root_bytes, forward)
             gather_end = free = free + ag(block_bytes, forward)
             for i in range(blocks):
@@ -395,7 +421,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     the slowest pipeline rank's data-parallel sync, the optimizer on what the rank steps, and the step's small
     all-reduces (the global loss over dp, the gradient norm over pp)."""
     lay = layout
-    if lay.dp > 1:
+    if lay.replicas > 1:
         priced(lay.dp_sync)
     if lay.precision != calib.precision:
         raise GptparError(f"train.precision={lay.precision} but the calibration was measured in "
@@ -403,14 +429,14 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
                           f"train.precision={calib.precision}")
     model = Model(lay, calib, net)
     row = DP_STRATEGIES[lay.dp_sync]
-    sharded = bool(row.sharded) and lay.dp > 1
+    sharded = bool(row.sharded) and lay.replicas > 1
     # Pipeline stages, shards and our tensor-parallel pieces sum the norm's squares per tensor (clip_gradients'
     # groups, as Trainer._norm_plan picks them); torch's DTensor pieces and DTensor shards (a row whose pricing says
     # grouped_norm=False) take torch's own norm.
     ours = lay.tp > 1 and lay.tp_impl == "gptpar"
     grouped = lay.pp > 1 or ours or lay.ep > 1 or (sharded and row.pricing.grouped_norm)
     kind = "optimizer_grouped" if grouped and "optimizer_grouped" in calib.compute else "optimizer"
-    optimizer = max(calib.seconds(kind, lay.rank_parameters(r) / (lay.dp if sharded else 1), model.alone)
+    optimizer = max(calib.seconds(kind, lay.rank_parameters(r) / (lay.replicas if sharded else 1), model.alone)
                     for r in range(lay.pp))
     lists = None
     if lay.pp > 1:
@@ -418,9 +444,10 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
         compute_s, bubble_s, core = busy * lay.grad_accum, max(window - busy, 0.0) * lay.grad_accum, window
     else:
         costs = model.rank_costs(0)
-        compute_s, bubble_s, core = costs.whole - costs.tp_comm - costs.ep_comm, 0.0, costs.whole
+        compute_s, bubble_s, core = costs.whole - costs.tp_comm - costs.ep_comm - costs.cp_comm, 0.0, costs.whole
         model._add("tp", costs.tp_comm * lay.grad_accum)
         model._add("all_to_all", costs.ep_comm * lay.grad_accum)
+        model._add(CP_LABEL[lay.cp_impl], costs.cp_comm * lay.grad_accum)
         compute_s *= lay.grad_accum
     core *= lay.grad_accum
     first = model.rank_costs(0)
@@ -432,11 +459,12 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
         if seconds >= sync:
             sync, exposed = seconds, model.exposed
     model.exposed = exposed
-    small = net.seconds("all_reduce", 8, lay.dp, lay.tp) + net.seconds("all_reduce", 8, lay.pp, lay.dp * lay.tp)
+    small = (net.seconds("all_reduce", 8, lay.replicas, lay.tp)
+             + net.seconds("all_reduce", 8, lay.pp, lay.replicas * lay.tp))
     model._add("small", small)
     tied = 0.0
     if lay.pp > 1 and lay.shape.tied:  # the embedding's two copies (first and last stage) add their gradients
-        stride = lay.dp * lay.tp * (lay.pp - 1)
+        stride = lay.replicas * lay.tp * (lay.pp - 1)
         tied = net.seconds("all_reduce", lay.vocab // lay.tp * lay.shape.n_embd * 4, 2, stride)
         model._add("tied embedding all_reduce", tied)
     copies = max(host_copy_s(lay, net, lay.rank_parameters(r)) for r in range(lay.pp))
@@ -456,7 +484,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
 def host_copy_s(lay: Layout, net: Network, n: int) -> float:
     """Seconds of one step's copies between a rank's device and its host under parallel.offload (its row's
     `host_copy_bytes` of the rank's `n` parameters, over the network's host-device link), all exposed."""
-    nbytes = DP_STRATEGIES[lay.dp_sync].host_copy_bytes(n, lay.dp, lay.offload, lay.grad_accum)
+    nbytes = DP_STRATEGIES[lay.dp_sync].host_copy_bytes(n, lay.replicas, lay.offload, lay.grad_accum)
     return net.host_device.seconds("send_recv", nbytes, 1) if nbytes else 0.0
 
 
@@ -466,7 +494,7 @@ def approximations(lay: Layout) -> list[str]:
     if lay.grad_comm == "powersgd":
         notes.append("parallel.grad_comm=powersgd is priced as fp32 (its low-rank P and Q are not modelled)")
     pricing = DP_STRATEGIES[lay.dp_sync].pricing
-    if lay.dp > 1 and pricing.note:
+    if lay.replicas > 1 and pricing.note:
         notes.append(pricing.note)
     if lay.tp > 1 and lay.tp_impl == "torch":
         notes.append("parallel.tp_impl=torch is priced as our tensor-parallel block and head (the same collectives "
@@ -474,6 +502,10 @@ def approximations(lay: Layout) -> list[str]:
     if lay.offload != "none":
         notes.append(f"parallel.offload={lay.offload}: the host-device copies are priced as exposed and the host's "
                      "optimizer step at the device's calibrated rate")
+    if lay.cp > 1 and lay.cp_impl == "ring":
+        notes.append("parallel.cp_impl=ring: its steps' transfers are priced as exposed (their overlap with each "
+                     "block's attention is not modelled), its blocks at the calibrated block's rate (sdpa's kernel; "
+                     "the ring runs them as plain matmuls)")
     if lay.ep > 1 and lay.shape.moe:
         notes.append("parallel.ep: the experts' gradients are priced as reduced over all of dp (they are reduced "
                      "over their dp/ep replicas), and routing as balanced")
@@ -507,13 +539,13 @@ def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | No
         else:
             held = peak_activations(lists[r], lambda a: stage_activation_bytes(lay, calib, a.stage))
         gathered = 0
-        if lay.dp > 1 and any(row.pricing.in_flight):
+        if lay.replicas > 1 and any(row.pricing.in_flight):
             roots, blocks = row.pricing.in_flight
             gathered = 4 * (roots * lay.end_parameters(r) + blocks * lay.block_parameters)
         # by role, the device's: what parallel.offload moved is 0 here and in "host"
-        shard = {part: math.inf if part in MOVED[lay.offload] else lay.dp if part in row.sharded else 1
+        shard = {part: math.inf if part in MOVED[lay.offload] else lay.replicas if part in row.sharded else 1
                  for part in ("params", "grads", "optimizer")}
-        device, host = row.placed_bytes(n, lay.dp, lay.offload)
+        device, host = row.placed_bytes(n, lay.replicas, lay.offload)
         parts = {"params": int(n * 4 / shard["params"]), "grads": int(n * 4 / shard["grads"]),
                  "optimizer": int(n * 8 / shard["optimizer"]), "state": int(device), "host": int(host),
                  "activations": int(held), "gathered": gathered,

@@ -1,9 +1,10 @@
 """`gptpar plan search`: every layout of N GPUs for a model, ranked by predicted tokens/s under the memory limit.
 
 A candidate is a set of config overrides (dp x tp x pp, dp_sync, schedule and its stages per rank, micro-batches,
-sequence parallelism, activation checkpointing) resolved through the same config checks `gptpar train` runs, so a
-layout that cannot exist is rejected with the checks' own message; one that exists but does not fit a GPU is
-rejected with its predicted bytes. The top layouts can be written as a sweep file for `gptpar sweep`.
+sequence parallelism, activation checkpointing; where none of those fits, dp x cp with either cp_impl) resolved
+through the same config checks `gptpar train` runs, so a layout that cannot exist is rejected with the checks' own
+message; one that exists but does not fit a GPU is rejected with its predicted bytes. The top layouts can be written
+as a sweep file for `gptpar sweep`.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.strategies.pipeline import SCHEDULES
 
 DEFAULTS = {"parallel.pp_schedule": "1f1b", "parallel.chunks": 4, "parallel.pp_virtual": 1, "train.grad_accum": 1,
-            "parallel.sequence_parallel": False, "train.activation_checkpointing": "none", "parallel.tp_impl": "gptpar"}
+            "parallel.sequence_parallel": False, "train.activation_checkpointing": "none", "parallel.tp_impl": "gptpar",
+            "parallel.cp": 1, "parallel.cp_impl": "ring"}
 MICRO_STEPS = (1, 2, 4)  # grad_accum tried
 CHUNKS_PER_STAGE = (1, 2, 4)  # pipeline micro-batches per stage rank tried
 
@@ -68,6 +70,22 @@ def candidates(gpus: int, per_node: int) -> list[dict[str, object]]:
     return out
 
 
+def context_candidates(gpus: int) -> list[dict[str, object]]:
+    """Layouts that split each sequence over cp ranks (parallel.cp, either implementation) with data parallelism over
+    the rest, for when no layout of whole sequences fits: the sequence's activations fall as 1 / cp."""
+    priced = [name for name, row in DP_STRATEGIES.items() if row.pricing is not None]
+    out = []
+    for cp in divisors(gpus)[1:]:
+        dp = gpus // cp
+        for sync, impl, ckpt, ga in itertools.product(priced, ("ring", "all_to_all"), ("none", "block"), MICRO_STEPS):
+            if dp == 1 and sync != ParallelConfig.dp_sync:
+                continue
+            out.append({"parallel.dp": dp, "parallel.tp": 1, "parallel.pp": 1, "parallel.cp": cp,
+                        "parallel.cp_impl": impl, "parallel.dp_sync": sync, "train.activation_checkpointing": ckpt,
+                        "train.grad_accum": ga})
+    return out
+
+
 def evaluate(cfg: Config, overrides: dict[str, object], target: Target) -> Ranked | str:
     """A candidate's prediction, or the reason it is rejected (the config check's message, or its memory)."""
     try:
@@ -83,19 +101,23 @@ def evaluate(cfg: Config, overrides: dict[str, object], target: Target) -> Ranke
 
 
 def search(cfg: Config, gpus: int, calibration: str | None) -> tuple[list[Ranked], Counter[str], dict[str, str]]:
-    """Valid layouts best first, and the rejected ones' reasons with a count and an example layout each."""
+    """Valid layouts best first, and the rejected ones' reasons with a count and an example layout each; where no
+    layout of whole sequences fits, those that split the sequence (`context_candidates`) are tried too."""
     target = target_of(cfg, calibration)
     per_node = int((target.profile.get("links") or {}).get("gpus_per_node") or 0)
     ranked: list[Ranked] = []
     reasons: Counter[str] = Counter()
     example: dict[str, str] = {}
-    for overrides in candidates(gpus, per_node):
-        result = evaluate(cfg, overrides, target)
-        if isinstance(result, str):
-            reasons[result] += 1
-            example.setdefault(result, ", ".join(f"{k.split('.')[1]}={v}" for k, v in overrides.items()))
-        else:
-            ranked.append(result)
+    for tried in (candidates(gpus, per_node), context_candidates(gpus)):
+        if ranked:
+            break
+        for overrides in tried:
+            result = evaluate(cfg, overrides, target)
+            if isinstance(result, str):
+                reasons[result] += 1
+                example.setdefault(result, ", ".join(f"{k.split('.')[1]}={v}" for k, v in overrides.items()))
+            else:
+                ranked.append(result)
     ranked.sort(key=lambda r: -r.prediction.tokens_per_s)
     return ranked, reasons, example
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gptpar.parallel.context_parallel import ContextParallel
 from gptpar.parallel.data_parallel.base import GradSync
 from gptpar.parallel.expert_parallel import ExpertParallel
 from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
@@ -153,15 +154,17 @@ class MemoryCount(Participant):
     exists only after its first update, and the gradients are still there. The sync's clip targets are the tensors it
     holds gradients in (under parallel.offload the device's shards beside the host's copies)."""
 
-    def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer, sync: GradSync):
-        self.net, self.optimizer, self.sync = net, optimizer, sync
+    def __init__(self, net: nn.Module, optimizer: torch.optim.Optimizer, sync: GradSync,
+                 context: ContextParallel | None = None):
+        self.net, self.optimizer, self.sync, self.context = net, optimizer, sync, context
         self.counted: dict[str, int] | None = None
 
     def after_optimizer(self, step: int) -> None:
         if self.counted is None:
             held, _ = self.sync.clip_targets()
+            saved = self.context.saved_bytes if self.context is not None else None  # its first forward's count
             self.counted = (state_bytes(self.net, self.optimizer, held, self.sync.host_tensors()) |
-                            self.sync.memory_fields())
+                            self.sync.memory_fields() | ({"attention_bytes": saved} if saved is not None else {}))
 
 
 class GradientDump(Participant):

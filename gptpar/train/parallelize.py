@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from gptpar.config import Config
+from gptpar.config import Config, checkpoint_interval
 from gptpar.models import architecture
 from gptpar.models.build import initial_value, materialize
 from gptpar.parallel import make_grad_sync
@@ -41,7 +41,7 @@ from gptpar.parallel.tensor_parallel import TensorParallelModel, loss_context, l
 from gptpar.parallel.tensor_parallel.mixture import ShardedMixtureGradients
 from gptpar.parallel.tensor_parallel.state import CheckpointLayout
 from gptpar.strategies.data_parallel import DP_STRATEGIES, hpz_node_size
-from gptpar.train.recompute import prepare_blocks, whole_logits_loss
+from gptpar.train.recompute import compile_mode, prepare_blocks, whole_logits_loss
 
 
 @dataclass
@@ -63,6 +63,13 @@ class Parallelized:
     context: ContextParallel | None = None  # parallel.cp > 1: shards the step's rows, holds attention's cp group
 
 
+def counts_saved_attention(cfg: Config, device: torch.device) -> bool:
+    """Whether cp's attention counts what it saves for backward (the memory record's attention_bytes): only where no
+    other saved-tensor hooks would be shadowed by its counter (recompute's, the pipeline's) and nothing compiles."""
+    return (checkpoint_interval(cfg.train.activation_checkpointing) == 0 and cfg.parallel.pp == 1
+            and compile_mode(cfg, device) == "false")
+
+
 def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_size: int,
                 routing: Routing | None = None) -> Parallelized:
     """`model` whole (or on the meta device) as every rank built it, wrapped for this rank in the module's order;
@@ -78,7 +85,8 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
         architecture(model).restore_buffers(model, device)
     if tp_group is not None:  # 2
         model = shard_model(model, p, dims, device)
-    context = ContextParallel(dims.group("cp"), p.cp_impl) if dims.size("cp") > 1 else None
+    context = (ContextParallel(dims.group("cp"), p.cp_impl, count_saved=counts_saved_attention(cfg, device))
+               if dims.size("cp") > 1 else None)
     if context is not None:  # 2, the sequence: attention meets the other shards through the cp group
         context.attach(model)
     experts = (ExpertParallel(model, dims, cfg.model.moe_capacity_factor)

@@ -135,7 +135,7 @@ class Trainer:
             self.total_steps = min(self.total_steps, t.max_steps)
         self.step = 0
         self.checkpoints = Checkpointing(folder, t.checkpoint_every, self)
-        self.memory_count = MemoryCount(self.net, self.optimizer, self.sync)
+        self.memory_count = MemoryCount(self.net, self.optimizer, self.sync, self.context)
         self.participants = self._participants(wrapped.mixture_grads)
         self.val_scores = (Accuracy(len(self.classes), self._dp_reduce, dims.device) if self.classes
                            else ValidationScores())

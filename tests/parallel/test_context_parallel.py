@@ -1,6 +1,7 @@
 """Context parallelism (parallel.cp): the load-balanced split as a known answer, and on two ranks as threads of the
 test process (real gloo, fast tier) a tiny GPT-2's, Llama's and Qwen2's loss and gradients, each rank holding its
-shard of every row, equal to one process's with both implementations; each refused layout's one line."""
+shard of every row, equal to one process's with both implementations; what attention saves for backward on 1, 2 and 4
+ranks, the closed form; each refused layout's one line."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from gptpar.config import load_config
 from gptpar.errors import ConfigError, GptparError
 from gptpar.models.build import build_model
 from gptpar.parallel.context_parallel import ContextParallel, shard_positions
+from gptpar.strategies.context_parallel import AttentionShape, attention_bytes
 
 VOCAB, ROWS, SEQ = 64, 2, 16
 
@@ -67,6 +69,28 @@ def test_cp2_loss_and_gradients_equal_one_process(preset: str, impl: str) -> Non
         torch.testing.assert_close(rank_loss, loss, rtol=0, atol=1.5e-6)  # measured 4.8e-7 (loss about 4.25)
         for name, grad in grads.items():  # measured at most 1.8e-7 (Llama's ring), elementwise
             torch.testing.assert_close(rank_grads[name], grad, rtol=0, atol=6e-7, msg=name)
+
+
+def _saved(preset: str, impl: str) -> int | None:
+    """What this rank's attention saved for backward in one sharded forward of `_rows()` (ContextParallel's count)."""
+    model = _model(preset)
+    context = ContextParallel(dist.group.WORLD, impl, count_saved=True)
+    context.attach(model)
+    inputs, _, positions = context.shard(_rows())
+    with context.sharded():
+        model(inputs, position_ids=positions)
+    return context.saved_bytes
+
+
+@pytest.mark.parametrize(("preset", "impl", "kv_heads"), [("gpt2-tiny", "ring", 4), ("llama-tiny", "ring", 2),
+                                                          ("llama-tiny", "all_to_all", 2)])
+def test_attention_saves_the_closed_form_falling_as_one_over_cp(preset: str, impl: str, kv_heads: int) -> None:
+    shape = AttentionShape(layers=4, heads=4, kv_heads=kv_heads, head_dim=32, rows=ROWS, seq=SEQ)  # the tiny presets
+    saved = {cp: run_threads(cp, lambda rank, cp=cp: _saved(preset, impl)) for cp in (1, 2, 4)}
+    for cp, ranks in saved.items():
+        assert ranks == [attention_bytes(impl, cp, shape)] * cp
+    index = 0 if impl == "ring" else shape.layers * 2 * SEQ * 8  # all_to_all's two int64 reorders, whole-sequence
+    assert [(saved[cp][0] - index) * cp for cp in (2, 4)] == [saved[1][0] - index] * 2
 
 
 BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]

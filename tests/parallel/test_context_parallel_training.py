@@ -1,7 +1,7 @@
 """Context parallelism through the trainer's own step on the shared gloo pool: cp=2 with each implementation (GPT-2
 and Llama; the ring under block recompute too) and dp=2 x cp=2 train like one process on the same global batch
-(losses, validation loss, every parameter), and the step's point-to-point and all-to-all bytes are their closed
-forms."""
+(losses, validation loss, every parameter), and the step's point-to-point and all-to-all bytes and the memory record's
+attention bytes are their closed forms, the bytes and training state the planner prices the same config at."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ from rank_training import (
 
 from gptpar.parallel.comm import new_step, read_sent
 from gptpar.parallel.process_group import RankInfo
+from gptpar.plan.layout import layout_of
+from gptpar.strategies.context_parallel import AttentionShape, attention_bytes, sent_bytes
 
 LLAMA = ["model.preset=llama-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=2"]
 CASES = [("ring", ["parallel.cp=2"]), ("ulysses-llama", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *LLAMA]),
@@ -43,7 +45,7 @@ def _train(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]]) -> No
         sent = read_sent()
         losses += train_steps(trainer, STEPS - 1)
         record = {"losses": losses, "params": named_params(trainer), "coords": dict(trainer.dims.coords),
-                  "val": trainer.evaluate(), "sent": sent}
+                  "val": trainer.evaluate(), "sent": sent, "memory": trainer.memory}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
     if info.world_size == 2:  # a step, a checkpoint, a new trainer, a step
         resumed = resumed_run(make_config(dict(CASES)["ring"], runs, "resumed-ring"), info)
@@ -75,9 +77,25 @@ def test_the_step_sends_the_closed_form_of_its_exchanges(results: Path, name: st
     shard = ROWS // dp * HEADS * SEQ // cp * HEAD_DIM * FP32
     expected = ({"send_recv": LAYERS * (3 * (cp - 1) + 1) * 2 * shard} if name.startswith(("ring", "dp2")) else
                 {"all_to_all": LAYERS * 2 * 4 * (cp - 1) * shard // cp})
+    impl = "ring" if "send_recv" in expected else "all_to_all"
+    attention = AttentionShape(LAYERS, HEADS, HEADS, HEAD_DIM, ROWS // dp, SEQ)
+    planned = layout_of(make_config(dict(CASES)[name], results, name))  # the planner's layout of the run's config
+    assert sent_bytes(impl, cp, attention) == expected
+    assert sent_bytes(planned.cp_impl, planned.cp, planned.attention(FP32)) == expected
+    params = planned.rank_parameters(0)  # the planner's training state: whole gradients, nothing sharded over dp x cp
     for rank in saved_ranks(results, name):
         sent = {op: n for op, n in rank["sent"].items() if op in expected}
         assert sent == expected
+        memory = rank["memory"]
+        assert memory["attention_bytes"] == attention_bytes(impl, cp, attention)  # the memory record's
+        assert (memory["params_bytes"], memory["grads_bytes"], memory["optimizer_bytes"]) == (4 * params, 4 * params,
+                                                                                               8 * params)
+
+
+@pytest.mark.slow
+def test_under_recompute_the_memory_record_counts_no_attention_bytes(results: Path) -> None:
+    """A recomputed block's attention saves nothing for backward (its hooks are checkpoint's, not a counter's)."""
+    assert all("attention_bytes" not in rank["memory"] for rank in saved_ranks(results, "ring-recompute"))
 
 
 @pytest.mark.slow

@@ -117,6 +117,26 @@ def test_search_rejects_what_does_not_fit_a_gpu(tmp_path: Path, capsys: pytest.C
     assert "0 valid layout(s)" in out and "GB per GPU, over the 0 GB a GPU holds" in out
 
 
+def test_where_no_whole_sequence_fits_the_search_splits_it_over_cp(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """One head (no tp, no all_to_all) and 4,096 tokens a row on 2 GPUs of 75 MB: the least of the whole-sequence
+    layouts needs 86 MB (pp=2, recomputed), cp=2's ring with recompute and 2 micro-steps 67 MB (planned on this
+    synthetic calibration)."""
+    profile = tmp_path / "small.yaml"
+    profile.write_text("device: testgpu\ngpu_type: testgpu\nlinks:\n  gpu_memory_GB: 0.075\n  gpus_per_node: 2\n"
+                       "  intra_node: {bandwidth_GBps: 100, latency_us: 5, source: test}\n")
+    words = ["model.n_head=1", "data.seq_len=4096", "model.n_positions=4096", "train.batch_size=2"]
+    c = calibration(layout("model.preset=gpt2-tiny", *words), device_name="TestGPU 16GB")
+    file = tmp_path / "gpu.json"
+    file.write_text(c.to_json())
+    code, out, _ = run(["plan", "search", "--model", "gpt2-tiny", "--gpus", "2", "--profile", str(profile),
+                        *WORDS[1:-2], *words, "--calibration", str(file)], capsys)
+    assert code == 0
+    ranked = out.split(" valid layout(s)")[0].splitlines()[1:-1]
+    assert ranked and all("cp=2 (ring)" in line for line in ranked)
+    assert "parallel.cp_impl=all_to_all needs model.n_head=1 divisible by parallel.cp=2" in out
+
+
 def test_a_profile_without_links_plans_the_users_gpu_type(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Only a profile whose links describe its GPU refuses another launch.gpu_type; one without links plans the
     user's (here the shipped H100 calibration's device), not the profile's own gpu_type."""

@@ -11,11 +11,11 @@ import dataclasses
 import pytest
 from planfix import calibration, layout, network
 
-from gptpar.errors import GptparError
 from gptpar.plan.calibration import RECOMPUTED, LinkFit, tp_kind
 from gptpar.plan.layout import block_flops, head_flops
-from gptpar.plan.network import network_of
-from gptpar.plan.predict import predict
+from gptpar.plan.network import Network, network_of
+from gptpar.plan.predict import CP_LABEL, predict
+from gptpar.strategies.context_parallel import exchange, sent_bytes
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 from gptpar.strategies.pipeline import closed_form_bubble, schedule, simulate
 
@@ -292,8 +292,34 @@ def test_the_host_device_link_is_the_profiles_else_pcie() -> None:
     assert network_of(calib, profile, "gh", True).host_device.bandwidth == 50e9
 
 
-def test_a_context_parallel_layout_is_refused_not_priced_as_whole_sequences() -> None:
-    with pytest.raises(GptparError, match=r"^gptpar plan does not price parallel.cp=2 yet \(its ring or all-to-all and "
-                                          r"its activations\); predict the layout with parallel.cp=1, or train it and "
-                                          r"read its records$"):
-        layout("parallel.cp=2")
+@pytest.mark.parametrize("impl", ["ring", "all_to_all"])
+def test_a_context_parallel_rank_computes_its_share_and_sends_the_closed_form(impl: str) -> None:
+    """cp=2: each rank computes and keeps seq_len / 2 of every sequence (a block of the whole-sequence layout takes
+    1 s per F, B and W, so one of cp's takes 0.5 s), sends `exchange`'s calls of the closed form's bytes per block,
+    and all-reduces its gradients over the 2 replicas as dp=2 does."""
+    whole = layout(*EIGHT_BLOCKS)
+    lay = layout(*EIGHT_BLOCKS, "parallel.cp=2", f"parallel.cp_impl={impl}")
+    latency, bandwidth = 1e-3, 1e8
+    pred = predict(lay, calibration(whole), network(latency, bandwidth), "test cpu")
+    assert (pred.gpus, lay.tokens, lay.step_tokens) == (2, whole.tokens // 2, whole.step_tokens)
+    assert pred.compute_s == pytest.approx(8 * 3 * 0.5)
+    e = exchange(impl, 2, lay.attention(4))
+    calls = 8 * (e.forward + e.backward)  # a ring step is one latency, an all-to-all over 2 ranks one
+    sent = sent_bytes(impl, 2, lay.attention(4))[e.op]
+    assert pred.exposed_comm_s[CP_LABEL[impl]] == pytest.approx(calls * latency + sent / bandwidth)
+    alone = predict(whole, calibration(whole), network(latency, bandwidth), "test cpu")
+    assert pred.memory["activations"] == alone.memory["activations"] // 2
+    assert pred.memory["state"] == alone.memory["state"]  # whole gradients: nothing shards over cp
+    dp2 = layout(*EIGHT_BLOCKS, "parallel.dp=2")
+    dp2_pred = predict(dp2, calibration(dp2), network(latency, bandwidth), "test cpu")
+    assert pred.exposed_comm_s["all_reduce"] == pytest.approx(dp2_pred.exposed_comm_s["all_reduce"])
+    assert pred.step_time_s == pytest.approx(pred.compute_s + sum(pred.exposed_comm_s.values()))
+
+
+def test_a_ring_hop_that_wraps_round_a_node_is_priced_on_the_inter_node_link() -> None:
+    """cp=4 over 2-GPU nodes: ranks 0 and 1 share a node, 3 -> 0 does not; every ring step waits for that hop."""
+    lay = layout(*EIGHT_BLOCKS, "parallel.cp=4")
+    fast, slow = LinkFit(0.0, 1e10), LinkFit(0.0, 1e8)
+    pred = predict(lay, calibration(lay), Network(intra=fast, inter=slow, gpus_per_node=2), "test cpu")
+    e = exchange("ring", 4, lay.attention(4))
+    assert pred.exposed_comm_s["cp send_recv"] == pytest.approx(8 * (e.forward + e.backward) * e.nbytes / 1e8)
