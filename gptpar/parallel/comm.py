@@ -9,15 +9,18 @@ was issued and when a rank blocked on it, and `gptpar trace` (analysis/trace.py)
   (a pipeline's loss all-reduce before the buckets' all-reduces).
 
 Several ops issued by one call (a batch of sends and receives) get one span per op, nested. Without a
-running profiler a span costs one check, and its entry in the flight recorder (gptpar.parallel.flight: the group
-and bytes a caller passes, for naming a hang).
+running profiler a span costs one check, its entry in the flight recorder (gptpar.parallel.flight: the group
+and bytes a caller passes, for naming a hang) and, unless it is an issue, a DeviceClock (WAITING).
 
 `SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`: the
 expert all-to-alls (gptpar.parallel.expert_parallel), counted from the actual split sizes, and our data-parallel
 syncs' traffic (naive, bucketed, ddp, zero1, zero2, fsdp: `count_sent`, in ring terms; fsdp's gathers within a
 node under parallel.hpz as `all_gather_intra`, apart from those that cross nodes). `SPENT` holds the spans of
-device time inside timed collectives (`timed`: so far the expert all-to-alls), for its `comm_s`. Both start empty at
-each step's start (`new_step`), so an evaluation's traffic between steps counts in no step.
+device time inside timed collectives (`timed`: so far the expert all-to-alls), for its `comm_s`. `WAITING` holds the
+spans this rank was blocked inside any span (a blocking call, or the wait for an asynchronous one; not an issue,
+which returns at once; nested spans once), on the device's clock: the step's time less them is the rank's own compute
+(the step record's `compute_s`), which sets a slow rank (a straggler) apart from the peers that wait for it. All three
+start empty at each step's start (`new_step`), so an evaluation's traffic between steps counts in no step.
 """
 
 from __future__ import annotations
@@ -42,12 +45,47 @@ SENT: Counter[str] = Counter()  # bytes sent to other ranks since the last read_
 SPENT: dict[str, list[DeviceClock]] = {}  # spans inside timed collectives since the last read_spent(), by collective
 
 
-def new_step(step: int = 0) -> None:
-    """Forget what was sent and spent since the last step's record (an evaluation's traffic); `step` is the one
-    starting, for the flight recorder."""
+class Waiting:
+    """The spans this rank spent blocked in gptpar's communication since the step began, on `device`'s clock (CUDA
+    events on the compute stream: a collective on NCCL's stream stalls it until done)."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.clocks: list[DeviceClock] = []
+        self.inside = False  # in a timed span already: a nested one is not counted twice
+
+    @contextlib.contextmanager
+    def blocked(self, phase: str) -> Iterator[None]:
+        """Time the enclosed span unless it is an issue (which does not block) or inside a timed span."""
+        if phase == "issue" or self.inside:
+            yield
+            return
+        clock, self.inside = DeviceClock(self.device), True
+        try:
+            yield
+        finally:
+            clock.stop()
+            self.inside = False
+            self.clocks.append(clock)
+
+    def read(self) -> list[DeviceClock]:
+        """The spans so far, then none (read them with `DeviceClock.seconds` at the fetch)."""
+        clocks, self.clocks = self.clocks, []
+        return clocks
+
+
+WAITING = Waiting()
+
+
+def new_step(step: int = 0, device: torch.device | None = None) -> None:
+    """Forget what was sent, spent and waited since the last step's record (an evaluation's traffic); `step` is the
+    one starting, for the flight recorder; `device` the rank's, whose clock times its waits (unchanged: None)."""
     RECORDER.new_step(step)
     SENT.clear()
     SPENT.clear()
+    WAITING.read()
+    if device is not None:
+        WAITING.device = device
 
 
 def count_sent(op: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
@@ -89,20 +127,30 @@ def comm_span(*ops: str, phase: str = "call", group: dist.ProcessGroup | str | N
     name = group_name(group)
     entries = [RECORDER.enter(op, phase, name, nbytes) for op in ops]
     try:
-        if not _profiler_enabled():
-            yield
-        else:
-            with contextlib.ExitStack() as stack:
+        with WAITING.blocked(phase), contextlib.ExitStack() as stack:
+            if _profiler_enabled():
                 for op in ops:
                     for prefix in PREFIXES[phase]:
                         stack.enter_context(record_function(f"{prefix}:{op}"))
-                yield
+            yield
     except BaseException:
         for entry in entries:
             RECORDER.leave(entry, phase, failed=True)
         raise
     for entry in entries:
         RECORDER.leave(entry, phase)
+
+
+def gather_to_first(values: list[float], device: torch.device) -> list[list[float]] | None:
+    """Every rank's `values` on rank 0, by rank (one gather of float64s over the job; every rank passes as many), in a
+    span of its own; None on the other ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [list(values)]
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    with comm_span("gather", nbytes=tensor.nbytes):
+        dist.gather(tensor, gathered, dst=0)
+    return None if gathered is None else [t.tolist() for t in gathered]
 
 
 def labelled(op: str, collective: Callable[..., Any]) -> Callable[..., Any]:
