@@ -18,7 +18,7 @@ from gptpar.launch.status import render_status, status_rows
 from gptpar.parallel.comm import WAITING, comm_span, new_step
 from gptpar.run.folder import RunFolder
 from gptpar.run.state import read_run
-from gptpar.run.stragglers import Straggler, run_stragglers
+from gptpar.run.stragglers import run_stragglers
 from gptpar.train.step_records import PendingStep, PendingSteps
 
 # Every rank's compute per step (rank_compute_s) of a dp=3 run whose rank 2 is slow on steps 1, 2 and 4: its peers'
@@ -145,9 +145,3 @@ def test_blocking_calls_and_waits_are_timed_once_issues_not():
         pass
     assert len(WAITING.read()) == 2 and WAITING.read() == []
 
-
-def test_a_straggler_pickles_for_the_reports_worker_processes():
-    import pickle
-
-    straggler = Straggler(1, "node2", 3, 4, 2.0, 1.25, 1.2)
-    assert pickle.loads(pickle.dumps(straggler)) == straggler
