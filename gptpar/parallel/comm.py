@@ -20,7 +20,8 @@ device time inside timed collectives (`timed`: so far the expert all-to-alls), f
 spans this rank was blocked inside any span (a blocking call, or the wait for an asynchronous one; not an issue,
 which returns at once; nested spans once), on the device's clock: the step's time less them is the rank's own compute
 (the step record's `compute_s`), which sets a slow rank (a straggler) apart from the peers that wait for it. All three
-start empty at each step's start (`new_step`), so an evaluation's traffic between steps counts in no step.
+start empty at each step's start (`new_step`), so an evaluation's traffic between steps counts in no step; WAITING
+keeps nothing once the step's record has read it, until the next step starts.
 """
 
 from __future__ import annotations
@@ -46,31 +47,40 @@ SPENT: dict[str, list[DeviceClock]] = {}  # spans inside timed collectives since
 
 
 class Waiting:
-    """The spans this rank spent blocked in gptpar's communication since the step began, on `device`'s clock (CUDA
-    events on the compute stream: a collective on NCCL's stream stalls it until done)."""
+    """The spans this rank spent blocked in gptpar's communication since its step began (`begin`) until the step's
+    record took them (`read`), on `device`'s clock (CUDA events on the compute stream: a collective on NCCL's stream
+    stalls it until done). Outside a step (an evaluation, a loop of the course's API) nothing is kept."""
 
     def __init__(self) -> None:
         self.device = torch.device("cpu")
-        self.clocks: list[DeviceClock] = []
+        self.clocks: list[DeviceClock] | None = None  # None: no step open
         self.inside = False  # in a timed span already: a nested one is not counted twice
 
-    @contextlib.contextmanager
-    def blocked(self, phase: str) -> Iterator[None]:
-        """Time the enclosed span unless it is an issue (which does not block) or inside a timed span."""
-        if phase == "issue" or self.inside:
-            yield
-            return
-        clock, self.inside = DeviceClock(self.device), True
-        try:
-            yield
-        finally:
+    def begin(self, device: torch.device | None) -> None:
+        """A step starts: keep its spans, on `device`'s clock (None: the last device's)."""
+        self.device = device or self.device
+        self.clocks = []
+
+    def start(self, phase: str) -> DeviceClock | None:
+        """The clock of a span starting now; None outside a step, for an issue (it does not block) or for a span
+        inside a timed one."""
+        if self.clocks is None or phase == "issue" or self.inside:
+            return None
+        self.inside = True
+        return DeviceClock(self.device)
+
+    def stop(self, clock: DeviceClock | None) -> None:
+        """End the span that `start` returned `clock` for."""
+        if clock is not None:
             clock.stop()
             self.inside = False
-            self.clocks.append(clock)
+            if self.clocks is not None:
+                self.clocks.append(clock)
 
     def read(self) -> list[DeviceClock]:
-        """The spans so far, then none (read them with `DeviceClock.seconds` at the fetch)."""
-        clocks, self.clocks = self.clocks, []
+        """The step's spans, and none kept until the next step begins (read them with `DeviceClock.seconds` at the
+        fetch)."""
+        clocks, self.clocks = self.clocks or [], None
         return clocks
 
 
@@ -83,9 +93,7 @@ def new_step(step: int = 0, device: torch.device | None = None) -> None:
     RECORDER.new_step(step)
     SENT.clear()
     SPENT.clear()
-    WAITING.read()
-    if device is not None:
-        WAITING.device = device
+    WAITING.begin(device)
 
 
 def count_sent(op: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
@@ -126,17 +134,22 @@ def comm_span(*ops: str, phase: str = "call", group: dist.ProcessGroup | str | N
     flight recorder."""
     name = group_name(group)
     entries = [RECORDER.enter(op, phase, name, nbytes) for op in ops]
+    clock = WAITING.start(phase)
     try:
-        with WAITING.blocked(phase), contextlib.ExitStack() as stack:
-            if _profiler_enabled():
+        if not _profiler_enabled():
+            yield
+        else:
+            with contextlib.ExitStack() as stack:
                 for op in ops:
                     for prefix in PREFIXES[phase]:
                         stack.enter_context(record_function(f"{prefix}:{op}"))
-            yield
+                yield
     except BaseException:
         for entry in entries:
             RECORDER.leave(entry, phase, failed=True)
         raise
+    finally:
+        WAITING.stop(clock)
     for entry in entries:
         RECORDER.leave(entry, phase)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gptpar.config import ReportConfig
+from gptpar.run.resume import current_layout
 from gptpar.run.state import RunLog
 
 
@@ -56,13 +57,14 @@ def find_stragglers(steps: list[list[float]], stages: list[int], hosts: list[str
 
 
 def run_stragglers(run: RunLog) -> list[Straggler]:
-    """The run's stragglers on its current world (rank 0's steps whose `rank_compute_s` lists every rank of it), by
-    the run's report.straggler_ratio; none where rank 0 logged no such steps (older logs)."""
-    started = {log.rank: log.header for log in run.ranks if log.headers}
+    """The run's stragglers on its current layout (rank 0's steps since it began whose `rank_compute_s` lists every
+    rank), by the run's report.straggler_ratio; none where rank 0 logged no such steps (older logs)."""
+    ranks = current_layout(run.ranks)
+    started = {log.rank: log.header for log in ranks if log.headers}
     if 0 not in started:
         return []
     world = int(started[0]["world_size"])
-    first = next(log for log in run.ranks if log.rank == 0)
+    first = next(log for log in ranks if log.rank == 0)
     steps = [r["rank_compute_s"] for _, r in sorted(first.steps.items()) if len(r.get("rank_compute_s", ())) == world]
     if not steps or set(started) != set(range(world)):
         return []

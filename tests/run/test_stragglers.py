@@ -135,7 +135,7 @@ def test_a_steps_compute_is_its_time_less_its_waits_and_only_rank_0_records_ever
     assert other["compute_s"] == 0.625 and "rank_compute_s" not in other
 
 
-def test_blocking_calls_and_waits_are_timed_once_issues_not():
+def test_blocking_calls_and_waits_of_a_step_are_timed_once_issues_not():
     new_step(1, torch.device("cpu"))
     with comm_span("all_reduce", phase="issue"):
         pass
@@ -144,4 +144,7 @@ def test_blocking_calls_and_waits_are_timed_once_issues_not():
     with comm_span("broadcast"):
         pass
     assert len(WAITING.read()) == 2 and WAITING.read() == []
+    with comm_span("all_reduce"):  # outside a step (between the record's read and the next step): nothing is kept
+        pass
+    assert WAITING.read() == []
 
