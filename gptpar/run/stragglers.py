@@ -40,11 +40,13 @@ class Straggler:
 def find_stragglers(steps: list[list[float]], stages: list[int], hosts: list[str],
                     threshold: float) -> list[Straggler]:
     """The stragglers among the ranks whose compute per step is `steps` (one list by rank a step), rank r in pipeline
-    stage stages[r] on hosts[r]."""
-    found = []
+    stage stages[r] on hosts[r]; none without steps."""
+    found: list[Straggler] = []
+    if not steps:
+        return found
     for rank, stage in enumerate(stages):
         peers = [other for other, s in enumerate(stages) if s == stage and other != rank]
-        if not peers or not steps:
+        if not peers:
             continue
         medians = [statistics.median(values[p] for p in peers) for values in steps]
         mine = [values[rank] for values in steps]
