@@ -55,6 +55,7 @@ from gptpar.run.names import replaced
 from gptpar.run.records import EPOCH_SCORES, EvalRecord, names
 from gptpar.run.resume import current_layout
 from gptpar.run.state import RunLog, job_of, replica_indices
+from gptpar.run.stragglers import Straggler, run_stragglers
 from gptpar.run.sweeps import stale_runs
 from gptpar.strategies.data_parallel import DP_STRATEGIES, STATE_BYTES, closed_form_state_bytes, hpz_bytes
 from gptpar.strategies.pipeline import Action, Timeline, closed_form_bubble
@@ -201,6 +202,7 @@ class RunMetrics:
     memory: MemoryUse | None = None  # None: no rank logged a memory record (logs older than it)
     peak_mem: tuple[float, float] | None = None  # (mean, max) over ranks of each rank's highest peak_mem_bytes
     traces: list[RankTrace] = field(default_factory=list)  # each rank's profiled steps (train.profile_steps)
+    stragglers: list[Straggler] = field(default_factory=list)  # ranks whose compute stays above their peers'
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -361,6 +363,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         return m
     header = ranks[0].header
     _shape(m, header)
+    m.stragglers = run_stragglers(run)
     m.on_gpu = str(header["device"]).startswith("cuda")
     whole_run, ranks = ranks, current_layout(ranks)  # a reshaped run is timed on its current layout alone
     replicas = replica_indices(ranks)

@@ -37,6 +37,7 @@ CSV_COLUMNS = (
     "target_loss", "target_basis", "time_to_target_s", "tokens_to_target", "time_to_target_speedup", "job_id",
     "all_to_all_share", "target_final_loss", "grad_comm", "comm_bytes_per_step", "comm_bytes_vs_fp32",
     "final_accuracy", "final_accuracy_top5", "target_accuracy", "time_to_accuracy_s", "tokens_to_accuracy",
+    "straggler_ranks", "straggler_lost_s",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -112,6 +113,12 @@ PLAN_NOTE = (
     "gradients, optimizer state, and under parallel.hpz its secondary copy) of the fullest rank's `memory` record "
     "against the plan's closed form for it. The "
     "planner's accuracy and what it leaves out: README, \"Plan before you submit\".")
+STRAGGLER_NOTE = (
+    "A rank's compute in a step is its step time less the time it was blocked in gptpar's collectives (the step "
+    "record's `compute_s`); every rank's step time is the slowest one's, its compute is its own. A rank is flagged "
+    "where its compute is above report.straggler_ratio times the median of its peers' (the other ranks of its "
+    "pipeline stage) on at least half of the steps; the time lost is, summed over the steps, its compute less that "
+    "median where positive: what its peers spent waiting for it.")
 MEMORY_NOTE = (
     "Bytes of the distinct storages of each rank's live parameters, gradients and AdamW state after its first "
     "optimizer step (MB = 10^6 bytes), mean over ranks (max in parentheses where ranks differ). Closed form per rank "
@@ -150,7 +157,8 @@ def row(r: RunMetrics, wire_ratios: dict[str, float] | None = None) -> dict[str,
         r.target_loss, r.target_basis, r.time_to_target_s, r.tokens_to_target, r.target_speedup, r.job_id or None,
         r.all_to_all_share, r.target_final_loss, r.params.get(GRAD_COMM), r.comm_bytes.get("total"),
         wire_ratios.get(r.run), r.final_accuracy, r.final_accuracy_top5, r.target_accuracy, r.time_to_accuracy_s,
-        r.tokens_to_accuracy,
+        r.tokens_to_accuracy, [s.rank for s in r.stragglers] or None,
+        math.fsum(s.lost_s for s in r.stragglers) if r.stragglers else None,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 
@@ -379,6 +387,15 @@ def _row(p: Point, name: str, names: dict[str, str], accuracy: bool) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def straggler_section(runs: list[RunMetrics]) -> list[str]:
+    """The runs with a rank whose compute stayed above its peers' (gptpar.run.stragglers), each rank with its host and
+    the time the job lost waiting for it; none where no run has one."""
+    flagged = [(r, s) for r in runs for s in r.stragglers]
+    if not flagged:
+        return []
+    return ["", "## Stragglers", "", STRAGGLER_NOTE, "", *(f"- {r.run}: {s.sentence()}." for r, s in flagged)]
+
+
 def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, warmup: str,
              left_out: Sequence[str] = ()) -> str:
     named = named_points(shown)
@@ -422,6 +439,7 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
     lines += _memory_section(shown)
     lines += _plan_section(shown)
     lines += _overlap_section(shown)
+    lines += straggler_section(runs)
     stale = [r for r in runs if r.stale]
     if stale:
         lines += ["", f"## Runs that are not of their sweep's current definition ({STALE_MARK})", "",

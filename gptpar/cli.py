@@ -231,6 +231,9 @@ def cmd_report(args: argparse.Namespace) -> int:
                     target_loss=args.target_loss, include_running=args.include_running)
     for message in [*result.skipped, *(f"left out: {note}" for note in result.left_out)]:
         print(message)
+    for run in result.runs:
+        for straggler in run.stragglers:
+            print(f"straggler: run {run.run}: {straggler.sentence()}")
     completed = sum(r.status == "completed" for r in result.runs)
     print(f"{len(result.runs)} run(s), {completed} completed; {len(result.shown)} in the table")
     print(f"summary: {result.summary_md} and {result.summary_csv}")

@@ -43,8 +43,8 @@ class Rank:
     def header(self, restart: int = 0, schema_version: int = 1) -> Rank:
         self._log("header", schema_version=schema_version, run_id=self.path.parent.name, config=self.cfg,
                   rank=self.rank, world_size=self.sizes["dp"] * self.sizes["pp"], coords=self.coords, sizes=self.sizes,
-                  restart=restart, host="testhost", device=self.device, torch_version="2", transformers_version="5",
-                  git_commit="abc", slurm={}, start_time=self.clock, **self.extra)
+                  restart=restart, device=self.device, torch_version="2", transformers_version="5",
+                  git_commit="abc", slurm={}, start_time=self.clock, **{"host": "testhost", **self.extra})
         return self
 
     def step(self, step: int, epoch: int = 1, step_time_s: float = 1.0, tokens: int = 100,

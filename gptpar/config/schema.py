@@ -396,6 +396,10 @@ class ReportConfig:
                                 "shipped calibration of the job's device). Its folder gets plan.json, the prediction "
                                 "of `gptpar plan predict` made before any rank starts, and `gptpar report` sets it "
                                 "beside the measured step time, tokens/s and memory. Empty: not planned.")
+    straggler_ratio: float = opt(1.2, "`gptpar report` and `gptpar status` flag a straggler: a rank whose compute time "
+                                 "(the step record's compute_s) is above this many times the median of its peers' (the "
+                                 "other ranks of its pipeline stage) on at least half of the steps, with its host and "
+                                 "the time the job lost waiting for it.", min=1.0, max=100.0)
 
 
 @dataclass(frozen=True)

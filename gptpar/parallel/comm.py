@@ -9,15 +9,19 @@ was issued and when a rank blocked on it, and `gptpar trace` (analysis/trace.py)
   (a pipeline's loss all-reduce before the buckets' all-reduces).
 
 Several ops issued by one call (a batch of sends and receives) get one span per op, nested. Without a
-running profiler a span costs one check, and its entry in the flight recorder (gptpar.parallel.flight: the group
-and bytes a caller passes, for naming a hang).
+running profiler a span costs one check, its entry in the flight recorder (gptpar.parallel.flight: the group
+and bytes a caller passes, for naming a hang) and, unless it is an issue, a DeviceClock (WAITING).
 
 `SENT` counts the bytes this rank put on the wire by kind of collective, for the step record's `comm_bytes`: the
 expert all-to-alls (gptpar.parallel.expert_parallel), counted from the actual split sizes, and our data-parallel
 syncs' traffic (naive, bucketed, ddp, zero1, zero2, fsdp: `count_sent`, in ring terms; fsdp's gathers within a
 node under parallel.hpz as `all_gather_intra`, apart from those that cross nodes). `SPENT` holds the spans of
-device time inside timed collectives (`timed`: so far the expert all-to-alls), for its `comm_s`. Both start empty at
-each step's start (`new_step`), so an evaluation's traffic between steps counts in no step.
+device time inside timed collectives (`timed`: so far the expert all-to-alls), for its `comm_s`. `WAITING` holds the
+spans this rank was blocked inside any span (a blocking call, or the wait for an asynchronous one; not an issue,
+which returns at once; nested spans once), on the device's clock: the step's time less them is the rank's own compute
+(the step record's `compute_s`), which sets a slow rank (a straggler) apart from the peers that wait for it. All three
+start empty at each step's start (`new_step`), so an evaluation's traffic between steps counts in no step; WAITING
+keeps nothing once the step's record has read it, until the next step starts.
 """
 
 from __future__ import annotations
@@ -42,12 +46,54 @@ SENT: Counter[str] = Counter()  # bytes sent to other ranks since the last read_
 SPENT: dict[str, list[DeviceClock]] = {}  # spans inside timed collectives since the last read_spent(), by collective
 
 
-def new_step(step: int = 0) -> None:
-    """Forget what was sent and spent since the last step's record (an evaluation's traffic); `step` is the one
-    starting, for the flight recorder."""
+class Waiting:
+    """The spans this rank spent blocked in gptpar's communication since its step began (`begin`) until the step's
+    record took them (`read`), on `device`'s clock (CUDA events on the compute stream: a collective on NCCL's stream
+    stalls it until done). Outside a step (an evaluation, a loop of the course's API) nothing is kept."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+        self.clocks: list[DeviceClock] | None = None  # None: no step open
+        self.inside = False  # in a timed span already: a nested one is not counted twice
+
+    def begin(self, device: torch.device | None) -> None:
+        """A step starts: keep its spans, on `device`'s clock (None: the last device's)."""
+        self.device = device or self.device
+        self.clocks = []
+
+    def start(self, phase: str) -> DeviceClock | None:
+        """The clock of a span starting now; None outside a step, for an issue (it does not block) or for a span
+        inside a timed one."""
+        if self.clocks is None or phase == "issue" or self.inside:
+            return None
+        self.inside = True
+        return DeviceClock(self.device)
+
+    def stop(self, clock: DeviceClock | None) -> None:
+        """End the span that `start` returned `clock` for."""
+        if clock is not None:
+            clock.stop()
+            self.inside = False
+            if self.clocks is not None:
+                self.clocks.append(clock)
+
+    def read(self) -> list[DeviceClock]:
+        """The step's spans, and none kept until the next step begins (read them with `DeviceClock.seconds` at the
+        fetch)."""
+        clocks, self.clocks = self.clocks or [], None
+        return clocks
+
+
+WAITING = Waiting()
+
+
+def new_step(step: int = 0, device: torch.device | None = None) -> None:
+    """Forget what was sent, spent and waited since the last step's record (an evaluation's traffic); `step` is the
+    one starting, for the flight recorder; `device` the rank's, whose clock times its waits (unchanged: None)."""
     RECORDER.new_step(step)
     SENT.clear()
     SPENT.clear()
+    WAITING.begin(device)
 
 
 def count_sent(op: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
@@ -88,6 +134,7 @@ def comm_span(*ops: str, phase: str = "call", group: dist.ProcessGroup | str | N
     flight recorder."""
     name = group_name(group)
     entries = [RECORDER.enter(op, phase, name, nbytes) for op in ops]
+    clock = WAITING.start(phase)
     try:
         if not _profiler_enabled():
             yield
@@ -101,8 +148,22 @@ def comm_span(*ops: str, phase: str = "call", group: dist.ProcessGroup | str | N
         for entry in entries:
             RECORDER.leave(entry, phase, failed=True)
         raise
+    finally:
+        WAITING.stop(clock)
     for entry in entries:
         RECORDER.leave(entry, phase)
+
+
+def gather_to_first(values: list[float], device: torch.device) -> list[list[float]] | None:
+    """Every rank's `values` on rank 0, by rank (one gather of float64s over the job; every rank passes as many), in a
+    span of its own; None on the other ranks."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [list(values)]
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    with comm_span("gather", nbytes=tensor.nbytes):
+        dist.gather(tensor, gathered, dst=0)
+    return None if gathered is None else [t.tolist() for t in gathered]
 
 
 def labelled(op: str, collective: Callable[..., Any]) -> Callable[..., Any]:

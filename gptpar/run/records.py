@@ -117,6 +117,16 @@ class StepRecord(Record):
     tokens: int = required("Tokens this rank ran in the step (translation's padding included).")
     step_time_s: float = required("Seconds of the step, data loading included.")
     tokens_per_s: float = required("This rank's tokens / step_time_s.")
+    compute_s: float | Absent = optional(
+        "This rank's own compute in the step: step_time_s less the spans it was blocked in gptpar's communication "
+        "(a blocking collective or point-to-point call, or the wait for an asynchronous one; on a GPU CUDA events on "
+        "its compute stream, which such a call stalls until done). A rank that waits for a slow peer waits there, so "
+        "this sets the slow rank apart; under a pipeline it is the stage's compute (its waits for neighbours are "
+        "left out). Collectives issued inside torch (parallel.dp_sync=ddp, fsdp2, deepspeed) are not gptpar's, and "
+        "waiting in them counts as compute.")
+    rank_compute_s: list[float] | Absent = optional(
+        "Rank 0's record: every rank's `compute_s` of the step, by rank (one small gather at each fetch of records, "
+        "log.sync_every), which `gptpar report` and `gptpar status` flag a straggler from (report.straggler_ratio).")
     data_time_s: float = required("Seconds spent fetching the step's batches.")
     peak_mem_bytes: int = required("Peak device memory (CUDA's allocator; the process's peak RSS on CPU).")
     bubble: float | None | Absent = optional("Pipeline modes: the measured idle share; else null.")

@@ -14,6 +14,7 @@ from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLog
 from gptpar.run.state import RunLog, job_of, last_step, read_run, replica_indices
+from gptpar.run.stragglers import straggler_note
 
 FAILURES = ("failed", "timeout", "oom", "corrupt")  # a run in these states has no result, only a reason
 COLUMNS = ("STATE", "RUN", "JOB", "ELAPSED", "STEP", "ETA", "LOSS", "TOK/S", "NODES", "RESTARTS")
@@ -36,6 +37,7 @@ class StatusRow:
     mixed: str = ""  # why its starts ran different configs (flagged under the row whatever its state)
     reshaped: str = ""  # how it continued on other layouts, to the current one (noted under the row)
     eta_s: float | None = None  # a running run's time to its last step at its recent step rate
+    straggler: str = ""  # its ranks whose compute stays above their peers' (gptpar.run.stragglers), noted under the row
 
     def cells(self) -> tuple[str, ...]:
         elapsed = "-" if self.elapsed_s is None else _duration(self.elapsed_s)
@@ -96,7 +98,7 @@ def row_of(run: RunLog, job: Job, root: Path, now: float) -> StatusRow:
         tokens_per_s=sum(r["tokens_per_s"] for r in last) if last else None,
         nodes=",".join(sorted({str(h.get("host", "?")) for h in headers})),
         restarts=max((int(h.get("restart", 0)) for h in headers), default=0), detail=run.detail, mixed=run.mixed,
-        reshaped=run.reshaped, eta_s=eta)
+        reshaped=run.reshaped, eta_s=eta, straggler=straggler_note(run))
 
 
 def run_result(folder: RunFolder, scheduler: str | None = None) -> dict[str, Any]:

@@ -6,13 +6,17 @@ step keeps its loss, global loss and gradient norm on the device, its time as tw
 them on the GPU's own clock, waits for the host included), and the records of `sync_every` steps are fetched
 together: one transfer, one wait. On a CPU every operation has finished when it returns: the step is timed with
 perf_counter and nothing is gained by waiting (the default there is 1). The JSONL still gets every step's record.
+
+A step's own compute (`compute_s`: its time less the spans the rank was blocked in gptpar's communication,
+gptpar.parallel.comm.WAITING) is read with the rest, and the fetched steps' are gathered on rank 0 in one small gather
+(`rank_compute_s`, by rank): a slow rank shows there, where every rank's step time is the slowest one's.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,13 +67,19 @@ class PendingStep:
     clock: DeviceClock
     fields: dict[str, Any]
     has_loss: bool = True
+    waited: list[DeviceClock] = field(default_factory=list)  # the spans blocked in communication, for `compute_s`
+
+
+Gather = Callable[[list[float]], list[list[float]] | None]  # every rank's floats on rank 0 by rank, else None
 
 
 class PendingSteps:
-    """The steps taken since the last fetch."""
+    """The steps taken since the last fetch; `gather` collects their compute times from every rank (every rank
+    fetches at the same steps: gptpar.parallel.comm.gather_to_first)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gather: Gather = lambda values: [values]) -> None:
         self.steps: list[PendingStep] = []
+        self.gather = gather
 
     def add(self, step: PendingStep) -> None:
         self.steps.append(step)
@@ -81,16 +91,21 @@ class PendingSteps:
         deferred = [[(name, f) for name, f in step.fields.items() if isinstance(f, OnDevice)] for step in self.steps]
         numbers = torch.cat([torch.cat([step.values, *(f.numbers.to(step.values) for _, f in fields)])
                              for step, fields in zip(self.steps, deferred, strict=True)]).tolist()
+        seconds = [step.clock.seconds() for step in self.steps]
+        compute = [time - math.fsum(c.seconds() for c in step.waited) for step, time in zip(self.steps, seconds,
+                                                                                               strict=True)]
+        by_rank = self.gather(compute)
         records, at = [], 0
-        for step, fields in zip(self.steps, deferred, strict=True):
+        for i, (step, fields) in enumerate(zip(self.steps, deferred, strict=True)):
             (loss, global_loss, grad_norm), at = numbers[at:at + 3], at + 3
             read = {}
-            for name, field in fields:
-                read[name], at = field.value(numbers[at:at + len(field.numbers)]), at + len(field.numbers)
-            read |= {name: field.value() for name, field in step.fields.items() if isinstance(field, Spans)}
-            seconds = step.clock.seconds()
+            for name, numbered in fields:
+                read[name], at = numbered.value(numbers[at:at + len(numbered.numbers)]), at + len(numbered.numbers)
+            read |= {name: spans.value() for name, spans in step.fields.items() if isinstance(spans, Spans)}
+            if by_rank is not None:
+                read["rank_compute_s"] = [values[i] for values in by_rank]
             records.append(StepRecord(loss=loss if step.has_loss else None, global_loss=global_loss,
-                                      grad_norm=grad_norm, step_time_s=seconds,
-                                      tokens_per_s=step.fields["tokens"] / seconds, **(step.fields | read)))
+                                      grad_norm=grad_norm, step_time_s=seconds[i], compute_s=compute[i],
+                                      tokens_per_s=step.fields["tokens"] / seconds[i], **(step.fields | read)))
         self.steps = []
         return records

@@ -33,7 +33,7 @@ from gptpar.errors import GptparError
 from gptpar.models import architecture
 from gptpar.models.build import add_lora, build_model, count_params
 from gptpar.models.lora import lora_targets, trainable_count
-from gptpar.parallel.comm import comm_span, new_step, read_sent, read_spent
+from gptpar.parallel.comm import WAITING, comm_span, gather_to_first, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.flight import RECORDER
 from gptpar.parallel.grid import GRID_DIMS
@@ -446,7 +446,7 @@ class Trainer:
     def _timed_step(self, batches: Iterator[list[Batch]], epoch: int) -> PendingStep:
         """The next step, from fetching its micro-batches to its global loss (every rank's clock stops after the
         same collectives), its numbers (loss, global loss, grad norm) and time still on the device."""
-        new_step(self.step + 1)
+        new_step(self.step + 1, self.dims.device)
         clock, device = DeviceClock(self.dims.device), self.dims.device
         start = time.perf_counter()
         micro_batches = next(batches)
@@ -454,6 +454,7 @@ class Trainer:
         loss, grad_norm = self.train_step(micro_batches)
         global_loss = self._dp_reduce(loss.to(device, torch.float64, copy=True)) / self.dims.replicas()
         clock.stop()
+        waited = WAITING.read()  # before the fields below, whose collectives (a mixture's load) are not the step's
         self.step += 1
         tokens = sum(self._positions(batch[0]) for batch in micro_batches)
         pipeline = self.net.step_fields() if self.pipeline else {}
@@ -465,7 +466,7 @@ class Trainer:
                       **pipeline, **moe, **({"comm_bytes": sent} if sent else {}),
                       **({"comm_s": Spans(spent)} if spent else {}))
         values = torch.stack([t.to(device, torch.float64) for t in (loss, global_loss, grad_norm)])
-        return PendingStep(values, clock, fields, has_loss=self.computes_loss)
+        return PendingStep(values, clock, fields, has_loss=self.computes_loss, waited=waited)
 
     def run(self) -> tuple[str, float | None]:
         """Train from the last checkpoint to the end, or until a stop is asked for (gptpar.train.preemption);
@@ -480,7 +481,8 @@ class Trainer:
         evaluation = Evaluation(cfg.train.eval_every, self.evaluate, self.val_scores.scores, self.scoring.scores,
                                 self.log, progress)
         profiler = StepProfiler(cfg.train, dims.device, self.folder.trace_path(dims.rank))
-        pending, every = PendingSteps(), sync_every(cfg.log.sync_every, dims.device)
+        pending = PendingSteps(lambda values: gather_to_first(values, dims.device))
+        every = sync_every(cfg.log.sync_every, dims.device)
         status, loss = "completed", math.nan
 
         def write_pending() -> None:

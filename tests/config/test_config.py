@@ -39,6 +39,7 @@ def test_resolved_config_round_trips(tmp_path):
     ("data.streaming=maybe", "data.streaming: expected true or false"),
     ("parallel.dp=0", "parallel.dp: 0 is below the minimum 1"),
     ("data.val_fraction=0.9", "data.val_fraction: 0.9 is above the maximum 0.5"),
+    ("report.straggler_ratio=0.5", "report.straggler_ratio: 0.5 is below the minimum 1.0"),
     ("parallel.dp_sync=allgather", "parallel.dp_sync: 'allgather' is not allowed; choose one of: naive"),
     ("lr=1", "is not of the form section.key=value"),
 ])

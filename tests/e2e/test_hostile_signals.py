@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gptpar.cli import main as gptpar_main
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.state import read_run
@@ -473,3 +474,50 @@ def test_ranks_of_a_local_launcher_killed_with_sigkill_stop_with_a_checkpoint(tm
     state = read_run(RunFolder(run))
     assert (state.state, state.detail) == ("stopped", f"stopped at step {step} by SIGTERM; {_resume(run)}")
     proc.communicate(timeout=DEADLINE_S)  # rank 0 held the launcher's stdout until it ended
+
+
+# 9. A straggler: a rank slowed by periodic SIGSTOP/SIGCONT is flagged by the report and status with its host.
+
+STRAGGLER = ["model.n_layer=2", "model.n_embd=64", "data.seq_len=32", "train.batch_size=16", "train.max_steps=30"]
+# Rank 1 stopped 150 ms in every 160: a step of its (some 20 ms of compute idle) holds a stop or more, so its compute is
+# 0.17 s or more a step, where rank 0's stayed under 0.14 s at a load average of 60 on 2 cores. A stop that lands in
+# one of rank 1's collectives counts as waiting, not compute: 3 of 18 slowed steps in a run of 20, so 30 steps keep
+# the slow ones well above half.
+STOP_S, RUN_S = 0.15, 0.01
+
+
+def _slow_down(proc: subprocess.Popen, pid: int) -> None:
+    """Stop and continue `pid` in turn until the run ends; continued at the end whatever happens."""
+    try:
+        while proc.poll() is None:
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(STOP_S)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(RUN_S)
+    except ProcessLookupError:  # the rank ended between the poll and the signal
+        pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_rank_slowed_by_periodic_stops_is_flagged_as_the_straggler_with_its_host(tmp_path, capsys):
+    proc = _gptpar(tmp_path, "log.run_id=slow", "parallel.dp=2", *STRAGGLER)
+    run = tmp_path / "slow"
+    _wait_for_steps(proc, run)
+    slowing = threading.Thread(target=_slow_down, args=(proc, _rank_pids(proc.pid)[1]), name="straggler")
+    slowing.start()
+    code, _, err = _finish(proc)
+    slowing.join()
+    assert code == 0, err
+    computes = [r["rank_compute_s"] for r in _log(run, 0).steps.values()]  # rank 0's record: every rank's compute
+    assert len(computes) == 30 and {len(c) for c in computes} == {2}
+    flag = rf"rank 1 \({re.escape(socket.gethostname())}\) computed above 1.2x its peers' median on \d+ of 30 steps"
+    assert gptpar_main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(rf"^straggler: run slow: {flag}", printed, re.MULTILINE) and "rank 0 (" not in printed, printed
+    summary = (tmp_path / "report" / "summary.md").read_text()
+    assert re.search(rf"^- slow: {flag}", summary, re.MULTILINE) and "rank 0 (" not in summary
+    assert gptpar_main(["status", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert re.search(rf"^    straggler: {flag}", printed, re.MULTILINE) and "rank 0 (" not in printed, printed

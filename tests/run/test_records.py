@@ -66,6 +66,7 @@ OTHER_DICTS = {
     # train.checkpoint_every
     "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "since", "MemoryError", "out of memory", "oom-kill",
                                    "train", "checkpoint_every", "summary", "stuck", "where"},  # and the hang field
+    "gptpar/run/stragglers.py": GRID | {"report", "straggler_ratio"},  # a header's coords, the config's key
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
 }
 
