@@ -107,7 +107,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from gptpar.launch.submit import submit
+    from gptpar.launch.submit import dp_set_by, submit
 
     overrides = list(args.words)
     if args.gpus is not None:
@@ -116,7 +116,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         overrides.append(f"launch.nodes={args.nodes}")
     if args.runs_dir is not None:
         overrides.append(f"log.runs_dir={args.runs_dir}")
-    return submit(_resolved(overrides)[0], args.kind, dry_run=args.dry_run, reshape=args.reshape)
+    cfg, origins = _resolved(overrides)
+    return submit(cfg, args.kind, dry_run=args.dry_run, reshape=args.reshape,
+                  dp_set=dp_set_by(split_config_args(overrides)[0], origins))
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

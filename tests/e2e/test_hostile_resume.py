@@ -225,6 +225,19 @@ def test_a_layout_edited_into_config_yaml_is_no_reshape(tmp_path):
                                      "move the old folder away to start over", offer=RESHAPE)
 
 
+def test_a_resubmission_on_fewer_gpus_takes_that_shape_and_without_reshape_is_refused(tmp_path, capsys):
+    """`gptpar submit dp RUN/config.yaml --gpus 1` of a dp=2 run: the dp config.yaml recorded is the last shape's, so
+    the new shape sets it again; without --reshape the change of layout is refused, offering --reshape."""
+    folder = trained(tmp_path, "parallel.dp=2", "launch.gpus=2")
+    path = str(folder.config_path)
+    assert gptpar_main(["submit", "dp", path, "--gpus", "1", "--dry-run"]) == 0
+    assert "#SBATCH --ntasks-per-node=1\n" in capsys.readouterr().out
+    assert gptpar_main(["submit", "dp", path, "--gpus", "1", "launch.cluster=local"]) == 2
+    assert capsys.readouterr().err == "gptpar: error: " + refusal(
+        folder.path, "holds a different config", "launch.gpus: 2 -> 1; parallel.dp: 2 -> 1",
+        "move the old folder away to start over", offer=RESHAPE) + "\n"
+
+
 def test_reshape_refuses_another_global_batch_and_says_how_to_start_from_the_weights(tmp_path):
     folder = trained(tmp_path, "parallel.dp=2")
     with pytest.raises(GptparError) as exc:
