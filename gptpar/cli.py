@@ -42,11 +42,11 @@ def _resolved(words: list[str], user: bool = True):
     return resolve_config(*split_config_args(words), user=user)
 
 
-def _train_here(cfg) -> int:
+def _train_here(cfg, reshape: bool = False) -> int:
     """Train as this process's rank; the exit code says whether the run ended as it should."""
     from gptpar.train.entry import run_rank
 
-    return 0 if run_rank(cfg)["status"] in ("completed", "diverged", "requeued") else 1
+    return 0 if run_rank(cfg, reshape)["status"] in ("completed", "diverged", "requeued") else 1
 
 
 def _run_path(args: argparse.Namespace, sweeps: bool = False) -> Path:

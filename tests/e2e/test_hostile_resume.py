@@ -238,6 +238,22 @@ def test_a_resubmission_on_fewer_gpus_takes_that_shape_and_without_reshape_is_re
         "move the old folder away to start over", offer=RESHAPE) + "\n"
 
 
+def test_the_ranks_of_a_job_given_reshape_take_its_layout(tmp_path):
+    """`srun gptpar train RUN/config.yaml --reshape parallel.dp=1` (jobs/dp.sbatch with RESHAPE=1): no submitter
+    plans the start, so rank 0 takes the layout and records it, and a requeue of the same job starts on it again."""
+    folder = trained(tmp_path, "parallel.dp=2")
+    cfg = resolve_config(str(folder.config_path), ["parallel.dp=1"], user=False)[0]
+    with ExitStack() as stack, pytest.raises(GptparError) as exc:
+        claim_run_folder(cfg, cfg, RANK0, share, stack)
+    assert str(exc.value) == refusal(folder.path, "holds a different config", "parallel.dp: 2 -> 1",
+                                     "move the old folder away to start over", offer=RESHAPE)
+    with ExitStack() as stack:
+        assert claim_run_folder(cfg, cfg, RANK0, share, stack, reshape=True)[0] == folder
+    assert folder.read_config()["parallel"]["dp"] == 1 and folder.read_reshape() is not None
+    with ExitStack() as stack:
+        assert claim_run_folder(cfg, cfg, RANK0, share, stack)[0] == folder
+
+
 def test_reshape_refuses_another_global_batch_and_says_how_to_start_from_the_weights(tmp_path):
     folder = trained(tmp_path, "parallel.dp=2")
     with pytest.raises(GptparError) as exc:
