@@ -67,6 +67,8 @@ OTHER_DICTS = {
     "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "since", "MemoryError", "out of memory", "oom-kill",
                                    "train", "checkpoint_every", "summary", "stuck", "where"},  # and the hang field
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
+    # the layout a header's config ran: its parallel and train sections' keys
+    "gptpar/run/segments.py": GRID | {"parallel", "train", "grad_accum", "pp_schedule", "dp_sync"},
 }
 
 
