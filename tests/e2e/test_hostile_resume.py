@@ -317,7 +317,8 @@ def test_a_moved_run_resumes_where_it_now_is(stopped, tmp_path, data_dir):
 @pytest.mark.slow
 def test_gptpar_train_reshape_continues_a_stopped_run_on_two_ranks(stopped, tmp_path, data_dir):
     """The whole path of issue 51: refused without --reshape (offering it), then continued on dp=2 local ranks
-    from the step after the stop, every step once, and `gptpar status` notes the new layout."""
+    from the step after the stop, every step once; `gptpar status` notes the new layout and lists each layout's
+    segment, and the report tabulates them."""
     run = own_copy(stopped, tmp_path / "runs")
     step = stop_step(run)
     refused = _gptpar(data_dir, "train", str(run / "config.yaml"), "parallel.dp=2")
@@ -329,6 +330,11 @@ def test_gptpar_train_reshape_continues_a_stopped_run_on_two_ranks(stopped, tmp_
     assert [h["restart"] for h in second.headers] == [0] and min(second.steps) == step + 1
     status = _gptpar(data_dir, "status", str(run.parent))
     assert "note: it continued on another layout (restart 1: parallel.dp: 1 -> 2)" in status.stdout, status.stdout
+    segments = [f"steps 1-{step} on 1 rank", f"steps {step + 1}-{STEPS} on dp=2 (bucketed)"]
+    assert [line.split(": ")[1] for line in status.stdout.splitlines() if line.startswith("    segment: ")] == segments
+    table = report(run.parent, tmp_path / "figures").summary_md.read_text().split("(segments)\n")[1]
+    assert [" | ".join(row.split(" | ")[1:3]) for row in table.splitlines() if row.startswith("| a |")] == [
+        f"1 rank | 1-{step}", f"dp=2 (bucketed) | {step + 1}-{STEPS}"]
 
 
 @pytest.mark.slow
