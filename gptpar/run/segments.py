@@ -36,15 +36,16 @@ class Segment:
 
 
 def layout_label(header: dict[str, Any]) -> str:
-    """A header's layout in a few words: the grid's dimensions above 1 (`1 rank` without any), the data-parallel
-    strategy where there are replicas, the schedule where there are stages, the micro-steps where a step has several:
-    `pp=2 x dp=2 (1f1b, bucketed)`."""
+    """A header's layout in a few words: the grid's dimensions above 1 (`1 rank` without any), the schedule where there
+    are stages, the data-parallel strategy where there are replicas, the experts' groups (inside dp, no factor of the
+    ranks), the micro-steps where a step has several: `pp=2 x dp=2 (1f1b, bucketed)`."""
     sizes = header.get("sizes") or {}
     parallel = (header.get("config") or {}).get("parallel") or {}
     accum = ((header.get("config") or {}).get("train") or {}).get("grad_accum", 1)
-    grid = " x ".join(f"{dim}={size}" for dim, size in sizes.items() if int(size) > 1) or "1 rank"
+    grid = " x ".join(f"{dim}={size}" for dim, size in sizes.items() if dim != "ep" and int(size) > 1) or "1 rank"
     how = [*([str(parallel["pp_schedule"])] if int(sizes.get("pp", 1)) > 1 and "pp_schedule" in parallel else []),
            *([str(parallel["dp_sync"])] if int(sizes.get("dp", 1)) > 1 and "dp_sync" in parallel else []),
+           *([f"ep={sizes['ep']}"] if int(sizes.get("ep", 1)) > 1 else []),
            *([f"grad_accum={accum}"] if int(accum) > 1 else [])]
     return grid + (f" ({', '.join(how)})" if how else "")
 

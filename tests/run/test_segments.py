@@ -62,11 +62,12 @@ def test_segments_are_each_layouts_steps_and_throughput_on_its_own_ranks(tmp_pat
     assert segments(ranks) == SEGMENTS
 
 
-def test_every_header_records_its_layout() -> None:
-    header = {"sizes": {"pp": 2, "dp": 2, "tp": 1}, "config": {"parallel": {"pp_schedule": "1f1b",
-                                                                         "dp_sync": "zero2"},
-                                                             "train": {"grad_accum": 4}}}
-    assert layout_label(header) == "pp=2 x dp=2 (1f1b, zero2, grad_accum=4)"
+def test_a_layout_in_a_few_words() -> None:
+    """From a header's grid sizes and the config it ran: the dimensions above 1, then how they run."""
+    config = {"parallel": {"pp_schedule": "1f1b", "dp_sync": "zero2"}, "train": {"grad_accum": 4}}
+    assert layout_label({"sizes": {"pp": 2, "dp": 2, "cp": 1, "tp": 1, "ep": 2}, "config": config}) == (
+        "pp=2 x dp=2 (1f1b, zero2, ep=2, grad_accum=4)")
+    assert layout_label({"sizes": {"pp": 1, "dp": 1, "tp": 2}, "config": {}}) == "tp=2"
 
 
 def test_a_run_that_shrank_is_as_its_current_ranks_say(tmp_path: Path) -> None:
