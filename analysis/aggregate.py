@@ -54,6 +54,7 @@ from gptpar.run.logfile import RankLog
 from gptpar.run.names import replaced
 from gptpar.run.records import EPOCH_SCORES, EvalRecord, names
 from gptpar.run.resume import current_layout
+from gptpar.run.segments import Segment, segments
 from gptpar.run.state import RunLog, job_of, replica_indices
 from gptpar.run.stragglers import Straggler, run_stragglers
 from gptpar.run.sweeps import stale_runs
@@ -199,6 +200,7 @@ class RunMetrics:
     stale: str = ""  # why its numbers are not of its sweep's current definition, in one line
     set_aside: bool = False  # a folder --rerun / --start-over moved to <name>.replaced-<time>
     mixed: str = ""  # why its starts ran different configs: its numbers mix them (left out of table and figures)
+    segments: list[Segment] = field(default_factory=list)  # a reshaped run's layouts, each timed alone; else []
     memory: MemoryUse | None = None  # None: no rank logged a memory record (logs older than it)
     peak_mem: tuple[float, float] | None = None  # (mean, max) over ranks of each rank's highest peak_mem_bytes
     traces: list[RankTrace] = field(default_factory=list)  # each rank's profiled steps (train.profile_steps)
@@ -358,6 +360,7 @@ def run_metrics(run: RunLog, rel: str, warmup_epochs: int = 1, warmup_steps: int
         m.warnings.append(f"run {rel}: {m.mixed}; left out of the table and figures")
     if run.reshaped:
         m.warnings.append(f"run {rel}: {run.reshaped}")
+        m.segments = segments(run.ranks)
     ranks = run.ranks
     if not ranks:
         return m

@@ -446,6 +446,7 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
                   "Their numbers come from an older config; run the sweep again to replace them (folders set aside "
                   "by --rerun are left out of the table and figures).", "", "| run | why |", "|---|---|"]
         lines += [f"| {r.run} | {r.stale.replace('|', '/')} |" for r in stale]
+    lines += _segments_section(runs)
     mixed = [r for r in runs if r.mixed]
     if mixed:
         lines += ["", "## Runs whose starts ran different configs (left out of the table and figures)", "",
@@ -487,6 +488,19 @@ def _comm_section(named: list[tuple[Point, str]], ratios: dict[str, float]) -> l
                      f"{_spread([x.comm_bytes['total'] / 1e6 for x in p.runs], '.3g')} | {by_kind} | {ratio} | "
                      f"{step} | {_spread([x.job_tokens_per_s for x in p.runs], ',.0f')} |")
     return [*lines, "", COMM_NOTE]
+
+
+def _segments_section(runs: list[RunMetrics]) -> list[str]:
+    """The runs continued on other layouts (--reshape), a row per layout: the table's tokens/s is the current
+    layout's alone, and no figure averages over layouts."""
+    reshaped = [r for r in runs if r.segments]
+    if not reshaped:
+        return []
+    return ["", "## Runs continued on other layouts (segments)", "",
+            "Each layout timed on its own ranks and steps: its replicas' tokens over its slowest rank's step time. The "
+            "table above gives the last layout's.", "", "| run | layout | steps | tokens/s |", "|---|---|---|---|",
+            *(f"| {r.run} | {s.layout} | {s.first_step}-{s.last_step} | {_fmt(s.tokens_per_s, ',.0f')} |"
+              for r in reshaped for s in r.segments)]
 
 
 def _flagged_section(shown: list[RunMetrics]) -> list[str]:

@@ -42,11 +42,11 @@ def _resolved(words: list[str], user: bool = True):
     return resolve_config(*split_config_args(words), user=user)
 
 
-def _train_here(cfg) -> int:
+def _train_here(cfg, reshape: bool = False) -> int:
     """Train as this process's rank; the exit code says whether the run ended as it should."""
     from gptpar.train.entry import run_rank
 
-    return 0 if run_rank(cfg)["status"] in ("completed", "diverged", "requeued") else 1
+    return 0 if run_rank(cfg, reshape)["status"] in ("completed", "diverged", "requeued") else 1
 
 
 def _run_path(args: argparse.Namespace, sweeps: bool = False) -> Path:
@@ -107,7 +107,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from gptpar.launch.submit import submit
+    from gptpar.launch.submit import dp_set_by, submit
 
     overrides = list(args.words)
     if args.gpus is not None:
@@ -116,7 +116,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
         overrides.append(f"launch.nodes={args.nodes}")
     if args.runs_dir is not None:
         overrides.append(f"log.runs_dir={args.runs_dir}")
-    return submit(_resolved(overrides)[0], args.kind, dry_run=args.dry_run, reshape=args.reshape)
+    cfg, origins = _resolved(overrides)
+    return submit(cfg, args.kind, dry_run=args.dry_run, reshape=args.reshape,
+                  dp_set=dp_set_by(split_config_args(overrides)[0], origins))
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:

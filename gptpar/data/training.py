@@ -18,12 +18,14 @@ from gptpar.data.images import load_images
 from gptpar.data.packing import PackedPairs, stack_packed
 from gptpar.data.pairs import PairData, load_pairs
 
+Collate = Callable[[Any], Any] | None  # how examples become a batch (None: the default stacking)
+
 
 @dataclass(frozen=True)
 class TrainingData:
     train: Dataset
     val: Dataset
-    collate: Callable[[Any], Any] | None  # how examples become a batch (None: the default stacking)
+    collate: Collate
     vocab_size: int  # the model's output rows: the tokenizer's vocabulary, or an image classifier's classes
     tokenizer: str
     pairs: PairData | None = None  # the pairs, their tokenizer and decoding width (the pair tasks only)

@@ -56,14 +56,15 @@ def absolute_paths(cfg: Config) -> dict[str, str]:
 
 def prepare_run(cfg: Config, kind: str | None = None, runs_dir: str | Path | None = None, run_id: str = "",
              write: bool = True, start_over: bool = False, job_state: JobState | None = None,
-             stack: contextlib.ExitStack | None = None, reshape: bool = False) -> Point:
+             stack: contextlib.ExitStack | None = None, reshape: bool = False, dp_set: bool | None = None) -> Point:
     """Resolve the submit side: job kind, absolute runs folder, run id (explicit, or derived once
     by gptpar.run.start.named_run), concrete tokenizer; then write config.yaml (unless `write` is False,
     as for --dry-run). A folder that is live or holds a different config is refused; `start_over` sets a
     folder that is not live aside first; `reshape` lets a stopped run continue on another layout; with `stack`, the
-    run's lock stays held until it closes (see gptpar.run.start.write_folder)."""
+    run's lock stays held until it closes (see gptpar.run.start.write_folder); `dp_set`: as
+    gptpar.cluster.shape.shaped takes it."""
     if kind is not None:
-        cfg = shaped(cfg, kind)
+        cfg = shaped(cfg, kind, dp_set)
     check_expert_grid(cfg)
     root = Path(runs_dir or cfg.log.runs_dir).resolve()
     prefix = kind if kind is not None and cfg.log.name == LogConfig().name else ""  # `dp.3`, unless log.name is set

@@ -73,7 +73,8 @@ def run_of_job(job_id: str, runs_dir: Path) -> RunFolder | None:
 
 def render_status(rows: list[StatusRow], aside: int) -> str:
     """The table, a line of detail under each run that is not completed (and a flag under each whose starts ran
-    different configs, a note under each continued on another layout, its stragglers), and a count by state."""
+    different configs, a note under each continued on another layout and its segments, its stragglers), and a count
+    by state."""
     cells = [COLUMNS, *(row.cells() for row in rows)]
     widths = [max(len(cell[i]) for cell in cells) for i in range(len(COLUMNS))]
     lines = []
@@ -85,6 +86,7 @@ def render_status(rows: list[StatusRow], aside: int) -> str:
             lines.append(f"    warning: {row.mixed}")
         if row is not None and row.reshaped:
             lines.append(f"    note: {row.reshaped}")
+            lines += [f"    segment: {segment}" for segment in row.segments]
         if row is not None and row.straggler:
             lines.append(f"    straggler: {row.straggler}")
     counts = ", ".join(f"{sum(r.state == s for r in rows)} {s}" for s in STATES if any(r.state == s for r in rows))

@@ -15,7 +15,8 @@ from gptpar.launch.status import completion
 from gptpar.parallel.env import Layout
 from gptpar.parallel.grid import world_size
 
-TrainHere = Callable[[Config], int]  # trains as this process's rank; the exit code (gptpar.cli's _train_here)
+TrainHere = Callable[[Config, bool], int]  # trains as this process's rank (with --reshape?); the exit code
+# (gptpar.cli's _train_here)
 
 
 def users_own_command(layout: Layout) -> bool:
@@ -26,21 +27,21 @@ def users_own_command(layout: Layout) -> bool:
 
 def train_here_or_start_ranks(cfg: Config, layout: Layout, start_over: bool, train_here: TrainHere,
                               reshape: bool = False) -> int:
-    """One rank of a launched job trains here. The user's own command is the submitter: it plans the run
-    (--start-over sets an existing folder aside first; --reshape continues it on another layout), then trains in this
-    process (one rank) or, asked for several ranks, starts them on this node and waits for them. It holds the run's
-    lock from planning to the ranks' end (they take it over), so a start-over meanwhile is refused before the ranks
-    exist."""
+    """One rank of a launched job trains here (its rank 0 takes a --reshape's layout, as a submitter does). The user's
+    own command is the submitter: it plans the run (--start-over sets an existing folder aside first; --reshape
+    continues it on another layout), then trains in this process (one rank) or, asked for several ranks, starts them
+    on this node and waits for them. It holds the run's lock from planning to the ranks' end (they take it over), so
+    a start-over meanwhile is refused before the ranks exist."""
     one_task_step = users_own_command(layout) and layout.launcher == "slurm" and world_size(cfg) > 1
     if layout.launcher != "single" and not one_task_step:
-        return train_here(cfg)
+        return train_here(cfg, reshape)
     with contextlib.ExitStack() as stack:  # held until the ranks have ended, then the run's state is read
         point = prepare_run(cfg, start_over=start_over, job_state=scheduler_state, stack=stack, reshape=reshape)
         ranks = world_size(point.cfg)
         if ranks == 1:
             if cfg.log.progress != "none":
                 print(f"gptpar: training in this process: {point.folder.path}", flush=True)
-            code = train_here(point.cfg)
+            code = train_here(point.cfg, False)  # the plan above took the --reshape
         else:
             print(f"gptpar: {ranks} ranks as local processes on this machine: {point.folder.path}", flush=True)
             local.run_ranks(point, ranks)

@@ -24,7 +24,7 @@ Share = Callable[[list[Any]], None]  # makes rank 0's list every rank's, in plac
 
 
 def claim_run_folder(cfg: Config, launched: Config, layout: Layout, share: Share, stack: contextlib.ExitStack,
-                     job_id: str = "") -> tuple[RunFolder, str]:
+                     job_id: str = "", reshape: bool = False) -> tuple[RunFolder, str]:
     """Claim the run's folder for this start (`cfg`: its config file; `launched`: the config the ranks run, with the
     launcher's world size); the lock (recording `job_id`) is held until `stack` closes, unless the run is already
     finished. `share` is the group's broadcast, passed in so that the run/ package never imports torch. Returns the
@@ -37,7 +37,7 @@ def claim_run_folder(cfg: Config, launched: Config, layout: Layout, share: Share
             run = read_run(folder, held=True) if folder.rank_logs() else None
             if run is not None:
                 check_checkpoint(run, AGAIN)
-            check_start(folder, named, named_run(launched, folder.name)[0], AGAIN)
+            check_start(folder, named, named_run(launched, folder.name)[0], AGAIN, reshape)
             state = run.state if run is not None else "new"
             if state in FINISHED:
                 lock.release()

@@ -135,25 +135,34 @@ def layout_changes(ranks: list[RankLog]) -> str:
     """How a run continued on other layouts (--reshape), in one line: each start's changed layout keys, in rank 0's
     log (every start has a rank 0); "" when it kept one."""
     changes = [f"restart {after.get('restart', '?')}: {config_diff(old, new, limit=3, ignore=RESUMABLE)}"
-               for after, old, new in _layout_starts(ranks)]
+               for after, old, new in layout_starts(ranks)]
     return ("it continued on another layout (" + "; ".join(changes) + "); its throughput is the current layout's") \
         if changes else ""
 
 
 def current_layout(ranks: list[RankLog]) -> list[RankLog]:
-    """The logs of the ranks that run the current layout, cut to the steps logged since it began (without epoch
-    records, which may count steps of the layout before): what a reshaped run's throughput is measured on, never an
-    average over layouts. The logs as they are for a run that kept one layout."""
-    starts = _layout_starts(ranks)
+    """The logs of the ranks that run the current layout (current_ranks), cut to the steps logged since it began
+    (without epoch records, which may count steps of the layout before): what a reshaped run's throughput is measured
+    on, never an average over layouts. The logs as they are for a run that kept one layout."""
+    starts = layout_starts(ranks)
     if not starts:
         return ranks
     since = float(starts[-1][0].get("time", 0.0))
     return [dataclasses.replace(log, steps={s: r for s, r in log.steps.items() if float(r["time"]) >= since},
                                 epochs={})
-            for log in ranks if log.headers and float(log.header.get("time", 0)) >= since]
+            for log in current_ranks(ranks)]
 
 
-def _layout_starts(ranks: list[RankLog]) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+def current_ranks(ranks: list[RankLog]) -> list[RankLog]:
+    """The started logs of the ranks of rank 0's latest start: those below its world size. A rank of a larger layout
+    before a --reshape keeps its log, whose last start is an older one (its header's time tells nothing: the ranks of
+    one start write theirs in any order). All started logs where rank 0 has none."""
+    started = [log for log in ranks if log.headers]
+    zero = next((log for log in started if log.rank == 0), None)
+    return started if zero is None else [log for log in started if log.rank < int(zero.header["world_size"])]
+
+
+def layout_starts(ranks: list[RankLog]) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """Rank 0's starts that changed the layout (every start has a rank 0): (header, config before, config)."""
     log = next((log for log in ranks if log.rank == 0), None)
     return [change for change in (_changes(log) if log is not None else [])

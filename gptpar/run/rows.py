@@ -13,6 +13,7 @@ from typing import Any
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import RankLog
+from gptpar.run.segments import segments
 from gptpar.run.state import RunLog, job_of, last_step, read_run, replica_indices
 from gptpar.run.stragglers import straggler_note
 
@@ -36,6 +37,7 @@ class StatusRow:
     detail: str
     mixed: str = ""  # why its starts ran different configs (flagged under the row whatever its state)
     reshaped: str = ""  # how it continued on other layouts, to the current one (noted under the row)
+    segments: tuple[str, ...] = ()  # a reshaped run's segments, one line each (gptpar.run.segments)
     eta_s: float | None = None  # a running run's time to its last step at its recent step rate
     straggler: str = ""  # its ranks whose compute stays above their peers' (gptpar.run.stragglers), noted under the row
 
@@ -98,7 +100,8 @@ def row_of(run: RunLog, job: Job, root: Path, now: float) -> StatusRow:
         tokens_per_s=sum(r["tokens_per_s"] for r in last) if last else None,
         nodes=",".join(sorted({str(h.get("host", "?")) for h in headers})),
         restarts=max((int(h.get("restart", 0)) for h in headers), default=0), detail=run.detail, mixed=run.mixed,
-        reshaped=run.reshaped, eta_s=eta, straggler=straggler_note(run))
+        reshaped=run.reshaped, segments=tuple(s.line() for s in segments(run.ranks)) if run.reshaped else (),
+        eta_s=eta, straggler=straggler_note(run))
 
 
 def run_result(folder: RunFolder, scheduler: str | None = None) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
-from gptpar.run.resume import layout_changes, mixed_configs
+from gptpar.run.resume import current_ranks, layout_changes, mixed_configs
 
 STATES = ("queued", "pending", "starting", "running", "completed", "diverged", "requeued", "stopped", "cancelled",
           "failed", "timeout", "oom", "corrupt")
@@ -254,7 +254,7 @@ def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: s
         world = int(started[0].header["world_size"])
         if len(ranks) < world:
             warnings.append(f"{folder.path}: {len(ranks)} rank file(s) for world_size {world}")
-    state, detail = decide_state(folder, ranks, scheduler, now, held)
+    state, detail = decide_state(folder, current_ranks(ranks), scheduler, now, held)  # not a larger layout's ranks
     return RunLog(folder, sweep, config, started, state, detail, warnings, mixed_configs(started))
 
 

@@ -45,19 +45,20 @@ DUMP_WAIT_S = 5.0  # how long a rank that failed inside a collective waits for i
 # written by a thread the dump signal wakes, within milliseconds; a rank that cannot answer is named without a place)
 
 
-def run_rank(cfg: Config) -> dict[str, Any]:
-    """Train as one rank of the job the environment describes (a single process when it describes none)."""
+def run_rank(cfg: Config, reshape: bool = False) -> dict[str, Any]:
+    """Train as one rank of the job the environment describes (a single process when it describes none); `reshape`:
+    the job's ranks continue a stopped run on another layout (`srun gptpar train RUN/config.yaml --reshape ...`)."""
     with stop_signals(), launcher_watch():
-        return _run_rank(cfg)
+        return _run_rank(cfg, reshape)
 
 
-def _run_rank(cfg: Config) -> dict[str, Any]:
+def _run_rank(cfg: Config, reshape: bool) -> dict[str, Any]:
     info = init_distributed(cfg.parallel)
     try:
         launched = launched_config(cfg, info.world_size)  # checked before the folder is touched
         dims = ParallelDims.build(info, grid_sizes(launched))
         with contextlib.ExitStack() as stack:
-            folder, state = claim_run_folder(cfg, launched, info, _from_rank_zero, stack, job_id())
+            folder, state = claim_run_folder(cfg, launched, info, _from_rank_zero, stack, job_id(), reshape)
             if state in FINISHED:
                 if info.rank == 0:
                     print(f"gptpar: run {folder.path} is already {state}; nothing to train", flush=True)

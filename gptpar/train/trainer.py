@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
+from torch.utils.data import Dataset
 
 from gptpar.clock import DeviceClock
-from gptpar.config import Config, example_width
+from gptpar.config import Config, TrainConfig, example_width
 from gptpar.data import partition_dataset
 from gptpar.data.pairs import target_tokens
-from gptpar.data.training import load_training_data
+from gptpar.data.training import Collate, load_training_data
 from gptpar.errors import GptparError
 from gptpar.models import architecture
 from gptpar.models.build import add_lora, build_model, count_params
@@ -77,6 +78,24 @@ def epoch_steps(loader: Iterable[Batch], accum: int, skip_steps: int, steps_per_
     (gptpar.data.partition), so a run resumed on another layout (--reshape) continues at the next sample."""
     micro = iter(islice(loader, skip_steps * accum, steps_per_epoch * accum))
     return iter(lambda: list(islice(micro, accum)), [])
+
+
+def shard_loader(train_set: Dataset, collate: Collate, replica: int, replicas: int, train: TrainConfig, epoch: int
+                 ) -> Iterable[Batch]:
+    """A data-parallel replica's micro-batches of an epoch (gptpar.data.partition), of any task's training set."""
+    return partition_dataset(replica, replicas, train_set, train.batch_size // train.grad_accum, collate,
+                             seed=train.seed, epoch=epoch)
+
+
+def replica_steps(train_set: Dataset, collate: Collate, replica: int, replicas: int, train: TrainConfig, epoch: int,
+                  skip_steps: int, steps_per_epoch: int) -> Iterator[list[Batch]]:
+    """A replica's optimizer steps of an epoch from step `skip_steps` on (epoch_steps over its shard_loader), the
+    epoch's crops and flips drawn first where the set augments: what the trainer trains on, and a start resumed on
+    any layout continues with."""
+    if hasattr(train_set, "set_epoch"):  # a named image set's data.augment draws new crops each epoch
+        train_set.set_epoch(epoch)
+    return epoch_steps(shard_loader(train_set, collate, replica, replicas, train, epoch), train.grad_accum,
+                       skip_steps, steps_per_epoch)
 
 
 class Trainer:
@@ -129,7 +148,8 @@ class Trainer:
         if dims.rank == 0:
             for name, text in self.sync.run_files().items():
                 (folder.path / name).write_text(text)
-        self.steps_per_epoch = len(self._loader(0)) // t.grad_accum
+        self.steps_per_epoch = len(shard_loader(self.train_set, self.collate, self.dims.coord("dp"),
+                                                self.dims.size("dp"), t, 0)) // t.grad_accum
         self.total_steps = t.epochs * self.steps_per_epoch
         if t.max_steps:
             self.total_steps = min(self.total_steps, t.max_steps)
@@ -176,18 +196,13 @@ class Trainer:
         if "comm" in state:
             self.sync.load_comm_state(state["comm"])
 
-    def _loader(self, epoch: int) -> Iterable[Batch]:
-        return partition_dataset(self.dims.coord("dp"), self.dims.size("dp"), self.train_set, self.micro_batch,
-                                 self.collate, seed=self.cfg.train.seed, epoch=epoch)
-
     def batches(self, epoch: int, skip_steps: int) -> Iterator[list[Batch]]:
         """The epoch's optimizer steps, each a list of grad_accum micro-batches; resumed steps are skipped. On a GPU
         each step's batches are pinned and their copies to the device queued (non-blocking) one step ahead: the
         host never waits for a copy, and the next step's inputs are on their way while this step computes."""
-        accum, device = self.cfg.train.grad_accum, self.dims.device
-        if hasattr(self.train_set, "set_epoch"):  # a named image set's data.augment draws new crops each epoch
-            self.train_set.set_epoch(epoch)
-        steps = epoch_steps(self._loader(epoch), accum, skip_steps, self.steps_per_epoch)
+        device = self.dims.device
+        steps = replica_steps(self.train_set, self.collate, self.dims.coord("dp"), self.dims.size("dp"),
+                              self.cfg.train, epoch, skip_steps, self.steps_per_epoch)
         if device.type != "cuda":
             yield from steps
             return

@@ -225,6 +225,35 @@ def test_a_layout_edited_into_config_yaml_is_no_reshape(tmp_path):
                                      "move the old folder away to start over", offer=RESHAPE)
 
 
+def test_a_resubmission_on_fewer_gpus_takes_that_shape_and_without_reshape_is_refused(tmp_path, capsys):
+    """`gptpar submit dp RUN/config.yaml --gpus 1` of a dp=2 run: the dp config.yaml recorded is the last shape's, so
+    the new shape sets it again; without --reshape the change of layout is refused, offering --reshape."""
+    folder = trained(tmp_path, "parallel.dp=2", "launch.gpus=2")
+    path = str(folder.config_path)
+    assert gptpar_main(["submit", "dp", path, "--gpus", "1", "--dry-run"]) == 0
+    assert "#SBATCH --ntasks-per-node=1\n" in capsys.readouterr().out
+    assert gptpar_main(["submit", "dp", path, "--gpus", "1", "launch.cluster=local"]) == 2
+    assert capsys.readouterr().err == "gptpar: error: " + refusal(
+        folder.path, "holds a different config", "launch.gpus: 2 -> 1; parallel.dp: 2 -> 1",
+        "move the old folder away to start over", offer=RESHAPE) + "\n"
+
+
+def test_the_ranks_of_a_job_given_reshape_take_its_layout(tmp_path):
+    """`srun gptpar train RUN/config.yaml --reshape parallel.dp=1` (jobs/dp.sbatch with RESHAPE=1): no submitter
+    plans the start, so rank 0 takes the layout and records it, and a requeue of the same job starts on it again."""
+    folder = trained(tmp_path, "parallel.dp=2")
+    cfg = resolve_config(str(folder.config_path), ["parallel.dp=1"], user=False)[0]
+    with ExitStack() as stack, pytest.raises(GptparError) as exc:
+        claim_run_folder(cfg, cfg, RANK0, share, stack)
+    assert str(exc.value) == refusal(folder.path, "holds a different config", "parallel.dp: 2 -> 1",
+                                     "move the old folder away to start over", offer=RESHAPE)
+    with ExitStack() as stack:
+        assert claim_run_folder(cfg, cfg, RANK0, share, stack, reshape=True)[0] == folder
+    assert folder.read_config()["parallel"]["dp"] == 1 and folder.read_reshape() is not None
+    with ExitStack() as stack:
+        assert claim_run_folder(cfg, cfg, RANK0, share, stack)[0] == folder
+
+
 def test_reshape_refuses_another_global_batch_and_says_how_to_start_from_the_weights(tmp_path):
     folder = trained(tmp_path, "parallel.dp=2")
     with pytest.raises(GptparError) as exc:
@@ -288,7 +317,8 @@ def test_a_moved_run_resumes_where_it_now_is(stopped, tmp_path, data_dir):
 @pytest.mark.slow
 def test_gptpar_train_reshape_continues_a_stopped_run_on_two_ranks(stopped, tmp_path, data_dir):
     """The whole path of issue 51: refused without --reshape (offering it), then continued on dp=2 local ranks
-    from the step after the stop, every step once, and `gptpar status` notes the new layout."""
+    from the step after the stop, every step once; `gptpar status` notes the new layout and lists each layout's
+    segment, and the report tabulates them."""
     run = own_copy(stopped, tmp_path / "runs")
     step = stop_step(run)
     refused = _gptpar(data_dir, "train", str(run / "config.yaml"), "parallel.dp=2")
@@ -300,6 +330,11 @@ def test_gptpar_train_reshape_continues_a_stopped_run_on_two_ranks(stopped, tmp_
     assert [h["restart"] for h in second.headers] == [0] and min(second.steps) == step + 1
     status = _gptpar(data_dir, "status", str(run.parent))
     assert "note: it continued on another layout (restart 1: parallel.dp: 1 -> 2)" in status.stdout, status.stdout
+    segments = [f"steps 1-{step} on 1 rank", f"steps {step + 1}-{STEPS} on dp=2 (bucketed)"]
+    assert [line.split(": ")[1] for line in status.stdout.splitlines() if line.startswith("    segment: ")] == segments
+    table = report(run.parent, tmp_path / "figures").summary_md.read_text().split("(segments)\n")[1]
+    assert [" | ".join(row.split(" | ")[1:3]) for row in table.splitlines() if row.startswith("| a |")] == [
+        f"1 rank | 1-{step}", f"dp=2 (bucketed) | {step + 1}-{STEPS}"]
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def no_trainer(monkeypatch: pytest.MonkeyPatch):
     and the signal handlers the CLI installs are put back afterwards."""
     calls: list = []
     fake = types.ModuleType("gptpar.train.entry")
-    fake.run_rank = lambda cfg: calls.append(cfg) or {"status": "completed"}
+    fake.run_rank = lambda cfg, reshape=False: calls.append(cfg) or {"status": "completed"}
     monkeypatch.setitem(sys.modules, "gptpar.train.entry", fake)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)}
     yield calls
@@ -300,7 +300,7 @@ def test_start_over_never_moves_a_run_whose_ranks_are_starting(tmp_path, capsys,
         except GptparError as exc:
             refusals[f"{when} {lr}"] = one_line(exc)
 
-    def starting_rank(cfg) -> dict:
+    def starting_rank(cfg, reshape: bool = False) -> dict:
         for lr in ("0.1", "0.0006"):  # another config, and the same one
             attempt(start_over, "starting", lr)
         with contextlib.ExitStack() as stack:  # rank 0 claims the folder: it takes over its launcher's lock

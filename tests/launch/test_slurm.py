@@ -457,6 +457,101 @@ def test_several_ranks_from_a_one_task_step_as_in_an_interactive_session(work: P
     assert [h["launcher"] for h in headers] == ["local", "local"]  # spawned here, not SLURM tasks
 
 
+RESHAPE_STEPS = 60  # one epoch of TINY's corpus; a cancel sent at the first step lands well before the last
+# Measured against one uninterrupted rank: rel 1.1e-7 at most for dp=2 -> 1 rank (sbatch, plain), 2.3e-7 for 1 rank
+# -> zero2 dp=2 (submitit).
+RESHAPE_REL = 1e-6
+# launcher: (its first start's words, the --reshape's, each start's (dp, dp_sync) and layout as status shows it);
+# plain: jobs/dp.sbatch, sbatch's words, continued by RESHAPE=1 (the ranks' --reshape).
+RESHAPES = {"sbatch": (["--gpus", "2"], ["--gpus", "1"],
+                       [(2, "bucketed", "dp=2 (bucketed)"), (1, "bucketed", "1 rank")]),
+            "submitit": (["--gpus", "1", SUBMITIT], ["--gpus", "2", "parallel.dp_sync=zero2"],
+                         [(1, "bucketed", "1 rank"), (2, "zero2", "dp=2 (zero2)")]),
+            "plain": (["--ntasks-per-node=2", "--gpus=2"], ["--ntasks-per-node=1", "--gpus=1"],
+                      [(2, "bucketed", "dp=2 (bucketed)"), (1, "bucketed", "1 rank")])}
+
+
+def _start_reshaped(work: Path, common: list[str]) -> dict[str, tuple[Path, str]]:
+    """Each RESHAPES job's first start: {launcher: (its run folder, its job id)}."""
+    runs, started = work / "runs", {}
+    for name in ("sbatch", "submitit"):
+        _run([GPTPAR, "submit", "dp", *RESHAPES[name][0], *common, f"log.run_id={name}"], work)
+        started[name] = runs / name, read_job_record(runs / name)["job_id"]
+    (work / "jobs" / "logs").mkdir(parents=True)  # where the plain script's own output goes, as in a checkout
+    env = {**clean_env(), "VENV": str(REPO / ".venv"), "RUNS": str(runs),
+           "OVERRIDES": " ".join(w for w in command_words(common) if not w.startswith("log."))}
+    job = _run(["sbatch", "--parsable", "--cpus-per-task=1", *RESHAPES["plain"][0], str(REPO / "jobs" / "dp.sbatch")],
+               work, env).strip()
+    return {**started, "plain": (runs / f"dp-{job}", job)}
+
+
+def _continue_reshaped(work: Path, name: str, run: Path) -> None:
+    """A stopped RESHAPES job submitted again, on its other layout."""
+    if name == "plain":
+        env = {**clean_env(), "VENV": str(REPO / ".venv"), "RESHAPE": "1"}
+        _run(["sbatch", "--parsable", "--cpus-per-task=1", *RESHAPES[name][1], str(REPO / "jobs" / "dp.sbatch"),
+              str(run)], work, env)
+    else:
+        _run([GPTPAR, "submit", "dp", str(run / "config.yaml"), "--reshape", *RESHAPES[name][1]], work)
+
+
+@pytest.fixture(scope="module")
+def reshaped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Its own jobs, submitted when its tests come (not up front: they must still be training when cancelled): one
+    uninterrupted rank, and a job of each launcher cancelled at its first step (it stops at a step boundary,
+    checkpointed), then submitted again with --reshape on the layout RESHAPES names; every run to its end. The run
+    folder of each."""
+    work = tmp_path_factory.mktemp("slurm-reshape", numbered=True)
+    common = [*TINY, f"log.runs_dir={work / 'runs'}", f"train.max_steps={RESHAPE_STEPS}", "parallel.dp_sync=bucketed"]
+    _run([GPTPAR, "submit", "dp", "--gpus", "1", *common, "log.run_id=uninterrupted"], work)
+    started = _start_reshaped(work, common)
+    deadline, training = time.monotonic() + 300, set(started)
+    while training:  # each cancelled as soon as it has stepped: SLURM's TERM, as `gptpar cancel` sends it
+        assert time.monotonic() < deadline, f"{training} never logged a step"
+        for name in [n for n in training if _stepped(started[n][0])]:
+            subprocess.run(["scancel", started[name][1]], check=True, env=clean_env())
+            training.remove(name)
+        time.sleep(0.1)
+    for name, (run, _) in started.items():
+        assert _wait(run) == "stopped"
+        _continue_reshaped(work, name, run)
+    folders = {"uninterrupted": work / "runs" / "uninterrupted", **{name: run for name, (run, _) in started.items()}}
+    for run in folders.values():
+        assert _wait(run) == "completed"
+    return folders
+
+
+def _stepped(run: Path) -> bool:
+    return any(r["kind"] == "step" for r in read_records(run / "rank0.jsonl"))
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["global_loss"] for r in read_records(run / "rank0.jsonl") if r["kind"] == "step"}
+
+
+@pytest.mark.parametrize("launcher", list(RESHAPES))
+def test_a_stopped_job_resumed_with_reshape_logs_the_uninterrupted_losses(reshaped: dict[str, Path],
+                                                                          launcher: str) -> None:
+    """The job's second start (another layout, the same launcher) continues from the step after the stop with the
+    losses of the run left uninterrupted; each start's header records its layout, and status shows the segments."""
+    run, layouts = reshaped[launcher], RESHAPES[launcher][2]
+    records = read_records(run / "rank0.jsonl")
+    headers = [r for r in records if r["kind"] == "header"]
+    finals = [r for r in records if r["kind"] == "final"]
+    stop = finals[0]["step"]
+    assert 0 < stop < RESHAPE_STEPS and [f["status"] for f in finals] == ["stopped", "completed"]
+    assert sorted(_losses(run)) == list(range(1, RESHAPE_STEPS + 1))  # each step once
+    assert min(r["step"] for r in records if r["kind"] == "step" and r["time"] > headers[1]["time"]) == stop + 1
+    expected = _losses(reshaped["uninterrupted"])
+    assert [_losses(run)[s] for s in sorted(expected)] == pytest.approx([expected[s] for s in sorted(expected)],
+                                                                        rel=RESHAPE_REL)
+    assert [(h["sizes"]["dp"], h["config"]["parallel"]["dp_sync"]) for h in headers] == [shown[:2] for shown in layouts]
+    assert read_job_record(run).get("backend") == {"sbatch": "slurm", "submitit": "submitit"}.get(launcher)
+    status = _run([GPTPAR, "status", str(run.parent)], run.parent)
+    assert (f"    segment: steps 1-{stop} on {layouts[0][2]}: " in status
+            and f"    segment: steps {stop + 1}-{RESHAPE_STEPS} on {layouts[1][2]}: " in status), status
+
+
 def test_no_stray_jobs_left(work: Path) -> None:
     if shutil.which("squeue") is None:
         pytest.skip("no squeue")

@@ -68,6 +68,8 @@ OTHER_DICTS = {
                                    "train", "checkpoint_every", "summary", "stuck", "where"},  # and the hang field
     "gptpar/run/stragglers.py": GRID | {"report", "straggler_ratio"},  # a header's coords, the config's key
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
+    # the layout a header's config ran: its parallel and train sections' keys
+    "gptpar/run/segments.py": GRID | {"ep", "parallel", "train", "grad_accum", "pp_schedule", "dp_sync"},
 }
 
 
