@@ -1,6 +1,6 @@
 """Context parallelism through the trainer's own step on the shared gloo pool: cp=2 with each implementation (GPT-2
 and Llama; the ring under block recompute too), dp=2 x cp=2, cp=2 x tp=2 (ours, with and without sequence
-parallelism) and cp=2 x pp=2 (1f1b and interleaved) train like one process on the same global batch (losses,
+parallelism) and cp=2 x pp=2 (1f1b, interleaved and zb1p) train like one process on the same global batch (losses,
 validation loss, every parameter), and the step's point-to-point and all-to-all bytes are their closed forms (on a
 tensor-parallel rank's heads, for the layers a pipeline rank holds)."""
 
@@ -41,7 +41,8 @@ COMPOSED = [("cp2-tp2", ["parallel.cp=2", "parallel.tp=2"]),
             ("cp2-tp2-sp-ulysses-llama", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *SP, *LLAMA, *GQA]),
             ("cp2-pp2-ring-qwen2", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", *QWEN2]),
             ("cp2-pp2-ulysses", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.cp_impl=all_to_all",
-                                 "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"])]
+                                 "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"]),
+            ("cp2-pp2-zb1p", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p"])]
 LAYERS, ROWS, SEQ, HEADS, WIDTH, FP32 = 4, 8, 16, 2, 32, 4  # BASE's model and batch
 
 
