@@ -2,7 +2,9 @@
 attention's activations fall as 1/cp. Everything outside attention is per token and runs on the shard as it is;
 attention is the one place the shards meet, through an attention function transformers calls by name
 (`ATTENTION`, registered with its AttentionInterface) that finds this rank's `ContextParallel` on the attention
-module itself (thread ranks of one process share the registry, not the modules).
+module itself (thread ranks of one process share the registry, not the modules). Tensor parallelism's attention asks
+for it the same way (`active`) and runs the exchange on its own heads; the pieces that tensor and pipeline parallelism
+run take token ids only, and their position table or rotary module asks it for the shard's positions (`positions`).
 
 The shard of rank r is `shard_positions`: the sequence in 2 * cp chunks, chunks r and 2 * cp - 1 - r, so that under
 the causal mask every rank has an equal share of the work (an early chunk sees few keys, its mirror many). Each
