@@ -205,8 +205,8 @@ def check_context_parallel(cfg: Config) -> None:
                           "use one of them, or parallel.cp=1")
     if p.tp > 1 and p.tp_impl != "gptpar":  # torch's attention and DTensor gradients do not meet the cp group
         raise ConfigError(f"{cp} composes with parallel.tp_impl=gptpar only, not parallel.tp_impl={p.tp_impl} (its "
-                          "attention does not run the cp group's ring or all-to-all); use parallel.tp_impl=gptpar, "
-                          "or parallel.cp=1")
+                          "DTensor gradients are averaged by fsdp2 over the dp mesh alone, and its attention does not "
+                          "run the cp exchange); use parallel.tp_impl=gptpar, or parallel.cp=1")
     layout = [f"parallel.ep={p.ep}"] if p.ep > 1 else []  # tp (ours) and pp compose: their pieces ask the cp group
     layout += [f"parallel.pp_mode={p.pp_mode}"] if p.pp_mode != "single" else []
     layout += [f"data.task={cfg.data.task}"] if cfg.data.task != "lm" else []

@@ -101,8 +101,9 @@ BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
                                           "parallel.ep to 1, parallel.pp_mode=single, data.task=lm and "
                                           "data.packing=false, or parallel.cp=1"),
     (["parallel.tp=2", "parallel.tp_impl=torch"], "parallel.cp=2 composes with parallel.tp_impl=gptpar only, not "
-                                                  "parallel.tp_impl=torch (its attention does not run the cp group's "
-                                                  "ring or all-to-all); use parallel.tp_impl=gptpar, or parallel.cp=1"),
+                                                  "parallel.tp_impl=torch (its DTensor gradients are averaged by fsdp2 "
+                                                  "over the dp mesh alone, and its attention does not run the cp "
+                                                  "exchange); use parallel.tp_impl=gptpar, or parallel.cp=1"),
     (["parallel.tp=4", "parallel.cp_impl=all_to_all"], "parallel.cp_impl=all_to_all trades each rank's model.n_head / "
                                                        "parallel.tp = 1 heads over parallel.cp=2, which do not divide; "
                                                        "use model.n_head a multiple of 8, or parallel.cp_impl=ring"),
