@@ -13,6 +13,7 @@ import torch
 from gloo_pool import GlooPools
 from rank_training import (
     STEPS,
+    assert_resumed_bitwise,
     assert_trains_like_one_process,
     make_config,
     make_trainer,
@@ -43,6 +44,7 @@ COMPOSED = [("cp2-tp2", ["parallel.cp=2", "parallel.tp=2"]),
             ("cp2-pp2-ulysses", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.cp_impl=all_to_all",
                                  "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"]),
             ("cp2-pp2-zb1p", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p"])]
+RESUMED = {2: ["ring"], 4: ["cp2-tp2-sp", "cp2-pp2-ring-qwen2"]}  # by world size: runs resumed from a checkpoint
 LAYERS, ROWS, SEQ, HEADS, WIDTH, FP32 = 4, 8, 16, 2, 32, 4  # BASE's model and batch
 
 
@@ -58,9 +60,9 @@ def _train(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]]) -> No
         record = {"losses": losses, "params": named_params(trainer), "coords": dict(trainer.dims.coords),
                   "val": trainer.evaluate(), "sent": sent}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
-    if info.world_size == 2:  # a step, a checkpoint, a new trainer, a step
-        resumed = resumed_run(make_config(dict(CASES)["ring"], runs, "resumed-ring"), info)
-        torch.save(resumed, runs / f"resumed-ring.rank{info.rank}.pt")
+    for name in RESUMED[info.world_size]:  # a step, a checkpoint, a new trainer, a step
+        resumed = resumed_run(make_config(dict(CASES + COMPOSED)[name], runs, f"resumed-{name}"), info)
+        torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +104,8 @@ def test_the_step_sends_the_closed_form_of_its_exchanges(results: Path, name: st
 
 
 @pytest.mark.slow
-def test_a_resumed_cp_run_continues_bitwise(results: Path) -> None:
-    """Each cp rank's checkpoint loaded back continues as the run that never stopped: its loss and parameters."""
-    for straight, resumed in zip(saved_ranks(results, "ring"), saved_ranks(results, "resumed-ring"), strict=True):
-        assert resumed["losses"] == [straight["losses"][1]]
-        assert all(torch.equal(straight["params"][p], resumed["params"][p]) for p in straight["params"])
+@pytest.mark.parametrize("name", [name for names in RESUMED.values() for name in names])
+def test_a_resumed_cp_run_continues_bitwise(results: Path, name: str) -> None:
+    """Each rank's checkpoint (cp ranks holding the same tensor-parallel pieces or pipeline stage) loaded back
+    continues as the run that never stopped: its loss and parameters."""
+    assert_resumed_bitwise(results, name)
