@@ -60,7 +60,7 @@ def _train(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]]) -> No
         record = {"losses": losses, "params": named_params(trainer), "coords": dict(trainer.dims.coords),
                   "val": trainer.evaluate(), "sent": sent}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
-    for name in RESUMED[info.world_size]:  # a step, a checkpoint, a new trainer, a step
+    for name in RESUMED.get(info.world_size, []):  # a step, a checkpoint, a new trainer, a step
         resumed = resumed_run(make_config(dict(CASES + COMPOSED)[name], runs, f"resumed-{name}"), info)
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
 
