@@ -37,7 +37,7 @@ CASES = [("ring", ["parallel.cp=2"]), ("ulysses-llama", ["parallel.cp=2", "paral
 GQA = ["model.n_head=4", "model.n_kv_head=2"]  # all_to_all under tp=2 trades 4 / 2 = 2 heads per rank over cp=2
 QWEN2 = ["model.preset=qwen2-tiny", "model.n_layer=4", "model.n_embd=32", *GQA]
 SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-COMPOSED = [("cp2-tp2", ["parallel.cp=2", "parallel.tp=2"]),
+COMPOSED = [("cp2-tp2", ["parallel.cp=2", "parallel.tp=2", "parallel.loss_parallel=true"]),  # loss on vocab shards
             ("cp2-tp2-sp", ["parallel.cp=2", *SP]),
             ("cp2-tp2-sp-ulysses-llama", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *SP, *LLAMA, *GQA]),
             ("cp2-pp2-ring-qwen2", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", *QWEN2]),
