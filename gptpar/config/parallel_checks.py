@@ -193,8 +193,9 @@ CP_SYNCS = ("bucketed", "ddp", "naive")  # the syncs that average whole gradient
 
 
 def check_context_parallel(cfg: Config) -> None:
-    """parallel.cp against what it is built with (data parallelism of whole gradients, GPT-2 and Llama, next-token
-    blocks) and the sequence and heads its implementation splits."""
+    """parallel.cp against what it is built with (data parallelism of whole gradients, our tensor parallelism, the
+    multi-process pipeline, GPT-2 and the Llama family, next-token blocks) and the sequence and heads its
+    implementation splits (a tensor-parallel rank's heads; with sequence parallelism each shard split again)."""
     p, shape, cp = cfg.parallel, cfg.model.shape(), f"parallel.cp={cfg.parallel.cp}"
     if p.cp == 1:
         return
@@ -202,13 +203,17 @@ def check_context_parallel(cfg: Config) -> None:
         kind = f"{shape.arch} with experts" if shape.moe else shape.arch
         raise ConfigError(f"{cp} is built for model.arch={either(list(CP_ARCHS))} without experts, not {kind}; "
                           "use one of them, or parallel.cp=1")
-    layout = [f"parallel.{key}={value}" for key, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)) if value > 1]
+    if p.tp > 1 and p.tp_impl != "gptpar":  # torch's attention and DTensor gradients do not meet the cp group
+        raise ConfigError(f"{cp} composes with parallel.tp_impl=gptpar only, not parallel.tp_impl={p.tp_impl} (its "
+                          "DTensor gradients are averaged by fsdp2 over the dp mesh alone, and its attention does not "
+                          "run the cp exchange); use parallel.tp_impl=gptpar, or parallel.cp=1")
+    layout = [f"parallel.ep={p.ep}"] if p.ep > 1 else []  # tp (ours) and pp compose: their pieces ask the cp group
     layout += [f"parallel.pp_mode={p.pp_mode}"] if p.pp_mode != "single" else []
     layout += [f"data.task={cfg.data.task}"] if cfg.data.task != "lm" else []
     layout += ["data.packing=true"] if cfg.data.packing else []
     if layout:
-        raise ConfigError(f"{cp} composes with data parallelism on data.task=lm only, not with {either(layout, 'and')}"
-                          "; set parallel.pp, tp and ep to 1, parallel.pp_mode=single, data.task=lm and "
+        raise ConfigError(f"{cp} composes with data, tensor and pipeline parallelism on data.task=lm only, not with "
+                          f"{either(layout, 'and')}; set parallel.ep to 1, parallel.pp_mode=single, data.task=lm and "
                           "data.packing=false, or parallel.cp=1")
     if p.dp_sync not in CP_SYNCS:
         raise ConfigError(f"{cp} averages whole gradients over dp * cp ranks, which parallel.dp_sync={p.dp_sync} is "
@@ -221,6 +226,13 @@ def check_context_parallel(cfg: Config) -> None:
         key, value = ("data.seq_len", seq_len) if seq_len % p.cp else ("model.n_head", shape.n_head)
         raise ConfigError(f"parallel.cp_impl=all_to_all needs {key}={value} divisible by {cp}; use a multiple of "
                           f"{p.cp}, or parallel.cp_impl=ring")
+    if p.cp_impl == "all_to_all" and (shape.n_head // p.tp) % p.cp:  # it trades a tensor-parallel rank's heads
+        raise ConfigError(f"parallel.cp_impl=all_to_all trades each rank's model.n_head / parallel.tp = "
+                          f"{shape.n_head // p.tp} heads over {cp}, which do not divide; use model.n_head a multiple "
+                          f"of {p.tp * p.cp}, or parallel.cp_impl=ring")
+    if p.tp > 1 and p.sequence_parallel and seq_len % (p.cp * p.tp):
+        raise ConfigError(f"parallel.sequence_parallel=true splits each of {cp}'s shards of data.seq_len={seq_len} "
+                          f"into parallel.tp={p.tp}; use a seq_len that is a multiple of {p.cp * p.tp}")
 
 
 # In the order `validate` calls them.

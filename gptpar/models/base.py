@@ -29,6 +29,14 @@ def packed_attention(positions: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
+def position_ids(module: nn.Module, length: int, device: torch.device) -> torch.Tensor:
+    """The position ids of the `length` tokens `module` runs (a pipeline piece's position table or rotary module):
+    0..length - 1, or the global positions of this rank's shard where context parallelism attached itself to the
+    model's modules as `context_parallel` (gptpar.parallel.context_parallel), which the pieces never see as a batch."""
+    split = getattr(module, "context_parallel", None)
+    return split.positions(length, device) if split is not None else torch.arange(length, device=device)
+
+
 def find_model(module: nn.Module) -> PreTrainedModel:
     """The transformers model inside whatever wraps it (a pipeline's one-process wrapper, FSDP, DDP)."""
     found = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)

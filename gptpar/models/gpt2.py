@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from gptpar.models.base import Architecture
+from gptpar.models.base import Architecture, position_ids
 from gptpar.presets import ModelShape
 
 # Attention implementations that apply the causal mask themselves when given no mask.
@@ -38,7 +38,7 @@ class Embedding(nn.Module):
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.size(1), device=input_ids.device)
+        positions = position_ids(self.wpe, input_ids.size(1), input_ids.device)
         return self.drop(self.wte(input_ids) + self.wpe(positions))
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig, Qwen2Config, Qwen2ForCausalLM
 
-from gptpar.models.base import Architecture
+from gptpar.models.base import Architecture, position_ids
 from gptpar.models.gpt2 import Head
 from gptpar.presets import ModelShape
 
@@ -36,9 +36,10 @@ class TokenEmbedding(nn.Module):
 
 
 def rotary_tables(rotary: nn.Module, hidden: torch.Tensor, shards: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of positions 0..T-1 for `hidden` (batch, T / shards, width): a sequence-parallel layer sees one of
-    `shards` pieces of the sequence and attends over all of it, as the decoder body computes them."""
-    positions = torch.arange(hidden.size(1) * shards, device=hidden.device)[None]
+    """cos and sin of the T positions of `hidden` (batch, T / shards, width): a sequence-parallel layer sees one of
+    `shards` pieces of the sequence and attends over all of it, as the decoder body computes them (positions
+    0..T-1, or a context-parallel shard's: `position_ids`)."""
+    positions = position_ids(rotary, hidden.size(1) * shards, hidden.device)[None]
     return rotary(hidden, positions)
 
 

@@ -2,7 +2,9 @@
 attention's activations fall as 1/cp. Everything outside attention is per token and runs on the shard as it is;
 attention is the one place the shards meet, through an attention function transformers calls by name
 (`ATTENTION`, registered with its AttentionInterface) that finds this rank's `ContextParallel` on the attention
-module itself (thread ranks of one process share the registry, not the modules).
+module itself (thread ranks of one process share the registry, not the modules). Tensor parallelism's attention asks
+for it the same way (`active`) and runs the exchange on its own heads; the pieces that tensor and pipeline parallelism
+run take token ids only, and their position table or rotary module asks it for the shard's positions (`positions`).
 
 The shard of rank r is `shard_positions`: the sequence in 2 * cp chunks, chunks r and 2 * cp - 1 - r, so that under
 the causal mask every rank has an equal share of the work (an early chunk sees few keys, its mirror many). Each
@@ -62,12 +64,13 @@ class ContextParallel:
         self.count_saved, self.saved, self.saved_bytes = count_saved, None, None
 
     def attach(self, model: nn.Module) -> None:
-        """Route `model`'s attention through `ATTENTION`, each attention module knowing this rank's cp group."""
+        """Route `model`'s attention through `ATTENTION`, every module knowing this rank's cp group: transformers'
+        attention modules and tensor parallelism's (`active`), and the position table or rotary module a pipeline
+        piece asks for its positions (gptpar.models.base.position_ids)."""
         AttentionInterface.register(ATTENTION, attention)
         model.config._attn_implementation = ATTENTION
         for module in model.modules():
-            if hasattr(module, "is_causal") and hasattr(module, "config"):  # transformers' attention modules
-                module.context_parallel = self
+            module.context_parallel = self
 
     @contextlib.contextmanager
     def sharded(self) -> Iterator[None]:
@@ -80,11 +83,19 @@ class ContextParallel:
             if self.saved is not None:
                 self.saved_bytes, self.saved = self.saved.total, None
 
-    def shard(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(inputs, labels) of whole rows as this rank's (inputs, labels, position ids)."""
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """The global positions of `length` tokens of this rank's shard inside `sharded`, else 0..length - 1."""
+        if not self.active:
+            return torch.arange(length, device=device)
+        return shard_positions(length * self.size, self.size, self.rank).to(device)
+
+    def shard(self, batch: tuple[torch.Tensor, ...], with_positions: bool = True) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels) of whole rows as this rank's (inputs, labels, position ids); without the position ids
+        for a model run as pieces (tensor or pipeline parallelism), which ask `positions` themselves."""
         inputs, labels = batch[0], batch[1]
         positions = shard_positions(inputs.size(1), self.size, self.rank).to(inputs.device)
-        return inputs[:, positions], labels[:, positions], positions.expand(inputs.size(0), -1)
+        ids = (positions.expand(inputs.size(0), -1),) if with_positions else ()
+        return inputs[:, positions], labels[:, positions], *ids
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int,
                scale: float) -> torch.Tensor:
@@ -236,13 +247,20 @@ class _Exchange(torch.autograd.Function):
         return ctx.cp.exchange(grad), None
 
 
+def active(module: nn.Module) -> ContextParallel | None:
+    """The ContextParallel attached to `module` while it shards (the training forward), else None: tensor
+    parallelism's attention (on this rank's heads) asks it, as transformers' modules do through `attention`."""
+    cp: ContextParallel | None = getattr(module, "context_parallel", None)
+    return cp if cp is not None and cp.active else None
+
+
 def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               **kwargs: object) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: this rank's shard through its module's ContextParallel inside
     `sharded`, else plain sdpa (whole sequences: evaluation, decoding)."""
-    cp: ContextParallel | None = getattr(module, "context_parallel", None)
-    if cp is None or not cp.active:
+    cp = active(module)
+    if cp is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if kwargs.get("sliding_window"):

@@ -261,14 +261,14 @@ class Trainer:
         micro-step's backward, a pipeline's only in finish(), after the last micro-batch's backward on each stage."""
         precision = self.precision
         if self.pipeline:
-            with self.sync.accumulating(is_last_micro_step=False), record_function("forward_backward"):
-                return torch.tensor(self.net.train_step(micro_batches, precision.loss_scale, precision.autocast,
-                                                        self._chunk_weight(micro_batches)), dtype=torch.float64)
+            with self.sync.accumulating(is_last_micro_step=False), record_function("forward_backward"), \
+                    self._sharded():
+                return torch.tensor(self.net.train_step(self._shards(micro_batches), precision.loss_scale,
+                                                        precision.autocast, self._chunk_weight(micro_batches)),
+                                    dtype=torch.float64)
         losses, divisors = [], self._loss_divisors(micro_batches)
-        for i, batch in enumerate(micro_batches):
+        for i, batch in enumerate(self._shards(micro_batches)):
             RECORDER.micro_step = i
-            if self.context is not None:  # this rank's share of each row, with its global position ids
-                batch = self.context.shard(batch)
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context(), \
                     self._sharded():
                 with record_function("forward"), precision.autocast():
@@ -288,6 +288,14 @@ class Trainer:
         """The positions a micro-batch runs (its step record's tokens): every token id, translation's padding too,
         or an image's patches and class token."""
         return inputs.size(0) * example_width(self.cfg) if self.classes else inputs.numel()
+
+    def _shards(self, micro_batches: list[Batch]) -> list[Batch]:
+        """This rank's share of each row under context parallelism: with its global position ids for the whole model;
+        a model run as pieces (tensor or pipeline parallelism) asks the ContextParallel for them."""
+        if self.context is None:
+            return micro_batches
+        pieces = self.pipeline or self.tp_group is not None
+        return [self.context.shard(batch, with_positions=not pieces) for batch in micro_batches]
 
     def _sharded(self) -> AbstractContextManager[None]:
         """Where attention meets the other cp ranks' shards: the training forward (and its backward's ring)."""

@@ -1,7 +1,8 @@
 """Context parallelism (parallel.cp): the load-balanced split as a known answer, and on two ranks as threads of the
 test process (real gloo, fast tier) a tiny GPT-2's, Llama's and Qwen2's loss and gradients, each rank holding its
 shard of every row, equal to one process's with both implementations; what attention saves for backward on 1, 2 and 4
-ranks, the closed form; each refused layout's one line."""
+ranks, the closed form; the architecture's pieces (what tensor and pipeline parallelism run) at the shard's global
+positions; each refused layout's one line."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gptpar.config import load_config
 from gptpar.errors import ConfigError, GptparError
 from gptpar.models.build import build_model
 from gptpar.parallel.context_parallel import ContextParallel, shard_positions
+from gptpar.parallel.tensor_parallel import tensor_parallel_forward
 from gptpar.strategies.context_parallel import AttentionShape, attention_bytes
 
 VOCAB, ROWS, SEQ = 64, 2, 16
@@ -93,13 +95,45 @@ def test_attention_saves_the_closed_form_falling_as_one_over_cp(preset: str, imp
     assert [(saved[cp][0] - index) * cp for cp in (2, 4)] == [saved[1][0] - index] * 2
 
 
+def _pieces_logits(preset: str, impl: str, rank: int) -> torch.Tensor:
+    """The logits of this rank's shard through the architecture's pieces (what tensor parallelism and each pipeline
+    stage run: token ids in, no position ids), which ask the ContextParallel for the shard's global positions."""
+    model = _model(preset)
+    context = ContextParallel(dist.group.WORLD, impl)
+    context.attach(model)
+    inputs, _ = context.shard(_rows(), with_positions=False)
+    with context.sharded(), torch.no_grad():
+        return tensor_parallel_forward(model, inputs)
+
+
+@pytest.mark.parametrize(("preset", "impl"), [("gpt2-tiny", "ring"), ("llama-tiny", "all_to_all"),
+                                              ("qwen2-tiny", "ring")])
+def test_the_pieces_run_the_shard_at_its_global_positions(preset: str, impl: str) -> None:
+    with torch.no_grad():
+        logits = _model(preset)(_rows()[0]).logits
+    for rank, shard in enumerate(run_threads(2, lambda rank: _pieces_logits(preset, impl, rank))):
+        # measured at most 3.9e-7 (GPT-2 with the ring; logits up to 1.8)
+        torch.testing.assert_close(shard, logits[:, shard_positions(SEQ, 2, rank)], rtol=0, atol=1.2e-6)
+
+
 BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["parallel.tp=2"], "parallel.cp=2 composes with data parallelism on data.task=lm only, not with "
-                        "parallel.tp=2; set parallel.pp, tp and ep to 1, parallel.pp_mode=single, data.task=lm and "
-                        "data.packing=false, or parallel.cp=1"),
+    (["parallel.pp_mode=model_parallel"], "parallel.cp=2 composes with data, tensor and pipeline parallelism on "
+                                          "data.task=lm only, not with parallel.pp_mode=model_parallel; set "
+                                          "parallel.ep to 1, parallel.pp_mode=single, data.task=lm and "
+                                          "data.packing=false, or parallel.cp=1"),
+    (["parallel.tp=2", "parallel.tp_impl=torch"], "parallel.cp=2 composes with parallel.tp_impl=gptpar only, not "
+                                                  "parallel.tp_impl=torch (its DTensor gradients are averaged by fsdp2 "
+                                                  "over the dp mesh alone, and its attention does not run the cp "
+                                                  "exchange); use parallel.tp_impl=gptpar, or parallel.cp=1"),
+    (["parallel.tp=4", "parallel.cp_impl=all_to_all"], "parallel.cp_impl=all_to_all trades each rank's model.n_head / "
+                                                       "parallel.tp = 1 heads over parallel.cp=2, which do not divide; "
+                                                       "use model.n_head a multiple of 8, or parallel.cp_impl=ring"),
+    (["parallel.tp=4", "parallel.sequence_parallel=true", "data.seq_len=20"],
+     "parallel.sequence_parallel=true splits each of parallel.cp=2's shards of data.seq_len=20 into parallel.tp=4; use "
+     "a seq_len that is a multiple of 8"),
     (["parallel.dp_sync=fsdp", "parallel.dp=2"], "parallel.cp=2 averages whole gradients over dp * cp ranks, which "
                                                  "parallel.dp_sync=fsdp is not built for; use parallel.dp_sync="
                                                  "bucketed, ddp or naive"),

@@ -13,7 +13,8 @@ engine cuts the sharded model into stages exactly as it cuts a whole one:
                by all-gather (before a column-parallel layer) and reduce-scatter (after a row-parallel one).
 
 Attention runs causal scaled-dot-product attention on this rank's heads (no mask tensor), as transformers'
-sdpa path does for GPT-2 without padding.
+sdpa path does for GPT-2 without padding; under context parallelism (parallel.cp) its sequence shard meets the
+other cp ranks' through their ring or all-to-all, on this rank's heads.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import nn
 from transformers import GPT2LMHeadModel
 
 from gptpar.models.build import tokenizer_vocab
+from gptpar.parallel.context_parallel import active
 from gptpar.parallel.tensor_parallel.layers import (
     ColumnParallelConv1D,
     Dropout,
@@ -59,10 +61,13 @@ class TensorParallelAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.heads * self.head_dim, dim=2)
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        p = self.attn_p if self.training else 0.0
-        with sharded_rng(self.rank, q.device) if p else contextlib.nullcontext():  # this rank's heads: its own masks
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
+        if (cp := active(self)) is not None:  # the sequence split over the cp group: its ring or all-to-all
+            y = cp.attend(q, k, v, 1, self.head_dim ** -0.5)
+        else:
+            p = self.attn_p if self.training else 0.0
+            with sharded_rng(self.rank, q.device) if p else contextlib.nullcontext():  # this rank's heads: own masks
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
+        y = y.reshape(b, s, self.heads * self.head_dim)
         return dropout(self.c_proj(y), self.resid_p, self.training, self.resid_rank)
 
 

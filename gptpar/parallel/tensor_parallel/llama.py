@@ -9,7 +9,9 @@
                sequence parallelism on the rank's shard (its gradients summed over the group: mixture.py);
     token table and LM head: vocabulary-parallel (tied: one Parameter; untied: the head's own rows split the same way);
     sequence parallelism: RMSNorms on sequence shards, their weights' gradients summed over the group; the rotary
-               tables cover the whole sequence (`sequence_shards`), which q and k have after the all-gather.
+               tables cover the whole sequence (`sequence_shards`), which q and k have after the all-gather;
+    context parallelism: attention on this rank's heads meets the other cp ranks' sequence shards (their ring or
+               all-to-all) and the rotary tables are the shard's global positions.
 
 The block keeps the decoder layer's call (`hidden, attention_mask=None, position_embeddings=...`) so the
 architecture's pipeline pieces run a sharded model as they run a whole one.
@@ -27,6 +29,7 @@ from transformers import PreTrainedModel
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from gptpar.models.build import tokenizer_vocab
+from gptpar.parallel.context_parallel import active
 from gptpar.parallel.tensor_parallel.comm import copy_to_tp, gather_sequence, reduce_from_tp, reduce_scatter_sequence
 from gptpar.parallel.tensor_parallel.layers import (
     VocabParallelEmbedding,
@@ -104,11 +107,14 @@ class TensorParallelAttention(nn.Module):
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
-        p = self.dropout_p if self.training else 0.0
-        with sharded_rng(self.rank, q.device) if p else contextlib.nullcontext():  # this rank's heads: its own masks
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        if (cp := active(self)) is not None:  # the sequence split over the cp group: its ring or all-to-all
+            y = cp.attend(q, k, v, self.groups, self.head_dim ** -0.5)
+        else:
+            k, v = repeat_kv(k, self.groups), repeat_kv(v, self.groups)
+            p = self.dropout_p if self.training else 0.0
+            with sharded_rng(self.rank, q.device) if p else contextlib.nullcontext():  # this rank's heads: own masks
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True).transpose(1, 2)
+        return self.o_proj(y.reshape(b, s, self.heads * self.head_dim))
 
 
 class TensorParallelMLP(nn.Module):
