@@ -73,12 +73,14 @@ def test_the_memory_closed_form_shards_over_dp_x_cp(runs: Path) -> None:
 
 
 def test_the_summary_names_each_point_by_its_layout(runs: Path) -> None:
-    """The layout column in dp's place and the point names (the comparison figure's rows): dp, then cp with its
-    implementation, the keys the layout names (parallel.cp, cp_impl) not again."""
+    """The layout column in dp's place, the point names (the comparison figure's rows: dp, then cp with its
+    implementation, the keys the layout names, parallel.cp and cp_impl, not again) and the fastest point's layout
+    (every run reaches the target, the sweep's one loss, in its first 1 s step: the first point is the fastest)."""
     runs_, shown = run_table(runs, warmup_steps=0, now=LATER)
-    table = [line.split(" | ") for line in markdown(runs_, shown, runs, "none").splitlines()
-             if line.startswith(("| sweep |", "| cp |"))]
+    summary = markdown(runs_, shown, runs, "none")
+    table = [line.split(" | ") for line in summary.splitlines() if line.startswith(("| sweep |", "| cp |"))]
     assert [row[1:4] for row in table] == [["point", "runs", "layout"], ["dp1 cp2 ring", "1", "dp1 cp2 ring"],
                                           ["dp2", "1", "dp2"], ["dp2 cp2 all_to_all", "1", "dp2 cp2 all_to_all"]]
+    assert "Fastest to the target in cp: dp1 cp2 ring (2 ranks, dp1 cp2 ring), after 1.0 s" in summary  # all reach
     keys = point_keys(shown)
     assert [point_name(r, keys, file=True) for r in shown] == ["dp1_cp2_ring", "dp2", "dp2_cp2_all_to_all"]
