@@ -14,11 +14,13 @@ import torch
 from gloo_pool import GlooPools
 from rank_training import (
     STEPS,
+    assert_resumed_bitwise,
     assert_trains_like_one_process,
     make_config,
     make_trainer,
     named_params,
     reference_run,
+    resumed_run,
     saved_ranks,
     train_steps,
 )
@@ -60,6 +62,21 @@ def test_a_sharded_sync_with_cp_trains_like_one_process_and_holds_its_closed_for
         closed = closed_form_state_bytes(p.dp_sync, memory["params"], p.dp * p.cp, p.offload,
                                          zero_stage=p.zero_stage)
         assert sum(memory.get(part, 0) for part in STATE) == closed, name
+
+
+def _resume(info: RankInfo, runs: Path, name: str) -> None:
+    """The case's straight run and its resumed one (a step, a checkpoint, a new trainer, a step)."""
+    _train(info, runs, name)
+    resumed = resumed_run(make_config(CASES[name], runs, f"resumed-{name}"), info)
+    torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp-dp1-cp2", "fsdp2-dp1-cp2"])
+def test_a_sharded_cp_run_resumes_bitwise(name: str, tmp_path: Path, gloo_pool: GlooPools) -> None:
+    """Each rank's shard over dp x cp, saved and loaded back (our fsdp's pieces, fsdp2's DTensors)."""
+    gloo_pool.run(2, _resume, tmp_path, name)
+    assert_resumed_bitwise(tmp_path, name)
 
 
 def test_every_strategy_takes_cp() -> None:
