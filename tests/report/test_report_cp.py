@@ -12,7 +12,7 @@ from logsets import T0, Rank, config
 from analysis.figures import _memory_lines
 from analysis.grouping import point_keys, point_name
 from analysis.report import run_table
-from analysis.summary import markdown
+from analysis.summary import markdown, row
 from gptpar.run.folder import RunFolder
 from gptpar.run.rows import run_result
 
@@ -82,5 +82,7 @@ def test_the_summary_names_each_point_by_its_layout(runs: Path) -> None:
     assert [row[1:4] for row in table] == [["point", "runs", "layout"], ["dp1 cp2 ring", "1", "dp1 cp2 ring"],
                                           ["dp2", "1", "dp2"], ["dp2 cp2 all_to_all", "1", "dp2 cp2 all_to_all"]]
     assert "Fastest to the target in cp: dp1 cp2 ring (2 ranks, dp1 cp2 ring), after 1.0 s" in summary  # all reach
+    assert [(row(r)["cp"], row(r)["layout"]) for r in shown] == [(2, "dp1 cp2 ring"), (1, "dp2"),
+                                                                  (2, "dp2 cp2 all_to_all")]  # summary.csv's
     keys = point_keys(shown)
     assert [point_name(r, keys, file=True) for r in shown] == ["dp1_cp2_ring", "dp2", "dp2_cp2_all_to_all"]
