@@ -5,7 +5,8 @@ Definitions (they are repeated in the summary's footnotes):
   record counts only the steps after the restart) is timed from its step records instead, each step
   once (the latest segment's), and its tokens/s is the mean of those steps' tokens/s;
 - tokens/s: each data-parallel replica's tokens/s, summed over replicas; a replica's pipeline
-  stages are counted once (only the last stage is read);
+  stages are counted once (only the last stage is read), and so are its tensor- and context-parallel ranks, each
+  of which logs its replica's tokens (only the first is read): every token of the job once;
 - job tokens/s: all kept tokens of all replicas over the slowest rank's summed step time;
 - bubble: the logged idle share of the kept steps, per step the mean over the replicas (one-process
   pipelines) or over every stage rank (the multi-process engine, parallel.pp > 1: each stage idles its
@@ -17,10 +18,10 @@ Definitions (they are repeated in the summary's footnotes):
   first appeared, and left out of the curves;
 - memory: each rank's latest `memory` record (bytes of its live parameters, gradients and optimizer
   state), mean and max over ranks, against the closed form of fp32 AdamW state for the run's
-  data-parallel strategy and the rank's own parameter count; a rank off it by more than 1% + 4 KiB
-  (the padding of sharded buffers) is flagged. fsdp's optional `gathered_peak_bytes` (unsharded parameters
-  and gradients held at once during a step, transient) is carried beside it, outside the closed form; its optional
-  `hpz_bytes` (parallel.hpz's secondary copy, held all step) is inside the total, and its closed form N·b/L
+  data-parallel strategy (over its W = dp x cp ranks) and the rank's own parameter count; a rank off it by more
+  than 1% + 4 KiB (the padding of sharded buffers) is flagged. fsdp's optional `gathered_peak_bytes` (unsharded
+  parameters and gradients held at once during a step, transient) is carried beside it, outside the closed form; its
+  optional `hpz_bytes` (parallel.hpz's secondary copy, held all step) is inside the total, and its closed form N·b/L
   (strategies.data_parallel.hpz_bytes: b by parallel.param_comm, L the logged `hpz_node_size`, else a nonzero
   parallel.hpz_node_size) inside the run's; a run whose L is unknown has no closed form; under parallel.offload its
   `host_bytes` (the state on the host) is inside the total, and the closed form is the row's for that offload;
@@ -63,6 +64,9 @@ from gptpar.strategies.pipeline import Action, Timeline, closed_form_bubble
 
 ACCURACY_KEYS = names(EvalRecord, "accuracy", "accuracy_top5")  # the eval record's scores (data.task=classify)
 TOP_LEVEL = "top-level"  # the sweep of the runs that are not in a sweep folder
+LAYOUT_DIMS = ("dp", "cp", "tp", "ep")  # the grid sizes a layout names, in the grid's order (pp: pp_mode's)
+# The config keys a layout string names (the grid's sizes beyond dp and pp, and cp's implementation)
+LAYOUT_KEYS = ("parallel.cp", "parallel.cp_impl", "parallel.tp", "parallel.ep")
 GPU_KEYS = ("parallel.dp", "parallel.pp", "parallel.devices", "launch.gpus", "launch.nodes")
 PIPELINE_KEYS = ("parallel.pp_mode", "parallel.chunks", "parallel.pp_schedule", "parallel.pp_virtual")
 # Keys that do not change what a run measures per step: how long it trains, how often and how much it evaluates
@@ -106,10 +110,10 @@ class MemoryUse:
 NO_STRATEGY = "none (one replica)"
 
 
-def _memory_strategy(dp: int, dp_sync: str) -> str:
-    """The data-parallel strategy that holds a run's training state: with one replica (parallel.dp=1) no strategy
+def _memory_strategy(w: int, dp_sync: str) -> str:
+    """The data-parallel strategy that holds a run's training state: over one rank (W = dp x cp = 1) no strategy
     wraps the model, whatever parallel.dp_sync says, so the run is not shown as one."""
-    return dp_sync if dp > 1 else NO_STRATEGY
+    return dp_sync if w > 1 else NO_STRATEGY
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,8 @@ class RunMetrics:
     params: dict[str, Any]  # the flattened resolved config, "section.key" -> value
     job_id: str = ""  # the scheduler's (or the local launcher's) job that ran it, "" for a plain `gptpar train`
     dp: int = 1
+    cp: int = 1  # context-parallel ranks per replica: with dp, the W its data-parallel strategy shards over
+    layout: str = "dp1"  # the rank grid's sizes above 1 (dp always), as `dp2 cp2 ring` (grid_layout)
     pp_mode: str = "single"  # a one-process mode, or the engine's "pp=P schedule[ v=V]"
     pp_schedule: str = ""  # the multi-process engine's schedule (parallel.pp > 1); empty for one-process runs
     pp_virtual: int = 1  # model chunks per engine rank
@@ -208,6 +214,11 @@ class RunMetrics:
     warnings: list[str] = field(default_factory=list)
 
     @property
+    def replicas(self) -> int:
+        """W: the ranks its data-parallel strategy shards the training state over and averages over (dp x cp)."""
+        return self.dp * self.cp
+
+    @property
     def engine(self) -> bool:
         """A run of the multi-process pipeline engine (one stage per rank), not of a one-process mode."""
         return bool(self.pp_schedule)
@@ -258,6 +269,8 @@ def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
     p = m.params
     sizes = header["sizes"]
     m.dp = int(sizes.get("dp", p.get("parallel.dp", 1)))
+    m.cp = int(sizes.get("cp", 1))
+    m.layout = grid_layout(sizes, str(p.get("parallel.cp_impl", "")))
     m.pp_mode = str(p.get("parallel.pp_mode", "single"))
     m.chunks = int(p.get("parallel.chunks", 1)) if m.pp_mode == "pipeline_parallel" else 1
     per_rank = len(header["stage_devices"]) if "stage_devices" in header else _schema1_devices(m, header)
@@ -275,6 +288,15 @@ def _shape(m: RunMetrics, header: dict[str, Any]) -> None:
         m.bubble_theory = closed_form_bubble(m.pp_schedule, stages, m.chunks, m.pp_virtual)
     elif m.pp_mode != "single":
         m.bubble_theory = (m.devices - 1) / (m.chunks + m.devices - 1)
+
+
+def grid_layout(sizes: dict[str, Any], cp_impl: str = "") -> str:
+    """A run's rank grid within a pipeline stage as the report names it (the stages are its pp_mode's): each of dp, cp,
+    tp and ep of the header's `sizes` larger than 1, dp always, cp followed by its implementation: `dp2`,
+    `dp2 cp2 ring`, `dp1 tp2`, `dp4 ep2`."""
+    parts = [f"{dim}{int(sizes.get(dim, 1))}" + (f" {cp_impl}" if dim == "cp" and cp_impl else "")
+             for dim in LAYOUT_DIMS if dim == "dp" or int(sizes.get(dim, 1)) > 1]
+    return " ".join(parts)
 
 
 # A measured bubble this far (idle share) above its closed form is no noise: the closed form prices compute alone.
@@ -536,7 +558,7 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     offload = str(m.params.get("parallel.offload", "none"))
     stage = int(_number(m.params.get("parallel.zero_stage", 3)))
     closed = [None if split_experts or form is None else
-              _plus(closed_form_state_bytes(strategy, n, m.dp, offload, trainable[rank], stage), form)
+              _plus(closed_form_state_bytes(strategy, n, m.replicas, offload, trainable[rank], stage), form)
               for rank, n, _, form in rows]
     if any(form is None for *_, form in rows):
         m.warnings.append(f"{m.run}: its memory records hold hpZ's copy but not its node size (hpz_node_size), so "
@@ -544,7 +566,7 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
     known = [c for c in closed if c is not None]  # all or none: one strategy per run
     off = [(rank, b["total"], c) for (rank, _, b, _), c in zip(rows, closed, strict=True)
            if c is not None and abs(b["total"] - c) > MEMORY_REL_TOL * c + MEMORY_ABS_TOL]
-    m.memory = MemoryUse(strategy=_memory_strategy(m.dp, strategy), ranks=len(rows),
+    m.memory = MemoryUse(strategy=_memory_strategy(m.replicas, strategy), ranks=len(rows),
                          params=statistics.fmean(n for _, n, *_ in rows),
                          mean={k: statistics.fmean(b[k] for _, _, b, _ in rows) for k in rows[0][2]},
                          max={k: max(b[k] for _, _, b, _ in rows) for k in rows[0][2]},
@@ -554,8 +576,8 @@ def _memory(m: RunMetrics, ranks: list[RankLog]) -> None:
         rank, total, c = off[0]
         more = f" (and {len(off) - 1} more rank(s))" if len(off) > 1 else ""
         m.warnings.append(f"{m.run}: rank {rank} holds {total / 1e6:.4g} MB of training state, {total / c:.3g}x the "
-                          f"closed form {c / 1e6:.4g} MB for {m.memory.strategy} with W={m.dp}{more}; flagged (⚠) in "
-                          "the memory table and figure")
+                          f"closed form {c / 1e6:.4g} MB for {m.memory.strategy} with W={m.replicas}{more}; flagged "
+                          "(⚠) in the memory table and figure")
 
 
 def _hpz_closed_form(m: RunMetrics, record: dict[str, Any], n: float) -> float | None:

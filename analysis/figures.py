@@ -684,14 +684,14 @@ def _mode(r: RunMetrics) -> str:
 def _memory(runs: list[RunMetrics], figs: FigureSet) -> bool:
     """Training-state MB per rank (mean over ranks) as stacked parameter, gradient and optimizer bars (and hpZ's
     secondary copy where a run keeps one, and the state parallel.offload put on the host), one per run,
-    grouped by data-parallel size W, strategy and pipeline mode, each with its closed form as a black bar; a run
-    off its closed form is hatched and marked ⚠, so that it does not read as a match. Drawn only where runs hold
+    grouped by data-parallel size W (dp × cp), strategy and pipeline mode, each with its closed form as a black bar; a
+    run off its closed form is hatched and marked ⚠, so that it does not read as a match. Drawn only where runs hold
     their state in more than one way (strategy and W), or one is off its closed form: bars of one layout that match
     their closed forms compare nothing."""
     groups: dict[tuple[int, str, str], list[tuple[RunMetrics, MemoryUse]]] = {}
     for r in runs:
         if r.memory is not None:
-            groups.setdefault((r.dp, r.memory.strategy, _mode(r)), []).append((r, r.memory))
+            groups.setdefault((r.replicas, r.memory.strategy, _mode(r)), []).append((r, r.memory))
     off = any(mem.mismatched for members in groups.values() for _, mem in members)
     if len({(w, strategy) for w, strategy, _ in groups}) < 2 and not off:
         return False
@@ -757,11 +757,11 @@ def _memory_lines(runs: list[RunMetrics]) -> dict[tuple[str, str, int], dict[int
     replica holds the whole model under any strategy: it starts every line of its model and mode (a line of its
     own, without a strategy, where no run of them has more replicas)."""
     lines: dict[tuple[str, str, int], dict[int, list[MemoryUse]]] = {}
-    alone = [r for r in runs if r.memory is not None and r.dp == 1]
+    alone = [r for r in runs if r.memory is not None and r.replicas == 1]
     for r in runs:
-        if r.memory is not None and r.dp > 1:
-            lines.setdefault((r.memory.strategy, _mode(r), round(r.memory.params)), {}).setdefault(r.dp, []).append(
-                r.memory)
+        if r.memory is not None and r.replicas > 1:
+            line = lines.setdefault((r.memory.strategy, _mode(r), round(r.memory.params)), {})
+            line.setdefault(r.replicas, []).append(r.memory)
     for r in alone:
         model = (_mode(r), round(r.memory.params))
         for key in [k for k in lines if k[1:] == model] or [(r.memory.strategy, *model)]:
@@ -814,7 +814,7 @@ def _memory_vs_world_size(runs: list[RunMetrics], figs: FigureSet) -> bool:
     ws = sorted({w for by_w in lines.values() for w in by_w})
     ax.set_xticks(ws, [str(w) for w in ws])
     ax.set_ylim(bottom=0)
-    ax.set_xlabel("data-parallel size W")
+    ax.set_xlabel("data-parallel size W (dp × cp)")
     ax.set_ylabel("training state per rank (MB, mean over ranks)")
     ax.set_title("Memory per rank vs W (dashed, ×: closed form)")
     starts = {w: n for w, n in Counter(w for line in drawn for w, _ in line).items() if n > 1}

@@ -19,6 +19,7 @@ from typing import Any
 
 from analysis.aggregate import (
     GPU_KEYS,
+    LAYOUT_KEYS,
     PIPELINE_KEYS,
     PSEUDO_KEYS,
     TOP_LEVEL,
@@ -141,32 +142,39 @@ def run_names(runs: list[RunMetrics]) -> dict[str, str]:
 
 
 def point_keys(runs: list[RunMetrics]) -> list[str]:
-    """The keys that tell a sweep's points apart: the data-parallel size (`dp`), the GPU count where the data-parallel
-    size does not give it, and every config key that varies (keys zipped with the GPU count included), but not
-    bookkeeping (log.*, launch.* with launch.repeat, report.*) nor data.dir: repeats share their point's keys."""
+    """The keys that tell a sweep's points apart: the data-parallel size (`dp`), or where the runs' grids differ in
+    more than it their layout (`layout`, `dp2 cp2 ring`, in place of dp and the keys it names, LAYOUT_KEYS), the GPU
+    count where that does not give it, and every config key that varies (keys zipped with the GPU count included),
+    but not bookkeeping (log.*, launch.* with launch.repeat, report.*) nor data.dir: repeats share their point's
+    keys."""
+    grid = "layout" if any(r.layout != f"dp{r.dp}" for r in runs) else "dp"
+    named = ("parallel.dp", *(LAYOUT_KEYS if grid == "layout" else ()))
     keys = sorted(set().union(*(r.params for r in runs)))
-    config = [k for k in keys if not k.startswith(("log.", "launch.", "report.")) and k not in ("data.dir",
-                                                                                                  "parallel.dp")]
-    sizes = {r.dp for r in runs}
-    dp = ["dp"] if len(sizes) > 1 else []
-    gpus = ["gpus"] if any(len({r.gpus for r in runs if r.dp == d}) > 1 for d in sizes) else []
+    config = [k for k in keys if not k.startswith(("log.", "launch.", "report.")) and k not in ("data.dir", *named)]
+    sizes = {point_value(r, grid) for r in runs}
+    dp = [grid] if len(sizes) > 1 else []
+    gpus = ["gpus"] if any(len({r.gpus for r in runs if point_value(r, grid) == d}) > 1 for d in sizes) else []
     varying = _varying(runs, config)
     text = [k for k in varying if any(isinstance(r.params.get(k), str) for r in runs)]  # a kind first: zb1p_chunks8
     return dp + gpus + text + [k for k in varying if k not in text]
 
 
 def point_value(r: RunMetrics, key: str) -> Any:
-    """A run's value of a point key: `dp` is its data-parallel size, any other key as key_value gives it."""
-    return r.dp if key == "dp" else key_value(r, key)
+    """A run's value of a point key: `dp` is its data-parallel size, `layout` its grid (`dp2 cp2 ring`), any other
+    key as key_value gives it."""
+    if key == "dp":
+        return r.dp
+    return r.layout if key == "layout" else key_value(r, key)
 
 
 def point_name(r: RunMetrics, keys: Sequence[str], file: bool = False) -> str:
-    """The run's point by its values of keys: `dp=2, batch_size=32`, or with `file` `dp2_batch_size32` (a text value
-    bare: `zb1p_chunks8`)."""
+    """The run's point by its values of keys: `dp=2, batch_size=32` (a layout bare: `dp2 cp2 ring, lr=0.01`), or
+    with `file` `dp2_batch_size32` (a text value bare: `zb1p_chunks8`, `dp2_cp2_ring_lr0.01`)."""
     names = {**short_names(keys), "gpus": "GPUs" if r.on_gpu else "ranks"}
     if not file:
-        return ", ".join(f"{names[k]}={point_value(r, k)}" for k in keys)
-    return "_".join(str(v) if isinstance(v := point_value(r, k), str) else f"{names[k]}{v}" for k in keys)
+        return ", ".join(r.layout if k == "layout" else f"{names[k]}={point_value(r, k)}" for k in keys)
+    return "_".join(r.layout.replace(" ", "_") if k == "layout" else str(v) if isinstance(v := point_value(r, k), str)
+                    else f"{names[k]}{v}" for k in keys)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ CSV_COLUMNS = (
     "all_to_all_share", "target_final_loss", "grad_comm", "comm_bytes_per_step", "comm_bytes_vs_fp32",
     "final_accuracy", "final_accuracy_top5", "target_accuracy", "time_to_accuracy_s", "tokens_to_accuracy",
     "straggler_ranks", "straggler_lost_s",
+    "cp", "layout",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -47,8 +48,8 @@ FOOTNOTES = (
     "over the kept epochs (a single-epoch run shows its one epoch, no std). An epoch that a restart split "
     "is timed from its step records, each step once (the basis says \"stitched across restarts\").",
     "**tokens/s (sum over DP)**: each data-parallel replica's tokens/s, summed over replicas (the "
-    "pipeline stages of a replica counted once); mean ± sample std over the kept epochs, or over the "
-    "kept steps of a single-epoch run.",
+    "pipeline stages, tensor- and context-parallel ranks of a replica counted once: each token of the job once); "
+    "mean ± sample std over the kept epochs, or over the kept steps of a single-epoch run.",
     "**job tokens/s**: all tokens of the kept steps, over all replicas, divided by the slowest rank's "
     "summed step time over those steps.",
     "**speedup**: job tokens/s over the baseline's (the mean over its repeats): the sweep's 1-GPU run, or for a "
@@ -78,6 +79,10 @@ FOOTNOTES = (
     "**pp_mode**: single, model_parallel or pipeline_parallel (one process per replica), or `pp=P schedule` "
     "(`v=V` model chunks per rank) for the multi-process pipeline, one stage per rank.",
 )
+LAYOUT_NOTE = (
+    "**layout** (in place of dp where a run's grid has more than data parallelism and pipeline stages, which "
+    "pp_mode shows): the grid's sizes above 1 of dp (always), cp followed by parallel.cp_impl, tp and ep: "
+    "`dp2 cp2 ring` is two replicas of two context-parallel ranks each, four ranks.")
 ACCURACY_COLUMNS = ("accuracy (top-1)", "accuracy (top-5)", "time to target accuracy (s)")
 ACCURACY_NOTE = (
     "**accuracy (top-1, top-5)**: the last evaluation's validation accuracy (`eval` records, data.task=classify; "
@@ -122,7 +127,8 @@ STRAGGLER_NOTE = (
 MEMORY_NOTE = (
     "Bytes of the distinct storages of each rank's live parameters, gradients and AdamW state after its first "
     "optimizer step (MB = 10^6 bytes), mean over ranks (max in parentheses where ranks differ). Closed form per rank "
-    "for N parameters (the rank's own; a sharded parameter counted at its global size) and W data-parallel ranks, "
+    "for N parameters (the rank's own; a sharded parameter counted at its global size) and W data-parallel ranks "
+    "(dp × cp under context parallelism), "
     f"fp32 (parameters + gradients + AdamW moments): {_closed_forms()}. "
     f"Sharded buffers are padded to multiples of W, so a rank's total within {MEMORY_REL_TOL:.0%} + "
     f"{MEMORY_ABS_TOL // 1024} KiB of its closed form matches; a rank off by more is flagged (⚠). "
@@ -159,6 +165,7 @@ def row(r: RunMetrics, wire_ratios: dict[str, float] | None = None) -> dict[str,
         wire_ratios.get(r.run), r.final_accuracy, r.final_accuracy_top5, r.target_accuracy, r.time_to_accuracy_s,
         r.tokens_to_accuracy, [s.rank for s in r.stragglers] or None,
         math.fsum(s.lost_s for s in r.stragglers) if r.stragglers else None,
+        r.tokens_to_accuracy, r.cp, r.layout,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 
@@ -271,7 +278,8 @@ def _fastest(named: list[tuple[Point, str]], sweep: str, time_of: Callable[[RunM
     tokens = statistics.fmean(tokens_of(r) for r in p.runs)
     r = p.first
     devices = ("GPU" if r.on_gpu else "rank") + ("s" if r.gpus > 1 else "")
-    layout = f"{r.gpus} {devices}, dp={r.dp}" + ("" if r.pp_mode == "single" else f", {r.pp_mode}")
+    grid = f"dp={r.dp}" if r.layout == f"dp{r.dp}" else r.layout
+    layout = f"{r.gpus} {devices}, {grid}" + ("" if r.pp_mode == "single" else f", {r.pp_mode}")
     return (f"Fastest to the target in {sweep}: {name} ({layout}), after {seconds:.1f} s of training and "
             f"{tokens:,.0f} tokens.")
 
@@ -354,8 +362,9 @@ def _accuracy_cells(p: Point) -> list[str]:
                          lambda x: x.time_to_accuracy_s)]
 
 
-def _row(p: Point, name: str, names: dict[str, str], accuracy: bool) -> str:
-    """The point's cells of the main table, with its accuracy cells where the table shows accuracy."""
+def _row(p: Point, name: str, names: dict[str, str], accuracy: bool, layout: bool) -> str:
+    """The point's cells of the main table, with its accuracy cells where the table shows accuracy, and its layout in
+    the dp column's place where the table shows layouts."""
     r = p.first
     statuses = sorted({x.status for x in p.runs} - {"completed"})
     if statuses:
@@ -375,7 +384,7 @@ def _row(p: Point, name: str, names: dict[str, str], accuracy: bool) -> str:
         mfu += f" (HFU {_spread([x.hfu for x in p.runs], '.1%')})"
     one = len(p.runs) == 1
     cells = [
-        r.sweep, name, str(len(p.runs)), str(r.dp), r.pp_mode,
+        r.sweep, name, str(len(p.runs)), r.layout if layout else str(r.dp), r.pp_mode,
         str(r.chunks) if r.pp_mode == "pipeline_parallel" or r.engine else "–", str(r.gpus),
         _spread([x.epoch_time[0] for x in p.runs], ".2f", r.epoch_time if one else None),
         _spread([x.tokens_per_s[0] for x in p.runs], ",.0f", r.tokens_per_s if one else None),
@@ -404,18 +413,20 @@ def markdown(runs: list[RunMetrics], shown: list[RunMetrics], runs_dir: Path, wa
     for r in runs:
         counts[r.status] = counts.get(r.status, 0) + 1
     accuracy = any(r.accuracy_curve for r in shown)  # columns only a classification run fills
-    columns = ["sweep", "point", "runs", "dp", "pp_mode", "chunks", "GPUs", "epoch time (s)", "tokens/s (sum over DP)",
-               "job tokens/s", *(ACCURACY_COLUMNS if accuracy else ()), "speedup (job tokens/s)", "efficiency",
-               "time to target (s)", "final loss checked against the target", "speedup (time to target)", "MFU",
-               "final loss (train)"]
+    layout = any(r.layout != f"dp{r.dp}" for r in shown)  # a grid beyond dp: its layout, not dp alone
+    columns = ["sweep", "point", "runs", "layout" if layout else "dp", "pp_mode", "chunks", "GPUs", "epoch time (s)",
+               "tokens/s (sum over DP)", "job tokens/s", *(ACCURACY_COLUMNS if accuracy else ()),
+               "speedup (job tokens/s)", "efficiency", "time to target (s)", "final loss checked against the target",
+               "speedup (time to target)", "MFU", "final loss (train)"]
     lines = [
         "# Training runs", "",
         f"Runs under `{runs_dir}`: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + ".",
         *(f"Left out: {note}." for note in left_out),
         f"Warm-up dropped: {warmup}.", "",
         "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
-        *(_row(p, name, names, accuracy) for p, name in named), "",
-        *(f"{i}. {note}" for i, note in enumerate([*FOOTNOTES, *([ACCURACY_NOTE] if accuracy else [])], 1)),
+        *(_row(p, name, names, accuracy, layout) for p, name in named), "",
+        *(f"{i}. {note}" for i, note in enumerate([*FOOTNOTES, *([ACCURACY_NOTE] if accuracy else []),
+                                                   *([LAYOUT_NOTE] if layout else [])], 1)),
     ]
     lines += _target_section(named, names)
     lines += _accuracy_section(named)
@@ -589,9 +600,9 @@ def _memory_section(shown: list[RunMetrics]) -> list[str]:
         if mem.mismatched:
             ratio += f" ⚠ off the closed form (rank{'s' if len(mem.mismatched) > 1 else ''} "
             ratio += ", ".join(map(str, mem.mismatched)) + ")"
-        lines.append(f"| {r.run_id} | {mem.strategy} | {r.dp} | {mem.params:,.0f} | {mb['params']} | {mb['grads']} | "
-                     f"{mb['optimizer']} | {mb['total']} | {closed} | {ratio} | {_mb_pair(mem.gathered_peak)} | "
-                     f"{_mb_pair(r.peak_mem)} |")
+        lines.append(f"| {r.run_id} | {mem.strategy} | {r.replicas} | {mem.params:,.0f} | {mb['params']} | "
+                     f"{mb['grads']} | {mb['optimizer']} | {mb['total']} | {closed} | {ratio} | "
+                     f"{_mb_pair(mem.gathered_peak)} | {_mb_pair(r.peak_mem)} |")
     return [*lines, "", MEMORY_NOTE]
 
 

@@ -189,11 +189,10 @@ def check_lora(cfg: Config) -> None:
 
 
 CP_ARCHS = ("gpt2", "llama", "qwen2")  # whose attention takes the context-parallel function and whose positions are ids
-CP_SYNCS = ("bucketed", "ddp", "naive")  # the syncs that average whole gradients over a group they are given
 
 
 def check_context_parallel(cfg: Config) -> None:
-    """parallel.cp against what it is built with (data parallelism of whole gradients, our tensor parallelism, the
+    """parallel.cp against what it is built with (every data-parallel strategy, our tensor parallelism, the
     multi-process pipeline, GPT-2 and the Llama family, next-token blocks) and the sequence and heads its
     implementation splits (a tensor-parallel rank's heads; with sequence parallelism each shard split again)."""
     p, shape, cp = cfg.parallel, cfg.model.shape(), f"parallel.cp={cfg.parallel.cp}"
@@ -215,9 +214,9 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"{cp} composes with data, tensor and pipeline parallelism on data.task=lm only, not with "
                           f"{either(layout, 'and')}; set parallel.ep to 1, parallel.pp_mode=single, data.task=lm and "
                           "data.packing=false, or parallel.cp=1")
-    if p.dp_sync not in CP_SYNCS:
-        raise ConfigError(f"{cp} averages whole gradients over dp * cp ranks, which parallel.dp_sync={p.dp_sync} is "
-                          f"not built for; use parallel.dp_sync={either(list(CP_SYNCS))}")
+    if p.hpz:  # every strategy shards and averages over dp * cp ranks; hpZ's node group lies along dp alone
+        raise ConfigError(f"parallel.hpz=true keeps a copy of the shards within a node's data-parallel ranks, but "
+                          f"under {cp} they are sharded over dp * cp ranks; use parallel.hpz=false, or parallel.cp=1")
     seq_len = cfg.data.seq_len
     if p.cp_impl == "ring" and seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp_impl=ring splits data.seq_len={seq_len} into 2 * parallel.cp = {2 * p.cp} "

@@ -94,6 +94,15 @@ class ParallelDims(RankInfo):
         (grid.DP_CP) under context parallelism, else dp (None alone, unless `alone`, as for `group`)."""
         return self.group(DP_CP) if self.sizes["cp"] > 1 else self.group("dp", alone)
 
+    def replica_mesh(self, alone: bool = False) -> DeviceMesh | None:
+        """The DeviceMesh of `replica_group` (torch's fully_shard takes one): the grid's dp axis, or under context
+        parallelism a one-axis mesh over the dp x cp group (torch's DeviceMesh cuts no composite of two axes from the
+        grid without making a group of its own: every rank would have to make it, in order)."""
+        if self.sizes["cp"] == 1:
+            return self.submesh("dp", alone)
+        group = self.group(DP_CP)
+        return DeviceMesh.from_group(group, self.device.type) if group is not None else None
+
     def replicas(self) -> int:
         """The size of `replica_group`: each of its ranks computes an equal share of the step's mean loss."""
         return self.sizes["dp"] * self.sizes["cp"]

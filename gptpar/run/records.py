@@ -114,9 +114,13 @@ class StepRecord(Record):
                                 may_diverge=True)
     skipped: bool | Absent = optional("An fp16 overflow skipped the optimizer step.")
     loss_scale: float | None | Absent = optional("fp16's loss scale, else null.")
-    tokens: int = required("Tokens this rank ran in the step (translation's padding included).")
+    tokens: int = required("Tokens of this rank's replica in the step (translation's padding included): every "
+                           "pipeline stage, tensor- and context-parallel rank of a replica logs the same count, the "
+                           "rows it shares (under parallel.cp each rank runs a 1/cp shard of every row), so a job's "
+                           "tokens are summed over one rank per replica, each token once.")
     step_time_s: float = required("Seconds of the step, data loading included.")
-    tokens_per_s: float = required("This rank's tokens / step_time_s.")
+    tokens_per_s: float = required("This rank's tokens / step_time_s: its replica's rate (summed over one rank per "
+                                   "replica for the job's).")
     compute_s: float | Absent = optional(
         "This rank's own compute in the step: step_time_s less the spans it was blocked in gptpar's communication "
         "(a blocking collective or point-to-point call, or the wait for an asynchronous one; on a GPU CUDA events on "

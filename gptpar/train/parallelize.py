@@ -107,7 +107,7 @@ def parallelize(model: PreTrainedModel, cfg: Config, dims: ParallelDims, vocab_s
     config = model.config
     initial = ((lambda name, shape: initial_value(name.removeprefix("model."), shape, config, seed))
                if shards_only else None)
-    mesh = dims.submesh("dp", alone)
+    mesh = dims.replica_mesh(alone)
     local = experts.name_in(net) if experts is not None and dims.size("ep") > 1 else frozenset()
     node_group = (dims.block_group("dp", hpz_node_size(p.hpz_node_size, p.dp, p.tp, dims.local_world_size))
                   if p.hpz and dp_group is not None else None)

@@ -73,7 +73,8 @@ RUN_HERE = [
     "train.max_steps=5",
     ".venv/bin/gptpar train parallel.tp=2 parallel.dp=2 parallel.dp_sync=fsdp train.max_steps=5",
     ".venv/bin/gptpar train parallel.cp=2 train.max_steps=5",
-    ".venv/bin/gptpar train parallel.dp=2 parallel.cp=2 parallel.cp_impl=all_to_all train.max_steps=5",
+    ".venv/bin/gptpar train parallel.dp=2 parallel.cp=2 parallel.cp_impl=all_to_all parallel.dp_sync=zero2 "
+    "train.max_steps=5",
     ".venv/bin/gptpar train parallel.dp=2 parallel.dp_sync=zero2 parallel.offload=optimizer train.max_steps=5",
     ".venv/bin/gptpar train parallel.dp_sync=zero2 parallel.offload=optimizer train.max_steps=5",
     ".venv/bin/gptpar train model.preset=qwen2-tiny data.task=sft data.source=metamath_sample data.tokenizer=bytes "

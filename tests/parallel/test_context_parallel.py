@@ -134,9 +134,9 @@ BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
     (["parallel.tp=4", "parallel.sequence_parallel=true", "data.seq_len=20"],
      "parallel.sequence_parallel=true splits each of parallel.cp=2's shards of data.seq_len=20 into parallel.tp=4; use "
      "a seq_len that is a multiple of 8"),
-    (["parallel.dp_sync=fsdp", "parallel.dp=2"], "parallel.cp=2 averages whole gradients over dp * cp ranks, which "
-                                                 "parallel.dp_sync=fsdp is not built for; use parallel.dp_sync="
-                                                 "bucketed, ddp or naive"),
+    (["parallel.dp_sync=fsdp", "parallel.dp=2", "parallel.hpz=true"],
+     "parallel.hpz=true keeps a copy of the shards within a node's data-parallel ranks, but under parallel.cp=2 they "
+     "are sharded over dp * cp ranks; use parallel.hpz=false, or parallel.cp=1"),
     (["data.seq_len=18"], "parallel.cp_impl=ring splits data.seq_len=18 into 2 * parallel.cp = 4 chunks; use a "
                           "seq_len that is a multiple of 4"),
     (["parallel.cp_impl=all_to_all", "parallel.cp=3", "data.seq_len=18"],

@@ -62,7 +62,9 @@ def zero_plus_plus(pcfg: ParallelConfig) -> list[str]:
 
 
 def deepspeed_config(pcfg: ParallelConfig, t: TrainConfig, dp: int, precision: str, hpz_size: int) -> dict[str, Any]:
-    """DeepSpeed's config for what gptpar runs: one replica's micro-batch, ZeRO at parallel.zero_stage with buckets of
+    """DeepSpeed's config for what gptpar runs over `dp` replicas: one replica's micro-batch (DeepSpeed checks that its
+    train_batch_size is the micro-batch times the accumulation times its ranks, which under parallel.cp hold each
+    replica's rows once per cp rank, a shard of every row each), ZeRO at parallel.zero_stage with buckets of
     parallel.bucket_mb (every parameter sharded at stage 3: no persistence threshold, as the closed form assumes),
     AdamW and clipping as train.* says, bf16 as autocast over fp32 weights with gradients reduced in fp32 (no module
     is marked safe for bf16 communication), offload and ZeRO++ as parallel.* says."""
@@ -79,7 +81,7 @@ def deepspeed_config(pcfg: ParallelConfig, t: TrainConfig, dp: int, precision: s
     zero |= {"zero_quantized_weights": pcfg.param_comm == "int8", "zero_quantized_gradients": pcfg.grad_comm == "int8",
              "zero_hpz_partition_size": hpz_size}
     config: dict[str, Any] = {
-        "train_batch_size": t.batch_size, "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.batch_size * pcfg.cp, "gradient_accumulation_steps": t.grad_accum,
         "train_micro_batch_size_per_gpu": t.batch_size // (t.grad_accum * dp),
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "eps": ADAM_EPS,
                                                   "weight_decay": t.weight_decay, "torch_adam": True}},
@@ -151,8 +153,8 @@ class DeepSpeedSync(GradSync):
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                                     world_size=1, device_id=device if device.type == "cuda" else None)
         self.stage, self.offload = pcfg.zero_stage, pcfg.offload
-        self.group_size = dist.get_world_size(group)  # None: the world
-        self.config = deepspeed_config(pcfg, t, self.group_size, precision, hpz_size)
+        self.group_size = dist.get_world_size(group)  # None: the world (of one)
+        self.config = deepspeed_config(pcfg, t, self.group_size // pcfg.cp, precision, hpz_size)  # per replica
         groups = [{"params": [p for p in model.parameters() if p.requires_grad and (p.dim() >= 2) == decays],
                    "weight_decay": t.weight_decay if decays else 0.0} for decays in (True, False)]
         # DeepSpeed calls torch's all_gather_into_tensor, which torch warns of at every call: once is enough.
