@@ -37,8 +37,7 @@ CSV_COLUMNS = (
     "target_loss", "target_basis", "time_to_target_s", "tokens_to_target", "time_to_target_speedup", "job_id",
     "all_to_all_share", "target_final_loss", "grad_comm", "comm_bytes_per_step", "comm_bytes_vs_fp32",
     "final_accuracy", "final_accuracy_top5", "target_accuracy", "time_to_accuracy_s", "tokens_to_accuracy",
-    "straggler_ranks", "straggler_lost_s",
-    "cp", "layout",
+    "straggler_ranks", "straggler_lost_s", "cp", "layout",
 )
 STALE_MARK = "⚠ stale config"
 
@@ -164,8 +163,7 @@ def row(r: RunMetrics, wire_ratios: dict[str, float] | None = None) -> dict[str,
         r.all_to_all_share, r.target_final_loss, r.params.get(GRAD_COMM), r.comm_bytes.get("total"),
         wire_ratios.get(r.run), r.final_accuracy, r.final_accuracy_top5, r.target_accuracy, r.time_to_accuracy_s,
         r.tokens_to_accuracy, [s.rank for s in r.stragglers] or None,
-        math.fsum(s.lost_s for s in r.stragglers) if r.stragglers else None,
-        r.tokens_to_accuracy, r.cp, r.layout,
+        math.fsum(s.lost_s for s in r.stragglers) if r.stragglers else None, r.cp, r.layout,
     ]
     return dict(zip(CSV_COLUMNS, values, strict=True))
 

@@ -156,16 +156,18 @@ def check_tensor_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.tp_impl={p.tp_impl} does not compose with parallel.pp > 1; use parallel.tp_impl="
                           f"{either(composing)} for pipeline x tensor parallelism")
     row = DP_STRATEGIES[p.dp_sync]
-    if p.dp > 1 and p.tp_impl not in row.tensor_parallel:
+    replicas = p.dp * p.cp  # the ranks a sync averages over; a row that runs alone syncs even over one
+    if (replicas > 1 or row.alone) and p.tp_impl not in row.tensor_parallel:
         syncs = [name for name, r in DP_STRATEGIES.items() if p.tp_impl in r.tensor_parallel]
         same = [name for name in syncs if DP_STRATEGIES[name].sharded == row.sharded]
-        others = [name for name in TP_IMPLS if name in row.tensor_parallel]
+        others = [name for name in TP_IMPLS if name in row.tensor_parallel and p.cp == 1]  # cp takes ours only
         if same:  # the strategy that shards the same state the way this implementation's parameters need
             offer = f"use parallel.dp_sync={same[0]} ({DP_STRATEGIES[same[0]].help.split(',')[0]}) instead"
         else:
             offer = f"it needs parallel.dp_sync={either(syncs)}"
         alternative = f"; or use parallel.tp_impl={either(others)}" if others else ""
-        raise ConfigError(f"parallel.tp_impl={p.tp_impl} with parallel.dp={p.dp} does not compose with "
+        over = f"parallel.dp={p.dp}" + (f" x parallel.cp={p.cp}" if p.cp > 1 else "")
+        raise ConfigError(f"parallel.tp_impl={p.tp_impl} with {over} does not compose with "
                           f"parallel.dp_sync={p.dp_sync}: {offer}{alternative}")
 
 
@@ -235,4 +237,4 @@ def check_context_parallel(cfg: Config) -> None:
 
 
 # In the order `validate` calls them.
-PARALLEL_CHECKS = (check_pipeline, check_data_parallel, check_tensor_parallel, check_lora, check_context_parallel)
+PARALLEL_CHECKS = (check_pipeline, check_data_parallel, check_context_parallel, check_tensor_parallel, check_lora)

@@ -134,6 +134,9 @@ BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
     (["parallel.tp=4", "parallel.sequence_parallel=true", "data.seq_len=20"],
      "parallel.sequence_parallel=true splits each of parallel.cp=2's shards of data.seq_len=20 into parallel.tp=4; use "
      "a seq_len that is a multiple of 8"),
+    (["parallel.tp=2", "parallel.dp_sync=fsdp2"], "parallel.tp_impl=gptpar with parallel.dp=1 x parallel.cp=2 does not "
+                                                  "compose with parallel.dp_sync=fsdp2: use parallel.dp_sync=fsdp "
+                                                  "(ours) instead"),
     (["parallel.dp_sync=fsdp", "parallel.dp=2", "parallel.hpz=true"],
      "parallel.hpz=true keeps a copy of the shards within a node's data-parallel ranks, but under parallel.cp=2 they "
      "are sharded over dp * cp ranks; use parallel.hpz=false, or parallel.cp=1"),

@@ -1,9 +1,10 @@
 """Context parallelism under every sharding data-parallel strategy: zero1, zero2, our fsdp, fsdp2 and DeepSpeed shard
-the training state over the dp x cp ranks (ParallelDims.replica_group, W = dp * cp) and average over them.
+the training state over the dp x cp ranks (ParallelDims.replica_group, W = dp * cp) and average over them; zero1, zero2
+and our fsdp do so under our tensor parallelism too (cp=2 x tp=2: each tp rank's pieces over its cp ranks).
 
 Each case is one short run through the trainer's own step on the shared gloo pool (dp=1 x cp=2 on 2 ranks, dp=2 x
-cp=2 on 4), against one process on the same global batch; its `memory` record is the strategy's closed form at
-W = dp * cp to the byte (BASE's units and rows divide by 2 and 4, so nothing is padded)."""
+cp=2 and cp=2 x tp=2 on 4), against one process on the same global batch; its `memory` record is the strategy's
+closed form at W = dp * cp to the byte (BASE's units and rows divide by 2 and 4, so nothing is padded)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ CASES = {f"{sync}-dp{dp}-cp2": [f"parallel.dp={dp}", "parallel.cp=2", f"parallel
          for dp in (1, 2) for sync in SHARDED}
 CASES["deepspeed-dp1-cp2"] = ["parallel.cp=2", "parallel.dp_sync=deepspeed", "parallel.bucket_mb=0.01"]
 CASES["zero2-offload-dp1-cp2"] = [*CASES["zero2-dp1-cp2"], "parallel.offload=optimizer"]
+for sync in ("zero1", "zero2", "fsdp"):  # the syncs that shard our tensor-parallel pieces, over the cp ranks
+    CASES[f"{sync}-cp2-tp2"] = ["parallel.cp=2", "parallel.tp=2", f"parallel.dp_sync={sync}", "parallel.bucket_mb=0.01"]
 STATE = ("params_bytes", "grads_bytes", "optimizer_bytes", "host_bytes")  # the memory record's parts
 
 
@@ -54,7 +57,7 @@ def test_a_sharded_sync_with_cp_trains_like_one_process_and_holds_its_closed_for
         name: str, tmp_path: Path, gloo_pool: GlooPools) -> None:
     cfg = make_config(CASES[name], tmp_path, name)
     p = cfg.parallel
-    gloo_pool.run(p.dp * p.cp, _train, tmp_path, name)
+    gloo_pool.run(p.dp * p.cp * p.tp, _train, tmp_path, name)
     ranks = saved_ranks(tmp_path, name)
     assert_trains_like_one_process(reference_run(cfg), ranks, "transformer.wte.weight", name)
     for rank in ranks:

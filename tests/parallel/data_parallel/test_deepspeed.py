@@ -199,6 +199,13 @@ def test_deepspeed_with_a_pipeline_is_one_line() -> None:
         load_config(None, ["parallel.dp=2", "parallel.pp=2", "parallel.dp_sync=deepspeed"])
 
 
+def test_deepspeed_with_tensor_parallelism_is_one_line_even_on_one_replica() -> None:
+    """Its engine runs over every rank (a group of one at dp=1 being the world): it would average tp's pieces."""
+    with pytest.raises(ConfigError, match=r"^parallel.tp_impl=gptpar with parallel.dp=1 does not compose with "
+                                          r"parallel.dp_sync=deepspeed: use parallel.dp_sync=fsdp \(ours\) instead$"):
+        load_config(None, ["parallel.tp=2", "parallel.dp_sync=deepspeed"])
+
+
 @pytest.mark.parametrize(("overrides", "asked"), [
     (["parallel.param_comm=int8"], "parallel.param_comm=int8"),
     (["parallel.grad_comm=int8", "parallel.hpz=true"], "parallel.grad_comm=int8 and parallel.hpz=true"),
