@@ -188,32 +188,29 @@ def check_lora(cfg: Config) -> None:
         raise ConfigError(f"{lora} does not run under parallel.dp_sync={p.dp_sync} ({why}); use {either(allowed)}")
 
 
-CP_ARCHS = ("gpt2", "llama", "qwen2")  # whose attention takes the context-parallel function and whose positions are ids
+# whose attention takes the context-parallel function and whose positions are ids
+CP_ARCHS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe")
 CP_SYNCS = ("bucketed", "ddp", "naive")  # the syncs that average whole gradients over a group they are given
 
 
 def check_context_parallel(cfg: Config) -> None:
-    """parallel.cp against what it is built with (data parallelism of whole gradients, GPT-2 and Llama, next-token
-    blocks) and the sequence and heads its implementation splits."""
+    """parallel.cp against what it is built with (data and expert parallelism of whole gradients, the decoders and
+    their mixtures, blocks or pair rows, packed or not) and the sequence and heads its implementation splits."""
     p, shape, cp = cfg.parallel, cfg.model.shape(), f"parallel.cp={cfg.parallel.cp}"
     if p.cp == 1:
         return
-    if shape.arch not in CP_ARCHS or shape.moe:
-        kind = f"{shape.arch} with experts" if shape.moe else shape.arch
-        raise ConfigError(f"{cp} is built for model.arch={either(list(CP_ARCHS))} without experts, not {kind}; "
+    if shape.arch not in CP_ARCHS:
+        raise ConfigError(f"{cp} is built for model.arch={either(list(CP_ARCHS))}, not {shape.arch}; "
                           "use one of them, or parallel.cp=1")
-    layout = [f"parallel.{key}={value}" for key, value in (("pp", p.pp), ("tp", p.tp), ("ep", p.ep)) if value > 1]
+    layout = [f"parallel.{key}={value}" for key, value in (("pp", p.pp), ("tp", p.tp)) if value > 1]
     layout += [f"parallel.pp_mode={p.pp_mode}"] if p.pp_mode != "single" else []
-    layout += [f"data.task={cfg.data.task}"] if cfg.data.task != "lm" else []
-    layout += ["data.packing=true"] if cfg.data.packing else []
     if layout:
-        raise ConfigError(f"{cp} composes with data parallelism on data.task=lm only, not with {either(layout, 'and')}"
-                          "; set parallel.pp, tp and ep to 1, parallel.pp_mode=single, data.task=lm and "
-                          "data.packing=false, or parallel.cp=1")
+        raise ConfigError(f"{cp} composes with data and expert parallelism only, not with {either(layout, 'and')}; "
+                          "set parallel.pp and tp to 1 and parallel.pp_mode=single, or parallel.cp=1")
     if p.dp_sync not in CP_SYNCS:
         raise ConfigError(f"{cp} averages whole gradients over dp * cp ranks, which parallel.dp_sync={p.dp_sync} is "
                           f"not built for; use parallel.dp_sync={either(list(CP_SYNCS))}")
-    seq_len = cfg.data.seq_len
+    seq_len = cfg.data.seq_len if cfg.data.task == "lm" else 0  # pair rows' width is rounded up (example_width)
     if p.cp_impl == "ring" and seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp_impl=ring splits data.seq_len={seq_len} into 2 * parallel.cp = {2 * p.cp} "
                           f"chunks; use a seq_len that is a multiple of {2 * p.cp}")

@@ -111,7 +111,7 @@ class Trainer:
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))  # the LM head is the token table
         shape, routers = cfg.model.shape(), self.arch.routers(model)
         sequence_shards = dims.group("tp") if cfg.parallel.sequence_parallel else None
-        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp"),
+        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.replica_group(), dims.replicas(),
                                       dims.group("pp"), dims.device, sequence_shards) if routers else None
         # The ranks over which losses and token counts are summed: dp, or dp x cp (each cp rank a share of the rows).
         self.dp_group, self.tp_group = dims.replica_group(), dims.group("tp")
@@ -120,6 +120,8 @@ class Trainer:
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
         self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
         self.context = wrapped.context
+        if self.router_load is not None and self.context is not None:  # each cp rank routes its share of the rows
+            self.router_load.context_shard = self.context.mine
         if self.router_load is not None and self.experts is not None and cfg.model.moe_capacity_factor:
             self.router_load.dropped_source = self.experts.dropped
         # What holds its parameters as pieces of the checkpoint's whole tensors, each saving and loading its own.
@@ -230,7 +232,12 @@ class Trainer:
         if self.pairs is None:
             return [len(micro_batches)] * len(micro_batches)
         share = self._target_share(micro_batches)
-        return [share / target_tokens(batch[1]) for batch in micro_batches]
+        return [share / count if (count := target_tokens(batch[1])) else math.inf for batch in micro_batches]
+
+    def _micro_loss(self, logits: torch.Tensor, labels: torch.Tensor, divisor: float) -> torch.Tensor:
+        """A micro-batch's mean loss over its divisor; a cp rank's shard of pair rows may hold no target (divisor
+        inf), whose zero loss still runs the backward its peers' collectives (the ring, the sync) wait for."""
+        return self.loss_fn(logits, labels) / divisor if divisor < math.inf else logits.sum() * 0
 
     def _chunk_weight(self, micro_batches: list[Batch]) -> Weight | None:
         """`_loss_divisors` for the pipeline engine, which cuts micro-batches into chunks of its own: None (equal
@@ -249,20 +256,21 @@ class Trainer:
             with self.sync.accumulating(is_last_micro_step=False), record_function("forward_backward"):
                 return torch.tensor(self.net.train_step(micro_batches, precision.loss_scale, precision.autocast,
                                                         self._chunk_weight(micro_batches)), dtype=torch.float64)
+        rows = micro_batches
+        if self.context is not None:  # this rank's share of each row, each token with its position id
+            micro_batches = [self.context.shard(batch) for batch in rows]
         losses, divisors = [], self._loss_divisors(micro_batches)
         for i, batch in enumerate(micro_batches):
             RECORDER.micro_step = i
-            if self.context is not None:  # this rank's share of each row, with its global position ids
-                batch = self.context.shard(batch)
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context(), \
-                    self._sharded():
+                    self._sharded(rows[i]):
                 with record_function("forward"), precision.autocast():
                     with self._routing():
                         logits = self._logits(self.sync.module, batch)
                     labels = batch[1].to(logits.device, non_blocking=True)
-                    loss = self.loss_fn(logits, labels) / divisors[i]
+                    loss = self._micro_loss(logits, labels, divisors[i])
                     if self.router_load is not None:  # the router's load-balancing loss, a mean over micro-steps
-                        aux = self.router_load.aux_loss(labels)
+                        aux = self.router_load.aux_loss(rows[i][1].to(logits.device, non_blocking=True))
                         loss = loss + self.cfg.model.moe_aux_loss_coef * aux / len(micro_batches)
                 with record_function("backward"):
                     self.sync.backward(precision.scale(loss))
@@ -274,9 +282,12 @@ class Trainer:
         or an image's patches and class token."""
         return inputs.size(0) * example_width(self.cfg) if self.classes else inputs.numel()
 
-    def _sharded(self) -> AbstractContextManager[None]:
-        """Where attention meets the other cp ranks' shards: the training forward (and its backward's ring)."""
-        return self.context.sharded() if self.context is not None else contextlib.nullcontext()
+    def _sharded(self, rows: Batch) -> AbstractContextManager[None]:
+        """Where attention meets the other cp ranks' shards: the training forward (and its backward's ring) of the
+        micro-batch's whole `rows` (packed rows bring their position ids, which keep examples apart)."""
+        if self.context is None:
+            return contextlib.nullcontext()
+        return self.context.sharded(rows[2].to(self.net.input_device, non_blocking=True) if len(rows) > 2 else None)
 
     def _routing(self) -> AbstractContextManager[None]:
         """Where a mixture's routers are watched: the training forward (not evaluation or decoding)."""

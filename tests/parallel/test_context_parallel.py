@@ -1,6 +1,8 @@
 """Context parallelism (parallel.cp): the load-balanced split as a known answer, and on two ranks as threads of the
 test process (real gloo, fast tier) a tiny GPT-2's, Llama's and Qwen2's loss and gradients, each rank holding its
-shard of every row, equal to one process's with both implementations; each refused layout's one line."""
+shard of every row, equal to one process's with both implementations; packed rows (each example its own positions,
+no attention across examples) and the mixtures with their load-balancing loss (over the whole rows' real positions)
+likewise; each refused layout's one line."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ import torch.distributed as dist
 from thread_ranks import run_threads
 
 from gptpar.config import load_config
+from gptpar.data.pairs import IGNORE
 from gptpar.errors import ConfigError, GptparError
+from gptpar.models import architecture
 from gptpar.models.build import build_model
 from gptpar.parallel.context_parallel import ContextParallel, shard_positions
+from gptpar.parallel.placement import logits
+from gptpar.train.moe import RouterLoad
 
 VOCAB, ROWS, SEQ = 64, 2, 16
 
@@ -27,8 +33,8 @@ def test_the_load_balanced_split_gives_rank_r_chunks_r_and_its_mirror() -> None:
     assert work == [work[0]] * 4
 
 
-def _model(preset: str) -> torch.nn.Module:
-    return build_model(load_config(None, [f"model.preset={preset}"]).model, VOCAB, seed=3)
+def _model(preset: str, *overrides: str) -> torch.nn.Module:
+    return build_model(load_config(None, [f"model.preset={preset}", *overrides]).model, VOCAB, seed=3)
 
 
 def _rows() -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,13 +75,104 @@ def test_cp2_loss_and_gradients_equal_one_process(preset: str, impl: str) -> Non
             torch.testing.assert_close(rank_grads[name], grad, rtol=0, atol=6e-7, msg=name)
 
 
+# Two packed rows of 16 (data.packing): examples of 5, 7 and 4 positions, then 9 and 7; position ids restart at each
+# example. Under cp=2 every row's chunks 0 and 3 are rank 0's, so each rank holds pieces of several examples.
+PACKED = torch.tensor([[*range(5), *range(7), *range(4)], [*range(9), *range(7)]])
+AUX_COEF = 0.1
+SMALL = ("model.n_layer=2",)
+MIXTURE = (f"model.moe_aux_loss_coef={AUX_COEF}",)
+
+
+def _packed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inputs, labels = _rows()
+    labels = labels.clone()
+    # Row 0: its second example's prompt (6-11, all rank 1's) and a padding tail (14, 15) unlabelled. Rank 1's 6-11
+    # are real positions (rank 0's 12 and 13 carry labels after them) though no label of its own follows them.
+    labels[0, 6:12] = labels[0, 14:] = IGNORE
+    return inputs, labels, PACKED
+
+
+def _total_loss(out: torch.Tensor, labels: torch.Tensor, targets: int, router: RouterLoad | None,
+                whole_labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of these positions' labels as a share of the `targets` of the whole rows, plus the router's
+    load-balancing loss over the whole rows (RouterLoad.aux_loss)."""
+    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum") / targets
+    return loss + AUX_COEF * router.aux_loss(whole_labels) if router is not None else loss
+
+
+def _router(model: torch.nn.Module, group: dist.ProcessGroup | None, replicas: int) -> RouterLoad | None:
+    """A mixture's routers watched as the trainer watches them (None for a dense model)."""
+    routers = architecture(model).routers(model)
+    return (RouterLoad(routers, routers[0].weight.size(0), model.config.num_experts_per_tok, group, replicas)
+            if routers else None)
+
+
+def _one_process(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One process's loss and gradients of whole (packed) rows, as the trainer runs them (placement.logits)."""
+    router = _router(model, None, 1)
+    with router.recording() if router is not None else torch.enable_grad():
+        out = logits(model, torch.device("cpu"), batch[0], batch[2] if len(batch) > 2 else None)
+    loss = _total_loss(out, batch[1], int((batch[1] != IGNORE).sum()), router, batch[1])
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _context_rank(model: torch.nn.Module, impl: str, batch: tuple[torch.Tensor, ...]
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's shard of `batch` through `model`: the loss and gradients averaged over the cp ranks as the sync
+    does, each rank's loss the cp-fold of its share (as the trainer's divisors make it)."""
+    context = ContextParallel(dist.group.WORLD, impl)
+    context.attach(model)
+    router = _router(model, dist.group.WORLD, context.size)
+    if router is not None:
+        router.context_shard = context.mine
+    inputs, labels, positions = context.shard(batch)
+    with context.sharded(batch[2] if len(batch) > 2 else None):
+        with router.recording() if router is not None else torch.enable_grad():
+            out = logits(model, torch.device("cpu"), inputs, positions)
+        share = _total_loss(out, labels, int((batch[1] != IGNORE).sum()), None, batch[1]) * context.size
+        loss = share + AUX_COEF * router.aux_loss(batch[1]) if router is not None else share
+        loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for grad in grads.values():
+        dist.all_reduce(grad)
+        grad /= context.size
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    return loss / context.size, grads
+
+
+# Each implementation once, with learned positions (GPT-2) and rotary ones (Llama).
+@pytest.mark.parametrize(("preset", "impl"), [("gpt2-tiny", "all_to_all"), ("llama-tiny", "ring")])
+def test_packed_rows_keep_their_examples_apart_as_one_process(preset: str, impl: str) -> None:
+    """Each token keeps its example's position id and sees only its example's keys (packed_attention's mask)."""
+    loss, grads = _one_process(_model(preset, *SMALL), _packed_rows())
+    for rank_loss, rank_grads in run_threads(2, lambda r: _context_rank(_model(preset, *SMALL), impl,
+                                                                        _packed_rows())):
+        torch.testing.assert_close(rank_loss, loss, rtol=0, atol=1.5e-6)  # measured 4.8e-7 (loss about 4.3)
+        for name, grad in grads.items():  # measured at most 1.2e-7, elementwise
+            torch.testing.assert_close(rank_grads[name], grad, rtol=0, atol=4e-7, msg=name)
+
+
+@pytest.mark.parametrize(("preset", "impl"), [("mixtral-tiny", "ring"), ("qwen2-moe-tiny", "all_to_all")])
+def test_a_mixture_and_its_balancing_loss_equal_one_process(preset: str, impl: str) -> None:
+    """The routers' statistics are summed over the cp ranks, each counting its shard of the whole rows' real
+    positions (row 0's unlabelled tail routes but does not count)."""
+    loss, grads = _one_process(_model(preset, *SMALL, *MIXTURE), _packed_rows()[:2])
+    for rank_loss, rank_grads in run_threads(2, lambda r: _context_rank(_model(preset, *SMALL, *MIXTURE), impl,
+                                                                        _packed_rows()[:2])):
+        torch.testing.assert_close(rank_loss, loss, rtol=0, atol=3e-6)  # measured 9.5e-7 (loss about 4.4)
+        for name, grad in grads.items():  # measured at most 1.0e-7 (both implementations), elementwise
+            torch.testing.assert_close(rank_grads[name], grad, rtol=0, atol=4e-7, msg=name)
+
+
 BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["parallel.tp=2"], "parallel.cp=2 composes with data parallelism on data.task=lm only, not with "
-                        "parallel.tp=2; set parallel.pp, tp and ep to 1, parallel.pp_mode=single, data.task=lm and "
-                        "data.packing=false, or parallel.cp=1"),
+    (["parallel.tp=2"], "parallel.cp=2 composes with data and expert parallelism only, not with parallel.tp=2; set "
+                        "parallel.pp and tp to 1 and parallel.pp_mode=single, or parallel.cp=1"),
     (["parallel.dp_sync=fsdp", "parallel.dp=2"], "parallel.cp=2 averages whole gradients over dp * cp ranks, which "
                                                  "parallel.dp_sync=fsdp is not built for; use parallel.dp_sync="
                                                  "bucketed, ddp or naive"),
@@ -84,7 +181,7 @@ BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
     (["parallel.cp_impl=all_to_all", "parallel.cp=3", "data.seq_len=18"],
      "parallel.cp_impl=all_to_all needs model.n_head=4 divisible by parallel.cp=3; use a multiple of 3, or "
      "parallel.cp_impl=ring"),
-    (["model.preset=vit-tiny"], "parallel.cp=2 is built for model.arch=gpt2, llama or qwen2 without experts, not "
+    (["model.preset=vit-tiny"], "parallel.cp=2 is built for model.arch=gpt2, llama, qwen2, mixtral or qwen2_moe, not "
                                 "vit; use one of them, or parallel.cp=1"),
 ])
 def test_each_layout_cp_cannot_take_is_one_line(overrides: list[str], message: str) -> None:
