@@ -19,8 +19,11 @@ rank knows every example of the rows, which every rank of a cp group reads whole
 - all_to_all (Ulysses): an all-to-all trades heads for sequence (each rank gets n_head / cp heads of the whole
   sequence), plain causal attention runs on them in global order, and a second all-to-all gives the heads back.
 
-The loss needs nothing of its own: every rank holds an equal number of each row's targets, so the mean over the
-dp x cp ranks (the data-parallel sync over ParallelDims.replica_group) of each rank's mean is the global mean.
+The loss needs nothing of its own: on blocks of text every rank holds an equal number of each row's targets, so the
+mean over the dp x cp ranks (the data-parallel sync over ParallelDims.replica_group) of each rank's mean is the global
+mean; pair rows' shards hold different numbers of targets, which the trainer weighs as it weighs replicas' (its loss
+divisors, counted on the shards). A mixture's routers run on the shard too; their statistics are summed over dp x cp
+(gptpar.train.moe), and an expert's gradient over every cp rank of its replicas (grid.EXPERT_REPLICAS).
 """
 
 from __future__ import annotations
@@ -193,34 +196,45 @@ class _Ring(torch.autograd.Function):
     """Ring attention with its own backward ring, keeping only this rank's q, k, v, output and log-sum-exp (not the
     blocks it visited). Forward: at each of cp steps the next K/V block is on its way while this one is attended to.
     Backward: the K/V blocks go round again, each block's softmax recomputed from the saved log-sum-exp; dq stays
-    here, dK/dV travel with their block and, after the last step, one more step takes them home."""
+    here, dK/dV travel with their block and, after the last step, one more step takes them home. Blocks travel in
+    the inputs' dtype; scores, softmax, the merged output and log-sum-exp are fp32 whatever it is (as sdpa's kernels
+    accumulate under bf16: a bf16 merge measured 1.3e-3 off one bf16 process's validation loss after two steps)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, groups: int, scale: float, cp: ContextParallel,
                 examples: torch.Tensor | None) -> torch.Tensor:
         kv, out, lse = torch.stack([key, value]), None, None
-        for step in range(cp.size):
-            ahead = cp.start_shift(kv) if step < cp.size - 1 else None
-            block, block_lse = _partial(query, repeat_kv(kv[0], groups), repeat_kv(kv[1], groups),
-                                        cp.visible(query.size(2), step, query.device, examples), scale)
-            out, lse = (block, block_lse) if out is None else _merged(out, lse, block, block_lse)
-            if ahead is not None:
-                kv = arrived(*ahead)
+        with torch.autocast(query.device.type, enabled=False):  # fp32 inside, whatever autocast around
+            for step in range(cp.size):
+                ahead = cp.start_shift(kv) if step < cp.size - 1 else None
+                block, block_lse = _partial(query.float(), repeat_kv(kv[0].float(), groups),
+                                            repeat_kv(kv[1].float(), groups),
+                                            cp.visible(query.size(2), step, query.device, examples), scale)
+                out, lse = (block, block_lse) if out is None else _merged(out, lse, block, block_lse)
+                if ahead is not None:
+                    kv = arrived(*ahead)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.groups, ctx.scale, ctx.cp, ctx.examples = groups, scale, cp, examples
-        return out
+        return out.to(query.dtype)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse = ctx.saved_tensors
+        with torch.autocast(grad_out.device.type, enabled=False):  # fp32 inside, as the forward
+            return _Ring.ring_backward(ctx, grad_out)
+
+    @staticmethod
+    def ring_backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+                      ) -> tuple[torch.Tensor | None, ...]:
+        saved, key, value, out, lse = ctx.saved_tensors
         groups, scale, cp = ctx.groups, ctx.scale, ctx.cp
+        query, grad_out = saved.float(), grad_out.float()
         delta = (grad_out * out).sum(-1, keepdim=True)  # softmax's backward: sum_j p_ij dP_ij per query
         grad_query, kv = torch.zeros_like(query), torch.stack([key, value])
         grad_kv = torch.zeros_like(kv)
         for step in range(cp.size):
             ahead = cp.start_shift(kv) if step < cp.size - 1 else None
-            k, v = repeat_kv(kv[0], groups), repeat_kv(kv[1], groups)
+            k, v = repeat_kv(kv[0].float(), groups), repeat_kv(kv[1].float(), groups)
             scores = ((query @ k.transpose(-1, -2)) * scale).masked_fill(
                 ~cp.visible(query.size(2), step, query.device, ctx.examples), torch.finfo(query.dtype).min)
             probs = (scores - lse[..., None]).exp()
@@ -232,7 +246,7 @@ class _Ring(torch.autograd.Function):
             grad_kv = arrived(*cp.start_shift(grad_kv))  # with its block: after the last step, home
             if ahead is not None:
                 kv = arrived(*ahead)
-        return grad_query, grad_kv[0], grad_kv[1], None, None, None, None
+        return grad_query.to(saved.dtype), grad_kv[0], grad_kv[1], None, None, None, None
 
 
 class _Exchange(torch.autograd.Function):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from itertools import islice
 from typing import Any
@@ -77,6 +77,14 @@ def epoch_steps(loader: Iterable[Batch], accum: int, skip_steps: int, steps_per_
     (gptpar.data.partition), so a run resumed on another layout (--reshape) continues at the next sample."""
     micro = iter(islice(loader, skip_steps * accum, steps_per_epoch * accum))
     return iter(lambda: list(islice(micro, accum)), [])
+
+
+def micro_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
+               labels: torch.Tensor, divisor: float) -> torch.Tensor:
+    """A micro-batch's mean loss over its divisor (Trainer._loss_divisors). A cp rank's shard of pair rows may hold no
+    target (divisor inf; its mean would be 0/0): its loss is a zero that still runs the backward its peers'
+    collectives wait for (the ring, the sync), with zero gradients."""
+    return loss_fn(logits, labels) / divisor if divisor < math.inf else logits.sum() * 0
 
 
 class Trainer:
@@ -234,11 +242,6 @@ class Trainer:
         share = self._target_share(micro_batches)
         return [share / count if (count := target_tokens(batch[1])) else math.inf for batch in micro_batches]
 
-    def _micro_loss(self, logits: torch.Tensor, labels: torch.Tensor, divisor: float) -> torch.Tensor:
-        """A micro-batch's mean loss over its divisor; a cp rank's shard of pair rows may hold no target (divisor
-        inf), whose zero loss still runs the backward its peers' collectives (the ring, the sync) wait for."""
-        return self.loss_fn(logits, labels) / divisor if divisor < math.inf else logits.sum() * 0
-
     def _chunk_weight(self, micro_batches: list[Batch]) -> Weight | None:
         """`_loss_divisors` for the pipeline engine, which cuts micro-batches into chunks of its own: None (equal
         shares) for blocks; for translation a chunk's n target tokens over N / R, as a multiplier."""
@@ -268,7 +271,7 @@ class Trainer:
                     with self._routing():
                         logits = self._logits(self.sync.module, batch)
                     labels = batch[1].to(logits.device, non_blocking=True)
-                    loss = self._micro_loss(logits, labels, divisors[i])
+                    loss = micro_loss(self.loss_fn, logits, labels, divisors[i])
                     if self.router_load is not None:  # the router's load-balancing loss, a mean over micro-steps
                         aux = self.router_load.aux_loss(rows[i][1].to(logits.device, non_blocking=True))
                         loss = loss + self.cfg.model.moe_aux_loss_coef * aux / len(micro_batches)

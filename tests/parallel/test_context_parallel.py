@@ -6,6 +6,8 @@ likewise; each refused layout's one line."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,9 +18,11 @@ from gptpar.data.pairs import IGNORE
 from gptpar.errors import ConfigError, GptparError
 from gptpar.models import architecture
 from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.context_parallel import ContextParallel, shard_positions
 from gptpar.parallel.placement import logits
 from gptpar.train.moe import RouterLoad
+from gptpar.train.trainer import micro_loss
 
 VOCAB, ROWS, SEQ = 64, 2, 16
 
@@ -165,6 +169,15 @@ def test_a_mixture_and_its_balancing_loss_equal_one_process(preset: str, impl: s
         torch.testing.assert_close(rank_loss, loss, rtol=0, atol=3e-6)  # measured 9.5e-7 (loss about 4.4)
         for name, grad in grads.items():  # measured at most 1.0e-7 (both implementations), elementwise
             torch.testing.assert_close(rank_grads[name], grad, rtol=0, atol=4e-7, msg=name)
+
+
+def test_a_shard_without_targets_backpropagates_zeros() -> None:
+    """A cp rank's shard of pair rows may hold only prompts and padding: its loss is zero, not 0/0, and its backward
+    (which its peers' ring and sync wait for) gives zero gradients."""
+    logits = torch.randn(2, 4, VOCAB, requires_grad=True)
+    loss = micro_loss(lm_loss, logits, torch.full((2, 4), IGNORE), math.inf)
+    loss.backward()
+    assert loss.item() == 0 and torch.equal(logits.grad, torch.zeros_like(logits))
 
 
 BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
