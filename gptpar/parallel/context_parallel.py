@@ -197,8 +197,9 @@ class _Ring(torch.autograd.Function):
     blocks it visited). Forward: at each of cp steps the next K/V block is on its way while this one is attended to.
     Backward: the K/V blocks go round again, each block's softmax recomputed from the saved log-sum-exp; dq stays
     here, dK/dV travel with their block and, after the last step, one more step takes them home. Blocks travel in
-    the inputs' dtype; scores, softmax, the merged output and log-sum-exp are fp32 whatever it is (as sdpa's kernels
-    accumulate under bf16: a bf16 merge measured 1.3e-3 off one bf16 process's validation loss after two steps)."""
+    the inputs' dtype; scores, softmax, the merged output and log-sum-exp are fp32 whatever it is, as sdpa's kernels
+    accumulate (a tiny GPT-2's gradients under bf16 autocast, relative L2 from fp32's and from one bf16 process's:
+    6.0e-3 and 5.1e-3, merged in bf16 6.6e-3 and 6.1e-3)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, query: torch.Tensor, key: torch.Tensor,
