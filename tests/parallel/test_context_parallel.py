@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from thread_ranks import run_threads
 
-from gptpar.config import load_config
+from gptpar.config import example_width, fixed_width, load_config
 from gptpar.data.pairs import IGNORE
 from gptpar.errors import ConfigError, GptparError
 from gptpar.models import architecture
@@ -201,6 +201,18 @@ def test_each_layout_cp_cannot_take_is_one_line(overrides: list[str], message: s
     with pytest.raises(ConfigError) as caught:
         load_config(None, [*BASE, *overrides])
     assert str(caught.value) == message
+
+
+PAIRS = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=24",
+         "data.max_target_len=24", "model.preset=mixtral-tiny", "parallel.cp=2"]
+
+
+@pytest.mark.parametrize(("impl", "packing", "width"), [("ring", True, 52), ("all_to_all", False, 50)])
+def test_pair_rows_are_padded_to_a_width_the_split_divides(impl: str, packing: bool, width: int) -> None:
+    """sft rows of a mixture, packed or not, take cp (no refusal), their width 24 + 24 + 1 rounded up to 2 cp chunks
+    for the ring and cp for all_to_all, every batch that wide (not its longest example's)."""
+    cfg = load_config(None, [*PAIRS, f"parallel.cp_impl={impl}", f"data.packing={str(packing).lower()}"])
+    assert example_width(cfg) == fixed_width(cfg) == width
 
 
 def _sliding(rank: int) -> None:
