@@ -357,7 +357,8 @@ def example_width(cfg: Config) -> int:
     if d.task == "classify":  # an image's patches and its class token
         return cfg.model.shape().n_positions
     shards = p.tp if p.tp > 1 and p.sequence_parallel else 1
-    shards = math.lcm(shards, p.cp * (2 if p.cp_impl == "ring" else 1))  # ring: 2 cp chunks (load balance)
+    if p.cp > 1:  # the ring cuts 2 cp chunks (load balance), all_to_all cp
+        shards = math.lcm(shards, p.cp * (2 if p.cp_impl == "ring" else 1))
     return -(-(d.max_source_len + d.max_target_len + 1) // shards) * shards
 
 

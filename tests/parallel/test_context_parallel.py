@@ -213,6 +213,7 @@ def test_pair_rows_are_padded_to_a_width_the_split_divides(impl: str, packing: b
     for the ring and cp for all_to_all, every batch that wide (not its longest example's)."""
     cfg = load_config(None, [*PAIRS, f"parallel.cp_impl={impl}", f"data.packing={str(packing).lower()}"])
     assert example_width(cfg) == fixed_width(cfg) == width
+    assert example_width(load_config(None, [*PAIRS, f"parallel.cp_impl={impl}", "parallel.cp=1"])) == 49  # as before
 
 
 def _sliding(rank: int) -> None:
