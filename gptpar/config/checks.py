@@ -5,6 +5,7 @@ from validated keys."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from gptpar.architectures import ARCHITECTURES, CLASSIFIER_ARCHS, MOE_ARCHS
 from gptpar.config.parallel_checks import PARALLEL_CHECKS
@@ -349,22 +350,25 @@ def _check_example_fits(cfg: Config) -> None:
 def example_width(cfg: Config) -> int:
     """The positions of the longest example: data.seq_len, an image's patches and class token, or for translation
     source, <sep> and target (rounded up to a multiple of parallel.tp under sequence parallelism, whose sequence
-    shards must be equal)."""
+    shards must be equal, and of the chunks context parallelism cuts a row into)."""
     d, p = cfg.data, cfg.parallel
     if d.task == "lm":
         return d.seq_len
     if d.task == "classify":  # an image's patches and its class token
         return cfg.model.shape().n_positions
     shards = p.tp if p.tp > 1 and p.sequence_parallel else 1
+    if p.cp > 1:  # the ring cuts 2 cp chunks (load balance), all_to_all cp
+        shards = math.lcm(shards, p.cp * (2 if p.cp_impl == "ring" else 1))
     return -(-(d.max_source_len + d.max_target_len + 1) // shards) * shards
 
 
 def fixed_width(cfg: Config) -> int | None:
     """The width every translation batch is padded to where shapes must not vary from batch to batch: under the
     multi-process pipeline (its stages allocate receive buffers from the shape), sequence parallelism (equal
-    shards) and packing (the rows' width); None elsewhere, where each batch is padded to its longest example, and
-    for lm (blocks of one width)."""
+    shards), context parallelism (equal chunks) and packing (the rows' width); None elsewhere, where each batch is
+    padded to its longest example, and for lm (blocks of one width)."""
     p = cfg.parallel
-    fixed = cfg.data.task in PAIR_TASKS and (p.pp > 1 or (p.tp > 1 and p.sequence_parallel) or cfg.data.packing)
+    fixed = cfg.data.task in PAIR_TASKS and (p.pp > 1 or (p.tp > 1 and p.sequence_parallel) or p.cp > 1
+                                             or cfg.data.packing)
     return example_width(cfg) if fixed else None
 

@@ -190,36 +190,39 @@ def check_lora(cfg: Config) -> None:
         raise ConfigError(f"{lora} does not run under parallel.dp_sync={p.dp_sync} ({why}); use {either(allowed)}")
 
 
-CP_ARCHS = ("gpt2", "llama", "qwen2")  # whose attention takes the context-parallel function and whose positions are ids
+# whose attention takes the context-parallel function and whose positions are ids
+CP_ARCHS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe")
 
 
 def check_context_parallel(cfg: Config) -> None:
-    """parallel.cp against what it is built with (every data-parallel strategy, our tensor parallelism, the
-    multi-process pipeline, GPT-2 and the Llama family, next-token blocks) and the sequence and heads its
-    implementation splits (a tensor-parallel rank's heads; with sequence parallelism each shard split again)."""
+    """parallel.cp against what it is built with (every data-parallel strategy, expert parallelism, our tensor
+    parallelism, the multi-process pipeline; the decoders and their mixtures; blocks or pair rows, packed or not) and
+    the sequence and heads its implementation splits (a tensor-parallel rank's heads; with sequence parallelism each
+    shard split again)."""
     p, shape, cp = cfg.parallel, cfg.model.shape(), f"parallel.cp={cfg.parallel.cp}"
     if p.cp == 1:
         return
-    if shape.arch not in CP_ARCHS or shape.moe:
-        kind = f"{shape.arch} with experts" if shape.moe else shape.arch
-        raise ConfigError(f"{cp} is built for model.arch={either(list(CP_ARCHS))} without experts, not {kind}; "
+    if shape.arch not in CP_ARCHS:
+        raise ConfigError(f"{cp} is built for model.arch={either(list(CP_ARCHS))}, not {shape.arch}; "
                           "use one of them, or parallel.cp=1")
     if p.tp > 1 and p.tp_impl != "gptpar":  # torch's attention and DTensor gradients do not meet the cp group
         raise ConfigError(f"{cp} composes with parallel.tp_impl=gptpar only, not parallel.tp_impl={p.tp_impl} (its "
                           "DTensor gradients are averaged by fsdp2 over the dp mesh alone, and its attention does not "
                           "run the cp exchange); use parallel.tp_impl=gptpar, or parallel.cp=1")
-    layout = [f"parallel.ep={p.ep}"] if p.ep > 1 else []  # tp (ours) and pp compose: their pieces ask the cp group
-    layout += [f"parallel.pp_mode={p.pp_mode}"] if p.pp_mode != "single" else []
-    layout += [f"data.task={cfg.data.task}"] if cfg.data.task != "lm" else []
-    layout += ["data.packing=true"] if cfg.data.packing else []
-    if layout:
-        raise ConfigError(f"{cp} composes with data, tensor and pipeline parallelism on data.task=lm only, not with "
-                          f"{either(layout, 'and')}; set parallel.ep to 1, parallel.pp_mode=single, data.task=lm and "
-                          "data.packing=false, or parallel.cp=1")
+    pieces = [f"parallel.{key}={value}" for key, value in (("pp", p.pp), ("tp", p.tp)) if value > 1]
+    whole = [f"data.task={cfg.data.task}"] if cfg.data.task != "lm" else []
+    whole += ["data.packing=true"] if cfg.data.packing else []
+    whole += [f"model.arch={shape.arch}"] if shape.moe else []
+    if pieces and whole:  # the pieces take the shard's positions from the ContextParallel: one sequence a row
+        raise ConfigError(f"{cp} with {either(pieces, 'and')} runs dense models on data.task=lm blocks without "
+                          f"packing, not {either(whole, 'and')}; set parallel.pp and tp to 1 for it, or parallel.cp=1")
+    if p.pp_mode != "single":  # one process drives every stage: no ranks to split a sequence over
+        raise ConfigError(f"{cp} composes with data, expert, tensor and pipeline parallelism, not with "
+                          f"parallel.pp_mode={p.pp_mode}; set parallel.pp_mode=single, or parallel.cp=1")
     if p.hpz:  # every strategy shards and averages over dp * cp ranks; hpZ's node group lies along dp alone
         raise ConfigError(f"parallel.hpz=true keeps a copy of the shards within a node's data-parallel ranks, but "
                           f"under {cp} they are sharded over dp * cp ranks; use parallel.hpz=false, or parallel.cp=1")
-    seq_len = cfg.data.seq_len
+    seq_len = cfg.data.seq_len if cfg.data.task == "lm" else 0  # pair rows' width is rounded up (example_width)
     if p.cp_impl == "ring" and seq_len % (2 * p.cp):
         raise ConfigError(f"parallel.cp_impl=ring splits data.seq_len={seq_len} into 2 * parallel.cp = {2 * p.cp} "
                           f"chunks; use a seq_len that is a multiple of {2 * p.cp}")

@@ -15,7 +15,7 @@ from importlib import import_module
 
 from gptpar.architectures import ARCHITECTURES
 from gptpar.errors import GptparError
-from gptpar.models.base import Architecture, find_model, packed_attention
+from gptpar.models.base import Architecture, find_model, packed_attention, packed_examples
 
 
 def architecture(of: object) -> Architecture:
@@ -34,4 +34,4 @@ def _described(name: str) -> Architecture:
     return getattr(import_module(module), obj)
 
 
-__all__ = ["Architecture", "architecture", "find_model", "packed_attention"]
+__all__ = ["Architecture", "architecture", "find_model", "packed_attention", "packed_examples"]

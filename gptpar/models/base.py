@@ -20,10 +20,16 @@ from gptpar.errors import GptparError
 from gptpar.presets import ModelShape
 
 
+def packed_examples(positions: torch.Tensor) -> torch.Tensor:
+    """(batch, T): each position's example in its packed row (data.packing), a new one starting where the position id
+    is 0."""
+    return (positions == 0).cumsum(dim=1)
+
+
 def packed_attention(positions: torch.Tensor) -> torch.Tensor:
     """The (batch, 1, T, T) boolean mask of packed rows (data.packing): causal within each example (a new one starts
     where the position id is 0), nothing across them. transformers takes a 4-d mask as it is, in every family."""
-    example = (positions == 0).cumsum(dim=1)
+    example = packed_examples(positions)
     same = example[:, :, None] == example[:, None, :]
     causal = torch.ones(positions.size(1), positions.size(1), dtype=torch.bool, device=positions.device).tril()
     return (same & causal)[:, None]

@@ -9,7 +9,9 @@ run take token ids only, and their position table or rotary module asks it for t
 The shard of rank r is `shard_positions`: the sequence in 2 * cp chunks, chunks r and 2 * cp - 1 - r, so that under
 the causal mask every rank has an equal share of the work (an early chunk sees few keys, its mirror many). Each
 token keeps its global position id (GPT-2's learned positions, Llama's rotary), and causality is decided between
-global positions, so both implementations are exact:
+global positions, so both implementations are exact. Packed rows (data.packing) keep their examples' position ids,
+and a query sees only the keys of its own example (gptpar.models.packed_attention, the mask one process uses): each
+rank knows every example of the rows, which every rank of a cp group reads whole before it keeps its shard.
 
 - ring (`_Ring`): K/V go around the cp group (one send and one receive per step, the next block on its way while
   this one is attended to); each block gives a partial softmax over its keys, merged into the running result by
@@ -19,8 +21,11 @@ global positions, so both implementations are exact:
 - all_to_all (Ulysses): an all-to-all trades heads for sequence (each rank gets n_head / cp heads of the whole
   sequence), plain causal attention runs on them in global order, and a second all-to-all gives the heads back.
 
-The loss needs nothing of its own: every rank holds an equal number of each row's targets, so the mean over the
-dp x cp ranks (the data-parallel sync over ParallelDims.replica_group) of each rank's mean is the global mean.
+The loss needs nothing of its own: on blocks of text every rank holds an equal number of each row's targets, so the
+mean over the dp x cp ranks (the data-parallel sync over ParallelDims.replica_group) of each rank's mean is the global
+mean; pair rows' shards hold different numbers of targets, which the trainer weighs as it weighs replicas' (its loss
+divisors, counted on the shards). A mixture's routers run on the shard too; their statistics are summed over dp x cp
+(gptpar.train.moe), and an expert's gradient over every cp rank of its replicas (grid.EXPERT_REPLICAS).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
 from gptpar.errors import GptparError
+from gptpar.models import packed_attention, packed_examples
 from gptpar.parallel.comm import SENT, comm_span
 from gptpar.tensor_bytes import SavedBytes
 
@@ -62,6 +68,7 @@ class ContextParallel:
         # count_saved: the first `sharded` forward counts what attention saves for backward (the memory record's
         # attention_bytes); only where no other saved-tensor hooks run (recompute's, the pipeline's, a compiled graph)
         self.count_saved, self.saved, self.saved_bytes = count_saved, None, None
+        self.rows: torch.Tensor | None = None  # inside `sharded`: the packed rows' whole position ids (None: unpacked)
 
     def attach(self, model: nn.Module) -> None:
         """Route `model`'s attention through `ATTENTION`, every module knowing this rank's cp group: transformers'
@@ -73,36 +80,46 @@ class ContextParallel:
             module.context_parallel = self
 
     @contextlib.contextmanager
-    def sharded(self) -> Iterator[None]:
-        self.active = True
+    def sharded(self, rows: torch.Tensor | None = None) -> Iterator[None]:
+        """Attention over the cp group inside; `rows`: the whole position ids of packed rows, whose examples do not
+        see each other (None: each row one sequence)."""
+        self.active, self.rows = True, rows
         self.saved = SavedBytes(()) if self.count_saved and self.saved_bytes is None else None
         try:
             yield
         finally:
-            self.active = False
+            self.active, self.rows = False, None
             if self.saved is not None:
                 self.saved_bytes, self.saved = self.saved.total, None
 
     def positions(self, length: int, device: torch.device) -> torch.Tensor:
-        """The global positions of `length` tokens of this rank's shard inside `sharded`, else 0..length - 1."""
+        """The global positions of `length` tokens of this rank's shard inside `sharded`, else 0..length - 1 (for
+        the pieces tensor and pipeline parallelism run, whose rows are never packed under cp)."""
         if not self.active:
             return torch.arange(length, device=device)
         return shard_positions(length * self.size, self.size, self.rank).to(device)
 
     def shard(self, batch: tuple[torch.Tensor, ...], with_positions: bool = True) -> tuple[torch.Tensor, ...]:
-        """(inputs, labels) of whole rows as this rank's (inputs, labels, position ids); without the position ids
-        for a model run as pieces (tensor or pipeline parallelism), which ask `positions` themselves."""
-        inputs, labels = batch[0], batch[1]
-        positions = shard_positions(inputs.size(1), self.size, self.rank).to(inputs.device)
-        ids = (positions.expand(inputs.size(0), -1),) if with_positions else ()
-        return inputs[:, positions], labels[:, positions], *ids
+        """(inputs, labels[, position ids of packed rows]) of whole rows as this rank's (inputs, labels, position
+        ids): each token keeps its position id, the row's own or its example's; without the position ids for a
+        model run as pieces (tensor or pipeline parallelism), which ask `positions` themselves."""
+        inputs = batch[0]
+        if not with_positions:
+            return self.mine(inputs), self.mine(batch[1])
+        positions = batch[2] if len(batch) > 2 else torch.arange(inputs.size(1), device=inputs.device).expand_as(inputs)
+        return self.mine(inputs), self.mine(batch[1]), self.mine(positions)
+
+    def mine(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's positions (`shard_positions`) of a (batch, T, ...) tensor of whole rows."""
+        return rows[:, shard_positions(rows.size(1), self.size, self.rank).to(rows.device)]
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int,
                scale: float) -> torch.Tensor:
         """Causal attention of this rank's queries (batch, heads, T / cp, dim) over the whole sequence; K/V with
         n_head / `groups` heads. Returns (batch, T / cp, heads, dim), as transformers' attention functions do."""
         if self.impl == "ring":
-            out = _Ring.apply(query, key, value, groups, scale, self)
+            examples = packed_examples(self.rows) if self.rows is not None else None
+            out = _Ring.apply(query, key, value, groups, scale, self, examples)
         else:
             out = self._all_to_all(query, repeat_kv(key, groups), repeat_kv(value, groups), scale)
         return out.transpose(1, 2).contiguous()
@@ -110,11 +127,16 @@ class ContextParallel:
     def _positions(self, rank: int, local: int) -> torch.Tensor:
         return shard_positions(local * self.size, self.size, rank)
 
-    def visible(self, local: int, step: int, device: torch.device) -> torch.Tensor:
-        """Which keys of the block held at ring step `step` (rank r - step's) this rank's queries see."""
+    def visible(self, local: int, step: int, device: torch.device, examples: torch.Tensor | None) -> torch.Tensor:
+        """Which keys of the block held at ring step `step` (rank r - step's) this rank's queries see: (T/cp, T/cp),
+        or per row (batch, 1, T/cp, T/cp) where `examples` (packed_examples of the whole rows) keep each query to
+        its own example."""
         mine = self._positions(self.rank, local).to(device)
         theirs = self._positions((self.rank - step) % self.size, local).to(device)
-        return mine[:, None] >= theirs[None, :]
+        causal = mine[:, None] >= theirs[None, :]
+        if examples is None:
+            return causal
+        return (causal & (examples[:, mine, None] == examples[:, None, theirs]))[:, None]
 
     def start_shift(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list[dist.Work]]:
         """`tensor` on its way to the next rank of the cp group, and the buffer the previous one's is arriving in:
@@ -137,7 +159,8 @@ class ContextParallel:
         local = query.size(2)
         order = torch.cat([self._positions(r, local) for r in range(self.size)]).argsort().to(query.device)
         q, k, v = (self._heads_for_sequence(t)[:, :, order] for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        mask = packed_attention(self.rows) if self.rows is not None else None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
         return self._sequence_for_heads(out[:, :, order.argsort()])
 
     def _heads_for_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -193,35 +216,48 @@ class _Ring(torch.autograd.Function):
     """Ring attention with its own backward ring, keeping only this rank's q, k, v, output and log-sum-exp (not the
     blocks it visited). Forward: at each of cp steps the next K/V block is on its way while this one is attended to.
     Backward: the K/V blocks go round again, each block's softmax recomputed from the saved log-sum-exp; dq stays
-    here, dK/dV travel with their block and, after the last step, one more step takes them home."""
+    here, dK/dV travel with their block and, after the last step, one more step takes them home. Blocks travel in
+    the inputs' dtype; scores, softmax, the merged output and log-sum-exp are fp32 whatever it is, as sdpa's kernels
+    accumulate (a tiny GPT-2's gradients under bf16 autocast, relative L2 from fp32's and from one bf16 process's:
+    6.0e-3 and 5.1e-3, merged in bf16 6.6e-3 and 6.1e-3)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, query: torch.Tensor, key: torch.Tensor,
-                value: torch.Tensor, groups: int, scale: float, cp: ContextParallel) -> torch.Tensor:
+                value: torch.Tensor, groups: int, scale: float, cp: ContextParallel,
+                examples: torch.Tensor | None) -> torch.Tensor:
         kv, out, lse = torch.stack([key, value]), None, None
-        for step in range(cp.size):
-            ahead = cp.start_shift(kv) if step < cp.size - 1 else None
-            block, block_lse = _partial(query, repeat_kv(kv[0], groups), repeat_kv(kv[1], groups),
-                                        cp.visible(query.size(2), step, query.device), scale)
-            out, lse = (block, block_lse) if out is None else _merged(out, lse, block, block_lse)
-            if ahead is not None:
-                kv = arrived(*ahead)
+        with torch.autocast(query.device.type, enabled=False):  # fp32 inside, whatever autocast around
+            for step in range(cp.size):
+                ahead = cp.start_shift(kv) if step < cp.size - 1 else None
+                block, block_lse = _partial(query.float(), repeat_kv(kv[0].float(), groups),
+                                            repeat_kv(kv[1].float(), groups),
+                                            cp.visible(query.size(2), step, query.device, examples), scale)
+                out, lse = (block, block_lse) if out is None else _merged(out, lse, block, block_lse)
+                if ahead is not None:
+                    kv = arrived(*ahead)
         ctx.save_for_backward(query, key, value, out, lse)
-        ctx.groups, ctx.scale, ctx.cp = groups, scale, cp
-        return out
+        ctx.groups, ctx.scale, ctx.cp, ctx.examples = groups, scale, cp, examples
+        return out.to(query.dtype)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        query, key, value, out, lse = ctx.saved_tensors
+        with torch.autocast(grad_out.device.type, enabled=False):  # fp32 inside, as the forward
+            return _Ring.ring_backward(ctx, grad_out)
+
+    @staticmethod
+    def ring_backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor
+                      ) -> tuple[torch.Tensor | None, ...]:
+        saved, key, value, out, lse = ctx.saved_tensors
         groups, scale, cp = ctx.groups, ctx.scale, ctx.cp
+        query, grad_out = saved.float(), grad_out.float()
         delta = (grad_out * out).sum(-1, keepdim=True)  # softmax's backward: sum_j p_ij dP_ij per query
         grad_query, kv = torch.zeros_like(query), torch.stack([key, value])
         grad_kv = torch.zeros_like(kv)
         for step in range(cp.size):
             ahead = cp.start_shift(kv) if step < cp.size - 1 else None
-            k, v = repeat_kv(kv[0], groups), repeat_kv(kv[1], groups)
+            k, v = repeat_kv(kv[0].float(), groups), repeat_kv(kv[1].float(), groups)
             scores = ((query @ k.transpose(-1, -2)) * scale).masked_fill(
-                ~cp.visible(query.size(2), step, query.device), torch.finfo(query.dtype).min)
+                ~cp.visible(query.size(2), step, query.device, ctx.examples), torch.finfo(query.dtype).min)
             probs = (scores - lse[..., None]).exp()
             grad_scores = probs * (grad_out @ v.transpose(-1, -2) - delta) * scale
             grad_query += grad_scores @ k
@@ -231,7 +267,7 @@ class _Ring(torch.autograd.Function):
             grad_kv = arrived(*cp.start_shift(grad_kv))  # with its block: after the last step, home
             if ahead is not None:
                 kv = arrived(*ahead)
-        return grad_query, grad_kv[0], grad_kv[1], None, None, None
+        return grad_query.to(saved.dtype), grad_kv[0], grad_kv[1], None, None, None, None
 
 
 class _Exchange(torch.autograd.Function):

@@ -17,7 +17,8 @@ other parameter stay whole, replicated as before. A block's experts run in three
 Backward sends the gradients the same ways in reverse, so an expert's gradient on its rank sums the contributions
 of every rank's tokens, each from that rank's own loss. One process's gradient is the mean over the R replicas'
 losses: the dense parameters get the data-parallel strategy's average (which leaves the experts alone), the experts
-are summed over the ranks that hold the same ones (EXPERT_REPLICAS, R / ep of them) and divided by R.
+are summed over the ranks that hold the same ones (EXPERT_REPLICAS, R / ep of them) and divided by R (under context
+parallelism R is dp x cp: every cp rank of a replica holds the experts, run on its shard of the rows).
 
 Checkpoints hold whole experts: each rank's slice is a DTensor sharded along dimension 0 over its ep group, so DCP
 writes every slice once under the parameter's name with the whole shape, and a checkpoint loads under any ep.
@@ -141,8 +142,9 @@ class ExpertParallel:
 
     def __init__(self, model: nn.Module, dims: ParallelDims, capacity_factor: float) -> None:
         self.group, self.replicas = dims.group("ep"), dims.group(EXPERT_REPLICAS)
-        self.replica_count, self.coord = dims.size("dp"), dims.coord("ep")
-        self.first_replica = dims.coord("dp") < dims.size("ep")  # of the ranks holding its experts
+        self.replica_count, self.coord = dims.replicas(), dims.coord("ep")
+        # of the ranks holding its experts
+        self.first_replica = dims.coord("dp") < dims.size("ep") and dims.coord("cp") == 0
         self.modules: dict[int, DispatchedExperts] = {}  # by block index
         for index, block in enumerate(architecture(model).blocks(model)):
             mlp = block.get_submodule(EXPERTS.rpartition(".")[0])

@@ -78,10 +78,12 @@ def _expert_group(rank: int, sizes: dict[str, int]) -> list[int]:
 
 
 def _expert_replicas(rank: int, sizes: dict[str, int]) -> list[int]:
-    """The replicas that hold the same experts: equal ep coordinate (dp % ep), every ep-th along dp."""
+    """The replicas that hold the same experts: equal ep coordinate (dp % ep), every ep-th along dp, and every cp
+    coordinate (each cp rank runs the experts on its shard of the rows)."""
     stride = math.prod(sizes.get(d, 1) for d in GRID_DIMS[GRID_DIMS.index("dp") + 1:])
     coord, ep = coordinates(rank, sizes)["dp"], sizes["ep"]
-    return [rank + (coord % ep + i * ep - coord) * stride for i in range(sizes["dp"] // ep)]
+    return [member for i in range(sizes["dp"] // ep)
+            for member in group_ranks(rank + (coord % ep + i * ep - coord) * stride, sizes, "cp")]
 
 
 def _replicas(rank: int, sizes: dict[str, int]) -> list[int]:

@@ -24,6 +24,8 @@ process whose micro-step j holds every replica's chunk j (with one replica, trai
 
 Under sequence parallelism each rank of a tp group routes only its shard of the positions; the statistics are
 summed over the tp group as over the replicas (the mixture's gradients too: gptpar.parallel.tensor_parallel.mixture).
+Under context parallelism the replicas are dp x cp, each cp rank routing its shard of the rows: its real positions
+are the whole rows' (a row's last label may lie in another rank's shard), kept at its own positions (`context_shard`).
 """
 
 from __future__ import annotations
@@ -71,12 +73,18 @@ class RouterLoad:
         # The picks the listed layers' experts dropped past their capacity in their last forward
         # (gptpar.parallel.expert_parallel); None: none are ever dropped.
         self.dropped_source: Callable[[Iterable[int]], torch.Tensor] | None = None
+        # Context parallelism: this rank's positions of whole rows (ContextParallel.mine); aux_loss then takes the
+        # whole rows' labels. None: the labels are this rank's own.
+        self.context_shard: Callable[[torch.Tensor], torch.Tensor] | None = None
         for index, router in enumerate(routers):
             router.register_forward_hook(partial(self._keep, index))
 
     def _real(self, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """This rank's real positions, flat, as 0/1 in fp32: its sequence shard's under sequence parallelism."""
+        """This rank's real positions, flat, as 0/1 in fp32: its sequence shard's under sequence or context
+        parallelism."""
         real = real_positions(labels)
+        if self.context_shard is not None:
+            real = self.context_shard(real)
         if self.sequence_shards is not None:
             real = real.chunk(dist.get_world_size(self.sequence_shards), dim=1)[dist.get_rank(self.sequence_shards)]
         return real.reshape(-1).to(device, torch.float32)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from itertools import islice
 from typing import Any
@@ -98,6 +98,14 @@ def replica_steps(train_set: Dataset, collate: Collate, replica: int, replicas: 
                        skip_steps, steps_per_epoch)
 
 
+def micro_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
+               labels: torch.Tensor, divisor: float) -> torch.Tensor:
+    """A micro-batch's mean loss over its divisor (Trainer._loss_divisors). A cp rank's shard of pair rows may hold no
+    target (divisor inf; its mean would be 0/0): its loss is a zero that still runs the backward its peers'
+    collectives wait for (the ring, the sync), with zero gradients."""
+    return loss_fn(logits, labels) / divisor if divisor < math.inf else logits.sum() * 0
+
+
 class Trainer:
     """Set-up (data, model, sync, optimizer), the step loop, evaluation, checkpoints and step logs."""
 
@@ -130,7 +138,7 @@ class Trainer:
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))  # the LM head is the token table
         shape, routers = cfg.model.shape(), self.arch.routers(model)
         sequence_shards = dims.group("tp") if cfg.parallel.sequence_parallel else None
-        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.group("dp"), dims.size("dp"),
+        self.router_load = RouterLoad(routers, shape.n_experts, shape.top_k, dims.replica_group(), dims.replicas(),
                                       dims.group("pp"), dims.device, sequence_shards) if routers else None
         # The ranks over which losses and token counts are summed: dp, or dp x cp (each cp rank a share of the rows).
         self.dp_group, self.tp_group = dims.replica_group(), dims.group("tp")
@@ -139,6 +147,8 @@ class Trainer:
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
         self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
         self.context = wrapped.context
+        if self.router_load is not None and self.context is not None:  # each cp rank routes its share of the rows
+            self.router_load.context_shard = self.context.mine
         if self.router_load is not None and self.experts is not None and cfg.model.moe_capacity_factor:
             self.router_load.dropped_source = self.experts.dropped
         # What holds its parameters as pieces of the checkpoint's whole tensors, each saving and loading its own.
@@ -245,7 +255,7 @@ class Trainer:
         if self.pairs is None:
             return [len(micro_batches)] * len(micro_batches)
         share = self._target_share(micro_batches)
-        return [share / target_tokens(batch[1]) for batch in micro_batches]
+        return [share / count if (count := target_tokens(batch[1])) else math.inf for batch in micro_batches]
 
     def _chunk_weight(self, micro_batches: list[Batch]) -> Weight | None:
         """`_loss_divisors` for the pipeline engine, which cuts micro-batches into chunks of its own: None (equal
@@ -266,18 +276,20 @@ class Trainer:
                 return torch.tensor(self.net.train_step(self._shards(micro_batches), precision.loss_scale,
                                                         precision.autocast, self._chunk_weight(micro_batches)),
                                     dtype=torch.float64)
+        rows = micro_batches
+        micro_batches = self._shards(rows)
         losses, divisors = [], self._loss_divisors(micro_batches)
-        for i, batch in enumerate(self._shards(micro_batches)):
+        for i, batch in enumerate(micro_batches):
             RECORDER.micro_step = i
             with self.sync.accumulating(is_last_micro_step=i == len(micro_batches) - 1), self.loss_context(), \
-                    self._sharded():
+                    self._sharded(rows[i]):
                 with record_function("forward"), precision.autocast():
                     with self._routing():
                         logits = self._logits(self.sync.module, batch)
                     labels = batch[1].to(logits.device, non_blocking=True)
-                    loss = self.loss_fn(logits, labels) / divisors[i]
+                    loss = micro_loss(self.loss_fn, logits, labels, divisors[i])
                     if self.router_load is not None:  # the router's load-balancing loss, a mean over micro-steps
-                        aux = self.router_load.aux_loss(labels)
+                        aux = self.router_load.aux_loss(rows[i][1].to(logits.device, non_blocking=True))
                         loss = loss + self.cfg.model.moe_aux_loss_coef * aux / len(micro_batches)
                 with record_function("backward"):
                     self.sync.backward(precision.scale(loss))
@@ -290,16 +302,21 @@ class Trainer:
         return inputs.size(0) * example_width(self.cfg) if self.classes else inputs.numel()
 
     def _shards(self, micro_batches: list[Batch]) -> list[Batch]:
-        """This rank's share of each row under context parallelism: with its global position ids for the whole model;
-        a model run as pieces (tensor or pipeline parallelism) asks the ContextParallel for them."""
+        """This rank's share of each row under context parallelism, each token with its position id (its row's or
+        its packed example's) for the whole model; a model run as pieces (tensor or pipeline parallelism) asks the
+        ContextParallel for them."""
         if self.context is None:
             return micro_batches
         pieces = self.pipeline or self.tp_group is not None
         return [self.context.shard(batch, with_positions=not pieces) for batch in micro_batches]
 
-    def _sharded(self) -> AbstractContextManager[None]:
-        """Where attention meets the other cp ranks' shards: the training forward (and its backward's ring)."""
-        return self.context.sharded() if self.context is not None else contextlib.nullcontext()
+    def _sharded(self, rows: Batch | None = None) -> AbstractContextManager[None]:
+        """Where attention meets the other cp ranks' shards: the training forward (and its backward's ring) of the
+        micro-batch's whole `rows` (packed rows bring their position ids, which keep examples apart)."""
+        if self.context is None:
+            return contextlib.nullcontext()
+        packed = rows is not None and len(rows) > 2
+        return self.context.sharded(rows[2].to(self.net.input_device, non_blocking=True) if packed else None)
 
     def _routing(self) -> AbstractContextManager[None]:
         """Where a mixture's routers are watched: the training forward (not evaluation or decoding)."""

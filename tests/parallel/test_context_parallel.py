@@ -1,22 +1,31 @@
 """Context parallelism (parallel.cp): the load-balanced split as a known answer, and on two ranks as threads of the
 test process (real gloo, fast tier) a tiny GPT-2's, Llama's and Qwen2's loss and gradients, each rank holding its
-shard of every row, equal to one process's with both implementations; what attention saves for backward on 1, 2 and 4
-ranks, the closed form; the architecture's pieces (what tensor and pipeline parallelism run) at the shard's global
-positions; each refused layout's one line."""
+shard of every row, equal to one process's with both implementations; packed rows (each example its own positions,
+no attention across examples) and the mixtures with their load-balancing loss (over the whole rows' real positions)
+likewise; what attention saves for backward on 1, 2 and 4 ranks, the closed form; the architecture's pieces (what
+tensor and pipeline parallelism run) at the shard's global positions; each refused layout's one line."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 import torch.distributed as dist
 from thread_ranks import run_threads
 
-from gptpar.config import load_config
+from gptpar.config import example_width, fixed_width, load_config
+from gptpar.data.pairs import IGNORE
 from gptpar.errors import ConfigError, GptparError
+from gptpar.models import architecture
 from gptpar.models.build import build_model
+from gptpar.models.loss import lm_loss
 from gptpar.parallel.context_parallel import ContextParallel, shard_positions
+from gptpar.parallel.placement import logits
 from gptpar.parallel.tensor_parallel import tensor_parallel_forward
 from gptpar.strategies.context_parallel import AttentionShape, attention_bytes
+from gptpar.train.moe import RouterLoad
+from gptpar.train.trainer import micro_loss
 
 VOCAB, ROWS, SEQ = 64, 2, 16
 
@@ -31,8 +40,8 @@ def test_the_load_balanced_split_gives_rank_r_chunks_r_and_its_mirror() -> None:
     assert work == [work[0]] * 4
 
 
-def _model(preset: str) -> torch.nn.Module:
-    return build_model(load_config(None, [f"model.preset={preset}"]).model, VOCAB, seed=3)
+def _model(preset: str, *overrides: str) -> torch.nn.Module:
+    return build_model(load_config(None, [f"model.preset={preset}", *overrides]).model, VOCAB, seed=3)
 
 
 def _rows() -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,14 +125,117 @@ def test_the_pieces_run_the_shard_at_its_global_positions(preset: str, impl: str
         torch.testing.assert_close(shard, logits[:, shard_positions(SEQ, 2, rank)], rtol=0, atol=1.2e-6)
 
 
+# Two packed rows of 16 (data.packing): examples of 5, 7 and 4 positions, then 9 and 7; position ids restart at each
+# example. Under cp=2 every row's chunks 0 and 3 are rank 0's, so each rank holds pieces of several examples.
+PACKED = torch.tensor([[*range(5), *range(7), *range(4)], [*range(9), *range(7)]])
+AUX_COEF = 0.1
+SMALL = ("model.n_layer=2", "model.n_embd=32")
+MIXTURE = (f"model.moe_aux_loss_coef={AUX_COEF}",)
+
+
+def _packed_rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inputs, labels = _rows()
+    labels = labels.clone()
+    # Row 0: its second example's prompt (6-11, all rank 1's) and a padding tail (14, 15) unlabelled. Rank 1's 6-11
+    # are real positions (rank 0's 12 and 13 carry labels after them) though no label of its own follows them.
+    labels[0, 6:12] = labels[0, 14:] = IGNORE
+    return inputs, labels, PACKED
+
+
+def _total_loss(out: torch.Tensor, labels: torch.Tensor, targets: int, router: RouterLoad | None,
+                whole_labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of these positions' labels as a share of the `targets` of the whole rows, plus the router's
+    load-balancing loss over the whole rows (RouterLoad.aux_loss)."""
+    loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), labels.flatten(), reduction="sum") / targets
+    return loss + AUX_COEF * router.aux_loss(whole_labels) if router is not None else loss
+
+
+def _router(model: torch.nn.Module, group: dist.ProcessGroup | None, replicas: int) -> RouterLoad | None:
+    """A mixture's routers watched as the trainer watches them (None for a dense model)."""
+    routers = architecture(model).routers(model)
+    return (RouterLoad(routers, routers[0].weight.size(0), model.config.num_experts_per_tok, group, replicas)
+            if routers else None)
+
+
+def _one_process(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One process's loss and gradients of whole (packed) rows, as the trainer runs them (placement.logits)."""
+    router = _router(model, None, 1)
+    with router.recording() if router is not None else torch.enable_grad():
+        out = logits(model, torch.device("cpu"), batch[0], batch[2] if len(batch) > 2 else None)
+    loss = _total_loss(out, batch[1], int((batch[1] != IGNORE).sum()), router, batch[1])
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def _context_rank(model: torch.nn.Module, impl: str, batch: tuple[torch.Tensor, ...]
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's shard of `batch` through `model`: the loss and gradients averaged over the cp ranks as the sync
+    does, each rank's loss the cp-fold of its share (as the trainer's divisors make it)."""
+    context = ContextParallel(dist.group.WORLD, impl)
+    context.attach(model)
+    router = _router(model, dist.group.WORLD, context.size)
+    if router is not None:
+        router.context_shard = context.mine
+    inputs, labels, positions = context.shard(batch)
+    with context.sharded(batch[2] if len(batch) > 2 else None):
+        with router.recording() if router is not None else torch.enable_grad():
+            out = logits(model, torch.device("cpu"), inputs, positions)
+        share = _total_loss(out, labels, int((batch[1] != IGNORE).sum()), None, batch[1]) * context.size
+        loss = share + AUX_COEF * router.aux_loss(batch[1]) if router is not None else share
+        loss.backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    for grad in grads.values():
+        dist.all_reduce(grad)
+        grad /= context.size
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    return loss / context.size, grads
+
+
+# Each implementation once, with learned positions (GPT-2) and rotary ones (Llama).
+@pytest.mark.parametrize(("preset", "impl"), [("gpt2-tiny", "all_to_all"), ("llama-tiny", "ring")])
+def test_packed_rows_keep_their_examples_apart_as_one_process(preset: str, impl: str) -> None:
+    """Each token keeps its example's position id and sees only its example's keys (packed_attention's mask)."""
+    loss, grads = _one_process(_model(preset, *SMALL), _packed_rows())
+    for rank_loss, rank_grads in run_threads(2, lambda r: _context_rank(_model(preset, *SMALL), impl,
+                                                                        _packed_rows())):
+        torch.testing.assert_close(rank_loss, loss, rtol=0, atol=1.5e-6)  # measured 4.8e-7 (loss about 4.2)
+        for name, grad in grads.items():  # measured at most 6.0e-8 (both implementations), elementwise
+            torch.testing.assert_close(rank_grads[name], grad, rtol=0, atol=2e-7, msg=name)
+
+
+@pytest.mark.parametrize(("preset", "impl"), [("mixtral-tiny", "ring"), ("qwen2-moe-tiny", "all_to_all")])
+def test_a_mixture_and_its_balancing_loss_equal_one_process(preset: str, impl: str) -> None:
+    """The routers' statistics are summed over the cp ranks, each counting its shard of the whole rows' real
+    positions (row 0's unlabelled tail routes but does not count)."""
+    loss, grads = _one_process(_model(preset, *SMALL, *MIXTURE), _packed_rows()[:2])
+    for rank_loss, rank_grads in run_threads(2, lambda r: _context_rank(_model(preset, *SMALL, *MIXTURE), impl,
+                                                                        _packed_rows()[:2])):
+        torch.testing.assert_close(rank_loss, loss, rtol=0, atol=1.5e-6)  # measured 0 (one ulp of 4.4 is 4.8e-7)
+        for name, grad in grads.items():  # measured at most 3.0e-8 (both implementations), elementwise
+            torch.testing.assert_close(rank_grads[name], grad, rtol=0, atol=1e-7, msg=name)
+
+
+def test_a_shard_without_targets_backpropagates_zeros() -> None:
+    """A cp rank's shard of pair rows may hold only prompts and padding: its loss is zero, not 0/0, and its backward
+    (which its peers' ring and sync wait for) gives zero gradients."""
+    logits = torch.randn(2, 4, VOCAB, requires_grad=True)
+    loss = micro_loss(lm_loss, logits, torch.full((2, 4), IGNORE), math.inf)
+    loss.backward()
+    assert loss.item() == 0 and torch.equal(logits.grad, torch.zeros_like(logits))
+
+
 BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["parallel.pp_mode=model_parallel"], "parallel.cp=2 composes with data, tensor and pipeline parallelism on "
-                                          "data.task=lm only, not with parallel.pp_mode=model_parallel; set "
-                                          "parallel.ep to 1, parallel.pp_mode=single, data.task=lm and "
-                                          "data.packing=false, or parallel.cp=1"),
+    (["parallel.pp_mode=model_parallel"], "parallel.cp=2 composes with data, expert, tensor and pipeline parallelism, "
+                                          "not with parallel.pp_mode=model_parallel; set parallel.pp_mode=single, or "
+                                          "parallel.cp=1"),
+    (["parallel.tp=2", "data.packing=true"], "parallel.cp=2 with parallel.tp=2 runs dense models on data.task=lm "
+                                             "blocks without packing, not data.packing=true; set parallel.pp and tp "
+                                             "to 1 for it, or parallel.cp=1"),
     (["parallel.tp=2", "parallel.tp_impl=torch"], "parallel.cp=2 composes with parallel.tp_impl=gptpar only, not "
                                                   "parallel.tp_impl=torch (its DTensor gradients are averaged by fsdp2 "
                                                   "over the dp mesh alone, and its attention does not run the cp "
@@ -145,13 +257,26 @@ BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
     (["parallel.cp_impl=all_to_all", "parallel.cp=3", "data.seq_len=18"],
      "parallel.cp_impl=all_to_all needs model.n_head=4 divisible by parallel.cp=3; use a multiple of 3, or "
      "parallel.cp_impl=ring"),
-    (["model.preset=vit-tiny"], "parallel.cp=2 is built for model.arch=gpt2, llama or qwen2 without experts, not "
+    (["model.preset=vit-tiny"], "parallel.cp=2 is built for model.arch=gpt2, llama, qwen2, mixtral or qwen2_moe, not "
                                 "vit; use one of them, or parallel.cp=1"),
 ])
 def test_each_layout_cp_cannot_take_is_one_line(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(None, [*BASE, *overrides])
     assert str(caught.value) == message
+
+
+PAIRS = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes", "data.max_source_len=24",
+         "data.max_target_len=24", "model.preset=mixtral-tiny", "parallel.cp=2"]
+
+
+@pytest.mark.parametrize(("impl", "packing", "width"), [("ring", True, 52), ("all_to_all", False, 50)])
+def test_pair_rows_are_padded_to_a_width_the_split_divides(impl: str, packing: bool, width: int) -> None:
+    """sft rows of a mixture, packed or not, take cp (no refusal), their width 24 + 24 + 1 rounded up to 2 cp chunks
+    for the ring and cp for all_to_all, every batch that wide (not its longest example's)."""
+    cfg = load_config(None, [*PAIRS, f"parallel.cp_impl={impl}", f"data.packing={str(packing).lower()}"])
+    assert example_width(cfg) == fixed_width(cfg) == width
+    assert example_width(load_config(None, [*PAIRS, f"parallel.cp_impl={impl}", "parallel.cp=1"])) == 49  # as before
 
 
 def _sliding(rank: int) -> None:

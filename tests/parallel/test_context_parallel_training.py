@@ -1,12 +1,15 @@
 """Context parallelism through the trainer's own step on the shared gloo pool: cp=2 with each implementation (GPT-2
-and Llama; the ring under block recompute too), dp=2 x cp=2, cp=2 x tp=2 (ours, with and without sequence
-parallelism) and cp=2 x pp=2 (1f1b, interleaved and zb1p) train like one process on the same global batch (losses,
-validation loss, every parameter), and the step's point-to-point and all-to-all bytes are their closed forms (on a
-tensor-parallel rank's heads, for the layers a pipeline rank holds); with whole heads and layers, the memory record's
-attention bytes are their closed form, and the bytes and training state the planner prices the same config at."""
+and Llama; the ring under block recompute and compiled blocks too; a mixture with its load-balancing loss; packed sft
+rows), dp=2 x cp=2, a mixture's experts split over ep=2 inside dp=2 x cp=2, cp=2 x tp=2 (ours, with and without
+sequence parallelism) and cp=2 x pp=2 (1f1b, interleaved and zb1p) train like one process on the same global batch
+(losses, validation loss, every parameter, a mixture's aux_loss and expert load), and the step's point-to-point and
+all-to-all bytes are their closed forms (on a tensor-parallel rank's heads, for the layers a pipeline rank holds);
+with whole heads and layers, the memory record's attention bytes are their closed form, and the bytes and training
+state the planner prices the same config at."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,16 +28,35 @@ from rank_training import (
     train_steps,
 )
 
+from gptpar.config import Config
 from gptpar.parallel.comm import new_step, read_sent
 from gptpar.parallel.process_group import RankInfo
 from gptpar.plan.layout import layout_of
 from gptpar.strategies.context_parallel import AttentionShape, attention_bytes, sent_bytes
 
 LLAMA = ["model.preset=llama-tiny", "model.n_layer=4", "model.n_embd=32", "model.n_head=2", "model.n_kv_head=2"]
+MIXTRAL = ["model.preset=mixtral-tiny", "model.n_layer=2", "model.n_head=2", "model.n_kv_head=2",
+           "model.moe_aux_loss_coef=0.1"]
+QWEN_MOE = ["model.preset=qwen2-moe-tiny", "model.n_layer=2", "model.n_head=2", "model.n_kv_head=2",
+            "model.moe_aux_loss_coef=0.1"]
+# Packed sft rows of 24 + 23 + 1 = 48 positions (a multiple of 2 cp: one process packs the same rows) holding two to
+# four short sums each (SUMS, written by the fixture), so the two shards of a micro-step hold different numbers of
+# targets; two micro-steps.
+SUMS = "sums.jsonl"
+SFT_PACKED = ["model.n_layer=2", "data.task=sft", f"data.source=jsonl:{{runs}}/{SUMS}", "data.tokenizer=bytes",
+              "data.max_source_len=24", "data.max_target_len=23", "data.packing=true", "train.grad_accum=2"]
 CASES = [("ring", ["parallel.cp=2"]), ("ulysses-llama", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *LLAMA]),
          ("ring-llama", ["parallel.cp=2", *LLAMA]),
          ("ring-recompute", ["parallel.cp=2", "train.activation_checkpointing=block"]),  # the ring again in backward
-         ("dp2-cp2", ["parallel.dp=2", "parallel.cp=2"])]
+         ("ring-mixtral", ["parallel.cp=2", *MIXTRAL]),
+         # dynamo runs the ring's autograd.Function and its sends between graphs (aot_eager: no C++ compiler needed)
+         ("ring-compile", ["parallel.cp=2", "model.n_layer=2", "train.compile=blocks",
+                           "train.compile_backend=aot_eager"]),
+         ("ulysses-sft-packed", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *SFT_PACKED]),
+         ("dp2-cp2", ["parallel.dp=2", "parallel.cp=2"]),
+         # each expert's tokens come from both replicas of its cp coordinate; its gradient is summed over cp too
+         ("dp2-cp2-ep2-qwen-moe", ["parallel.dp=2", "parallel.cp=2", "parallel.ep=2", *QWEN_MOE])]
+WORLD_4 = 2  # the last cases, on 4 ranks
 # cp composed with our tensor parallelism (with sequence parallelism: each cp shard split again over tp) and the
 # multi-process pipeline (each stage's attention over the cp group, the cp shard between stages), one short run each.
 GQA = ["model.n_head=4", "model.n_kv_head=2"]  # all_to_all under tp=2 trades 4 / 2 = 2 heads per rank over cp=2
@@ -51,17 +73,22 @@ RESUMED = {2: ["ring"], 4: ["cp2-tp2-sp", "cp2-pp2-ring-qwen2"]}  # by world siz
 LAYERS, ROWS, SEQ, HEADS, WIDTH, FP32 = 4, 8, 16, 2, 32, 4  # BASE's model and batch
 
 
+def _config(overrides: list[str], runs: Path, name: str) -> Config:
+    return make_config([value.format(runs=runs) for value in overrides], runs, name)
+
+
 def _train(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]]) -> None:
     """Each case of this world size: STEPS steps, the first step's bytes sent, and what assert_trains_like_one_process
     reads."""
     for name, overrides in cases:
-        trainer = make_trainer(make_config(overrides, runs, name), info)
+        trainer = make_trainer(_config(overrides, runs, name), info)
+        records = [] if trainer.router_load is not None else None
         new_step()
-        losses = train_steps(trainer, 1)
+        losses = train_steps(trainer, 1, records=records)
         sent = read_sent()
-        losses += train_steps(trainer, STEPS - 1)
+        losses += train_steps(trainer, STEPS - 1, records=records)
         record = {"losses": losses, "params": named_params(trainer), "coords": dict(trainer.dims.coords),
-                  "val": trainer.evaluate(), "sent": sent, "memory": trainer.memory}
+                  "val": trainer.evaluate(), "sent": sent, "memory": trainer.memory, "records": records}
         torch.save(record, runs / f"{name}.rank{info.rank}.pt")
     for name in RESUMED.get(info.world_size, []):  # a step, a checkpoint, a new trainer, a step
         resumed = resumed_run(make_config(dict(CASES + COMPOSED)[name], runs, f"resumed-{name}"), info)
@@ -71,18 +98,25 @@ def _train(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]]) -> No
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> Path:
     runs = tmp_path_factory.mktemp("context_parallel")
-    gloo_pool.run(2, _train, runs, CASES[:-1])
-    gloo_pool.run(4, _train, runs, CASES[-1:] + COMPOSED)
+    sums = ({"query": f"{a} + {7 * b}?", "response": f"{a + 7 * b}{'!' * (a % 9)}"}
+            for a in range(30) for b in range(7))
+    (runs / SUMS).write_text("".join(json.dumps(pair) + "\n" for pair in sums))
+    gloo_pool.run(2, _train, runs, CASES[:-WORLD_4])
+    gloo_pool.run(4, _train, runs, CASES[-WORLD_4:] + COMPOSED)
     return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "overrides"), CASES + COMPOSED, ids=[name for name, _ in CASES + COMPOSED])
 def test_context_parallel_trains_like_one_process(results: Path, name: str, overrides: list[str]) -> None:
-    ref = reference_run(make_config(overrides, results, name))
-    gpt2 = "llama" not in name and "qwen2" not in name
-    assert_trains_like_one_process(ref, saved_ranks(results, name), "transformer.wte.weight" if gpt2 else
-                                   "model.embed_tokens.weight", name)
+    ref = reference_run(_config(overrides, results, name))
+    ranks = saved_ranks(results, name)
+    assert_trains_like_one_process(ref, ranks, "model.embed_tokens.weight" if any(
+        arch in name for arch in ("llama", "qwen2", "mixtral", "moe")) else "transformer.wte.weight", name)
+    for rank in ranks:  # a mixture's: the load-balancing loss and the experts' load over every replica's tokens
+        for got, expected in zip(rank["records"] or [], ref["records"] or [], strict=True):
+            assert got["aux_loss"] == pytest.approx(expected["aux_loss"], rel=1e-5)
+            assert got["moe"] == expected["moe"]
 
 
 @pytest.mark.slow

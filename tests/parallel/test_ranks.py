@@ -239,6 +239,11 @@ def test_the_expert_dimension_splits_dp_into_groups_of_neighbouring_replicas() -
     # pp=2 x dp=4 (rank = 4 pp + dp), ep=4: one expert group per stage, each replica alone with its experts.
     ({"pp": 2, "dp": 4, "tp": 1, "ep": 4}, {"ep": [[0, 1, 2, 3], [4, 5, 6, 7]]}),
     ({"pp": 2, "dp": 4, "tp": 1, "ep": 1}, {}),  # no expert parallelism: no composite
+    # dp=4 x cp=2 (rank = 2 dp + cp), ep=2: an ep group shares its cp coordinate (each rank sends its shard's tokens
+    # to the experts of its peers in the group), the experts' replicas span both cp coordinates.
+    ({"pp": 1, "dp": 4, "cp": 2, "tp": 1, "ep": 2}, {"ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+                                                     EXPERT_REPLICAS: [[0, 1, 4, 5], [2, 3, 6, 7]],
+                                                     DP_CP: [[0, 1, 2, 3, 4, 5, 6, 7]]}),
 ])
 def test_named_composite_groups_are_a_function_of_the_grid(sizes: dict[str, int], expected: dict) -> None:
     """ISSUE 47.5: the groups ParallelDims makes once and names (grid.COMPOSITES), on 8-rank grids, every rank's own

@@ -1,5 +1,6 @@
 """Mixed precision (`train.precision`): bf16 trains like fp32 within bf16's rounding, on one process, and like one
-bf16 process on two ranks under every pipeline schedule, data-parallel sync and tensor-parallel implementation;
+bf16 process on two ranks under every pipeline schedule, data-parallel sync, tensor- and context-parallel
+implementation;
 fp16's loss scaler skips overflowing steps on a real trainer, on every rank, and recovers; the precisions a CPU
 cannot run are one-line errors.
 
@@ -7,7 +8,8 @@ bf16 runs a small byte-level text model whose loss falls fast, so "it trains" sh
 within 3x of this machine's own bf16 error of fp32's step by step (bf16 keeps 8 bits of mantissa; how a CPU rounds
 and sums bf16 products depends on its kernels, AVX512-BF16 or not), measured by torch's autocast in a plain loop on
 the same model, batches and optimizer (`_torch_autocast_losses`), yet differ from them (autocast ran). Two ranks
-in bf16 agree with one bf16 process: losses within PARALLEL_LOSS_TOL (TP_LOSS_TOL under tensor parallelism),
+in bf16 agree with one bf16 process: losses within PARALLEL_LOSS_TOL (TP_LOSS_TOL under tensor parallelism, the
+ring's validation loss RING_VAL_TOL),
 parameters within a mean |difference| of PARALLEL_PARAM_TOL after two AdamW steps (measured against one bf16
 process: ~4e-5 for every schedule and data-parallel sync, ~1e-4 for tensor parallelism, whose sharded matmuls sum
 their bf16 partial results in another order; ~1.4e-4 against fp32; a missing or wrong gradient moves many
@@ -31,6 +33,7 @@ from torch import nn
 from gptpar.config import Config, updated
 from gptpar.errors import GptparError
 from gptpar.models.loss import lm_loss
+from gptpar.parallel.context_parallel import IMPLS as CP_IMPLS
 from gptpar.parallel.pipeline.one_process.pipe import Pipe
 from gptpar.parallel.process_group import RankInfo
 from gptpar.run.logfile import RankLog, rank_log_path, read_rank_log
@@ -55,6 +58,11 @@ PARALLEL_LOSS_TOL = 1e-3
 # steps measured 1.0e-3 and 1.1e-3 (ours, torch's) from one bf16 process on a CPU with native bf16 kernels
 # (AVX512-BF16), under 1e-3 on one without.
 TP_LOSS_TOL = 2e-3
+# The ring (parallel.cp_impl=ring) merges per-block softmaxes in fp32 where one process's sdpa rounds its own way: its
+# gradients are as far from fp32's as one bf16 process's (relative L2 6.0e-3 and 5.8e-3) but not the same ones, and
+# two AdamW steps carry that into the validation loss: measured 3.0e-3 from one bf16 process (its step losses 1.9e-4,
+# its parameters 9.7e-5 in mean |difference|); all_to_all's attention is sdpa's own (2.6e-4, as the pipeline's).
+RING_VAL_TOL = 9e-3
 PARALLEL_PARAM_TOL = 3e-4  # mean |difference|: 3% of one AdamW step at lr 0.01, 3x tensor parallelism's measured
 TIED = {"lm_head.weight": "transformer.wte.weight"}  # the pipeline's head copy of the tied matrix
 CPU = RankInfo(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="", master_port=0,
@@ -67,6 +75,7 @@ PARALLEL_CASES = [
                        f"parallel.pp_virtual={2 if row.interleaved else 1}"]) for name, row in SCHEDULES.items()),
     *((f"dp2-{name}", [BF16, "parallel.dp=2", f"parallel.dp_sync={name}"]) for name in DP_STRATEGIES),
     *((f"tp2-{name}", [BF16, "parallel.tp=2", f"parallel.tp_impl={name}"]) for name in TP_IMPLS),
+    *((f"cp2-{name}", [BF16, "parallel.cp=2", f"parallel.cp_impl={name}"]) for name in CP_IMPLS),
 ]
 
 
@@ -257,7 +266,7 @@ def test_bf16_on_two_ranks_trains_like_one_bf16_process(parallel_runs: Path, one
     tolerance = TP_LOSS_TOL if name.startswith("tp") else PARALLEL_LOSS_TOL
     assert losses == pytest.approx(ref["losses"], abs=tolerance)
     assert losses != fp32["losses"]  # the ranks ran under autocast
-    assert ranks[0]["val"] == pytest.approx(ref["val"], abs=tolerance)
+    assert ranks[0]["val"] == pytest.approx(ref["val"], abs=RING_VAL_TOL if name == "cp2-ring" else tolerance)
     params = {**ranks[1]["params"], **ranks[0]["params"]}  # a pipeline: each rank holds its stages
     assert set(params) - set(TIED) == set(ref["params"])
     diff = torch.cat([(value - ref["params"][TIED.get(p, p)]).flatten() for p, value in params.items()])
