@@ -5,11 +5,11 @@ the task's environment (gptpar.parallel.env: SLURM_* under srun, SUBMITIT_LOCAL_
 Why a child: at a time limit or a preemption, submitit's USR2 handler calls checkpoint() on rank 0 synchronously,
 inside the signal handler, where training cannot stop cleanly (it may be inside an all-reduce). So the training
 runs in the child and stops at a step boundary by gptpar's own path (a checkpoint, then a "requeued" or "stopped"
-final record; gptpar.train.preemption): this task passes INT, TERM and USR2 on to it, and checkpoint() waits
-until every rank has written its final record, then returns a resubmission of this same task, which resumes the
-run from its folder with no step lost or repeated. submitit only requeues. (It does not wait for the child to
-exit: a Python process holding torch takes seconds to tear down, minutes on a loaded node, and the time limit
-does not wait; the requeue ends the child.)
+final record; gptpar.train.preemption): this task passes INT, TERM and USR2 (and the dump signal and SIGCONT) on
+to it, and checkpoint() waits until every rank has written its final record, then returns a resubmission of this
+same task, which resumes the run from its folder with no step lost or repeated. submitit only requeues. (It does
+not wait for the child to exit: a Python process holding torch takes seconds to tear down, minutes on a loaded
+node, and the time limit does not wait; the requeue ends the child.)
 
 The child runs in a session of its own, so a Ctrl-C on the terminal of the local executor reaches it once (from
 this task), not twice (a second Ctrl-C stops a rank at once, without a checkpoint). A signal is passed on once
@@ -32,12 +32,14 @@ from typing import Any
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from gptpar.launch.local import omp_threads
-from gptpar.parallel.env import layout_from_env
+from gptpar.parallel.env import DUMP_SIGNAL, layout_from_env
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import read_new_records
 from gptpar.run.rows import run_result
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+# and the dump signal and SIGCONT that a rank (or `gptpar debug`) sends every task of the job to ask for dumps
+# (gptpar.launchers.signal_job): a SIGQUIT left to its default would end this task
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, DUMP_SIGNAL, signal.SIGCONT)
 POLL_S = 0.2
 
 
