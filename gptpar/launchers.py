@@ -76,8 +76,8 @@ SCANCEL_TIMEOUT_S = 30.0  # scancel waits for slurmctld: a hang guard, never rea
 def signal_job(via: str, target: str, signals: Sequence[signal.Signals]) -> bool:
     """Send `signals`, in order, to every task of a job: via "pid", to the local launcher of pid `target`, which passes
     each on to its ranks (SIGCONT only to a stopped one); via "slurm", with scancel to every task of every step of
-    SLURM job `target` (not the batch shell, which a SIGQUIT would end; a submitit task passes them on to its rank).
-    Whether every signal was delivered (False: the launcher or the job is gone)."""
+    SLURM job `target`, every process of each step, a submitit task's rank included (not the batch shell, which a
+    SIGQUIT would end). Whether every signal was delivered (False: the launcher or the job is gone)."""
     for sig in signals:
         if via == "pid":
             try:
@@ -86,8 +86,10 @@ def signal_job(via: str, target: str, signals: Sequence[signal.Signals]) -> bool
                 return False
         else:
             env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # no job's own defaults
-            try:
-                done = subprocess.run(["scancel", f"--signal={sig.name.removeprefix('SIG')}", target], env=env,
+            names = " ".join(s.name.removeprefix("SIG") for s in signals)
+            try:  # scancel ignoring them: a rank's scancel is a process of the job's step, which they all reach
+                done = subprocess.run(["sh", "-c", f'trap "" {names}; exec scancel "$@"', "scancel",
+                                       f"--signal={sig.name.removeprefix('SIG')}", target], env=env,
                                       capture_output=True, timeout=SCANCEL_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired):  # no scancel here, or no answer from SLURM
                 return False

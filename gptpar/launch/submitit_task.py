@@ -5,11 +5,11 @@ the task's environment (gptpar.parallel.env: SLURM_* under srun, SUBMITIT_LOCAL_
 Why a child: at a time limit or a preemption, submitit's USR2 handler calls checkpoint() on rank 0 synchronously,
 inside the signal handler, where training cannot stop cleanly (it may be inside an all-reduce). So the training
 runs in the child and stops at a step boundary by gptpar's own path (a checkpoint, then a "requeued" or "stopped"
-final record; gptpar.train.preemption): this task passes INT, TERM and USR2 (and the dump signal and SIGCONT) on
-to it, and checkpoint() waits until every rank has written its final record, then returns a resubmission of this
-same task, which resumes the run from its folder with no step lost or repeated. submitit only requeues. (It does
-not wait for the child to exit: a Python process holding torch takes seconds to tear down, minutes on a loaded
-node, and the time limit does not wait; the requeue ends the child.)
+final record; gptpar.train.preemption): this task passes INT, TERM and USR2 on to it, and checkpoint() waits
+until every rank has written its final record, then returns a resubmission of this same task, which resumes the
+run from its folder with no step lost or repeated. submitit only requeues. (It does not wait for the child to
+exit: a Python process holding torch takes seconds to tear down, minutes on a loaded node, and the time limit
+does not wait; the requeue ends the child.)
 
 The child runs in a session of its own, so a Ctrl-C on the terminal of the local executor reaches it once (from
 this task), not twice (a second Ctrl-C stops a rank at once, without a checkpoint). A signal is passed on once
@@ -37,9 +37,12 @@ from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import read_new_records
 from gptpar.run.rows import run_result
 
-# and the dump signal and SIGCONT that a rank (or `gptpar debug`) sends every task of the job to ask for dumps
-# (gptpar.launchers.signal_job): a SIGQUIT left to its default would end this task
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, DUMP_SIGNAL, signal.SIGCONT)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+# The dump signal that a rank (or `gptpar debug`) sends every task of the job (gptpar.launchers.signal_job): SLURM
+# delivers it to every process of the step, the child rank included (proctrack cgroup or linuxproc), so this task
+# only must not die of it (SIGQUIT's default); passed on as well, the rank would dump twice, the second time after
+# SIGCONT had let a stopped rank run on.
+IGNORED = (DUMP_SIGNAL,)
 POLL_S = 0.2
 
 
@@ -71,6 +74,7 @@ class RankTask(Checkpointable):
         self._own_log = folder.rank_log(layout.rank), _size(folder.rank_log(layout.rank))
         self._submitits_usr2 = signal.getsignal(signal.SIGUSR2)
         previous = {sig: signal.signal(sig, self._pass_on) for sig in FORWARDED}
+        previous.update((sig, signal.signal(sig, _not_for_this_task)) for sig in IGNORED)
         try:
             self._child = subprocess.Popen(self.command, cwd=self.run_dir, env=env, start_new_session=True)
             self._wait()
@@ -141,6 +145,10 @@ def resubmits(code: int | None, finals: Iterable[Mapping[str, Any]]) -> bool:
     exited with an error or a signal and no rank failed. A failed run started again fails again, each time after
     a wait in the queue; submitit reports it failed instead."""
     return code in (None, 0) and not any(final.get("status") == "failed" for final in finals)
+
+
+def _not_for_this_task(signum: int, frame: FrameType | None) -> None:
+    """A handler, not SIG_IGN, which the child would inherit: the rank gets the signal from SLURM itself."""
 
 
 def _size(path: Path) -> int:

@@ -175,9 +175,10 @@ class _Dumper:
     """The dumps of one process. Each request (the dump signal) dumps: what the main thread captured of itself for it
     (`capture`, the moment it runs Python again, before it can fail), or, where it could not (blocked inside a
     collective), the recorder and its frames as the dumping thread takes them. A failure inside a collective dumps
-    once and has the last word: no request overwrites it, and it overwrites no dump of a rank that a request continued
-    (stopped until then, it runs on at once and fails in a later collective, far from where it hung: so a failure
-    waits for the answer to a request its main thread has seen)."""
+    once and has the last word: no request overwrites it. So does the dump of a rank that a request continued
+    (stopped until then, it runs on at once and fails in a later collective, far from where it hung, while the other
+    ranks' requests still come): neither a failure nor a request overwrites it, and a failure waits for the answer to
+    a request its main thread has seen."""
 
     def __init__(self, rank: int, flight_path: Path, stack_path: Path) -> None:
         self.rank, self.flight_path, self.stack_path = rank, flight_path, stack_path
@@ -197,7 +198,7 @@ class _Dumper:
         now (its capture comes later, when its collective ends, and is no later request's)."""
         self.requests += 1
         with self.lock:
-            if not self.failed:
+            if not (self.failed or self.continued):
                 deadline = time.monotonic() + CAPTURE_WAIT_S
                 while ((captured := self.captured) is None or captured[0] < self.requests) and \
                         time.monotonic() < deadline:

@@ -125,14 +125,18 @@ def test_each_request_dumps_anew_and_a_failure_has_the_last_word(tmp_path, recor
 
 def test_a_rank_continued_by_the_request_keeps_its_dump_when_it_fails_later(tmp_path, recorder):
     """The dump signal then SIGCONT at once, as a stopped rank receives them (request_dumps): the dump says stopped,
-    and the failure the continued rank runs into next does not overwrite where it was stopped."""
+    and neither the failure the continued rank runs into next nor another rank's request overwrites where it was
+    stopped."""
     flight_path = tmp_path / "rank1.flight.json"
     with dumps_on_signal(1, flight_path, tmp_path / "rank1.stack"), comm_span("all_reduce", nbytes=4):
         os.kill(os.getpid(), DUMP_SIGNAL)
         os.kill(os.getpid(), signal.SIGCONT)
         _until(flight_path.exists, "no dump")
-        assert json.loads(flight_path.read_text())["stopped"] is True
+        continued = json.loads(flight_path.read_text())
+        assert continued["stopped"] is True
         assert not flight.dump_on_failure(RuntimeError("Connection closed by peer"))
+        flight._dumper.on_signal(False)  # another rank's request, as the dump thread answers it
+        assert json.loads(flight_path.read_text()) == continued
 
 
 def test_the_live_state_is_the_collective_waited_in_rewritten_by_a_thread(tmp_path, recorder):
