@@ -162,6 +162,15 @@ def test_a_member_that_issued_the_collective_and_answers_is_no_suspect_one_that_
         "and has not answered for 20 s")
 
 
+def test_the_collective_of_a_rank_that_stopped_answering_is_not_taken_for_the_one_waited_in(tmp_path):
+    """Rank 1 was stopped at START + 2 inside dp #4, which it finished long ago for all its frozen state knows."""
+    folder = _lives(RunFolder(tmp_path), _live(0, {"dp": 5}, WAITING, START + 40, world=2),
+                    _live(1, {"dp": 4}, _entry(4, "started", START + 1), START + 2, world=2))
+    assert stuck(read_lives(folder, dict.fromkeys(range(2), START)), 2, START + 40, 10.0)["summary"] == (
+        "rank 0 waited 30 s in all_reduce(dp, 48 MiB) of step 12 (micro-step 0); rank 1 (node2, pid 4701) never "
+        "entered it (last seen at step 12) and has not answered for 38 s")
+
+
 def test_status_shows_a_running_run_stuck_once_its_ranks_waited_half_its_timeout(tmp_path):
     """parallel.stuck_after_s=0 is half of parallel.timeout_s (20 s here); a live state of an earlier start is
     stale."""
