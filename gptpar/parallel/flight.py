@@ -14,6 +14,9 @@ it receives DUMP_SIGNAL (SIGQUIT, the usual "dump your threads" signal: USR2 ask
 stop, USR1 belongs to NCCL). A rank blocked inside a collective never runs a Python signal handler, so the signal
 wakes a thread instead (`signal.set_wakeup_fd`), and faulthandler writes the stack at once from C to the rank's stderr
 even if that thread cannot run. gptpar.run.hang reads every rank's dump and names the rank that held the others up.
+
+While it trains, a thread of each rank rewrites its recorder's live state every second (job/rank<R>.live.json:
+`live_state`), from which `gptpar status` tells a stuck run before parallel.timeout_s ends it (gptpar.run.hang.stuck).
 """
 
 from __future__ import annotations
@@ -273,7 +276,9 @@ def live_state(rank: int, path: Path, every_s: float = LIVE_EVERY_S) -> Iterator
     """While it runs, a thread rewrites `path` every `every_s` with this rank's recorder as `live` has it (the
     collective it waits in, if any, and its count per group), its pid and the time: `gptpar status` tells a stuck run
     from it (gptpar.run.hang.stuck) while the ranks wait, before parallel.timeout_s ends them. The training thread
-    writes nothing: the file costs the step nothing, and a rank stopped (SIGSTOP) or frozen stops rewriting it."""
+    writes nothing, and a rank stopped (SIGSTOP) or frozen stops rewriting it. A rewrite holds the interpreter about
+    0.1 ms (the state as JSON) and spends about 2.5 ms in file calls (median of 7 x 200 on the loaded 2-core CPU VM):
+    0.01% of the training thread's second, under 0.3% of a core."""
     stop = threading.Event()
     thread = threading.Thread(target=_write_live, args=(rank, path, every_s, stop), name="gptpar-live", daemon=True)
     thread.start()
