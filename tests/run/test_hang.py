@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from logsets import T0, Rank, config
 
+from gptpar.errors import GptparError
+from gptpar.launch.debug import debug_run
 from gptpar.run.folder import RunFolder
 from gptpar.run.hang import diagnose, read_dumps, read_lives, stuck
 from gptpar.run.state import read_run
@@ -186,3 +189,11 @@ def test_status_shows_a_running_run_stuck_once_its_ranks_waited_half_its_timeout
     first.clock = begun + 30
     first.header()  # a new start: the live states above are an earlier start's
     assert read_run(folder, scheduler="running", now=begun + 16).detail == "running (the scheduler says so)"
+
+
+def test_gptpar_debug_refuses_in_one_line_a_run_with_no_rank_to_ask(tmp_path):
+    for rank in (0, 1):
+        Rank(tmp_path, rank, config(dp=2)).header().step(1).final("completed", 1)
+    with pytest.raises(GptparError, match=rf"^run {tmp_path} is completed, not running: no rank to ask \(its last "
+                       rf"dumps, if any, are in {tmp_path}/job/rank<R>\.stack\)$"):
+        debug_run(RunFolder(tmp_path))
