@@ -178,6 +178,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_debug(args: argparse.Namespace) -> int:
+    from gptpar.launch.debug import debug_run
+    from gptpar.run.folder import RunFolder
+
+    path, job = _target(args)
+    print(debug_run(RunFolder(path), ("slurm", job.job_id) if job is not None else None, args.wait), flush=True)
+    return 0
+
+
 def _print_rank_log(folder, args: argparse.Namespace) -> None:
     """Rank 0's last --lines records as lines; with -f, each new one while the run is live; then what it wrote as
     it ended."""
@@ -460,6 +469,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="run or sweep folder, or its name under --runs-dir")
     p.add_argument("--runs-dir", default="runs")
     p.set_defaults(handler=cmd_cancel)
+
+    p = _add(sub, "debug", "ask a running run's ranks for their stacks and flight recorders (SIGQUIT, through its "
+             "launcher or SLURM) and say which collective they wait in, who holds it up and each rank's file:line; "
+             "the run goes on", "  gptpar debug dp2\n  gptpar debug runs/demo/dp2")
+    p.add_argument("run", help="run folder, or its name or job id under --runs-dir")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--wait", type=_positive_number, default=5.0, metavar="SECONDS",
+                   help="how long to wait for the ranks' dumps (default 5; a stopped rank never answers)")
+    p.set_defaults(handler=cmd_debug)
 
     p = _add(sub, "logs", "tail a run's job output, its ranks' errors and its rank-0 log (as lines), and say its "
              "state; -f follows a live run", "  gptpar logs dp2\n  gptpar logs runs/demo/demo_dp/parallel.dp=2 -n 50\n"

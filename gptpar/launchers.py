@@ -5,12 +5,18 @@ it without importing it: the config's choices and help, whether its time limit t
 gptpar.launch.profiles), and the variables it sets in the tasks it starts (the rank side: gptpar.parallel.env reads
 a rank's place from them, gptpar.train.preemption leaves the requeue to the launcher's own task).
 
+Every task of a job is signalled here alone (`signal_job`): a rank asking its peers for their dumps when it fails in a
+collective (gptpar.train.entry) and `gptpar debug` asking a live run's ranks (gptpar.launch.backend) both come here.
+
 A new launcher: its row here and its backend module under gptpar/launch/ (docs/architecture.md's worked example).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import signal
+import subprocess
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 CLUSTERS = ("slurm", "local")  # where a job runs (launch.cluster, resolved): every launcher has a backend for each
@@ -62,3 +68,31 @@ DEFAULT_LAUNCHER = ROWS[0].name  # launch.launcher's default, and the backend of
 def started_by(env: Mapping[str, str]) -> LauncherRow | None:
     """The launcher whose marker a task's environment carries; None for one no marking launcher started."""
     return next((row for row in LAUNCHERS.values() if row.marker and env.get(row.marker)), None)
+
+
+SCANCEL_TIMEOUT_S = 30.0  # scancel waits for slurmctld: a hang guard, never reached when SLURM answers
+
+
+def signal_job(via: str, target: str, signals: Sequence[signal.Signals]) -> bool:
+    """Send `signals`, in order, to every task of a job: via "pid", to the local launcher of pid `target`, which passes
+    each on to its ranks (SIGCONT only to a stopped one); via "slurm", with scancel to every task of every step of
+    SLURM job `target`, every process of each step, a submitit task's rank included (not the batch shell, which a
+    SIGQUIT would end). Whether every signal was delivered (False: the launcher or the job is gone)."""
+    for sig in signals:
+        if via == "pid":
+            try:
+                os.kill(int(target), sig)
+            except ProcessLookupError:
+                return False
+        else:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # no job's own defaults
+            names = " ".join(s.name.removeprefix("SIG") for s in signals)
+            try:  # scancel ignoring them: a rank's scancel is a process of the job's step, which they all reach
+                done = subprocess.run(["sh", "-c", f'trap "" {names}; exec scancel "$@"', "scancel",
+                                       f"--signal={sig.name.removeprefix('SIG')}", target], env=env,
+                                      capture_output=True, timeout=SCANCEL_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired):  # no scancel here, or no answer from SLURM
+                return False
+            if done.returncode != 0:
+                return False
+    return True

@@ -39,6 +39,10 @@ def validate(cfg: Config) -> None:
     _check_weights_and_tokenizer(cfg)
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr={t.min_lr} is above train.lr={t.lr}")
+    if p.stuck_after_s >= p.timeout_s:
+        raise ConfigError(f"parallel.stuck_after_s={p.stuck_after_s:g} is not below parallel.timeout_s="
+                          f"{p.timeout_s:g}: the job would fail before it shows stuck; use less, or 0 (half of "
+                          "parallel.timeout_s)")
     if len(cfg.log.run_id) > RUN_ID_MAX:
         raise ConfigError(f"log.run_id: {len(cfg.log.run_id)} characters is too long for a folder name; use at most "
                           f"{RUN_ID_MAX}")

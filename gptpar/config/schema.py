@@ -328,6 +328,10 @@ class ParallelConfig:
                        choices=("auto", "gloo", "nccl"))
     timeout_s: float = opt(120.0, "Seconds before a dead or hung rank fails the job.", min=1.0,
                            max=2_592_000.0)
+    stuck_after_s: float = opt(0.0, "Seconds the ranks may wait in one collective before `gptpar status` shows the "
+                               "run stuck, naming the collective and who has not entered it (below "
+                               "parallel.timeout_s, which then fails the job); 0: half of parallel.timeout_s.",
+                               min=0.0, max=2_592_000.0)
     pp_mode: str = opt("single", "One-process modes (parallel.pp = 1): single | model_parallel (layers "
                        "split over devices) | pipeline_parallel (GPipe micro-batches over threads).",
                        choices=("single", "model_parallel", "pipeline_parallel"))

@@ -24,7 +24,7 @@ from gptpar.errors import GptparError
 from gptpar.launch import slurm
 from gptpar.launch.prepare import Point
 from gptpar.launch.profiles import JobSpec
-from gptpar.launchers import DEFAULT_LAUNCHER, LAUNCHERS
+from gptpar.launchers import DEFAULT_LAUNCHER, LAUNCHERS, signal_job
 from gptpar.run.folder import RunFolder
 from gptpar.run.state import LIVE_JOB_STATES, job_of, last_header, resume_hint
 
@@ -47,6 +47,10 @@ class Backend(Protocol):
         None when it has none."""
 
     def cancel(self, job_id: str) -> None: ...
+
+    def signal(self, job_id: str, signals: Sequence[signal.Signals]) -> bool:
+        """Send `signals`, in order, to every task of a live job (through gptpar.launchers.signal_job, which a rank
+        asking its peers for their dumps uses too); False where they cannot be reached from here."""
 
 
 def _cluster(requested: str, profile: str) -> str:
@@ -129,6 +133,18 @@ def cancel_run(folder: RunFolder, job: tuple[str, str] | None = None) -> str:
     except ProcessLookupError:
         return "nothing to cancel: its process has just ended"
     return f"interrupted pid {holder['pid']}: its ranks stop at the next step boundary; {_resume(folder)}"
+
+
+def signal_run(folder: RunFolder, signals: Sequence[signal.Signals], job: tuple[str, str] | None = None) -> bool:
+    """Send `signals` to every rank of a folder's live run, as cancel_run reaches them: through the scheduler holding
+    its job (`job`, else the folder's own), else through the process holding the folder on this host (the local
+    launcher, which passes them on). False where neither can be reached from here."""
+    job = job or job_of(folder)
+    if job is not None and (backend := backend_named(job[0])).scheduler:
+        return backend.signal(job[1], signals)
+    holder = folder.holder()
+    return holder is not None and holder.get("host") == socket.gethostname() and \
+        signal_job("pid", str(holder["pid"]), signals)
 
 
 def _resume(folder: RunFolder) -> str:

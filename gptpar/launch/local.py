@@ -2,14 +2,14 @@
 SLURM task runs (`gptpar train config.yaml` in the run folder), with torchrun-style variables.
 
 This is also how `gptpar train parallel.dp=N` starts its ranks outside SLURM and torchrun. The
-launcher waits for its ranks and forwards INT/TERM/USR2 to them, so a Ctrl-C, a TERM or a preemption
-signal reaches every rank (each stops at a step boundary with a checkpoint; a third INT/TERM kills
-them). When one rank fails it gives the others a moment to write their final records, then stops
-them; a rank whose process was stopped (SIGSTOP) cannot write anything and is killed at once. A
-launcher killed outright (SIGKILL) forwards nothing: its ranks notice that it is gone and stop the
-same way (gptpar.train.preemption.launcher_watch). Each rank's stderr (and the stdout of ranks > 0)
-goes to job/rank<R>.*; a rank that the launcher saw killed by a signal or stopped gets one last line
-there saying so (gptpar.run.state reads it).
+launcher waits for its ranks and forwards INT/TERM/USR2 to them (and the dump signal, and SIGCONT to a stopped
+rank), so a Ctrl-C, a TERM or a preemption signal reaches every rank (each stops at a step boundary
+with a checkpoint; a third INT/TERM kills them). When one rank fails it gives the others a moment to
+write their final records, then stops them; a rank whose process was stopped (SIGSTOP) cannot write
+anything and is killed at once. A launcher killed outright (SIGKILL) forwards nothing: its ranks notice
+that it is gone and stop the same way (gptpar.train.preemption.launcher_watch). Each rank's stderr (and
+the stdout of ranks > 0) goes to job/rank<R>.*; a rank that the launcher saw killed by a signal or
+stopped gets one last line there saying so (gptpar.run.state reads it).
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from types import FrameType
 from gptpar.launch.prepare import Point, rank_command
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.slurm import clean_env
+from gptpar.launchers import signal_job
 from gptpar.parallel.env import DUMP_SIGNAL, LAUNCHER_MARKER, LAUNCHER_PID, free_port
 from gptpar.run.folder import handed_fds
 from gptpar.run.queue import starting
 
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, DUMP_SIGNAL)
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2, DUMP_SIGNAL, signal.SIGCONT)
 PEER_GRACE_S = 10.0  # after a rank fails, its peers' own timeouts and errors get this long to be logged
 KILL_AFTER = 3  # the third INT/TERM kills the ranks (the first stops them at a step boundary)
 
@@ -78,9 +79,11 @@ def run_ranks(point: Point, world: int) -> int:
 
 
 class _Forwarder:
-    """The launcher's handler of INT/TERM/USR2 and DUMP_SIGNAL: passes each on to every live rank; the KILL_AFTER-th
-    INT/TERM kills them instead; a rank stopped (SIGSTOP) is continued after DUMP_SIGNAL, so that its own stack is
-    dumped before anything kills it. `killed` collects why the launcher killed a rank."""
+    """The launcher's handler of INT/TERM/USR2, DUMP_SIGNAL and SIGCONT: passes each on to every live rank; the
+    KILL_AFTER-th INT/TERM kills them instead; SIGCONT goes to a stopped rank (SIGSTOP) alone, so that a rank that
+    asks for every rank's dump (DUMP_SIGNAL, then SIGCONT: gptpar.parallel.flight.request_dumps) gets the stopped
+    one's own stack before anything kills it, and a running rank never mistakes the SIGCONT for having been stopped.
+    `killed` collects why the launcher killed a rank."""
 
     def __init__(self, procs: Sequence[subprocess.Popen]):
         self.procs, self.stops, self.killed = procs, 0, {}
@@ -92,10 +95,7 @@ class _Forwarder:
                 if self.stops >= KILL_AFTER:
                     self.killed[rank] = f"was killed by the launcher after {self.stops} INT/TERM signals"
                     proc.kill()
-                elif signum == DUMP_SIGNAL and _stopped_by(proc.pid):
-                    proc.send_signal(signum)  # pending until it runs again: the first thing it does
-                    proc.send_signal(signal.SIGCONT)
-                else:
+                elif signum != signal.SIGCONT or _stopped_by(proc.pid):
                     proc.send_signal(signum)
 
 
@@ -192,10 +192,10 @@ class LocalBackend:
 
     def cancel(self, job_id: str) -> None:
         """Interrupt the launcher of a local run (it forwards the signal to its ranks)."""
+        self.signal(job_id, (signal.SIGINT,))
+
+    def signal(self, job_id: str, signals: Sequence[signal.Signals]) -> bool:
+        """To the launcher of a local run on this host, which passes each signal on to its ranks."""
         host, _, job = job_id.partition(":")
         pid = job.partition(".")[0]
-        if host == socket.gethostname() and pid.isdigit():
-            try:
-                os.kill(int(pid), signal.SIGINT)
-            except ProcessLookupError:
-                pass
+        return host == socket.gethostname() and pid.isdigit() and signal_job("pid", pid, signals)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from gptpar.errors import GptparError
 from gptpar.launch.prepare import Point
 from gptpar.launch.profiles import JobSpec
 from gptpar.launch.render import render_script
+from gptpar.launchers import signal_job
 from gptpar.run.state import NEVER_STARTS, Pending
 
 SCRUBBED_PREFIXES = ("SLURM_", "SALLOC_", "SRUN_")
@@ -268,3 +270,6 @@ class SlurmBackend:
         result = subprocess.run(["scancel", job_id], capture_output=True, text=True, env=clean_env())
         if result.returncode != 0:
             raise GptparError(f"scancel {job_id} failed: {result.stderr.strip()}")
+
+    def signal(self, job_id: str, signals: Sequence[signal.Signals]) -> bool:
+        return signal_job("slurm", job_id, signals)

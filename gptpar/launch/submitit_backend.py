@@ -165,6 +165,11 @@ class SubmititBackend:
         elif (pid := _local_controller(job_id)) is not None:
             os.kill(pid, signal.SIGTERM)
 
+    def signal(self, job_id: str, signals: Sequence[signal.Signals]) -> bool:
+        """scancel's signals, which each task passes on to its rank (gptpar.launch.submitit_task); not on the local
+        executor, whose controller would take a SIGQUIT for an end."""
+        return self.cluster == "slurm" and SlurmBackend().signal(job_id, signals)
+
 
 class SubmititLocalBackend(SubmititBackend):
     """Jobs through submitit's local executor on this machine."""

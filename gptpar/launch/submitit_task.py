@@ -32,12 +32,17 @@ from typing import Any
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from gptpar.launch.local import omp_threads
-from gptpar.parallel.env import layout_from_env
+from gptpar.parallel.env import DUMP_SIGNAL, layout_from_env
 from gptpar.run.folder import RunFolder
 from gptpar.run.logfile import read_new_records
 from gptpar.run.rows import run_result
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR2)
+# The dump signal that a rank (or `gptpar debug`) sends every task of the job (gptpar.launchers.signal_job): SLURM
+# delivers it to every process of the step, the child rank included (proctrack cgroup or linuxproc), so this task
+# only must not die of it (SIGQUIT's default); passed on as well, the rank would dump twice, the second time after
+# SIGCONT had let a stopped rank run on.
+IGNORED = (DUMP_SIGNAL,)
 POLL_S = 0.2
 
 
@@ -69,6 +74,7 @@ class RankTask(Checkpointable):
         self._own_log = folder.rank_log(layout.rank), _size(folder.rank_log(layout.rank))
         self._submitits_usr2 = signal.getsignal(signal.SIGUSR2)
         previous = {sig: signal.signal(sig, self._pass_on) for sig in FORWARDED}
+        previous.update((sig, signal.signal(sig, _not_for_this_task)) for sig in IGNORED)
         try:
             self._child = subprocess.Popen(self.command, cwd=self.run_dir, env=env, start_new_session=True)
             self._wait()
@@ -139,6 +145,10 @@ def resubmits(code: int | None, finals: Iterable[Mapping[str, Any]]) -> bool:
     exited with an error or a signal and no rank failed. A failed run started again fails again, each time after
     a wait in the queue; submitit reports it failed instead."""
     return code in (None, 0) and not any(final.get("status") == "failed" for final in finals)
+
+
+def _not_for_this_task(signum: int, frame: FrameType | None) -> None:
+    """A handler, not SIG_IGN, which the child would inherit: the rank gets the signal from SLURM itself."""
 
 
 def _size(path: Path) -> int:

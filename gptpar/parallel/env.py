@@ -162,6 +162,17 @@ def layout_from_env(env: Mapping[str, str]) -> Layout:
     return Layout("single", 0, 1, 0, 1, addr, port)
 
 
+def own_job(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """How every task of this rank's job is signalled (gptpar.launchers.signal_job's `via` and `target`): through the
+    local launcher that started it, or as a task of a SLURM step (sbatch's srun, submitit's); None where nothing
+    reaches them all (torchrun, whose agent a SIGQUIT would end; submitit's local executor; a single process)."""
+    if env.get(LAUNCHER_PID):
+        return "pid", env[LAUNCHER_PID]
+    if is_slurm_step(env) and "RANK" not in env and env.get("SLURM_JOB_ID"):
+        return "slurm", env["SLURM_JOB_ID"]
+    return None
+
+
 def free_port() -> int:
     """A TCP port free on this host now, for a local launcher's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -80,6 +80,10 @@ class RunFolder:
         """A rank's flight recorder and frames, dumped when a job hangs (gptpar.parallel.flight)."""
         return self.job_dir / f"rank{rank}.flight.json"
 
+    def live_path(self, rank: int) -> Path:
+        """A rank's collective in flight, rewritten every second while it trains (gptpar.parallel.flight.live_state)."""
+        return self.job_dir / f"rank{rank}.live.json"
+
     def stack_path(self, rank: int) -> Path:
         """Every thread's Python stack of a rank, appended at each dump (gptpar.parallel.flight)."""
         return self.job_dir / f"rank{rank}.stack"

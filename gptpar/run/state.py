@@ -6,7 +6,8 @@ The scheduler's answer is passed in (this module never asks SLURM itself), so `g
 - queued / starting: a launcher on this machine holds the run in its queue (gptpar.run.queue) and its ranks have not
   started yet (a local sweep's later points); starting: its ranks (or its job, says the scheduler) are starting and
   have not logged yet;
-- running: the run's lock is held (or its heartbeat is fresh), or the scheduler says it runs;
+- running: the run's lock is held (or its heartbeat is fresh), or the scheduler says it runs; its detail says
+  `stuck` while its ranks have waited in one collective longer than parallel.stuck_after_s (gptpar.run.hang.stuck);
 - otherwise the logs decide: completed (every rank's last segment says so), diverged (completed
   with a non-finite loss), failed (a rank says failed, or died without a final record, or never
   wrote one), timeout / oom (from the scheduler or the job's stderr), requeued (the log says so and
@@ -33,6 +34,7 @@ from typing import Any
 
 from gptpar.errors import GptparError
 from gptpar.run.folder import RunFolder
+from gptpar.run.hang import read_lives, stuck, stuck_after
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.resume import current_ranks, layout_changes, mixed_configs
 
@@ -231,6 +233,18 @@ def decide_state(folder: RunFolder, ranks: list[RankLog], scheduler: str | None,
                       + (f"; {reason}" if reason else ""))
 
 
+def stuck_detail(folder: RunFolder, started: list[RankLog], now: float) -> str | None:
+    """`stuck: ...` while a running run's ranks have waited in one collective for longer than its
+    parallel.stuck_after_s, by their live states of this start (each written after its rank's header:
+    gptpar.run.hang.stuck); None otherwise."""
+    if not started or int(started[0].header["world_size"]) < 2:
+        return None
+    since = {log.rank: float(log.header.get("start_time", 0.0)) for log in started}
+    world, config = int(started[0].header["world_size"]), started[0].header.get("config", {})
+    found = stuck(read_lives(folder, since), world, now, stuck_after(config.get("parallel", {})))
+    return f"stuck: {found['summary']}" if found else None
+
+
 def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: str | None = None,
              now: float | None = None, held: bool = False) -> RunLog:
     """Read one run; a corrupt log makes the run "corrupt" instead of failing the caller. `held`: see decide_state."""
@@ -255,6 +269,8 @@ def read_run(folder: RunFolder, runs_dir: str | Path | None = None, scheduler: s
         if len(ranks) < world:
             warnings.append(f"{folder.path}: {len(ranks)} rank file(s) for world_size {world}")
     state, detail = decide_state(folder, current_ranks(ranks), scheduler, now, held)  # not a larger layout's ranks
+    if state == "running":
+        detail = stuck_detail(folder, started, now) or detail
     return RunLog(folder, sweep, config, started, state, detail, warnings, mixed_configs(started))
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from gptpar.config import Config
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.flight import dump_on_failure, dumps_on_signal, request_dumps
+from gptpar.parallel.flight import dump_on_failure, dumps_on_signal, live_state, request_dumps
 from gptpar.parallel.grid import grid_sizes, launched_config
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
 from gptpar.run.claim import claim_run_folder
@@ -91,7 +91,7 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
                                total_steps=trainer.total_steps, fast_path=trainer.fast_path(),
                                **({"lora": lora} if (lora := trainer.lora()) is not None else {})))
         started = True
-        with polled():
+        with polled(), _live(folder, dims):
             status, loss = trainer.run()
             request = stop_request() if status != "completed" else None  # this rank's own signal, if any
             log.write(FinalRecord(status=status, step=trainer.step, loss=trainer.logged_loss(loss),
@@ -121,6 +121,12 @@ def _train_in_folder(cfg: Config, dims: ParallelDims, folder: RunFolder) -> dict
             print(f"gptpar: run {folder.path} stopped at step {step}{_by(stop_request())}; "
                   f"{resume_hint(folder, launcher)}", flush=True)
     return {"status": status, "step": step, "loss": loss, "run_dir": str(folder.path)}
+
+
+def _live(folder: RunFolder, dims: ParallelDims) -> contextlib.AbstractContextManager[None]:
+    """This rank's live state while it trains (gptpar.parallel.flight.live_state), from after its header: a live state
+    older than this start's header is an earlier start's (gptpar.run.state.stuck_detail)."""
+    return live_state(dims.rank, folder.live_path(dims.rank)) if dims.world_size > 1 else contextlib.nullcontext()
 
 
 def _hang(folder: RunFolder, dims: ParallelDims, since: float, exc: BaseException) -> dict[str, Any]:

@@ -42,6 +42,8 @@ def test_resolved_config_round_trips(tmp_path):
     ("report.straggler_ratio=0.5", "report.straggler_ratio: 0.5 is below the minimum 1.0"),
     ("parallel.dp_sync=allgather", "parallel.dp_sync: 'allgather' is not allowed; choose one of: naive"),
     ("lr=1", "is not of the form section.key=value"),
+    ("parallel.stuck_after_s=120", "parallel.stuck_after_s=120 is not below parallel.timeout_s=120: the job would "
+     "fail before it shows stuck; use less, or 0 (half of parallel.timeout_s)"),
 ])
 def test_bad_override_names_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

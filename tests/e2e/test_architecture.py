@@ -88,8 +88,8 @@ def subcommands() -> list[str]:
 
 
 def test_every_subcommand_is_known() -> None:
-    assert subcommands() == ["cancel", "checkpoint", "config", "data", "doctor", "logs", "plan", "report", "schedule",
-                             "status", "submit", "sweep", "trace", "train"]
+    assert subcommands() == ["cancel", "checkpoint", "config", "data", "debug", "doctor", "logs", "plan", "report",
+                             "schedule", "status", "submit", "sweep", "trace", "train"]
 
 
 @pytest.mark.parametrize("command", subcommands())

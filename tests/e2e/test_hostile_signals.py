@@ -300,15 +300,36 @@ def test_usr2_to_the_launcher_reaches_every_rank_and_reads_as_stopped_outside_sl
 # 4. A hung rank fails the whole job, and is the rank named with the collective it held up and its line (a killed
 # one: see the submit test, 7).
 
-HANG_TIMEOUT_S = 10
+# Time enough, after stuck_after_s, for `gptpar status` and `gptpar debug` to ask the live run on a loaded machine (at
+# 20 s, with a load average of 25 on 2 cores, the timeout came first); the other tests of the module run meanwhile.
+HANG_TIMEOUT_S = 40
+STUCK_AFTER_S = 2
+
+
+def _gptpar_output(*words: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "gptpar", *words], capture_output=True, text=True, timeout=DEADLINE_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _until_stuck(proc: subprocess.Popen, run: Path) -> str:
+    """The live run's detail once it shows stuck naming rank 1 (read as `gptpar status` reads it)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not re.match(r"stuck: .*rank 1 \(", detail := read_run(RunFolder(run)).detail):
+        assert proc.poll() is None and time.monotonic() < deadline, f"never stuck: {detail}"
+        time.sleep(0.1)
+    return detail
 
 
 @pytest.fixture(scope="module", autouse=True)
 def hung_rank(tmp_path_factory: pytest.TempPathFactory):
     """A dp=2 run whose rank 1 is stopped (SIGSTOP) once both ranks train. It starts with the module and a
-    thread watches it, so its parallel.timeout_s runs out while the other tests run."""
+    thread watches it, so its parallel.timeout_s runs out while the other tests run. Before it does, the run is read
+    while stuck (`gptpar status`) and its ranks are asked for their dumps (`gptpar debug`)."""
     runs = tmp_path_factory.mktemp("hung")
-    proc = _gptpar(runs, *ENDLESS, "log.run_id=hung", "parallel.dp=2", f"parallel.timeout_s={HANG_TIMEOUT_S}")
+    proc = _gptpar(runs, *ENDLESS, "log.run_id=hung", "parallel.dp=2", f"parallel.timeout_s={HANG_TIMEOUT_S}",
+                   f"parallel.stuck_after_s={STUCK_AFTER_S}")
     result: dict = {"run": runs / "hung", "pids": {}}
 
     def watch() -> None:
@@ -317,6 +338,11 @@ def hung_rank(tmp_path_factory: pytest.TempPathFactory):
             result["pids"] = _rank_pids(proc.pid)
             sent = time.monotonic()
             os.kill(result["pids"][1], signal.SIGSTOP)
+            result["stuck"] = _until_stuck(proc, runs / "hung")
+            result["status"] = _gptpar_output("status", str(runs))
+            # a rank blocked in a collective answers after flight.CAPTURE_WAIT_S (1 s); the stopped one never
+            result["debug"] = _gptpar_output("debug", "hung", "--runs-dir", str(runs), "--wait", "5")
+            result["running"] = proc.poll() is None  # the timeout came after both
             result["code"], result["out"], result["err"] = _finish(proc)
             result["waited_s"] = time.monotonic() - sent
         except BaseException as exc:  # pytest.fail included: the test re-raises it
@@ -337,6 +363,9 @@ def hung_rank(tmp_path_factory: pytest.TempPathFactory):
             os.kill(pid, signal.SIGKILL)
 
 
+COLLECTIVE = r"\w+\((dp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step 0\)"
+
+
 def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank):
     result = hung_rank()
     assert result["waited_s"] < HANG_TIMEOUT_S + 30  # a hang guard: in practice the timeout plus a second
@@ -344,7 +373,7 @@ def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank
     assert state.state == "failed"
     pid = result["pids"][1]
     # Named with the collective it held up and the line it was stopped at, from every rank's dump (gptpar.run.hang).
-    collective = r"\w+\((dp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step 0\)"
+    collective = COLLECTIVE
     assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never entered {collective}|was stopped "
                         rf"\(SIGSTOP\) inside {collective}|issued {collective} and was stopped \(SIGSTOP\) before "
                         r"waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 waited "
@@ -358,6 +387,30 @@ def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank
         assert json.loads(job.flight_path(rank).read_text())["rank"] == rank
     assert "gloo" not in state.detail and "Timed out" not in state.detail  # not rank 0's raw timeout text
     assert result["code"] != 0 and result["out"][1:] == [f"gptpar: run failed: {state.detail}"]
+
+
+def test_a_hung_rank_shows_stuck_in_status_before_the_timeout_naming_the_collective(hung_rank):
+    """From the ranks' live states (gptpar.parallel.flight.live_state), while rank 0 waits and rank 1 is stopped."""
+    result = hung_rank()
+    assert result["running"]
+    pid, host = result["pids"][1], socket.gethostname()
+    assert json.loads(RunFolder(result["run"]).live_path(1).read_text())["pid"] == pid  # the records name its pid
+    held = rf"rank 1 \({host}, pid {pid}\) (never entered it \(last seen at step \d+\)( and has not answered for " \
+           r"\d+ s)?|(is in|entered) it and has not answered for \d+ s)"
+    assert re.fullmatch(rf"stuck: rank 0 waited \d+ s in {COLLECTIVE}; {held}", result["stuck"]), result["stuck"]
+    lines = result["status"].splitlines()
+    assert lines[1].split()[:2] == ["running", "hung"] and re.fullmatch(rf"    stuck: .*; {held}", lines[2]), lines
+
+
+def test_gptpar_debug_asks_the_live_run_and_names_where_each_rank_is_without_continuing_a_stopped_one(hung_rank):
+    result = hung_rank()
+    pids, host = result["pids"], socket.gethostname()
+    assert re.fullmatch(
+        rf"{result['run']}: asked its 2 ranks for their dumps \(SIGQUIT\); 1 answered within 5 s\n"
+        rf"hang: rank 1 left no dump \(it did not answer\) and held up {COLLECTIVE}; rank 0 waited \d+ s in it\n"
+        rf"rank 0 \({host}, pid {pids[0]}\): gptpar/[\w/]+\.py:\d+ \(\w+\), waiting in {COLLECTIVE}\n"
+        r"rank 1: no answer \(stopped, or its Python cannot run: faulthandler's stacks are in its job/rank<R>\.err\)\n"
+        rf"every thread's stack: {result['run']}/job/rank<R>\.stack\n", result["debug"]), result["debug"]
 
 
 # 5 and 6. Runs started together; a run killed with SIGKILL.

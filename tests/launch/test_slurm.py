@@ -10,7 +10,9 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -662,3 +664,45 @@ def test_a_running_plain_job_shows_before_its_trainer_writes_and_its_output_stay
     assert row.split()[:3] == ["starting", f"dp-{job}", job] and count == "1 run(s): 1 starting"
     assert detail == "    its job runs; no log record yet"
     assert (tmp_path / "jobs" / "logs" / f"slurm-{job}.out").is_file() and not list(tmp_path.glob("slurm-*"))
+
+
+@pytest.mark.parametrize("launcher", ["launch.launcher=sbatch", SUBMITIT])
+def test_a_rank_stopped_on_the_second_node_shows_stuck_then_is_named_with_its_line(tmp_path: Path,
+                                                                                    launcher: str) -> None:
+    """A dp=4 job on two nodes whose rank 2 (the second node's first) the test stops (SIGSTOP; its pid from its live
+    state in the run folder): `gptpar status` shows it stuck, `gptpar debug` asks every task through scancel and the
+    others answer, and once a rank times out it asks every task of the job for its dump (scancel QUIT, then CONT:
+    the stopped rank runs again and dumps), so the final record names rank 2 with its line, as on the local
+    launcher."""
+    runs = tmp_path / "runs"
+    _run([GPTPAR, "submit", "dp", "--gpus", "2", "--nodes", "2", *TINY, *FOREVER, f"log.runs_dir={runs}",
+          "launch.partition=GPU", launcher, "parallel.timeout_s=30", "parallel.stuck_after_s=3", "log.run_id=stuck"],
+         tmp_path)
+    run, folder = runs / "stuck", RunFolder(runs / "stuck")
+    try:
+        deadline = time.monotonic() + 300
+        while not all(any(r["kind"] == "step" for r in read_records(run / f"rank{rank}.jsonl")) for rank in range(4)):
+            assert time.monotonic() < deadline and run_state(run) in LIVE_JOB_STATES, "the job never trained"
+            time.sleep(0.5)
+        live = json.loads(folder.live_path(2).read_text())
+        os.kill(live["pid"], signal.SIGSTOP)  # the local cluster's nodes share this machine
+        while not (detail := read_run(folder, scheduler="running").detail).startswith("stuck: "):
+            assert time.monotonic() < deadline, detail
+            time.sleep(0.2)
+        debug = _run([GPTPAR, "debug", "stuck", "--runs-dir", str(runs), "--wait", "3"], tmp_path)
+        assert _wait(run) == "failed"
+    finally:
+        subprocess.run(["scancel", read_job_record(run)["job_id"]], env=clean_env())  # a job a failure left running
+    rank2 = rf"rank 2 \({live['host']}, pid {live['pid']}\)"
+    assert re.fullmatch(rf"stuck: ranks? [\d, ]+ waited \d+ s in .*; {rank2} (never entered|(is in|entered) it).*",
+                        detail), detail
+    assert re.search(r"; 3 answered within 3 s\n.*\nrank 0 \(\w+, pid \d+\): gptpar/[\w/]+\.py:\d+ \(\w+\), "
+                     "waiting in ", debug), debug
+    assert "\nrank 2: no answer" in debug, debug
+    state = read_run(folder)
+    assert re.match(rf"hung: {rank2} .*: it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); ranks? [\d, ]+ "
+                    r"waited \d+ s in it", state.detail), state.detail
+    # Every rank that timed out read one dump of rank 2: where it was stopped, not where it ran on to once continued
+    named = {(s["rank"], s["stopped"], s["where"]) for r in range(4) if (h := _final(run, r).get("hang")) for s in
+             h["stuck"]}
+    assert len(named) == 1 and named.pop()[:2] == (2, True), named

@@ -85,3 +85,69 @@ def test_a_point_to_point_wait_dumps_but_is_no_collective_to_compare(recorder):
         assert recorder.in_collective() and recorder.blocked() is None
         with comm_span("all_reduce", nbytes=4):
             assert recorder.blocked()["op"] == "all_reduce"
+
+
+def _until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _dump_time(path) -> float:
+    try:
+        return json.loads(path.read_text())["time"]
+    except (OSError, ValueError):
+        return 0.0
+
+
+def test_each_request_dumps_anew_and_a_failure_has_the_last_word(tmp_path, recorder):
+    """`gptpar debug` may ask a rank many times while it trains on, then its collective times out: each request
+    dumps where the rank is then, the failure dumps over them, and no request after it overwrites it."""
+    flight_path, stack = tmp_path / "rank0.flight.json", tmp_path / "rank0.stack"
+    new_step(3)
+    with dumps_on_signal(0, flight_path, stack):
+        for op in ("all_reduce", "all_gather"):
+            before = _dump_time(flight_path)
+            with comm_span(op, nbytes=4):
+                os.kill(os.getpid(), DUMP_SIGNAL)
+                _until(lambda before=before: _dump_time(flight_path) > before, f"no dump in {op}")
+            assert json.loads(flight_path.read_text())["blocked"]["op"] == op
+        with pytest.raises(RuntimeError) as failure, comm_span("broadcast", nbytes=4):
+            raise RuntimeError("Timed out")
+        assert flight.dump_on_failure(failure.value)
+        failed = json.loads(flight_path.read_text())
+        assert (failed["reason"], failed["blocked"]["op"]) == ("failed inside a collective", "broadcast")
+        flight._dumper.on_signal(False)  # a request after it, as the dump thread makes it
+        assert json.loads(flight_path.read_text()) == failed
+    assert stack.read_text().count("gptpar: rank 0 pid") == 3  # two requests, one failure
+
+
+def test_a_rank_continued_by_the_request_keeps_its_dump_when_it_fails_later(tmp_path, recorder):
+    """The dump signal then SIGCONT at once, as a stopped rank receives them (request_dumps): the dump says stopped,
+    and neither the failure the continued rank runs into next nor another rank's request overwrites where it was
+    stopped."""
+    flight_path = tmp_path / "rank1.flight.json"
+    with dumps_on_signal(1, flight_path, tmp_path / "rank1.stack"), comm_span("all_reduce", nbytes=4):
+        os.kill(os.getpid(), DUMP_SIGNAL)
+        os.kill(os.getpid(), signal.SIGCONT)
+        _until(flight_path.exists, "no dump")
+        continued = json.loads(flight_path.read_text())
+        assert continued["stopped"] is True
+        assert not flight.dump_on_failure(RuntimeError("Connection closed by peer"))
+        flight._dumper.on_signal(False)  # another rank's request, as the dump thread answers it
+        assert json.loads(flight_path.read_text()) == continued
+
+
+def test_the_live_state_is_the_collective_waited_in_rewritten_by_a_thread(tmp_path, recorder):
+    live = tmp_path / "rank2.live.json"
+    new_step(9)
+    with comm_span("all_reduce", nbytes=4), comm_span("reduce_scatter", nbytes=64):
+        with flight.live_state(2, live, every_s=0.01):
+            _until(live.exists, "no live state")
+            first = json.loads(live.read_text())
+            _until(lambda: _dump_time(live) > first["time"], "not rewritten")
+    assert (first["rank"], first["pid"], first["step"], first["seqs"]) == (2, os.getpid(), 9, {"world": 2})
+    assert (first["blocked"]["op"], first["blocked"]["seq"], first["blocked"]["state"]) == ("all_reduce", 1, "started")
+    assert (first["last"]["op"], first["last"]["bytes"]) == ("reduce_scatter", 64)
+    assert not list(tmp_path.glob(".*.tmp"))  # written by a rename

@@ -14,7 +14,17 @@ from gloo_pool import GlooPools
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.env import Layout, expand_nodelist, free_port, is_slurm_step, layout_from_env, slurm_port
+from gptpar.parallel.env import (
+    LAUNCHER_MARKER,
+    LAUNCHER_PID,
+    Layout,
+    expand_nodelist,
+    free_port,
+    is_slurm_step,
+    layout_from_env,
+    own_job,
+    slurm_port,
+)
 from gptpar.parallel.grid import DP_CP, EXPERT_REPLICAS, composite_groups, coordinates, group_ranks
 from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed
 from gptpar.parallel.spawn import spawn_local
@@ -50,10 +60,12 @@ def test_slurm_port_is_deterministic_unprivileged_and_distinct_per_job() -> None
     assert slurm_port("4242_7") == slurm_port("42427")  # array job ids keep their digits
 
 
+TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "h0",
+            "MASTER_PORT": "29400", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "98765"}  # in srun
+
+
 def test_torchrun_env() -> None:
-    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
-           "MASTER_ADDR": "h0", "MASTER_PORT": "29400", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}
-    assert layout_from_env(env) == Layout("torchrun", 5, 8, 1, 4, "h0", 29400)
+    assert layout_from_env(TORCHRUN) == Layout("torchrun", 5, 8, 1, 4, "h0", 29400)
 
 
 SRUN = {"SLURM_PROCID": "6", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
@@ -107,6 +119,16 @@ def test_submitit_local_executor_env_agrees_with_submitits_own_reading(monkeypat
 def test_submitit_on_slurm_reads_srun_and_names_submitit() -> None:
     assert layout_from_env({**SRUN, "SUBMITIT_EXECUTOR": "slurm"}) == Layout(
         "submitit", 6, 8, 2, 4, "gpu012", 20000 + 98765 % 20000)
+
+
+def test_every_task_of_a_job_is_reached_through_its_launcher_or_its_slurm_job_else_not_at_all() -> None:
+    """Who a rank that failed in a collective asks for its peers' dumps (gptpar.launchers.signal_job): never the batch
+    shell (no step), nor a torchrun agent inside srun (a SIGQUIT would end it), nor submitit's local controller."""
+    local = {"RANK": "1", "WORLD_SIZE": "2", LAUNCHER_MARKER: "local", LAUNCHER_PID: "4242"}
+    batch = {k: v for k, v in SRUN.items() if k != "SLURM_STEP_ID"}
+    assert [own_job(env) for env in (local, SRUN, {**SRUN, "SUBMITIT_EXECUTOR": "slurm"}, batch, TORCHRUN,
+                                       SUBMITIT_LOCAL_TASK, {})] == [
+        ("pid", "4242"), ("slurm", "98765"), ("slurm", "98765"), None, None, None, None]
 
 
 def test_no_launcher_is_single() -> None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from logsets import T0, Rank, config
 
+from gptpar.errors import GptparError
+from gptpar.launch.debug import debug_run
 from gptpar.run.folder import RunFolder
-from gptpar.run.hang import diagnose, read_dumps
+from gptpar.run.hang import diagnose, read_dumps, read_lives, stuck
 from gptpar.run.state import read_run
 
 START = 1_000.0  # the segment's start, in the dumps' clock
@@ -115,3 +118,82 @@ def test_status_says_the_hang_where_the_stuck_rank_dumped_and_why_it_ended_where
         "hung: rank 1 ... never entered all_reduce(dp, 48 MiB)"
     assert _hung_run(tmp_path / "killed", None).startswith("rank 1 stopped responding after step 1: no final record, "
                                                            "and rank 0 lost contact with it")
+
+
+# Live: a run whose ranks wait in one collective longer than parallel.stuck_after_s shows stuck (gptpar.run.hang.stuck),
+# from the live states each rank's thread rewrites every second (gptpar.parallel.flight.live_state).
+
+def _live(rank: int, seqs: dict[str, int], blocked: dict[str, Any] | None, at: float, world: int = 3) -> dict[str, Any]:
+    return {"rank": rank, "host": f"node{rank + 1}", "pid": 4700 + rank, "time": at,
+            "groups": {"dp": list(range(world))}, "step": 12, "micro_step": 0, "seqs": seqs, "blocked": blocked,
+            "last": blocked}
+
+
+def _lives(folder: RunFolder, *lives: dict[str, Any]) -> RunFolder:
+    folder.job_dir.mkdir(exist_ok=True)
+    for live in lives:
+        folder.live_path(live["rank"]).write_text(json.dumps(live))
+    return folder
+
+
+WAITING = _entry(5, "started", START + 10)  # dp #5, entered at START + 10
+
+
+def test_ranks_waiting_longer_than_the_threshold_are_stuck_naming_the_collective_and_who_never_entered_it(tmp_path):
+    """Ranks 0 and 1 wait in dp #5 (rank 1 a second less); rank 2 never entered it and stopped rewriting its state
+    at START + 8 (stopped, say): at START + 40 they have waited 30 s."""
+    folder = _lives(RunFolder(tmp_path), _live(0, {"dp": 5}, WAITING, START + 40),
+                    _live(1, {"dp": 5}, dict(WAITING, start=START + 11), START + 40),
+                    _live(2, {"dp": 4}, None, START + 8))
+    lives = read_lives(folder, dict.fromkeys(range(3), START))
+    assert stuck(lives, 3, START + 40, 29.0) == {
+        "summary": "ranks 0, 1 waited 30 s in all_reduce(dp, 48 MiB) of step 12 (micro-step 0); rank 2 (node3, pid "
+                   "4702) never entered it (last seen at step 12) and has not answered for 32 s",
+        "collective": "all_reduce", "group": "dp", "bytes": 48 * MIB, "step": 12, "micro_step": 0, "seq": 5,
+        "waiting": [0, 1], "waited_s": 30.0}
+    assert stuck(lives, 3, START + 40, 30.0) is None  # not longer than the threshold yet
+
+
+def test_a_member_that_issued_the_collective_and_answers_is_no_suspect_one_that_stopped_answering_is(tmp_path):
+    """Ranks 1 and 2 issued dp #5 (asynchronous: not waiting in it yet); rank 2 has not rewritten its state for 20 s."""
+    issued = dict(WAITING, state="issued")
+    folder = _lives(RunFolder(tmp_path), _live(0, {"dp": 5}, WAITING, START + 40),
+                    _live(1, {"dp": 5}, None, START + 39) | {"last": issued},
+                    _live(2, {"dp": 5}, None, START + 20) | {"last": issued})
+    assert stuck(read_lives(folder, dict.fromkeys(range(3), START)), 3, START + 40, 10.0)["summary"] == (
+        "rank 0 waited 30 s in all_reduce(dp, 48 MiB) of step 12 (micro-step 0); rank 2 (node3, pid 4702) entered it "
+        "and has not answered for 20 s")
+
+
+def test_the_collective_of_a_rank_that_stopped_answering_is_not_taken_for_the_one_waited_in(tmp_path):
+    """Rank 1 was stopped at START + 2 inside dp #4, which it finished long ago for all its frozen state knows."""
+    folder = _lives(RunFolder(tmp_path), _live(0, {"dp": 5}, WAITING, START + 40, world=2),
+                    _live(1, {"dp": 4}, _entry(4, "started", START + 1), START + 2, world=2))
+    assert stuck(read_lives(folder, dict.fromkeys(range(2), START)), 2, START + 40, 10.0)["summary"] == (
+        "rank 0 waited 30 s in all_reduce(dp, 48 MiB) of step 12 (micro-step 0); rank 1 (node2, pid 4701) never "
+        "entered it (last seen at step 12) and has not answered for 38 s")
+
+
+def test_status_shows_a_running_run_stuck_once_its_ranks_waited_half_its_timeout(tmp_path):
+    """parallel.stuck_after_s=0 is half of parallel.timeout_s (20 s here); a live state of an earlier start is
+    stale."""
+    cfg = config(dp=2, **{"parallel.timeout_s": 20.0})
+    first, second = Rank(tmp_path, 0, cfg).header().step(1), Rank(tmp_path, 1, cfg).header().step(1)
+    begun = max(first.clock, second.clock)
+    folder = _lives(RunFolder(tmp_path), _live(0, {"dp": 5}, _entry(5, "started", begun + 5), begun + 20, world=2),
+                    _live(1, {"dp": 4}, None, begun + 6, world=2))
+    detail = read_run(folder, scheduler="running", now=begun + 16).detail
+    assert detail == ("stuck: rank 0 waited 11 s in all_reduce(dp, 48 MiB) of step 12 (micro-step 0); rank 1 (node2, "
+                      "pid 4701) never entered it (last seen at step 12) and has not answered for 10 s")
+    assert read_run(folder, scheduler="running", now=begun + 14).detail == "running (the scheduler says so)"
+    first.clock = begun + 30
+    first.header()  # a new start: the live states above are an earlier start's
+    assert read_run(folder, scheduler="running", now=begun + 16).detail == "running (the scheduler says so)"
+
+
+def test_gptpar_debug_refuses_in_one_line_a_run_with_no_rank_to_ask(tmp_path):
+    for rank in (0, 1):
+        Rank(tmp_path, rank, config(dp=2)).header().step(1).final("completed", 1)
+    with pytest.raises(GptparError, match=rf"^run {tmp_path} is completed, not running: no rank to ask \(its last "
+                       rf"dumps, if any, are in {tmp_path}/job/rank<R>\.stack\)$"):
+        debug_run(RunFolder(tmp_path))

@@ -58,14 +58,16 @@ OTHER_DICTS = {
     "gptpar/run/folder.py": {"job_id", "pid", "flock", "heartbeat"},  # the run lock's JSON
     "gptpar/run/logfile.py": MEMORY_PARTS | FIELD_METADATA,
     "gptpar/run/records.py": FIELD_METADATA,
-    # a rank's dump of its flight recorder (gptpar.parallel.flight) and the final record's `hang` inside
+    # a rank's dump of its flight recorder (gptpar.parallel.flight) and the final record's `hang` inside, its live
+    # state, and the config's parallel.stuck_after_s and timeout_s
     "gptpar/run/hang.py": {"seqs", "blocked", "entries", "state", "start", "end", "group", "seq", "op", "bytes",
-                           "groups", "stopped", "host", "pid", "frames", "where", "function", "entered", "micro_step"},
+                           "groups", "stopped", "host", "pid", "frames", "where", "function", "entered", "micro_step",
+                           "stuck_after_s", "timeout_s"},
     "gptpar/run/start.py": {"job_id"},  # the job record of a folder set aside
     # the job record's keys, the lock's pid (and a launcher's queue lock's since), error texts, the config's
-    # train.checkpoint_every
+    # train.checkpoint_every and parallel section (its stuck_after_s), and the hang field
     "gptpar/run/state.py": GRID | {"job_id", "backend", "pid", "since", "MemoryError", "out of memory", "oom-kill",
-                                   "train", "checkpoint_every", "summary", "stuck", "where"},  # and the hang field
+                                   "train", "checkpoint_every", "summary", "stuck", "where", "parallel"},
     "gptpar/run/stragglers.py": GRID | {"report", "straggler_ratio"},  # a header's coords, the config's key
     "gptpar/run/sweeps.py": {"name", "points", "digest", "files"},  # a sweep's record
     # the layout a header's config ran: its parallel and train sections' keys
