@@ -361,8 +361,8 @@ def example_width(cfg: Config) -> int:
     if d.task == "classify":  # an image's patches and its class token
         return cfg.model.shape().n_positions
     shards = p.tp if p.tp > 1 and p.sequence_parallel else 1
-    if p.cp > 1:  # the ring cuts 2 cp chunks (load balance), all_to_all cp
-        shards = math.lcm(shards, p.cp * (2 if p.cp_impl == "ring" else 1))
+    if p.cp > 1:  # a row is cut into 2 cp chunks, two a rank (the load-balanced split of either implementation)
+        shards = math.lcm(shards, 2 * p.cp)
     return -(-(d.max_source_len + d.max_target_len + 1) // shards) * shards
 
 

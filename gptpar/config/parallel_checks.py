@@ -223,13 +223,12 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.hpz=true keeps a copy of the shards within a node's data-parallel ranks, but "
                           f"under {cp} they are sharded over dp * cp ranks; use parallel.hpz=false, or parallel.cp=1")
     seq_len = cfg.data.seq_len if cfg.data.task == "lm" else 0  # pair rows' width is rounded up (example_width)
-    if p.cp_impl == "ring" and seq_len % (2 * p.cp):
-        raise ConfigError(f"parallel.cp_impl=ring splits data.seq_len={seq_len} into 2 * parallel.cp = {2 * p.cp} "
-                          f"chunks; use a seq_len that is a multiple of {2 * p.cp}")
-    if p.cp_impl == "all_to_all" and (seq_len % p.cp or shape.n_head % p.cp):
-        key, value = ("data.seq_len", seq_len) if seq_len % p.cp else ("model.n_head", shape.n_head)
-        raise ConfigError(f"parallel.cp_impl=all_to_all needs {key}={value} divisible by {cp}; use a multiple of "
-                          f"{p.cp}, or parallel.cp_impl=ring")
+    if seq_len % (2 * p.cp):  # both implementations shard rows by the load-balanced split (shard_positions)
+        raise ConfigError(f"{cp} splits data.seq_len={seq_len} into 2 * parallel.cp = {2 * p.cp} chunks, two a rank "
+                          f"(an equal share of the causal work); use a seq_len that is a multiple of {2 * p.cp}")
+    if p.cp_impl == "all_to_all" and shape.n_head % p.cp:
+        raise ConfigError(f"parallel.cp_impl=all_to_all needs model.n_head={shape.n_head} divisible by {cp}; use a "
+                          f"multiple of {p.cp}, or parallel.cp_impl=ring")
     if p.cp_impl == "all_to_all" and (shape.n_head // p.tp) % p.cp:  # it trades a tensor-parallel rank's heads
         raise ConfigError(f"parallel.cp_impl=all_to_all trades each rank's model.n_head / parallel.tp = "
                           f"{shape.n_head // p.tp} heads over {cp}, which do not divide; use model.n_head a multiple "

@@ -269,11 +269,12 @@ class ParallelConfig:
                   "expert parallelism, our tensor parallelism and the multi-process pipeline, on GPT-2, Llama, Qwen2 "
                   "and their mixtures, data.task=lm, sft or translation (packed or not; with tp or pp: dense models "
                   "on lm blocks without packing), bf16 and train.compile too.", min=1, max=4096)
-    cp_impl: str = opt("ring", "parallel.cp > 1: ring (K/V passed around the cp ranks, partial results merged by "
-                       "log-sum-exp; the sequence in 2 * cp chunks, rank r holding chunks r and 2 * cp - 1 - r so "
-                       "every rank has an equal share of the causal work; data.seq_len divisible by 2 * cp, pair "
-                       "rows padded to a multiple of it) or all_to_all (Ulysses: heads exchanged for sequence before "
-                       "attention and back after; model.n_head divisible by cp).", choices=("ring", "all_to_all"))
+    cp_impl: str = opt("ring", "parallel.cp > 1, whose ranks hold the sequence in 2 * cp chunks, rank r chunks r "
+                       "and 2 * cp - 1 - r so every rank has an equal share of the causal work (data.seq_len divisible "
+                       "by 2 * cp, pair rows padded to a multiple of it): ring (K/V passed around the cp ranks, "
+                       "partial results merged by log-sum-exp) or all_to_all (Ulysses: heads exchanged for sequence "
+                       "before attention and back after; model.n_head divisible by cp).",
+                       choices=("ring", "all_to_all"))
     tp_impl: str = opt("gptpar", "Tensor parallelism: " + "; ".join(
         f"{name} ({impl.help}; with dp > 1 only dp_sync="
         f"{either([sync for sync, row in DP_STRATEGIES.items() if name in row.tensor_parallel])}"

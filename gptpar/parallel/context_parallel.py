@@ -156,12 +156,21 @@ class ContextParallel:
 
     def _all_to_all(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """Heads for sequence, causal sdpa over the whole sequence in global order, sequence for heads."""
-        local = query.size(2)
-        order = torch.cat([self._positions(r, local) for r in range(self.size)]).argsort().to(query.device)
-        q, k, v = (self._heads_for_sequence(t)[:, :, order] for t in (query, key, value))
+        q, k, v = (self._in_global_order(self._heads_for_sequence(t)) for t in (query, key, value))
         mask = packed_attention(self.rows) if self.rows is not None else None
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
-        return self._sequence_for_heads(out[:, :, order.argsort()])
+        return self._sequence_for_heads(self._in_rank_order(out))
+
+    def _in_global_order(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, D) gathered in rank order (rank r's chunks r and 2 cp - 1 - r, `shard_positions`) put in global
+        order by its chunks: a concatenation, which autograd keeps no index for (attention's bytes fall as 1/cp)."""
+        pieces, cp = tensor.chunk(2 * self.size, dim=2), self.size
+        return torch.cat([pieces[2 * j if j < cp else 2 * (2 * cp - 1 - j) + 1] for j in range(2 * cp)], dim=2)
+
+    def _in_rank_order(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The inverse of `_in_global_order`."""
+        chunks, cp = tensor.chunk(2 * self.size, dim=2), self.size
+        return torch.cat([chunks[j] for r in range(cp) for j in (r, 2 * cp - 1 - r)], dim=2)
 
     def _heads_for_sequence(self, tensor: torch.Tensor) -> torch.Tensor:
         """(B, H, T/cp, D) -> (B, H/cp, T, D): head group j to rank j, rank j's sequence shard back (in rank order)."""

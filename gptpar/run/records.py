@@ -197,7 +197,7 @@ class MemoryRecord(Record):
     attention_bytes: int | Absent = optional(
         "parallel.cp > 1 (without recompute, a pipeline or compile): bytes this rank's attention kept for backward in "
         "the run's first micro-batch, every layer: q, k, v, the output and a log-sum-exp per query on seq / cp "
-        "positions (all_to_all also its two int64 reorders of the whole sequence), the closed form "
+        "positions, the closed form "
         "gptpar.strategies.context_parallel.attention_bytes.")
     hpz_bytes: int | Absent = optional(
         "parallel.hpz: bytes of fsdp's secondary copy of the parameters (this rank's share of its node's), held "

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-INDEX_BYTES = 8  # an int64 position: all_to_all reorders the gathered sequence by index, and autograd keeps the index
-
 
 @dataclass(frozen=True)
 class AttentionShape:
@@ -65,19 +63,18 @@ def sent_bytes(impl: str, cp: int, a: AttentionShape) -> dict[str, int]:
 def attention_bytes(impl: str, cp: int, a: AttentionShape) -> int:
     """Bytes one rank's attention keeps for backward over one micro-batch's forward, every layer: q, k and v (k and v
     with kv_heads; all_to_all repeats them to every head before its exchange), the output and one log-sum-exp per
-    query and head, all on seq / cp positions, so falling as 1 / cp; all_to_all also keeps its two int64 reorders of the
-    whole sequence (into global order and back), which do not fall."""
+    query and head, all on seq / cp positions, so falling as 1 / cp (all_to_all puts the gathered sequence in global
+    order and back by its chunks, which keeps no index)."""
     tokens = a.rows * a.seq // cp
     kv_heads = a.heads if impl == "all_to_all" else a.kv_heads
     per_token = (2 * a.heads + 2 * kv_heads) * a.head_dim + a.heads
-    index = 2 * a.seq * INDEX_BYTES if impl == "all_to_all" else 0
-    return a.layers * (tokens * per_token * a.element + index)
+    return a.layers * tokens * per_token * a.element
 
 
 def longest_sequence(budget: float, impl: str, cp: int, a: AttentionShape) -> int:
-    """The longest sequence (a multiple of what `impl` splits it into: 2 cp chunks for the ring, cp for all_to_all)
-    whose `attention_bytes` on one rank fit `budget`; `a.seq` is ignored. 0 where none does."""
-    step = 2 * cp if impl == "ring" else cp
+    """The longest sequence (a multiple of the 2 cp chunks either implementation splits it into) whose
+    `attention_bytes` on one rank fit `budget`; `a.seq` is ignored. 0 where none does."""
+    step = 2 * cp
     per_seq = attention_bytes(impl, cp, AttentionShape(a.layers, a.heads, a.kv_heads, a.head_dim, a.rows, step,
                                                        a.element))  # linear in seq: the bytes of one step's worth
     return int(budget // per_seq) * step
