@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import math
 import os
@@ -34,21 +35,26 @@ from collections import Counter, deque
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
 from gptpar.atomic import atomic_write_text
+from gptpar.errors import GptparError
 from gptpar.parallel.env import DUMP_SIGNAL, LAUNCHER_PID
+from gptpar.run.hang import channel
 
 CONT_WAIT_S = 0.05  # after the dump signal's byte, how long a SIGCONT's may take to follow (both come at once)
 CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture itself (never, when blocked in C)
 UNFINISHED = ("started", "waiting", "failed")  # states of a collective a rank has not come out of
-P2P = "p2p"  # the group name of point-to-point calls: a rank's count of them matches no peer's (not diagnosed)
 STDERR_FD = 2
 CAPACITY = 64  # collectives kept per rank: a step of bucketed dp issues a few per bucket; the hung one is the last
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # frames under it are shown relative to it: gptpar/train/...
 _NAMES: dict[Any, tuple[str, list[int]]] = {}  # process group -> (its dimension's name, its global ranks)
+# Test only: RANK:STEP makes that rank skip its first gradient all-reduce of that step, a planted mismatch of the
+# ranks' collectives that gptpar.run.hang must name (tests/e2e/test_hostile_signals.py). Never set it in a real run.
+SKIP_COLLECTIVE_ENV = "GPTPAR_TEST_SKIP_COLLECTIVE"
+_SKIPPED: set[tuple[int, int]] = set()
 
 
 def name_group(group: dist.ProcessGroup | None, name: str) -> None:
@@ -59,7 +65,7 @@ def name_group(group: dist.ProcessGroup | None, name: str) -> None:
 
 def group_name(group: dist.ProcessGroup | str | None) -> str:
     """The recorder's name of `group`: its dimension's (dp when dp spans the job: torch's mesh then hands out the
-    default group), else `world` for the default group (None); P2P for point-to-point calls."""
+    default group), else `world` for the default group (None)."""
     if isinstance(group, str):
         return group
     if group in _NAMES:
@@ -67,12 +73,25 @@ def group_name(group: dist.ProcessGroup | str | None) -> str:
     return "world" if group is None or group is dist.GroupMember.WORLD else "group"
 
 
+class Peer(NamedTuple):
+    """The other end of a point-to-point call: its global rank, the message's bytes, and the pipeline micro-batch it
+    belongs to."""
+
+    rank: int
+    nbytes: int
+    micro_batch: int
+
+
 class Recorder:
-    """The last `capacity` collectives this rank entered (a ring), as plain dicts ready to be dumped."""
+    """The last `capacity` collectives this rank entered (a ring), as plain dicts ready to be dumped. `on`: the one
+    switch (off only to measure what recording costs: `make bench-step`)."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
+        self.on = True
         self.entries: deque[dict[str, Any]] = deque(maxlen=capacity)
-        self.seqs: Counter[str] = Counter()  # collectives entered per group since the start: never wraps
+        # Collectives entered per group since the start (never wraps); a point-to-point call counts per channel
+        # (gptpar.run.hang.channel: group, op, peer), as its peer counts the matching op to this rank.
+        self.seqs: Counter[str] = Counter()
         self.issued: dict[str, deque[dict[str, Any]]] = {}  # asynchronous ones issued and not yet waited for, by op
         self.step = 0
         self.micro_step = 0
@@ -80,17 +99,21 @@ class Recorder:
     def new_step(self, step: int) -> None:
         self.step, self.micro_step = step, 0
 
-    def enter(self, op: str, phase: str, group: str, nbytes: int) -> dict[str, Any]:
-        """The entry of a span starting now: a new collective, or for a wait the oldest `op` issued and not waited."""
+    def enter(self, op: str, phase: str, group: str, nbytes: int, peer: Peer | None = None) -> dict[str, Any]:
+        """The entry of a span starting now: a new collective (or a send or receive with `peer`), or for a wait the
+        oldest `op` issued and not waited."""
         pending = self.issued.get(op)
         if phase == "wait" and pending:
             entry = pending.popleft()
             entry["state"] = "waiting"
             return entry
-        self.seqs[group] += 1
-        entry = {"seq": self.seqs[group], "op": op, "group": group, "bytes": nbytes, "step": self.step,
+        key = group if peer is None else channel(group, op, peer.rank)
+        self.seqs[key] += 1
+        entry = {"seq": self.seqs[key], "op": op, "group": group, "bytes": nbytes, "step": self.step,
                  "micro_step": self.micro_step, "start": time.time(), "end": None,
                  "state": "waiting" if phase == "wait" else "started"}
+        if peer is not None:
+            entry.update(bytes=peer.nbytes, peer=peer.rank, micro_batch=peer.micro_batch)
         self.entries.append(entry)
         return entry
 
@@ -107,13 +130,13 @@ class Recorder:
         entry["end"] = time.time()
 
     def blocked(self) -> dict[str, Any] | None:
-        """The collective this rank is inside (or failed inside) and has not come out of: the oldest such. Not a
-        point-to-point call: its count matches no peer's, so gptpar.run.hang could not compare it (not yet)."""
-        return next((e for e in self.entries if e["state"] in UNFINISHED and e["group"] != P2P), None)
+        """The collective or point-to-point call this rank is inside (or failed inside) and has not come out of: the
+        oldest such."""
+        return next((e for e in self.entries if e["state"] in UNFINISHED), None)
 
     def in_collective(self) -> bool:
         """Whether this rank is inside (or failed inside) any communication, point-to-point included."""
-        return any(entry["state"] in UNFINISHED for entry in self.entries)
+        return self.blocked() is not None
 
     def snapshot(self) -> dict[str, Any]:
         """The recorder as a dump holds it, with `blocked` for its reader (gptpar.run.hang)."""
@@ -123,6 +146,27 @@ class Recorder:
 
 
 RECORDER = Recorder()
+
+
+@functools.cache
+def _planted_skip() -> tuple[int, int] | None:
+    """SKIP_COLLECTIVE_ENV's (rank, step), read once; None where it is not set."""
+    value = os.environ.get(SKIP_COLLECTIVE_ENV, "")
+    if not value:
+        return None
+    rank, _, step = value.partition(":")
+    if not (rank.isdigit() and step.isdigit()):
+        raise GptparError(f"{SKIP_COLLECTIVE_ENV}={value!r}: expected RANK:STEP, two integers (a test-only switch)")
+    return int(rank), int(step)
+
+
+def skips_planted_collective() -> bool:
+    """Whether this rank skips the gradient all-reduce it is about to issue: once, at SKIP_COLLECTIVE_ENV's step."""
+    planted = _planted_skip()
+    if planted is None or planted in _SKIPPED or planted != (dist.get_rank(), RECORDER.step):
+        return False
+    _SKIPPED.add(planted)
+    return True
 
 
 def _shown(filename: str) -> str:

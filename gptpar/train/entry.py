@@ -21,7 +21,7 @@ from gptpar.parallel.flight import dump_on_failure, dumps_on_signal, request_dum
 from gptpar.parallel.grid import grid_sizes, launched_config
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
 from gptpar.run.claim import claim_run_folder
-from gptpar.run.folder import RunFolder
+from gptpar.run.folder import RunFolder, run_folder
 from gptpar.run.hang import collect_dumps, diagnose
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.records import FinalRecord, HeaderRecord
@@ -52,7 +52,8 @@ def run_rank(cfg: Config) -> dict[str, Any]:
 
 
 def _run_rank(cfg: Config) -> dict[str, Any]:
-    info = init_distributed(cfg.parallel)
+    named = run_folder(cfg.log.runs_dir, cfg.log.run_id) if cfg.log.run_id else None  # where the launcher named it
+    info = init_distributed(cfg.parallel, nccl_trace_prefix=named.nccl_trace_prefix if named else None)
     try:
         launched = launched_config(cfg, info.world_size)  # checked before the folder is touched
         dims = ParallelDims.build(info, grid_sizes(launched))

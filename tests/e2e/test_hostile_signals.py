@@ -302,22 +302,34 @@ def test_usr2_to_the_launcher_reaches_every_rank_and_reads_as_stopped_outside_sl
 HANG_TIMEOUT_S = 10
 
 
+def _stop_rank_one(runs: Path, run_id: str, *words: str, timeout_s: float = HANG_TIMEOUT_S) -> dict:
+    """A run on two ranks (`words`) whose rank 1 is stopped (SIGSTOP) once both ranks train, to its end: its folder,
+    rank pids, exit code, output, and the seconds from the stop to the end."""
+    proc = _gptpar(runs, *ENDLESS, f"log.run_id={run_id}", f"parallel.timeout_s={timeout_s}", *words)
+    result: dict = {"run": runs / run_id, "pids": {}}
+    try:
+        _wait_for_steps(proc, runs / run_id, ranks=2)
+        result["pids"] = _rank_pids(proc.pid)
+        sent = time.monotonic()
+        os.kill(result["pids"][1], signal.SIGSTOP)
+        result["code"], result["out"], result["err"] = _finish(proc)
+        result["waited_s"] = time.monotonic() - sent
+    finally:
+        for pid in [proc.pid, *result["pids"].values()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return result
+
+
 @pytest.fixture(scope="module", autouse=True)
 def hung_rank(tmp_path_factory: pytest.TempPathFactory):
     """A dp=2 run whose rank 1 is stopped (SIGSTOP) once both ranks train. It starts with the module and a
     thread watches it, so its parallel.timeout_s runs out while the other tests run."""
-    runs = tmp_path_factory.mktemp("hung")
-    proc = _gptpar(runs, *ENDLESS, "log.run_id=hung", "parallel.dp=2", f"parallel.timeout_s={HANG_TIMEOUT_S}")
-    result: dict = {"run": runs / "hung", "pids": {}}
+    result: dict = {}
 
     def watch() -> None:
         try:
-            _wait_for_steps(proc, runs / "hung", ranks=2)
-            result["pids"] = _rank_pids(proc.pid)
-            sent = time.monotonic()
-            os.kill(result["pids"][1], signal.SIGSTOP)
-            result["code"], result["out"], result["err"] = _finish(proc)
-            result["waited_s"] = time.monotonic() - sent
+            result.update(_stop_rank_one(tmp_path_factory.mktemp("hung"), "hung", "parallel.dp=2"))
         except BaseException as exc:  # pytest.fail included: the test re-raises it
             result["error"] = exc
 
@@ -331,24 +343,21 @@ def hung_rank(tmp_path_factory: pytest.TempPathFactory):
         return result
 
     yield outcome
-    for pid in [proc.pid, *result["pids"].values()]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
-def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank):
-    result = hung_rank()
+def _named_in_the_final_record(result: dict, collective: str, group: str) -> dict:
+    """The failed run's final record (rank 0's) names stopped rank 1 (its pid and stack line), `collective` (a regex of
+    the call it held up) over `group` (a regex) and rank 0 waiting; every rank dumped. Its `hang`."""
     assert result["waited_s"] < HANG_TIMEOUT_S + 30  # a hang guard: in practice the timeout plus a second
     state = read_run(RunFolder(result["run"]))
     assert state.state == "failed"
     pid = result["pids"][1]
-    # Named with the collective it held up and the line it was stopped at, from every rank's dump (gptpar.run.hang).
-    collective = r"\w+\((dp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step 0\)"
-    assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never entered {collective}|was stopped "
-                        rf"\(SIGSTOP\) inside {collective}|issued {collective} and was stopped \(SIGSTOP\) before "
-                        r"waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 waited "
-                        r"\d+ s in it", state.detail), state.detail
+    assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never (entered|posted) {collective}|was "
+                        rf"stopped \(SIGSTOP\) inside {collective}|issued {collective} and was stopped \(SIGSTOP\) "
+                        r"before waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 "
+                        r"waited \d+ s in .+", state.detail), state.detail
     hang = _log(result["run"], 0).final["hang"]
+    assert re.fullmatch(group, hang["group"]), hang
     assert hang["waiting"] == [0] and [(s["rank"], s["pid"], s["stopped"]) for s in hang["stuck"]] == [(1, pid, True)]
     assert hang["summary"] in state.detail and hang["stuck"][0]["where"] in state.detail
     job = RunFolder(result["run"])
@@ -357,6 +366,34 @@ def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank
         assert json.loads(job.flight_path(rank).read_text())["rank"] == rank
     assert "gloo" not in state.detail and "Timed out" not in state.detail  # not rank 0's raw timeout text
     assert result["code"] != 0 and result["out"][1:] == [f"gptpar: run failed: {state.detail}"]
+    return hang
+
+
+def _collective(group: str) -> str:
+    """A regex of a collective's text in a diagnosis (gptpar.run.hang), over `group`."""
+    return rf"\w+\({group}, [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+\)"
+
+
+def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank):
+    _named_in_the_final_record(hung_rank(), _collective("(dp|world)"), "(dp|world)")
+
+
+SHORT_TIMEOUT_S = 5  # shorter than the dp run's: each case waits for it alone
+P2P = r"(send to|recv from) rank 0 \(pp, [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+, micro-batch \d+\)"
+HUNG_RUNS = {  # a rank stopped under each other parallelism: the call it held up, its group
+    "pp": (["parallel.pp=2", "model.n_layer=2", "parallel.chunks=2"], rf"({_collective('pp')}|{P2P})", "pp"),
+    "fsdp": (["parallel.dp=2", "parallel.dp_sync=fsdp"], _collective("(dp|world)"), "(dp|world)"),
+    "tp": (["parallel.tp=2"], _collective("(tp|world)"), "(tp|world)"),
+}
+
+
+@pytest.mark.parametrize("case", HUNG_RUNS)
+def test_a_rank_stopped_under_pp_fsdp_or_tp_is_named_with_its_call_and_line(tmp_path, case):
+    words, collective, group = HUNG_RUNS[case]
+    hang = _named_in_the_final_record(_stop_rank_one(tmp_path, case, *words, timeout_s=SHORT_TIMEOUT_S), collective,
+                                      group)
+    if case == "pp" and "peer" in hang:
+        assert hang["peer"] == 1 and hang["collective"] in ("send", "recv")
 
 
 # 5 and 6. Runs started together; a run killed with SIGKILL.

@@ -13,7 +13,7 @@ import pytest
 import gptpar.parallel.comm as comm
 import gptpar.parallel.flight as flight
 from gptpar.parallel.comm import comm_span, new_step
-from gptpar.parallel.flight import DUMP_SIGNAL, P2P, Recorder, dumps_on_signal
+from gptpar.parallel.flight import DUMP_SIGNAL, Peer, Recorder, dumps_on_signal
 
 DEADLINE_S = 30.0  # a hang guard while waiting for the dump thread: never a timing claim
 
@@ -78,10 +78,24 @@ def test_the_dump_signal_writes_the_recorder_and_every_threads_stack_while_insid
     assert signal.getsignal(DUMP_SIGNAL) is signal.SIG_DFL  # given back
 
 
-def test_a_point_to_point_wait_dumps_but_is_no_collective_to_compare(recorder):
-    """A rank's count of sends and receives matches no peer's: inside one it dumps on failure, but its `blocked` (what
-    gptpar.run.hang compares between ranks) is the collective it is in, if any."""
-    with comm_span("recv", group=P2P, nbytes=8):
-        assert recorder.in_collective() and recorder.blocked() is None
-        with comm_span("all_reduce", nbytes=4):
-            assert recorder.blocked()["op"] == "all_reduce"
+def test_sends_and_receives_count_per_peer_and_a_wait_for_one_is_where_the_rank_is_blocked(recorder):
+    """A rank's k-th send to a peer is that peer's k-th receive from it (gptpar.run.hang compares them): counted per
+    channel, apart from the group's collectives."""
+    with comm_span("send", "recv", "send", phase="issue", group="pp", peers=[Peer(1, 8, 0), Peer(1, 8, 0),
+                                                                             Peer(2, 4, 1)]):
+        pass
+    with comm_span("all_reduce", group="pp", nbytes=8):
+        pass
+    assert recorder.seqs == {"pp:send:1": 1, "pp:recv:1": 1, "pp:send:2": 1, "pp": 1}
+    assert recorder.blocked() is None
+    with comm_span("recv", phase="wait", group="pp"):
+        assert recorder.in_collective()
+        assert {k: recorder.blocked()[k] for k in ("op", "peer", "seq", "bytes", "micro_batch", "state")} == {
+            "op": "recv", "peer": 1, "seq": 1, "bytes": 8, "micro_batch": 0, "state": "waiting"}
+
+
+def test_with_the_recorder_off_a_span_records_nothing(recorder):
+    recorder.on = False
+    with comm_span("all_reduce", nbytes=4):
+        assert not recorder.in_collective()
+    assert not recorder.entries and not recorder.seqs

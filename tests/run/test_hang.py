@@ -115,3 +115,40 @@ def test_status_says_the_hang_where_the_stuck_rank_dumped_and_why_it_ended_where
         "hung: rank 1 ... never entered all_reduce(dp, 48 MiB)"
     assert _hung_run(tmp_path / "killed", None).startswith("rank 1 stopped responding after step 1: no final record, "
                                                            "and rank 0 lost contact with it")
+
+
+def _p2p(op: str, peer: int, seq: int, state: str, start: float, end: float | None = None) -> dict[str, Any]:
+    """A pipeline's send or receive entry of step 2, micro-batch 3 (gptpar.parallel.flight.Peer)."""
+    return {**_entry(seq, state, start, end, group="pp", step=2, nbytes=8 * 1024), "op": op, "peer": peer,
+            "micro_batch": 3}
+
+
+def test_a_stage_that_never_posted_the_receive_a_send_waits_for_is_named_with_its_line(tmp_path):
+    """Rank 0 waits in its 4th send to rank 1; rank 1 posted 3 receives from rank 0 and is elsewhere: it holds rank 0
+    up, though its count of receives from rank 2 (another channel) is past 4."""
+    sender = _dump(0, {"pp:send:1": 4, "pp": 1}, [_p2p("send", 1, 4, "failed", START + 30, START + 40)], [],
+                   groups={"pp": [0, 1]})
+    receiver = _dump(1, {"pp:recv:0": 3, "pp:recv:2": 9, "pp": 1}, [_p2p("recv", 0, 3, "completed", START, START + 1)],
+                     READING, groups={"pp": [0, 1]})
+    hang = diagnose(read_dumps(_written(tmp_path, sender, receiver), 2, START), 2)
+    assert hang["summary"] == ("rank 1 (node2, pid 4701) never posted recv from rank 0 (pp, 8 KiB) of step 2 "
+                               "(micro-step 0, micro-batch 3): it is in gptpar/data/blocks.py:88 (read); rank 0 waited "
+                               "10 s in send to rank 1")
+    assert {k: hang[k] for k in ("collective", "group", "peer", "bytes", "step", "micro_batch", "seq", "waiting")} == {
+        "collective": "send", "group": "pp", "peer": 1, "bytes": 8192, "step": 2, "micro_batch": 3, "seq": 4,
+        "waiting": [0]}
+    assert [(s["rank"], s["entered"], s["where"]) for s in hang["stuck"]] == [(1, False, "gptpar/data/blocks.py:88")]
+
+
+def test_a_stage_stopped_inside_the_matching_send_is_named_so_and_one_that_posted_it_is_not_a_suspect(tmp_path):
+    receiver = _dump(0, {"pp:recv:1": 2}, [_p2p("recv", 1, 2, "failed", START + 30, START + 40)], [])
+    stopped = _dump(1, {"pp:send:0": 2}, [_p2p("send", 0, 2, "waiting", START + 31)], READING[:2], stopped=True)
+    assert diagnose(read_dumps(_written(tmp_path, receiver, stopped), 2, START), 2)["summary"] == (
+        "rank 1 (node2, pid 4701) was stopped (SIGSTOP) inside send to rank 0 (pp, 8 KiB) of step 2 (micro-step 0, "
+        "micro-batch 3): it is in gptpar/data/blocks.py:88 (read); rank 0 waited 10 s in recv from rank 1")
+    running = _dump(1, {"pp:send:0": 2}, [_p2p("send", 0, 2, "waiting", START + 31)], READING[:2])
+    (tmp_path / "both").mkdir()
+    hang = diagnose(read_dumps(_written(tmp_path / "both", receiver, running), 2, START), 2)
+    assert hang["stuck"] == [] and hang["summary"] == (
+        "rank 0's recv from rank 1 (pp, 8 KiB) of step 2 (micro-step 0, micro-batch 3) and rank 1's matching send "
+        "were both posted and neither finished; rank 0 waited 10 s in recv from rank 1")
