@@ -23,6 +23,7 @@ import faulthandler
 import functools
 import json
 import math
+import mmap
 import os
 import select
 import signal
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from gptpar.atomic import atomic_write_text
 from gptpar.errors import GptparError
 from gptpar.parallel.env import DUMP_SIGNAL, LAUNCHER_PID
-from gptpar.run.hang import channel
+from gptpar.run.hang import LEDGER_LINE, channel, ledger_line
 
 CONT_WAIT_S = 0.05  # after the dump signal's byte, how long a SIGCONT's may take to follow (both come at once)
 CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture itself (never, when blocked in C)
@@ -93,6 +94,7 @@ class Recorder:
         # (gptpar.run.hang.channel: group, op, peer), as its peer counts the matching op to this rank.
         self.seqs: Counter[str] = Counter()
         self.issued: dict[str, deque[dict[str, Any]]] = {}  # asynchronous ones issued and not yet waited for, by op
+        self.ledger: Ledger | None = None  # where each entry is also written as it is entered (`mirrored`)
         self.step = 0
         self.micro_step = 0
 
@@ -115,6 +117,8 @@ class Recorder:
         if peer is not None:
             entry.update(bytes=peer.nbytes, peer=peer.rank, micro_batch=peer.micro_batch)
         self.entries.append(entry)
+        if self.ledger is not None:
+            self.ledger.write(entry)
         return entry
 
     def leave(self, entry: dict[str, Any], phase: str, failed: bool = False) -> None:
@@ -145,7 +149,42 @@ class Recorder:
                 "entries": [dict(entry) for entry in self.entries], "blocked": dict(blocked) if blocked else None}
 
 
+class Ledger:
+    """The recorder's ring mirrored into a file mapped into memory (job/rank<R>.ledger): what a rank entered outlives
+    the rank where it dies without a dump (gloo aborts a rank whose collective does not match its peer's; SIGKILL).
+    The n-th entry is one fixed-width line (gptpar.run.hang.ledger_line) at slot n % capacity; the kernel keeps a
+    shared mapping's writes when the process dies. About a microsecond per entry."""
+
+    def __init__(self, path: Path, capacity: int) -> None:
+        size = capacity * LEDGER_LINE
+        with open(path, "wb") as out:
+            out.truncate(size)
+        with open(path, "r+b") as out:
+            self.map = mmap.mmap(out.fileno(), size)
+        self.capacity, self.n = capacity, 0
+
+    def write(self, entry: dict[str, Any]) -> None:
+        at = (self.n % self.capacity) * LEDGER_LINE
+        self.map[at:at + LEDGER_LINE] = ledger_line(self.n, entry)
+        self.n += 1
+
+    def close(self) -> None:
+        self.map.close()
+
+
 RECORDER = Recorder()
+
+
+@contextlib.contextmanager
+def mirrored(path: Path) -> Iterator[None]:
+    """While it runs, RECORDER's entries are also written to the ledger at `path` (gptpar.run.hang reads it for a rank
+    that left no dump)."""
+    RECORDER.ledger = Ledger(path, RECORDER.entries.maxlen or CAPACITY)
+    try:
+        yield
+    finally:
+        RECORDER.ledger.close()
+        RECORDER.ledger = None
 
 
 @functools.cache

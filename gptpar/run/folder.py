@@ -86,6 +86,10 @@ class RunFolder:
         """A rank's flight recorder and frames, dumped when a job hangs (gptpar.parallel.flight)."""
         return self.job_dir / f"rank{rank}.flight.json"
 
+    def ledger_path(self, rank: int) -> Path:
+        """A rank's flight recorder as it goes, one line per collective (gptpar.parallel.flight.Ledger)."""
+        return self.job_dir / f"rank{rank}.ledger"
+
     def stack_path(self, rank: int) -> Path:
         """Every thread's Python stack of a rank, appended at each dump (gptpar.parallel.flight)."""
         return self.job_dir / f"rank{rank}.stack"

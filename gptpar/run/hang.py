@@ -6,19 +6,25 @@ Every rank of that group issues the group's collectives in one order, so a membe
 `seq` never entered it: that rank held the others up, and its dumped frames say where it was instead. A member that
 left no dump (it did not answer in time) is named too, without a place. A point-to-point call (a pipeline's send or
 receive) is counted per `channel`: a rank's k-th send to a peer is that peer's k-th receive from it, so a peer whose
-count of the matching receive is below k never posted it (`diagnose_p2p`). Torch-free: the final record's writer and
-the status table read the same dict.
+count of the matching receive is below k never posted it (`diagnose_p2p`). Ranks that each wait in a call the other
+never entered issued different collectives (one skipped one, say): `diagnose_mismatch` names them and which is ahead,
+reading a rank that died without a dump (gloo aborts on a mismatch) from its ledger, the recorder as it went
+(gptpar.parallel.flight.Ledger). Torch-free: the final record's writer and the status table read the same dict.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from gptpar.run.folder import RunFolder
 
 DUMP_POLL_S = 0.1
+LEDGER_LINE = 128  # bytes of one entry in a rank's ledger, the newline included
+LEDGER_FIELDS = ("n", "seq", "op", "group", "bytes", "step", "micro_step", "peer", "micro_batch", "start")
+NO_PEER = -1  # a collective's `peer` in the ledger
 MATCHING = {"send": "recv", "recv": "send"}  # what the other end of a point-to-point call posts
 
 
@@ -38,6 +44,43 @@ def read_dumps(folder: RunFolder, world: int, since: float) -> dict[int, dict[st
         if float(dump.get("time", 0.0)) >= since:
             dumps[rank] = dump
     return dumps
+
+
+def ledger_line(n: int, entry: dict[str, Any]) -> bytes:
+    """The `n`-th recorder entry as a ledger line: LEDGER_FIELDS separated by spaces, padded to LEDGER_LINE."""
+    text = f"{n} {entry['seq']} {entry['op']} {entry['group']} {entry['bytes']} {entry['step']} " \
+           f"{entry['micro_step']} {entry.get('peer', NO_PEER)} {entry.get('micro_batch', 0)} {entry['start']:.3f}"
+    return text[:LEDGER_LINE - 1].ljust(LEDGER_LINE - 1).encode() + b"\n"
+
+
+def read_ledger(path: Path) -> list[dict[str, Any]]:
+    """A ledger's entries, oldest first, as the recorder held them (state "entered": the ledger does not say more)."""
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError:
+        return []
+    entries = []
+    for line in lines:
+        fields = line.decode(errors="replace").split()
+        if len(fields) != len(LEDGER_FIELDS):
+            continue  # a slot never written (zeros), or torn
+        entry: dict[str, Any] = dict(zip(LEDGER_FIELDS, fields, strict=True))
+        for name in ("n", "seq", "bytes", "step", "micro_step", "peer", "micro_batch"):
+            entry[name] = int(entry[name])
+        entry.update(start=float(entry["start"]), end=None, state="entered")
+        if entry["peer"] == NO_PEER:
+            del entry["peer"], entry["micro_batch"]
+        entries.append(entry)
+    return sorted(entries, key=lambda e: e["n"])
+
+
+def read_ledgers(folder: RunFolder, world: int, since: float) -> dict[int, list[dict[str, Any]]]:
+    """Each rank's ledger entries entered at or after `since` (this start's), for the ranks that have any."""
+    ledgers = {}
+    for rank in range(world):
+        if entries := [e for e in read_ledger(folder.ledger_path(rank)) if e["start"] >= since]:
+            ledgers[rank] = entries
+    return ledgers
 
 
 def collect_dumps(folder: RunFolder, world: int, since: float, wait_s: float) -> dict[int, dict[str, Any]]:
@@ -98,10 +141,12 @@ def _sentence(stuck: dict[str, Any], collective: str, entered: str = "entered") 
     return f"{who} {did}: {was} {stuck['where']} ({stuck['function']})"
 
 
-def diagnose(dumps: dict[int, dict[str, Any]], world: int) -> dict[str, Any] | None:
+def diagnose(dumps: dict[int, dict[str, Any]], world: int,
+             ledgers: dict[int, list[dict[str, Any]]] | None = None) -> dict[str, Any] | None:
     """The `hang` field of a final record: the collective the waiting ranks were blocked in, the ranks of its group
     that held it up (never entered it, were stopped, or left no dump) and where each was, and a one-paragraph
-    `summary`; None when no dumped rank was inside a collective."""
+    `summary`; None when no dumped rank was inside a collective. `ledgers`: the entries of ranks, for those that left
+    no dump (read_ledgers)."""
     blocked = {rank: dump["blocked"] for rank, dump in dumps.items() if dump.get("blocked")}
     running = [rank for rank in blocked if not dumps[rank].get("stopped")] or list(blocked)
     if not running:
@@ -110,6 +155,8 @@ def diagnose(dumps: dict[int, dict[str, Any]], world: int) -> dict[str, Any] | N
     held = blocked[first]
     if "peer" in held:
         return diagnose_p2p(dumps, first)
+    if mismatch := diagnose_mismatch(dumps, ledgers or {}, first, world):
+        return mismatch
     group, seq = held["group"], held["seq"]
     members = dumps[first].get("groups", {}).get(group, list(range(world)))
     stuck = [s for rank in members if (s := _held_up_by(rank, dumps.get(rank), group, seq)) is not None]
@@ -152,3 +199,102 @@ def diagnose_p2p(dumps: dict[int, dict[str, Any]], waiter: int) -> dict[str, Any
             "group": held["group"], "peer": peer, "bytes": int(held["bytes"]), "step": held["step"],
             "micro_step": held["micro_step"], "micro_batch": held["micro_batch"], "seq": seq, "waiting": [waiter],
             "waited_s": round(waited, 3), "stuck": [stuck] if stuck else []}
+
+
+def _call_text(entry: dict[str, Any]) -> str:
+    """A collective (or point-to-point call) with its group, size and step, as a sentence names it."""
+    if "peer" in entry:
+        return _p2p_long(entry)
+    return f"{entry['op']}({entry['group']}, {size_text(int(entry['bytes']))}) of step {entry['step']} " \
+           f"(micro-step {entry['micro_step']})"
+
+
+def _signature(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """What a call is, whichever rank issued it and whenever: the same calls of two steps have one signature."""
+    return entry["op"], entry["group"], int(entry["bytes"]), entry.get("peer")
+
+
+def _current(rank: int, dumps: dict[int, dict[str, Any]], ledgers: dict[int, list[dict[str, Any]]]
+             ) -> tuple[dict[str, int], dict[str, Any], list[dict[str, Any]]] | None:
+    """(counts per key, the call it is in, its entries) of a rank that was not stopped: from its dump, or where it left
+    none from its ledger (its last entry: where it died); None when neither says it was in a call."""
+    dump = dumps.get(rank)
+    if dump is not None:
+        if dump.get("stopped") or not dump.get("blocked"):
+            return None
+        return dump.get("seqs", {}), dump["blocked"], dump.get("entries", [])
+    entries = ledgers.get(rank)
+    if not entries:
+        return None
+    seqs: dict[str, int] = {}
+    for entry in entries:
+        seqs[_key(entry)] = max(seqs.get(_key(entry), 0), entry["seq"])
+    return seqs, entries[-1], entries
+
+
+def _position(call: dict[str, Any], entries: list[dict[str, Any]], pattern: list[tuple[Any, ...]]) -> int | None:
+    """Where `call` stands in its step's order of calls (`pattern`, an earlier step's): the first place at or after as
+    many calls as the rank made in this step before it where the pattern has its signature."""
+    at = next((i for i, e in enumerate(entries) if (_key(e), e["seq"]) == (_key(call), call["seq"])), len(entries))
+    before = sum(1 for e in entries[:at] if e["step"] == call["step"])
+    return next((j for j in range(before, len(pattern)) if pattern[j] == _signature(call)), None)
+
+
+def _ahead(waiter: tuple[int, dict[str, Any], list[dict[str, Any]]], other: tuple[int, dict[str, Any],
+           list[dict[str, Any]]], pattern: list[tuple[Any, ...]]) -> tuple[int | None, list[tuple[Any, ...]]]:
+    """Which of two ranks in mismatched calls is ahead (None: cannot tell), and the calls it passed over that the
+    other is in: by step, else by place in the step's order of calls (`pattern`)."""
+    (rank_a, call_a, entries_a), (rank_b, call_b, entries_b) = waiter, other
+    if call_a["step"] != call_b["step"]:
+        return (rank_a if call_a["step"] > call_b["step"] else rank_b), []
+    at_a, at_b = _position(call_a, entries_a, pattern), _position(call_b, entries_b, pattern)
+    if at_a is None or at_b is None or at_a == at_b:
+        return None, []
+    return (rank_a, pattern[at_b:at_a]) if at_a > at_b else (rank_b, pattern[at_a:at_b])
+
+
+def diagnose_mismatch(dumps: dict[int, dict[str, Any]], ledgers: dict[int, list[dict[str, Any]]], waiter: int,
+                      world: int) -> dict[str, Any] | None:
+    """`diagnose` where the ranks issued different collectives: a member of the waiter's group (not stopped) entered
+    the waiter's call under its number as another call (op, size or step differ), or never entered it while in a call
+    the waiter never entered. Names both calls and which rank is ahead, by the order of calls an earlier step of the
+    waiter's shows; None when no member is so."""
+    dump = dumps[waiter]
+    held = dump["blocked"]
+    key, seq = _key(held), held["seq"]
+    for rank in dump.get("groups", {}).get(held["group"], list(range(world))):
+        other = _current(rank, dumps, ledgers) if rank != waiter else None
+        if other is None:
+            continue
+        seqs, call, entries = other
+        same = next((e for e in entries if (_key(e), e["seq"]) == (key, seq)), None)
+        if same is not None and (_signature(same), same["step"]) != (_signature(held), held["step"]):
+            return _mismatch(dump, rank, same, entries, rank in dumps)
+        if int(seqs.get(key, 0)) < seq and int(dump.get("seqs", {}).get(_key(call), 0)) < call["seq"]:
+            return _mismatch(dump, rank, call, entries, rank in dumps)
+    return None
+
+
+def _numbered(entry: dict[str, Any]) -> str:
+    return f"{_call_text(entry)}, #{entry['seq']} of {_key(entry)}"
+
+
+def _mismatch(dump: dict[str, Any], rank: int, call: dict[str, Any], entries: list[dict[str, Any]], dumped: bool
+              ) -> dict[str, Any]:
+    """The `hang` field of `diagnose_mismatch`: the waiter (`dump`) and `rank` are in calls that do not match."""
+    waiter, held = dump["rank"], dump["blocked"]
+    pattern = [_signature(e) for e in dump.get("entries", []) if e["step"] == held["step"] - 1]
+    ahead, passed = _ahead((waiter, held, dump.get("entries", [])), (rank, call, entries), pattern)
+    source = "" if dumped else " (read from its ledger: it left no dump)"
+    lines = [f"the ranks issued different collectives: rank {waiter} is in {_numbered(held)}; rank {rank}{source} in "
+             f"{_numbered(call)}"]
+    if ahead is not None:
+        skipped = ", ".join(f"{op}({group}, {size_text(nbytes)})" for op, group, nbytes, _ in passed)
+        lines.append(f"rank {ahead} is ahead" + (f": it skipped {skipped} of step {held['step']}" if skipped else ""))
+    waited = (held["end"] or dump["time"]) - held["start"]
+    fields = ("op", "group", "bytes", "step", "micro_step", "seq")
+    return {"summary": "; ".join(lines) + f"; rank {waiter} waited {waited:.0f} s", "mismatch": True,
+            "collective": held["op"], "group": held["group"], "bytes": int(held["bytes"]), "step": held["step"],
+            "micro_step": held["micro_step"], "seq": held["seq"], "waiting": [waiter], "waited_s": round(waited, 3),
+            "stuck": [], "ahead": ahead, "calls": {str(r): {k: c[k] for k in fields}
+                                                   for r, c in ((waiter, held), (rank, call))}}

@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from gptpar.parallel.flight import SKIP_COLLECTIVE_ENV
 from gptpar.run.folder import RunFolder
+from gptpar.run.hang import size_text
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.state import read_run
 
@@ -38,13 +40,14 @@ ENDLESS = ["train.epochs=1000", "train.max_steps=1000000"]  # stopped by the tes
 DEADLINE_S = 120.0  # a hang guard while waiting on records: never a timing claim
 
 
-def _gptpar(runs: Path, *words: str, command: tuple[str, ...] = ("train",)) -> subprocess.Popen:
-    """`gptpar` on TINY with `words`, which replace TINY's keys (the command line takes each key once)."""
+def _gptpar(runs: Path, *words: str, command: tuple[str, ...] = ("train",), env: dict[str, str] | None = None
+            ) -> subprocess.Popen:
+    """`gptpar` on TINY with `words`, which replace TINY's keys (the command line takes each key once), and `env`."""
     given = {word.partition("=")[0] for word in words}
     tiny = [word for word in TINY if word.partition("=")[0] not in given]
     return subprocess.Popen([sys.executable, "-m", "gptpar", *command, *tiny, f"log.runs_dir={runs}", *words],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def _finish(proc: subprocess.Popen, timeout: float = DEADLINE_S) -> tuple[int, list[str], str]:
@@ -394,6 +397,27 @@ def test_a_rank_stopped_under_pp_fsdp_or_tp_is_named_with_its_call_and_line(tmp_
                                       group)
     if case == "pp" and "peer" in hang:
         assert hang["peer"] == 1 and hang["collective"] in ("send", "recv")
+
+
+def test_a_rank_that_skips_a_gradient_all_reduce_fails_the_run_and_the_mismatch_is_named(tmp_path):
+    """Rank 1 skips its gradient all-reduce of step 3 (the test-only GPTPAR_TEST_SKIP_COLLECTIVE): its next collective
+    meets rank 0's gradient all-reduce, gloo aborts rank 1 on the size mismatch before any timeout, and rank 0's
+    diagnosis reads rank 1's ledger: the two calls under one number, and rank 1 ahead, having skipped the gradient's."""
+    proc = _gptpar(tmp_path, *ENDLESS, "log.run_id=skip", "parallel.dp=2", f"parallel.timeout_s={SHORT_TIMEOUT_S}",
+                   env={SKIP_COLLECTIVE_ENV: "1:3"})
+    code, out, _ = _finish(proc)
+    final = _log(tmp_path / "skip", 0).final
+    hang = final["hang"]
+    assert code != 0 and "Timed out" not in final["error"]  # it ended before parallel.timeout_s ran out
+    assert (hang["mismatch"], hang["ahead"], hang["step"], hang["waiting"]) == (True, 1, 3, [0]), hang
+    mine, theirs = hang["calls"]["0"], hang["calls"]["1"]
+    assert (mine["op"], mine["step"]) == ("all_reduce", 3) and mine["bytes"] != theirs["bytes"]
+    gradient = rf"all_reduce\((dp|world), {re.escape(size_text(mine['bytes']))}\)"
+    assert re.fullmatch(rf"the ranks issued different collectives: rank 0 is in {gradient} of step 3 \(micro-step "
+                        r"0\), #\d+ of \w+; rank 1 \(read from its ledger: it left no dump\) in .+ of step 3 .+; rank "
+                        rf"1 is ahead: it skipped {gradient} of step 3; rank 0 waited \d+ s", hang["summary"]), \
+        hang["summary"]
+    assert out[1:] == [f"gptpar: run failed: hung: {hang['summary']}"]
 
 
 # 5 and 6. Runs started together; a run killed with SIGKILL.

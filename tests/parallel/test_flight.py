@@ -13,7 +13,8 @@ import pytest
 import gptpar.parallel.comm as comm
 import gptpar.parallel.flight as flight
 from gptpar.parallel.comm import comm_span, new_step
-from gptpar.parallel.flight import DUMP_SIGNAL, Peer, Recorder, dumps_on_signal
+from gptpar.parallel.flight import DUMP_SIGNAL, Peer, Recorder, dumps_on_signal, mirrored
+from gptpar.run.hang import read_ledger
 
 DEADLINE_S = 30.0  # a hang guard while waiting for the dump thread: never a timing claim
 
@@ -99,3 +100,19 @@ def test_with_the_recorder_off_a_span_records_nothing(recorder):
     with comm_span("all_reduce", nbytes=4):
         assert not recorder.in_collective()
     assert not recorder.entries and not recorder.seqs
+
+
+def test_the_ledger_keeps_what_the_rank_entered_in_a_file_as_it_goes(tmp_path, recorder):
+    """What a rank that dies without a dump leaves (gptpar.run.hang reads it): the ring's entries, oldest first, in a
+    file written at each entry (a shared mapping: the kernel keeps it when the process dies)."""
+    path = tmp_path / "rank1.ledger"
+    new_step(4)
+    with mirrored(path):
+        for nbytes in (8, 16, 24, 32):  # one past the ring's 3
+            with comm_span("all_reduce", group="dp", nbytes=nbytes):
+                pass
+        with comm_span("send", phase="issue", group="pp", peers=[Peer(2, 40, 1)]):
+            pass
+        assert [(e["seq"], e["op"], e["group"], e["bytes"], e["step"], e.get("peer")) for e in read_ledger(path)] == [
+            (3, "all_reduce", "dp", 24, 4, None), (4, "all_reduce", "dp", 32, 4, None), (1, "send", "pp", 40, 4, 2)]
+    assert recorder.ledger is None

@@ -9,7 +9,7 @@ from typing import Any
 from logsets import T0, Rank, config
 
 from gptpar.run.folder import RunFolder
-from gptpar.run.hang import diagnose, read_dumps
+from gptpar.run.hang import diagnose, ledger_line, read_dumps, read_ledgers
 from gptpar.run.state import read_run
 
 START = 1_000.0  # the segment's start, in the dumps' clock
@@ -152,3 +152,37 @@ def test_a_stage_stopped_inside_the_matching_send_is_named_so_and_one_that_poste
     assert hang["stuck"] == [] and hang["summary"] == (
         "rank 0's recv from rank 1 (pp, 8 KiB) of step 2 (micro-step 0, micro-batch 3) and rank 1's matching send "
         "were both posted and neither finished; rank 0 waited 10 s in recv from rank 1")
+
+
+STEP_2 = [_entry(3, "completed", START, START + 1, step=2), _entry(4, "completed", START + 1, START + 2, step=2,
+                                                                     nbytes=8)]  # the gradient's, then the loss's
+
+
+def test_a_rank_that_skipped_a_collective_is_named_ahead_from_its_ledger_where_it_left_no_dump(tmp_path):
+    """Rank 1 skipped step 3's gradient all-reduce: its dp #5 is the loss's (8 B) while rank 0's is the gradient's; it
+    died (gloo aborts on the mismatch) and left only its ledger. Step 2's order of calls says which is ahead."""
+    mine = _dump(0, {"dp": 5}, [*STEP_2, _entry(5, "failed", START + 10, START + 10.4, step=3)], [])
+    folder = _written(tmp_path, mine)
+    ledger = [*STEP_2, _entry(5, "waiting", START + 10, step=3, nbytes=8)]
+    folder.ledger_path(1).write_bytes(b"".join(ledger_line(n, e) for n, e in enumerate(ledger)))
+    hang = diagnose(read_dumps(folder, 2, START), 2, read_ledgers(folder, 2, START))
+    assert hang["summary"] == (
+        "the ranks issued different collectives: rank 0 is in all_reduce(dp, 48 MiB) of step 3 (micro-step 0), #5 of "
+        "dp; rank 1 (read from its ledger: it left no dump) in all_reduce(dp, 8 B) of step 3 (micro-step 0), #5 of dp; "
+        "rank 1 is ahead: it skipped all_reduce(dp, 48 MiB) of step 3; rank 0 waited 0 s")
+    assert (hang["mismatch"], hang["ahead"], hang["calls"]["1"]["bytes"]) == (True, 1, 8)
+
+
+def test_ranks_each_in_a_collective_the_other_never_entered_are_a_mismatch_and_a_stopped_rank_is_not(tmp_path):
+    """Rank 1 is in world #3, which rank 0 never entered, and never entered rank 0's dp #5: not a hang of rank 1 but
+    calls in different orders. Stopped (SIGSTOP) in the same place, rank 1 is the hang's stuck rank as before."""
+    waiting = _dump(0, {"dp": 5, "world": 2}, [*STEP_2, _entry(5, "failed", START + 10, START + 40, step=3)], [])
+    other = _dump(1, {"dp": 4, "world": 3}, [*STEP_2, _entry(3, "failed", START + 11, START + 41, group="world",
+                                                             step=4, nbytes=4)], READING)
+    hang = diagnose(read_dumps(_written(tmp_path, waiting, other), 2, START), 2)
+    assert hang["summary"].endswith("rank 1 in all_reduce(world, 4 B) of step 4 (micro-step 0), #3 of world; rank 1 "
+                                    "is ahead; rank 0 waited 30 s")
+    (tmp_path / "stopped").mkdir()
+    stopped = _dump(1, other["seqs"], other["entries"], READING, stopped=True)
+    hang = diagnose(read_dumps(_written(tmp_path / "stopped", waiting, stopped), 2, START), 2)
+    assert "mismatch" not in hang and hang["stuck"][0]["rank"] == 1
