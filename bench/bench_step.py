@@ -24,7 +24,8 @@ Setup (and why):
   the largest micro-batch that fits (`--batch max`, probed downwards from 64 by the most memory-hungry rows) and 8,
   in the precision train.precision=auto picks there.
 - The flight recorder's cost (gptpar.parallel.flight, on in every run): two gloo ranks of data parallelism on this
-  machine's CPUs (`--recorder-preset`, gpt2-tiny by default: the smallest step per collective is the worst case), the
+  machine's CPUs (`--recorder-preset`, gpt2-tiny by default, vocabulary 512: the shortest step per collective is the
+  worst case), the
   same step with the recorder on and off (`Recorder.on`), round-robin, each rank's median; and the cost of one span
   timed alone times the spans a step records, over the step, which resolves what the step times' noise cannot.
 The last line is `gptpar/tuned: X.XXx, gptpar/bare: Y.YYx` for gptpar's default step (of the first batch size).
@@ -72,6 +73,7 @@ from gptpar.train.trainer import Trainer
 MB = 2**20
 GPU_BATCHES = (64, 48, 32, 24, 16, 12, 8)  # --batch max tries these, largest first
 SEED = 0
+RECORDER_VOCAB = 512  # the recorder's rows: a small vocabulary keeps the step short, the recorder's worst case
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -408,7 +410,8 @@ def span_seconds(on: bool, n: int = 20_000) -> float:
 def recorder_rank(info: RankInfo, args: argparse.Namespace, out: str) -> None:
     """One of two data-parallel ranks: gptpar's step with the recorder on and off, round-robin; each rank writes its
     medians, the spans one step records, and one span's cost on and off."""
-    small = argparse.Namespace(**{**vars(args), "preset": args.recorder_preset, "steps": args.recorder_steps})
+    small = argparse.Namespace(**{**vars(args), "preset": args.recorder_preset, "steps": args.recorder_steps,
+                                  "vocab": RECORDER_VOCAB})
     with tempfile.TemporaryDirectory() as tmp:
         runner = gptpar_step(small, info, 8, Path(tmp), f"recorder-{info.rank}", ["parallel.dp=2"])
         times: dict[bool, list[float]] = {True: [], False: []}
@@ -432,14 +435,15 @@ def report_recorder(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as out:
         spawn_local(recorder_rank, 2, args, out)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
-    print(f"\nThe flight recorder, {args.recorder_preset}, 8 x {args.seq} tokens per step, dp=2 on gloo (2 local "
-          f"processes); median of {args.rounds * args.recorder_steps} steps per row and rank")
+    print(f"\nThe flight recorder, {args.recorder_preset}, 8 x {args.seq} tokens per step, vocabulary "
+          f"{RECORDER_VOCAB}, dp=2 on gloo (2 local processes); median of {args.rounds * args.recorder_steps} steps "
+          "per row and rank")
     print("| rank | recorder on (ms) | off (ms) | on/off | spans a step | one span on/off (us) | share of a step |")
     print("|---|---|---|---|---|---|---|")
     for rank, r in enumerate(ranks):
         share = r["spans"] * (r["span_on_s"] - r["span_off_s"]) / r["off_s"]
         print(f"| {rank} | {r['on_s'] * 1e3:,.2f} | {r['off_s'] * 1e3:,.2f} | {r['on_s'] / r['off_s']:.3f} | "
-              f"{r['spans']} | {r['span_on_s'] * 1e6:.2f} / {r['span_off_s'] * 1e6:.2f} | {share:.3%} |")
+              f"{r['spans']} | {r['span_on_s'] * 1e6:.2f} / {r['span_off_s'] * 1e6:.2f} | {share:.4%} |")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -384,7 +384,9 @@ def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank
 SHORT_TIMEOUT_S = 5  # shorter than the dp run's: each case waits for it alone
 P2P = r"(send to|recv from) rank 0 \(pp, [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+, micro-batch \d+\)"
 HUNG_RUNS = {  # a rank stopped under each other parallelism: the call it held up, its group
-    "pp": (["parallel.pp=2", "model.n_layer=2", "parallel.chunks=2"], rf"({_collective('pp')}|{P2P})", "pp"),
+    # a send or receive, the loss's all-reduce, or (stopped between steps) the step boundary's
+    "pp": (["parallel.pp=2", "model.n_layer=2", "parallel.chunks=2"],
+           rf"(all_reduce\((pp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+\)|{P2P})", "(pp|world)"),
     "fsdp": (["parallel.dp=2", "parallel.dp_sync=fsdp"], _collective("(dp|world)"), "(dp|world)"),
     "tp": (["parallel.tp=2"], _collective("(tp|world)"), "(tp|world)"),
 }
@@ -395,8 +397,8 @@ def test_a_rank_stopped_under_pp_fsdp_or_tp_is_named_with_its_call_and_line(tmp_
     words, collective, group = HUNG_RUNS[case]
     hang = _named_in_the_final_record(_stop_rank_one(tmp_path, case, *words, timeout_s=SHORT_TIMEOUT_S), collective,
                                       group)
-    if case == "pp" and "peer" in hang:
-        assert hang["peer"] == 1 and hang["collective"] in ("send", "recv")
+    if hang["collective"] in ("send", "recv"):  # the pipeline's: with the stage at the other end
+        assert hang["peer"] == 1 and hang["stuck"][0]["rank"] == 1
 
 
 def test_a_rank_that_skips_a_gradient_all_reduce_fails_the_run_and_the_mismatch_is_named(tmp_path):
