@@ -57,7 +57,7 @@ from gptpar.models.build import build_model, padded_vocab
 from gptpar.models.loss import lm_loss
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.flight import RECORDER
+from gptpar.parallel.flight import RECORDER, mirrored
 from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
 from gptpar.parallel.spawn import spawn_local
@@ -412,7 +412,7 @@ def recorder_rank(info: RankInfo, args: argparse.Namespace, out: str) -> None:
     medians, the spans one step records, and one span's cost on and off."""
     small = argparse.Namespace(**{**vars(args), "preset": args.recorder_preset, "steps": args.recorder_steps,
                                   "vocab": RECORDER_VOCAB})
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mirrored(Path(tmp, "ledger")):  # on, as in a run: with its ledger
         runner = gptpar_step(small, info, 8, Path(tmp), f"recorder-{info.rank}", ["parallel.dp=2"])
         times: dict[bool, list[float]] = {True: [], False: []}
         for rnd in range(args.warmup + args.rounds):
@@ -425,9 +425,10 @@ def recorder_rank(info: RankInfo, args: argparse.Namespace, out: str) -> None:
         before = sum(RECORDER.seqs.values())
         runner.step()
         spans = sum(RECORDER.seqs.values()) - before
+        span_on, span_off = span_seconds(True), span_seconds(False)
     Path(out, f"rank{info.rank}.json").write_text(json.dumps({
         "on_s": statistics.median(times[True]), "off_s": statistics.median(times[False]), "spans": spans,
-        "span_on_s": span_seconds(True), "span_off_s": span_seconds(False)}))
+        "span_on_s": span_on, "span_off_s": span_off}))
     RECORDER.on = True
 
 

@@ -4,9 +4,12 @@ Every collective and point-to-point call gptpar issues runs inside `comm_span` (
 tells RECORDER: each rank keeps the last CAPACITY of them (operation, its group's dimension name, bytes, step,
 micro-step, start and end time, state) and, per group, how many it has entered (`seqs`). The ranks of a group issue
 its collectives in one order, so the k-th collective of `dp` on one rank is the k-th on every other: a rank that
-waits in `dp` #k while a peer's `dp` count is below k is waiting for a peer that never entered it. Recording costs a
-few list operations and two clock reads per call and never waits for the device: 0.8 us per collective on a 2-core
-CPU VM (timeit, median of 7), against 6.2 ms for the smallest dp=2 step the tests run (3 collectives): 0.04%.
+waits in `dp` #k while a peer's `dp` count is below k is waiting for a peer that never entered it. A pipeline's sends
+and receives carry their `Peer` and count per channel (gptpar.run.hang.channel: group, op, peer), since a rank's k-th
+send to a peer is that peer's k-th receive from it. Each entry is also written as it is entered to the rank's
+`Ledger` (job/rank<R>.ledger, a shared memory mapping), which outlives a rank that dies without dumping. Recording
+costs a few list operations, two clock reads and a formatted line per call, and never waits for the device;
+`make bench-step` measures it against a dp=2 step (docs/results.md). `Recorder.on` switches it off (the bench only).
 
 A rank dumps (`dump`) its recorder to job/rank<R>.flight.json and the Python stack of every thread to
 job/rank<R>.stack (gptpar.run.folder names them) when it fails inside a collective (a peer's timeout, say), and when
