@@ -5,7 +5,7 @@ tells RECORDER: each rank keeps the last CAPACITY of them (operation, its group'
 micro-step, start and end time, state) and, per group, how many it has entered (`seqs`). The ranks of a group issue
 its collectives in one order, so the k-th collective of `dp` on one rank is the k-th on every other: a rank that
 waits in `dp` #k while a peer's `dp` count is below k is waiting for a peer that never entered it. A pipeline's sends
-and receives carry their `Peer` and count per channel (gptpar.run.hang.channel: group, op, peer), since a rank's k-th
+and receives carry their `Peer` and count per channel (flight_format.channel: group, op, peer), since a rank's k-th
 send to a peer is that peer's k-th receive from it. Each entry is also written as it is entered to the rank's
 `Ledger` (job/rank<R>.ledger, a shared memory mapping), which outlives a rank that dies without dumping. Recording
 costs a few list operations, two clock reads and a formatted line per call, and never waits for the device;
@@ -46,7 +46,7 @@ import torch.distributed as dist
 from gptpar.atomic import atomic_write_text
 from gptpar.errors import GptparError
 from gptpar.parallel.env import DUMP_SIGNAL, LAUNCHER_PID
-from gptpar.run.hang import LEDGER_LINE, channel, ledger_line
+from gptpar.parallel.flight_format import LEDGER_LINE, channel, ledger_line
 
 CONT_WAIT_S = 0.05  # after the dump signal's byte, how long a SIGCONT's may take to follow (both come at once)
 CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture itself (never, when blocked in C)
@@ -94,7 +94,7 @@ class Recorder:
         self.on = True
         self.entries: deque[dict[str, Any]] = deque(maxlen=capacity)
         # Collectives entered per group since the start (never wraps); a point-to-point call counts per channel
-        # (gptpar.run.hang.channel: group, op, peer), as its peer counts the matching op to this rank.
+        # (flight_format.channel: group, op, peer), as its peer counts the matching op to this rank.
         self.seqs: Counter[str] = Counter()
         self.issued: dict[str, deque[dict[str, Any]]] = {}  # asynchronous ones issued and not yet waited for, by op
         self.ledger: Ledger | None = None  # where each entry is also written as it is entered (`mirrored`)
@@ -155,7 +155,7 @@ class Recorder:
 class Ledger:
     """The recorder's ring mirrored into a file mapped into memory (job/rank<R>.ledger): what a rank entered outlives
     the rank where it dies without a dump (gloo aborts a rank whose collective does not match its peer's; SIGKILL).
-    The n-th entry is one fixed-width line (gptpar.run.hang.ledger_line) at slot n % capacity; the kernel keeps a
+    The n-th entry is one fixed-width line (flight_format.ledger_line) at slot n % capacity; the kernel keeps a
     shared mapping's writes when the process dies. About a microsecond per entry."""
 
     def __init__(self, path: Path, capacity: int) -> None:

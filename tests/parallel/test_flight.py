@@ -14,7 +14,7 @@ import gptpar.parallel.comm as comm
 import gptpar.parallel.flight as flight
 from gptpar.parallel.comm import comm_span, new_step
 from gptpar.parallel.flight import DUMP_SIGNAL, Peer, Recorder, dumps_on_signal, mirrored
-from gptpar.run.hang import read_ledger
+from gptpar.parallel.flight_format import read_ledger
 
 DEADLINE_S = 30.0  # a hang guard while waiting for the dump thread: never a timing claim
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from logsets import T0, Rank, config
 
+from gptpar.parallel.flight_format import ledger_line
 from gptpar.run.folder import RunFolder
-from gptpar.run.hang import diagnose, ledger_line, read_dumps, read_ledgers
+from gptpar.run.hang import diagnose, read_dumps, read_ledgers
 from gptpar.run.state import read_run
 
 START = 1_000.0  # the segment's start, in the dumps' clock

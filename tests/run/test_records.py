@@ -61,7 +61,7 @@ OTHER_DICTS = {
     # a rank's dump of its flight recorder (gptpar.parallel.flight) and the final record's `hang` inside
     "gptpar/run/hang.py": {"seqs", "blocked", "entries", "state", "start", "end", "group", "seq", "op", "bytes",
                            "groups", "stopped", "host", "pid", "frames", "where", "function", "entered", "micro_step",
-                           "peer", "micro_batch", "n"},  # a send or receive's, and a ledger line's number
+                           "peer", "micro_batch"},  # and a send or receive's
     "gptpar/run/start.py": {"job_id"},  # the job record of a folder set aside
     # the job record's keys, the lock's pid (and a launcher's queue lock's since), error texts, the config's
     # train.checkpoint_every
