@@ -25,9 +25,9 @@ Setup (and why):
   in the precision train.precision=auto picks there.
 - The flight recorder's cost (gptpar.parallel.flight, on in every run): two gloo ranks of data parallelism on this
   machine's CPUs (`--recorder-preset`, gpt2-tiny by default, vocabulary 512: the shortest step per collective is the
-  worst case), the
-  same step with the recorder on and off (`Recorder.on`), round-robin, each rank's median; and the cost of one span
-  timed alone times the spans a step records, over the step, which resolves what the step times' noise cannot.
+  worst case), the same step with the recorder on and off (`Recorder.on`, its ledger included), alternating step by
+  step, each rank's median; and the cost of one span timed alone times the spans a step records, over the step,
+  which resolves what the step times' noise cannot.
 The last line is `gptpar/tuned: X.XXx, gptpar/bare: Y.YYx` for gptpar's default step (of the first batch size).
 
 Run: .venv/bin/python bench/bench_step.py   (see --help; `make bench-step`)
@@ -411,16 +411,15 @@ def recorder_rank(info: RankInfo, args: argparse.Namespace, out: str) -> None:
     """One of two data-parallel ranks: gptpar's step with the recorder on and off, round-robin; each rank writes its
     medians, the spans one step records, and one span's cost on and off."""
     small = argparse.Namespace(**{**vars(args), "preset": args.recorder_preset, "steps": args.recorder_steps,
-                                  "vocab": RECORDER_VOCAB})
+                                  "vocab": RECORDER_VOCAB, "threads": 1})  # a thread per rank: two ranks share
     with tempfile.TemporaryDirectory() as tmp, mirrored(Path(tmp, "ledger")):  # on, as in a run: with its ledger
         runner = gptpar_step(small, info, 8, Path(tmp), f"recorder-{info.rank}", ["parallel.dp=2"])
         times: dict[bool, list[float]] = {True: [], False: []}
-        for rnd in range(args.warmup + args.rounds):
-            for on in (True, False) if rnd % 2 == 0 else (False, True):
-                RECORDER.on = on
-                measured, _ = timed_steps(runner, small.steps, args.device)
-                if rnd >= args.warmup:
-                    times[on] += measured
+        for i in range(2 * (args.warmup + args.rounds) * small.steps):  # on and off step by step: drift hits both
+            RECORDER.on = i % 2 == 0
+            measured, _ = timed_steps(runner, 1, args.device)
+            if i >= 2 * args.warmup * small.steps:
+                times[RECORDER.on] += measured
         RECORDER.on = True
         before = sum(RECORDER.seqs.values())
         runner.step()

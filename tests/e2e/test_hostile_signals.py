@@ -381,7 +381,7 @@ def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank
     _named_in_the_final_record(hung_rank(), _collective("(dp|world)"), "(dp|world)")
 
 
-SHORT_TIMEOUT_S = 5  # shorter than the dp run's: each case waits for it alone
+SHORT_TIMEOUT_S = 8  # shorter than the dp run's (each case waits for it alone); long enough for a loaded start
 P2P = r"(send to|recv from) rank 0 \(pp, [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+, micro-batch \d+\)"
 HUNG_RUNS = {  # a rank stopped under each other parallelism: the call it held up, its group
     # a send or receive, the loss's all-reduce, or (stopped between steps) the step boundary's
