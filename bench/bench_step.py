@@ -23,6 +23,11 @@ Setup (and why):
 - Defaults: on a CPU `gpt2-mini`, 8 x 128 tokens, fp32 (under 5 minutes on 2 cores); on a GPU `gpt2`, 1024 tokens,
   the largest micro-batch that fits (`--batch max`, probed downwards from 64 by the most memory-hungry rows) and 8,
   in the precision train.precision=auto picks there.
+- The flight recorder's cost (gptpar.parallel.flight, on in every run): two gloo ranks of data parallelism on this
+  machine's CPUs (`--recorder-preset`, gpt2-tiny by default, vocabulary 512: the shortest step per collective is the
+  worst case), the same step with the recorder on and off (`Recorder.on`, its ledger included), alternating step by
+  step, each rank's median; and the cost of one span timed alone times the spans a step records, over the step,
+  which resolves what the step times' noise cannot.
 The last line is `gptpar/tuned: X.XXx, gptpar/bare: Y.YYx` for gptpar's default step (of the first batch size).
 
 Run: .venv/bin/python bench/bench_step.py   (see --help; `make bench-step`)
@@ -37,6 +42,7 @@ import json
 import statistics
 import tempfile
 import time
+import timeit
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,9 +55,12 @@ from analysis.mfu import FlopsShape, utilisation
 from gptpar.config import Config, ModelConfig, load_config
 from gptpar.models.build import build_model, padded_vocab
 from gptpar.models.loss import lm_loss
+from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
+from gptpar.parallel.flight import RECORDER, mirrored
 from gptpar.parallel.grid import grid_sizes
 from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.spawn import spawn_local
 from gptpar.presets import PRESETS
 from gptpar.run.folder import run_folder
 from gptpar.run.logfile import RankLogger
@@ -64,6 +73,7 @@ from gptpar.train.trainer import Trainer
 MB = 2**20
 GPU_BATCHES = (64, 48, 32, 24, 16, 12, 8)  # --batch max tries these, largest first
 SEED = 0
+RECORDER_VOCAB = 512  # the recorder's rows: a small vocabulary keeps the step short, the recorder's worst case
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=0, help="steps per row and round (default: 1 on a CPU, 10 on a GPU)")
     ap.add_argument("--rows", default="", help="comma-separated rows to run (default: all; e.g. bare,tuned,gptpar)")
     ap.add_argument("--out", default="", help="also write the results as JSON here")
+    ap.add_argument("--recorder-preset", default="gpt2-tiny", help="model of the recorder's on/off rows (2 ranks, "
+                                                                   "gloo; empty: skip them)")
+    ap.add_argument("--recorder-steps", type=int, default=20, help="steps per recorder row and round")
     return ap.parse_args(argv)
 
 
@@ -381,6 +394,58 @@ def ratio_line(entries: list[dict[str, Any]]) -> str:
     return f"gptpar/tuned: {show(ours, tuned)}, gptpar/bare: {show(ours, bare)}"
 
 
+# --- the flight recorder's cost -------------------------------------------------------------------------------------
+
+
+def span_seconds(on: bool, n: int = 20_000) -> float:
+    """One labelled collective's span around nothing (the recorder's whole cost), with the recorder on or off."""
+    RECORDER.on = on
+
+    def span() -> None:
+        with comm_span("all_reduce", nbytes=8):
+            pass
+    return min(timeit.repeat(span, number=n, repeat=5)) / n
+
+
+def recorder_rank(info: RankInfo, args: argparse.Namespace, out: str) -> None:
+    """One of two data-parallel ranks: gptpar's step with the recorder on and off, round-robin; each rank writes its
+    medians, the spans one step records, and one span's cost on and off."""
+    small = argparse.Namespace(**{**vars(args), "preset": args.recorder_preset, "steps": args.recorder_steps,
+                                  "vocab": RECORDER_VOCAB, "threads": 1})  # a thread per rank: two ranks share
+    with tempfile.TemporaryDirectory() as tmp, mirrored(Path(tmp, "ledger")):  # on, as in a run: with its ledger
+        runner = gptpar_step(small, info, 8, Path(tmp), f"recorder-{info.rank}", ["parallel.dp=2"])
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for i in range(2 * (args.warmup + args.rounds) * small.steps):  # on and off step by step: drift hits both
+            RECORDER.on = i % 2 == 0
+            measured, _ = timed_steps(runner, 1, args.device)
+            if i >= 2 * args.warmup * small.steps:
+                times[RECORDER.on] += measured
+        RECORDER.on = True
+        before = sum(RECORDER.seqs.values())
+        runner.step()
+        spans = sum(RECORDER.seqs.values()) - before
+        span_on, span_off = span_seconds(True), span_seconds(False)
+    Path(out, f"rank{info.rank}.json").write_text(json.dumps({
+        "on_s": statistics.median(times[True]), "off_s": statistics.median(times[False]), "spans": spans,
+        "span_on_s": span_on, "span_off_s": span_off}))
+    RECORDER.on = True
+
+
+def report_recorder(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as out:
+        spawn_local(recorder_rank, 2, args, out)
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
+    print(f"\nThe flight recorder, {args.recorder_preset}, 8 x {args.seq} tokens per step, vocabulary "
+          f"{RECORDER_VOCAB}, dp=2 on gloo (2 local processes); median of {args.rounds * args.recorder_steps} steps "
+          "per row and rank")
+    print("| rank | recorder on (ms) | off (ms) | on/off | spans a step | one span on/off (us) | share of a step |")
+    print("|---|---|---|---|---|---|---|")
+    for rank, r in enumerate(ranks):
+        share = r["spans"] * (r["span_on_s"] - r["span_off_s"]) / r["off_s"]
+        print(f"| {rank} | {r['on_s'] * 1e3:,.2f} | {r['off_s'] * 1e3:,.2f} | {r['on_s'] / r['off_s']:.3f} | "
+              f"{r['spans']} | {r['span_on_s'] * 1e6:.2f} / {r['span_off_s'] * 1e6:.2f} | {share:.4%} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -409,6 +474,8 @@ def main(argv: list[str] | None = None) -> None:
         results.append(entries)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+    if args.recorder_preset:
+        report_recorder(args)
     print(ratio_line(results[0]))
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from torch.autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from gptpar.clock import DeviceClock
-from gptpar.parallel.flight import RECORDER, group_name
+from gptpar.parallel.flight import RECORDER, Peer, group_name
 from gptpar.strategies.collectives import ring_share
 
 PREFIXES = {"issue": ("comm",), "wait": ("comm_wait",), "call": ("comm", "comm_wait")}
@@ -128,12 +128,11 @@ def timed(op: str, device: torch.device, now: Callable[[], float] = time.perf_co
 
 @contextlib.contextmanager
 def comm_span(*ops: str, phase: str = "call", group: dist.ProcessGroup | str | None = None,
-              nbytes: int = 0) -> Iterator[None]:
+              nbytes: int = 0, peers: Sequence[Peer] = ()) -> Iterator[None]:
     """Label the enclosed communication as `ops` (e.g. "all_reduce", "send") in the given phase, over `group` (None:
-    the default group; gptpar.parallel.flight.P2P: point-to-point), `nbytes` the tensor's size, and record it in the
-    flight recorder."""
-    name = group_name(group)
-    entries = [RECORDER.enter(op, phase, name, nbytes) for op in ops]
+    the default group), `nbytes` the tensor's size, and record it in the flight recorder; `peers`, one per op, make
+    them point-to-point calls (a send's receiver, a receive's sender, and the message's size)."""
+    entries = _entered(ops, phase, group, nbytes, peers)
     clock = WAITING.start(phase)
     try:
         if not _profiler_enabled():
@@ -164,6 +163,16 @@ def gather_to_first(values: list[float], device: torch.device) -> list[list[floa
     with comm_span("gather", nbytes=tensor.nbytes):
         dist.gather(tensor, gathered, dst=0)
     return None if gathered is None else [t.tolist() for t in gathered]
+
+
+def _entered(ops: tuple[str, ...], phase: str, group: dist.ProcessGroup | str | None, nbytes: int,
+             peers: Sequence[Peer]) -> list[dict[str, Any]]:
+    """The flight recorder's entries of a span's `ops` (none while it is off)."""
+    if not RECORDER.on:
+        return []
+    name = group_name(group)
+    return [RECORDER.enter(op, phase, name, nbytes, peer) for op, peer in zip(ops, peers or [None] * len(ops),
+                                                                              strict=True)]
 
 
 def labelled(op: str, collective: Callable[..., Any]) -> Callable[..., Any]:

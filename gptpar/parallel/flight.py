@@ -4,9 +4,12 @@ Every collective and point-to-point call gptpar issues runs inside `comm_span` (
 tells RECORDER: each rank keeps the last CAPACITY of them (operation, its group's dimension name, bytes, step,
 micro-step, start and end time, state) and, per group, how many it has entered (`seqs`). The ranks of a group issue
 its collectives in one order, so the k-th collective of `dp` on one rank is the k-th on every other: a rank that
-waits in `dp` #k while a peer's `dp` count is below k is waiting for a peer that never entered it. Recording costs a
-few list operations and two clock reads per call and never waits for the device: 0.8 us per collective on a 2-core
-CPU VM (timeit, median of 7), against 6.2 ms for the smallest dp=2 step the tests run (3 collectives): 0.04%.
+waits in `dp` #k while a peer's `dp` count is below k is waiting for a peer that never entered it. A pipeline's sends
+and receives carry their `Peer` and count per channel (flight_format.channel: group, op, peer), since a rank's k-th
+send to a peer is that peer's k-th receive from it. Each entry is also written as it is entered to the rank's
+`Ledger` (job/rank<R>.ledger, a shared memory mapping), which outlives a rank that dies without dumping. Recording
+costs a few list operations, two clock reads and a formatted line per call, and never waits for the device;
+`make bench-step` measures it against a dp=2 step (docs/results.md). `Recorder.on` switches it off (the bench only).
 
 A rank dumps (`dump`) its recorder to job/rank<R>.flight.json and the Python stack of every thread to
 job/rank<R>.stack (gptpar.run.folder names them) when it fails inside a collective (a peer's timeout, say), and when
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import math
+import mmap
 import os
 import select
 import signal
@@ -37,24 +42,29 @@ from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
 from gptpar.atomic import atomic_write_text
+from gptpar.errors import GptparError
 from gptpar.launchers import signal_job
 from gptpar.parallel.env import DUMP_SIGNAL, own_job
+from gptpar.parallel.flight_format import LEDGER_LINE, channel, ledger_line
 
 CONT_WAIT_S = 0.05  # after the dump signal's byte, how long a SIGCONT's may take to follow (both come at once)
 CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture itself (never, when blocked in C)
 CAPTURE_POLL_S = 0.01
 UNFINISHED = ("started", "waiting", "failed")  # states of a collective a rank has not come out of
-P2P = "p2p"  # the group name of point-to-point calls: a rank's count of them matches no peer's (not diagnosed)
 STDERR_FD = 2
 LIVE_EVERY_S = 1.0  # how often a rank rewrites its live state (gptpar.run.hang.LIVE_STALE_S reads it as stale after 3)
 CAPACITY = 64  # collectives kept per rank: a step of bucketed dp issues a few per bucket; the hung one is the last
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # frames under it are shown relative to it: gptpar/train/...
 _NAMES: dict[Any, tuple[str, list[int]]] = {}  # process group -> (its dimension's name, its global ranks)
+# Test only: RANK:STEP makes that rank skip its first gradient all-reduce of that step, a planted mismatch of the
+# ranks' collectives that gptpar.run.hang must name (tests/e2e/test_hostile_signals.py). Never set it in a real run.
+SKIP_COLLECTIVE_ENV = "GPTPAR_TEST_SKIP_COLLECTIVE"
+_SKIPPED: set[tuple[int, int]] = set()
 
 
 def name_group(group: dist.ProcessGroup | None, name: str) -> None:
@@ -65,7 +75,7 @@ def name_group(group: dist.ProcessGroup | None, name: str) -> None:
 
 def group_name(group: dist.ProcessGroup | str | None) -> str:
     """The recorder's name of `group`: its dimension's (dp when dp spans the job: torch's mesh then hands out the
-    default group), else `world` for the default group (None); P2P for point-to-point calls."""
+    default group), else `world` for the default group (None)."""
     if isinstance(group, str):
         return group
     if group in _NAMES:
@@ -73,31 +83,51 @@ def group_name(group: dist.ProcessGroup | str | None) -> str:
     return "world" if group is None or group is dist.GroupMember.WORLD else "group"
 
 
+class Peer(NamedTuple):
+    """The other end of a point-to-point call: its global rank, the message's bytes, and the pipeline micro-batch it
+    belongs to."""
+
+    rank: int
+    nbytes: int
+    micro_batch: int
+
+
 class Recorder:
-    """The last `capacity` collectives this rank entered (a ring), as plain dicts ready to be dumped."""
+    """The last `capacity` collectives this rank entered (a ring), as plain dicts ready to be dumped. `on`: the one
+    switch (off only to measure what recording costs: `make bench-step`)."""
 
     def __init__(self, capacity: int = CAPACITY) -> None:
+        self.on = True
         self.entries: deque[dict[str, Any]] = deque(maxlen=capacity)
-        self.seqs: Counter[str] = Counter()  # collectives entered per group since the start: never wraps
+        # Collectives entered per group since the start (never wraps); a point-to-point call counts per channel
+        # (flight_format.channel: group, op, peer), as its peer counts the matching op to this rank.
+        self.seqs: Counter[str] = Counter()
         self.issued: dict[str, deque[dict[str, Any]]] = {}  # asynchronous ones issued and not yet waited for, by op
+        self.ledger: Ledger | None = None  # where each entry is also written as it is entered (`mirrored`)
         self.step = 0
         self.micro_step = 0
 
     def new_step(self, step: int) -> None:
         self.step, self.micro_step = step, 0
 
-    def enter(self, op: str, phase: str, group: str, nbytes: int) -> dict[str, Any]:
-        """The entry of a span starting now: a new collective, or for a wait the oldest `op` issued and not waited."""
+    def enter(self, op: str, phase: str, group: str, nbytes: int, peer: Peer | None = None) -> dict[str, Any]:
+        """The entry of a span starting now: a new collective (or a send or receive with `peer`), or for a wait the
+        oldest `op` issued and not waited."""
         pending = self.issued.get(op)
         if phase == "wait" and pending:
             entry = pending.popleft()
             entry["state"] = "waiting"
             return entry
-        self.seqs[group] += 1
-        entry = {"seq": self.seqs[group], "op": op, "group": group, "bytes": nbytes, "step": self.step,
+        key = group if peer is None else channel(group, op, peer.rank)
+        self.seqs[key] += 1
+        entry = {"seq": self.seqs[key], "op": op, "group": group, "bytes": nbytes, "step": self.step,
                  "micro_step": self.micro_step, "start": time.time(), "end": None,
                  "state": "waiting" if phase == "wait" else "started"}
+        if peer is not None:
+            entry.update(bytes=peer.nbytes, peer=peer.rank, micro_batch=peer.micro_batch)
         self.entries.append(entry)
+        if self.ledger is not None:
+            self.ledger.write(entry)
         return entry
 
     def leave(self, entry: dict[str, Any], phase: str, failed: bool = False) -> None:
@@ -113,13 +143,13 @@ class Recorder:
         entry["end"] = time.time()
 
     def blocked(self, entries: list[dict[str, Any]] | None = None) -> dict[str, Any] | None:
-        """The collective this rank is inside (or failed inside) and has not come out of: the oldest such. Not a
-        point-to-point call: its count matches no peer's, so gptpar.run.hang could not compare it (not yet)."""
-        return next((e for e in entries or self._entries() if e["state"] in UNFINISHED and e["group"] != P2P), None)
+        """The collective or point-to-point call this rank is inside (or failed inside) and has not come out of: the
+        oldest such."""
+        return next((e for e in entries or self._entries() if e["state"] in UNFINISHED), None)
 
     def in_collective(self) -> bool:
         """Whether this rank is inside (or failed inside) any communication, point-to-point included."""
-        return any(entry["state"] in UNFINISHED for entry in self._entries())
+        return self.blocked() is not None
 
     def _entries(self) -> list[dict[str, Any]]:
         """The ring as a list, copied in one call: another thread (the dump's, the live state's) iterating the deque
@@ -142,7 +172,63 @@ class Recorder:
                 "blocked": dict(blocked) if blocked else None, "last": dict(entries[-1]) if entries else None}
 
 
+class Ledger:
+    """The recorder's ring mirrored into a file mapped into memory (job/rank<R>.ledger): what a rank entered outlives
+    the rank where it dies without a dump (gloo aborts a rank whose collective does not match its peer's; SIGKILL).
+    The n-th entry is one fixed-width line (flight_format.ledger_line) at slot n % capacity; the kernel keeps a
+    shared mapping's writes when the process dies. About a microsecond per entry."""
+
+    def __init__(self, path: Path, capacity: int) -> None:
+        size = capacity * LEDGER_LINE
+        with open(path, "wb") as out:
+            out.truncate(size)
+        with open(path, "r+b") as out:
+            self.map = mmap.mmap(out.fileno(), size)
+        self.capacity, self.n = capacity, 0
+
+    def write(self, entry: dict[str, Any]) -> None:
+        at = (self.n % self.capacity) * LEDGER_LINE
+        self.map[at:at + LEDGER_LINE] = ledger_line(self.n, entry)
+        self.n += 1
+
+    def close(self) -> None:
+        self.map.close()
+
+
 RECORDER = Recorder()
+
+
+@contextlib.contextmanager
+def mirrored(path: Path) -> Iterator[None]:
+    """While it runs, RECORDER's entries are also written to the ledger at `path` (gptpar.run.hang reads it for a rank
+    that left no dump)."""
+    RECORDER.ledger = Ledger(path, RECORDER.entries.maxlen or CAPACITY)
+    try:
+        yield
+    finally:
+        RECORDER.ledger.close()
+        RECORDER.ledger = None
+
+
+@functools.cache
+def _planted_skip() -> tuple[int, int] | None:
+    """SKIP_COLLECTIVE_ENV's (rank, step), read once; None where it is not set."""
+    value = os.environ.get(SKIP_COLLECTIVE_ENV, "")
+    if not value:
+        return None
+    rank, _, step = value.partition(":")
+    if not (rank.isdigit() and step.isdigit()):
+        raise GptparError(f"{SKIP_COLLECTIVE_ENV}={value!r}: expected RANK:STEP, two integers (a test-only switch)")
+    return int(rank), int(step)
+
+
+def skips_planted_collective() -> bool:
+    """Whether this rank skips the gradient all-reduce it is about to issue: once, at SKIP_COLLECTIVE_ENV's step."""
+    planted = _planted_skip()
+    if planted is None or planted in _SKIPPED or planted != (dist.get_rank(), RECORDER.step):
+        return False
+    _SKIPPED.add(planted)
+    return True
 
 
 def _shown(filename: str) -> str:

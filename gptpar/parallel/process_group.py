@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -69,14 +70,27 @@ def choose_device(backend: str, layout: Layout, gpu_count: int) -> torch.device:
         f"{gpu_count} are visible; request one GPU per task (launch.gpus) or use parallel.backend=gloo")
 
 
-def _nccl_env() -> None:
-    """Make NCCL collectives honour the process-group timeout instead of hanging forever."""
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+NCCL_TRACE_ENTRIES = 2000  # events in torch's NCCL flight recorder (its own default size where it is on)
 
 
-def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None) -> RankInfo:
+def nccl_env(trace_prefix: Path | None) -> dict[str, str]:
+    """What NCCL's process group reads from the environment, set before it is made: collectives honour the
+    timeout instead of hanging forever; torch's own flight recorder keeps the last NCCL calls and dumps them on a
+    timeout to `trace_prefix`<rank> (the run folder's, RunFolder.nccl_trace_prefix; None: torch's default in /tmp),
+    which `python -m torch.distributed.flight_recorder.fr_trace` reads. Each under its torch 2.13 name and its
+    older one."""
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+           "TORCH_FR_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES), "TORCH_NCCL_TRACE_BUFFER_SIZE": str(NCCL_TRACE_ENTRIES)}
+    if trace_prefix is not None:
+        env["TORCH_FR_DUMP_TEMP_FILE"] = env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(trace_prefix)
+    return env
+
+
+def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None,
+                     nccl_trace_prefix: Path | None = None) -> RankInfo:
     """Join the process group described by the environment (without a launcher: a world of one over an in-memory
-    store where `needs_group` asks for one, else none)."""
+    store where `needs_group` asks for one, else none). On NCCL, `nccl_env(nccl_trace_prefix)` joins this process's
+    environment first (what the user set wins)."""
     layout = layout_from_env(os.environ if env is None else env)
     gpu_count = torch.cuda.device_count()
     backend = choose_backend(pcfg.backend, gpu_count)
@@ -87,7 +101,8 @@ def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None)
     if not needs_group(layout.world_size, pcfg) or dist.is_initialized():
         return info
     if backend == "nccl":
-        _nccl_env()
+        for key, value in nccl_env(nccl_trace_prefix).items():
+            os.environ.setdefault(key, value)
     meet = ({"init_method": f"tcp://{layout.master_addr}:{layout.master_port}"} if layout.world_size > 1
             else {"store": dist.HashStore()})  # alone: nobody to meet
     try:

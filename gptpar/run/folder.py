@@ -76,6 +76,12 @@ class RunFolder:
     def trace_path(self, rank: int) -> Path:
         return self.trace_dir / f"rank{rank}.json"
 
+    @property
+    def nccl_trace_prefix(self) -> Path:
+        """Where torch's NCCL flight recorder dumps, one file per rank (this plus the rank; gptpar.parallel.
+        process_group.nccl_env)."""
+        return self.job_dir / "nccl_trace_rank_"
+
     def flight_path(self, rank: int) -> Path:
         """A rank's flight recorder and frames, dumped when a job hangs (gptpar.parallel.flight)."""
         return self.job_dir / f"rank{rank}.flight.json"
@@ -83,6 +89,10 @@ class RunFolder:
     def live_path(self, rank: int) -> Path:
         """A rank's collective in flight, rewritten every second while it trains (gptpar.parallel.flight.live_state)."""
         return self.job_dir / f"rank{rank}.live.json"
+
+    def ledger_path(self, rank: int) -> Path:
+        """A rank's flight recorder as it goes, one line per collective (gptpar.parallel.flight.Ledger)."""
+        return self.job_dir / f"rank{rank}.ledger"
 
     def stack_path(self, rank: int) -> Path:
         """Every thread's Python stack of a rank, appended at each dump (gptpar.parallel.flight)."""

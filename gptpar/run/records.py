@@ -259,7 +259,11 @@ class FinalRecord(Record):
         "ranks and `waited_s`, the `stuck` ranks of the group that never entered it or were stopped (SIGSTOP) in it "
         "(`rank`, `host`, `pid`, `where`: file:line of gptpar's innermost frame, `function`, whether it `entered` it, "
         "its `state` there, whether it was `stopped`; null ones: no dump came), and `summary`, the sentence "
-        "`gptpar status` shows (gptpar.run.hang).")
+        "`gptpar status` shows (gptpar.run.hang). Where the call is a pipeline's send or recv: its `peer` (the other "
+        "end's global rank), `micro_batch`, and `seq` counts that op with that peer. Where the ranks issued different "
+        "collectives: `mismatch` true, `calls` (each rank's call under the number: op, group, bytes, step, "
+        "micro_step, seq; a rank that left no dump read from its job/rank<R>.ledger) and `ahead`, the rank ahead "
+        "(null: cannot tell).")
 
 
 RECORDS: dict[str, type[Record]] = {c.KIND: c for c in (HeaderRecord, StepRecord, EvalRecord, MemoryRecord,

@@ -17,12 +17,12 @@ import torch.distributed as dist
 
 from gptpar.config import Config
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.flight import dump_on_failure, dumps_on_signal, live_state, request_dumps
+from gptpar.parallel.flight import dump_on_failure, dumps_on_signal, live_state, mirrored, request_dumps
 from gptpar.parallel.grid import grid_sizes, launched_config
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
 from gptpar.run.claim import claim_run_folder
-from gptpar.run.folder import RunFolder
-from gptpar.run.hang import collect_dumps, diagnose
+from gptpar.run.folder import RunFolder, run_folder
+from gptpar.run.hang import collect_dumps, diagnose, read_ledgers
 from gptpar.run.logfile import RankLogger, segments
 from gptpar.run.records import FinalRecord, HeaderRecord
 from gptpar.run.sinks import open_sinks
@@ -53,7 +53,8 @@ def run_rank(cfg: Config, reshape: bool = False) -> dict[str, Any]:
 
 
 def _run_rank(cfg: Config, reshape: bool) -> dict[str, Any]:
-    info = init_distributed(cfg.parallel)
+    named = run_folder(cfg.log.runs_dir, cfg.log.run_id) if cfg.log.run_id else None  # where the launcher named it
+    info = init_distributed(cfg.parallel, nccl_trace_prefix=named.nccl_trace_prefix if named else None)
     try:
         launched = launched_config(cfg, info.world_size)  # checked before the folder is touched
         dims = ParallelDims.build(info, grid_sizes(launched))
@@ -67,6 +68,7 @@ def _run_rank(cfg: Config, reshape: bool) -> dict[str, Any]:
                 folder.job_dir.mkdir(parents=True, exist_ok=True)
                 stack.enter_context(dumps_on_signal(dims.rank, folder.flight_path(dims.rank),
                                                     folder.stack_path(dims.rank)))
+                stack.enter_context(mirrored(folder.ledger_path(dims.rank)))
             return _train_in_folder(named_run(launched, folder.name)[0], dims, folder)
     finally:
         destroy_distributed()
@@ -135,7 +137,8 @@ def _hang(folder: RunFolder, dims: ParallelDims, since: float, exc: BaseExceptio
     if dims.world_size == 1 or not dump_on_failure(exc):
         return {}
     asked = request_dumps(os.environ)
-    hang = diagnose(collect_dumps(folder, dims.world_size, since, DUMP_WAIT_S if asked else 0.0), dims.world_size)
+    dumps = collect_dumps(folder, dims.world_size, since, DUMP_WAIT_S if asked else 0.0)
+    hang = diagnose(dumps, dims.world_size, read_ledgers(folder, dims.world_size, since))
     return {"hang": hang} if hang else {}
 
 

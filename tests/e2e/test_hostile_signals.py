@@ -18,13 +18,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
 from gptpar.cli import main as gptpar_main
+from gptpar.parallel.flight import SKIP_COLLECTIVE_ENV
 from gptpar.run.folder import RunFolder
+from gptpar.run.hang import size_text
 from gptpar.run.logfile import CorruptLog, RankLog, read_rank_log
 from gptpar.run.state import read_run
 
@@ -39,13 +42,14 @@ ENDLESS = ["train.epochs=1000", "train.max_steps=1000000"]  # stopped by the tes
 DEADLINE_S = 120.0  # a hang guard while waiting on records: never a timing claim
 
 
-def _gptpar(runs: Path, *words: str, command: tuple[str, ...] = ("train",)) -> subprocess.Popen:
-    """`gptpar` on TINY with `words`, which replace TINY's keys (the command line takes each key once)."""
+def _gptpar(runs: Path, *words: str, command: tuple[str, ...] = ("train",), env: dict[str, str] | None = None
+            ) -> subprocess.Popen:
+    """`gptpar` on TINY with `words`, which replace TINY's keys (the command line takes each key once), and `env`."""
     given = {word.partition("=")[0] for word in words}
     tiny = [word for word in TINY if word.partition("=")[0] not in given]
     return subprocess.Popen([sys.executable, "-m", "gptpar", *command, *tiny, f"log.runs_dir={runs}", *words],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def _finish(proc: subprocess.Popen, timeout: float = DEADLINE_S) -> tuple[int, list[str], str]:
@@ -322,29 +326,50 @@ def _until_stuck(proc: subprocess.Popen, run: Path) -> str:
     return detail
 
 
+def _stop_rank_one(runs: Path, run_id: str, *words: str, timeout_s: float = HANG_TIMEOUT_S,
+                   while_stopped: Callable[[subprocess.Popen, dict], None] | None = None) -> dict:
+    """A run on two ranks (`words`) whose rank 1 is stopped (SIGSTOP) once both ranks train, to its end: its folder,
+    rank pids, exit code, output, and the seconds from the stop to the end; `while_stopped(proc, result)` looks at the
+    live run first."""
+    proc = _gptpar(runs, *ENDLESS, f"log.run_id={run_id}", f"parallel.timeout_s={timeout_s}", *words)
+    result: dict = {"run": runs / run_id, "pids": {}}
+    try:
+        _wait_for_steps(proc, runs / run_id, ranks=2)
+        result["pids"] = _rank_pids(proc.pid)
+        sent = time.monotonic()
+        os.kill(result["pids"][1], signal.SIGSTOP)
+        if while_stopped is not None:
+            while_stopped(proc, result)
+        result["code"], result["out"], result["err"] = _finish(proc)
+        result["waited_s"] = time.monotonic() - sent
+    finally:
+        for pid in [proc.pid, *result["pids"].values()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return result
+
+
+def _read_live(proc: subprocess.Popen, result: dict) -> None:
+    """The live run read while stuck (`gptpar status`) and its ranks asked for their dumps (`gptpar debug`)."""
+    runs = result["run"].parent
+    result["stuck"] = _until_stuck(proc, result["run"])
+    result["status"] = _gptpar_output("status", str(runs))
+    # a rank blocked in a collective answers after flight.CAPTURE_WAIT_S (1 s); the stopped one never
+    result["debug"] = _gptpar_output("debug", result["run"].name, "--runs-dir", str(runs), "--wait", "5")
+    result["running"] = proc.poll() is None  # the timeout came after both
+
+
 @pytest.fixture(scope="module", autouse=True)
 def hung_rank(tmp_path_factory: pytest.TempPathFactory):
     """A dp=2 run whose rank 1 is stopped (SIGSTOP) once both ranks train. It starts with the module and a
     thread watches it, so its parallel.timeout_s runs out while the other tests run. Before it does, the run is read
     while stuck (`gptpar status`) and its ranks are asked for their dumps (`gptpar debug`)."""
-    runs = tmp_path_factory.mktemp("hung")
-    proc = _gptpar(runs, *ENDLESS, "log.run_id=hung", "parallel.dp=2", f"parallel.timeout_s={HANG_TIMEOUT_S}",
-                   f"parallel.stuck_after_s={STUCK_AFTER_S}")
-    result: dict = {"run": runs / "hung", "pids": {}}
+    result: dict = {}
 
     def watch() -> None:
         try:
-            _wait_for_steps(proc, runs / "hung", ranks=2)
-            result["pids"] = _rank_pids(proc.pid)
-            sent = time.monotonic()
-            os.kill(result["pids"][1], signal.SIGSTOP)
-            result["stuck"] = _until_stuck(proc, runs / "hung")
-            result["status"] = _gptpar_output("status", str(runs))
-            # a rank blocked in a collective answers after flight.CAPTURE_WAIT_S (1 s); the stopped one never
-            result["debug"] = _gptpar_output("debug", "hung", "--runs-dir", str(runs), "--wait", "5")
-            result["running"] = proc.poll() is None  # the timeout came after both
-            result["code"], result["out"], result["err"] = _finish(proc)
-            result["waited_s"] = time.monotonic() - sent
+            result.update(_stop_rank_one(tmp_path_factory.mktemp("hung"), "hung", "parallel.dp=2",
+                                         f"parallel.stuck_after_s={STUCK_AFTER_S}", while_stopped=_read_live))
         except BaseException as exc:  # pytest.fail included: the test re-raises it
             result["error"] = exc
 
@@ -358,27 +383,21 @@ def hung_rank(tmp_path_factory: pytest.TempPathFactory):
         return result
 
     yield outcome
-    for pid in [proc.pid, *result["pids"].values()]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
-COLLECTIVE = r"\w+\((dp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step 0\)"
-
-
-def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank):
-    result = hung_rank()
+def _named_in_the_final_record(result: dict, collective: str, group: str) -> dict:
+    """The failed run's final record (rank 0's) names stopped rank 1 (its pid and stack line), `collective` (a regex of
+    the call it held up) over `group` (a regex) and rank 0 waiting; every rank dumped. Its `hang`."""
     assert result["waited_s"] < HANG_TIMEOUT_S + 30  # a hang guard: in practice the timeout plus a second
     state = read_run(RunFolder(result["run"]))
     assert state.state == "failed"
     pid = result["pids"][1]
-    # Named with the collective it held up and the line it was stopped at, from every rank's dump (gptpar.run.hang).
-    collective = COLLECTIVE
-    assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never entered {collective}|was stopped "
-                        rf"\(SIGSTOP\) inside {collective}|issued {collective} and was stopped \(SIGSTOP\) before "
-                        r"waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 waited "
-                        r"\d+ s in it", state.detail), state.detail
+    assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never (entered|posted) {collective}|was "
+                        rf"stopped \(SIGSTOP\) inside {collective}|issued {collective} and was stopped \(SIGSTOP\) "
+                        r"before waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 "
+                        r"waited \d+ s in .+", state.detail), state.detail
     hang = _log(result["run"], 0).final["hang"]
+    assert re.fullmatch(group, hang["group"]), hang
     assert hang["waiting"] == [0] and [(s["rank"], s["pid"], s["stopped"]) for s in hang["stuck"]] == [(1, pid, True)]
     assert hang["summary"] in state.detail and hang["stuck"][0]["where"] in state.detail
     job = RunFolder(result["run"])
@@ -387,6 +406,19 @@ def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank
         assert json.loads(job.flight_path(rank).read_text())["rank"] == rank
     assert "gloo" not in state.detail and "Timed out" not in state.detail  # not rank 0's raw timeout text
     assert result["code"] != 0 and result["out"][1:] == [f"gptpar: run failed: {state.detail}"]
+    return hang
+
+
+def _collective(group: str) -> str:
+    """A regex of a collective's text in a diagnosis (gptpar.run.hang), over `group`."""
+    return rf"\w+\({group}, [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+\)"
+
+
+def test_a_hung_rank_fails_the_job_soon_after_the_timeout_and_is_named(hung_rank):
+    _named_in_the_final_record(hung_rank(), _collective("(dp|world)"), "(dp|world)")
+
+
+DP_COLLECTIVE = _collective("(dp|world)")
 
 
 def test_a_hung_rank_shows_stuck_in_status_before_the_timeout_naming_the_collective(hung_rank):
@@ -397,7 +429,7 @@ def test_a_hung_rank_shows_stuck_in_status_before_the_timeout_naming_the_collect
     assert json.loads(RunFolder(result["run"]).live_path(1).read_text())["pid"] == pid  # the records name its pid
     held = rf"rank 1 \({host}, pid {pid}\) (never entered it \(last seen at step \d+\)( and has not answered for " \
            r"\d+ s)?|(is in|entered) it and has not answered for \d+ s)"
-    assert re.fullmatch(rf"stuck: rank 0 waited \d+ s in {COLLECTIVE}; {held}", result["stuck"]), result["stuck"]
+    assert re.fullmatch(rf"stuck: rank 0 waited \d+ s in {DP_COLLECTIVE}; {held}", result["stuck"]), result["stuck"]
     lines = result["status"].splitlines()
     assert lines[1].split()[:2] == ["running", "hung"] and re.fullmatch(rf"    stuck: .*; {held}", lines[2]), lines
 
@@ -407,10 +439,51 @@ def test_gptpar_debug_asks_the_live_run_and_names_where_each_rank_is_without_con
     pids, host = result["pids"], socket.gethostname()
     assert re.fullmatch(
         rf"{result['run']}: asked its 2 ranks for their dumps \(SIGQUIT\); 1 answered within 5 s\n"
-        rf"hang: rank 1 left no dump \(it did not answer\) and held up {COLLECTIVE}; rank 0 waited \d+ s in it\n"
-        rf"rank 0 \({host}, pid {pids[0]}\): gptpar/[\w/]+\.py:\d+ \(\w+\), waiting in {COLLECTIVE}\n"
+        rf"hang: rank 1 left no dump \(it did not answer\) and held up {DP_COLLECTIVE}; rank 0 waited \d+ s in it\n"
+        rf"rank 0 \({host}, pid {pids[0]}\): gptpar/[\w/]+\.py:\d+ \(\w+\), waiting in {DP_COLLECTIVE}\n"
         r"rank 1: no answer \(stopped, or its Python cannot run: faulthandler's stacks are in its job/rank<R>\.err\)\n"
         rf"every thread's stack: {result['run']}/job/rank<R>\.stack\n", result["debug"]), result["debug"]
+
+
+SHORT_TIMEOUT_S = 8  # shorter than the dp run's (each case waits for it alone); long enough for a loaded start
+P2P = r"(send to|recv from) rank 0 \(pp, [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+, micro-batch \d+\)"
+HUNG_RUNS = {  # a rank stopped under each other parallelism: the call it held up, its group
+    # a send or receive, the loss's all-reduce, or (stopped between steps) the step boundary's
+    "pp": (["parallel.pp=2", "model.n_layer=2", "parallel.chunks=2"],
+           rf"(all_reduce\((pp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+\)|{P2P})", "(pp|world)"),
+    "fsdp": (["parallel.dp=2", "parallel.dp_sync=fsdp"], _collective("(dp|world)"), "(dp|world)"),
+    "tp": (["parallel.tp=2"], _collective("(tp|world)"), "(tp|world)"),
+}
+
+
+@pytest.mark.parametrize("case", HUNG_RUNS)
+def test_a_rank_stopped_under_pp_fsdp_or_tp_is_named_with_its_call_and_line(tmp_path, case):
+    words, collective, group = HUNG_RUNS[case]
+    hang = _named_in_the_final_record(_stop_rank_one(tmp_path, case, *words, timeout_s=SHORT_TIMEOUT_S), collective,
+                                      group)
+    if hang["collective"] in ("send", "recv"):  # the pipeline's: with the stage at the other end
+        assert hang["peer"] == 1 and hang["stuck"][0]["rank"] == 1
+
+
+def test_a_rank_that_skips_a_gradient_all_reduce_fails_the_run_and_the_mismatch_is_named(tmp_path):
+    """Rank 1 skips its gradient all-reduce of step 3 (the test-only GPTPAR_TEST_SKIP_COLLECTIVE): its next collective
+    meets rank 0's gradient all-reduce, gloo aborts rank 1 on the size mismatch before any timeout, and rank 0's
+    diagnosis reads rank 1's ledger: the two calls under one number, and rank 1 ahead, having skipped the gradient's."""
+    proc = _gptpar(tmp_path, *ENDLESS, "log.run_id=skip", "parallel.dp=2", f"parallel.timeout_s={SHORT_TIMEOUT_S}",
+                   env={SKIP_COLLECTIVE_ENV: "1:3"})
+    code, out, _ = _finish(proc)
+    final = _log(tmp_path / "skip", 0).final
+    hang = final["hang"]
+    assert code != 0 and "Timed out" not in final["error"]  # it ended before parallel.timeout_s ran out
+    assert (hang["mismatch"], hang["ahead"], hang["step"], hang["waiting"]) == (True, 1, 3, [0]), hang
+    mine, theirs = hang["calls"]["0"], hang["calls"]["1"]
+    assert (mine["op"], mine["step"]) == ("all_reduce", 3) and mine["bytes"] != theirs["bytes"]
+    gradient = rf"all_reduce\((dp|world), {re.escape(size_text(mine['bytes']))}\)"
+    assert re.fullmatch(rf"the ranks issued different collectives: rank 0 is in {gradient} of step 3 \(micro-step "
+                        r"0\), #\d+ of \w+; rank 1 \(read from its ledger: it left no dump\) in .+ of step 3 .+; rank "
+                        rf"1 is ahead: it skipped {gradient} of step 3; rank 0 waited \d+ s", hang["summary"]), \
+        hang["summary"]
+    assert out[1:] == [f"gptpar: run failed: hung: {hang['summary']}"]
 
 
 # 5 and 6. Runs started together; a run killed with SIGKILL.

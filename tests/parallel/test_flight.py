@@ -13,7 +13,8 @@ import pytest
 import gptpar.parallel.comm as comm
 import gptpar.parallel.flight as flight
 from gptpar.parallel.comm import comm_span, new_step
-from gptpar.parallel.flight import DUMP_SIGNAL, P2P, Recorder, dumps_on_signal
+from gptpar.parallel.flight import DUMP_SIGNAL, Peer, Recorder, dumps_on_signal, mirrored
+from gptpar.parallel.flight_format import read_ledger
 
 DEADLINE_S = 30.0  # a hang guard while waiting for the dump thread: never a timing claim
 
@@ -76,15 +77,6 @@ def test_the_dump_signal_writes_the_recorder_and_every_threads_stack_while_insid
     text = stack.read_text()
     assert "Thread 0x" in text and text.count("in test_the_dump_signal_writes_the_recorder") >= 1
     assert signal.getsignal(DUMP_SIGNAL) is signal.SIG_DFL  # given back
-
-
-def test_a_point_to_point_wait_dumps_but_is_no_collective_to_compare(recorder):
-    """A rank's count of sends and receives matches no peer's: inside one it dumps on failure, but its `blocked` (what
-    gptpar.run.hang compares between ranks) is the collective it is in, if any."""
-    with comm_span("recv", group=P2P, nbytes=8):
-        assert recorder.in_collective() and recorder.blocked() is None
-        with comm_span("all_reduce", nbytes=4):
-            assert recorder.blocked()["op"] == "all_reduce"
 
 
 def _until(condition, what: str) -> None:
@@ -151,3 +143,42 @@ def test_the_live_state_is_the_collective_waited_in_rewritten_by_a_thread(tmp_pa
     assert (first["blocked"]["op"], first["blocked"]["seq"], first["blocked"]["state"]) == ("all_reduce", 1, "started")
     assert (first["last"]["op"], first["last"]["bytes"]) == ("reduce_scatter", 64)
     assert not list(tmp_path.glob(".*.tmp"))  # written by a rename
+
+
+def test_sends_and_receives_count_per_peer_and_a_wait_for_one_is_where_the_rank_is_blocked(recorder):
+    """A rank's k-th send to a peer is that peer's k-th receive from it (gptpar.run.hang compares them): counted per
+    channel, apart from the group's collectives."""
+    with comm_span("send", "recv", "send", phase="issue", group="pp", peers=[Peer(1, 8, 0), Peer(1, 8, 0),
+                                                                             Peer(2, 4, 1)]):
+        pass
+    with comm_span("all_reduce", group="pp", nbytes=8):
+        pass
+    assert recorder.seqs == {"pp:send:1": 1, "pp:recv:1": 1, "pp:send:2": 1, "pp": 1}
+    assert recorder.blocked() is None
+    with comm_span("recv", phase="wait", group="pp"):
+        assert recorder.in_collective()
+        assert {k: recorder.blocked()[k] for k in ("op", "peer", "seq", "bytes", "micro_batch", "state")} == {
+            "op": "recv", "peer": 1, "seq": 1, "bytes": 8, "micro_batch": 0, "state": "waiting"}
+
+
+def test_with_the_recorder_off_a_span_records_nothing(recorder):
+    recorder.on = False
+    with comm_span("all_reduce", nbytes=4):
+        assert not recorder.in_collective()
+    assert not recorder.entries and not recorder.seqs
+
+
+def test_the_ledger_keeps_what_the_rank_entered_in_a_file_as_it_goes(tmp_path, recorder):
+    """What a rank that dies without a dump leaves (gptpar.run.hang reads it): the ring's entries, oldest first, in a
+    file written at each entry (a shared mapping: the kernel keeps it when the process dies)."""
+    path = tmp_path / "rank1.ledger"
+    new_step(4)
+    with mirrored(path):
+        for nbytes in (8, 16, 24, 32):  # one past the ring's 3
+            with comm_span("all_reduce", group="dp", nbytes=nbytes):
+                pass
+        with comm_span("send", phase="issue", group="pp", peers=[Peer(2, 40, 1)]):
+            pass
+        assert [(e["seq"], e["op"], e["group"], e["bytes"], e["step"], e.get("peer")) for e in read_ledger(path)] == [
+            (3, "all_reduce", "dp", 24, 4, None), (4, "all_reduce", "dp", 32, 4, None), (1, "send", "pp", 40, 4, 2)]
+    assert recorder.ledger is None

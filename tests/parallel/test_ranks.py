@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -26,8 +27,9 @@ from gptpar.parallel.env import (
     slurm_port,
 )
 from gptpar.parallel.grid import DP_CP, EXPERT_REPLICAS, composite_groups, coordinates, group_ranks
-from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed
+from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed, nccl_env
 from gptpar.parallel.spawn import spawn_local
+from gptpar.run.folder import RunFolder
 
 
 @pytest.mark.parametrize("nodelist, hosts", [
@@ -164,11 +166,23 @@ def test_single_process_needs_no_group() -> None:
     assert not dist.is_initialized()
 
 
-def test_missing_peer_fails_init_within_timeout_naming_rank() -> None:
+def test_missing_peer_fails_init_within_timeout_naming_rank(tmp_path) -> None:
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     with pytest.raises(GptparError, match=r"rank 0/2: joining the process group .* parallel.timeout_s=1"):
-        init_distributed(ParallelConfig(backend="gloo", timeout_s=1), env=env)
+        init_distributed(ParallelConfig(backend="gloo", timeout_s=1), env=env, nccl_trace_prefix=tmp_path / "trace_")
     assert not dist.is_initialized()
+    assert not set(nccl_env(tmp_path)) & set(os.environ)  # NCCL's settings stay off gloo's ranks
+
+
+def test_nccl_ranks_get_torch_s_flight_recorder_dumping_into_the_run_folder_on_a_timeout(tmp_path) -> None:
+    """The environment set before init_process_group on NCCL, under torch 2.13's names and the older ones (read in
+    torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp, FlightRecorder.hpp); NCCL itself cannot run here."""
+    prefix = RunFolder(tmp_path).nccl_trace_prefix
+    assert nccl_env(prefix) == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/job/nccl_trace_rank_",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path}/job/nccl_trace_rank_"}
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in nccl_env(None)  # no run folder named before the group: torch's default
 
 
 def _report_worker(info: RankInfo, out_dir: Path) -> None:

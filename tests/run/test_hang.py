@@ -11,8 +11,9 @@ from logsets import T0, Rank, config
 
 from gptpar.errors import GptparError
 from gptpar.launch.debug import debug_run
+from gptpar.parallel.flight_format import ledger_line
 from gptpar.run.folder import RunFolder
-from gptpar.run.hang import diagnose, read_dumps, read_lives, stuck
+from gptpar.run.hang import diagnose, read_dumps, read_ledgers, read_lives, stuck
 from gptpar.run.state import read_run
 
 START = 1_000.0  # the segment's start, in the dumps' clock
@@ -197,3 +198,74 @@ def test_gptpar_debug_refuses_in_one_line_a_run_with_no_rank_to_ask(tmp_path):
     with pytest.raises(GptparError, match=rf"^run {tmp_path} is completed, not running: no rank to ask \(its last "
                        rf"dumps, if any, are in {tmp_path}/job/rank<R>\.stack\)$"):
         debug_run(RunFolder(tmp_path))
+
+
+def _p2p(op: str, peer: int, seq: int, state: str, start: float, end: float | None = None) -> dict[str, Any]:
+    """A pipeline's send or receive entry of step 2, micro-batch 3 (gptpar.parallel.flight.Peer)."""
+    return {**_entry(seq, state, start, end, group="pp", step=2, nbytes=8 * 1024), "op": op, "peer": peer,
+            "micro_batch": 3}
+
+
+def test_a_stage_that_never_posted_the_receive_a_send_waits_for_is_named_with_its_line(tmp_path):
+    """Rank 0 waits in its 4th send to rank 1; rank 1 posted 3 receives from rank 0 and is elsewhere: it holds rank 0
+    up, though its count of receives from rank 2 (another channel) is past 4."""
+    sender = _dump(0, {"pp:send:1": 4, "pp": 1}, [_p2p("send", 1, 4, "failed", START + 30, START + 40)], [],
+                   groups={"pp": [0, 1]})
+    receiver = _dump(1, {"pp:recv:0": 3, "pp:recv:2": 9, "pp": 1}, [_p2p("recv", 0, 3, "completed", START, START + 1)],
+                     READING, groups={"pp": [0, 1]})
+    hang = diagnose(read_dumps(_written(tmp_path, sender, receiver), 2, START), 2)
+    assert hang["summary"] == ("rank 1 (node2, pid 4701) never posted recv from rank 0 (pp, 8 KiB) of step 2 "
+                               "(micro-step 0, micro-batch 3): it is in gptpar/data/blocks.py:88 (read); rank 0 waited "
+                               "10 s in send to rank 1")
+    assert {k: hang[k] for k in ("collective", "group", "peer", "bytes", "step", "micro_batch", "seq", "waiting")} == {
+        "collective": "send", "group": "pp", "peer": 1, "bytes": 8192, "step": 2, "micro_batch": 3, "seq": 4,
+        "waiting": [0]}
+    assert [(s["rank"], s["entered"], s["where"]) for s in hang["stuck"]] == [(1, False, "gptpar/data/blocks.py:88")]
+
+
+def test_a_stage_stopped_inside_the_matching_send_is_named_so_and_one_that_posted_it_is_not_a_suspect(tmp_path):
+    receiver = _dump(0, {"pp:recv:1": 2}, [_p2p("recv", 1, 2, "failed", START + 30, START + 40)], [])
+    stopped = _dump(1, {"pp:send:0": 2}, [_p2p("send", 0, 2, "waiting", START + 31)], READING[:2], stopped=True)
+    assert diagnose(read_dumps(_written(tmp_path, receiver, stopped), 2, START), 2)["summary"] == (
+        "rank 1 (node2, pid 4701) was stopped (SIGSTOP) inside send to rank 0 (pp, 8 KiB) of step 2 (micro-step 0, "
+        "micro-batch 3): it is in gptpar/data/blocks.py:88 (read); rank 0 waited 10 s in recv from rank 1")
+    running = _dump(1, {"pp:send:0": 2}, [_p2p("send", 0, 2, "waiting", START + 31)], READING[:2])
+    (tmp_path / "both").mkdir()
+    hang = diagnose(read_dumps(_written(tmp_path / "both", receiver, running), 2, START), 2)
+    assert hang["stuck"] == [] and hang["summary"] == (
+        "rank 0's recv from rank 1 (pp, 8 KiB) of step 2 (micro-step 0, micro-batch 3) and rank 1's matching send "
+        "were both posted and neither finished; rank 0 waited 10 s in recv from rank 1")
+
+
+STEP_2 = [_entry(3, "completed", START, START + 1, step=2), _entry(4, "completed", START + 1, START + 2, step=2,
+                                                                     nbytes=8)]  # the gradient's, then the loss's
+
+
+def test_a_rank_that_skipped_a_collective_is_named_ahead_from_its_ledger_where_it_left_no_dump(tmp_path):
+    """Rank 1 skipped step 3's gradient all-reduce: its dp #5 is the loss's (8 B) while rank 0's is the gradient's; it
+    died (gloo aborts on the mismatch) and left only its ledger. Step 2's order of calls says which is ahead."""
+    mine = _dump(0, {"dp": 5}, [*STEP_2, _entry(5, "failed", START + 10, START + 10.4, step=3)], [])
+    folder = _written(tmp_path, mine)
+    ledger = [*STEP_2, _entry(5, "waiting", START + 10, step=3, nbytes=8)]
+    folder.ledger_path(1).write_bytes(b"".join(ledger_line(n, e) for n, e in enumerate(ledger)))
+    hang = diagnose(read_dumps(folder, 2, START), 2, read_ledgers(folder, 2, START))
+    assert hang["summary"] == (
+        "the ranks issued different collectives: rank 0 is in all_reduce(dp, 48 MiB) of step 3 (micro-step 0), #5 of "
+        "dp; rank 1 (read from its ledger: it left no dump) in all_reduce(dp, 8 B) of step 3 (micro-step 0), #5 of dp; "
+        "rank 1 is ahead: it skipped all_reduce(dp, 48 MiB) of step 3; rank 0 waited 0 s")
+    assert (hang["mismatch"], hang["ahead"], hang["calls"]["1"]["bytes"]) == (True, 1, 8)
+
+
+def test_ranks_each_in_a_collective_the_other_never_entered_are_a_mismatch_and_a_stopped_rank_is_not(tmp_path):
+    """Rank 1 is in world #3, which rank 0 never entered, and never entered rank 0's dp #5: not a hang of rank 1 but
+    calls in different orders. Stopped (SIGSTOP) in the same place, rank 1 is the hang's stuck rank as before."""
+    waiting = _dump(0, {"dp": 5, "world": 2}, [*STEP_2, _entry(5, "failed", START + 10, START + 40, step=3)], [])
+    other = _dump(1, {"dp": 4, "world": 3}, [*STEP_2, _entry(3, "failed", START + 11, START + 41, group="world",
+                                                             step=4, nbytes=4)], READING)
+    hang = diagnose(read_dumps(_written(tmp_path, waiting, other), 2, START), 2)
+    assert hang["summary"].endswith("rank 1 in all_reduce(world, 4 B) of step 4 (micro-step 0), #3 of world; rank 1 "
+                                    "is ahead; rank 0 waited 30 s")
+    (tmp_path / "stopped").mkdir()
+    stopped = _dump(1, other["seqs"], other["entries"], READING, stopped=True)
+    hang = diagnose(read_dumps(_written(tmp_path / "stopped", waiting, stopped), 2, START), 2)
+    assert "mismatch" not in hang and hang["stuck"][0]["rank"] == 1

@@ -62,7 +62,7 @@ OTHER_DICTS = {
     # state, and the config's parallel.stuck_after_s and timeout_s
     "gptpar/run/hang.py": {"seqs", "blocked", "entries", "state", "start", "end", "group", "seq", "op", "bytes",
                            "groups", "stopped", "host", "pid", "frames", "where", "function", "entered", "micro_step",
-                           "stuck_after_s", "timeout_s"},
+                           "stuck_after_s", "timeout_s", "peer", "micro_batch"},  # and a send or receive's
     "gptpar/run/start.py": {"job_id"},  # the job record of a folder set aside
     # the job record's keys, the lock's pid (and a launcher's queue lock's since), error texts, the config's
     # train.checkpoint_every and parallel section (its stuck_after_s), and the hang field

@@ -42,7 +42,7 @@ from gptpar.config import Config, example_width
 from gptpar.models import architecture
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.flight import P2P, name_group
+from gptpar.parallel.flight import Peer, name_group
 from gptpar.parallel.pipeline.cuts import balanced_sizes
 from gptpar.parallel.pipeline.engine.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
 from gptpar.parallel.pipeline.engine.stages import PipelineStage, pipeline_stages
@@ -282,7 +282,7 @@ class PipelineEngine(nn.Module):
                                      time.perf_counter() - start))
             i += 1
         for work in sends:
-            with comm_span("send", phase="wait", group=P2P):
+            with comm_span("send", phase="wait", group=self.pp_group):
                 work.wait()
         return total
 
@@ -300,7 +300,7 @@ class PipelineEngine(nn.Module):
                   ) -> list[dist.Work]:
         """Post a run of sends and receives together (each a message's tensors, in one order on both sides); wait
         for the receives, return the sends' handles."""
-        ops, kinds, received = [], [], []
+        ops, kinds, peers, received = [], [], [], []
         for a in actions:
             key = (a.microbatch, a.stage)
             if a.kind == "SEND_F":  # what the receiver allocated
@@ -315,12 +315,13 @@ class PipelineEngine(nn.Module):
                 ops.append(dist.P2POp(dist.isend if a.kind.startswith("SEND") else dist.irecv, tensor,
                                       self.peers[a.peer]))
                 kinds.append(a.kind[:4].lower())
-        with comm_span(*kinds, phase="issue", group=P2P):  # "send" or "recv", one per op
+                peers.append(Peer(self.peers[a.peer], tensor.nbytes, a.microbatch))
+        with comm_span(*kinds, phase="issue", group=self.pp_group, peers=peers):  # "send" or "recv", one per op
             works = dist.batch_isend_irecv(ops)
         sends = [w for w, kind in zip(works, kinds, strict=True) if kind == "send"]
         for w, kind in zip(works, kinds, strict=True):
             if kind == "recv":
-                with comm_span("recv", phase="wait", group=P2P):
+                with comm_span("recv", phase="wait", group=self.pp_group):
                     w.wait()
         for a, tensors in received:
             if a.kind == "RECV_F":
@@ -348,7 +349,7 @@ class PipelineEngine(nn.Module):
         rows = max(1, math.ceil(x.size(0) / self.chunks))
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         sends: list[dist.Work] = []
-        for xm, ym in zip(x.split(rows), y.split(rows), strict=True):
+        for mb, (xm, ym) in enumerate(zip(x.split(rows), y.split(rows), strict=True)):
             for s in self.stage_ids:
                 stage = self._stage(s)
                 if stage.is_first:
@@ -356,16 +357,18 @@ class PipelineEngine(nn.Module):
                 else:
                     hidden = torch.empty(xm.size(0), xm.size(1) // self.seq_shards, self.width, dtype=self.dtype,
                                          device=self.device)
-                    with comm_span("recv", group=P2P):
-                        dist.recv(hidden, self.peers[(s - 1) % self.ranks])
+                    source = self.peers[(s - 1) % self.ranks]
+                    with comm_span("recv", group=self.pp_group, peers=[Peer(source, hidden.nbytes, mb)]):
+                        dist.recv(hidden, source)
                 out = stage(hidden)
                 if stage.is_last:
                     total += self.loss_fn(out, ym).double() * weight(ym)
                 else:
-                    with comm_span("send", phase="issue", group=P2P):
-                        sends.append(dist.isend(out.to(self.dtype).contiguous(), self.peers[(s + 1) % self.ranks]))
+                    sent, dest = out.to(self.dtype).contiguous(), self.peers[(s + 1) % self.ranks]
+                    with comm_span("send", phase="issue", group=self.pp_group, peers=[Peer(dest, sent.nbytes, mb)]):
+                        sends.append(dist.isend(sent, dest))
         for work in sends:
-            with comm_span("send", phase="wait", group=P2P):
+            with comm_span("send", phase="wait", group=self.pp_group):
                 work.wait()
         return self._share(total) / weight(y)
 
