@@ -597,6 +597,11 @@ def test_ranks_of_a_local_launcher_killed_with_sigkill_stop_with_a_checkpoint(tm
     noticed = [rank for rank in (0, 1) if f"rank {rank}: its launcher (pid {proc.pid}) is gone; stopping at the next "
                "step boundary" in (run / "job" / f"rank{rank}.err").read_text()]
     assert noticed, "no rank said why it stopped"  # the first to notice may stop the other at the same step first
+    # A rank's main thread reads as a zombie while its other threads still close the process's files (the run's lock
+    # among them): the lock is free once the last is gone, within moments.
+    released = time.monotonic() + DEADLINE_S
+    while RunFolder(run).holder() is not None and time.monotonic() < released:
+        time.sleep(0.1)
     state = read_run(RunFolder(run))
     assert (state.state, state.detail) == ("stopped", f"stopped at step {step} by SIGTERM; {_resume(run)}")
     proc.communicate(timeout=DEADLINE_S)  # rank 0 held the launcher's stdout until it ended
