@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -71,10 +70,6 @@ def started_by(env: Mapping[str, str]) -> LauncherRow | None:
     return next((row for row in LAUNCHERS.values() if row.marker and env.get(row.marker)), None)
 
 
-# Between two signals to every task of a SLURM job: a running rank must see the dump signal well before the SIGCONT
-# that follows it, which a stopped rank gets at once with it (how a rank knows it was stopped: flight.CONT_WAIT_S).
-# Two scancel calls 50 ms apart on a loaded node made a running rank take itself for a stopped one.
-SIGNAL_GAP_S = 1.0
 SCANCEL_TIMEOUT_S = 30.0  # scancel waits for slurmctld: a hang guard, never reached when SLURM answers
 
 
@@ -82,11 +77,8 @@ def signal_job(via: str, target: str, signals: Sequence[signal.Signals]) -> bool
     """Send `signals`, in order, to every task of a job: via "pid", to the local launcher of pid `target`, which passes
     each on to its ranks (SIGCONT only to a stopped one); via "slurm", with scancel to every task of every step of
     SLURM job `target`, every process of each step, a submitit task's rank included (not the batch shell, which a
-    SIGQUIT would end), SIGNAL_GAP_S apart. Whether every signal was delivered (False: the launcher or the job is
-    gone)."""
-    for i, sig in enumerate(signals):
-        if i and via != "pid":
-            time.sleep(SIGNAL_GAP_S)
+    SIGQUIT would end). Whether every signal was delivered (False: the launcher or the job is gone)."""
+    for sig in signals:
         if via == "pid":
             try:
                 os.kill(int(target), sig)

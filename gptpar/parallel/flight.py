@@ -57,6 +57,10 @@ CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture i
 CAPTURE_POLL_S = 0.01
 UNFINISHED = ("started", "waiting", "failed")  # states of a collective a rank has not come out of
 STDERR_FD = 2
+# The live thread's last two rewrites (time.monotonic): a gap of PAUSED_AFTER_S between them, or since the last,
+# says the process did not run (stopped or frozen); none while no live thread runs
+_TICKS: list[float] = []
+PAUSED_AFTER_S = 3.0
 LIVE_EVERY_S = 1.0  # how often a rank rewrites its live state (gptpar.run.hang.LIVE_STALE_S reads it as stale after 3)
 CAPACITY = 64  # collectives kept per rank: a step of bucketed dp issues a few per bucket; the hung one is the last
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # frames under it are shown relative to it: gptpar/train/...
@@ -388,8 +392,17 @@ def _write_live(rank: int, path: Path, every_s: float, stop: threading.Event) ->
             os.replace(tmp, path)
         except OSError:
             pass
+        _TICKS[:] = [*_TICKS[-1:], time.monotonic()]
         if stop.wait(every_s):
+            _TICKS.clear()
             return
+
+
+def _paused() -> bool:
+    """Whether this process had not run for PAUSED_AFTER_S before now, by its live thread's rewrites (True where none
+    ticks: the dump signal's and SIGCONT's timing then decide alone)."""
+    ticks = [*_TICKS, time.monotonic()]
+    return len(ticks) == 1 or max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) > PAUSED_AFTER_S
 
 
 def _no_op(signum: int, frame: FrameType | None) -> None:
@@ -399,7 +412,8 @@ def _no_op(signum: int, frame: FrameType | None) -> None:
 def _wait_for_signal(read: int, dumper: _Dumper) -> None:
     """Dump when DUMP_SIGNAL's byte comes. A stopped rank gets SIGCONT after it (`request_dumps`), and the kernel
     delivers both at once (SIGCONT's first), so a SIGCONT's byte within CONT_WAIT_S of it says the rank was stopped; a
-    running rank's SIGCONT comes later (a second signal from the launcher or scancel)."""
+    running rank's SIGCONT comes later (a second signal from the launcher or scancel), or at once where two scancels
+    land close together on a loaded node: the live thread's rewrites, which a stopped rank's lack, tell those apart."""
     continued = -math.inf
     while received := os.read(read, 64):
         if signal.SIGCONT in received:
@@ -407,7 +421,7 @@ def _wait_for_signal(read: int, dumper: _Dumper) -> None:
         if DUMP_SIGNAL in received:
             if select.select([read], [], [], CONT_WAIT_S)[0] and signal.SIGCONT in os.read(read, 64):
                 continued = time.monotonic()
-            dumper.on_signal(time.monotonic() - continued < 2 * CONT_WAIT_S)
+            dumper.on_signal(time.monotonic() - continued < 2 * CONT_WAIT_S and _paused())
 
 
 def request_dumps(env: Mapping[str, str]) -> bool:

@@ -182,3 +182,14 @@ def test_the_ledger_keeps_what_the_rank_entered_in_a_file_as_it_goes(tmp_path, r
         assert [(e["seq"], e["op"], e["group"], e["bytes"], e["step"], e.get("peer")) for e in read_ledger(path)] == [
             (3, "all_reduce", "dp", 24, 4, None), (4, "all_reduce", "dp", 32, 4, None), (1, "send", "pp", 40, 4, 2)]
     assert recorder.ledger is None
+
+
+def test_a_rank_is_taken_for_stopped_only_where_its_live_thread_did_not_run(monkeypatch):
+    """Two scancels close together on a loaded node deliver the dump signal and SIGCONT at once to a running rank too:
+    its live thread's rewrites, a second apart, say it ran; a stopped rank's show the gap (just rewritten on waking, or
+    not since)."""
+    now = time.monotonic()
+    for ticks, paused in (([now - 1.5, now - 0.5], False), ([now - 12, now - 0.01], True), ([now - 9, now - 8], True),
+                          ([], True)):  # no live thread: the signals' timing decides alone
+        monkeypatch.setattr(flight, "_TICKS", ticks)
+        assert flight._paused() is paused, ticks
