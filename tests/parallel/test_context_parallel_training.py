@@ -17,6 +17,7 @@ import torch
 from gloo_pool import GlooPools
 from rank_training import (
     STEPS,
+    as_pipeline_chunks,
     assert_resumed_bitwise,
     assert_trains_like_one_process,
     make_config,
@@ -43,8 +44,9 @@ QWEN_MOE = ["model.preset=qwen2-moe-tiny", "model.n_layer=2", "model.n_head=2", 
 # four short sums each (SUMS, written by the fixture), so the two shards of a micro-step hold different numbers of
 # targets; two micro-steps.
 SUMS = "sums.jsonl"
-SFT_PACKED = ["model.n_layer=2", "data.task=sft", f"data.source=jsonl:{{runs}}/{SUMS}", "data.tokenizer=bytes",
-              "data.max_source_len=24", "data.max_target_len=23", "data.packing=true", "train.grad_accum=2"]
+SFT = ["model.n_layer=2", "data.task=sft", f"data.source=jsonl:{{runs}}/{SUMS}", "data.tokenizer=bytes",
+       "data.max_source_len=24", "data.max_target_len=23", "train.grad_accum=2"]
+SFT_PACKED = [*SFT, "data.packing=true"]
 CASES = [("ring", ["parallel.cp=2"]), ("ulysses-llama", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *LLAMA]),
          ("ring-llama", ["parallel.cp=2", *LLAMA]),
          ("ring-recompute", ["parallel.cp=2", "train.activation_checkpointing=block"]),  # the ring again in backward
@@ -68,7 +70,11 @@ COMPOSED = [("cp2-tp2", ["parallel.cp=2", "parallel.tp=2", "parallel.loss_parall
             ("cp2-pp2-ring-qwen2", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", *QWEN2]),
             ("cp2-pp2-ulysses", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.cp_impl=all_to_all",
                                  "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"]),
-            ("cp2-pp2-zb1p", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p"])]
+            ("cp2-pp2-zb1p", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p"]),
+            # unpacked sft rows of a mixture: a shard's real positions run to its rows' last labels, wherever they
+            # lie (under sp each tp rank routes half of them); under pp its chunks' target shares count each row once
+            ("cp2-tp2-sp-mixtral-sft", ["parallel.cp=2", *SP, *MIXTRAL, *SFT]),
+            ("cp2-pp2-mixtral-sft", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", *MIXTRAL, *SFT])]
 RESUMED = {2: ["ring"], 4: ["cp2-tp2-sp", "cp2-pp2-ring-qwen2"]}  # by world size: runs resumed from a checkpoint
 LAYERS, ROWS, SEQ, HEADS, WIDTH, FP32 = 4, 8, 16, 2, 32, 4  # BASE's model and batch
 
@@ -109,7 +115,9 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "overrides"), CASES + COMPOSED, ids=[name for name, _ in CASES + COMPOSED])
 def test_context_parallel_trains_like_one_process(results: Path, name: str, overrides: list[str]) -> None:
-    ref = reference_run(_config(overrides, results, name))
+    cfg = _config(overrides, results, name)
+    p = cfg.parallel  # a mixture's micro-steps under the pipeline are its chunks (as_pipeline_chunks)
+    ref = reference_run(cfg, as_pipeline_chunks(p.dp, p.chunks) if p.pp > 1 and cfg.model.shape().moe else None)
     ranks = saved_ranks(results, name)
     assert_trains_like_one_process(ref, ranks, "model.embed_tokens.weight" if any(
         arch in name for arch in ("llama", "qwen2", "mixtral", "moe")) else "transformer.wte.weight", name)

@@ -255,7 +255,10 @@ class PipelineEngine(nn.Module):
                         if self.routing is not None:
                             out.append(self.routing.carry(labels, inp[1] if len(inp) > 1 else None))
                         if stage.is_last:
-                            loss = self.loss_fn(out[0], labels) * scales[action.microbatch]
+                            # a chunk of no weight (a cp shard of pair rows with no target, whose mean is 0/0)
+                            # still runs the backward its peers' collectives wait for, with zero gradients
+                            scale = scales[action.microbatch]
+                            loss = self.loss_fn(out[0], labels) * scale if scale else out[0].sum() * 0
                             if self.routing is not None:
                                 loss = loss + self.aux_coef * aux_weight * self.routing.aux_loss(labels, out[1])
                             total += loss.detach()
