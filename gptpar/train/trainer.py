@@ -34,6 +34,7 @@ from gptpar.errors import GptparError
 from gptpar.models import architecture
 from gptpar.models.build import add_lora, build_model, count_params
 from gptpar.models.lora import lora_targets, trainable_count
+from gptpar.models.loss import no_target_loss
 from gptpar.parallel.comm import WAITING, comm_span, gather_to_first, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.flight import RECORDER
@@ -100,10 +101,9 @@ def replica_steps(train_set: Dataset, collate: Collate, replica: int, replicas: 
 
 def micro_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
                labels: torch.Tensor, divisor: float) -> torch.Tensor:
-    """A micro-batch's mean loss over its divisor (Trainer._loss_divisors). A cp rank's shard of pair rows may hold no
-    target (divisor inf; its mean would be 0/0): its loss is a zero that still runs the backward its peers'
-    collectives wait for (the ring, the sync), with zero gradients."""
-    return loss_fn(logits, labels) / divisor if divisor < math.inf else logits.sum() * 0
+    """A micro-batch's mean loss over its divisor (Trainer._loss_divisors); a cp rank's shard of pair rows may hold no
+    target (divisor inf): no_target_loss."""
+    return loss_fn(logits, labels) / divisor if divisor < math.inf else no_target_loss(logits)
 
 
 class Trainer:

@@ -218,8 +218,10 @@ def test_a_mixture_and_its_balancing_loss_equal_one_process(preset: str, impl: s
 
 def test_a_shard_without_targets_backpropagates_zeros() -> None:
     """A cp rank's shard of pair rows may hold only prompts and padding: its loss is zero, not 0/0, and its backward
-    (which its peers' ring and sync wait for) gives zero gradients."""
-    logits = torch.randn(2, 4, VOCAB, requires_grad=True)
+    (which its peers' ring and sync wait for) gives zero gradients, a padded head's -inf columns too."""
+    logits = torch.randn(2, 4, VOCAB)
+    logits[..., -1] = -math.inf  # PaddedHead's column past the tokenizer's vocabulary
+    logits.requires_grad_()
     loss = micro_loss(lm_loss, logits, torch.full((2, 4), IGNORE), math.inf)
     loss.backward()
     assert loss.item() == 0 and torch.equal(logits.grad, torch.zeros_like(logits))

@@ -44,9 +44,14 @@ QWEN_MOE = ["model.preset=qwen2-moe-tiny", "model.n_layer=2", "model.n_head=2", 
 # four short sums each (SUMS, written by the fixture), so the two shards of a micro-step hold different numbers of
 # targets; two micro-steps.
 SUMS = "sums.jsonl"
-SFT = ["model.n_layer=2", "data.task=sft", f"data.source=jsonl:{{runs}}/{SUMS}", "data.tokenizer=bytes",
-       "data.max_source_len=24", "data.max_target_len=23", "train.grad_accum=2"]
-SFT_PACKED = [*SFT, "data.packing=true"]
+PAIRS = ["model.n_layer=2", "data.task=sft", "data.tokenizer=bytes", "data.max_source_len=24",
+         "data.max_target_len=23", "train.grad_accum=2"]
+SFT_PACKED = [*PAIRS, f"data.source=jsonl:{{runs}}/{SUMS}", "data.packing=true"]
+# Unpacked rows of 48 of the same sums, every other one asked in words: a prompt of 12 bytes or more fills rank 0's
+# first chunk (0-11), so its real positions end at a label in rank 1's shard; no answer reaches rank 0's second
+# chunk (36-47), so rank 0's shards hold no target where every prompt is long.
+WORDED = "worded_sums.jsonl"
+SFT = [*PAIRS, f"data.source=jsonl:{{runs}}/{WORDED}"]
 CASES = [("ring", ["parallel.cp=2"]), ("ulysses-llama", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *LLAMA]),
          ("ring-llama", ["parallel.cp=2", *LLAMA]),
          ("ring-recompute", ["parallel.cp=2", "train.activation_checkpointing=block"]),  # the ring again in backward
@@ -107,6 +112,9 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
     sums = ({"query": f"{a} + {7 * b}?", "response": f"{a + 7 * b}{'!' * (a % 9)}"}
             for a in range(30) for b in range(7))
     (runs / SUMS).write_text("".join(json.dumps(pair) + "\n" for pair in sums))
+    worded = ({"query": f"what is {a} plus {7 * b}?" if a % 2 else f"{a} + {7 * b}?", "response": f"{a + 7 * b}"}
+              for a in range(30) for b in range(7))
+    (runs / WORDED).write_text("".join(json.dumps(pair) + "\n" for pair in worded))
     gloo_pool.run(2, _train, runs, CASES[:-WORLD_4])
     gloo_pool.run(4, _train, runs, CASES[-WORLD_4:] + COMPOSED)
     return runs
