@@ -1,7 +1,8 @@
 """Context parallelism through the trainer's own step on the shared gloo pool: cp=2 with each implementation (GPT-2
 and Llama; the ring under block recompute and compiled blocks too; a mixture with its load-balancing loss; packed sft
 rows), dp=2 x cp=2, a mixture's experts split over ep=2 inside dp=2 x cp=2, cp=2 x tp=2 (ours, with and without
-sequence parallelism) and cp=2 x pp=2 (1f1b, interleaved and zb1p) train like one process on the same global batch
+sequence parallelism) and cp=2 x pp=2 (1f1b, interleaved and zb1p), and a mixture on unpacked sft rows under each of
+them, train like one process on the same global batch
 (losses, validation loss, every parameter, a mixture's aux_loss and expert load), and the step's point-to-point and
 all-to-all bytes are their closed forms (on a tensor-parallel rank's heads, for the layers a pipeline rank holds);
 with whole heads and layers, the memory record's attention bytes are their closed form, and the bytes and training
