@@ -196,9 +196,9 @@ CP_ARCHS = ("gpt2", "llama", "qwen2", "mixtral", "qwen2_moe")
 
 def check_context_parallel(cfg: Config) -> None:
     """parallel.cp against what it is built with (every data-parallel strategy, expert parallelism, our tensor
-    parallelism, the multi-process pipeline; the decoders and their mixtures; blocks or pair rows, packed or not) and
-    the sequence and heads its implementation splits (a tensor-parallel rank's heads; with sequence parallelism each
-    shard split again)."""
+    parallelism, the multi-process pipeline; the decoders and their mixtures; blocks or pair rows, packed or not, the
+    packed ones only where the model runs whole, as without cp: checks._check_packing) and the sequence and heads its
+    implementation splits (a tensor-parallel rank's heads; with sequence parallelism each shard split again)."""
     p, shape, cp = cfg.parallel, cfg.model.shape(), f"parallel.cp={cfg.parallel.cp}"
     if p.cp == 1:
         return
@@ -209,13 +209,6 @@ def check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"{cp} composes with parallel.tp_impl=gptpar only, not parallel.tp_impl={p.tp_impl} (its "
                           "DTensor gradients are averaged by fsdp2 over the dp mesh alone, and its attention does not "
                           "run the cp exchange); use parallel.tp_impl=gptpar, or parallel.cp=1")
-    pieces = [f"parallel.{key}={value}" for key, value in (("pp", p.pp), ("tp", p.tp)) if value > 1]
-    whole = [f"data.task={cfg.data.task}"] if cfg.data.task != "lm" else []
-    whole += ["data.packing=true"] if cfg.data.packing else []
-    whole += [f"model.arch={shape.arch}"] if shape.moe else []
-    if pieces and whole:  # the pieces take the shard's positions from the ContextParallel: one sequence a row
-        raise ConfigError(f"{cp} with {either(pieces, 'and')} runs dense models on data.task=lm blocks without "
-                          f"packing, not {either(whole, 'and')}; set parallel.pp and tp to 1 for it, or parallel.cp=1")
     if p.pp_mode != "single":  # one process drives every stage: no ranks to split a sequence over
         raise ConfigError(f"{cp} composes with data, expert, tensor and pipeline parallelism, not with "
                           f"parallel.pp_mode={p.pp_mode}; set parallel.pp_mode=single, or parallel.cp=1")

@@ -267,8 +267,8 @@ class ParallelConfig:
                   "memory falls as 1/cp); the job has pp * dp * cp * tp ranks, gradients averaged over dp * cp. "
                   "Composed with data parallelism (every parallel.dp_sync, its shards over dp * cp; not parallel.hpz), "
                   "expert parallelism, our tensor parallelism and the multi-process pipeline, on GPT-2, Llama, Qwen2 "
-                  "and their mixtures, data.task=lm, sft or translation (packed or not; with tp or pp: dense models "
-                  "on lm blocks without packing), bf16 and train.compile too.", min=1, max=4096)
+                  "and their mixtures, data.task=lm, sft or translation (packed or not; with tp or pp not packed), "
+                  "bf16 and train.compile too.", min=1, max=4096)
     cp_impl: str = opt("ring", "parallel.cp > 1, whose ranks hold the sequence in 2 * cp chunks, rank r chunks r "
                        "and 2 * cp - 1 - r so every rank has an equal share of the causal work (data.seq_len divisible "
                        "by 2 * cp, pair rows padded to a multiple of it): ring (K/V passed around the cp ranks, "

@@ -14,6 +14,13 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
+def no_target_loss(logits: torch.Tensor) -> torch.Tensor:
+    """The loss of logits whose labels hold no target (a cp rank's shard of pair rows holding only prompt and
+    padding; their mean would be 0/0): a zero that still runs the backward its peers' collectives wait for, with zero
+    gradients. A padded head's columns are -inf (gptpar.models.build.PaddedHead), which times 0 would make NaN."""
+    return torch.where(logits.isfinite(), logits, 0).sum() * 0
+
+
 CHUNK_ELEMENTS = 2**26  # logits per chunk of chunked_lm_loss: 256 MB in fp32
 
 

@@ -111,7 +111,11 @@ class ContextParallel:
 
     def mine(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's positions (`shard_positions`) of a (batch, T, ...) tensor of whole rows."""
-        return rows[:, shard_positions(rows.size(1), self.size, self.rank).to(rows.device)]
+        return rows[:, self.global_positions(rows.size(1) // self.size).to(rows.device)]
+
+    def global_positions(self, local: int) -> torch.Tensor:
+        """The global positions of this rank's shard of `local` positions a row (`shard_positions`)."""
+        return self._positions(self.rank, local)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, groups: int,
                scale: float) -> torch.Tensor:

@@ -25,7 +25,9 @@ process whose micro-step j holds every replica's chunk j (with one replica, trai
 Under sequence parallelism each rank of a tp group routes only its shard of the positions; the statistics are
 summed over the tp group as over the replicas (the mixture's gradients too: gptpar.parallel.tensor_parallel.mixture).
 Under context parallelism the replicas are dp x cp, each cp rank routing its shard of the rows: its real positions
-are the whole rows' (a row's last label may lie in another rank's shard), kept at its own positions (`context_shard`).
+are the whole rows' (a row's last label may lie in another rank's shard), found from its shard of the labels by one
+small all-reduce over the cp group (`real_positions`), so every layout hands the router the labels its loss reads (a
+pipeline stage its chunk of the shard, tensor parallelism's pieces the shard itself).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -41,12 +44,20 @@ from torch import nn
 from gptpar.data.pairs import IGNORE
 from gptpar.train.step_records import OnDevice
 
+if TYPE_CHECKING:
+    from gptpar.parallel.context_parallel import ContextParallel
 
-def real_positions(labels: torch.Tensor) -> torch.Tensor:
-    """(batch, T) booleans: positions up to each row's last label the loss counts (all of them for blocks of text)."""
+
+def real_positions(labels: torch.Tensor, context: ContextParallel | None = None) -> torch.Tensor:
+    """(batch, T) booleans: positions up to each row's last label the loss counts (all of them for blocks of text).
+    Under `context` the labels are this rank's shard of whole rows, whose last label may lie in another rank's shard:
+    the rows' last labelled global positions are the maxima over the cp group (one all-reduce of a position a row)."""
     counted = labels != IGNORE
-    index = torch.arange(labels.size(1), device=labels.device)
+    index = torch.arange(labels.size(1), device=labels.device) if context is None else context.global_positions(
+        labels.size(1)).to(labels.device)
     last = torch.where(counted, index, -1).amax(dim=1, keepdim=True)
+    if context is not None:
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=context.group)
     return index <= last
 
 
@@ -73,18 +84,15 @@ class RouterLoad:
         # The picks the listed layers' experts dropped past their capacity in their last forward
         # (gptpar.parallel.expert_parallel); None: none are ever dropped.
         self.dropped_source: Callable[[Iterable[int]], torch.Tensor] | None = None
-        # Context parallelism: this rank's positions of whole rows (ContextParallel.mine); aux_loss then takes the
-        # whole rows' labels. None: the labels are this rank's own.
-        self.context_shard: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # Context parallelism: the labels handed in are this rank's shard of whole rows (None: whole rows).
+        self.context: ContextParallel | None = None
         for index, router in enumerate(routers):
             router.register_forward_hook(partial(self._keep, index))
 
     def _real(self, labels: torch.Tensor, device: torch.device) -> torch.Tensor:
         """This rank's real positions, flat, as 0/1 in fp32: its sequence shard's under sequence or context
         parallelism."""
-        real = real_positions(labels)
-        if self.context_shard is not None:
-            real = self.context_shard(real)
+        real = real_positions(labels, self.context)
         if self.sequence_shards is not None:
             real = real.chunk(dist.get_world_size(self.sequence_shards), dim=1)[dist.get_rank(self.sequence_shards)]
         return real.reshape(-1).to(device, torch.float32)
@@ -112,7 +120,10 @@ class RouterLoad:
         """`carried` (None: nothing yet) plus the recorded forward's statistics over the real positions of `labels`:
         (layers × experts picks, dropped picks, experts' probability sums) as one fp32 vector, the counts without
         gradient, the probability sums with their routers' (and `carried`'s)."""
-        real = self._real(labels, self.device or labels.device)
+        return self._carry(self._real(labels, self.device or labels.device), carried)
+
+    def _carry(self, real: torch.Tensor, carried: torch.Tensor | None) -> torch.Tensor:
+        """`carry` over the real positions `real` (flat, 0/1)."""
         picks = torch.zeros(self.layers, self.n_experts, device=real.device)
         prob_sum = torch.zeros(self.n_experts, device=real.device)
         for index, logits in self._logits.items():
@@ -129,13 +140,14 @@ class RouterLoad:
         """The micro-step's load-balancing loss over every replica, as a tensor whose value is that loss and whose
         gradient is R times this replica's share of it (module docstring); from the recorded forward of every
         layer, or from what a pipeline micro-batch `carried` through every stage."""
+        real = self._real(labels, carried.device if carried is not None else self.device or labels.device)
         if carried is None:
             if len(self._logits) != self.layers:
                 raise RuntimeError(f"{len(self._logits)} routers ran in the recorded forward, not {self.layers}")
-            carried = self.carry(labels)
+            carried = self._carry(real, None)
         cells = self.layers * self.n_experts
         picks, prob_sum = carried[:cells].detach().reshape(self.layers, self.n_experts), carried[cells + 1:]
-        real = self._real(labels, carried.device).sum()
+        real = real.sum()
         counts = torch.cat([picks.reshape(-1), real[None], carried[cells:cells + 1].detach()]).double()
         groups = [g for g in (self.group, self.sequence_shards) if g is not None]
         if groups:

@@ -34,6 +34,7 @@ from gptpar.errors import GptparError
 from gptpar.models import architecture
 from gptpar.models.build import add_lora, build_model, count_params
 from gptpar.models.lora import lora_targets, trainable_count
+from gptpar.models.loss import no_target_loss
 from gptpar.parallel.comm import WAITING, comm_span, gather_to_first, new_step, read_sent, read_spent
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.flight import RECORDER
@@ -100,10 +101,9 @@ def replica_steps(train_set: Dataset, collate: Collate, replica: int, replicas: 
 
 def micro_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logits: torch.Tensor,
                labels: torch.Tensor, divisor: float) -> torch.Tensor:
-    """A micro-batch's mean loss over its divisor (Trainer._loss_divisors). A cp rank's shard of pair rows may hold no
-    target (divisor inf; its mean would be 0/0): its loss is a zero that still runs the backward its peers'
-    collectives wait for (the ring, the sync), with zero gradients."""
-    return loss_fn(logits, labels) / divisor if divisor < math.inf else logits.sum() * 0
+    """A micro-batch's mean loss over its divisor (Trainer._loss_divisors); a cp rank's shard of pair rows may hold no
+    target (divisor inf): no_target_loss."""
+    return loss_fn(logits, labels) / divisor if divisor < math.inf else no_target_loss(logits)
 
 
 class Trainer:
@@ -147,8 +147,8 @@ class Trainer:
         self.loss_fn, self.loss_context, self.whole_logits = wrapped.loss_fn, wrapped.loss_context, wrapped.whole_logits
         self.checkpoint_layout, self.experts = wrapped.checkpoint_layout, wrapped.experts
         self.context = wrapped.context
-        if self.router_load is not None and self.context is not None:  # each cp rank routes its share of the rows
-            self.router_load.context_shard = self.context.mine
+        if self.router_load is not None:  # each cp rank routes its share of the rows
+            self.router_load.context = self.context
         if self.router_load is not None and self.experts is not None and cfg.model.moe_capacity_factor:
             self.router_load.dropped_source = self.experts.dropped
         # What holds its parameters as pieces of the checkpoint's whole tensors, each saving and loading its own.
@@ -259,7 +259,8 @@ class Trainer:
 
     def _chunk_weight(self, micro_batches: list[Batch]) -> Weight | None:
         """`_loss_divisors` for the pipeline engine, which cuts micro-batches into chunks of its own: None (equal
-        shares) for blocks; for translation a chunk's n target tokens over N / R, as a multiplier."""
+        shares) for blocks; for pair rows a chunk's n target tokens over N / R, as a multiplier (under context
+        parallelism both counted on the cp shards, so N counts each row's targets once)."""
         if self.pairs is None:
             return None
         share = self._target_share(micro_batches)
@@ -271,11 +272,11 @@ class Trainer:
         micro-step's backward, a pipeline's only in finish(), after the last micro-batch's backward on each stage."""
         precision = self.precision
         if self.pipeline:
+            shards = self._shards(micro_batches)  # a chunk's weight is counted on the shards its stages run
             with self.sync.accumulating(is_last_micro_step=False), record_function("forward_backward"), \
                     self._sharded():
-                return torch.tensor(self.net.train_step(self._shards(micro_batches), precision.loss_scale,
-                                                        precision.autocast, self._chunk_weight(micro_batches)),
-                                    dtype=torch.float64)
+                return torch.tensor(self.net.train_step(shards, precision.loss_scale, precision.autocast,
+                                                        self._chunk_weight(shards)), dtype=torch.float64)
         rows = micro_batches
         micro_batches = self._shards(rows)
         losses, divisors = [], self._loss_divisors(micro_batches)
@@ -289,7 +290,7 @@ class Trainer:
                     labels = batch[1].to(logits.device, non_blocking=True)
                     loss = micro_loss(self.loss_fn, logits, labels, divisors[i])
                     if self.router_load is not None:  # the router's load-balancing loss, a mean over micro-steps
-                        aux = self.router_load.aux_loss(rows[i][1].to(logits.device, non_blocking=True))
+                        aux = self.router_load.aux_loss(labels)
                         loss = loss + self.cfg.model.moe_aux_loss_coef * aux / len(micro_batches)
                 with record_function("backward"):
                     self.sync.backward(precision.scale(loss))

@@ -175,13 +175,13 @@ def _context_rank(model: torch.nn.Module, impl: str, batch: tuple[torch.Tensor, 
     context.attach(model)
     router = _router(model, dist.group.WORLD, context.size)
     if router is not None:
-        router.context_shard = context.mine
+        router.context = context  # it is handed this rank's shard of the labels
     inputs, labels, positions = context.shard(batch)
     with context.sharded(batch[2] if len(batch) > 2 else None):
         with router.recording() if router is not None else torch.enable_grad():
             out = logits(model, torch.device("cpu"), inputs, positions)
         share = _total_loss(out, labels, int((batch[1] != IGNORE).sum()), None, batch[1]) * context.size
-        loss = share + AUX_COEF * router.aux_loss(batch[1]) if router is not None else share
+        loss = share + AUX_COEF * router.aux_loss(labels) if router is not None else share
         loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters()}
     for grad in grads.values():
@@ -218,8 +218,10 @@ def test_a_mixture_and_its_balancing_loss_equal_one_process(preset: str, impl: s
 
 def test_a_shard_without_targets_backpropagates_zeros() -> None:
     """A cp rank's shard of pair rows may hold only prompts and padding: its loss is zero, not 0/0, and its backward
-    (which its peers' ring and sync wait for) gives zero gradients."""
-    logits = torch.randn(2, 4, VOCAB, requires_grad=True)
+    (which its peers' ring and sync wait for) gives zero gradients, a padded head's -inf columns too."""
+    logits = torch.randn(2, 4, VOCAB)
+    logits[..., -1] = -math.inf  # PaddedHead's column past the tokenizer's vocabulary
+    logits.requires_grad_()
     loss = micro_loss(lm_loss, logits, torch.full((2, 4), IGNORE), math.inf)
     loss.backward()
     assert loss.item() == 0 and torch.equal(logits.grad, torch.zeros_like(logits))
@@ -232,9 +234,9 @@ BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
     (["parallel.pp_mode=model_parallel"], "parallel.cp=2 composes with data, expert, tensor and pipeline parallelism, "
                                           "not with parallel.pp_mode=model_parallel; set parallel.pp_mode=single, or "
                                           "parallel.cp=1"),
-    (["parallel.tp=2", "data.packing=true"], "parallel.cp=2 with parallel.tp=2 runs dense models on data.task=lm "
-                                             "blocks without packing, not data.packing=true; set parallel.pp and tp "
-                                             "to 1 for it, or parallel.cp=1"),
+    *(([split, "data.task=sft", "data.source=metamath_sample", "data.packing=true"],  # as without cp
+       f"data.packing=true needs the model run whole, which {split} splits; use data.packing=false there")
+      for split in ("parallel.tp=2", "parallel.pp=2")),
     (["parallel.tp=2", "parallel.tp_impl=torch"], "parallel.cp=2 composes with parallel.tp_impl=gptpar only, not "
                                                   "parallel.tp_impl=torch (its DTensor gradients are averaged by fsdp2 "
                                                   "over the dp mesh alone, and its attention does not run the cp "
@@ -270,11 +272,15 @@ PAIRS = ["data.task=sft", "data.source=metamath_sample", "data.tokenizer=bytes",
          "data.max_target_len=24", "model.preset=mixtral-tiny", "parallel.cp=2"]
 
 
-@pytest.mark.parametrize(("impl", "packing", "width"), [("ring", True, 52), ("all_to_all", False, 52)])
-def test_pair_rows_are_padded_to_a_width_the_split_divides(impl: str, packing: bool, width: int) -> None:
-    """sft rows of a mixture, packed or not, take cp (no refusal), their width 24 + 24 + 1 rounded up to the 2 cp
-    chunks either implementation shards a row into, every batch that wide (not its longest example's)."""
-    cfg = load_config(None, [*PAIRS, f"parallel.cp_impl={impl}", f"data.packing={str(packing).lower()}"])
+@pytest.mark.parametrize(("impl", "packing", "pieces"), [
+    ("ring", True, []), ("all_to_all", False, []), ("ring", False, ["parallel.tp=2"]),
+    ("all_to_all", False, ["parallel.pp=2"])])
+def test_pair_rows_are_padded_to_a_width_the_split_divides(impl: str, packing: bool, pieces: list[str]) -> None:
+    """sft rows of a mixture, packed or not (unpacked under tensor or pipeline parallelism), take cp (no refusal),
+    their width 24 + 24 + 1 rounded up to the 2 cp chunks either implementation shards a row into, every batch that
+    wide (not its longest example's)."""
+    width = 52
+    cfg = load_config(None, [*PAIRS, f"parallel.cp_impl={impl}", f"data.packing={str(packing).lower()}", *pieces])
     assert example_width(cfg) == fixed_width(cfg) == width
     assert example_width(load_config(None, [*PAIRS, f"parallel.cp_impl={impl}", "parallel.cp=1"])) == 49  # as before
 

@@ -1,7 +1,8 @@
 """Context parallelism through the trainer's own step on the shared gloo pool: cp=2 with each implementation (GPT-2
 and Llama; the ring under block recompute and compiled blocks too; a mixture with its load-balancing loss; packed sft
 rows), dp=2 x cp=2, a mixture's experts split over ep=2 inside dp=2 x cp=2, cp=2 x tp=2 (ours, with and without
-sequence parallelism) and cp=2 x pp=2 (1f1b, interleaved and zb1p) train like one process on the same global batch
+sequence parallelism) and cp=2 x pp=2 (1f1b, interleaved and zb1p), and a mixture on unpacked sft rows under each of
+them, train like one process on the same global batch
 (losses, validation loss, every parameter, a mixture's aux_loss and expert load), and the step's point-to-point and
 all-to-all bytes are their closed forms (on a tensor-parallel rank's heads, for the layers a pipeline rank holds);
 with whole heads and layers, the memory record's attention bytes are their closed form, and the bytes and training
@@ -17,6 +18,7 @@ import torch
 from gloo_pool import GlooPools
 from rank_training import (
     STEPS,
+    as_pipeline_chunks,
     assert_resumed_bitwise,
     assert_trains_like_one_process,
     make_config,
@@ -43,8 +45,14 @@ QWEN_MOE = ["model.preset=qwen2-moe-tiny", "model.n_layer=2", "model.n_head=2", 
 # four short sums each (SUMS, written by the fixture), so the two shards of a micro-step hold different numbers of
 # targets; two micro-steps.
 SUMS = "sums.jsonl"
-SFT_PACKED = ["model.n_layer=2", "data.task=sft", f"data.source=jsonl:{{runs}}/{SUMS}", "data.tokenizer=bytes",
-              "data.max_source_len=24", "data.max_target_len=23", "data.packing=true", "train.grad_accum=2"]
+PAIRS = ["model.n_layer=2", "data.task=sft", "data.tokenizer=bytes", "data.max_source_len=24",
+         "data.max_target_len=23", "train.grad_accum=2"]
+SFT_PACKED = [*PAIRS, f"data.source=jsonl:{{runs}}/{SUMS}", "data.packing=true"]
+# Unpacked rows of 48 of the same sums, every other one asked in words: a prompt of 12 bytes or more fills rank 0's
+# first chunk (0-11), so its real positions end at a label in rank 1's shard; no answer reaches rank 0's second
+# chunk (36-47), so rank 0's shards hold no target where every prompt is long.
+WORDED = "worded_sums.jsonl"
+SFT = [*PAIRS, f"data.source=jsonl:{{runs}}/{WORDED}"]
 CASES = [("ring", ["parallel.cp=2"]), ("ulysses-llama", ["parallel.cp=2", "parallel.cp_impl=all_to_all", *LLAMA]),
          ("ring-llama", ["parallel.cp=2", *LLAMA]),
          ("ring-recompute", ["parallel.cp=2", "train.activation_checkpointing=block"]),  # the ring again in backward
@@ -68,7 +76,11 @@ COMPOSED = [("cp2-tp2", ["parallel.cp=2", "parallel.tp=2", "parallel.loss_parall
             ("cp2-pp2-ring-qwen2", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", *QWEN2]),
             ("cp2-pp2-ulysses", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.cp_impl=all_to_all",
                                  "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"]),
-            ("cp2-pp2-zb1p", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p"])]
+            ("cp2-pp2-zb1p", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", "parallel.pp_schedule=zb1p"]),
+            # unpacked sft rows of a mixture: a shard's real positions run to its rows' last labels, wherever they
+            # lie (under sp each tp rank routes half of them); under pp its chunks' target shares count each row once
+            ("cp2-tp2-sp-mixtral-sft", ["parallel.cp=2", *SP, *MIXTRAL, *SFT]),
+            ("cp2-pp2-mixtral-sft", ["parallel.cp=2", "parallel.pp=2", "parallel.chunks=2", *MIXTRAL, *SFT])]
 RESUMED = {2: ["ring"], 4: ["cp2-tp2-sp", "cp2-pp2-ring-qwen2"]}  # by world size: runs resumed from a checkpoint
 LAYERS, ROWS, SEQ, HEADS, WIDTH, FP32 = 4, 8, 16, 2, 32, 4  # BASE's model and batch
 
@@ -101,6 +113,9 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
     sums = ({"query": f"{a} + {7 * b}?", "response": f"{a + 7 * b}{'!' * (a % 9)}"}
             for a in range(30) for b in range(7))
     (runs / SUMS).write_text("".join(json.dumps(pair) + "\n" for pair in sums))
+    worded = ({"query": f"what is {a} plus {7 * b}?" if a % 2 else f"{a} + {7 * b}?", "response": f"{a + 7 * b}"}
+              for a in range(30) for b in range(7))
+    (runs / WORDED).write_text("".join(json.dumps(pair) + "\n" for pair in worded))
     gloo_pool.run(2, _train, runs, CASES[:-WORLD_4])
     gloo_pool.run(4, _train, runs, CASES[-WORLD_4:] + COMPOSED)
     return runs
@@ -109,7 +124,9 @@ def results(tmp_path_factory: pytest.TempPathFactory, gloo_pool: GlooPools) -> P
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "overrides"), CASES + COMPOSED, ids=[name for name, _ in CASES + COMPOSED])
 def test_context_parallel_trains_like_one_process(results: Path, name: str, overrides: list[str]) -> None:
-    ref = reference_run(_config(overrides, results, name))
+    cfg = _config(overrides, results, name)
+    p = cfg.parallel  # a mixture's micro-steps under the pipeline are its chunks (as_pipeline_chunks)
+    ref = reference_run(cfg, as_pipeline_chunks(p.dp, p.chunks) if p.pp > 1 and cfg.model.shape().moe else None)
     ranks = saved_ranks(results, name)
     assert_trains_like_one_process(ref, ranks, "model.embed_tokens.weight" if any(
         arch in name for arch in ("llama", "qwen2", "mixtral", "moe")) else "transformer.wte.weight", name)

@@ -40,6 +40,7 @@ from transformers import PreTrainedModel
 
 from gptpar.config import Config, example_width
 from gptpar.models import architecture
+from gptpar.models.loss import no_target_loss
 from gptpar.parallel.comm import comm_span
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.flight import Peer, name_group
@@ -255,7 +256,8 @@ class PipelineEngine(nn.Module):
                         if self.routing is not None:
                             out.append(self.routing.carry(labels, inp[1] if len(inp) > 1 else None))
                         if stage.is_last:
-                            loss = self.loss_fn(out[0], labels) * scales[action.microbatch]
+                            scale = scales[action.microbatch]  # 0: a cp shard of pair rows with no target
+                            loss = self.loss_fn(out[0], labels) * scale if scale else no_target_loss(out[0])
                             if self.routing is not None:
                                 loss = loss + self.aux_coef * aux_weight * self.routing.aux_loss(labels, out[1])
                             total += loss.detach()
