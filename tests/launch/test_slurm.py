@@ -702,7 +702,11 @@ def test_a_rank_stopped_on_the_second_node_shows_stuck_then_is_named_with_its_li
     state = read_run(folder)
     assert re.match(rf"hung: {rank2} .*: it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); ranks? [\d, ]+ "
                     r"waited \d+ s in it", state.detail), state.detail
-    # Every rank that timed out read one dump of rank 2: where it was stopped, not where it ran on to once continued
-    named = {(s["rank"], s["stopped"], s["where"]) for r in range(4) if (h := _final(run, r).get("hang")) for s in
-             h["stuck"]}
-    assert len(named) == 1 and named.pop()[:2] == (2, True), named
+    # The ranks that read rank 2's dump read one: where it was stopped, not where it ran on to once continued. A rank
+    # srun ended (--kill-on-bad-exit, once the first rank had failed) while it waited for the dumps left no final
+    # record, and one whose wait ended first names rank 2 without a line; the others' carry the diagnosis.
+    finals = [records[-1] for r in range(4) if (records := [x for x in read_records(run / f"rank{r}.jsonl")
+                                                            if x["kind"] == "final"])]
+    named = {(s["rank"], s["stopped"], s["where"]) for f in finals if (h := f.get("hang")) for s in h["stuck"]}
+    dumped = {entry for entry in named if entry[2] is not None}
+    assert len(dumped) == 1 and dumped.pop()[:2] == (2, True) and {entry[0] for entry in named} == {2}, named
