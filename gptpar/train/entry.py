@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -18,7 +17,6 @@ import torch.distributed as dist
 
 from gptpar.config import Config
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.env import DUMP_SIGNAL
 from gptpar.parallel.flight import dump_on_failure, dumps_on_signal, live_state, mirrored, request_dumps
 from gptpar.parallel.grid import grid_sizes, launched_config
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
@@ -68,10 +66,6 @@ def _run_rank(cfg: Config, reshape: bool) -> dict[str, Any]:
                 return {"status": state, "run_dir": str(folder.path)}
             if dims.world_size > 1:
                 folder.job_dir.mkdir(parents=True, exist_ok=True)
-                # Once its dumps are done, a rank winding down ignores the dump signal: another rank's late request
-                # (scancel reaches every task) would end it by SIGQUIT, and srun --kill-on-bad-exit the rest before
-                # they write their final records.
-                stack.callback(signal.signal, DUMP_SIGNAL, signal.SIG_IGN)
                 stack.enter_context(dumps_on_signal(dims.rank, folder.flight_path(dims.rank),
                                                     folder.stack_path(dims.rank)))
                 stack.enter_context(mirrored(folder.ledger_path(dims.rank)))
