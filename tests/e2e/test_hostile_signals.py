@@ -394,7 +394,7 @@ def _named_in_the_final_record(result: dict, collective: str, group: str) -> dic
     pid = result["pids"][1]
     assert re.fullmatch(rf"hung: rank 1 \({socket.gethostname()}, pid {pid}\) (never (entered|posted) {collective}|was "
                         rf"stopped \(SIGSTOP\) inside {collective}|issued {collective} and was stopped \(SIGSTOP\) "
-                        r"before waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \(\w+\); rank 0 "
+                        r"before waiting for it): it (was stopped in|is in) gptpar/[\w/]+\.py:\d+ \([\w<>]+\); rank 0 "
                         r"waited \d+ s in .+", state.detail), state.detail
     hang = _log(result["run"], 0).final["hang"]
     assert re.fullmatch(group, hang["group"]), hang
