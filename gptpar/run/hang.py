@@ -197,7 +197,7 @@ def stuck(lives: dict[int, dict[str, Any]], world: int, now: float, after_s: flo
     waiting = sorted(rank for rank, live in lives.items()
                      if live.get("blocked") and (_key(live["blocked"]), live["blocked"]["seq"]) == (_key(held), seq))
     if "peer" in held:  # a send or receive: its peer should have posted the matching call, counted on its channel
-        key, members = _key({**held, "op": MATCHING[held["op"]], "peer": first}), [held["peer"]]
+        key, members = _key(_matching(held, first)), [held["peer"]]
     else:
         key, members = group, lives[first].get("groups", {}).get(group, list(range(world)))
     behind = [text for rank in members if (text := _behind(rank, lives.get(rank), key, seq, now, rank in waiting))]
@@ -206,6 +206,11 @@ def stuck(lives: dict[int, dict[str, Any]], world: int, now: float, after_s: flo
     return {"summary": summary, "collective": held["op"], "group": group, "bytes": int(held["bytes"]),
             "step": held["step"], "micro_step": held["micro_step"], "seq": seq, "waiting": waiting,
             "waited_s": round(waited, 3)}
+
+
+def _matching(entry: dict[str, Any], rank: int) -> dict[str, Any]:
+    """The call `rank`'s send or receive `entry` waits for its peer to post: the matching receive or send, to `rank`."""
+    return {**entry, "op": MATCHING[entry["op"]], "peer": rank}
 
 
 def _p2p_text(entry: dict[str, Any]) -> str:
@@ -223,7 +228,7 @@ def diagnose_p2p(dumps: dict[int, dict[str, Any]], waiter: int) -> dict[str, Any
     matching receive or send (its count on the mirrored channel is below this call's), was stopped, or left no dump.
     The `hang` field adds the `peer`."""
     held = dumps[waiter]["blocked"]
-    mirrored = {**held, "op": MATCHING[held["op"]], "peer": waiter}  # the call the peer should have posted
+    mirrored = _matching(held, waiter)
     peer, seq = held["peer"], held["seq"]
     stuck = _held_up_by(peer, dumps.get(peer), _key(mirrored), seq)
     waited = (held["end"] or dumps[waiter]["time"]) - held["start"]
