@@ -163,17 +163,19 @@ class Recorder:
     def snapshot(self) -> dict[str, Any]:
         """The recorder as a dump holds it, with `blocked` for its reader (gptpar.run.hang)."""
         entries = self._entries()
-        blocked = self.blocked(entries)
-        return {"step": self.step, "micro_step": self.micro_step, "seqs": dict(self.seqs),
-                "entries": [dict(entry) for entry in entries], "blocked": dict(blocked) if blocked else None}
+        return {**self._position(entries), "entries": [dict(entry) for entry in entries]}
 
     def live(self) -> dict[str, Any]:
         """What the live state shows of the recorder (gptpar.run.hang.stuck reads it): the snapshot less the ring, with
         the last collective entered."""
         entries = self._entries()
+        return {**self._position(entries), "last": dict(entries[-1]) if entries else None}
+
+    def _position(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        """Where the rank is, in a dump and in the live state alike: its step, counts and the call it is blocked in."""
         blocked = self.blocked(entries)
         return {"step": self.step, "micro_step": self.micro_step, "seqs": dict(self.seqs),
-                "blocked": dict(blocked) if blocked else None, "last": dict(entries[-1]) if entries else None}
+                "blocked": dict(blocked) if blocked else None}
 
 
 class Ledger:
