@@ -29,7 +29,7 @@ from gptpar.parallel.grid import (
     every_group,
     group_ranks,
 )
-from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.process_group import RankInfo, subgroup
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class ParallelDims(RankInfo):
         """This rank's group of `size` consecutive coordinates along `dim` (grid.block_ranks): parallel.hpz's node
         group inside dp. Every rank must ask, in the same order (torch's rule for new groups)."""
         groups = every_group(self.world_size, lambda r: block_ranks(r, self.sizes, dim, size))
-        block = dist.new_subgroups_by_enumeration(groups)[0]
+        block = subgroup(groups)
         name_group(block, f"{dim}_block")
         return block
 
@@ -123,4 +123,4 @@ class ParallelDims(RankInfo):
 def _composites(sizes: dict[str, int]) -> dict[str, dist.ProcessGroup]:
     """This rank's group of each named composite the grid makes (`composite_groups`); every rank makes them all,
     in one order, and keeps its own."""
-    return {name: dist.new_subgroups_by_enumeration(groups)[0] for name, groups in composite_groups(sizes).items()}
+    return {name: subgroup(groups) for name, groups in composite_groups(sizes).items()}

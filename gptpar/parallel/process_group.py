@@ -86,6 +86,22 @@ def nccl_env(trace_prefix: Path | None) -> dict[str, str]:
     return env
 
 
+_world_timeout: list[timedelta] = []  # the timeout init_distributed gave the world group, for the subgroups below
+
+
+def new_group(ranks: list[int]) -> dist.ProcessGroup:
+    """dist.new_group with the world group's timeout: torch gives a new group its backend's default (30 minutes on
+    gloo), not the world's, so a rank stopped in a subgroup's collective would hold the job for half an hour
+    (device-mesh groups inherit the world's; these do not). Every rank must call it for every group, in one order."""
+    return dist.new_group(ranks, timeout=_world_timeout[-1] if _world_timeout else None)
+
+
+def subgroup(groups: list[list[int]]) -> dist.ProcessGroup:
+    """This rank's group of an enumeration of disjoint groups (dist.new_subgroups_by_enumeration), with the world
+    group's timeout (see new_group)."""
+    return dist.new_subgroups_by_enumeration(groups, timeout=_world_timeout[-1] if _world_timeout else None)[0]
+
+
 def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None,
                      nccl_trace_prefix: Path | None = None) -> RankInfo:
     """Join the process group described by the environment (without a launcher: a world of one over an in-memory
@@ -105,11 +121,12 @@ def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None,
             os.environ.setdefault(key, value)
     meet = ({"init_method": f"tcp://{layout.master_addr}:{layout.master_port}"} if layout.world_size > 1
             else {"store": dist.HashStore()})  # alone: nobody to meet
+    _world_timeout[:] = [timedelta(seconds=pcfg.timeout_s)]
     try:
         dist.init_process_group(
             backend=group_backend(backend, pcfg.offload), **meet,
             rank=layout.rank, world_size=layout.world_size,
-            timeout=timedelta(seconds=pcfg.timeout_s),
+            timeout=_world_timeout[0],
             device_id=device if device.type == "cuda" else None)
     except Exception as exc:  # rendezvous errors come as RuntimeError/DistStoreError/TimeoutError
         raise GptparError(

@@ -35,7 +35,7 @@ from gptpar.models import architecture
 from gptpar.models.build import build_model
 from gptpar.parallel.comm import all_gather, reduce_scatter
 from gptpar.parallel.dims import ParallelDims
-from gptpar.parallel.process_group import RankInfo
+from gptpar.parallel.process_group import RankInfo, new_group
 from gptpar.parallel.spawn import spawn_local
 from gptpar.parallel.tensor_parallel import loss_function, shard_model
 from gptpar.plan.calibration import RECOMPUTED, Calibration, local_device_name, tp_kind
@@ -290,7 +290,7 @@ def measure_rank(info: RankInfo | None, probes: Probes, precision: str, threads:
     # A group of this rank alone, for the grouped clip's own all-reduce (every rank makes every rank's, in order).
     solo = None
     for r in range(world if world > 1 else 0):
-        group = dist.new_group([r])
+        group = new_group([r])
         solo = group if r == rank else solo
 
     def all_compute(ranks: str) -> dict[str, list[list[float]]]:

@@ -46,6 +46,7 @@ LOCK_FD_ENV = "GPTPAR_RUN_LOCK_FD"  # the descriptor of the run lock a launcher 
 QUEUE_LOCK = "queue.lock"  # in job/: held by the launcher process that will start the run (gptpar.run.queue)
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 3 * HEARTBEAT_S
+RECORD_BYTES = 512  # a lock record's fixed size, padded: see RunLock._write_heartbeat
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,7 @@ class RunLock:
         if not self._adopted:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         flocked = _try_flock(fd)
-        info = _read_info(fd)
+        info = _read_info(fd) if flocked is not None else _holders_record(fd)
         # A fresh heartbeat counts where flock cannot tell: no flock here, or the holder is on another node
         # of a filesystem whose flock is node-local. Our own host's stale record is a dead run's leftover.
         foreign = info.get("host") not in (None, socket.gethostname())
@@ -318,9 +319,11 @@ class RunLock:
         self._write_heartbeat()
 
     def _write_heartbeat(self) -> None:
-        text = json.dumps({**self._info, "heartbeat": time.time()}).encode()
-        os.ftruncate(self._fd, 0)
+        """Overwrite the record in place, padded to RECORD_BYTES (JSON allows trailing blanks): a reader never sees
+        the empty file a truncate-then-write leaves between the two calls."""
+        text = json.dumps({**self._info, "heartbeat": time.time()}).encode().ljust(RECORD_BYTES)
         os.pwrite(self._fd, text, 0)
+        os.ftruncate(self._fd, len(text))
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -359,7 +362,7 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 flock_free = True
             except BlockingIOError:
-                return info or {"host": "?", "pid": "?"}
+                return info or _holders_record(fd) or {"host": "?", "pid": "?"}
             except OSError:
                 flock_free = False
         finally:
@@ -381,6 +384,15 @@ def _read_info(fd: int) -> dict[str, Any]:
         return json.loads(os.pread(fd, 4096, 0) or b"{}")
     except (ValueError, OSError):
         return {}
+
+
+def _holders_record(fd: int) -> dict[str, Any]:
+    """The record of the process whose flock refused us, waited for a moment: a holder that took the flock an
+    instant ago has not written it yet, and a refusal should name it rather than "host ? pid ?"."""
+    deadline = time.monotonic() + 2.0
+    while not (info := _read_info(fd)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return info
 
 
 def _fresh(info: dict[str, Any]) -> bool:

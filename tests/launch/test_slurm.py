@@ -302,9 +302,11 @@ def test_sbatch_account_and_user_defaults_reach_a_submitit_job_and_wait_returns_
     while time.monotonic() < deadline and not detail.startswith("will never start"):
         detail = read_run(RunFolder(job.run_dir), scheduler=scheduler_state(RunFolder(job.run_dir))).detail
         time.sleep(0.5)
-    assert detail == ("will never start: PartitionConfig; the job asks for more than the partition's nodes or limits "
+    # SLURM gives either reason for a limit above MaxTime, depending on which of its passes looked at the job first.
+    assert detail in ("will never start: PartitionConfig; the job asks for more than the partition's nodes or limits "
                       "allow (CPUs, GPUs, memory, nodes or time); lower --gpus, --nodes, launch.cpus_per_task or "
-                      "launch.time, or use another partition")  # this SLURM's reason for a limit above MaxTime
+                      "launch.time, or use another partition",
+                      "will never start: PartitionTimeLimit; launch.time is above the partition's time limit; lower it")
     resumes = f"`gptpar submit dp {job.run_dir / 'config.yaml'}` resumes it from its checkpoint"
     assert job.cancel() == f"cancelled SLURM job {job.job_id} (pending); {resumes}"
     assert job.wait(timeout=60) == "cancelled"  # SLURM says CANCELLED; it never started, and is not failed

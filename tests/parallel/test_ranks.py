@@ -231,6 +231,30 @@ def test_hung_rank_fails_job_after_timeout() -> None:
         spawn_local(_hanging_worker, 2, pcfg=ParallelConfig(dp=2, backend="gloo", timeout_s=3))
 
 
+def _hanging_in_subgroups_worker(info: RankInfo) -> None:
+    from datetime import timedelta
+
+    from gptpar.parallel.pipeline.engine.executor import tied_group
+
+    groups = {"tied": tied_group(ParallelDims.build(info, {"pp": 2})),
+              "hpz block": ParallelDims.build(info, {"dp": 2}).block_group("dp", 2),
+              **ParallelDims.build(info, {"cp": 2}).composites}
+    if info.rank == 1:
+        time.sleep(3600)
+    assert {name: group._get_backend(info.device).options._timeout for name, group in groups.items()} == dict.fromkeys(
+        groups, timedelta(seconds=3))
+    dist.all_reduce(torch.ones(4), group=groups["tied"])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.slow
+def test_a_rank_hung_in_a_subgroup_fails_the_job_after_the_worlds_timeout() -> None:
+    """The pipeline's tied-embedding group, hpz's node block and the grid's composites are made by dist.new_group,
+    whose timeout is its backend's 30 minutes unless given the world's (a pp run once hung in the tied all-reduce)."""
+    with pytest.raises(GptparError, match=r"^rank 0 failed: .*Timed out waiting 3000ms"):
+        spawn_local(_hanging_in_subgroups_worker, 2, pcfg=ParallelConfig(pp=2, backend="gloo", timeout_s=3))
+
+
 def test_grid_coordinates_are_row_major_with_tp_fastest() -> None:
     sizes = {"pp": 2, "dp": 3, "tp": 2, "ep": 1}
     coords = [coordinates(r, sizes) for r in range(12)]

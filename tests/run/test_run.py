@@ -245,6 +245,25 @@ def test_a_fresh_heartbeat_holds_the_folder_where_flock_cannot_tell(tmp_path: Pa
         assert folder.holder()["job_id"] == "1"
 
 
+def test_a_refusal_names_a_holder_that_wrote_its_record_after_taking_the_flock(tmp_path: Path) -> None:
+    """Runs started together: the winner's flock comes an instant before its record; the loser waits for the record
+    (CI once read "in use by host ? pid ?")."""
+    import fcntl
+    import threading
+
+    folder = RunFolder(tmp_path / "r")
+    folder.path.mkdir()
+    lock = folder.path / ".lock"
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        late = threading.Timer(1.5, lambda: lock.write_text(json.dumps(
+            {"host": "winner", "pid": 7, "job_id": "", "flock": True, "heartbeat": time.time()})))
+        late.start()
+        with pytest.raises(GptparError, match="in use by host winner pid 7;"), folder.hold():
+            pass
+        late.join()
+
+
 def test_status_is_a_table_of_each_runs_job_progress_and_speed(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Known answers: 2 data-parallel ranks on two hosts, restarted once, 4 of 10 steps, tokens/s summed over the
     replicas; a folder set aside by --rerun is counted, not listed."""

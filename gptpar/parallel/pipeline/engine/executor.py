@@ -48,6 +48,7 @@ from gptpar.parallel.pipeline.cuts import balanced_sizes
 from gptpar.parallel.pipeline.engine.split_backward import WeightGradStore, apply_weight_grads, make_deferrable
 from gptpar.parallel.pipeline.engine.stages import PipelineStage, pipeline_stages
 from gptpar.parallel.pipeline.names import original_name
+from gptpar.parallel.process_group import new_group
 from gptpar.strategies.pipeline import COMPUTE, Action, pp_split_counts, schedule
 from gptpar.tensor_bytes import SavedBytes
 
@@ -101,7 +102,7 @@ def tied_group(grid: ParallelDims) -> dist.ProcessGroup | None:
     last = (grid.size("pp") - 1) * stride
     mine = None
     for base in range(stride):
-        group = dist.new_group([base, base + last])
+        group = new_group([base, base + last])
         if grid.rank in (base, base + last):
             mine = group
     return mine
