@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as distributed_c10d
 import torch.multiprocessing as mp
 
 from gptpar.config import ParallelConfig
@@ -41,6 +42,7 @@ def _serve(index: int, world_size: int, tasks: Any, results: Any) -> None:
         try:
             info = init_distributed(ParallelConfig(dp=world_size, backend="gloo", timeout_s=60))  # a no-op if joined
             fn(info, *args)
+            _drop_subgroups()
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which names the rank
             results.put((index, time.time(), f"{type(exc).__name__}: {exc}".splitlines()[0]))
         else:
@@ -48,6 +50,18 @@ def _serve(index: int, world_size: int, tasks: Any, results: Any) -> None:
     if dist.is_initialized():
         dist.barrier()  # as spawn_local does: no rank tears the group down while a peer still uses it
     destroy_distributed()
+
+
+def _drop_subgroups() -> None:
+    """Destroy the groups a task made (device meshes, new_group), once every rank is done with them: each keeps gloo
+    threads that wake to poll, and pool ranks that kept every task's (1,100 threads each halfway through the slow
+    tier) spent the two cores on system time (a load average of 380 under two pytest workers)."""
+    if not dist.is_initialized():  # the task left the group
+        return
+    dist.barrier()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 class GlooPool:

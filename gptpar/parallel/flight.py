@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -64,7 +65,9 @@ PAUSED_AFTER_S = 3.0
 LIVE_EVERY_S = 1.0  # how often a rank rewrites its live state (gptpar.run.hang.LIVE_STALE_S reads it as stale after 3)
 CAPACITY = 64  # collectives kept per rank: a step of bucketed dp issues a few per bucket; the hung one is the last
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # frames under it are shown relative to it: gptpar/train/...
-_NAMES: dict[Any, tuple[str, list[int]]] = {}  # process group -> (its dimension's name, its global ranks)
+# process group -> (its dimension's name, its global ranks); weak, so that naming a group does not keep it (and its
+# gloo threads) alive once torch has destroyed it
+_NAMES: weakref.WeakKeyDictionary[Any, tuple[str, list[int]]] = weakref.WeakKeyDictionary()
 # Test only: RANK:STEP makes that rank skip its first gradient all-reduce of that step, a planted mismatch of the
 # ranks' collectives that gptpar.run.hang must name (tests/e2e/test_hostile_signals.py). Never set it in a real run.
 SKIP_COLLECTIVE_ENV = "GPTPAR_TEST_SKIP_COLLECTIVE"

@@ -448,9 +448,10 @@ def test_gptpar_debug_asks_the_live_run_and_names_where_each_rank_is_without_con
 SHORT_TIMEOUT_S = 8  # shorter than the dp run's (each case waits for it alone); long enough for a loaded start
 P2P = r"(send to|recv from) rank 0 \(pp, [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+, micro-batch \d+\)"
 HUNG_RUNS = {  # a rank stopped under each other parallelism: the call it held up, its group
-    # a send or receive, the loss's all-reduce, or (stopped between steps) the step boundary's
+    # a send or receive, the loss's or the tied embedding's all-reduce, or (stopped between steps) the step boundary's
     "pp": (["parallel.pp=2", "model.n_layer=2", "parallel.chunks=2"],
-           rf"(all_reduce\((pp|world), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+\)|{P2P})", "(pp|world)"),
+           rf"(all_reduce\((pp|world|tied), [\d.]+ [KM]?i?B\) of step \d+ \(micro-step \d+\)|{P2P})",
+           "(pp|world|tied)"),
     "fsdp": (["parallel.dp=2", "parallel.dp_sync=fsdp"], _collective("(dp|world)"), "(dp|world)"),
     "tp": (["parallel.tp=2"], _collective("(tp|world)"), "(tp|world)"),
 }
