@@ -26,12 +26,17 @@ from gptpar.parallel.env import LAUNCHER_MARKER, free_port
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
 
 TASK_TIMEOUT_S = 900  # a whole module's cases on 8 ranks sharing two cores
+# Groups a pool rank may hold before the pool is restarted: torch never frees a task's device meshes and new groups
+# while their process group lives, and each keeps gloo threads that wake to poll: ranks that kept a slow tier's
+# worth (1,100 threads each) spent the two cores on system time. Destroying them in a live group is not safe (DTensor
+# caches the meshes that name them), so the pool starts afresh instead (a few times a run, a few seconds each).
+MAX_GROUPS = 100
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", LAUNCHER_MARKER)
 
 
 def _serve(index: int, world_size: int, tasks: Any, results: Any) -> None:
     """A pool rank: run each task sent in the group (joined at the first, and again after a task that left it),
-    reporting (rank, time, error or None)."""
+    reporting (rank, time, error or None, the groups it now holds)."""
     while (task := tasks.get()) is not None:
         fn, args, env, cwd, port = task
         os.environ.clear()
@@ -42,26 +47,18 @@ def _serve(index: int, world_size: int, tasks: Any, results: Any) -> None:
         try:
             info = init_distributed(ParallelConfig(dp=world_size, backend="gloo", timeout_s=60))  # a no-op if joined
             fn(info, *args)
-            _drop_subgroups()
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which names the rank
-            results.put((index, time.time(), f"{type(exc).__name__}: {exc}".splitlines()[0]))
+            results.put((index, time.time(), f"{type(exc).__name__}: {exc}".splitlines()[0], _groups()))
         else:
-            results.put((index, time.time(), None))
+            results.put((index, time.time(), None, _groups()))
     if dist.is_initialized():
         dist.barrier()  # as spawn_local does: no rank tears the group down while a peer still uses it
     destroy_distributed()
 
 
-def _drop_subgroups() -> None:
-    """Destroy the groups a task made (device meshes, new_group), once every rank is done with them: each keeps gloo
-    threads that wake to poll, and pool ranks that kept every task's (1,100 threads each halfway through the slow
-    tier) spent the two cores on system time (a load average of 380 under two pytest workers)."""
-    if not dist.is_initialized():  # the task left the group
-        return
-    dist.barrier()
-    for group in list(distributed_c10d._world.pg_map):
-        if group is not dist.group.WORLD:
-            dist.destroy_process_group(group)
+def _groups() -> int:
+    """Process groups this rank holds (0 outside a group)."""
+    return len(distributed_c10d._world.pg_map) if dist.is_initialized() else 0
 
 
 class GlooPool:
@@ -90,11 +87,11 @@ class GlooPool:
         for tasks in self._tasks:
             tasks.put((fn, args, env, os.getcwd(), port))
         failures = []
-        done = 0
+        done, groups = 0, 0
         deadline = time.monotonic() + TASK_TIMEOUT_S
         while done < self.world_size and not failures:
             try:
-                rank, when, error = self._results.get(timeout=1)
+                rank, when, error, held = self._results.get(timeout=1)
             except queue.Empty:
                 dead = [i for i, p in enumerate(self._processes) if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
@@ -102,18 +99,20 @@ class GlooPool:
                     reason = f"rank {dead[0]} died" if dead else f"ranks hung past {TASK_TIMEOUT_S} s"
                     raise GptparError(reason) from None
                 continue
-            done += 1
+            done, groups = done + 1, max(groups, held)
             if error is not None:
                 failures.append((when, rank, error))
         if failures:
             time.sleep(2)  # peers of a failed rank fail soon after; the earliest failure is the one to name
             while not self._results.empty():
-                rank, when, error = self._results.get()
+                rank, when, error, _ = self._results.get()
                 if error is not None:
                     failures.append((when, rank, error))
             self.close(force=True)
             _, rank, error = min(failures)
             raise GptparError(f"rank {rank} failed: {error}")
+        if groups > MAX_GROUPS:
+            self.close()
 
     def close(self, force: bool = False) -> None:
         """Stop every rank: politely when idle, by force when one may be stuck in a collective."""

@@ -36,3 +36,22 @@ def test_a_task_runs_on_every_rank_and_a_failure_names_its_rank(gloo_pool: GlooP
     monkeypatch.chdir(tmp_path)
     gloo_pool.run(2, _sum_of_ranks, tmp_path)  # a fresh pool, with this test's environment and folder
     assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == [f"1 this test's {tmp_path}"] * 2
+
+
+def _make_groups(info: RankInfo, count: int, out: Path) -> None:
+    for _ in range(count):
+        dist.new_group([0, 1])
+    (out / f"pid{info.rank}").write_text(str(os.getpid()))
+
+
+@pytest.mark.slow
+def test_a_pool_whose_ranks_hold_too_many_groups_starts_afresh(gloo_pool: GlooPools, tmp_path: Path) -> None:
+    """Each group keeps gloo threads that poll: a pool rank holding more than MAX_GROUPS is replaced, one holding a
+    few is kept."""
+    from gloo_pool import MAX_GROUPS
+
+    pids = []
+    for count in (1, MAX_GROUPS, 1):
+        gloo_pool.run(2, _make_groups, count, tmp_path)
+        pids.append([(tmp_path / f"pid{r}").read_text() for r in (0, 1)])
+    assert pids[0] == pids[1] != pids[2]
