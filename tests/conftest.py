@@ -79,6 +79,19 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
 
 
+# Files whose tests must not run beside each other: they share the local SLURM cluster's two nodes (a job of one
+# would queue behind another's), or stop, kill and time whole runs. Under `--dist loadgroup` (make test's slow part on
+# two workers) they are one group, run in order on one worker; every other file is a group of its own, so that its
+# module fixtures are built once, on the worker that runs it.
+SERIAL_FILES = ("tests/launch/", "tests/e2e/test_hostile_", "tests/e2e/test_readme.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("serial" if path.startswith(SERIAL_FILES) else path))
+
+
 @pytest.fixture(scope="session")
 def gloo_pool() -> Iterator[GlooPools]:
     """The session's 2-, 4- and 8-rank gloo groups, each started on first use (see gloo_pool.py)."""
