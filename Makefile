@@ -51,14 +51,13 @@ demo: install
 	$(GPTPAR) report $(DEMO_RUNS) --out $(DEMO_FIGURES)
 
 # Both parts run on two workers (pytest-xdist), a file per worker at a time, so that module fixtures are built
-# once. In the slow part the files that use the SLURM cluster or stop and time whole runs (tests/conftest.py's
-# SERIAL_FILES) are one group, run in order on one worker while the other takes the rest: most of their time is
-# waiting on the scheduler, not computing.
+# once; the files that use the SLURM cluster or stop and time whole runs (tests/conftest.py's SERIAL_FILES) are one
+# unit, run in order on one worker while the other takes the rest: most of their time is waiting, not computing.
 WORKERS ?= 2
 
 test: install
 	$(PY) -m pytest -q -m "not slow" -n $(WORKERS) --dist loadfile --durations=10
-	$(PY) -m pytest -q -m slow -n $(WORKERS) --dist loadgroup --durations=20
+	$(PY) -m pytest -q -m slow -n $(WORKERS) --dist loadfile --durations=20
 
 # The part that starts no process (no spawned ranks, CLI runs or SLURM): under 2 minutes.
 test-fast: install

@@ -10,6 +10,7 @@ import os
 import subprocess
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gloo_pool import GlooPools
@@ -80,16 +81,22 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 
 
 # Files whose tests must not run beside each other: they share the local SLURM cluster's two nodes (a job of one
-# would queue behind another's), or stop, kill and time whole runs. Under `--dist loadgroup` (make test's slow part on
-# two workers) they are one group, run in order on one worker; every other file is a group of its own, so that its
-# module fixtures are built once, on the worker that runs it.
+# would queue behind another's), or stop, kill and time whole runs. Under pytest-xdist's `--dist loadfile` (make
+# test's two parts) they are one unit, run in order on one worker, and every other file one unit of its own, so that
+# its module fixtures are built once (pytest-xdist's own `loadgroup` marks do not reach its scheduler under pytest 9).
 SERIAL_FILES = ("tests/launch/", "tests/e2e/test_hostile_", "tests/e2e/test_readme.py")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("serial" if path.startswith(SERIAL_FILES) else path))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` with SERIAL_FILES as one unit; the units go out largest first (the serial one is)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class SerialFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "serial" if path.startswith(SERIAL_FILES) else path
+
+    return SerialFilesTogether(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.fixture(scope="session")
