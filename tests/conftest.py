@@ -80,23 +80,29 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
         return (yield)
 
 
-# Files whose tests must not run beside each other: they share the local SLURM cluster's two nodes (a job of one
-# would queue behind another's), or stop, kill and time whole runs. Under pytest-xdist's `--dist loadfile` (make
-# test's two parts) they are one unit, run in order on one worker, and every other file one unit of its own, so that
-# its module fixtures are built once (pytest-xdist's own `loadgroup` marks do not reach its scheduler under pytest 9).
-SERIAL_FILES = ("tests/launch/", "tests/e2e/test_hostile_", "tests/e2e/test_readme.py")
+# Files whose tests must not run beside each other, as units run in order on one worker each under pytest-xdist's
+# `--dist loadfile` (make test's two parts): those that share the local SLURM cluster's two nodes (a job of one would
+# queue behind another's), and those that stop, kill and time whole local runs. Every other file is a unit of its own,
+# so that its module fixtures are built once. (pytest-xdist's own `loadgroup` marks do not reach its scheduler under
+# pytest 9.)
+SERIAL_UNITS = {"slurm": ("tests/launch/", "tests/e2e/test_readme.py"), "whole runs": ("tests/e2e/test_hostile_",)}
+
+
+def scheduling_unit(nodeid: str) -> str:
+    """The unit a test runs in: its SERIAL_UNITS name, or its file."""
+    path = nodeid.split("::")[0]
+    return next((unit for unit, prefixes in SERIAL_UNITS.items() if path.startswith(prefixes)), path)
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """`--dist loadfile` with SERIAL_FILES as one unit; the units go out largest first (the serial one is)."""
+    """`--dist loadfile` by scheduling_unit; the units go out most tests first (the serial ones are among the first)."""
     from xdist.scheduler import LoadFileScheduling
 
-    class SerialFilesTogether(LoadFileScheduling):
+    class SerialUnits(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
-            return "serial" if path.startswith(SERIAL_FILES) else path
+            return scheduling_unit(nodeid)
 
-    return SerialFilesTogether(config, log) if config.getvalue("dist") == "loadfile" else None
+    return SerialUnits(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.fixture(scope="session")
