@@ -442,16 +442,17 @@ class Trainer:
     def lora(self) -> dict[str, Any] | None:
         """What the log header records of train.lora_rank: the adapters' rank and targets, the parameters that
         train, and the training state's closed form on this rank (bytes: frozen weights 4 each; trainable ones 16:
-        weight, gradient and AdamW's two moments, sharded as parallel.dp_sync shards them); None without LoRA."""
+        weight, gradient and AdamW's two moments, sharded as parallel.dp_sync shards them over the dp x cp replicas);
+        None without LoRA."""
         t = self.cfg.train
         if not t.lora_rank:
             return None
         chosen = DP_STRATEGIES[self.cfg.parallel.dp_sync]
-        synced = self.dims.size("dp") > 1 or chosen.group_of_one(self.cfg.parallel.offload)
+        synced = self.dims.replicas() > 1 or chosen.group_of_one(self.cfg.parallel.offload)
         row = chosen if synced else DP_STRATEGIES["naive"]
         return {"rank": t.lora_rank, "alpha": t.lora_alpha, "targets": lora_targets(self.model_config.model_type, t),
                 "trainable": self.n_trainable, "params": self.n_params,
-                "state_bytes": int(row.state_bytes(self.n_params, self.dims.size("dp"), self.cfg.parallel.offload,
+                "state_bytes": int(row.state_bytes(self.n_params, self.dims.replicas(), self.cfg.parallel.offload,
                                                    trainable=self.n_trainable))}
 
     def fast_path(self) -> dict[str, Any]:
