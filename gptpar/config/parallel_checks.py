@@ -215,6 +215,9 @@ def check_context_parallel(cfg: Config) -> None:
     if p.hpz:  # every strategy shards and averages over dp * cp ranks; hpZ's node group lies along dp alone
         raise ConfigError(f"parallel.hpz=true keeps a copy of the shards within a node's data-parallel ranks, but "
                           f"under {cp} they are sharded over dp * cp ranks; use parallel.hpz=false, or parallel.cp=1")
+    if cfg.model.dropout:  # the ring's blocks and the all-to-all's attention run without attention's dropout
+        raise ConfigError(f"{cp} runs attention without dropout, so model.dropout={cfg.model.dropout:g} would not "
+                          "reach it (the embeddings' and residuals' would); use model.dropout=0, or parallel.cp=1")
     seq_len = cfg.data.seq_len if cfg.data.task == "lm" else 0  # pair rows' width is rounded up (example_width)
     if seq_len % (2 * p.cp):  # both implementations shard rows by the load-balanced split (shard_positions)
         raise ConfigError(f"{cp} splits data.seq_len={seq_len} into 2 * parallel.cp = {2 * p.cp} chunks, two a rank "

@@ -259,6 +259,8 @@ BASE = ["model.preset=gpt2-tiny", "data.seq_len=16", "parallel.cp=2"]
     (["parallel.cp_impl=all_to_all", "parallel.cp=3", "data.seq_len=24"],
      "parallel.cp_impl=all_to_all needs model.n_head=4 divisible by parallel.cp=3; use a multiple of 3, or "
      "parallel.cp_impl=ring"),
+    (["model.dropout=0.1"], "parallel.cp=2 runs attention without dropout, so model.dropout=0.1 would not reach it "
+                            "(the embeddings' and residuals' would); use model.dropout=0, or parallel.cp=1"),
     (["model.preset=vit-tiny"], "parallel.cp=2 is built for model.arch=gpt2, llama, qwen2, mixtral or qwen2_moe, not "
                                 "vit; use one of them, or parallel.cp=1"),
 ])
