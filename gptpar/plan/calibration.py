@@ -124,6 +124,12 @@ def tp_kind(kind: str, tp: int, sequence_parallel: bool, loss_parallel: bool = F
     return f"{kind}@tp{tp}{'+sp' if sequence_parallel else ''}{'+lp' if loss_parallel else ''}"
 
 
+def cp_kind(kind: str, cp: int, impl: str) -> str:
+    """The calibration's name of a block action `kind` (block_f, block_b, block_w) timed whole on one of `cp` ranks
+    of a context-parallel group under parallel.cp_impl=`impl`, its exchanges included."""
+    return f"{kind}@cp{cp}+{impl}"
+
+
 def local_device_name() -> str:
     """This machine's CPU model, read without torch, to match a CPU calibration against the machine it predicts."""
     try:

@@ -34,11 +34,12 @@ from gptpar.config import Config, ModelConfig, ParallelConfig, updated
 from gptpar.models import architecture
 from gptpar.models.build import build_model
 from gptpar.parallel.comm import all_gather, reduce_scatter
+from gptpar.parallel.context_parallel import IMPLS, ContextParallel
 from gptpar.parallel.dims import ParallelDims
 from gptpar.parallel.process_group import RankInfo, new_group
 from gptpar.parallel.spawn import spawn_local
 from gptpar.parallel.tensor_parallel import loss_function, shard_model
-from gptpar.plan.calibration import RECOMPUTED, Calibration, local_device_name, tp_kind
+from gptpar.plan.calibration import RECOMPUTED, Calibration, cp_kind, local_device_name, tp_kind
 from gptpar.presets import ModelShape
 from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.optim import clip_gradients
@@ -199,6 +200,31 @@ def _tp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: i
     return points
 
 
+def _cp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: int, batch: tuple[int, int],
+                     vocab: int, precision: Precision, repeats: int) -> dict[str, tuple[float, float]]:
+    """One block under context parallelism over all the ranks, for each parallel.cp_impl whose split the shape
+    allows (all_to_all's needs heads % cp), built as the trainer builds it (a ContextParallel attached to the model,
+    attention inside `sharded`): F, B and W on this rank's seq_len / cp tokens with the exchanges between, which the
+    plain block's per-FLOP rate leaves out: the ring attends block by block as plain matmuls, Python between them, and
+    all_to_all reorders and copies q, k, v and the output (bench-plan: cp=2 ran 47% and 40% slower than that sum)."""
+    from gptpar.plan.layout import block_flops
+
+    cp, (seqs, seq) = dims.world_size, batch
+    timed = _timer(dims.device, repeats, synced=True)
+    hidden = torch.randn(seqs, seq // cp, width, device=dims.device)
+    flops = block_flops(shape, seqs * seq // cp, seq)
+    points = {}
+    for impl in (i for i in IMPLS if i == "ring" or heads % cp == 0):
+        model = _small_block_model(width, heads, seq, vocab).to(dims.device)
+        context = ContextParallel(dims.group("cp"), impl)
+        context.attach(model)
+        with context.sharded():
+            times = _block_times(architecture(model).block_piece(model, 0), hidden, precision, timed)
+        for kind, f, s in zip(("block_f", "block_b", "block_w"), flops, times, strict=True):
+            points[cp_kind(kind, cp, impl)] = (f, s)
+    return points
+
+
 def _optimizer_point(n: int, device: torch.device, repeats: int, groups: list[dist.ProcessGroup] | None = None
                      ) -> tuple[float, float]:
     """AdamW (fused where the device has it, as the trainer picks) plus the trainer's clip of the gradient norm
@@ -326,6 +352,16 @@ def measure_rank(info: RankInfo | None, probes: Probes, precision: str, threads:
                 for kind, point in points.items():
                     compute.setdefault(kind, []).append(list(point))
 
+    def cp_compute(compute: dict[str, list[list[float]]]) -> None:
+        dims = ParallelDims.build(info, {"cp": world})
+        for (width, heads), batch in itertools.product(probes.widths, probes.batches):
+            if batch[1] % (2 * world) == 0:  # either implementation splits a row into 2 cp chunks
+                say(f"a context-parallel block of width {width}, micro-batch {batch[0]}x{batch[1]}, {world} ranks")
+                points = _cp_block_points(dims, ModelShape("gpt2", 1, width, heads, 1024), width, heads, batch,
+                                          probes.vocab, amp, probes.repeats)
+                for kind, point in points.items():
+                    compute.setdefault(kind, []).append(list(point))
+
     alone: dict[str, list[list[float]]] = {}
     if device.type == "cpu" and world > 1:  # ranks share this machine's cores: one rank alone computes faster
         if rank == 0:
@@ -334,6 +370,7 @@ def measure_rank(info: RankInfo | None, probes: Probes, precision: str, threads:
     compute = all_compute(f"{world} rank(s) at once")
     if world > 1:
         tp_compute(compute)
+        cp_compute(compute)
     collectives = {}
     if world > 1:
         for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send_recv"):

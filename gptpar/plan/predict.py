@@ -13,6 +13,9 @@ Overlap, as each sync does it (gptpar/parallel/data_parallel):
 - context parallelism's ring steps or all-to-alls (parallel.cp) are added to each block's forward and backward,
   exposed; a rank computes its seq_len / cp tokens (each rank an equal share of the causal work, the ring's split
   being load-balanced) and keeps their activations, and the data-parallel sync runs over the dp x cp replicas.
+  Where the calibration timed the cp block whole (its cp and cp_impl, `cp_kind`), a block costs what was timed,
+  the exchange it prices taken out of it to be shown as exposed (as the tp block's collectives); else the plain
+  block's rate on the rank's tokens, which left cp2 47% (ring) and 40% (all_to_all) under the measured step.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 
 from gptpar.errors import GptparError
 from gptpar.flops import FlopsShape, flops_per_token, peak_flops
-from gptpar.plan.calibration import RECOMPUTED, Calibration, tp_kind
+from gptpar.plan.calibration import RECOMPUTED, Calibration, cp_kind, tp_kind
 from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network
 from gptpar.strategies.context_parallel import exchange
@@ -43,6 +46,7 @@ ACTIVATION_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
 # bytes per layer, of which 24sbh are inside the split attention and MLP and 10sbh the replicated norms and
 # residuals, which sequence parallelism splits too).
 TP_SPLIT_SHARE = 24 / 34
+BLOCK_KINDS = ("block_f", "block_b", "block_w")
 CP_LABEL = {"ring": "cp send_recv", "all_to_all": "cp all_to_all"}  # parallel.cp's exchanges in exposed_comm_s
 
 
@@ -175,10 +179,11 @@ class Model:
         lay, c = self.lay, self.c
         f, b, w = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp)
         comm_f, comm_b = self.block_comm()
-        kinds = [tp_kind(k, lay.tp, lay.sequence_parallel) for k in ("block_f", "block_b", "block_w")]
-        if lay.tp > 1 and all(k in c.compute for k in kinds):  # measured whole: its collectives are inside
-            bf, bb, bw = (c.seconds(k, flops) - comm for k, flops, comm in zip(kinds, (f, b, w), (comm_f, comm_b, 0.0),
-                                                                                strict=True))
+        cp_f, cp_b = self.context_comm()
+        kinds = timed_whole(lay, c)
+        if kinds:  # measured whole: its collectives (tp's, else cp's exchanges) are inside, priced apart as exposed
+            inside = (comm_f, comm_b, 0.0) if lay.tp > 1 else (cp_f, cp_b, 0.0)
+            bf, bb, bw = (c.seconds(k, flops) - comm for k, flops, comm in zip(kinds, (f, b, w), inside, strict=True))
         else:
             # The pipeline engine counts the bytes each forward saves (pp_peak_activation_bytes), a Python hook on
             # every saved tensor: its forwards are timed so where the calibration has them.
@@ -186,14 +191,13 @@ class Model:
             bf, bb, bw = (c.seconds(forward, f, self.alone), c.seconds("block_b", b, self.alone),
                           c.seconds("block_w", w, self.alone))
         n, recomputed = lay.stage_blocks[stage], lay.recomputed_in_stage(stage)
-        if lay.tp == 1 and all(k in c.compute for k in RECOMPUTED):  # a recomputed block timed whole
+        if not kinds and lay.tp == 1 and all(k in c.compute for k in RECOMPUTED):  # a recomputed block timed whole
             rf, rb, rw = (c.seconds(k, flops, self.alone) for k, flops in zip(RECOMPUTED, (f, b, w), strict=True))
         else:  # its forward again in backward
             rf, rb, rw = bf, bb + bf, bw
         tp_comm = n * (comm_f + comm_b) + recomputed * comm_f
         a2a_f, a2a_b = self.expert_comm()
         ep_comm = n * (a2a_f + a2a_b) + recomputed * a2a_f
-        cp_f, cp_b = self.context_comm()
         cp_comm = n * (cp_f + cp_b) + recomputed * cp_f
         comm_f, comm_b = comm_f + a2a_f + cp_f, comm_b + a2a_b + cp_b
         kept = n - recomputed
@@ -406,6 +410,20 @@ class Model:
         return [1.0 / count] * count
 
 
+def timed_whole(lay: Layout, calib: Calibration) -> list[str] | None:
+    """The calibration's kinds of `lay`'s block F, B and W timed whole with its communication inside: our
+    tensor-parallel block at its tp (and SP), else under parallel.cp the context-parallel block at its cp and cp_impl;
+    None where it timed no such block (a layout without either, or a calibration older than those timings or of
+    another group size)."""
+    if lay.tp > 1:
+        kinds = [tp_kind(k, lay.tp, lay.sequence_parallel) for k in BLOCK_KINDS]
+    elif lay.cp > 1:
+        kinds = [cp_kind(k, lay.cp, lay.cp_impl) for k in BLOCK_KINDS]
+    else:
+        return None
+    return kinds if all(k in calib.compute for k in kinds) else None
+
+
 def priced(dp_sync: str) -> Pricing:
     """The pricing of parallel.dp_sync's row, or a one-line refusal naming the strategies the planner can price."""
     pricing = DP_STRATEGIES[dp_sync].pricing
@@ -476,7 +494,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     peak = peak_flops(device, lay.precision)
     flops = flops_per_token(FlopsShape(lay.shape, lay.seq_len, lay.vocab))
     mfu = flops * tokens_per_s / (lay.world * peak) if peak else None
-    notes = approximations(lay)
+    notes = approximations(lay, calib)
     return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),
                       fullest, mfu, lay.world, notes, memory)
 
@@ -488,8 +506,8 @@ def host_copy_s(lay: Layout, net: Network, n: int) -> float:
     return net.host_device.seconds("send_recv", nbytes, 1) if nbytes else 0.0
 
 
-def approximations(lay: Layout) -> list[str]:
-    """What the prediction of `lay` prices as something close to it, said beside it."""
+def approximations(lay: Layout, calib: Calibration) -> list[str]:
+    """What the prediction of `lay` on `calib` prices as something close to it, said beside it."""
     notes = []
     if lay.grad_comm == "powersgd":
         notes.append("parallel.grad_comm=powersgd is priced as fp32 (its low-rank P and Q are not modelled)")
@@ -502,10 +520,11 @@ def approximations(lay: Layout) -> list[str]:
     if lay.offload != "none":
         notes.append(f"parallel.offload={lay.offload}: the host-device copies are priced as exposed and the host's "
                      "optimizer step at the device's calibrated rate")
-    if lay.cp > 1 and lay.cp_impl == "ring":
-        notes.append("parallel.cp_impl=ring: its steps' transfers are priced as exposed (their overlap with each "
-                     "block's attention is not modelled), its blocks at the calibrated block's rate (sdpa's kernel; "
-                     "the ring runs them as plain matmuls)")
+    if lay.cp > 1 and (lay.tp > 1 or not timed_whole(lay, calib)):
+        notes.append(f"parallel.cp={lay.cp}, cp_impl={lay.cp_impl}: the calibration timed no such block whole (it "
+                     "times one at cp = its ranks, without tp), so its blocks are priced at the calibrated block's "
+                     "rate (sdpa's kernel: the ring attends by plain matmuls, all_to_all reorders its tensors) and its "
+                     "exchanges as exposed beside them")
     if lay.ep > 1 and lay.shape.moe:
         notes.append("parallel.ep: the experts' gradients are priced as reduced over all of dp (they are reduced "
                      "over their dp/ep replicas), and routing as balanced")

@@ -1,6 +1,6 @@
 """A real calibration, tiny (one shape, one micro-batch, two sizes of each collective), on the shared 2-rank gloo
-pool: every kind of compute (our tensor-parallel block on both ranks too) and every collective is measured, and the
-file reads back as a calibration of this CPU."""
+pool: every kind of compute (our tensor-parallel block and the context-parallel block of each implementation on both
+ranks too) and every collective is measured, and the file reads back as a calibration of this CPU."""
 
 from __future__ import annotations
 
@@ -11,8 +11,18 @@ import torch
 from gloo_pool import GlooPools
 from manual_clock import ManualClock
 
-from gptpar.plan.calibration import COLLECTIVES, COMPUTE_KINDS, RECOMPUTED, load, local_device_name, tp_kind
+from gptpar.plan.calibration import (
+    COLLECTIVES,
+    COMPUTE_KINDS,
+    RECOMPUTED,
+    cp_kind,
+    load,
+    local_device_name,
+    tp_kind,
+)
+from gptpar.plan.layout import block_flops
 from gptpar.plan.measure import Probes, _timer, calibrate, load_warning, measure_rank
+from gptpar.presets import ModelShape
 
 TINY = Probes(((64, 2),), ((2, 32),), (4096, 262144), (10**4, 10**5), 512, 2, comm_iters=3)
 
@@ -34,6 +44,12 @@ def test_a_tiny_calibration_on_two_gloo_ranks(gloo_pool: GlooPools, tmp_path: Pa
         assert all(len(calib.compute[tp_kind(kind, 2, sp)]) == 1 for sp in (False, True))
     for kind in ("head_f", "head_bw"):  # and its head and loss, with and without loss parallelism
         assert all(len(calib.compute[tp_kind(kind, 2, sp, lp)]) == 1 for sp in (False, True) for lp in (False, True))
+    # the cp=2 block of each implementation, timed whole on its rank's 2 x 16 tokens of the 2 x 32 micro-batch
+    cp_flops = block_flops(ModelShape("gpt2", 1, 64, 2, 1024), 2 * 32 // 2, 32)
+    for impl in ("ring", "all_to_all"):
+        for kind, flops in zip(("block_f", "block_b", "block_w"), cp_flops, strict=True):
+            [(x, s)] = calib.compute[cp_kind(kind, 2, impl)]
+            assert x == flops and s > 0
     for op in COLLECTIVES:
         (small, t_small), (big, t_big) = calib.collectives[op]
         assert (small, big) == (4096.0, 262144.0) and t_small > 0 and t_big > 0

@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 from planfix import calibration, layout, network
 
-from gptpar.plan.calibration import RECOMPUTED, LinkFit, tp_kind
-from gptpar.plan.layout import block_flops, head_flops
+from gptpar.plan.calibration import RECOMPUTED, Calibration, LinkFit, cp_kind, tp_kind
+from gptpar.plan.layout import Layout, block_flops, head_flops
 from gptpar.plan.network import Network, network_of
 from gptpar.plan.predict import CP_LABEL, predict
 from gptpar.strategies.context_parallel import exchange, sent_bytes
@@ -314,6 +314,59 @@ def test_a_context_parallel_rank_computes_its_share_and_sends_the_closed_form(im
     dp2_pred = predict(dp2, calibration(dp2), network(latency, bandwidth), "test cpu")
     assert pred.exposed_comm_s["all_reduce"] == pytest.approx(dp2_pred.exposed_comm_s["all_reduce"])
     assert pred.step_time_s == pytest.approx(pred.compute_s + sum(pred.exposed_comm_s.values()))
+
+
+def cp_timed(lay: Layout, seconds: tuple[float, float, float]) -> Calibration:
+    """The plain block's 1 s per F, B and W on the whole-sequence micro-batch (`calibration`), and the cp block of
+    `lay`'s cp and cp_impl timed whole at `seconds` on its rank's tokens."""
+    calib = calibration(dataclasses.replace(lay, cp=1))
+    flops = block_flops(lay.shape, lay.tokens, lay.seq_len)
+    for kind, x, s in zip(("block_f", "block_b", "block_w"), flops, seconds, strict=True):
+        calib.compute[cp_kind(kind, lay.cp, lay.cp_impl)] = [[x, s]]
+    return calib
+
+
+@pytest.mark.parametrize("impl", ["ring", "all_to_all"])
+def test_a_context_parallel_block_timed_whole_is_priced_as_timed(impl: str) -> None:
+    """A calibration that timed the cp=2 block whole (its exchanges inside: F 2 s, B 3 s, W 1 s, against the 0.5 s
+    each the plain block's rate gives its tokens) prices each of the 8 blocks so: the exchange the network prices is
+    taken out of F and B and shown as exposed, so compute plus that exchange is the timed 8 x 6 s; a block timed twice
+    as slow, twice that; under recomputation each forward twice (8 x 8 s), not the plain recomputed block's rate."""
+    lay = layout(*EIGHT_BLOCKS, "parallel.cp=2", f"parallel.cp_impl={impl}")
+    net = network(1e-3, 1e8)
+    e = exchange(impl, 2, lay.attention(4))
+    sent = sent_bytes(impl, 2, lay.attention(4))[e.op]
+    exchanged = 8 * (e.forward + e.backward) * 1e-3 + sent / 1e8  # as the plain-rate test above: still shown
+    for seconds, blocks in (((2.0, 3.0, 1.0), 8 * 6), ((4.0, 6.0, 2.0), 8 * 12)):
+        pred = predict(lay, cp_timed(lay, seconds), net, "test cpu")
+        assert pred.exposed_comm_s[CP_LABEL[impl]] == pytest.approx(exchanged)
+        assert pred.compute_s + pred.exposed_comm_s[CP_LABEL[impl]] == pytest.approx(blocks)
+        assert not any("parallel.cp" in note for note in pred.notes)  # nothing approximated: it was timed
+    recomputed = dataclasses.replace(lay, checkpoint_every=1)
+    calib = cp_timed(recomputed, (2.0, 3.0, 1.0))
+    calib.compute.update({kind: [[x, 1.0]] for kind, (x, _) in zip(RECOMPUTED, (calib.compute[k][0] for k in (
+        "block_f", "block_b", "block_w")), strict=True)})  # the plain block recomputed, at 0.5 s a cp rank's share
+    pred = predict(recomputed, calib, net, "test cpu")
+    forward_exchange = 8 * e.forward * 1e-3 + sent * e.forward / (e.forward + e.backward) / 1e8
+    assert pred.exposed_comm_s[CP_LABEL[impl]] == pytest.approx(exchanged + forward_exchange)
+    assert pred.compute_s + pred.exposed_comm_s[CP_LABEL[impl]] == pytest.approx(8 * 8)
+
+
+@pytest.mark.parametrize("impl", ["ring", "all_to_all"])
+def test_a_calibration_without_that_cp_block_prices_it_at_the_plain_blocks_rate_and_says_so(impl: str) -> None:
+    """An older calibration (no cp block timed), or one that timed the other implementation or another cp, prices
+    the block at the plain block's rate on the rank's tokens (0.5 s each of F, B and W here) with the exchange
+    beside it, and says so in a note."""
+    lay = layout(*EIGHT_BLOCKS, "parallel.cp=2", f"parallel.cp_impl={impl}")
+    other = "all_to_all" if impl == "ring" else "ring"
+    cp4 = layout(*EIGHT_BLOCKS, "parallel.cp=4", f"parallel.cp_impl={impl}")
+    older, of_other = calibration(layout(*EIGHT_BLOCKS)), cp_timed(dataclasses.replace(lay, cp_impl=other), (9.0,) * 3)
+    for calib in (older, of_other):
+        pred = predict(lay, calib, network(), "test cpu")
+        assert pred.compute_s == pytest.approx(8 * 3 * 0.5)
+        assert any(f"parallel.cp=2, cp_impl={impl}: the calibration timed no such block" in n for n in pred.notes)
+    pred = predict(cp4, cp_timed(lay, (9.0, 9.0, 9.0)), network(), "test cpu")
+    assert pred.compute_s == pytest.approx(8 * 3 * 0.25)
 
 
 def test_a_ring_hop_that_wraps_round_a_node_is_priced_on_the_inter_node_link() -> None:
