@@ -94,6 +94,7 @@ def scheduling_unit(nodeid: str) -> str:
     return next((unit for unit, prefixes in SERIAL_UNITS.items() if path.startswith(prefixes)), path)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: pytest without it runs the tests in one process
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """`--dist loadfile` by scheduling_unit; the units go out most tests first (the serial ones are among the first)."""
     from xdist.scheduler import LoadFileScheduling
