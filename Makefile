@@ -51,8 +51,8 @@ demo: install
 	$(GPTPAR) report $(DEMO_RUNS) --out $(DEMO_FIGURES)
 
 # Both parts run on two workers (pytest-xdist), a file per worker at a time, so that module fixtures are built
-# once; the files that use the SLURM cluster or stop and time whole runs (tests/conftest.py's SERIAL_FILES) are one
-# unit, run in order on one worker while the other takes the rest: most of their time is waiting, not computing.
+# once; the files that use the SLURM cluster, and those that stop and time whole runs, are two units (tests/conftest.py's
+# SERIAL_UNITS), each run in order on one worker beside the rest: most of their time is waiting, not computing.
 WORKERS ?= 2
 
 test: install

@@ -89,17 +89,23 @@ def nccl_env(trace_prefix: Path | None) -> dict[str, str]:
 _world_timeout: list[timedelta] = []  # the timeout init_distributed gave the world group, for the subgroups below
 
 
+def _subgroup_timeout() -> timedelta | None:
+    """The world group's timeout for a group made after it (None: torch's default, where init_distributed did not
+    make the world group)."""
+    return _world_timeout[-1] if _world_timeout else None
+
+
 def new_group(ranks: list[int]) -> dist.ProcessGroup:
     """dist.new_group with the world group's timeout: torch gives a new group its backend's default (30 minutes on
     gloo), not the world's, so a rank stopped in a subgroup's collective would hold the job for half an hour
     (device-mesh groups inherit the world's; these do not). Every rank must call it for every group, in one order."""
-    return dist.new_group(ranks, timeout=_world_timeout[-1] if _world_timeout else None)
+    return dist.new_group(ranks, timeout=_subgroup_timeout())
 
 
 def subgroup(groups: list[list[int]]) -> dist.ProcessGroup:
     """This rank's group of an enumeration of disjoint groups (dist.new_subgroups_by_enumeration), with the world
     group's timeout (see new_group)."""
-    return dist.new_subgroups_by_enumeration(groups, timeout=_world_timeout[-1] if _world_timeout else None)[0]
+    return dist.new_subgroups_by_enumeration(groups, timeout=_subgroup_timeout())[0]
 
 
 def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None,

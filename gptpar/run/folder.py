@@ -362,7 +362,7 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 flock_free = True
             except BlockingIOError:
-                return info or _holders_record(fd) or {"host": "?", "pid": "?"}
+                return _holders_record(fd) or {"host": "?", "pid": "?"}  # (re-read: `info` may precede its write)
             except OSError:
                 flock_free = False
         finally:
