@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -48,12 +49,26 @@ def _serve(index: int, world_size: int, tasks: Any, results: Any) -> None:
             info = init_distributed(ParallelConfig(dp=world_size, backend="gloo", timeout_s=60))  # a no-op if joined
             fn(info, *args)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which names the rank
-            results.put((index, time.time(), f"{type(exc).__name__}: {exc}".splitlines()[0], _groups()))
+            results.put((index, time.time(), _describe(exc), _groups()))
         else:
             results.put((index, time.time(), None, _groups()))
     if dist.is_initialized():
         dist.barrier()  # as spawn_local does: no rank tears the group down while a peer still uses it
     destroy_distributed()
+
+
+def _describe(exc: BaseException) -> str:
+    """The error's first line and where it was raised: the innermost frame, and the innermost outside
+    site-packages when that is another one (torch's own checks say little without their caller)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [frame for frame in frames if "/site-packages/" not in frame.filename]
+    places = []
+    for frame in frames[-1:] + ours[-1:]:
+        place = f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
+        if place not in places:
+            places.append(place)
+    first_line = (str(exc).splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first_line} [at {' from '.join(places)}]"
 
 
 def _groups() -> int:

@@ -30,7 +30,8 @@ def _raise_on_rank_one(info: RankInfo) -> None:
 @pytest.mark.slow
 def test_a_task_runs_on_every_rank_and_a_failure_names_its_rank(gloo_pool: GlooPools, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(GptparError, match=r"^rank 1 failed: ValueError: a bad batch$"):
+    with pytest.raises(GptparError, match=r"^rank 1 failed: ValueError: a bad batch "
+                       r"\[at tests/test_gloo_pool.py:\d+ \(_raise_on_rank_one\)\]$"):
         gloo_pool.run(2, _raise_on_rank_one)
     monkeypatch.setenv("GPTPAR_POOL_PROBE", "this test's")
     monkeypatch.chdir(tmp_path)

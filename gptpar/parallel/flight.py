@@ -41,6 +41,7 @@ import traceback
 import weakref
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, NamedTuple
@@ -58,9 +59,19 @@ CAPTURE_WAIT_S = 1.0  # how long the dump waits for the main thread to capture i
 CAPTURE_POLL_S = 0.01
 UNFINISHED = ("started", "waiting", "failed")  # states of a collective a rank has not come out of
 STDERR_FD = 2
-# The live thread's last two rewrites (time.monotonic): a gap of PAUSED_AFTER_S between them, or since the last,
-# says the process did not run (stopped or frozen); none while no live thread runs
-_TICKS: list[float] = []
+
+
+@dataclass
+class _LiveTicks:
+    """The live thread's last two rewrites (time.monotonic): a gap of PAUSED_AFTER_S between them, or since the last,
+    says the process did not run (stopped or frozen); none while no live thread ran. `ended`: the live thread stopped
+    with the training (the rank winds down, running: a failed rank is asked for its dump while it writes its own)."""
+
+    times: list[float] = field(default_factory=list)
+    ended: bool = False
+
+
+_TICKS = _LiveTicks()
 PAUSED_AFTER_S = 3.0
 LIVE_EVERY_S = 1.0  # how often a rank rewrites its live state (gptpar.run.hang.LIVE_STALE_S reads it as stale after 3)
 CAPACITY = 64  # collectives kept per rank: a step of bucketed dp issues a few per bucket; the hung one is the last
@@ -375,6 +386,7 @@ def live_state(rank: int, path: Path, every_s: float = LIVE_EVERY_S) -> Iterator
     0.1 ms (the state as JSON) and spends about 2.5 ms in file calls (median of 7 x 200 on the loaded 2-core CPU VM):
     0.01% of the training thread's second, under 0.3% of a core."""
     stop = threading.Event()
+    _TICKS.ended = False
     thread = threading.Thread(target=_write_live, args=(rank, path, every_s, stop), name="gptpar-live", daemon=True)
     thread.start()
     try:
@@ -397,16 +409,19 @@ def _write_live(rank: int, path: Path, every_s: float, stop: threading.Event) ->
             os.replace(tmp, path)
         except OSError:
             pass
-        _TICKS[:] = [*_TICKS[-1:], time.monotonic()]
+        _TICKS.times[:] = [*_TICKS.times[-1:], time.monotonic()]
         if stop.wait(every_s):
-            _TICKS.clear()
+            _TICKS.times.clear()
+            _TICKS.ended = True
             return
 
 
 def _paused() -> bool:
     """Whether this process had not run for PAUSED_AFTER_S before now, by its live thread's rewrites (True where none
-    ticks: the dump signal's and SIGCONT's timing then decide alone)."""
-    ticks = [*_TICKS, time.monotonic()]
+    ran: the dump signal's and SIGCONT's timing then decide alone; False once it ended with the training)."""
+    if _TICKS.ended:
+        return False
+    ticks = [*_TICKS.times, time.monotonic()]
     return len(ticks) == 1 or max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) > PAUSED_AFTER_S
 
 

@@ -191,5 +191,20 @@ def test_a_rank_is_taken_for_stopped_only_where_its_live_thread_did_not_run(monk
     now = time.monotonic()
     for ticks, paused in (([now - 1.5, now - 0.5], False), ([now - 12, now - 0.01], True), ([now - 9, now - 8], True),
                           ([], True)):  # no live thread: the signals' timing decides alone
-        monkeypatch.setattr(flight, "_TICKS", ticks)
+        monkeypatch.setattr(flight, "_TICKS", flight._LiveTicks(ticks))
         assert flight._paused() is paused, ticks
+
+
+def test_a_rank_winding_down_after_its_training_is_not_taken_for_stopped(tmp_path, recorder):
+    """A rank whose collective timed out writes its own dump after its live thread ended with the training, while the
+    other ranks' requests reach it as the dump signal and SIGCONT at once (scancel's two signals): it ran, so its dump
+    must not say stopped (CI named a rank that timed out as the one stopped, "in flight.py (on_failure)")."""
+    flight_path = tmp_path / "rank1.flight.json"
+    with dumps_on_signal(1, flight_path, tmp_path / "rank1.stack"):
+        with flight.live_state(1, tmp_path / "rank1.live.json", every_s=0.01):
+            _until((tmp_path / "rank1.live.json").exists, "no live state")
+        with comm_span("all_reduce", nbytes=4):
+            os.kill(os.getpid(), DUMP_SIGNAL)
+            os.kill(os.getpid(), signal.SIGCONT)
+            _until(flight_path.exists, "no dump")
+    assert json.loads(flight_path.read_text())["stopped"] is False
