@@ -63,12 +63,12 @@ STDERR_FD = 2
 
 @dataclass
 class _LiveTicks:
-    """The live thread's last two rewrites (time.monotonic): a gap of PAUSED_AFTER_S between them, or since the last,
-    says the process did not run (stopped or frozen); none while no live thread ran. `ended`: the live thread stopped
-    with the training (the rank winds down, running: a failed rank is asked for its dump while it writes its own)."""
+    """The live thread's last two rewrites (time.monotonic): a gap of PAUSED_AFTER_S between them, or since the last
+    until now or until the thread `ended_at` (with the training: the rank winds down, running), says the process did
+    not run (stopped or frozen); none while no live thread ran."""
 
     times: list[float] = field(default_factory=list)
-    ended: bool = False
+    ended_at: float | None = None
 
 
 _TICKS = _LiveTicks()
@@ -386,7 +386,8 @@ def live_state(rank: int, path: Path, every_s: float = LIVE_EVERY_S) -> Iterator
     0.1 ms (the state as JSON) and spends about 2.5 ms in file calls (median of 7 x 200 on the loaded 2-core CPU VM):
     0.01% of the training thread's second, under 0.3% of a core."""
     stop = threading.Event()
-    _TICKS.ended = False
+    _TICKS.times.clear()
+    _TICKS.ended_at = None
     thread = threading.Thread(target=_write_live, args=(rank, path, every_s, stop), name="gptpar-live", daemon=True)
     thread.start()
     try:
@@ -411,17 +412,15 @@ def _write_live(rank: int, path: Path, every_s: float, stop: threading.Event) ->
             pass
         _TICKS.times[:] = [*_TICKS.times[-1:], time.monotonic()]
         if stop.wait(every_s):
-            _TICKS.times.clear()
-            _TICKS.ended = True
+            _TICKS.ended_at = time.monotonic()
             return
 
 
 def _paused() -> bool:
     """Whether this process had not run for PAUSED_AFTER_S before now, by its live thread's rewrites (True where none
-    ran: the dump signal's and SIGCONT's timing then decide alone; False once it ended with the training)."""
-    if _TICKS.ended:
-        return False
-    ticks = [*_TICKS.times, time.monotonic()]
+    ran: the dump signal's and SIGCONT's timing then decide alone). A rank asked while it winds down after training
+    (a failed rank writing its own dump) is judged by its ticks until the live thread ended, not the wind-down's."""
+    ticks = [*_TICKS.times, time.monotonic() if _TICKS.ended_at is None else _TICKS.ended_at]
     return len(ticks) == 1 or max(b - a for a, b in zip(ticks, ticks[1:], strict=False)) > PAUSED_AFTER_S
 
 

@@ -189,20 +189,25 @@ def test_a_rank_is_taken_for_stopped_only_where_its_live_thread_did_not_run(monk
     its live thread's rewrites, a second apart, say it ran; a stopped rank's show the gap (just rewritten on waking, or
     not since)."""
     now = time.monotonic()
-    for ticks, paused in (([now - 1.5, now - 0.5], False), ([now - 12, now - 0.01], True), ([now - 9, now - 8], True),
-                          ([], True)):  # no live thread: the signals' timing decides alone
-        monkeypatch.setattr(flight, "_TICKS", flight._LiveTicks(ticks))
-        assert flight._paused() is paused, ticks
+    for ticks, ended_at, paused in (([now - 1.5, now - 0.5], None, False), ([now - 12, now - 0.01], None, True),
+                                    ([now - 9, now - 8], None, True),
+                                    ([], None, True),  # no live thread: the signals' timing decides alone
+                                    ([now - 10, now - 9], now - 8.5, False),  # winding down since it ended
+                                    ([now - 30], now - 0.01, True)):  # ended on waking: its training failed
+        monkeypatch.setattr(flight, "_TICKS", flight._LiveTicks(ticks, ended_at))
+        assert flight._paused() is paused, (ticks, ended_at)
 
 
 def test_a_rank_winding_down_after_its_training_is_not_taken_for_stopped(tmp_path, recorder):
     """A rank whose collective timed out writes its own dump after its live thread ended with the training, while the
     other ranks' requests reach it as the dump signal and SIGCONT at once (scancel's two signals): it ran, so its dump
-    must not say stopped (CI named a rank that timed out as the one stopped, "in flight.py (on_failure)")."""
+    must not say stopped (CI named a rank that timed out as the one stopped, "in flight.py (on_failure)"). The rewrites
+    before the live thread ended say so, however long the wind-down takes."""
     flight_path = tmp_path / "rank1.flight.json"
     with dumps_on_signal(1, flight_path, tmp_path / "rank1.stack"):
         with flight.live_state(1, tmp_path / "rank1.live.json", every_s=0.01):
             _until((tmp_path / "rank1.live.json").exists, "no live state")
+        time.sleep(flight.PAUSED_AFTER_S + 0.5)  # its own dump and diagnosis may take longer than a pause
         with comm_span("all_reduce", nbytes=4):
             os.kill(os.getpid(), DUMP_SIGNAL)
             os.kill(os.getpid(), signal.SIGCONT)
