@@ -32,6 +32,7 @@ TASK_TIMEOUT_S = 900  # a whole module's cases on 8 ranks sharing two cores
 # worth (1,100 threads each) spent the two cores on system time. Destroying them in a live group is not safe (DTensor
 # caches the meshes that name them), so the pool starts afresh instead (a few times a run, a few seconds each).
 MAX_GROUPS = 100
+WORLD_TIMEOUT_S = 60  # the pool's parallel.timeout_s
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", LAUNCHER_MARKER)
 
 
@@ -46,7 +47,8 @@ def _serve(index: int, world_size: int, tasks: Any, results: Any) -> None:
                            LAUNCHER_MARKER: "spawn"})
         os.chdir(cwd)
         try:
-            info = init_distributed(ParallelConfig(dp=world_size, backend="gloo", timeout_s=60))  # a no-op if joined
+            pcfg = ParallelConfig(dp=world_size, backend="gloo", timeout_s=WORLD_TIMEOUT_S)
+            info = init_distributed(pcfg)  # a no-op if joined
             fn(info, *args)
         except BaseException as exc:  # noqa: BLE001 - reported to the parent, which names the rank
             results.put((index, time.time(), _describe(exc), _groups()))

@@ -7,15 +7,17 @@ starts the rank: the trainer's entry point, or `spawn_local` for functions in te
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as distributed_c10d
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
@@ -106,6 +108,24 @@ def subgroup(groups: list[list[int]]) -> dist.ProcessGroup:
     """This rank's group of an enumeration of disjoint groups (dist.new_subgroups_by_enumeration), with the world
     group's timeout (see new_group)."""
     return dist.new_subgroups_by_enumeration(groups, timeout=_subgroup_timeout())[0]
+
+
+@contextlib.contextmanager
+def library_groups_take_the_worlds_timeout() -> Iterator[None]:
+    """While it runs, a group a library makes with torch's default timeout (DeepSpeed's copy of the world, its hpZ
+    node groups: dist.new_group(ranks) with no timeout) gets the world group's instead, as new_group gives ours: with
+    torch's default (30 minutes on gloo, 10 on NCCL) a rank stopped in one of DeepSpeed's collectives held the job that
+    long. torch reads these two defaults when it makes a group, so they are set for the call and put back."""
+    timeout = _subgroup_timeout()
+    if timeout is None:
+        yield
+        return
+    saved = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
+    distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
+    try:
+        yield
+    finally:
+        distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = saved
 
 
 def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None,

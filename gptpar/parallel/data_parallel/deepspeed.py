@@ -37,6 +37,7 @@ from gptpar.config import ParallelConfig, TrainConfig
 from gptpar.errors import GptparError, require_extra
 from gptpar.hardware import resolved_precision
 from gptpar.parallel.data_parallel.base import GradSync, SyncSetup
+from gptpar.parallel.process_group import library_groups_take_the_worlds_timeout
 from gptpar.strategies.collectives import ring_share
 from gptpar.tensor_bytes import storage_bytes
 
@@ -159,7 +160,8 @@ class DeepSpeedSync(GradSync):
                    "weight_decay": t.weight_decay if decays else 0.0} for decays in (True, False)]
         # DeepSpeed calls torch's all_gather_into_tensor, which torch warns of at every call: once is enough.
         warnings.filterwarnings("once", message=".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
-        with contextlib.redirect_stdout(io.StringIO()):  # its banner and config dump on every rank
+        # its banner and config dump on every rank; the groups it makes time out as the world does
+        with contextlib.redirect_stdout(io.StringIO()), library_groups_take_the_worlds_timeout():
             self.engine, self.optimizer, _, _ = deepspeed.initialize(
                 model=model, model_parameters=groups, config=self.config, dist_init_required=False)
         self.module = self.engine

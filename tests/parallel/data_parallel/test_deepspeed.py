@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_pool import GlooPools
+from gloo_pool import WORLD_TIMEOUT_S, GlooPools
 from rank_training import (
     BASE,
     assert_resumed_bitwise,
@@ -64,8 +64,11 @@ def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]], resumed: li
         trainer = make_trainer(make_config(overrides, runs, name), info)
         trainer.sync.count_sent()
         losses = train_steps(trainer, 2)
+        engine = trainer.sync.engine
+        timeouts = {group._get_backend(info.device).options._timeout.total_seconds()
+                    for group in (engine.data_parallel_group, engine.optimizer.dp_process_group)}
         torch.save({"losses": losses, "params": named_params(trainer), "memory": trainer.memory,
-                    "sent": trainer.sync.read_sent()}, runs / f"{name}.rank{info.rank}.pt")
+                    "sent": trainer.sync.read_sent(), "timeouts": timeouts}, runs / f"{name}.rank{info.rank}.pt")
     for name in resumed:  # a step, DeepSpeed's checkpoint and ours, a new trainer, a step
         resumed = resumed_run(make_config(CASES[name], runs, f"resumed-{name}"), info)
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
@@ -136,6 +139,15 @@ def test_deepspeed_trains_like_one_process(request: pytest.FixtureRequest, name:
         torch.testing.assert_close(value, ref["params"][param], rtol=1e-4, atol=1e-4,
                                    msg=lambda m, p=param: f"{name}: {p}: {m}")
         assert all(torch.equal(value, r["params"][param]) for r in ranks), param
+
+
+@pytest.mark.slow
+def test_deepspeeds_own_groups_time_out_as_the_world_does(results: Path) -> None:
+    """DeepSpeed makes its groups (its copy of the world, over which ZeRO reduces) with dist.new_group and no timeout:
+    torch's default, 30 minutes on gloo, would hold a job whose rank stopped for that long, not parallel.timeout_s
+    (the pool's world's)."""
+    ranks = saved_ranks(results, "stage1") + saved_ranks(results, "stage3")
+    assert len(ranks) == 4 and all(rank["timeouts"] == {WORLD_TIMEOUT_S} for rank in ranks), ranks[0]["timeouts"]
 
 
 @pytest.mark.slow
