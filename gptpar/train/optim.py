@@ -18,10 +18,11 @@ OPTIMIZER_KINDS = ("fused", "foreach", "for-loop")
 
 
 def learning_rate(step: int, t: TrainConfig, total_steps: int) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step (step is 0-based)."""
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at the last step, total_steps - 1 (step is 0-based):
+    decaying over total_steps - warmup_steps steps would end one step after the run, which never trains at min_lr."""
     if step < t.warmup_steps:
         return t.lr * (step + 1) / t.warmup_steps
-    progress = min(1.0, (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps))
+    progress = min(1.0, (step - t.warmup_steps) / max(1, total_steps - 1 - t.warmup_steps))
     return t.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (t.lr - t.min_lr)
 
 

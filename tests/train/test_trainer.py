@@ -125,8 +125,9 @@ def test_learning_rate_warms_up_then_decays_to_min():
     t = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=4)
     assert [learning_rate(s, t, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert learning_rate(4, t, 20) == pytest.approx(1.0)
-    assert learning_rate(12, t, 20) == pytest.approx(0.55)  # half-way through the cosine
-    assert learning_rate(20, t, 20) == pytest.approx(0.1)
+    assert learning_rate(9, t, 20) == pytest.approx(0.775)  # a third of the cosine (steps 4-19): 0.1 + 0.9 * 0.75
+    assert learning_rate(18, t, 20) > 0.1
+    assert learning_rate(19, t, 20) == pytest.approx(0.1)  # the last step trains at min_lr
 
 
 def _gptpar(args: list[str]) -> subprocess.Popen:
