@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-DATASHEETS = "NVIDIA datasheets, dense Tensor Core peaks (without sparsity); fp32 is the non-Tensor-Core peak"
-# Dense peak FLOP/s per GPU, by a fragment of the lower-cased device name (first match wins, so the
+# Dense peak FLOP/s per GPU from NVIDIA's datasheets (Tensor Core peaks without sparsity; fp32 is the
+# non-Tensor-Core peak), by a fragment of the lower-cased device name (first match wins, so the
 # PCIe/NVL/S variants come before their SXM siblings), then by precision. A precision a GPU lacks
 # (bf16 and tf32 on a V100) is absent, so its MFU is n/a rather than measured against another peak.
 PEAK_FLOPS: tuple[tuple[str, dict[str, float]], ...] = (
