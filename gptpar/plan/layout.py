@@ -70,6 +70,7 @@ class Layout:
     offload: str = "none"  # parallel.offload
     cp: int = 1  # parallel.cp: each sequence split over cp ranks of one replica
     cp_impl: str = "ring"  # parallel.cp_impl
+    lora_rank: int = 0  # train.lora_rank: priced as full training (predict.approximations says so)
 
     @property
     def world(self) -> int:
@@ -173,4 +174,4 @@ def layout_of(cfg: Config) -> Layout:
         ep=p.ep, precision=t.precision,
         checkpoint_every=checkpoint_interval(t.activation_checkpointing),
         stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)), offload=p.offload, cp=p.cp,
-        cp_impl=p.cp_impl)
+        cp_impl=p.cp_impl, lora_rank=t.lora_rank)

@@ -525,6 +525,10 @@ def approximations(lay: Layout, calib: Calibration) -> list[str]:
                      "times one at cp = its ranks, without tp), so its blocks are priced at the calibrated block's "
                      "rate (sdpa's kernel: the ring attends by plain matmuls, all_to_all reorders its tensors) and its "
                      "exchanges as exposed beside them")
+    if lay.lora_rank:
+        notes.append(f"train.lora_rank={lay.lora_rank} is priced as full training (every weight's gradient, "
+                     "optimizer state and gradient sync; only the adapters train): its memory and step time are upper "
+                     "bounds")
     if lay.ep > 1 and lay.shape.moe:
         notes.append("parallel.ep: the experts' gradients are priced as reduced over all of dp (they are reduced "
                      "over their dp/ep replicas), and routing as balanced")
