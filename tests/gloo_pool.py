@@ -15,6 +15,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -32,6 +33,7 @@ TASK_TIMEOUT_S = 900  # a whole module's cases on 8 ranks sharing two cores
 # worth (1,100 threads each) spent the two cores on system time. Destroying them in a live group is not safe (DTensor
 # caches the meshes that name them), so the pool starts afresh instead (a few times a run, a few seconds each).
 MAX_GROUPS = 100
+REPO = Path(__file__).resolve().parents[1]  # a frame under it is shown relative to it
 WORLD_TIMEOUT_S = 60  # the pool's parallel.timeout_s
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", LAUNCHER_MARKER)
 
@@ -66,7 +68,9 @@ def _describe(exc: BaseException) -> str:
     ours = [frame for frame in frames if "/site-packages/" not in frame.filename]
     places = []
     for frame in frames[-1:] + ours[-1:]:
-        place = f"{os.path.relpath(frame.filename)}:{frame.lineno} ({frame.name})"
+        path = Path(frame.filename)
+        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+        place = f"{shown}:{frame.lineno} ({frame.name})"
         if place not in places:
             places.append(place)
     first_line = (str(exc).splitlines() or [""])[0]
