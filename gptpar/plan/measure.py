@@ -40,6 +40,7 @@ from gptpar.parallel.process_group import RankInfo, new_group
 from gptpar.parallel.spawn import spawn_local
 from gptpar.parallel.tensor_parallel import loss_function, shard_model
 from gptpar.plan.calibration import RECOMPUTED, Calibration, cp_kind, local_device_name, tp_kind
+from gptpar.plan.layout import block_flops, head_flops
 from gptpar.presets import ModelShape
 from gptpar.tensor_bytes import saved_activation_bytes
 from gptpar.train.optim import clip_gradients
@@ -136,8 +137,6 @@ def _block_points(shape: ModelShape, width: int, heads: int, batch: tuple[int, i
                   device: torch.device, precision: Precision, repeats: int) -> dict[str, tuple[float, float]]:
     """One block's F, B (input gradient only) and W (the rest of its backward), and the embedding plus head and
     loss forward and backward, for a micro-batch of `batch` = (sequences, seq_len) tokens."""
-    from gptpar.plan.layout import block_flops, head_flops
-
     seqs, seq = batch
     model = _small_block_model(width, heads, seq, vocab).to(device)
     arch = architecture(model)
@@ -176,8 +175,6 @@ def _tp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: i
     collectives between its matmuls, the copies around them and the norms and residuals every rank repeats, which
     a whole block's per-FLOP rate scaled by 1/tp leaves out (bench-plan: tp=2 ran 35% slower than that sum); and the
     vocabulary-parallel embedding, head and loss, with and without loss parallelism."""
-    from gptpar.plan.layout import block_flops, head_flops
-
     tp, (seqs, seq) = dims.world_size, batch
     timed = _timer(dims.device, repeats, synced=True)
     ids, targets = torch.randint(0, vocab, (2, seqs, seq), device=dims.device)
@@ -207,8 +204,6 @@ def _cp_block_points(dims: ParallelDims, shape: ModelShape, width: int, heads: i
     attention inside `sharded`): F, B and W on this rank's seq_len / cp tokens with the exchanges between, which the
     plain block's per-FLOP rate leaves out: the ring attends block by block as plain matmuls, Python between them, and
     all_to_all reorders and copies q, k, v and the output (bench-plan: cp=2 ran 47% and 40% slower than that sum)."""
-    from gptpar.plan.layout import block_flops
-
     cp, (seqs, seq) = dims.world_size, batch
     timed = _timer(dims.device, repeats, synced=True)
     hidden = torch.randn(seqs, seq // cp, width, device=dims.device)
