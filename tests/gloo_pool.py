@@ -15,7 +15,6 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -25,6 +24,7 @@ import torch.multiprocessing as mp
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
 from gptpar.parallel.env import LAUNCHER_MARKER, free_port
+from gptpar.parallel.flight import frames
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
 
 TASK_TIMEOUT_S = 900  # a whole module's cases on 8 ranks sharing two cores
@@ -33,7 +33,6 @@ TASK_TIMEOUT_S = 900  # a whole module's cases on 8 ranks sharing two cores
 # worth (1,100 threads each) spent the two cores on system time. Destroying them in a live group is not safe (DTensor
 # caches the meshes that name them), so the pool starts afresh instead (a few times a run, a few seconds each).
 MAX_GROUPS = 100
-REPO = Path(__file__).resolve().parents[1]  # a frame under it is shown relative to it
 WORLD_TIMEOUT_S = 60  # the pool's parallel.timeout_s
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", LAUNCHER_MARKER)
 
@@ -62,17 +61,12 @@ def _serve(index: int, world_size: int, tasks: Any, results: Any) -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    """The error's first line and where it was raised: the innermost frame, and the innermost outside
-    site-packages when that is another one (torch's own checks say little without their caller)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = [frame for frame in frames if "/site-packages/" not in frame.filename]
-    places = []
-    for frame in frames[-1:] + ours[-1:]:
-        path = Path(frame.filename)
-        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
-        place = f"{shown}:{frame.lineno} ({frame.name})"
-        if place not in places:
-            places.append(place)
+    """The error's first line and where it was raised (as a hang dump shows a frame, flight.frames): the innermost
+    frame, and the innermost outside site-packages when that is another one (torch's own checks say little without
+    their caller)."""
+    shown = frames(traceback.extract_tb(exc.__traceback__))
+    ours = [frame for frame in shown if "/site-packages/" not in frame[0]]
+    places = list(dict.fromkeys(f"{file}:{line} ({function})" for file, line, function in shown[-1:] + ours[-1:]))
     first_line = (str(exc).splitlines() or [""])[0]
     return f"{type(exc).__name__}: {first_line} [at {' from '.join(places)}]"
 
