@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_pool import GlooPools
+from gloo_pool import MAX_GROUPS, GlooPools
 
 from gptpar.errors import GptparError
 from gptpar.parallel.process_group import RankInfo
@@ -49,8 +49,6 @@ def _make_groups(info: RankInfo, count: int, out: Path) -> None:
 def test_a_pool_whose_ranks_hold_too_many_groups_starts_afresh(gloo_pool: GlooPools, tmp_path: Path) -> None:
     """Each group keeps gloo threads that poll: a pool rank holding more than MAX_GROUPS is replaced, one holding a
     few is kept."""
-    from gloo_pool import MAX_GROUPS
-
     pids = []
     for count in (1, MAX_GROUPS, 1):
         gloo_pool.run(2, _make_groups, count, tmp_path)
