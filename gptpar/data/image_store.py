@@ -15,6 +15,7 @@ CIFAR-100's 100 fine classes, not its 20 coarse ones).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -29,6 +30,7 @@ from gptpar.errors import GptparError, first_sentence, require_extra
 from gptpar.hub import hub_reachable
 
 NAMED = {"cifar100": "uoft-cs/cifar100", "food101": "ethz/food101"}  # data.source -> the hub's NAME
+NAMED_CLASSES = {"cifar100": 100, "food101": 101}  # their label columns' (CIFAR-100's fine labels)
 IMAGE_COLUMNS = ("img", "image")
 LABEL_COLUMNS = ("fine_label", "label")
 VAL_SPLITS = ("validation", "valid", "val", "test")
@@ -128,18 +130,44 @@ def split_names(cfg: DataConfig, splits: Any) -> tuple[str, str]:
 
 
 def columns(cfg: DataConfig, features: Any) -> tuple[str, str]:
-    """The image column and the label column, by feature type, the usual names first."""
-    datasets = require_extra("datasets", f"data.source={cfg.source}", "hf")
-    wanted = (("image", datasets.Image, IMAGE_COLUMNS, "an Image feature"),
-              ("label", datasets.ClassLabel, LABEL_COLUMNS, "a ClassLabel feature, whose names are the classes"))
+    """The image column and the label column of `datasets` features, by feature type, the usual names first."""
+    return _chosen_columns(cfg, {name: type(feature).__name__ for name, feature in features.items()})
+
+
+def _chosen_columns(cfg: DataConfig, kinds: dict[str, str]) -> tuple[str, str]:
+    """`columns` over each column's feature type by name (datasets' class, or `_type` in a saved set's info)."""
+    wanted = (("image", "Image", IMAGE_COLUMNS, "an Image feature"),
+              ("label", "ClassLabel", LABEL_COLUMNS, "a ClassLabel feature, whose names are the classes"))
     found = []
     for what, kind, usual, described in wanted:
-        typed = [name for name, feature in features.items() if isinstance(feature, kind)]
+        typed = [name for name, named in kinds.items() if named == kind]
         chosen = [name for name in usual if name in typed] or (typed if len(typed) == 1 else [])
         if not chosen:
             raise GptparError(
                 f"data.source={cfg.source}: the dataset has no {what} column ({described}; {' or '.join(usual)} "
                 "first where there are several); its columns: "
-                + ", ".join(f"{name} ({type(feature).__name__})" for name, feature in features.items()))
+                + ", ".join(f"{name} ({named})" for name, named in kinds.items()))
         found.append(chosen[0])
     return found[0], found[1]
+
+
+def image_classes(cfg: DataConfig) -> int:
+    """The classes an image set has, without torch or `datasets` (the planner's, on a login node): the synthetic set's
+    data.synthetic_classes, else the label column's names in the saved set's train split (`dataset_info.json`, which
+    save_to_disk writes), else the named set's well-known count; a hub set not yet saved is one line naming the fetch
+    command."""
+    if cfg.source == "synthetic":
+        return cfg.synthetic_classes
+    info = saved_folder(cfg) / "train" / "dataset_info.json"
+    if info.is_file():
+        try:
+            features = json.loads(info.read_text())["features"]
+            label = _chosen_columns(cfg, {name: f.get("_type", "") for name, f in features.items()})[1]
+            return len(features[label]["names"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise GptparError(f"data.source={cfg.source}: {info} does not list the classes ({first_sentence(exc)}); "
+                              f"delete {saved_folder(cfg)} and run `{fetch_command(cfg)}`") from None
+    if cfg.source in NAMED_CLASSES:
+        return NAMED_CLASSES[cfg.source]
+    raise GptparError(f"data.source={cfg.source}: its classes are read from the saved set, not in {saved_folder(cfg)} "
+                      f"yet; run `{fetch_command(cfg)}` where the hub is reachable (a login node)")

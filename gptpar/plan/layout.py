@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, example_width
+from gptpar.data.image_store import image_classes
 from gptpar.presets import ModelShape
 from gptpar.strategies.context_parallel import AttentionShape
 from gptpar.strategies.data_parallel import hpz_node_size
@@ -17,9 +18,12 @@ GPT2_VOCAB = 50_257
 
 
 def vocabulary(cfg: Config) -> int:
-    """The tokenizer's vocabulary as a job would resolve it: data.vocab_size for a trained BPE or synthetic data,
-    256 for bytes, else GPT-2's (what `auto` picks where the hub answers, as on a cluster's login node)."""
+    """The head's rows as a job would resolve them: an image classifier's classes (gptpar.data.image_store), else the
+    tokenizer's vocabulary: data.vocab_size for a trained BPE or synthetic data, 256 for bytes, else GPT-2's (what
+    `auto` picks where the hub answers, as on a cluster's login node)."""
     d = cfg.data
+    if d.task == "classify":
+        return image_classes(d)
     if d.source == "synthetic" or d.tokenizer == "bpe":
         return d.vocab_size
     return 256 if d.tokenizer == "bytes" else GPT2_VOCAB
@@ -35,7 +39,7 @@ def block_flops(shape: ModelShape, tokens: int, seq: int, tp: int = 1) -> tuple[
 
 
 def head_flops(width: int, vocab: int, tokens: int, tp: int = 1) -> float:
-    """Forward FLOPs of the LM head's projection on `tokens` tokens (its backward is twice this)."""
+    """Forward FLOPs of the head's projection on `tokens` rows (its backward is twice this)."""
     return 2.0 * tokens * width * vocab / tp
 
 
@@ -44,7 +48,7 @@ class Layout:
     """One layout of one model, in the numbers the cost model needs."""
 
     shape: ModelShape
-    vocab: int  # the token table's rows, padded by model.pad_vocab and tp
+    vocab: int  # the token table's rows, padded by model.pad_vocab and tp; an image classifier's classes
     dp: int
     tp: int
     pp: int
@@ -85,6 +89,20 @@ class Layout:
     def tokens(self) -> int:
         """Tokens of one micro-batch on one rank (its seq_len / cp of each sequence)."""
         return self.seqs * self.seq_len // self.cp
+
+    @property
+    def head_rows(self) -> int:
+        """Rows one micro-batch puts through the head: every token of a language model, an image classifier's class
+        token alone."""
+        return self.seqs if self.shape.patch_size else self.tokens
+
+    @property
+    def patch_flops(self) -> float:
+        """Forward FLOPs of an image classifier's patch projection on one micro-batch (a P x P convolution of 3
+        channels over each patch, a matmul); 0 for a language model, whose token table is a lookup. Its backward is
+        the weight gradient alone (the pixels need none): as many FLOPs again."""
+        s = self.shape
+        return 2.0 * self.seqs * s.patches * 3 * s.patch_size ** 2 * s.n_embd
 
     @property
     def step_tokens(self) -> int:
@@ -140,8 +158,11 @@ class Layout:
         """Parameters pipeline rank `rank` holds on one tensor-parallel rank, as the memory record counts them: its
         blocks' (matrices and their split biases over tp, norms and the row-parallel layers' biases whole), the token
         table's rows over tp and the positions on the first stage, the final norm and, where the pipeline unties it,
-        a copy of the table as the LM head on the last."""
+        a copy of the table as the LM head on the last. An image classifier runs whole on one rank: its own count
+        (patch projection, class token, positions, blocks, final norm and classifier)."""
         s, d = self.shape, self.shape.n_embd
+        if s.patch_size:
+            return s.parameters(self.vocab)
         table = self.vocab // self.tp * d
         n = self.blocks_of(rank) * self.block_parameters
         if self.holds_embedding(rank):
@@ -162,7 +183,7 @@ def layout_of(cfg: Config) -> Layout:
         table = vocabulary(cfg) * shape.n_embd
         counts = stage_sizes([shape.block_parameters()] * shape.n_layer, stages, table, table)
     shards = p.tp if p.tp > 1 else 1
-    multiple = math.lcm(cfg.model.pad_vocab, shards)
+    multiple = 1 if shape.patch_size else math.lcm(cfg.model.pad_vocab, shards)  # a classifier's classes unpadded
     return Layout(
         shape=shape, vocab=-(-vocabulary(cfg) // multiple) * multiple, dp=p.dp, tp=p.tp, pp=p.pp,
         virtual=p.pp_virtual, chunks=chunks, grad_accum=t.grad_accum,

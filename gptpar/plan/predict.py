@@ -206,14 +206,14 @@ class Model:
         cost_w = kept * bw + recomputed * rw
         self.block_f, self.block_bw = bf + comm_f, bb + comm_b + bw
         if stage == lay.last_stage:
-            hf = head_flops(lay.shape.n_embd, lay.vocab, lay.tokens, lay.tp)
+            hf = head_flops(lay.shape.n_embd, lay.vocab, lay.head_rows, lay.tp)
             head_cf, head_cb = self.head_comm()
             kinds = [tp_kind(k, lay.tp, lay.sequence_parallel, lay.loss_parallel) for k in ("head_f", "head_bw")]
             if lay.tp > 1 and all(k in c.compute for k in kinds):  # measured whole: its collectives are inside
                 head_f, hbw = c.seconds(kinds[0], hf), c.seconds(kinds[1], 2 * hf)
-            else:
-                head_f = c.seconds("head_f", hf, self.alone) + head_cf
-                hbw = c.seconds("head_bw", 2 * hf, self.alone) + head_cb
+            else:  # an image classifier's patch projection (pp = 1: its first stage is its last) at the head's rate
+                head_f = c.seconds("head_f", hf + lay.patch_flops, self.alone) + head_cf
+                hbw = c.seconds("head_bw", 2 * hf + lay.patch_flops, self.alone) + head_cb
             cost_f += head_f
             self.head_f, self.head_bw = head_f, hbw
             cost_b += hbw / 2
@@ -538,14 +538,14 @@ def approximations(lay: Layout, calib: Calibration) -> list[str]:
 def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float:
     """Bytes one micro-batch leaves saved for backward in `stage`: its blocks' (the calibrated bytes per token and
     unit of width, the share tensor parallelism splits divided by tp; a recomputed block only its input), and the
-    loss's fp32 logits where the stage holds the head."""
+    loss's fp32 logits (an image classifier's: one row per image) where the stage holds the head."""
     act = ACTIVATION_BYTES.get(lay.precision, 4)
     split = 1 / lay.tp if lay.sequence_parallel else (1 - TP_SPLIT_SHARE) + TP_SPLIT_SHARE / lay.tp
     block = lay.tokens * calib.activation_bytes_per_token_width * lay.shape.n_embd * split
     recomputed = lay.recomputed_in_stage(stage)
     held = (lay.stage_blocks[stage] - recomputed) * block + recomputed * lay.tokens * lay.shape.n_embd * act
     head = stage == lay.last_stage
-    return held + (lay.tokens * lay.vocab / lay.tp * 4 if head else 0.0)
+    return held + (lay.head_rows * lay.vocab / lay.tp * 4 if head else 0.0)
 
 
 def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | None) -> list[dict[str, int]]:
