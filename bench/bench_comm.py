@@ -93,16 +93,9 @@ def build(args: argparse.Namespace, sync_name: str, settings: dict, world: int, 
     node = nodes[pcfg.hpz_node_size] if pcfg.hpz else None
     train = TrainConfig(batch_size=args.batch * world, lr=1e-4, weight_decay=0.01, grad_clip=0.0)  # AdamW's defaults
     sync = make_grad_sync(model, pcfg, dist.group.WORLD, torch.device("cpu"), node_group=node, train=train)
-    if hasattr(sync, "count_sent"):  # an engine whose collectives gptpar does not issue (DeepSpeed's)
-        sync.count_sent()
+    sync.count_engine_sent()  # an engine whose collectives gptpar does not issue (DeepSpeed's)
     opt = sync.own_optimizer() or torch.optim.AdamW([p for p, _ in sync.optimizer_params()], lr=1e-4)
     return sync, opt
-
-
-def engine_sent(sync: GradSync) -> dict[str, int]:
-    """The bytes an engine's own collectives sent since the last read (DeepSpeed's); none for gptpar's syncs, whose
-    bytes read_sent has."""
-    return sync.read_sent() if hasattr(sync, "read_sent") else {}
 
 
 def baseline(name: str, sync: str, settings: dict) -> str:
@@ -123,7 +116,7 @@ def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Names
     for _ in range(args.steps + 1):
         dist.barrier()
         read_sent()
-        engine_sent(sync)
+        sync.read_engine_sent()
         start = time.perf_counter()
         with sync.accumulating(is_last_micro_step=communicate):
             sync.backward(lm_loss(sync.module(x).logits, y))
@@ -131,7 +124,7 @@ def timed_steps(sync: GradSync, opt: torch.optim.Optimizer, args: argparse.Names
             sync.finish()
         sync.step(opt, lambda: torch.zeros(()))  # no clip: its norm's all-reduce is not the sync's traffic
         sync.zero_grad()
-        samples.append((time.perf_counter() - start, read_sent() | engine_sent(sync)))
+        samples.append((time.perf_counter() - start, read_sent() | sync.read_engine_sent()))
     return samples[1:]
 
 

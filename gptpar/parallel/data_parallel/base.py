@@ -169,6 +169,15 @@ class GradSync:
     def load_engine(self, run_dir: Path, step: int) -> None:
         """With engine_state: load the engine's checkpoint of `step`, which the trainer's checkpoint names."""
 
+    def count_engine_sent(self) -> None:
+        """Start counting the bytes of the collectives an engine issues itself (DeepSpeed's), which
+        gptpar.parallel.comm.read_sent does not see; gptpar's own syncs' bytes are always counted there."""
+
+    def read_engine_sent(self) -> dict[str, int]:
+        """The bytes the engine's own collectives sent since count_engine_sent or the last read, by collective, in
+        read_sent's ring terms; empty for gptpar's syncs."""
+        return {}
+
     def memory_fields(self) -> dict[str, int]:
         """Extra fields of the `memory` record: what only this strategy can count (fsdp: its in-flight peak)."""
         return {}

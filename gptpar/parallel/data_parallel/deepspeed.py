@@ -235,18 +235,19 @@ class DeepSpeedSync(GradSync):
         if path is None:
             raise GptparError(f"cannot load DeepSpeed's checkpoint {folder / TAG.format(step)}")
 
-    def count_sent(self) -> None:
+    def count_engine_sent(self) -> None:
         """Have deepspeed.comm log every collective's size from now on (what it logged before is dropped), for
-        read_sent. Off in training runs: its logger synchronises the device after each collective, which would cost a
-        GPU run its overlap."""
+        read_engine_sent. Off in training runs: its logger synchronises the device after each collective, which would
+        cost a GPU run its overlap."""
         import deepspeed.comm
 
         deepspeed.comm.configure(enabled=True, prof_all=True, verbose=False)
         deepspeed.comm.comms_logger.comms_dict.clear()
 
-    def read_sent(self) -> dict[str, int]:
+    def read_engine_sent(self) -> dict[str, int]:
         """The bytes this rank sent since the last read, by collective, in comm_bytes' ring terms (what
-        gptpar.parallel.comm.read_sent gives for gptpar's own syncs), from deepspeed.comm's logger (see count_sent)."""
+        gptpar.parallel.comm.read_sent gives for gptpar's own syncs), from deepspeed.comm's logger (see
+        count_engine_sent)."""
         from deepspeed.comm import comms_logger
 
         sent = engine_sent(comms_logger.comms_dict, self.group_size)

@@ -62,13 +62,13 @@ RESUMED = ["stage2-accum", "stage3"]
 def _worker(info: RankInfo, runs: Path, cases: dict[str, list[str]], resumed: list[str]) -> None:
     for name, overrides in cases.items():
         trainer = make_trainer(make_config(overrides, runs, name), info)
-        trainer.sync.count_sent()
+        trainer.sync.count_engine_sent()
         losses = train_steps(trainer, 2)
         engine = trainer.sync.engine
         timeouts = {group._get_backend(info.device).options._timeout.total_seconds()
                     for group in (engine.data_parallel_group, engine.optimizer.dp_process_group)}
         torch.save({"losses": losses, "params": named_params(trainer), "memory": trainer.memory,
-                    "sent": trainer.sync.read_sent(), "timeouts": timeouts}, runs / f"{name}.rank{info.rank}.pt")
+                    "sent": trainer.sync.read_engine_sent(), "timeouts": timeouts}, runs / f"{name}.rank{info.rank}.pt")
     for name in resumed:  # a step, DeepSpeed's checkpoint and ours, a new trainer, a step
         resumed = resumed_run(make_config(CASES[name], runs, f"resumed-{name}"), info)
         torch.save(resumed, runs / f"resumed-{name}.rank{info.rank}.pt")
