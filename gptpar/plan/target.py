@@ -52,6 +52,18 @@ class Target:
         gb = (self.profile.get("links") or {}).get("gpu_memory_GB")
         return float(gb) * 1e9 if gb else None
 
+    @property
+    def host_memory_bytes(self) -> float | None:
+        """What one node's host memory holds (parallel.offload's parts), from the profile's `links.host_memory_GB`;
+        None where unknown: then unlimited."""
+        gb = (self.profile.get("links") or {}).get("host_memory_GB")
+        return float(gb) * 1e9 if gb else None
+
+    @property
+    def gpus_per_node(self) -> int:
+        """The profile's `links.gpus_per_node`; 0 where unknown (every rank on one machine)."""
+        return int((self.profile.get("links") or {}).get("gpus_per_node") or 0)
+
 
 def target_of(cfg: Config, calibration: str | None, key: str = CALIBRATION_FLAG) -> Target:
     """The device, calibration (named by `key`) and network of `cfg`'s launch.profile (the local profile: this
