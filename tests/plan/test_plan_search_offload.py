@@ -24,7 +24,7 @@ WORDS = ["model.preset=gpt2-xl", "data.source=synthetic", "data.seq_len=1024", "
          "train.batch_size=8"]
 
 
-def files(tmp_path: Path, gpu_gb: float, per_node: int = 8, host_gb: float | None = None) -> tuple[str, str]:
+def files(tmp_path: Path, gpu_gb: float, per_node: int = 8, host_gb: float | str | None = None) -> tuple[str, str]:
     """A profile of `gpu_gb` GPUs (`per_node` a node, `host_gb` of host memory a node where given) and a calibration
     of its device: (profile path, calibration path)."""
     profile = tmp_path / "v100.yaml"
@@ -100,3 +100,10 @@ def test_the_sweep_runs_the_offloaded_layouts(tmp_path: Path, capsys: pytest.Cap
     _, _, points = build_points(sweep, runs_dir=str(tmp_path / "runs"))  # as `gptpar sweep` resolves each point
     assert [(p.cfg.parallel.dp_sync, p.cfg.parallel.offload) for p in points] == shown
     assert len(points) == 3 and all(p.cfg.parallel.dp == 1 for p in points)
+
+
+def test_a_host_memory_that_is_no_number_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile, calib = files(tmp_path, gpu_gb=16, host_gb="lots")  # was float()'s ValueError, a traceback
+    assert main(["plan", "search", "--gpus", "1", "--profile", profile, *WORDS, "--calibration", calib]) == 2
+    err = capsys.readouterr().err
+    assert err == "gptpar: error: profile v100: links.host_memory_GB is 'lots', not a number of GB (e.g. 32)\n"
