@@ -37,7 +37,11 @@ def predict_config(cfg: Config, calibration: str | None, key: str = CALIBRATION_
 
 
 def describe(layout: Layout) -> str:
-    parts = [f"dp={layout.dp} ({layout.dp_sync})" if layout.dp > 1 else "dp=1"]
+    """The layout in one line; at dp=1 its sync only where parallel.offload builds it (over a group of one)."""
+    offloaded = layout.offload != "none"
+    parts = [f"dp={layout.dp} ({layout.dp_sync})" if layout.dp > 1 or offloaded else "dp=1"]
+    if offloaded:
+        parts.append(f"offload={layout.offload}")
     if layout.cp > 1:
         parts.append(f"cp={layout.cp} ({layout.cp_impl})")
     if layout.tp > 1:

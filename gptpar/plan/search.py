@@ -1,10 +1,11 @@
 """`gptpar plan search`: every layout of N GPUs for a model, ranked by predicted tokens/s under the memory limit.
 
 A candidate is a set of config overrides (dp x tp x pp, dp_sync, schedule and its stages per rank, micro-batches,
-sequence parallelism, activation checkpointing; where none of those fits, dp x cp with either cp_impl) resolved
-through the same config checks `gptpar train` runs, so a layout that cannot exist is rejected with the checks' own
-message; one that exists but does not fit a GPU is rejected with its predicted bytes. The top layouts can be written
-as a sweep file for `gptpar sweep`.
+sequence parallelism, activation checkpointing; where none of those fits, dp x cp with either cp_impl; where none of
+those fits either, a sync that keeps parallel.offload's parts on the host) resolved through the same config checks
+`gptpar train` runs, so a layout that cannot exist is rejected with the checks' own message; one that exists but does
+not fit a GPU (or its node's host memory) is rejected with its predicted bytes. The top layouts can be written as a
+sweep file for `gptpar sweep`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from gptpar.strategies.pipeline import SCHEDULES
 
 DEFAULTS = {"parallel.pp_schedule": "1f1b", "parallel.chunks": 4, "parallel.pp_virtual": 1, "train.grad_accum": 1,
             "parallel.sequence_parallel": False, "train.activation_checkpointing": "none", "parallel.tp_impl": "gptpar",
-            "parallel.cp": 1, "parallel.cp_impl": "ring"}
+            "parallel.cp": 1, "parallel.cp_impl": "ring", "parallel.offload": "none"}
 MICRO_STEPS = (1, 2, 4)  # grad_accum tried
 CHUNKS_PER_STAGE = (1, 2, 4)  # pipeline micro-batches per stage rank tried
 
@@ -46,10 +47,15 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def priced_syncs() -> list[str]:
+    """The data-parallel strategies the search tries: those the planner can price (their rows' `pricing`)."""
+    return [name for name, row in DP_STRATEGIES.items() if row.pricing is not None]
+
+
 def candidates(gpus: int, per_node: int) -> list[dict[str, object]]:
-    """Every combination the search tries, as parallel.* and train.* overrides (most of them valid): of the
-    data-parallel strategies, those the planner can price (their rows' `pricing`)."""
-    priced = [name for name, row in DP_STRATEGIES.items() if row.pricing is not None]
+    """Every combination the search tries, as parallel.* and train.* overrides (most of them valid), over
+    `priced_syncs`."""
+    priced = priced_syncs()
     out = []
     for tp in [d for d in divisors(gpus) if not per_node or d <= per_node]:
         for pp in divisors(gpus // tp):
@@ -73,7 +79,7 @@ def candidates(gpus: int, per_node: int) -> list[dict[str, object]]:
 def context_candidates(gpus: int) -> list[dict[str, object]]:
     """Layouts that split each sequence over cp ranks (parallel.cp, either implementation) with data parallelism over
     the rest, for when no layout of whole sequences fits: the sequence's activations fall as 1 / cp."""
-    priced = [name for name, row in DP_STRATEGIES.items() if row.pricing is not None]
+    priced = priced_syncs()
     out = []
     for cp in divisors(gpus)[1:]:
         dp = gpus // cp
@@ -86,8 +92,22 @@ def context_candidates(gpus: int) -> list[dict[str, object]]:
     return out
 
 
+def offload_candidates(gpus: int) -> list[dict[str, object]]:
+    """Layouts whose sync keeps what parallel.offload moves on the host, for when nothing fits the devices otherwise:
+    each of `priced_syncs` with each offload its row lists, data parallelism over every GPU (offload is built without
+    tp, ep and the multi-process pipeline). A row that offloads runs at dp=1 too (`group_of_one`, or `alone`): a
+    student's one GPU."""
+    out = []
+    for sync, ckpt, ga in itertools.product(priced_syncs(), ("none", "block"), MICRO_STEPS):
+        out += [{"parallel.dp": gpus, "parallel.tp": 1, "parallel.pp": 1, "parallel.dp_sync": sync,
+                 "parallel.offload": offload, "train.activation_checkpointing": ckpt, "train.grad_accum": ga}
+                for offload in DP_STRATEGIES[sync].offloads]
+    return out
+
+
 def evaluate(cfg: Config, overrides: dict[str, object], target: Target) -> Ranked | str:
-    """A candidate's prediction, or the reason it is rejected (the config check's message, or its memory)."""
+    """A candidate's prediction, or the reason it is rejected (the config check's message, or its memory: the device's
+    against a GPU, parallel.offload's host bytes of the node's ranks against its host memory)."""
     try:
         layout_cfg = updated(cfg, overrides)
         layout = resolved_layout(layout_cfg, target)
@@ -97,18 +117,24 @@ def evaluate(cfg: Config, overrides: dict[str, object], target: Target) -> Ranke
     limit = target.memory_bytes
     if limit is not None and pred.memory_bytes > limit:
         return f"needs {pred.memory_bytes / 1e9:.1f} GB per GPU, over the {limit / 1e9:.0f} GB a GPU holds"
+    host, node = pred.memory["host"], target.host_memory_bytes
+    ranks = min(layout.world, target.gpus_per_node or layout.world)  # the ranks that share one node's host
+    if node is not None and host * ranks > node:
+        return (f"needs {host * ranks / 1e9:.1f} GB of host memory per node ({ranks} rank(s) x {host / 1e9:.1f} GB, "
+                f"parallel.offload), over the {node / 1e9:.0f} GB a node holds")
     return Ranked(overrides, layout, pred)
 
 
 def search(cfg: Config, gpus: int, calibration: str | None) -> tuple[list[Ranked], Counter[str], dict[str, str]]:
     """Valid layouts best first, and the rejected ones' reasons with a count and an example layout each; where no
-    layout of whole sequences fits, those that split the sequence (`context_candidates`) are tried too."""
+    layout of whole sequences fits, those that split the sequence (`context_candidates`) are tried too, and where none
+    of those fits either, those that offload to the host (`offload_candidates`): a layout that fits without either is
+    always preferred."""
     target = target_of(cfg, calibration)
-    per_node = int((target.profile.get("links") or {}).get("gpus_per_node") or 0)
     ranked: list[Ranked] = []
     reasons: Counter[str] = Counter()
     example: dict[str, str] = {}
-    for tried in (candidates(gpus, per_node), context_candidates(gpus)):
+    for tried in (candidates(gpus, target.gpus_per_node), context_candidates(gpus), offload_candidates(gpus)):
         if ranked:
             break
         for overrides in tried:
@@ -139,13 +165,16 @@ def sweep_text(base: dict[str, object], top: list[Ranked], gpus: int, per_node: 
 
 
 def render(ranked: list[Ranked], reasons: Counter[str], example: dict[str, str], top: int) -> str:
-    lines = [f"{'#':>3} {'tokens/s':>12} {'step ms':>10} {'memory MB':>10} {'MFU':>6} {'bubble ms':>10} "
-             f"{'comm ms':>9}  layout"]
+    """The ranking as a table (memory MB: a GPU's; host MB: what parallel.offload keeps on a rank's host), then the
+    rejected layouts' reasons."""
+    lines = [f"{'#':>3} {'tokens/s':>12} {'step ms':>10} {'memory MB':>10} {'host MB':>8} {'MFU':>6} "
+             f"{'bubble ms':>10} {'comm ms':>9}  layout"]
     for i, r in enumerate(ranked[:top], 1):
         p = r.prediction
         mfu = f"{p.mfu:.0%}" if p.mfu is not None else "n/a"
         lines.append(f"{i:>3} {p.tokens_per_s:>12,.0f} {p.step_time_s * 1e3:>10,.1f} {p.memory_bytes / MB:>10,.0f} "
-                     f"{mfu:>6} {p.bubble_s * 1e3:>10,.1f} {sum(p.exposed_comm_s.values()) * 1e3:>9,.1f}  "
+                     f"{p.memory['host'] / MB:>8,.0f} {mfu:>6} {p.bubble_s * 1e3:>10,.1f} "
+                     f"{sum(p.exposed_comm_s.values()) * 1e3:>9,.1f}  "
                      f"{describe(r.layout)}")
     rejected = sum(reasons.values())
     lines.append(f"{len(ranked)} valid layout(s); " + (f"{rejected} rejected:" if rejected else "none rejected"))
@@ -170,7 +199,7 @@ def search_command(args: argparse.Namespace, cfg: Config) -> int:
     if args.sweep:
         if not ranked:
             raise GptparError("no valid layout to write as a sweep; see the reasons above")
-        per_node = int((target_of(cfg, args.calibration).profile.get("links") or {}).get("gpus_per_node") or 0)
+        per_node = target_of(cfg, args.calibration).gpus_per_node
         out = Path(args.sweep)
         planned = str(Path(args.calibration).resolve()) if args.calibration else SHIPPED  # each run's plan.json
         base = overrides_tree([*args.words, *(f"{k}={v}" for k, v in changes.items()),

@@ -3,6 +3,7 @@ profile's GPU), the calibration that fits it, the network between its ranks, and
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -49,8 +50,32 @@ class Target:
     @property
     def memory_bytes(self) -> float | None:
         """What one device holds for training, from the profile's `links.gpu_memory_GB`; None where unknown."""
-        gb = (self.profile.get("links") or {}).get("gpu_memory_GB")
-        return float(gb) * 1e9 if gb else None
+        return self._link_bytes("gpu_memory_GB")
+
+    @property
+    def host_memory_bytes(self) -> float | None:
+        """What one node's host memory holds (parallel.offload's parts), from the profile's `links.host_memory_GB`;
+        None where unknown: then unlimited."""
+        return self._link_bytes("host_memory_GB")
+
+    def _link_bytes(self, key: str) -> float | None:
+        """The profile's `links.<key>` (GB) in bytes; None where absent or 0; a value that is no positive number is one
+        line naming it."""
+        gb = (self.profile.get("links") or {}).get(key)
+        if not gb:
+            return None
+        try:
+            value = float(gb)
+        except (TypeError, ValueError):
+            value = math.nan
+        if isinstance(gb, bool) or not math.isfinite(value) or value < 0:
+            raise GptparError(f"profile {self.profile_name}: links.{key} is {gb!r}, not a number of GB (e.g. 32)")
+        return value * 1e9
+
+    @property
+    def gpus_per_node(self) -> int:
+        """The profile's `links.gpus_per_node`; 0 where unknown (every rank on one machine)."""
+        return int((self.profile.get("links") or {}).get("gpus_per_node") or 0)
 
 
 def target_of(cfg: Config, calibration: str | None, key: str = CALIBRATION_FLAG) -> Target:
