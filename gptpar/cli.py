@@ -308,7 +308,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     from gptpar.plan.search import search_command
 
-    return search_command(args, _config(args))
+    return search_command(args, lambda words: _resolved(words)[0])
 
 
 def cmd_trace(args: argparse.Namespace) -> int:

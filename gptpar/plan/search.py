@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,16 +183,16 @@ def render(ranked: list[Ranked], reasons: Counter[str], example: dict[str, str],
     return "\n".join(lines)
 
 
-def search_command(args: argparse.Namespace, cfg: Config) -> int:
-    """`gptpar plan search`: --model, --gpus and --profile set over the config words; prints the ranking."""
+def search_command(args: argparse.Namespace, resolve: Callable[[list[str]], Config]) -> int:
+    """`gptpar plan search`: --model and --profile are config words after the user's (a flag wins; they resolve
+    together, so data.task=classify takes the image preset --model names), --gpus the GPUs; prints the ranking."""
     if not args.gpus:
         raise GptparError("gptpar plan search needs --gpus N (the GPUs in all)")
+    words = [*args.words, *([f"model.preset={args.model}"] if args.model else []),
+             *([f"launch.profile={args.profile}"] if args.profile else [])]
+    cfg = resolve(words)
     changes: dict[str, object] = {}
-    if args.model:
-        changes["model.preset"] = args.model
-    if args.profile:
-        changes["launch.profile"] = args.profile
-    if not any(w.startswith("train.batch_size=") for w in args.words):
+    if not any(w.startswith("train.batch_size=") for w in words):
         changes["train.batch_size"] = max(cfg.train.batch_size, 8 * args.gpus)
     cfg = updated(cfg, changes) if changes else cfg
     ranked, reasons, example = search(cfg, args.gpus, args.calibration)
@@ -202,7 +203,7 @@ def search_command(args: argparse.Namespace, cfg: Config) -> int:
         per_node = target_of(cfg, args.calibration).gpus_per_node
         out = Path(args.sweep)
         planned = str(Path(args.calibration).resolve()) if args.calibration else SHIPPED  # each run's plan.json
-        base = overrides_tree([*args.words, *(f"{k}={v}" for k, v in changes.items()),
+        base = overrides_tree([*words, *(f"{k}={v}" for k, v in changes.items()),
                                f"report.plan_calibration={planned}"])
         atomic_write_text(out, sweep_text(base, ranked[:args.top], args.gpus, per_node))
         print(f"wrote {out}: the top {min(args.top, len(ranked))} as a sweep (gptpar sweep {out})")

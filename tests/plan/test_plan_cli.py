@@ -174,3 +174,19 @@ def test_a_search_with_nothing_rejected_ends_its_count_without_a_colon() -> None
     reasons = Counter({"parallel.tp=8 must divide model.n_head=4": 2})
     assert render([], reasons, {"parallel.tp=8 must divide model.n_head=4": "tp=8"}, 3).splitlines()[-2:] == [
         "0 valid layout(s); 2 rejected:", "  2 x parallel.tp=8 must divide model.n_head=4 (e.g. tp=8)"]
+
+
+def test_search_takes_the_image_preset_model_names_for_a_classifier(calib: str, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """--model resolves with the config words (data.task=classify is valid only with an image preset, which the
+    default preset is not); a ViT's layouts are data parallel only, the rest refused by the config's own line."""
+    sweep = tmp_path / "top.yaml"
+    code, out, err = run(["plan", "search", "--model", "vit-tiny", "--gpus", "2", "--profile", "local",
+                          "data.task=classify", "data.source=synthetic", "train.precision=fp32",
+                          "--calibration", calib, "--top", "2", "--sweep", str(sweep)], capsys)
+    assert code == 0, err
+    ranked = out.split(" valid layout(s)")[0].splitlines()[1:-1]
+    assert ranked and all("dp=2" in line or "dp=1" in line for line in ranked), out
+    assert "with model.arch=vit is not built: an image classifier runs whole on each rank" in out
+    base = yaml.safe_load(sweep.read_text())["base"]
+    assert (base["model"]["preset"], base["data"]["task"]) == ("vit-tiny", "classify")
