@@ -30,6 +30,7 @@ from gptpar.data.images import load_images
 from gptpar.errors import GptparError
 from gptpar.models.build import build_model, count_params, empty_model, materialize, model_config
 from gptpar.parallel.process_group import RankInfo
+from gptpar.plan.layout import layout_of
 from gptpar.presets import PRESETS
 from gptpar.run.folder import CONFIG_FILE
 from gptpar.run.logfile import format_record, rank_log_path
@@ -154,6 +155,8 @@ def test_vit_tiny_learns_the_embedded_set_and_logs_its_accuracy(tmp_path: Path) 
     assert epoch["accuracy"] == evals[24]["accuracy"]
     # a step's tokens are its images' patches and class tokens: 32 x (16 + 1)
     assert {r["tokens"] for r in records if r["kind"] == "step"} == {32 * 17}
+    (memory,) = [r for r in records if r["kind"] == "memory"]  # the planner counts the model the run built
+    assert memory["params"] == layout_of(cfg).rank_parameters(0) == 114_250
     assert format_record(evals[24]).endswith(f"accuracy {evals[24]['accuracy']:.2f}")  # as `gptpar logs` shows it
 
 
