@@ -24,6 +24,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
+from gptpar.adapters import lora_targets, matches
 from gptpar.architectures import ARCHITECTURES
 from gptpar.config import TrainConfig
 from gptpar.errors import GptparError, first_sentence
@@ -56,22 +57,11 @@ def adapter_value(part: str, shape: torch.Size, generator: torch.Generator) -> t
     return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
 
 
-def lora_targets(arch: str, t: TrainConfig) -> list[str]:
-    """train.lora_targets, or the defaults of architecture `arch` (its registry row) where it is empty."""
-    named = [name.strip() for name in t.lora_targets.split(",") if name.strip()]
-    return named or list(ARCHITECTURES[arch].lora_targets)
-
-
-def _matches(module_name: str, target: str) -> bool:
-    """peft's rule: a module is a target where its name is the target or ends with `.target`."""
-    return module_name == target or module_name.endswith(f".{target}")
-
-
 def check_targets(model: PreTrainedModel, targets: list[str]) -> None:
     """Every target names a module of the model: one line listing the adaptable layers' names where one does not."""
     names = [name for name, _ in model.named_modules()]
     for target in targets:
-        if not any(_matches(name, target) for name in names):
+        if not any(matches(name, target) for name in names):
             layers = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, ADAPTABLE)})
             raise GptparError(f"train.lora_targets: {target!r} matches no module of this "
                               f"{architecture(model).title}; its layers are named {', '.join(layers)} (a dotted "
@@ -122,7 +112,7 @@ def adapter_config(model: PreTrainedModel, t: TrainConfig) -> LoraConfig:
 def _conv1d_targets(model: nn.Module, targets: list[str]) -> bool:
     """Whether the targets are GPT-2's Conv1D layers, whose weights peft must read transposed (fan_in_fan_out)."""
     return any(isinstance(m, Conv1D) for name, m in model.named_modules()
-               if any(_matches(name, target) for target in targets))
+               if any(matches(name, target) for target in targets))
 
 
 def trainable_count(model: nn.Module) -> int:

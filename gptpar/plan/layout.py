@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gptpar.adapters import Trainable, lora_targets, lora_trainable
 from gptpar.config import Config, checkpoint_interval, checkpointed_indices, example_width
 from gptpar.data.image_store import image_classes
 from gptpar.presets import ModelShape
@@ -29,13 +30,18 @@ def vocabulary(cfg: Config) -> int:
     return 256 if d.tokenizer == "bytes" else GPT2_VOCAB
 
 
-def block_flops(shape: ModelShape, tokens: int, seq: int, tp: int = 1) -> tuple[float, float, float]:
+def block_flops(shape: ModelShape, tokens: int, seq: int, tp: int = 1, adapters: float | None = None
+                ) -> tuple[float, float, float]:
     """FLOPs of one block's F, B and W on `tokens` tokens of sequences of `seq`, on one of `tp` ranks: the matmuls
     2N per token forward, B the input gradients 2N plus attention's backward (twice its forward), W the weight
-    gradients 2N; attention 4·seq·width per token forward (the README's MFU count, 6N + 12·seq·width in all)."""
+    gradients 2N; attention 4·seq·width per token forward (the README's MFU count, 6N + 12·seq·width in all). Under
+    LoRA the block's `adapters` parameters add 2 each to F and B, and W is theirs alone (frozen weights get none)."""
     n = shape.active_block_parameters() / tp
     attention = 4 * seq * shape.n_embd / tp
-    return tokens * (2 * n + attention), tokens * (2 * n + 2 * attention), tokens * 2 * n
+    if adapters is None:
+        return tokens * (2 * n + attention), tokens * (2 * n + 2 * attention), tokens * 2 * n
+    a = adapters / tp
+    return tokens * (2 * (n + a) + attention), tokens * (2 * (n + a) + 2 * attention), tokens * 2 * a
 
 
 def head_flops(width: int, vocab: int, tokens: int, tp: int = 1) -> float:
@@ -74,7 +80,9 @@ class Layout:
     offload: str = "none"  # parallel.offload
     cp: int = 1  # parallel.cp: each sequence split over cp ranks of one replica
     cp_impl: str = "ring"  # parallel.cp_impl
-    lora_rank: int = 0  # train.lora_rank: priced as full training (predict.approximations says so)
+    lora_rank: int = 0  # train.lora_rank
+    lora: Trainable | None = None  # what trains under train.lora_rank (gptpar.adapters); None: every parameter
+    lora_unknown: tuple[str, ...] = ()  # train.lora_targets the closed form cannot count: priced as full training
 
     @property
     def world(self) -> int:
@@ -150,6 +158,21 @@ class Layout:
             whole += block - s.attention_parameters() - 2 * s.norm_parameters()
         return (block - whole) // self.tp + whole
 
+    def trainable(self, rank: int) -> int:
+        """Parameters pipeline rank `rank` trains: under LoRA the adapters and the `lora_trained` modules (LoRA runs
+        on one pipeline rank), else all it holds."""
+        return self.lora.total if self.lora else self.rank_parameters(rank)
+
+    @property
+    def block_trainable(self) -> float:
+        """One block's trained parameters: its adapters under LoRA (the blocks' mean, where a target names one
+        block's layer), else `block_parameters`."""
+        return self.lora.blocks / self.shape.n_layer if self.lora else self.block_parameters
+
+    def end_trainable(self, rank: int) -> float:
+        """Parameters pipeline rank `rank` trains outside its blocks."""
+        return self.lora.first + self.lora.last if self.lora else self.end_parameters(rank)
+
     def end_parameters(self, rank: int) -> int:
         """Parameters of pipeline rank `rank` outside its blocks (tables, final norm, an untied head)."""
         return self.rank_parameters(rank) - self.blocks_of(rank) * self.block_parameters
@@ -184,8 +207,13 @@ def layout_of(cfg: Config) -> Layout:
         counts = stage_sizes([shape.block_parameters()] * shape.n_layer, stages, table, table)
     shards = p.tp if p.tp > 1 else 1
     multiple = 1 if shape.patch_size else math.lcm(cfg.model.pad_vocab, shards)  # a classifier's classes unpadded
+    rows = vocabulary(cfg)
+    vocab = -(-rows // multiple) * multiple
+    # a padded table's LM head is gptpar's PaddedHead, which peft cannot adapt
+    targets = lora_targets(shape.arch, t)
+    lora = lora_trainable(shape, vocab, t.lora_rank, targets, head=vocab == rows) if t.lora_rank else None
     return Layout(
-        shape=shape, vocab=-(-vocabulary(cfg) // multiple) * multiple, dp=p.dp, tp=p.tp, pp=p.pp,
+        shape=shape, vocab=vocab, dp=p.dp, tp=p.tp, pp=p.pp,
         virtual=p.pp_virtual, chunks=chunks, grad_accum=t.grad_accum,
         seqs=t.batch_size // (p.dp * t.grad_accum * chunks), seq_len=example_width(cfg), dp_sync=p.dp_sync,
         schedule=p.pp_schedule, sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel,
@@ -195,4 +223,5 @@ def layout_of(cfg: Config) -> Layout:
         ep=p.ep, precision=t.precision,
         checkpoint_every=checkpoint_interval(t.activation_checkpointing),
         stage_blocks=tuple(counts or even_sizes(shape.n_layer, stages)), offload=p.offload, cp=p.cp,
-        cp_impl=p.cp_impl, lora_rank=t.lora_rank)
+        cp_impl=p.cp_impl, lora_rank=t.lora_rank, lora=lora if isinstance(lora, Trainable) else None,
+        lora_unknown=tuple(lora) if isinstance(lora, list) else ())

@@ -177,7 +177,7 @@ class Model:
         """One micro-batch's F, B and W on pipeline stage `stage`: its blocks, recomputation in backward, the head and
         loss on the last stage, and tensor-parallel communication."""
         lay, c = self.lay, self.c
-        f, b, w = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp)
+        f, b, w = block_flops(lay.shape, lay.tokens, lay.seq_len, lay.tp, lay.block_trainable if lay.lora else None)
         comm_f, comm_b = self.block_comm()
         cp_f, cp_b = self.context_comm()
         kinds = timed_whole(lay, c)
@@ -213,11 +213,12 @@ class Model:
                 head_f, hbw = c.seconds(kinds[0], hf), c.seconds(kinds[1], 2 * hf)
             else:  # an image classifier's patch projection (pp = 1: its first stage is its last) at the head's rate
                 head_f = c.seconds("head_f", hf + lay.patch_flops, self.alone) + head_cf
-                hbw = c.seconds("head_bw", 2 * hf + lay.patch_flops, self.alone) + head_cb
+                hbw = c.seconds("head_bw", sum(head_backward(lay, hf)), self.alone) + head_cb
             cost_f += head_f
             self.head_f, self.head_bw = head_f, hbw
-            cost_b += hbw / 2
-            cost_w += hbw / 2
+            back, weights = head_backward(lay, hf)
+            cost_b += hbw * back / (back + weights)
+            cost_w += hbw * weights / (back + weights)
             tp_comm += head_cf + head_cb
         return Costs(cost_f, cost_b, cost_w, tp_comm, ep_comm, cp_comm)
 
@@ -256,8 +257,9 @@ class Model:
 
     def dp_sync(self, backward_s: float, n: int, rank: int) -> float:
         """Exposed seconds of the data-parallel sync of one step on pipeline rank `rank`, whose last micro-step's
-        backward took `backward_s` (what buckets overlap with) and whose rank holds `n` parameters: the shape its row's
-        pricing names, over the dp x cp replicas (tp ranks apart)."""
+        backward took `backward_s` (what buckets overlap with) and whose rank trains `n` parameters (their gradients
+        synced, their updated shards gathered): the shape its row's pricing names, over the dp x cp replicas (tp ranks
+        apart)."""
         lay = self.lay
         if lay.replicas == 1:
             return 0.0
@@ -302,20 +304,18 @@ class Model:
         return exposed
 
     def units(self) -> list[tuple[float, float]]:
-        """The parameters of pipeline rank 0 in backward's order as (share of its parameters, share of backward done
-        when their gradients are complete): the final norm after the head's backward, each block after its own,
-        the embedding tables (the tied head's gradient included) last."""
+        """The parameters pipeline rank 0 trains in backward's order as (share of them, share of backward done when
+        their gradients are complete): the final norm (under LoRA the head's adapters and the modules that train
+        whole) after the head's backward, each block after its own, the embedding tables (the tied head's gradient
+        included; under LoRA their adapters or the patch projection's) last."""
         lay = self.lay
-        n, ends, blocks = lay.rank_parameters(0), self._ends(0), lay.blocks_of(0)
-        norm = lay.shape.norm_parameters() if lay.holds_head(0) else 0
+        n, blocks = lay.trainable(0), lay.blocks_of(0)
+        late = lay.lora.last if lay.lora else lay.shape.norm_parameters() if lay.holds_head(0) else 0
         head, block = self.head_bw, self.block_bw
         total = head + blocks * block
-        units = [(norm / n, head / total)]
-        units += [((n - ends) / blocks / n, (head + (i + 1) * block) / total) for i in range(blocks)]
-        return [*units, ((ends - norm) / n, 1.0)]
-
-    def _ends(self, rank: int) -> float:
-        return self.lay.end_parameters(rank)
+        units = [(late / n, head / total)]
+        units += [(lay.block_trainable / n, (head + (i + 1) * block) / total) for i in range(blocks)]
+        return [*units, ((lay.end_trainable(0) - late) / n, 1.0)]
 
     def buckets(self, backward_s: float, grads: float, op: str, coll) -> float:
         """Exposed seconds of buckets of parallel.bucket_mb reduced one after another as backward completes them."""
@@ -343,8 +343,8 @@ class Model:
         lay = self.lay
         costs = self.rank_costs(0)
         blocks = lay.blocks_of(0)
-        block_bytes = lay.block_parameters * 4.0
-        root_bytes = self._ends(0) * 4.0
+        block_bytes, root_bytes = lay.block_parameters * 4.0, lay.end_parameters(0) * 4.0  # every weight gathered
+        block_grads, root_grads = lay.block_trainable * 4.0, lay.end_trainable(0) * 4.0  # the trained reduced
         wire = WIRE_BYTES.get(lay.grad_comm, 4.0) / 4.0
         gathered = wire_value_bytes(lay.param_comm, lay.quant_block) / 4.0  # parallel.param_comm (qwZ at int8)
         later = lay.hpz_node or lay.replicas  # under hpZ only the step's first gather of each unit crosses nodes
@@ -360,7 +360,7 @@ class Model:
             for micro in range(lay.grad_accum):
                 forward = lay.replicas if micro == 0 else later
                 exposed += ag(root_bytes, forward) + blocks * ag(block_bytes, forward)
-                exposed += blocks * (ag(block_bytes, later) + rs(block_bytes)) + rs(root_bytes)
+                exposed += blocks * (ag(block_bytes, later) + rs(block_grads)) + rs(root_grads)
             self._add(label, exposed)
             return exposed
 
@@ -388,8 +388,8 @@ class Model:
                 if i + 1 < blocks:
                     gather_end = free = max(free, start) + ag(block_bytes, later)
                 t = start + per_bw[i]
-                free = max(free, t) + rs(block_bytes)
-            free = max(free, t) + rs(root_bytes)
+                free = max(free, t) + rs(block_grads)
+            free = max(free, t) + rs(root_grads)
             compute += sum(per_bw)
             exposed += max(free, t) - compute
         self._add(label, exposed)
@@ -400,6 +400,8 @@ class Model:
         its weights, biases and norms, then the tables and final norm."""
         s = self.lay.shape
         t = s.traits
+        if self.lay.lora:  # the adapters' A and B, the modules that train whole
+            return [1.0 / self.lay.lora.tensors] * self.lay.lora.tensors
         if t.gated_mlp:  # q, k, v, o, gate, up, down and two norms; qwen2's q, k and v biases
             per_block = 9 + 3 * t.qkv_bias
         else:  # GPT-2: fused qkv, its projection, fc, proj, each with its bias, and two norms with theirs
@@ -408,6 +410,15 @@ class Model:
         ends = 1 + t.learned_positions + 1 + t.norm_biases + (0 if s.tied else 1)
         count = blocks * per_block + ends
         return [1.0 / count] * count
+
+
+def head_backward(lay: Layout, hf: float) -> tuple[float, float]:
+    """FLOPs of the head's backward whose forward is `hf`: its input gradient, and the weight gradients (the head's
+    and an image classifier's patch projection's, whose pixels need no input gradient). Under LoRA the frozen weights
+    get none: the head's only where it trains whole (ViT's classifier); the adapters at the ends are not counted."""
+    if lay.lora:
+        return hf, hf if lay.lora.head_whole else 0.0
+    return hf, hf + lay.patch_flops
 
 
 def timed_whole(lay: Layout, calib: Calibration) -> list[str] | None:
@@ -454,7 +465,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     ours = lay.tp > 1 and lay.tp_impl == "gptpar"
     grouped = lay.pp > 1 or ours or lay.ep > 1 or (sharded and row.pricing.grouped_norm)
     kind = "optimizer_grouped" if grouped and "optimizer_grouped" in calib.compute else "optimizer"
-    optimizer = max(calib.seconds(kind, lay.rank_parameters(r) / (lay.replicas if sharded else 1), model.alone)
+    optimizer = max(calib.seconds(kind, lay.trainable(r) / (lay.replicas if sharded else 1), model.alone)
                     for r in range(lay.pp))
     lists = None
     if lay.pp > 1:
@@ -473,7 +484,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     before, (sync, exposed) = dict(model.exposed), (0.0, dict(model.exposed))
     for r in range(lay.pp):  # every pipeline rank syncs its own stage; the step waits for the slowest
         model.exposed = dict(before)
-        seconds = model.dp_sync(backward, lay.rank_parameters(r), r)
+        seconds = model.dp_sync(backward, lay.trainable(r), r)
         if seconds >= sync:
             sync, exposed = seconds, model.exposed
     model.exposed = exposed
@@ -485,7 +496,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
         stride = lay.replicas * lay.tp * (lay.pp - 1)
         tied = net.seconds("all_reduce", lay.vocab // lay.tp * lay.shape.n_embd * 4, 2, stride)
         model._add("tied embedding all_reduce", tied)
-    copies = max(host_copy_s(lay, net, lay.rank_parameters(r)) for r in range(lay.pp))
+    copies = max(host_copy_s(lay, net, r) for r in range(lay.pp))
     model._add("host-device copies", copies)
     step = core + sync + optimizer + small + tied + copies
     memory = memory_parts(lay, calib, lists)
@@ -499,10 +510,12 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
                       fullest, mfu, lay.world, notes, memory)
 
 
-def host_copy_s(lay: Layout, net: Network, n: int) -> float:
-    """Seconds of one step's copies between a rank's device and its host under parallel.offload (its row's
-    `host_copy_bytes` of the rank's `n` parameters, over the network's host-device link), all exposed."""
-    nbytes = DP_STRATEGIES[lay.dp_sync].host_copy_bytes(n, lay.replicas, lay.offload, lay.grad_accum)
+def host_copy_s(lay: Layout, net: Network, rank: int) -> float:
+    """Seconds of one step's copies between pipeline rank `rank`'s device and its host under parallel.offload (its
+    row's `host_copy_bytes` of the rank's parameters and those it trains, over the network's host-device link), all
+    exposed."""
+    nbytes = DP_STRATEGIES[lay.dp_sync].host_copy_bytes(lay.rank_parameters(rank), lay.replicas, lay.offload,
+                                                        lay.grad_accum, lay.trainable(rank))
     return net.host_device.seconds("send_recv", nbytes, 1) if nbytes else 0.0
 
 
@@ -525,10 +538,15 @@ def approximations(lay: Layout, calib: Calibration) -> list[str]:
                      "times one at cp = its ranks, without tp), so its blocks are priced at the calibrated block's "
                      "rate (sdpa's kernel: the ring attends by plain matmuls, all_to_all reorders its tensors) and its "
                      "exchanges as exposed beside them")
-    if lay.lora_rank:
+    if lay.lora:
+        notes.append(f"train.lora_rank={lay.lora_rank}: {lay.lora.total:,} parameters train (gptpar/adapters.py), "
+                     "their gradients, optimizer state and sync alone priced; the activations are full training's "
+                     "calibrated figure (a frozen layer may save less): an upper bound")
+    elif lay.lora_rank:
         notes.append(f"train.lora_rank={lay.lora_rank} is priced as full training (every weight's gradient, "
-                     "optimizer state and gradient sync; only the adapters train): its memory and step time are upper "
-                     "bounds")
+                     f"optimizer state and gradient sync): train.lora_targets {', '.join(lay.lora_unknown)} names no "
+                     "layer the closed form counts (gptpar/adapters.py: a mixture's experts or router, a norm, a "
+                     "padded LM head or a name the model lacks), so its memory and step time are upper bounds")
     if lay.ep > 1 and lay.shape.moe:
         notes.append("parallel.ep: the experts' gradients are priced as reduced over all of dp (they are reduced "
                      "over their dp/ep replicas), and routing as balanced")
@@ -549,14 +567,15 @@ def stage_activation_bytes(lay: Layout, calib: Calibration, stage: int) -> float
 
 
 def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | None) -> list[dict[str, int]]:
-    """Each pipeline rank's bytes: training state on the device by the strategy table's closed form (under
-    parallel.offload what moved is "host", outside the device's total), activations of the
+    """Each pipeline rank's bytes: training state on the device by the strategy table's closed form (under LoRA
+    gradients and optimizer state of what trains only; under parallel.offload what moved is "host", outside the
+    device's total), activations of the
     micro-batches it holds at once (weighted `peak_activations` of its schedule, one micro-step without a pipeline),
     the units a sharding sync holds gathered (its pricing's `in_flight`), hpZ's secondary copy (`hpz_bytes`)."""
     row = DP_STRATEGIES[lay.dp_sync]
     out = []
     for r in range(lay.pp):
-        n = lay.rank_parameters(r)
+        n, trained = lay.rank_parameters(r), lay.trainable(r)
         if lists is None:
             held = stage_activation_bytes(lay, calib, 0)
         else:
@@ -568,9 +587,9 @@ def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | No
         # by role, the device's: what parallel.offload moved is 0 here and in "host"
         shard = {part: math.inf if part in MOVED[lay.offload] else lay.replicas if part in row.sharded else 1
                  for part in ("params", "grads", "optimizer")}
-        device, host = row.placed_bytes(n, lay.replicas, lay.offload)
-        parts = {"params": int(n * 4 / shard["params"]), "grads": int(n * 4 / shard["grads"]),
-                 "optimizer": int(n * 8 / shard["optimizer"]), "state": int(device), "host": int(host),
+        device, host = row.placed_bytes(n, lay.replicas, lay.offload, trained)
+        parts = {"params": int(n * 4 / shard["params"]), "grads": int(trained * 4 / shard["grads"]),
+                 "optimizer": int(trained * 8 / shard["optimizer"]), "state": int(device), "host": int(host),
                  "activations": int(held), "gathered": gathered,
                  "hpz": int(hpz_bytes(n, lay.hpz_node, lay.param_comm, lay.quant_block)) if lay.hpz_node else 0}
         parts["total"] = parts["state"] + parts["activations"] + parts["gathered"] + parts["hpz"]

@@ -135,12 +135,15 @@ class DataParallelStrategy:
         host holds). A row that runs `alone` (DeepSpeed) is built there anyway and makes its own group."""
         return offload != "none" and not self.alone
 
-    def host_copy_bytes(self, n: float, w: int, offload: str, micro_steps: int) -> float:
+    def host_copy_bytes(self, n: float, w: int, offload: str, micro_steps: int, trainable: float | None = None
+                        ) -> float:
         """Bytes copied between host and device in one step of `micro_steps` under parallel.offload, by its pricing's
-        `host_copies` of the rank's optimizer shard (fp32); 0 without offload."""
+        `host_copies` of the rank's optimizer shard (fp32); 0 without offload. The per-step copies are the optimizer
+        step's (gradients down, updated values up): of the `trainable` parameters only (None: all); the per-micro-step
+        ones are forward's and backward's parameters, frozen ones too."""
         per_step, per_micro = self.pricing.host_copies.get(offload, (0.0, 0.0)) if self.pricing else (0.0, 0.0)
-        shard = n / (w if "optimizer" in self.sharded else 1)
-        return 4 * shard * (per_step + per_micro * micro_steps)
+        share = 4 / (w if "optimizer" in self.sharded else 1)
+        return share * ((n if trainable is None else trainable) * per_step + n * per_micro * micro_steps)
 
 
 def hpz_bytes(n: float, node_size: int, param_comm: str = "fp32", quant_block: int = 256) -> float:

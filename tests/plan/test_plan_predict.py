@@ -242,15 +242,6 @@ def test_our_tensor_parallel_pieces_take_the_grouped_clip_and_torchs_take_torchs
     assert any("tp_impl=torch" in note for note in plain.notes) and not grouped.notes
 
 
-def test_a_lora_run_is_priced_as_full_training_and_says_its_figures_are_upper_bounds() -> None:
-    full, lora = (layout(*EIGHT_BLOCKS, "parallel.dp=2", *extra) for extra in ((), ("train.lora_rank=8",)))
-    calib = calibration(full)
-    plain, adapted = (predict(lay, calib, network(), "test cpu") for lay in (full, lora))
-    assert (adapted.step_time_s, adapted.memory_bytes) == (plain.step_time_s, plain.memory_bytes)
-    assert not plain.notes and any(note.startswith("train.lora_rank=8 is priced as full training") and
-                                   note.endswith("upper bounds") for note in adapted.notes), adapted.notes
-
-
 def test_each_pipeline_stage_is_priced_by_its_own_blocks() -> None:
     """Interleaved stages of 3, 3, 1 and 1 blocks (rank 0 holds stages 0 and 2, rank 1 stages 1 and 3): each action
     costs its own stage's blocks (F, B and W 1 s a block, the head free), not half its rank's, so the step is the
