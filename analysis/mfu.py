@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from gptpar.adapters import lora_targets, lora_trainable
 from gptpar.config import (
     SECTIONS,
     Config,
@@ -33,15 +34,20 @@ PRECISIONS = {"float32": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": 
 def model_shape(params: dict[str, Any], vocab_size: int) -> FlopsShape | None:
     """The shape of a flattened resolved config (a pretrained folder's, else the preset with its overrides), the
     positions of one of its examples (as its step records count tokens: data.seq_len, an image's patches and class
-    token) and its vocabulary (an image classifier's classes); None when the run's pretrained folder can no longer
-    be read or a logged value is no longer allowed (no FLOPs rather than a guess)."""
+    token), its vocabulary (an image classifier's classes) and, under train.lora_rank, what trains; None when the run's
+    pretrained folder can no longer be read, a logged value is no longer allowed or its LoRA targets are ones
+    gptpar.adapters cannot count (no FLOPs rather than a guess)."""
     try:
         cfg = _logged_config(params)
         model, width = cfg.model.shape(), example_width(cfg)
     except ConfigError:
         return None
-    every = checkpoint_interval(cfg.train.activation_checkpointing)
-    return FlopsShape(model, width, vocab_size, len(checkpointed_indices(model.n_layer, every)))
+    t = cfg.train
+    lora = lora_trainable(model, vocab_size, t.lora_rank, lora_targets(model.arch, t)) if t.lora_rank else None
+    if isinstance(lora, list):
+        return None
+    every = checkpoint_interval(t.activation_checkpointing)
+    return FlopsShape(model, width, vocab_size, len(checkpointed_indices(model.n_layer, every)), lora)
 
 
 def _logged_config(params: dict[str, Any]) -> Config:
@@ -82,7 +88,8 @@ def utilisation(tokens_per_s: float | None, devices: int, device: str, precision
         named = device if precision == "fp32" else f"{device} {precision}"
         return Utilisation(None, None, f"n/a (unknown peak for {named})")
     if shape is None:
-        return Utilisation(None, None, "n/a (the log does not record the vocabulary size)")
+        return Utilisation(None, None, "n/a (the log does not give the model's FLOPs: no vocabulary size, a pretrained "
+                                       "folder no longer readable, or LoRA targets gptpar/adapters.py cannot count)")
     if not tokens_per_s:
         return Utilisation(None, None, "n/a (no throughput)")
     mfu = tokens_per_s * flops_per_token(shape) / (devices * peak)

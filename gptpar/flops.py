@@ -18,12 +18,18 @@ what a step record counts as its tokens), and per image it runs
 the blocks and final norm over every position, attention, the patch projection (a P x P convolution of 3
 channels, as a linear layer over each patch) and the classifier over the class token alone (C classes, with its
 bias); per token, that over T.
+
+Under LoRA (train.lora_rank > 0) a frozen weight gets no gradient of its own: it costs 4 FLOPs per use (forward and
+input gradient) where a trained one costs 6, so 4·N + 6·A + 4·V·d + 12·L·H·Q·T, A the adapters of the blocks
+(gptpar.adapters: r·(in + out) per adapted layer), and a ViT's patch projection 4 and its classifier, which trains
+whole, 6. Adapters outside the blocks (on a table or the head) are not counted: r·(V + d) against V·d.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gptpar.adapters import Trainable
 from gptpar.hardware import peaks_of
 from gptpar.presets import ModelShape
 
@@ -36,25 +42,30 @@ class FlopsShape:
     seq_len: int  # positions of one example: data.seq_len, or an image's patches and class token
     vocab_size: int  # the LM head's rows, or an image classifier's classes
     recomputed_blocks: int = 0  # blocks whose forward activation checkpointing runs twice
+    lora: Trainable | None = None  # train.lora_rank > 0: what trains (gptpar.adapters); None: every weight
 
 
 def flops_per_token(shape: FlopsShape) -> float:
     """Model FLOPs of training on one token: 6N + 6·V·d + 12·L·H·Q·T, or an image classifier's per image over its
-    T positions (module docstring)."""
-    m = shape.model
+    T positions; under LoRA 4 per frozen weight and 6 per adapter weight of the blocks (module docstring)."""
+    m, trained = shape.model, (6.0 if shape.lora is None else 4.0)
     n_params = m.n_layer * m.active_block_parameters() + m.norm_parameters()
+    blocks = trained * n_params + (6.0 * shape.lora.blocks if shape.lora else 0.0)
     attention = 12.0 * m.n_layer * m.n_head * m.head_dim * shape.seq_len
+    head = 6.0 if shape.lora is None or shape.lora.head_whole else 4.0
     if m.patch_size:
-        patch_projection = 6.0 * (3 * m.patch_size ** 2 * m.n_embd + m.n_embd) * m.patches
-        classifier = 6.0 * (m.n_embd + 1) * shape.vocab_size
-        return ((6.0 * n_params + attention) * shape.seq_len + patch_projection + classifier) / shape.seq_len
-    return 6.0 * n_params + 6.0 * shape.vocab_size * m.n_embd + attention
+        patch_projection = trained * (3 * m.patch_size ** 2 * m.n_embd + m.n_embd) * m.patches
+        classifier = head * (m.n_embd + 1) * shape.vocab_size
+        return ((blocks + attention) * shape.seq_len + patch_projection + classifier) / shape.seq_len
+    return blocks + head * shape.vocab_size * m.n_embd + attention
 
 
 def hardware_flops_per_token(shape: FlopsShape) -> float:
-    """Model FLOPs plus one more forward of every recomputed block (2 FLOPs per weight, 4·H·Q·T attention)."""
+    """Model FLOPs plus one more forward of every recomputed block (2 FLOPs per weight, its adapters' under LoRA,
+    4·H·Q·T attention)."""
     m = shape.model
-    recompute_forward = 2.0 * m.active_block_parameters() + 4.0 * m.n_head * m.head_dim * shape.seq_len
+    adapters = shape.lora.blocks / m.n_layer if shape.lora else 0.0
+    recompute_forward = 2.0 * (m.active_block_parameters() + adapters) + 4.0 * m.n_head * m.head_dim * shape.seq_len
     return flops_per_token(shape) + shape.recomputed_blocks * recompute_forward
 
 

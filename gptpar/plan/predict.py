@@ -503,7 +503,7 @@ def predict(layout: Layout, calib: Calibration, net: Network, device: str) -> Pr
     fullest = max(memory, key=lambda m: m["total"])
     tokens_per_s = lay.step_tokens / step
     peak = peak_flops(device, lay.precision)
-    flops = flops_per_token(FlopsShape(lay.shape, lay.seq_len, lay.vocab))
+    flops = flops_per_token(FlopsShape(lay.shape, lay.seq_len, lay.vocab, lora=lay.lora))
     mfu = flops * tokens_per_s / (lay.world * peak) if peak else None
     notes = approximations(lay, calib)
     return Prediction(step, tokens_per_s, fullest["total"], compute_s + optimizer, bubble_s, dict(model.exposed),

@@ -9,6 +9,7 @@ from logsets import Rank, config
 
 from analysis.mfu import FlopsShape, flops_per_token, hardware_flops_per_token, peak_flops, utilisation
 from analysis.report import analyse_runs
+from gptpar.adapters import lora_trainable
 from gptpar.cli import main as gptpar_main
 from gptpar.hardware import PEAK_FLOPS
 from gptpar.presets import PRESETS
@@ -152,3 +153,38 @@ def test_report_counts_a_vits_positions_not_data_seq_len(tmp_path: Path) -> None
     # measured: equal; rel 1e-12 allows another order of the float sums
     assert m.mfu == pytest.approx(1e3 * VIT_IMAGE_FLOPS / 1e11, rel=1e-12)  # 1,000 images/s
     assert m.hfu == pytest.approx((1e3 * VIT_IMAGE_FLOPS + 1.7e4 * 2 * VIT_RECOMPUTE_FORWARD) / 1e11, rel=1e-12)
+
+
+# Under LoRA a frozen weight costs forward and input gradient, 4 FLOPs a use; the adapters all 6. gpt2's default
+# targets, c_attn (768 -> 2304) and attn.c_proj (768 -> 768), at r=8: 8·(768 + 2304) + 8·(768 + 768) = 36,864 a
+# block, A = 12·36,864 = 442,368. 4N = 340,224,000; 6A = 2,654,208; the frozen head 4·50257·768 = 154,389,504;
+# attention as before 113,246,208. A recomputed block's forward adds its adapters': 2·36,864 = 73,728.
+GPT2_LORA8_FLOPS = 340_224_000 + 2_654_208 + 154_389_504 + 113_246_208
+
+
+def test_lora_counts_a_frozen_weight_four_times_and_an_adapter_six() -> None:
+    lora = lora_trainable(PRESETS["gpt2"], 50257, 8, ["c_attn", "attn.c_proj"])
+    assert lora.blocks == 442_368
+    shape = FlopsShape(PRESETS["gpt2"], 1024, 50257, recomputed_blocks=12, lora=lora)
+    assert flops_per_token(shape) == GPT2_LORA8_FLOPS == 610_513_920
+    assert hardware_flops_per_token(shape) == GPT2_LORA8_FLOPS + 12 * (RECOMPUTE_FORWARD + 73_728)
+
+
+def test_a_lora_vits_classifier_trains_whole_and_its_patch_projection_is_frozen() -> None:
+    """vit-tiny, 10 classes, r=4 on q, k, v and o (64 -> 64): A = 2 blocks · 4 · 4·128 = 4,096. Per image 4·N·T =
+    6,806,528, 6·A·T = 417,792, attention 443,904, the frozen projection 4·(3·8²·64 + 64)·16 = 790,528, the classifier
+    still 6·(64 + 1)·10 = 3,900."""
+    lora = lora_trainable(PRESETS["vit-tiny"], 10, 4, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert (lora.blocks, lora.head_whole) == (4_096, True)
+    image = 6_806_528 + 417_792 + 443_904 + 790_528 + 3_900
+    assert flops_per_token(FlopsShape(PRESETS["vit-tiny"], 17, 10, lora=lora)) == pytest.approx(image / 17, rel=1e-15)
+
+
+def test_report_gives_a_lora_runs_mfu_by_what_trains(tmp_path: Path) -> None:
+    """The logged train.lora_rank and targets give the count; targets gptpar.adapters cannot count give no MFU."""
+    gpt2 = {"model.preset": "gpt2", "data.seq_len": 1024, "train.lora_rank": 8}
+    _gpu_run(tmp_path, "lora", 100_000, **gpt2)
+    _gpu_run(tmp_path, "uncounted", 100_000, **gpt2, **{"train.lora_targets": "ln_1"})
+    by = {m.run: m for m in analyse_runs(tmp_path, now=LATER)}
+    assert by["lora"].mfu == pytest.approx(1e5 * GPT2_LORA8_FLOPS / 989.4e12)
+    assert by["uncounted"].mfu is None and "LoRA targets" in by["uncounted"].mfu_note
