@@ -1,9 +1,9 @@
 """What torch's fully_shard (FSDP2) holds unsharded at once during real steps, counted in units as the fsdp2 row's
 `Pricing.in_flight` counts them (a unit: the root's parameters, or one block's, at 4 bytes a parameter).
 
-Read from FSDP2's own state at every module's forward (before and after fully_shard's hooks), between a unit's
-all-gather and its copy-out, at every gradient of a module's output and at every gradient of a unit's input (the
-moment before its post-backward reduce-scatters the unit's gradients, all accumulated by then): per parameter group,
+Read from FSDP2's own state at every unit's forward (before and after fully_shard's hooks), between a unit's
+all-gather and its copy-out, at every gradient of a unit's output and of its input (the moment before its
+post-backward reduce-scatters the unit's gradients, all accumulated by then): per parameter group,
 its unsharded parameters (`all_gather_outputs`, 0 bytes while resharded) and its unsharded gradients
 (`_unsharded_param.grad`, or `unsharded_accumulated_grad` in the reduce type); its pending all-gather output (a
 backward prefetch's `_all_gather_result`); per communication context, the all-gather output forward keeps to free at
@@ -34,16 +34,17 @@ class UnshardedUnits:
     def __init__(self, model: nn.Module) -> None:
         fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]  # the root first
         self.groups = [(m is fsdp[0], g) for m in fsdp if (g := m._get_fsdp_state()._fsdp_param_group) is not None]
-        self.is_root = {sum(p._sharded_param_data.numel() for p in g.fsdp_params) * g.mesh_info.shard_mesh_size: root
-                        for root, g in self.groups}  # elements of a unit's whole padded buffer -> the root's?
-        self.sizes = (*(next(n for n, root in self.is_root.items() if root is kind) for kind in (True, False)),
-                      len(self.groups) - 1)
+        # elements of each unit's whole padded buffer (its shards' over the group), the root's first
+        whole = [sum(p._sharded_param_data.numel() for p in g.fsdp_params) * g.mesh_info.shard_mesh_size
+                 for _, g in self.groups]
+        self.is_root = {n: root for n, (root, _) in zip(whole, self.groups, strict=True)}  # tells buffers apart
+        self.sizes = (whole[0], whole[1], len(whole) - 1)
         self.peak: Units = (0, 0)
         self.most: Units = (0, 0)
         self.peak_bytes = 0
         for _, group in self.groups:
             group.wait_for_unshard = self._sampled(group.wait_for_unshard)
-        for module in model.modules():
+        for module in fsdp:
             module.register_forward_pre_hook(self._before_forward)
             module.register_forward_hook(lambda *_: self.sample(), prepend=True)  # before fully_shard reshards
             module.register_forward_hook(self._after_forward)
@@ -56,10 +57,9 @@ class UnshardedUnits:
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
         self.sample()
-        if isinstance(module, FSDPModule):  # its inputs as fully_shard's hook left them: a post-backward's inputs
-            for arg in args:
-                if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                    arg.register_hook(lambda _: self.sample())
+        for arg in args:  # its inputs as fully_shard's hook left them: their gradients come just before post-backward
+            if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                arg.register_hook(lambda _: self.sample())
 
     def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self.sample()
