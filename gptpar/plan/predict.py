@@ -524,9 +524,9 @@ def approximations(lay: Layout, calib: Calibration) -> list[str]:
     notes = []
     if lay.grad_comm == "powersgd":
         notes.append("parallel.grad_comm=powersgd is priced as fp32 (its low-rank P and Q are not modelled)")
-    pricing = DP_STRATEGIES[lay.dp_sync].pricing
-    if lay.replicas > 1 and pricing.note:
-        notes.append(pricing.note)
+    row = DP_STRATEGIES[lay.dp_sync]
+    if row.syncs(lay.replicas, lay.offload) and row.pricing.note:
+        notes.append(row.pricing.note)
     if lay.tp > 1 and lay.tp_impl == "torch":
         notes.append("parallel.tp_impl=torch is priced as our tensor-parallel block and head (the same collectives "
                      "between the same matmuls; DTensor's dispatch is not timed)")
@@ -571,7 +571,9 @@ def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | No
     gradients and optimizer state of what trains only; under parallel.offload what moved is "host", outside the
     device's total), activations of the
     micro-batches it holds at once (weighted `peak_activations` of its schedule, one micro-step without a pipeline),
-    the units a sharding sync holds gathered (its pricing's `in_flight`), hpZ's secondary copy (`hpz_bytes`)."""
+    the units a sharding sync holds unsharded (its pricing's `gathered_bytes`, wherever a sync runs: over dp x cp
+    replicas, or over a group of one under parallel.offload, whose units are copied in to run), hpZ's secondary copy
+    (`hpz_bytes`)."""
     row = DP_STRATEGIES[lay.dp_sync]
     out = []
     for r in range(lay.pp):
@@ -581,9 +583,9 @@ def memory_parts(lay: Layout, calib: Calibration, lists: list[list[Action]] | No
         else:
             held = peak_activations(lists[r], lambda a: stage_activation_bytes(lay, calib, a.stage))
         gathered = 0
-        if lay.replicas > 1 and any(row.pricing.in_flight):
-            roots, blocks = row.pricing.in_flight
-            gathered = 4 * (roots * lay.end_parameters(r) + blocks * lay.block_parameters)
+        if row.syncs(lay.replicas, lay.offload):  # its units are gathered (over a group of one: copied in) to run
+            gathered = int(row.pricing.gathered_bytes(lay.end_parameters(r), lay.block_parameters, trained,
+                                                      lay.replicas == 1, lay.grad_accum > 1))
         # by role, the device's: what parallel.offload moved is 0 here and in "host"
         shard = {part: math.inf if part in MOVED[lay.offload] else lay.replicas if part in row.sharded else 1
                  for part in ("params", "grads", "optimizer")}

@@ -54,7 +54,12 @@ class Pricing:
 
     shape: str  # a key of SYNC_SHAPES
     label: str = ""  # the entry its exposed seconds go under; "" for the collectives' own names
-    in_flight: tuple[int, int] = (0, 0)  # (root, block) units it holds gathered at once, 4 bytes a parameter each
+    in_flight: tuple[int, int] = (0, 0)  # (root, block) units it holds unsharded at once, 4 bytes a parameter each,
+    # over W > 1 replicas with one micro-step a step (parameters, gradients, and buffers of a unit's size)
+    # (over a group of one: parallel.offload at dp=1, under train.grad_accum > 1) -> the (root, block) units held at
+    # each moment that may be the peak, where they differ from `in_flight`; under accumulation beside every unit's
+    # whole unsharded gradient, which stays on the device from one micro-step to the next (`gathered_bytes`)
+    in_flight_cases: dict[tuple[bool, bool], tuple[tuple[int, int], ...]] = field(default_factory=dict)
     grouped_norm: bool = True  # its gradient shards' norm is summed per tensor over dp (clip_gradients' groups);
     # False: torch's own norm over DTensor shards
     note: str = ""  # what its price approximates, said beside the prediction
@@ -62,6 +67,23 @@ class Pricing:
     # bytes a value) that offload makes (zero1/zero2 optimizer: the gradient shard down and the updated shard up once
     # a step; fsdp2 params: the gradient shard down once, the parameter shard up for forward's and backward's gathers)
     host_copies: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def in_flight_units(self, alone: bool, accumulating: bool) -> tuple[tuple[int, int], ...]:
+        """The (root, block) units held at each moment that may be the peak: over a group of one (`alone`), under
+        train.grad_accum > 1 (`accumulating`; beside every unit's whole gradient where `in_flight_cases` says so)."""
+        return self.in_flight_cases.get((alone, accumulating), (self.in_flight,))
+
+    def gathered_bytes(self, root: float, block: float, whole: float, alone: bool, accumulating: bool) -> float:
+        """Bytes a rank holds unsharded at the step's peak, beside its state: the most of `in_flight_units`' moments
+        at 4 bytes a parameter of the `root` unit and of a `block`, and under accumulation a case of `in_flight_cases`
+        adds the `whole` rank's unsharded gradient (`keeps_whole_gradient`)."""
+        units = max(4 * (roots * root + blocks * block) for roots, blocks in self.in_flight_units(alone, accumulating))
+        return units + (4 * whole if self.keeps_whole_gradient(alone, accumulating) else 0)
+
+    def keeps_whole_gradient(self, alone: bool, accumulating: bool) -> bool:
+        """Under train.grad_accum > 1 every unit's unsharded gradient stays from one micro-step to the next: where
+        `in_flight_cases` prices accumulation."""
+        return accumulating and (alone, accumulating) in self.in_flight_cases
 
     def __post_init__(self) -> None:
         if self.shape not in SYNC_SHAPES:
@@ -135,6 +157,10 @@ class DataParallelStrategy:
         host holds). A row that runs `alone` (DeepSpeed) is built there anyway and makes its own group."""
         return offload != "none" and not self.alone
 
+    def syncs(self, replicas: int, offload: str) -> bool:
+        """Its sync runs: over replicas > 1, or at one over a group of one (`group_of_one`)."""
+        return replicas > 1 or self.group_of_one(offload)
+
     def host_copy_bytes(self, n: float, w: int, offload: str, micro_steps: int, trainable: float | None = None
                         ) -> float:
         """Bytes copied between host and device in one step of `micro_steps` under parallel.offload, by its pricing's
@@ -167,6 +193,21 @@ _WHOLE_COMPILE_FSDP = ("gathers and frees each block's parameters in hooks aroun
 _BUCKETS = Pricing("buckets")
 _BUCKETS_OFFLOADED = Pricing("buckets", host_copies={"optimizer": (2.0, 0.0)})
 _UNITS = "fsdp gathers and reduce-scatters"
+# What torch's fully_shard holds unsharded at once (tests/unsharded_units.py measures it on real steps; read
+# torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py for why). The root is not resharded after forward, and its
+# gradients (the tied matrix's two uses summed by autograd) live from the head's backward to the root's reduce-scatter:
+# 2 root units. In backward, block i holds its parameters and gradients, the all-gather output of block i-1 (the
+# implicit backward prefetch, issued in block i's pre-backward and copied out in block i-1's) and block i+1's
+# reduce-scatter input (reduce_scatter_states keeps one until the next unit's reduce): 4 block units over W > 1. A
+# group of one gathers nothing (each parameter copied straight into its unsharded storage): 2 + 3. Under accumulation
+# (set_requires_gradient_sync(False)) each unit's unsharded gradient stays after its backward to the last micro-step's
+# reduce-scatter, every unit's whole gradient (4 bytes a parameter) beside: in a later micro-step's forward the root's
+# parameters, its all-gather output (kept to overlap the next copy-out) and block 0's gathered output (2 root + 1 block
+# units), or in the last micro-step's backward the root's parameters, block i's, block i-1's prefetch and block i+1's
+# reduce-scatter input, its gradient freed (1 + 2); over a group of one the root's and a block's parameters (1 + 1).
+# All at 4 bytes a value: under parallel.grad_comm=bf16 the reduce-scatter inputs and accumulated gradients are bf16
+# (an upper bound there).
+_FSDP2_IN_FLIGHT = {(True, False): ((2, 3),), (False, True): ((2, 1), (1, 2)), (True, True): ((1, 1),)}
 
 DP_STRATEGIES: dict[str, DataParallelStrategy] = {
     "naive": DataParallelStrategy(
@@ -195,8 +236,10 @@ DP_STRATEGIES: dict[str, DataParallelStrategy] = {
         "gptpar.parallel.data_parallel.fsdp2:FSDP2Sync", "torch's fully_shard, the same units",
         ("params", "grads", "optimizer"), _NOT_SHARDED_YET, tensor_parallel=("torch",), grad_comm=HALF,
         expert_parallel=True, offloads=("params",),
-        pricing=Pricing("units", _UNITS, grouped_norm=False, host_copies={"params": (1.0, 2.0)},
-                        note="fsdp2 is priced as our fsdp (the same units, one unit of prefetch)")),
+        pricing=Pricing("units", _UNITS, grouped_norm=False, host_copies={"params": (1.0, 2.0)}, in_flight=(2, 4),
+                        in_flight_cases=_FSDP2_IN_FLIGHT,
+                        note="fsdp2's collectives are priced as our fsdp's (the same units, one unit of prefetch); "
+                             "its memory holds what torch's fully_shard holds unsharded at once")),
     # DeepSpeed's engine as a third reference (the `deepspeed` extra); ZeRO++'s qwZ/qgZ/hpZ through its own config,
     # on GPUs only (its CPU backend lacks them). Not priced: its bucketing and prefetch are its own.
     "deepspeed": DataParallelStrategy(

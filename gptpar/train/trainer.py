@@ -448,7 +448,7 @@ class Trainer:
         if not t.lora_rank:
             return None
         chosen = DP_STRATEGIES[self.cfg.parallel.dp_sync]
-        synced = self.dims.replicas() > 1 or chosen.group_of_one(self.cfg.parallel.offload)
+        synced = chosen.syncs(self.dims.replicas(), self.cfg.parallel.offload)
         row = chosen if synced else DP_STRATEGIES["naive"]
         return {"rank": t.lora_rank, "alpha": t.lora_alpha, "targets": lora_targets(self.model_config.model_type, t),
                 "trainable": self.n_trainable, "params": self.n_params,

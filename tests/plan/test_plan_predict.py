@@ -89,6 +89,29 @@ def test_memory_is_the_strategy_closed_form_plus_activations(sync: str) -> None:
     assert pred.memory_bytes == pred.memory["state"] + pred.memory["activations"] + gathered
 
 
+@pytest.mark.parametrize(("words", "roots", "blocks", "whole"), [
+    (("parallel.dp=2",), 2, 4, 0),  # root parameters and gradients; a block's, the prefetch, a reduce-scatter input
+    (("parallel.dp=2", "parallel.offload=params"), 2, 4, 0),  # the host's shards copied in: the same units
+    (("parallel.dp=1", "parallel.offload=params"), 2, 3, 0),  # a group of one: no all-gather output, no prefetch
+    (("parallel.dp=1",), 0, 0, 0),  # no sync: the plain model, its whole state counted as state
+    # accumulating: every unit's whole gradient, and the root's parameters, its kept all-gather output and block 0's
+    # (2 + 1; a root unit of gpt2-mini outweighs a block), else the root's parameters and (1 + 1) a block's alone
+    (("parallel.dp=2", "train.grad_accum=2"), 2, 1, 1),
+    (("parallel.dp=1", "parallel.offload=params", "train.grad_accum=2"), 1, 1, 1),
+], ids=["dp2", "dp2-offload", "dp1-offload", "dp1", "dp2-accum", "dp1-offload-accum"])
+def test_fsdp2_holds_its_unsharded_units_wherever_its_sync_runs(words: tuple[str, ...], roots: int, blocks: int,
+                                                                whole: int) -> None:
+    """memory["gathered"]: 4 bytes a parameter of what torch's fully_shard holds unsharded at once (its row's
+    in_flight, measured by tests/parallel/data_parallel/test_zero.py), over dp=2 and over a group of one under
+    parallel.offload=params, part of the device's total."""
+    lay = layout(*EIGHT_BLOCKS, "parallel.dp_sync=fsdp2", *words)
+    pred = predict(lay, calibration(lay), network(), "test cpu")
+    root, block = lay.end_parameters(0), lay.block_parameters
+    assert root > block
+    assert pred.memory["gathered"] == 4 * (roots * root + blocks * block + whole * lay.rank_parameters(0))
+    assert pred.memory_bytes == pred.memory["state"] + pred.memory["activations"] + pred.memory["gathered"]
+
+
 def test_a_pipeline_holds_the_activations_its_schedule_keeps() -> None:
     lay = layout(*EIGHT_BLOCKS, "parallel.pp=4", "parallel.chunks=8", "parallel.pp_schedule=1f1b")
     gpipe = layout(*EIGHT_BLOCKS, "parallel.pp=4", "parallel.chunks=8", "parallel.pp_schedule=gpipe")
@@ -278,7 +301,10 @@ def test_offload_prices_its_host_device_copies_and_moves_the_state_to_the_host(s
     host = 16 * n / dp  # 16N/W on the host: AdamW's state with (zero2) the fp32 shard and its gradient, or (fsdp2) all
     assert b.memory["host"] == int(host) and a.memory["host"] == 0
     assert b.memory["state"] == a.memory["state"] - (int(host) if offload == "params" else 8 * n // dp)
-    assert b.memory_bytes == a.memory_bytes - (a.memory["state"] - b.memory["state"])  # the device's total
+    # the device's total; at dp=1 only the offloaded run builds a sync, whose units are copied in to run (gathered)
+    assert b.memory_bytes == a.memory_bytes - (a.memory["state"] - b.memory["state"]) + (
+        b.memory["gathered"] - a.memory["gathered"])
+    assert b.memory["gathered"] == a.memory["gathered"] or (dp, sync) == (1, "fsdp2")
     moved = ("optimizer",) if offload == "optimizer" else ("params", "grads", "optimizer")
     assert all(b.memory[part] == (0 if part in moved else a.memory[part]) for part in ("params", "grads", "optimizer"))
 

@@ -5,8 +5,11 @@ embeddings, the final norm and the tied LM head together, so one all-gather serv
 matrix. Every parameter becomes a DTensor sharded on dim 0 (padded to a multiple of the group size);
 forward and backward gather each unit's parameters just in time and backward reduce-scatters its
 gradients, averaged over the group. The optimizer steps the local shards. For N parameters and world
-size W this holds about 16N/W bytes per rank, plus a unit's gathered parameters in flight. parallel.grad_comm=bf16 or
-fp16 is torch's own `MixedPrecisionPolicy(reduce_dtype=...)`: the gradients reduce-scattered in that type.
+size W this holds about 16N/W bytes per rank, plus what it holds unsharded during a step: 2 root and 4 block units
+(over a group of one 2 + 3), and under gradient accumulation every unit's whole gradient between micro-steps
+(torch keeps them unsharded until the last micro-step reduce-scatters them): the strategy row's `in_flight`.
+parallel.grad_comm=bf16 or fp16 is torch's own `MixedPrecisionPolicy(reduce_dtype=...)`: the gradients
+reduce-scattered in that type.
 
 Under parallel.ep each rank's expert slices are `ignored_params`: plain tensors, left whole on their ranks and to
 gptpar.parallel.expert_parallel; the global norm then sums every rank's local gradients over the group (the expert

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from rank_training import make_config, make_trainer, named_params, resumed_run, train_steps
+from unsharded_units import UnshardedUnits, priced_units
 
+from gptpar.parallel.data_parallel.fsdp2 import FSDP2Sync
 from gptpar.parallel.process_group import destroy_distributed, init_distributed
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 
@@ -35,9 +37,11 @@ def one_device_run(runs: Path, name: str, overrides: list[str]) -> dict[str, Any
     try:
         joined = dist.is_initialized() and dist.get_world_size() == 1
         trainer = make_trainer(cfg, info)
+        unsharded = UnshardedUnits(trainer.sync.model) if isinstance(trainer.sync, FSDP2Sync) else None
         losses = train_steps(trainer, STEPS)
         return {"losses": losses, "params": named_params(trainer), "memory": trainer.memory, "joined": joined,
-                "sync": type(trainer.sync).__name__, "host": trainer.sync.host_tensors() is not None}
+                "sync": type(trainer.sync).__name__, "host": trainer.sync.host_tensors() is not None,
+                "unsharded": (unsharded.peak, unsharded.most, unsharded.sizes) if unsharded else None}
     finally:
         destroy_distributed()
 
@@ -49,8 +53,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
              for sync, offload in OFFLOADED.items()}
     unclipped = one_device_run(folder, "zero2-unclipped", ["parallel.dp_sync=zero2", "parallel.offload=optimizer",
                                                            *UNCLIPPED])
+    accumulating = one_device_run(folder, "fsdp2-accum", ["parallel.dp_sync=fsdp2", "parallel.offload=params",
+                                                         "train.grad_accum=2"])
     return moved | {"plain": one_device_run(folder, "plain", []), "zero2-unclipped": unclipped,
-                    "plain-unclipped": one_device_run(folder, "plain-unclipped", UNCLIPPED)}
+                    "plain-unclipped": one_device_run(folder, "plain-unclipped", UNCLIPPED),
+                    "fsdp2-accum": accumulating}
 
 
 def test_without_offload_one_device_joins_no_group_and_builds_no_sync(runs) -> None:
@@ -87,6 +94,16 @@ def test_an_offloaded_one_device_runs_memory_is_the_closed_form_at_one_replica(r
     assert memory["params_bytes"] + memory["grads_bytes"] + memory["optimizer_bytes"] == device
     assert memory["host_bytes"] == host
     assert "host_bytes" not in runs["plain"]["memory"]
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2-accum"])
+def test_fsdp2_over_a_group_of_one_holds_unsharded_the_units_its_row_prices(runs, name: str) -> None:
+    """The units copied in from the host to run (UnshardedUnits): the root's parameters and gradients, a block's and
+    the reduce-scatter input of the block after it (2 + 3: a group of one makes no all-gather output, so nothing is
+    prefetched); accumulating, every unit's whole gradient and the root's and a block's parameters beside them."""
+    peak, most, sizes = runs[name]["unsharded"]
+    assert (peak, most) == priced_units(sizes, alone=True, accumulating=name == "fsdp2-accum")
+    assert sizes[2] == 4  # BASE's blocks
 
 
 @pytest.mark.parametrize("dp_sync", list(OFFLOADED))

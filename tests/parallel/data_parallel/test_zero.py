@@ -27,9 +27,11 @@ from rank_training import (
     train_steps,
 )
 from torch import nn
+from unsharded_units import UnshardedUnits, priced_units
 
 from gptpar.errors import GptparError
 from gptpar.parallel.data_parallel.fsdp import FSDPSync
+from gptpar.parallel.data_parallel.fsdp2 import FSDP2Sync
 from gptpar.parallel.data_parallel.sharded import Unit
 from gptpar.parallel.process_group import RankInfo
 from gptpar.train.checkpoint import export_checkpoint
@@ -99,9 +101,11 @@ def _zero_worker(info: RankInfo, runs: Path, cases: list[tuple[str, list[str]]],
         initial = named_params(trainer)
         sync = trainer.sync
         live = LiveStorage(sync.model) if isinstance(sync, FSDPSync) else None
+        unsharded = UnshardedUnits(sync.model) if isinstance(sync, FSDP2Sync) else None
         losses = train_steps(trainer, 2)
         record = {"losses": losses, "params": named_params(trainer), "memory": trainer.memory, "initial": initial,
                   "live_peak": live.peak if live else None,
+                  "unsharded": (unsharded.peak, unsharded.most, unsharded.sizes) if unsharded else None,
                   # elements of this rank's shards: of the one flat buffer (zero1), of every unit (zero2, fsdp)
                   "shard": sum(u.shard_size for u in sync.units) if hasattr(sync, "units") else getattr(
                       sync, "shard_size", None), "units": len(getattr(sync, "units", [None])),
@@ -279,6 +283,20 @@ def test_fsdp_holds_16n_over_w_and_its_in_flight_units_are_the_closed_form(resul
                                                                          "optimizer_bytes")) < (
             16 * memory["params"] / world + 8 * (blocks + 1))
         assert memory["gathered_peak_bytes"] == rank["live_peak"] == 4 * (2 * root + 4 * block)
+
+
+@pytest.mark.parametrize("name", ["fsdp2", "fsdp2-accum", "fsdp2-offload", "fsdp2-w4"])
+@pytest.mark.slow
+def test_fsdp2_holds_unsharded_at_once_the_units_its_row_prices(results: Path, name: str) -> None:
+    """What torch's fully_shard held unsharded during the steps (UnshardedUnits: parameters, gradients, all-gather
+    outputs and reduce-scatter inputs, counted in units) is what the fsdp2 row prices (`in_flight`, which the planner
+    reads): 2 root and 4 block units at the peak, with offload=params (the host's shards copied in) too;
+    accumulating, every unit's whole gradient kept between micro-steps and beside it 2 + 1 (a later micro-step's first
+    gathers, the peak here: the root outweighs a block) or 1 + 2 (the last micro-step's backward) at most."""
+    for rank in saved_ranks(results, name):
+        peak, most, sizes = rank["unsharded"]
+        assert (peak, most) == priced_units(sizes, alone=False, accumulating=name == "fsdp2-accum")
+        assert sizes[2] == 4  # BASE's blocks: one before and one after a middle block's backward
 
 
 @pytest.mark.slow
