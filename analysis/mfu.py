@@ -43,7 +43,8 @@ def model_shape(params: dict[str, Any], vocab_size: int) -> FlopsShape | None:
     except ConfigError:
         return None
     t = cfg.train
-    lora = lora_trainable(model, vocab_size, t.lora_rank, lora_targets(model.arch, t)) if t.lora_rank else None
+    targets = lora_targets(model.arch, t.lora_targets)
+    lora = lora_trainable(model, vocab_size, t.lora_rank, targets) if t.lora_rank else None
     if isinstance(lora, list):
         return None
     every = checkpoint_interval(t.activation_checkpointing)

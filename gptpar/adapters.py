@@ -14,14 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gptpar.architectures import ARCHITECTURES
-from gptpar.config import TrainConfig
 from gptpar.presets import ModelShape
 
 
-def lora_targets(arch: str, t: TrainConfig) -> list[str]:
-    """train.lora_targets, or the defaults of architecture `arch` (its registry row) where it is empty."""
-    named = [name.strip() for name in t.lora_targets.split(",") if name.strip()]
-    return named or list(ARCHITECTURES[arch].lora_targets)
+def lora_targets(arch: str, named: str) -> list[str]:
+    """train.lora_targets (`named`, comma-separated), or the defaults of architecture `arch` (its registry row) where it
+    is empty."""
+    targets = [name.strip() for name in named.split(",") if name.strip()]
+    return targets or list(ARCHITECTURES[arch].lora_targets)
 
 
 def matches(module_name: str, target: str) -> bool:

@@ -21,7 +21,8 @@ LAYERS = [
     # the floor: no parallelism, no config; what every layer may use, itself in three steps
     {"gptpar", "errors", "clock", "markdown", "tensor_bytes", "hardware", "hub", "architectures", "launchers"},
     {"atomic", "paths", "presets"},
-    {"pretrained", "snapshot", "flops"},
+    {"pretrained", "snapshot", "adapters"},  # adapters: what a LoRA model trains, counted from its shape
+    {"flops"},
     {"strategies"},  # torch-free tables of each parallelism: what the config and the planner read
     {"config"},  # schema, load, validate
     {"models", "data"},  # the model home (architectures, the build from a config, the loss); tokenizers, corpora

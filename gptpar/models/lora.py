@@ -75,7 +75,7 @@ def inject_lora(model: PreTrainedModel, t: TrainConfig) -> None:
     random generator is left as it was (peft draws A from it)."""
     from peft import inject_adapter_in_model
 
-    targets = lora_targets(model.config.model_type, t)
+    targets = lora_targets(model.config.model_type, t.lora_targets)
     check_targets(model, targets)
     meta = any(p.is_meta for p in model.parameters())
     config = lora_config(model, t)
@@ -94,7 +94,7 @@ def lora_config(model: PreTrainedModel, t: TrainConfig) -> LoraConfig:
     """peft's config of train.lora_* for `model` (the adapters' file records it beside them)."""
     from peft import LoraConfig
 
-    targets = lora_targets(model.config.model_type, t)
+    targets = lora_targets(model.config.model_type, t.lora_targets)
     return LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout, target_modules=targets,
                       fan_in_fan_out=_conv1d_targets(model, targets))
 

@@ -210,7 +210,7 @@ def layout_of(cfg: Config) -> Layout:
     rows = vocabulary(cfg)
     vocab = -(-rows // multiple) * multiple
     # a padded table's LM head is gptpar's PaddedHead, which peft cannot adapt
-    targets = lora_targets(shape.arch, t)
+    targets = lora_targets(shape.arch, t.lora_targets)
     lora = lora_trainable(shape, vocab, t.lora_rank, targets, head=vocab == rows) if t.lora_rank else None
     return Layout(
         shape=shape, vocab=vocab, dp=p.dp, tp=p.tp, pp=p.pp,

@@ -450,7 +450,8 @@ class Trainer:
         chosen = DP_STRATEGIES[self.cfg.parallel.dp_sync]
         synced = chosen.syncs(self.dims.replicas(), self.cfg.parallel.offload)
         row = chosen if synced else DP_STRATEGIES["naive"]
-        return {"rank": t.lora_rank, "alpha": t.lora_alpha, "targets": lora_targets(self.model_config.model_type, t),
+        targets = lora_targets(self.model_config.model_type, t.lora_targets)
+        return {"rank": t.lora_rank, "alpha": t.lora_alpha, "targets": targets,
                 "trainable": self.n_trainable, "params": self.n_params,
                 "state_bytes": int(row.state_bytes(self.n_params, self.dims.replicas(), self.cfg.parallel.offload,
                                                    trainable=self.n_trainable))}

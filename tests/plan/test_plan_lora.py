@@ -34,7 +34,7 @@ def _real(preset: str, targets: str, vocab: int = VOCAB, multiple: int = 0) -> t
 
 def _closed(preset: str, targets: str, vocab: int = VOCAB, head: bool = True) -> Trainable | list[str]:
     shape = ModelConfig(preset=preset).shape()
-    return lora_trainable(shape, vocab, RANK, lora_targets(shape.arch, TrainConfig(lora_targets=targets)), head)
+    return lora_trainable(shape, vocab, RANK, lora_targets(shape.arch, targets), head)
 
 
 @pytest.mark.parametrize(("preset", "targets"), [
