@@ -108,10 +108,16 @@ class Trainable:
     last: int
     tensors: int
     head_whole: bool  # the head trains whole (a `lora_trained` classifier): its weight gradient is computed
+    whole: int = 0  # of them, the `lora_trained` modules' own parameters (the model's; the rest are new)
 
     @property
     def total(self) -> int:
         return self.first + self.blocks + self.last
+
+    @property
+    def adapters(self) -> int:
+        """The parameters peft adds to the model (A and B of every adapted layer)."""
+        return self.total - self.whole
 
 
 def lora_trainable(shape: ModelShape, vocab: int, rank: int, targets: list[str], head: bool = True
@@ -143,4 +149,5 @@ def lora_trainable(shape: ModelShape, vocab: int, rank: int, targets: list[str],
 
     first, blocks, last = count(f.first), count(layers[len(f.first):len(layers) - len(f.last)]), count(f.last)
     return Trainable(first[0], blocks[0], last[0], first[1] + blocks[1] + last[1],
-                     any(layer.name in trained for layer in f.last))
+                     any(layer.name in trained for layer in f.last),
+                     sum(layer.parameters for layer in layers if layer.name in trained))

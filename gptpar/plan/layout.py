@@ -174,15 +174,20 @@ class Layout:
         return self.lora.first + self.lora.last if self.lora else self.end_parameters(rank)
 
     def end_parameters(self, rank: int) -> int:
-        """Parameters of pipeline rank `rank` outside its blocks (tables, final norm, an untied head)."""
-        return self.rank_parameters(rank) - self.blocks_of(rank) * self.block_parameters
+        """The model's parameters of pipeline rank `rank` outside its blocks (tables, final norm, an untied head)."""
+        return self.model_parameters(rank) - self.blocks_of(rank) * self.block_parameters
 
     def rank_parameters(self, rank: int) -> int:
-        """Parameters pipeline rank `rank` holds on one tensor-parallel rank, as the memory record counts them: its
-        blocks' (matrices and their split biases over tp, norms and the row-parallel layers' biases whole), the token
-        table's rows over tp and the positions on the first stage, the final norm and, where the pipeline unties it,
-        a copy of the table as the LM head on the last. An image classifier runs whole on one rank: its own count
-        (patch projection, class token, positions, blocks, final norm and classifier)."""
+        """Parameters pipeline rank `rank` holds on one tensor-parallel rank, as the memory record counts them: the
+        model's (`model_parameters`) and, under LoRA (one pipeline rank), the adapters peft adds."""
+        return self.model_parameters(rank) + (self.lora.adapters if self.lora else 0)
+
+    def model_parameters(self, rank: int) -> int:
+        """The model's own parameters pipeline rank `rank` holds on one tensor-parallel rank: its blocks' (matrices
+        and their split biases over tp, norms and the row-parallel layers' biases whole), the token table's rows over
+        tp and the positions on the first stage, the final norm and, where the pipeline unties it, a copy of the table
+        as the LM head on the last. An image classifier runs whole on one rank: its own count (patch projection,
+        class token, positions, blocks, final norm and classifier)."""
         s, d = self.shape, self.shape.n_embd
         if s.patch_size:
             return s.parameters(self.vocab)

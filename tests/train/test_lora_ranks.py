@@ -24,6 +24,7 @@ from rank_training import (
 
 from gptpar.models.lora import adapter_part
 from gptpar.parallel.process_group import RankInfo
+from gptpar.plan.layout import layout_of
 from gptpar.strategies.data_parallel import DP_STRATEGIES
 
 LORA = ["train.lora_rank=4", "train.lora_alpha=8", "train.activation_checkpointing=block"]
@@ -68,9 +69,11 @@ def test_lora_trains_only_its_adapters_as_one_process_does(results: Path, name: 
 def test_lora_training_state_is_its_closed_form(results: Path, name: str) -> None:
     """The memory record against the header's closed form; a sharding strategy pads each flat shard (ours: a
     unit's; fsdp2: every tensor's dim 0 to a multiple of W), 4 bytes per padded value, at most W - 1 values each."""
+    planned = layout_of(make_config(CASES[name], results, name))  # the planner's count of the same config
     for rank in saved_ranks(results, name):
         memory, lora = rank["memory"], rank["lora"]
         assert memory["trainable"] == lora["trainable"] < memory["params"] == lora["params"]
+        assert (planned.trainable(0), planned.rank_parameters(0)) == (memory["trainable"], memory["params"])
         held = memory["params_bytes"] + memory["grads_bytes"] + memory["optimizer_bytes"]
         padding = 0 if not DP_STRATEGIES[name.split("-")[0]].sharded else 4 * 2 * len(rank["params"])
         assert lora["state_bytes"] <= held <= lora["state_bytes"] + padding, (held, lora["state_bytes"])
