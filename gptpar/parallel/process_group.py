@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as distributed_c10d
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
@@ -164,5 +165,13 @@ def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None,
 
 
 def destroy_distributed() -> None:
+    """Leave the group, and forget the meshes DTensor's sharding propagation cached while in it.
+
+    That cache is keyed by meshes that compare by ranks, not by group, and returns the output specs of the first
+    equal mesh it saw; a mesh finds its groups by name when it communicates, and a new world reuses the names from
+    "1" on. Kept, a later world's `init_device_mesh` got DTensors whose collectives ran on an old name, by then a
+    group of one rank: an all-gather gave this rank's shard alone (torch's bare "Expected cond to be True" on rank
+    0 in the shared test ranks, "Could not resolve the process group" on rank 1)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    _clear_sharding_prop_cache()

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_pool import GlooPools
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from gptpar.config import ParallelConfig
 from gptpar.errors import GptparError
@@ -27,7 +29,14 @@ from gptpar.parallel.env import (
     slurm_port,
 )
 from gptpar.parallel.grid import DP_CP, EXPERT_REPLICAS, composite_groups, coordinates, group_ranks
-from gptpar.parallel.process_group import RankInfo, choose_backend, choose_device, init_distributed, nccl_env
+from gptpar.parallel.process_group import (
+    RankInfo,
+    choose_backend,
+    choose_device,
+    destroy_distributed,
+    init_distributed,
+    nccl_env,
+)
 from gptpar.parallel.spawn import spawn_local
 from gptpar.run.folder import RunFolder
 
@@ -183,6 +192,34 @@ def test_nccl_ranks_get_torch_s_flight_recorder_dumping_into_the_run_folder_on_a
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/job/nccl_trace_rank_",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{tmp_path}/job/nccl_trace_rank_"}
     assert "TORCH_FR_DUMP_TEMP_FILE" not in nccl_env(None)  # no run folder named before the group: torch's default
+
+
+def _join_world_of_one() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def test_a_new_worlds_dtensors_use_its_groups_not_a_left_worlds_of_the_same_name() -> None:
+    """DTensor's sharding cache holds the first mesh equal (by ranks) to a later one, and a mesh finds its group by
+    name, which a new world reuses: unless leaving the world forgets that cache, a DTensor of the new world's mesh
+    came out on the old mesh, whose all-gather ran on another group named as its was (test_tp_torch's CI failure)."""
+    whole = torch.arange(6.0).reshape(3, 2)
+    _join_world_of_one()
+    try:
+        old = DeviceMesh.from_group(dist.new_group([0]), "cpu")  # group "1", equal to the next world's mesh
+        distribute_tensor(whole, old, [Shard(0)]) * 2
+    finally:
+        destroy_distributed()
+    _join_world_of_one()
+    try:
+        dist.new_group([0])  # "1" again: a group of this world under the old mesh's name
+        mesh = init_device_mesh("cpu", (1,))
+        doubled = distribute_tensor(whole, mesh, [Shard(0)]) * 2
+        group = doubled.device_mesh.get_group()
+        assert group is mesh.get_group(), f"the product's mesh communicates on group {group.group_name}, " \
+                                          f"its operand's on {mesh.get_group().group_name}"
+        assert torch.equal(doubled.full_tensor(), whole * 2)
+    finally:
+        destroy_distributed()
 
 
 def _report_worker(info: RankInfo, out_dir: Path) -> None:
