@@ -165,13 +165,14 @@ def init_distributed(pcfg: ParallelConfig, env: Mapping[str, str] | None = None,
 
 
 def destroy_distributed() -> None:
-    """Leave the group, and forget the meshes DTensor's sharding propagation cached while in it.
+    """Leave the group, and forget the meshes DTensor's sharding propagation cached (this thread's caches) in it.
 
     That cache is keyed by meshes that compare by ranks, not by group, and returns the output specs of the first
     equal mesh it saw; a mesh finds its groups by name when it communicates, and a new world reuses the names from
     "1" on. Kept, a later world's `init_device_mesh` got DTensors whose collectives ran on an old name, by then a
-    group of one rank: an all-gather gave this rank's shard alone (torch's bare "Expected cond to be True" on rank
-    0 in the shared test ranks, "Could not resolve the process group" on rank 1)."""
+    group of one rank: in the shared test ranks, after an fsdp2 run under cp=2 (its mesh over the dp x cp group,
+    `ParallelDims.replica_mesh`), a left world and a new grid, test_tp_torch's all-gathers gave rank 0 its own
+    shard (torch's bare "Expected cond to be True" in Shard._maybe_unpad_tensor)."""
     if dist.is_initialized():
         dist.destroy_process_group()
     _clear_sharding_prop_cache()
