@@ -108,7 +108,7 @@ class Trainable:
     last: int
     tensors: int
     head_whole: bool  # the head trains whole (a `lora_trained` classifier): its weight gradient is computed
-    whole: int = 0  # of them, the `lora_trained` modules' own parameters (the model's; the rest are new)
+    whole: int  # of them, the `lora_trained` modules' own parameters (the model's; the rest are new)
 
     @property
     def total(self) -> int:

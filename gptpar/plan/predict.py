@@ -209,14 +209,14 @@ class Model:
             hf = head_flops(lay.shape.n_embd, lay.vocab, lay.head_rows, lay.tp)
             head_cf, head_cb = self.head_comm()
             kinds = [tp_kind(k, lay.tp, lay.sequence_parallel, lay.loss_parallel) for k in ("head_f", "head_bw")]
+            back, weights = head_backward(lay, hf)
             if lay.tp > 1 and all(k in c.compute for k in kinds):  # measured whole: its collectives are inside
                 head_f, hbw = c.seconds(kinds[0], hf), c.seconds(kinds[1], 2 * hf)
             else:  # an image classifier's patch projection (pp = 1: its first stage is its last) at the head's rate
                 head_f = c.seconds("head_f", hf + lay.patch_flops, self.alone) + head_cf
-                hbw = c.seconds("head_bw", sum(head_backward(lay, hf)), self.alone) + head_cb
+                hbw = c.seconds("head_bw", back + weights, self.alone) + head_cb
             cost_f += head_f
             self.head_f, self.head_bw = head_f, hbw
-            back, weights = head_backward(lay, hf)
             cost_b += hbw * back / (back + weights)
             cost_w += hbw * weights / (back + weights)
             tp_comm += head_cf + head_cb
